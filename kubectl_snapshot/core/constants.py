@@ -1,0 +1,80 @@
+"""Every media type, annotation key and archive member name the project writes or reads.
+
+Chosen once (format v1, docs/format.md); change them only with a new format version.
+Upstream vocabulary is reused where it exists: checkpointctl's archive names and its
+``org.criu.checkpoint.*`` annotation keys.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+FORMAT_VERSION: Final = 1
+
+# --- OCI media types --------------------------------------------------------------------------
+OCI_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX: Final = "application/vnd.oci.image.index.v1+json"
+DOCKER_MANIFEST_V2: Final = "application/vnd.docker.distribution.manifest.v2+json"
+DOCKER_MANIFEST_LIST: Final = "application/vnd.docker.distribution.manifest.list.v2+json"
+OCI_EMPTY: Final = "application/vnd.oci.empty.v1+json"
+
+ARTIFACT_TYPE: Final = "application/vnd.kubectl-snapshot.pod.v1+json"
+CONFIG_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.config.v1+json"
+# One layer per container: a tar in the checkpointctl archive layout, zstd-compressed.
+CHECKPOINT_LAYER_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.checkpoint.v1.tar+zstd"
+# One layer with the contents of the pod's emptyDir volumes (a tar with one top dir per volume).
+VOLUMES_LAYER_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.volumes.v1.tar+zstd"
+
+# --- annotations ------------------------------------------------------------------------------
+ANN_CREATED: Final = "org.opencontainers.image.created"
+ANN_TITLE: Final = "org.opencontainers.image.title"
+ANN_REF_NAME: Final = "org.opencontainers.image.ref.name"
+
+# checkpointctl (lib/annotations.go)
+CRIU_PREFIX: Final = "org.criu.checkpoint."
+ANN_CRIU_ENGINE_NAME: Final = CRIU_PREFIX + "engine.name"
+ANN_CRIU_ENGINE_VERSION: Final = CRIU_PREFIX + "engine.version"
+ANN_CRIU_CONTAINER_NAME: Final = CRIU_PREFIX + "container.name"
+ANN_CRIU_POD_NAME: Final = CRIU_PREFIX + "pod.name"
+ANN_CRIU_POD_NAMESPACE: Final = CRIU_PREFIX + "pod.namespace"
+ANN_CRIU_POD_UID: Final = CRIU_PREFIX + "pod.uid"
+ANN_CRIU_ROOTFS_IMAGE_NAME: Final = CRIU_PREFIX + "rootfsImageName"
+ANN_CRIU_ROOTFS_IMAGE_SHA: Final = CRIU_PREFIX + "rootfsImageSha"
+ANN_CRIU_RUNTIME_NAME: Final = CRIU_PREFIX + "runtime.name"
+ANN_CRIU_RUNTIME_VERSION: Final = CRIU_PREFIX + "runtime.version"
+ANN_CRIU_VERSION: Final = CRIU_PREFIX + "criu.version"
+ANN_CRIU_HOST_ARCH: Final = CRIU_PREFIX + "host.arch"
+ANN_CRIU_HOST_KERNEL: Final = CRIU_PREFIX + "host.kernel"
+ANN_CRIU_CGROUP_VERSION: Final = CRIU_PREFIX + "cgroup.version"
+
+# the project's own keys
+PROJECT_PREFIX: Final = "io.github.kubectl-snapshot."
+ANN_FORMAT_VERSION: Final = PROJECT_PREFIX + "format.version"
+ANN_GROUP_NAME: Final = PROJECT_PREFIX + "group.name"
+ANN_CONTAINER_COUNT: Final = PROJECT_PREFIX + "containers"
+ENGINE_NAME: Final = "kubectl-snapshot"
+
+# --- checkpoint archive layout (checkpointctl lib/metadata.go) ---------------------------------
+CHECKPOINT_DIRECTORY: Final = "checkpoint"
+CONFIG_DUMP_FILE: Final = "config.dump"
+SPEC_DUMP_FILE: Final = "spec.dump"
+ROOTFS_DIFF_TAR: Final = "rootfs-diff.tar"
+DELETED_FILES_FILE: Final = "deleted.files"
+STATS_DUMP_FILE: Final = "stats-dump"
+DUMP_LOG_FILE: Final = "dump.log"
+RESTORE_LOG_FILE: Final = "restore.log"
+# the project's own member: options the dump was made with (tcp, file locks, ...), JSON
+DUMP_OPTIONS_FILE: Final = "kubectl-snapshot.options.json"
+
+# --- containerd -------------------------------------------------------------------------------
+CONTAINERD_NAMESPACE_HEADER: Final = "containerd-namespace"
+CONTAINERD_LEASE_HEADER: Final = "containerd-lease"
+RUNC_RUNTIME: Final = "io.containerd.runc.v2"
+RUNC_OPTIONS_TYPE: Final = "containerd.runc.v1.Options"
+RUNC_CHECKPOINT_OPTIONS_TYPE: Final = "containerd.runc.v1.CheckpointOptions"
+WRAPPER_BINARY_NAME: Final = "kubectl-snapshot-runc"
+
+# --- node paths (overridable by flags/env) ---------------------------------------------------
+DEFAULT_STATE_DIR: Final = "/var/lib/kubectl-snapshot"
+STAGING_SUBDIR: Final = "staged"
+ENV_STATE_DIR: Final = "KUBECTL_SNAPSHOT_STATE_DIR"

@@ -1,0 +1,94 @@
+"""One error tree for the whole project.
+
+    SnapshotError                 root; carries `hint`, `details` (e.g. a CRIU log tail), `retryable`
+    +-- InvalidArgument           bad input from the user (exit 2 at the CLI)
+    +-- NotFound                  unknown pod, container, reference, blob
+    +-- FailedPrecondition        the world is not in a state that allows the operation
+    |   +-- DigestMismatch        content does not match its digest: never trusted, never extracted
+    |   +-- UnsafeArchive         an archive member would escape its staging dir, or is a device, ...
+    +-- PermissionDenied          credentials missing or refused
+    +-- Unavailable               a service cannot be reached (retryable by default)
+    +-- Internal                  a bug or an unexpected answer
+        +-- CriuFailed            CRIU (through runc/containerd) failed; `details` has the log tail
+
+The CLI prints ``error: <message>`` and ``hint: <hint>`` and exits 1 (2 for InvalidArgument);
+tracebacks only with ``-v``.
+"""
+
+from __future__ import annotations
+
+
+class SnapshotError(Exception):
+    """Root of every error kubectl-snapshot raises on purpose."""
+
+    category = "internal"
+    default_retryable = False
+    exit_code = 1
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        hint: str | None = None,
+        details: str | None = None,
+        retryable: bool | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.details = details
+        self.retryable = self.default_retryable if retryable is None else retryable
+
+    def __str__(self) -> str:
+        return self.message
+
+    def with_context(self, prefix: str) -> SnapshotError:
+        """Return a copy of this error whose message is prefixed (same class, hint, details)."""
+        err = type(self)(
+            f"{prefix}: {self.message}", hint=self.hint, details=self.details, retryable=self.retryable
+        )
+        err.__cause__ = self
+        return err
+
+
+class InvalidArgument(SnapshotError):
+    category = "invalid-argument"
+    exit_code = 2
+
+
+class NotFound(SnapshotError):
+    category = "not-found"
+
+
+class FailedPrecondition(SnapshotError):
+    category = "failed-precondition"
+
+
+class DigestMismatch(FailedPrecondition):
+    category = "digest-mismatch"
+
+
+class UnsafeArchive(FailedPrecondition):
+    category = "unsafe-archive"
+
+
+class PermissionDenied(SnapshotError):
+    category = "permission-denied"
+
+
+class Unavailable(SnapshotError):
+    category = "unavailable"
+    default_retryable = True
+
+
+class Internal(SnapshotError):
+    category = "internal"
+
+
+class CriuFailed(Internal):
+    category = "criu-failed"
+
+
+def log_tail(text: str, lines: int = 25) -> str:
+    """The last `lines` lines of a log, for error details."""
+    return "\n".join(text.rstrip("\n").splitlines()[-lines:])
