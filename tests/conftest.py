@@ -1,0 +1,1 @@
+"""Shared pytest configuration. Fixtures live in tests/support/ and are registered here."""
