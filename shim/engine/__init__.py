@@ -1,0 +1,1 @@
+"""Node-level use cases: checkpoint a group of containers, restore it, inspect a snapshot."""

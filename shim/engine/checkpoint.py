@@ -1,0 +1,360 @@
+"""Checkpoint a group of containers (a pod's containers) into one OCI artifact in a registry.
+
+Consistency: every container is frozen (cgroup freezer, through containerd) before the first is dumped,
+and none runs again until the last dump and the capture of the writable layers and volumes are done.
+Safety: if anything fails before the snapshot is safely in the registry, every container is resumed and
+keeps running; with ``stop`` the containers stay frozen while the artifact is uploaded and are killed
+only once the manifest is in the registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import tarfile
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, SnapshotError
+from kubectl_snapshot.core.model import (
+    ContainerRecord,
+    DumpStats,
+    HostFacts,
+    PodRecord,
+    SnapshotConfig,
+    VolumeRecord,
+    layer_annotations,
+    manifest_annotations,
+)
+from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
+from kubectl_snapshot.core.reference import Reference
+from shim import hostfacts
+from shim.engine.package import LayerFile, compress_directory, compress_file
+from shim.engine.ports import Containerd, Registry
+from shim.engine.staging import StatePaths
+from shim.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
+
+PhaseFn = Callable[[str], None]
+BytesFn = Callable[[int, int], None]  # (new bytes, total bytes)
+
+
+@dataclass(frozen=True)
+class CheckpointRequest:
+    containers: Sequence[str]  # containerd container ids, in order
+    target: Reference  # where to push (repository + tag)
+    names: Sequence[str] | None = None  # logical names (pod container names); default: the ids
+    volumes: Sequence[str] = ()  # host directories that stand for the group's emptyDir volumes
+    volume_names: Sequence[str] | None = None  # names for them in the artifact; default vol-0, vol-1...
+    stop: bool = False
+    group: str | None = None
+    namespace: str = ""
+    pod: PodRecord | None = None
+    tcp_established: bool = True
+    file_locks: bool = True
+    keep_work: bool = False
+
+
+@dataclass
+class CheckpointResult:
+    reference: Reference  # repository@digest
+    tagged: Reference
+    config: SnapshotConfig
+    timings_ms: dict[str, float] = field(default_factory=dict)
+    size: int = 0  # compressed bytes of all blobs
+    uploaded: int = 0  # bytes actually sent (blobs the registry lacked)
+
+
+def _now_rfc3339() -> str:
+    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def _validate(req: CheckpointRequest) -> list[str]:
+    if not req.containers:
+        raise InvalidArgument("no containers to checkpoint", hint="name at least one container")
+    if len(set(req.containers)) != len(req.containers):
+        raise InvalidArgument("a container is named twice")
+    names = list(req.names) if req.names is not None else list(req.containers)
+    if len(names) != len(req.containers) or len(set(names)) != len(names):
+        raise InvalidArgument("container names must be unique, one per container")
+    for v in req.volumes:
+        if not os.path.isdir(v):
+            raise InvalidArgument(f"volume directory {v!r} does not exist", hint="pass an existing host directory")
+    if req.volume_names is not None and len(req.volume_names) != len(req.volumes):
+        raise InvalidArgument("one volume name per volume directory")
+    return names
+
+
+def checkpoint(
+    req: CheckpointRequest,
+    *,
+    containerd: Containerd,
+    registry: Registry,
+    paths: StatePaths,
+    on_phase: PhaseFn | None = None,
+    on_bytes: BytesFn | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> CheckpointResult:
+    names = _validate(req)
+    phase = on_phase or (lambda _p: None)
+    t0 = clock()
+
+    # Preflight before touching the workload: the containers run, the registry answers.
+    infos = []
+    for cid in req.containers:
+        info = containerd.get_container(cid)
+        task = containerd.get_task(cid)
+        if task is None or task.status not in ("running",):
+            state = "no task" if task is None else task.status
+            raise FailedPrecondition(
+                f"container {cid!r} is not running ({state})", hint="only running containers can be snapshotted"
+            )
+        infos.append(info)
+    registry.ping(req.target)
+    image_digests = [_image_digest(containerd, info.image) for info in infos]
+    version, _ = containerd.version()
+    host = hostfacts.gather(containerd_version=version)
+    if not host.criu_version:
+        raise FailedPrecondition("CRIU is not installed on this node", hint="run hack/install-node-deps.sh")
+
+    snapshot_id = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
+    work = paths.work_dir(snapshot_id)
+    os.makedirs(work, mode=0o700)
+    timings: dict[str, float] = {}
+    frozen: list[str] = []
+    try:
+        phase("freeze")
+        t_freeze = clock()
+        try:
+            for cid in req.containers:
+                containerd.pause_task(cid)
+                frozen.append(cid)
+            phase("dump")
+            for cid, name in zip(req.containers, names, strict=True):
+                _dump_one(containerd, cid, os.path.join(work, name), req)
+            volume_tar = _capture_volumes(req, work) if req.volumes else None
+            timings["dump_ms"] = (clock() - t_freeze) * 1000
+        except BaseException:
+            _resume_all(containerd, frozen)
+            raise
+        if not req.stop:
+            _resume_all(containerd, frozen, strict=True)
+            frozen = []
+        timings["freeze_ms"] = (clock() - t_freeze) * 1000
+
+        phase("package")
+        t_pack = clock()
+        records, layers = [], []
+        for cid, name, info, image_digest in zip(req.containers, names, infos, image_digests, strict=True):
+            cdir = os.path.join(work, name)
+            stats = _stats(cdir)
+            _write_metadata(cdir, cid, name, info, req)
+            layer = compress_directory(cdir, os.path.join(work, f"{name}.layer"))
+            records.append(
+                ContainerRecord(
+                    name=name,
+                    id=cid,
+                    image=info.image,
+                    image_digest=image_digest,
+                    layer_digest=layer.digest,
+                    spec=info.spec,
+                    tcp_established=req.tcp_established,
+                    file_locks=req.file_locks,
+                    stats=stats,
+                )
+            )
+            layers.append(layer)
+        volumes_layer: LayerFile | None = None
+        if volume_tar is not None:
+            volumes_layer = compress_file(volume_tar, os.path.join(work, "volumes.layer"))
+        timings["package_ms"] = (clock() - t_pack) * 1000
+
+        config = SnapshotConfig(
+            group=req.group or names[0],
+            namespace=req.namespace,
+            created=_now_rfc3339(),
+            containers=tuple(records),
+            host=host,
+            volumes=tuple(
+                VolumeRecord(name=n, source=src)
+                for n, src in zip(_volume_names(req), req.volumes, strict=True)
+            ),
+            volumes_layer=volumes_layer.digest if volumes_layer else None,
+            stopped=req.stop,
+            freeze_ms=timings["freeze_ms"],
+            pod=req.pod,
+        )
+        phase("upload")
+        t_up = clock()
+        result = _push(req.target, config, records, layers, volumes_layer, registry, on_bytes)
+        timings["upload_ms"] = (clock() - t_up) * 1000
+    except BaseException:
+        if frozen:
+            _resume_all(containerd, frozen)
+        raise
+    finally:
+        if not req.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
+
+    if req.stop:
+        phase("stop")
+        for cid in frozen:
+            containerd.kill_task(cid, signal.SIGKILL, all=True)
+        _resume_all(containerd, frozen)  # thaw so that the pending SIGKILL is delivered
+        for cid in frozen:
+            containerd.wait_task(cid, timeout=30)
+    timings["total_ms"] = (clock() - t0) * 1000
+    result.timings_ms = timings
+    return result
+
+
+def _image_digest(containerd: Containerd, image: str) -> str:
+    if not image:
+        return ""
+    try:
+        return str(containerd.get_image(image).target.digest)
+    except SnapshotError:
+        return ""
+
+
+def _dump_one(containerd: Containerd, cid: str, cdir: str, req: CheckpointRequest) -> None:
+    image_path = os.path.join(cdir, C.CHECKPOINT_DIRECTORY)
+    os.makedirs(image_path, mode=0o700)
+    containerd.checkpoint_task(
+        cid,
+        image_path=image_path,
+        work_path=cdir,
+        exit=False,  # with --stop the container is killed only after the push succeeded
+        open_tcp=req.tcp_established,
+        file_locks=req.file_locks,
+    )
+    info = containerd.get_container(cid)
+    upper = upperdir_from_mounts(
+        [(m.type, m.source, list(m.options)) for m in containerd.snapshot_mounts(info.snapshotter, info.snapshot_key)]
+    )
+    if upper is not None:
+        with open(os.path.join(cdir, C.ROOTFS_DIFF_TAR), "wb") as out:
+            deleted = capture_rootfs_diff(upper, out)
+        with open(os.path.join(cdir, C.DELETED_FILES_FILE), "w") as f:
+            json.dump(deleted, f)
+
+
+def _volume_names(req: CheckpointRequest) -> list[str]:
+    return list(req.volume_names) if req.volume_names is not None else [f"vol-{i}" for i in range(len(req.volumes))]
+
+
+def _capture_volumes(req: CheckpointRequest, work: str) -> str:
+    path = os.path.join(work, "volumes.tar")
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for name, src in zip(_volume_names(req), req.volumes, strict=True):
+            tar.add(src, arcname=name, recursive=True)
+    return path
+
+
+def _stats(cdir: str) -> DumpStats:
+    stats_file = os.path.join(cdir, C.STATS_DUMP_FILE)
+    try:
+        s = summarize_checkpoint(
+            os.path.join(cdir, C.CHECKPOINT_DIRECTORY),
+            stats_dump=stats_file if os.path.exists(stats_file) else None,
+        )
+    except SnapshotError:
+        return DumpStats()
+    return DumpStats(
+        process_count=s.process_count,
+        memory_bytes=s.memory_bytes,
+        pages_written=s.pages_written,
+        frozen_time_us=int(getattr(s, "frozen_time_us", 0) or 0),
+    )
+
+
+def _write_metadata(cdir: str, cid: str, name: str, info: Any, req: CheckpointRequest) -> None:
+    with open(os.path.join(cdir, C.SPEC_DUMP_FILE), "w") as f:
+        json.dump(info.spec, f)
+    with open(os.path.join(cdir, C.CONFIG_DUMP_FILE), "w") as f:
+        json.dump(
+            {
+                "id": cid,
+                "name": name,
+                "rootfsImageName": info.image,
+                "runtime": "runc",
+                "checkpointedTime": _now_rfc3339(),
+            },
+            f,
+        )
+    with open(os.path.join(cdir, C.DUMP_OPTIONS_FILE), "w") as f:
+        json.dump({"tcpEstablished": req.tcp_established, "fileLocks": req.file_locks}, f)
+
+
+def _resume_all(containerd: Containerd, cids: Sequence[str], *, strict: bool = False) -> None:
+    """Resume every container; with strict, raise the first failure after trying all."""
+    first: BaseException | None = None
+    for cid in cids:
+        try:
+            containerd.resume_task(cid)
+        except Exception as e:  # keep going: every container must get its chance to run again
+            first = first or e
+    if strict and first is not None:
+        raise first
+
+
+def _push(
+    target: Reference,
+    config: SnapshotConfig,
+    records: Sequence[ContainerRecord],
+    layers: Sequence[LayerFile],
+    volumes_layer: LayerFile | None,
+    registry: Registry,
+    on_bytes: BytesFn | None,
+) -> CheckpointResult:
+    config_bytes = config.to_bytes()
+    config_desc = Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
+    descs = [
+        Descriptor(
+            C.CHECKPOINT_LAYER_MEDIA_TYPE,
+            layer.digest,
+            layer.size,
+            layer_annotations(rec, group=config.group, namespace=config.namespace),
+        )
+        for rec, layer in zip(records, layers, strict=True)
+    ]
+    files = list(layers)
+    if volumes_layer is not None:
+        descs.append(
+            Descriptor(C.VOLUMES_LAYER_MEDIA_TYPE, volumes_layer.digest, volumes_layer.size, {C.ANN_TITLE: "volumes.tar.zst"})
+        )
+        files.append(volumes_layer)
+    total = sum(f.size for f in files) + len(config_bytes)
+    sent = 0
+
+    def progress(n: int) -> None:
+        if on_bytes:
+            on_bytes(n, total)
+
+    # Blobs first, manifest last: no tag ever points at a partial snapshot.
+    for f in files:
+        if registry.push_blob(target, digest=f.digest, size=f.size, path=f.path, progress=progress):
+            sent += f.size
+        elif on_bytes:
+            on_bytes(f.size, total)
+    if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes):
+        sent += len(config_bytes)
+    manifest = build_manifest(
+        config=config_desc, layers=descs, artifact_type=C.ARTIFACT_TYPE, annotations=manifest_annotations(config)
+    )
+    digest = registry.push_manifest(target, manifest.to_bytes(), C.OCI_MANIFEST)
+    return CheckpointResult(
+        reference=replace(target, tag=None, digest=digest),
+        tagged=target,
+        config=config,
+        size=total,
+        uploaded=sent,
+    )

@@ -1,0 +1,290 @@
+"""Restore a snapshot artifact into new containers on this node's containerd.
+
+Order of trust: the manifest and config are verified by digest (artifact.py); every layer is downloaded
+and its digest verified before a single byte is extracted; extraction is strict (safe_extract); only then
+are containers created. Each new container runs under the project's runtime wrapper, which sees the
+staged data (found by container id in the agent's own state dir) and turns runc `create` into
+`runc restore`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubectl_snapshot.adapters.archive import open_zstd_reader, safe_extract
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.errors import (
+    CriuFailed,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    SnapshotError,
+    log_tail,
+)
+from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
+from kubectl_snapshot.core.oci import Descriptor
+from kubectl_snapshot.core.reference import Reference
+from shim import hostfacts
+from shim.engine.artifact import Artifact, load_artifact
+from shim.engine.ports import Registry
+from shim.engine.staging import StatePaths, check_key
+
+PhaseFn = Callable[[str], None]
+BytesFn = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class RestoreRequest:
+    source: Reference
+    new_ids: Sequence[str]  # one per snapshotted container, in order
+    runtime_binary: str  # the runc-compatible wrapper (kubectl-snapshot-runc)
+    volumes: Sequence[str] = ()  # host dirs that receive the volume contents, one per snapshotted volume
+    runc_root: str = ""
+    log_dir: str = "/var/log/kubectl-snapshot"
+    snapshotter: str = "overlayfs"
+
+
+@dataclass
+class RestoreResult:
+    reference: Reference
+    containers: list[tuple[str, int]]  # (new id, pid)
+    config: SnapshotConfig
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def stage_artifact(
+    artifact: Artifact,
+    staged_dirs: Sequence[str],
+    *,
+    registry: Registry,
+    paths: StatePaths,
+    volume_targets: Sequence[str] = (),
+    on_bytes: BytesFn | None = None,
+) -> None:
+    """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets."""
+    config = artifact.config
+    layers = {d.digest: d for d in artifact.manifest.layers}
+    wanted: list[Descriptor] = [layers[c.layer_digest] for c in config.containers]
+    if config.volumes_layer:
+        wanted.append(layers[config.volumes_layer])
+    total = sum(d.size for d in wanted)
+    downloads = paths.downloads()
+    os.makedirs(downloads, mode=0o700, exist_ok=True)
+    blobs: dict[str, str] = {}
+    try:
+        # 1. every blob downloaded and verified ...
+        for d in wanted:
+            if d.digest in blobs:
+                continue
+            path = os.path.join(downloads, d.digest.replace(":", "-") + f".{os.getpid()}.part")
+            with open(path, "wb") as out:
+                blobs[d.digest] = path
+                registry.fetch_blob(
+                    artifact.reference,
+                    d.digest,
+                    out,
+                    expected_size=d.size,
+                    max_size=d.size,
+                    progress=(lambda n: on_bytes(n, total)) if on_bytes else None,
+                )
+        # 2. ... before anything is extracted
+        for record, target in zip(config.containers, staged_dirs, strict=True):
+            _extract_fresh(blobs[record.layer_digest], target)
+        if config.volumes_layer:
+            tmp = os.path.join(downloads, f"volumes.{os.getpid()}")
+            _extract_fresh(blobs[config.volumes_layer], tmp)
+            try:
+                for vol, target in zip(config.volumes, volume_targets, strict=True):
+                    _move_contents(os.path.join(tmp, vol.name), target)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        for target in staged_dirs:
+            shutil.rmtree(target, ignore_errors=True)
+        raise
+    finally:
+        for path in blobs.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _extract_fresh(blob_path: str, target: str) -> None:
+    shutil.rmtree(target, ignore_errors=True)
+    os.makedirs(target, mode=0o700)
+    with open(blob_path, "rb") as f, open_zstd_reader(f) as reader:
+        safe_extract(reader, target)
+
+
+def _move_contents(src: str, dest: str) -> None:
+    os.makedirs(dest, exist_ok=True)
+    if not os.path.isdir(src):
+        return
+    for entry in os.listdir(src):
+        target = os.path.join(dest, entry)
+        if os.path.lexists(target):
+            if os.path.isdir(target) and not os.path.islink(target):
+                shutil.rmtree(target)
+            else:
+                os.unlink(target)
+        os.rename(os.path.join(src, entry), target)
+
+
+def restore(
+    req: RestoreRequest,
+    *,
+    containerd: Any,
+    registry: Registry,
+    paths: StatePaths,
+    namespace: str,
+    on_phase: PhaseFn | None = None,
+    on_bytes: BytesFn | None = None,
+) -> RestoreResult:
+    phase = on_phase or (lambda _p: None)
+    for cid in req.new_ids:
+        check_key(cid, "container name")
+    if len(set(req.new_ids)) != len(req.new_ids):
+        raise InvalidArgument("the new container names must be unique")
+    if not os.access(req.runtime_binary, os.X_OK):
+        raise FailedPrecondition(
+            f"the runtime wrapper {req.runtime_binary!r} is not executable",
+            hint="install kubectl-snapshot on this node (it provides kubectl-snapshot-runc)",
+        )
+
+    phase("resolve")
+    artifact = load_artifact(registry, req.source)
+    config = artifact.config
+    if len(req.new_ids) != len(config.containers):
+        raise InvalidArgument(
+            f"the snapshot has {len(config.containers)} container(s) "
+            f"({', '.join(c.name for c in config.containers)}) but {len(req.new_ids)} new name(s) were given",
+            hint="give one new name per snapshotted container, in that order",
+        )
+    if len(req.volumes) != len(config.volumes):
+        raise InvalidArgument(
+            f"the snapshot has {len(config.volumes)} volume(s) but {len(req.volumes)} --volume dir(s) were given",
+            hint="pass one --volume HOSTDIR per snapshotted volume, in order",
+        )
+    problems = hostfacts.preflight_problems(config.host, hostfacts.gather())
+    if problems:
+        raise FailedPrecondition(
+            "this node cannot restore the snapshot: " + "; ".join(problems),
+            hint="restore on a node like the one the snapshot was taken on",
+        )
+    for cid in req.new_ids:
+        try:
+            containerd.get_container(cid)
+        except NotFound:
+            continue
+        raise FailedPrecondition(f"a container named {cid!r} already exists", hint="choose another name")
+    chain_ids = [_check_image(containerd, rec) for rec in config.containers]
+
+    phase("download")
+    staged = [paths.staged_by_id(cid) for cid in req.new_ids]
+    stage_artifact(
+        artifact, staged, registry=registry, paths=paths, volume_targets=req.volumes, on_bytes=on_bytes
+    )
+
+    phase("restore")
+    created: list[str] = []
+    results: list[tuple[str, int]] = []
+    try:
+        for rec, cid, chain, sdir in zip(config.containers, req.new_ids, chain_ids, staged, strict=True):
+            created.append(cid)
+            pid = _create_restored(containerd, req, rec, cid, chain, sdir, namespace, config)
+            results.append((cid, pid))
+    except BaseException:
+        for cid in created:
+            with contextlib.suppress(SnapshotError):
+                containerd.remove_container(cid)
+        raise
+    finally:
+        for sdir in staged:
+            shutil.rmtree(sdir, ignore_errors=True)
+    return RestoreResult(artifact.reference, results, config)
+
+
+def _check_image(containerd: Any, rec: ContainerRecord) -> str:
+    try:
+        image = containerd.get_image(rec.image)
+    except NotFound:
+        raise FailedPrecondition(
+            f"image {rec.image!r} of container {rec.name!r} is not on this node",
+            hint=f"pull or import {rec.image} (digest {rec.image_digest}) into this containerd first",
+        ) from None
+    if rec.image_digest and image.target.digest != rec.image_digest:
+        raise FailedPrecondition(
+            f"image {rec.image!r} on this node is {image.target.digest}, the snapshot was taken on {rec.image_digest}",
+            hint="restore needs the exact image the container ran; pull it by digest",
+        )
+    return str(containerd.image_chain_id(rec.image))
+
+
+def restored_spec(
+    rec: ContainerRecord, new_id: str, namespace: str, config: SnapshotConfig, volume_targets: Sequence[str]
+) -> dict[str, Any]:
+    """The recorded runtime spec, adapted to the new container: cgroup path, volume bind mounts."""
+    spec: dict[str, Any] = copy.deepcopy(dict(rec.spec))
+    linux = spec.setdefault("linux", {})
+    linux["cgroupsPath"] = f"/{namespace}/{new_id}"
+    remap = {v.source: t for v, t in zip(config.volumes, volume_targets, strict=True)}
+    for m in spec.get("mounts", []):
+        if m.get("source") in remap:
+            m["source"] = remap[m["source"]]
+    for ns in linux.get("namespaces", []):
+        if ns.get("path"):
+            raise FailedPrecondition(
+                f"container {rec.name!r} joined an existing {ns.get('type')} namespace ({ns['path']}), "
+                "which cannot be recreated on restore",
+                hint="snapshot containers that own their namespaces, or restore the pod through Kubernetes",
+            )
+    return spec
+
+
+def _create_restored(
+    containerd: Any,
+    req: RestoreRequest,
+    rec: ContainerRecord,
+    cid: str,
+    chain_id: str,
+    staged: str,
+    namespace: str,
+    config: SnapshotConfig,
+) -> int:
+    from shim.containerd.client import RuncOptions  # the adapter's value type
+
+    spec = restored_spec(rec, cid, namespace, config, req.volumes)
+    mounts = containerd.prepare_snapshot(req.snapshotter, cid, chain_id)
+    containerd.create_container(
+        cid,
+        image=rec.image,
+        spec=spec,
+        snapshotter=req.snapshotter,
+        snapshot_key=cid,
+        runc_options=RuncOptions(binary_name=req.runtime_binary, root=req.runc_root),
+    )
+    os.makedirs(req.log_dir, exist_ok=True)
+    log = "file://" + os.path.join(req.log_dir, f"{namespace}-{cid}.log")
+    try:
+        containerd.create_task(cid, rootfs=mounts, stdout=log, stderr=log)
+    except SnapshotError as e:
+        tail = _read_tail(os.path.join(staged, C.RESTORE_LOG_FILE))
+        raise CriuFailed(
+            f"restoring container {rec.name!r} as {cid!r} failed: {e.message}",
+            hint="see the CRIU restore log below; the snapshot itself is unchanged in the registry",
+            details=tail or e.details,
+        ) from e
+    return int(containerd.start_task(cid))
+
+
+def _read_tail(path: str) -> str | None:
+    try:
+        with open(path, errors="replace") as f:
+            return log_tail(f.read())
+    except OSError:
+        return None

@@ -1,0 +1,231 @@
+"""kubectl-snapshot-runc: a runc-compatible runtime that restores containers when they are created.
+
+containerd's runc shim runs it (runtime option ``BinaryName``, selected per container or by a
+RuntimeClass) exactly like runc. For a container with staged snapshot data in the agent's state dir it:
+
+- ``create``: applies the writable-layer diff to the bundle's rootfs and runs
+  ``runc restore --detach --image-path <staged>/checkpoint --work-path <staged> ...`` instead;
+- ``start``: does nothing (the restored process is already running);
+
+and passes every other call, unchanged, to the real runc (``exec``, so signals and exit codes are
+runc's own). Staged data is found only by a key derived here: the container id, or the pod uid +
+container name that containerd's CRI plugin writes into the bundle's config.json annotations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, log_tail
+from shim.engine.staging import StatePaths
+
+_GLOBAL_WITH_VALUE = {"--log", "--log-format", "--root", "--criu", "--rootless"}
+_CREATE_WITH_VALUE = {"--bundle", "-b", "--console-socket", "--pid-file", "--preserve-fds"}
+_CREATE_FLAGS = {"--no-pivot", "--no-new-keyring"}
+_RUNC_CANDIDATES = ("/usr/sbin/runc", "/usr/bin/runc", "/usr/local/sbin/runc", "/usr/local/bin/runc")
+
+ANN_SANDBOX_UID = "io.kubernetes.cri.sandbox-uid"
+ANN_CONTAINER_NAME = "io.kubernetes.cri.container-name"
+ANN_CONTAINER_TYPE = "io.kubernetes.cri.container-type"
+
+
+@dataclass(frozen=True)
+class Invocation:
+    global_args: list[str]
+    command: str
+    args: list[str]
+
+
+def parse_invocation(argv: Sequence[str]) -> Invocation:
+    """Split runc's argv into global options, the subcommand and its arguments."""
+    i, global_args = 0, []
+    while i < len(argv):
+        a = argv[i]
+        if not a.startswith("-"):
+            return Invocation(global_args, a, list(argv[i + 1 :]))
+        global_args.append(a)
+        if a in _GLOBAL_WITH_VALUE and i + 1 < len(argv):
+            global_args.append(argv[i + 1])
+            i += 1
+        i += 1
+    return Invocation(global_args, "", [])
+
+
+@dataclass(frozen=True)
+class CreateArgs:
+    container_id: str
+    bundle: str
+    pid_file: str | None
+    console_socket: str | None
+    passthrough_flags: list[str]
+
+
+def parse_create(args: Sequence[str]) -> CreateArgs:
+    values: dict[str, str] = {}
+    flags: list[str] = []
+    positional: list[str] = []
+    i = 0
+    while i < len(args):
+        a = args[i]
+        name, eq, inline = a.partition("=")
+        if name in _CREATE_WITH_VALUE:
+            if eq:
+                values[name] = inline
+            else:
+                if i + 1 >= len(args):
+                    raise InvalidArgument(f"runc create: {name} needs a value")
+                values[name] = args[i + 1]
+                i += 1
+        elif a in _CREATE_FLAGS:
+            flags.append(a)
+        elif a.startswith("-"):
+            raise InvalidArgument(f"runc create: unsupported option {a} for a restore")
+        else:
+            positional.append(a)
+        i += 1
+    if len(positional) != 1:
+        raise InvalidArgument("runc create: expected exactly one container id")
+    bundle = values.get("--bundle") or values.get("-b") or os.getcwd()
+    return CreateArgs(positional[0], bundle, values.get("--pid-file"), values.get("--console-socket"), flags)
+
+
+def real_runc() -> str:
+    env = os.environ.get("KUBECTL_SNAPSHOT_RUNC")
+    if env:
+        return env
+    for c in _RUNC_CANDIDATES:
+        if os.access(c, os.X_OK):
+            return c
+    raise SystemExit("kubectl-snapshot-runc: runc not found (set KUBECTL_SNAPSHOT_RUNC)")
+
+
+def find_staged(paths: StatePaths, container_id: str, bundle: str) -> str | None:
+    """The staged snapshot directory for this container, if the agent prepared one."""
+    with contextlib.suppress(SnapshotError):
+        d = paths.staged_by_id(container_id)
+        if os.path.isdir(os.path.join(d, C.CHECKPOINT_DIRECTORY)):
+            return d
+    try:
+        with open(os.path.join(bundle, "config.json")) as f:
+            annotations = json.load(f).get("annotations") or {}
+    except (OSError, ValueError):
+        return None
+    uid, name = annotations.get(ANN_SANDBOX_UID), annotations.get(ANN_CONTAINER_NAME)
+    if annotations.get(ANN_CONTAINER_TYPE, "container") != "container" or not uid or not name:
+        return None
+    with contextlib.suppress(SnapshotError):
+        d = paths.staged_by_pod(uid, name)
+        if os.path.isdir(os.path.join(d, C.CHECKPOINT_DIRECTORY)):
+            return d
+    return None
+
+
+def restore_command(runc: str, inv: Invocation, create: CreateArgs, staged: str) -> list[str]:
+    options: dict[str, bool] = {}
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(staged, C.DUMP_OPTIONS_FILE)) as f:
+            options = json.load(f)
+    cmd = [runc, *inv.global_args, "restore", "--detach"]
+    cmd += ["--image-path", os.path.join(staged, C.CHECKPOINT_DIRECTORY), "--work-path", staged]
+    cmd += ["--bundle", create.bundle]
+    if create.pid_file:
+        cmd += ["--pid-file", create.pid_file]
+    if create.console_socket:
+        cmd += ["--console-socket", create.console_socket]
+    if "--no-pivot" in create.passthrough_flags:
+        cmd.append("--no-pivot")
+    if options.get("tcpEstablished", True):
+        cmd.append("--tcp-established")
+    if options.get("fileLocks", True):
+        cmd.append("--file-locks")
+    cmd.append(create.container_id)
+    return cmd
+
+
+def _apply_diff(bundle: str, staged: str) -> None:
+    try:
+        with open(os.path.join(bundle, "config.json")) as f:
+            root = (json.load(f).get("root") or {}).get("path") or "rootfs"
+    except (OSError, ValueError):
+        root = "rootfs"
+    rootfs = root if os.path.isabs(root) else os.path.join(bundle, root)
+    diff = os.path.join(staged, C.ROOTFS_DIFF_TAR)
+    deleted: list[str] = []
+    with contextlib.suppress(OSError, ValueError):
+        with open(os.path.join(staged, C.DELETED_FILES_FILE)) as f:
+            deleted = [str(x) for x in json.load(f)]
+    if os.path.exists(diff):
+        from shim.rootfs_diff import apply_rootfs_diff  # imported only when restoring: keep pass-through fast
+
+        with open(diff, "rb") as f:
+            apply_rootfs_diff(rootfs, f, deleted)
+
+
+def _log_error(inv: Invocation, message: str) -> None:
+    """Write an error where the shim looks for runc's errors (the --log file, JSON) and to stderr."""
+    print(f"kubectl-snapshot-runc: {message}", file=sys.stderr)
+    args = inv.global_args
+    if "--log" in args:
+        path = args[args.index("--log") + 1]
+        line = {"level": "error", "msg": message, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        with contextlib.suppress(OSError), open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def run(argv: Sequence[str]) -> int:
+    inv = parse_invocation(argv)
+    runc = real_runc()
+    paths = StatePaths.from_env()
+    if inv.command == "create":
+        create = parse_create(inv.args)
+        staged = find_staged(paths, create.container_id, create.bundle)
+        if staged is not None:
+            try:
+                _apply_diff(create.bundle, staged)
+            except SnapshotError as e:
+                _log_error(inv, f"applying the snapshot's rootfs diff failed: {e}")
+                return 1
+            proc = subprocess.run(restore_command(runc, inv, create, staged), check=False)
+            if proc.returncode != 0:
+                tail = ""
+                with contextlib.suppress(OSError), open(
+                    os.path.join(staged, C.RESTORE_LOG_FILE), errors="replace"
+                ) as f:
+                    tail = log_tail(f.read(), 10)
+                _log_error(inv, f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}")
+                return proc.returncode
+            marker = paths.restored_marker(create.container_id)
+            os.makedirs(os.path.dirname(marker), exist_ok=True)
+            with open(marker, "w") as f:
+                f.write(staged)
+            return 0
+    elif inv.command in ("start", "delete") and inv.args:
+        cid = inv.args[-1]
+        with contextlib.suppress(SnapshotError):
+            marker = paths.restored_marker(cid)
+            if os.path.exists(marker):
+                os.unlink(marker)
+                if inv.command == "start":
+                    return 0  # the restored process is already running
+    os.execv(runc, [runc, *argv])
+    return 127  # not reached
+
+
+def main() -> None:
+    try:
+        sys.exit(run(sys.argv[1:]))
+    except InvalidArgument as e:
+        print(f"kubectl-snapshot-runc: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
