@@ -1,0 +1,203 @@
+"""A loopback HTTP proxy in front of a real registry that fails on purpose.
+
+``FaultyProxy(upstream_host, upstream_port, fail_after_bytes=N)`` forwards requests but, once N
+request-body bytes have passed through it (counted over its lifetime), resets the connection in
+the middle of the request that crosses N. ``fail_on=(method, path_regex)`` answers ``status``
+(with a distribution error body and optional Retry-After) instead of forwarding.
+``corrupt_on=(method, path_regex)`` flips one byte of the matching responses' bodies.
+``times`` bounds how many failures are injected (None: every time). ``.requests`` records
+(method, path, status) for every request, status 0 for a reset. Use as a context manager.
+
+The registry builds Location headers from the Host header, which the proxy forwards unchanged,
+so upload sessions keep going through the proxy.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import re
+import socket
+import struct
+import threading
+from types import TracebackType
+from typing import Any
+
+PIECE = 1 << 16
+
+
+class FaultyProxy:
+    def __init__(
+        self,
+        upstream_host: str,
+        upstream_port: int,
+        *,
+        fail_after_bytes: int | None = None,
+        fail_on: tuple[str, str] | None = None,
+        status: int = 500,
+        retry_after: int | None = None,
+        corrupt_on: tuple[str, str] | None = None,
+        times: int | None = None,
+    ) -> None:
+        self.upstream = (upstream_host, upstream_port)
+        self.fail_after_bytes = fail_after_bytes
+        self.fail_on = (fail_on[0].upper(), re.compile(fail_on[1])) if fail_on else None
+        self.corrupt_on = (corrupt_on[0].upper(), re.compile(corrupt_on[1])) if corrupt_on else None
+        self.status = status
+        self.retry_after = retry_after
+        self.times = times
+        self.failures = 0
+        self.body_bytes = 0
+        self.requests: list[tuple[str, str, int]] = []
+        self._lock = threading.Lock()
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self.host = f"127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    def start(self) -> FaultyProxy:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def __enter__(self) -> FaultyProxy:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def _may_fail(self) -> bool:
+        with self._lock:
+            if self.times is not None and self.failures >= self.times:
+                return False
+            self.failures += 1
+            return True
+
+    def _record(self, method: str, path: str, status: int) -> None:
+        with self._lock:
+            self.requests.append((method, path, status))
+
+    def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _reset(self) -> None:
+                # RST instead of FIN: the client sees "connection reset", like a crashed registry
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.close_connection = True
+                self.connection.close()
+
+            def _read_body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    data = bytearray()
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                        if size == 0:
+                            self.rfile.readline()
+                            return bytes(data)
+                        data += self.rfile.read(size)
+                        self.rfile.readline()
+                return b""
+
+            def _handle(self) -> None:
+                method, path = self.command, self.path
+                matches = bool(
+                    proxy.fail_on and proxy.fail_on[0] in (method, "*") and proxy.fail_on[1].search(path)
+                )
+                if matches and proxy._may_fail():
+                    self._fail(method, path)
+                    return
+                length = int(self.headers.get("Content-Length", "0") or 0)
+                chunked_body = self._read_body()
+                upstream = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                try:
+                    upstream.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+                    for key, value in self.headers.items():
+                        if key.lower() not in ("transfer-encoding", "content-length", "connection"):
+                            upstream.putheader(key, value)
+                    upstream.putheader("Content-Length", str(length or len(chunked_body)))
+                    upstream.putheader("Connection", "close")
+                    upstream.endheaders()
+                    if chunked_body:
+                        upstream.send(chunked_body)
+                    remaining = length
+                    while remaining > 0:
+                        piece = self.rfile.read(min(PIECE, remaining))
+                        if not piece:
+                            break
+                        remaining -= len(piece)
+                        with proxy._lock:
+                            before = proxy.body_bytes
+                            proxy.body_bytes += len(piece)
+                            crossing = (
+                                proxy.fail_after_bytes is not None
+                                and before < proxy.fail_after_bytes <= proxy.body_bytes
+                            )
+                            if proxy.fail_after_bytes is not None and before >= proxy.fail_after_bytes:
+                                crossing = True  # already past the limit: every further body fails
+                        if crossing and proxy._may_fail():
+                            proxy._record(method, path, 0)
+                            self._reset()
+                            return
+                        upstream.send(piece)
+                    resp = upstream.getresponse()
+                    body = resp.read()
+                    if (
+                        proxy.corrupt_on
+                        and body
+                        and proxy.corrupt_on[0] in (method, "*")
+                        and proxy.corrupt_on[1].search(path)
+                        and proxy._may_fail()
+                    ):
+                        body = bytes([body[0] ^ 0xFF]) + body[1:]
+                    self.send_response_only(resp.status, resp.reason)
+                    for key, value in resp.getheaders():
+                        if key.lower() not in ("transfer-encoding", "content-length", "connection"):
+                            self.send_header(key, value)
+                    declared = resp.getheader("Content-Length")
+                    self.send_header(
+                        "Content-Length", declared if method == "HEAD" and declared else str(len(body))
+                    )
+                    self.end_headers()
+                    proxy._record(method, path, resp.status)  # before the client can see the answer
+                    if method != "HEAD":
+                        self.wfile.write(body)
+                finally:
+                    upstream.close()
+
+            def _fail(self, method: str, path: str) -> None:
+                self._read_body()
+                length = int(self.headers.get("Content-Length", "0") or 0)
+                while length > 0:
+                    got = self.rfile.read(min(PIECE, length))
+                    if not got:
+                        break
+                    length -= len(got)
+                payload = json.dumps(
+                    {"errors": [{"code": "UNAVAILABLE", "message": f"injected failure {proxy.status}"}]}
+                ).encode()
+                proxy._record(method, path, proxy.status)
+                self.send_response(proxy.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", "0" if method == "HEAD" else str(len(payload)))
+                if proxy.retry_after is not None:
+                    self.send_header("Retry-After", str(proxy.retry_after))
+                self.end_headers()
+                if method != "HEAD":
+                    self.wfile.write(payload)
+
+            do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
+
+        return Handler
