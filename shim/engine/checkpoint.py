@@ -102,6 +102,7 @@ def checkpoint(
     on_phase: PhaseFn | None = None,
     on_bytes: BytesFn | None = None,
     clock: Callable[[], float] = time.monotonic,
+    host: HostFacts | None = None,
 ) -> CheckpointResult:
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
@@ -120,8 +121,9 @@ def checkpoint(
         infos.append(info)
     registry.ping(req.target)
     image_digests = [_image_digest(containerd, info.image) for info in infos]
-    version, _ = containerd.version()
-    host = hostfacts.gather(containerd_version=version)
+    if host is None:
+        version, _ = containerd.version()
+        host = hostfacts.gather(containerd_version=version)
     if not host.criu_version:
         raise FailedPrecondition("CRIU is not installed on this node", hint="run hack/install-node-deps.sh")
 

@@ -1,0 +1,48 @@
+# kubectl-snapshot developer entry points. Everything runs as root on a Debian 12 node.
+#   make demo   set up a local node + registry, snapshot a counter container and restore it
+#   make test   set up what the tests need, run lint, types, generated-code check and all tests
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup deps venv lint typecheck check-generated protos unit integration e2e test demo bench clean
+
+deps:
+	hack/install-node-deps.sh
+
+venv:
+	hack/setup-venv.sh
+
+setup: deps venv
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+protos: venv
+	hack/gen-protos.sh
+
+check-generated: venv
+	hack/check-generated.sh
+
+unit: venv
+	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+integration: setup
+	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
+
+test: setup lint typecheck check-generated
+	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+
+demo: setup
+	hack/demo.sh
+
+bench: setup
+	$(PY) bench/freeze_and_push.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

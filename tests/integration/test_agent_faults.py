@@ -1,0 +1,205 @@
+"""Bad input and faults against the real node engine: each gives a clear error and loses nothing."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.errors import NotFound
+from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConfig
+from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
+from kubectl_snapshot.core.reference import Reference
+from shim import hostfacts
+from tests.integration.test_agent_roundtrip import (
+    NS,
+    WRAPPER,
+    agent,
+    client,
+    read_counter,
+    start_counter,
+    unique,
+    wait_for,
+)
+from tests.integration.test_agent_roundtrip import cleanup  # noqa: F401
+from tests.support.containerd import containerd_a, containerd_b  # noqa: F401
+from tests.support.faulty_proxy import FaultyProxy
+from tests.support.images import busybox_image, python_image
+from tests.support.registry import registry  # noqa: F401
+from tests.support.tarcraft import craft_tar, dev, reg, sym
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def running_counter(containerd_a, cleanup):  # type: ignore[no-untyped-def]
+    a = client(containerd_a)
+    cid = unique("fault")
+    cleanup(a, cid)
+    start_counter(a, containerd_a, cid, busybox_image(containerd_a, NS))
+    return a, cid
+
+
+def assert_still_running(a, cid):  # type: ignore[no-untyped-def]
+    assert a.get_task(cid).status == "running"
+    _, v = read_counter(a, cid)
+    wait_for(lambda: read_counter(a, cid)[1] > v + 2, what="the counter to keep counting")
+
+
+def test_unknown_container_is_a_clear_error(containerd_a, registry):  # type: ignore[no-untyped-def]
+    proc = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--to", registry.ref("x", "v1"), "no-such-ctr", check=False)
+    assert proc.returncode == 1
+    assert "error:" in proc.stderr and "no-such-ctr" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_bad_reference_is_a_usage_error(containerd_a):  # type: ignore[no-untyped-def]
+    proc = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--to", "UPPER CASE/?", "c", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error:")
+
+
+def test_registry_down_leaves_the_container_running(running_counter):  # type: ignore[no-untyped-def]
+    a, cid = running_counter
+    with socket.socket() as s:  # a loopback port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = agent("checkpoint", "-a", running_counter_address(a), "-n", NS, "--stop",
+                 "--to", f"127.0.0.1:{port}/down:v1", cid, check=False)
+    assert proc.returncode == 1
+    assert "error:" in proc.stderr and f"127.0.0.1:{port}" in proc.stderr
+    assert "hint:" in proc.stderr
+    assert_still_running(a, cid)
+
+
+def running_counter_address(a) -> str:  # type: ignore[no-untyped-def]
+    return str(a.address)
+
+
+def test_registry_failing_mid_push_leaves_no_tag_and_the_container_running(running_counter, registry):  # type: ignore[no-untyped-def]
+    a, cid = running_counter
+    host, port = registry.host.rsplit(":", 1)
+    with FaultyProxy(host, int(port), fail_after_bytes=64 << 10) as proxy:
+        proc = agent("checkpoint", "-a", running_counter_address(a), "-n", NS, "--stop",
+                     "--to", f"{proxy.host}/midpush:v1", cid, check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert "error:" in proc.stderr
+    assert_still_running(a, cid)  # --stop did not stop it: the snapshot never reached the registry
+    with pytest.raises(NotFound):
+        RegistryClient().get_manifest(Reference.parse(registry.ref("midpush", "v1")))
+
+
+def test_criu_dump_failure_shows_the_log_and_leaves_the_container_running(containerd_a, registry, cleanup, tmp_path):  # type: ignore[no-untyped-def]
+    """A process connected to a unix socket outside its container cannot be dumped by CRIU."""
+    a = client(containerd_a)
+    image = python_image(containerd_a, NS)
+    sockdir = tmp_path / "sock"
+    sockdir.mkdir()
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(sockdir / "s"))
+    server.listen(1)
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
+    cid = unique("extsock")
+    cleanup(a, cid)
+    code = (
+        "import socket,time\n"
+        "s=socket.socket(socket.AF_UNIX); s.connect('/sock/s')\n"
+        "i=0\n"
+        "while True:\n"
+        "    i+=1; open('/tmp/count','w').write('t %d' % i); time.sleep(0.05)\n"
+    )
+    mount = {"destination": "/sock", "type": "bind", "source": str(sockdir), "options": ["rbind", "rw"]}
+    a.run_container(cid, image=image, args=["python3", "-c", code], mounts=[mount], runc_options=containerd_a.runc_options())
+    wait_for(lambda: read_counter(a, cid)[1] > 5, what="the client to run")
+    proc = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--to", registry.ref("extsock", "v1"), cid, check=False)
+    server.close()
+    assert proc.returncode == 1
+    assert "error:" in proc.stderr
+    # the tail of CRIU's dump.log is part of the error
+    assert "Error" in proc.stderr or "error (" in proc.stderr.lower(), proc.stderr
+    assert_still_running(a, cid)
+
+
+# --- restore-side bad input -------------------------------------------------------------------
+
+
+def _push_artifact(registry, name: str, layer_tar: bytes) -> str:  # type: ignore[no-untyped-def]
+    """Push a well-formed artifact (valid digests, valid config) whose layer holds `layer_tar`."""
+    reg_client = RegistryClient()
+    ref = Reference.parse(registry.ref(name, "v1"))
+    layer = zstandard.ZstdCompressor().compress(layer_tar)
+    rec = ContainerRecord(name="c", id="c", image="", image_digest="", layer_digest=sha256_digest(layer), spec={})
+    cfg = SnapshotConfig(group="g", namespace=NS, created="2026-01-01T00:00:00Z", containers=(rec,), host=hostfacts.gather())
+    cfg_bytes = cfg.to_bytes()
+    reg_client.push_blob(ref, digest=sha256_digest(layer), size=len(layer), data=layer)
+    reg_client.push_blob(ref, digest=sha256_digest(cfg_bytes), size=len(cfg_bytes), data=cfg_bytes)
+    manifest = build_manifest(
+        config=Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(cfg_bytes), len(cfg_bytes)),
+        layers=[Descriptor(C.CHECKPOINT_LAYER_MEDIA_TYPE, sha256_digest(layer), len(layer))],
+        artifact_type=C.ARTIFACT_TYPE,
+        annotations={},
+    )
+    digest = reg_client.push_manifest(ref, manifest.to_bytes(), C.OCI_MANIFEST)
+    return f"{ref.registry}/{ref.repository}@{digest}"
+
+
+@pytest.mark.parametrize(
+    "entries, why",
+    [
+        ([reg("checkpoint/inventory.img", b"x"), reg("../../escaped-by-dotdot", b"pwned")], ".."),
+        ([sym("checkpoint", "/tmp"), reg("checkpoint/escaped-by-symlink", b"pwned")], "symlink"),
+        ([reg("checkpoint/inventory.img", b"x"), dev("checkpoint/null")], "device"),
+    ],
+)
+def test_malicious_layers_are_refused_and_nothing_escapes(containerd_b, registry, entries, why, tmp_path):  # type: ignore[no-untyped-def]
+    ref = _push_artifact(registry, f"evil-{why.strip('.') or 'dotdot'}", craft_tar(entries))
+    name = unique("evil")
+    proc = agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER, ref, name, check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert "error:" in proc.stderr
+    state = Path(os.environ.get(C.ENV_STATE_DIR, C.DEFAULT_STATE_DIR))
+    assert not Path("/tmp/escaped-by-symlink").exists()
+    assert not (state / "escaped-by-dotdot").exists() and not (state.parent / "escaped-by-dotdot").exists()
+    assert not (state / C.STAGING_SUBDIR / "by-id" / name).exists()  # staging removed after refusal
+    with pytest.raises(NotFound):
+        client(containerd_b).get_container(name)
+
+
+def test_tampered_blob_is_refused_before_extraction(containerd_a, containerd_b, registry, cleanup):  # type: ignore[no-untyped-def]
+    a = client(containerd_a)
+    cid = unique("tamper")
+    cleanup(a, cid)
+    start_counter(a, containerd_a, cid, busybox_image(containerd_a, NS))
+    busybox_image(containerd_b, NS)
+    ref = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--to", registry.ref("tamper", "v1"), cid).stdout.strip()
+    body, _, _ = RegistryClient().get_manifest(Reference.parse(ref))
+    layer_digest = json.loads(body)["layers"][0]["digest"]
+    blob = registry.blob_path(layer_digest)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    name = unique("tampered")
+    proc = agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER, ref, name, check=False)
+    assert proc.returncode == 1
+    assert "digest" in proc.stderr.lower()
+    state = Path(os.environ.get(C.ENV_STATE_DIR, C.DEFAULT_STATE_DIR))
+    assert not (state / C.STAGING_SUBDIR / "by-id" / name).exists()
+    with pytest.raises(NotFound):
+        client(containerd_b).get_container(name)
+
+
+def test_unknown_reference_and_wrong_name_count(containerd_b, registry):  # type: ignore[no-untyped-def]
+    proc = agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER,
+                 registry.ref("does-not-exist", "v1"), "x", check=False)
+    assert proc.returncode == 1 and "error:" in proc.stderr
+    proc = agent("inspect", registry.ref("does-not-exist", "v1"), check=False)
+    assert proc.returncode == 1 and "error:" in proc.stderr

@@ -1,0 +1,260 @@
+"""The node engine end to end on real components: two containerd instances, runc, CRIU 4.2.1 and a
+registry. Everything goes through `kubectl-snapshot-agent`, the command a user runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core.errors import NotFound
+from kubectl_snapshot.core.reference import Reference
+from shim.containerd.client import ContainerdClient
+from tests.support.containerd import ContainerdDaemon, containerd_a, containerd_b  # noqa: F401
+from tests.support.images import busybox_image, python_image
+from tests.support.registry import RegistryServer, registry  # noqa: F401
+
+pytestmark = pytest.mark.integration
+
+AGENT = str(Path(sys.executable).with_name("kubectl-snapshot-agent"))
+WRAPPER = str(Path(sys.executable).with_name("kubectl-snapshot-runc"))
+NS = "kstest"
+COUNTER = (
+    "tok=$(cat /proc/sys/kernel/random/uuid); i=0; "
+    "while true; do i=$((i+1)); echo \"$tok $i\" > /tmp/count; echo $i; usleep 50000; done"
+)
+
+
+def agent(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([AGENT, *args], capture_output=True, text=True, timeout=timeout, check=False)
+    if check and proc.returncode != 0:
+        pytest.fail(f"kubectl-snapshot-agent {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def artifact_layers(ref: str) -> list[bytes]:
+    """The decompressed layers of a snapshot, fetched and verified by the project's registry client."""
+    import io
+
+    import zstandard
+
+    from kubectl_snapshot.core.oci import parse_manifest
+
+    reg = RegistryClient()
+    r = Reference.parse(ref)
+    body, _, _ = reg.get_manifest(r)
+    out = []
+    for layer in parse_manifest(body).layers:
+        buf = io.BytesIO()
+        reg.fetch_blob(r, layer.digest, buf)
+        out.append(zstandard.ZstdDecompressor().decompressobj().decompress(buf.getvalue()))
+    return out
+
+
+def read_member(layer: bytes, inner_tar: str | None, name: str) -> str:
+    import io
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(layer)) as t:
+        if inner_tar is not None:
+            data = t.extractfile(inner_tar).read()  # type: ignore[union-attr]
+            with tarfile.open(fileobj=io.BytesIO(data)) as inner:
+                return inner.extractfile(name).read().decode().strip()  # type: ignore[union-attr]
+        return t.extractfile(name).read().decode().strip()  # type: ignore[union-attr]
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def client(d: ContainerdDaemon) -> ContainerdClient:
+    return ContainerdClient(d.address, NS)
+
+
+def read_counter(c: ContainerdClient, cid: str, path: str = "/tmp/count") -> tuple[str, int]:
+    code, out, err = c.exec_in_task(cid, ["cat", path])
+    assert code == 0, err
+    tok, value = out.decode().split()
+    return tok, int(value)
+
+
+def wait_for(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if pred():
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def cleanup() -> Callable[[ContainerdClient, str], None]:
+    todo: list[tuple[ContainerdClient, str]] = []
+
+    def add(c: ContainerdClient, cid: str) -> None:
+        todo.append((c, cid))
+
+    yield add  # type: ignore[misc]
+    for c, cid in todo:
+        try:
+            c.remove_container(cid)
+        except Exception:
+            pass
+
+
+def start_counter(c: ContainerdClient, d: ContainerdDaemon, cid: str, image: str, **kw: object) -> None:
+    c.run_container(cid, image=image, args=["sh", "-c", COUNTER], runc_options=d.runc_options(), **kw)  # type: ignore[arg-type]
+    wait_for(lambda: read_counter(c, cid)[1] >= 20, what="the counter to reach 20")
+
+
+def test_counter_continues_on_a_second_containerd(containerd_a, containerd_b, registry, cleanup):  # type: ignore[no-untyped-def]
+    a, b = client(containerd_a), client(containerd_b)
+    image_a, image_b = busybox_image(containerd_a, NS), busybox_image(containerd_b, NS)
+    assert image_a == image_b
+    cid, new = unique("counter"), unique("restored")
+    cleanup(a, cid)
+    cleanup(b, new)
+    start_counter(a, containerd_a, cid, image_a)
+    tok_before, v_before = read_counter(a, cid)
+
+    out = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--stop", "--to", registry.ref("counter", "v1"), cid)
+    ref = out.stdout.strip()
+    assert re.fullmatch(rf"{re.escape(registry.host)}/counter@sha256:[0-9a-f]{{64}}", ref), ref
+    # --stop: the original is stopped once the snapshot is in the registry
+    task = a.get_task(cid)
+    assert task is None or task.status == "stopped"
+    a.remove_container(cid)
+
+    restored = agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER,
+                     "--runc-root", containerd_b.runc_root, "-o", "json", ref, new)
+    info = json.loads(restored.stdout)
+    assert info["containers"][0]["name"] == new
+    assert b.get_task(new).status == "running"
+    tok_after, v_after = read_counter(b, new)
+    # same process memory (the token was generated once, at the first start) and the count went on
+    assert tok_after == tok_before
+    assert v_after >= v_before
+    wait_for(lambda: read_counter(b, new)[1] > v_after + 5, what="the restored counter to advance")
+    # kill and delete behave like for any container
+    b.kill_task(new, 9)
+    assert b.wait_task(new, timeout=20) == 137
+    b.remove_container(new)
+    with pytest.raises(NotFound):
+        b.get_container(new)
+
+
+def test_snapshot_without_stop_leaves_the_original_running(containerd_a, registry, cleanup):  # type: ignore[no-untyped-def]
+    a = client(containerd_a)
+    image = busybox_image(containerd_a, NS)
+    cid = unique("keep")
+    cleanup(a, cid)
+    start_counter(a, containerd_a, cid, image)
+    agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--to", registry.ref("keep", "v1"), cid)
+    assert a.get_task(cid).status == "running"
+    _, v1 = read_counter(a, cid)
+    wait_for(lambda: read_counter(a, cid)[1] > v1 + 3, what="the original counter to advance")
+
+    inspected = json.loads(agent("inspect", registry.ref("keep", "v1"), "-o", "json").stdout)
+    c = inspected["containers"][0]
+    assert c["processCount"] >= 2  # sh and its usleep child (or at least the shell and one more)
+    assert c["pagesWritten"] > 0 and c["memoryBytes"] == c["pagesWritten"] * 4096
+    assert any(p["comm"] == "sh" for p in c["processes"])
+    assert inspected["host"]["criuVersion"].startswith("4.2")
+    text = agent("inspect", registry.ref("keep", "v1")).stdout
+    assert "process(es)" in text and "pages" in text
+
+
+HEAP_SERVER = r"""
+import hashlib, os, socket
+heap = bytearray(os.urandom(200 << 20))
+srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind(("127.0.0.1", 8080)); srv.listen(8)
+open("/tmp/ready", "w").write("1")
+while True:
+    conn, _ = srv.accept()
+    conn.sendall((hashlib.sha256(heap).hexdigest() + " %d\n" % os.getpid()).encode()); conn.close()
+"""
+ASK = "import socket; s=socket.create_connection(('127.0.0.1', 8080), timeout=10); print(s.recv(200).decode())"
+
+
+def test_python_heap_and_listening_socket_survive(containerd_a, containerd_b, registry, cleanup):  # type: ignore[no-untyped-def]
+    a, b = client(containerd_a), client(containerd_b)
+    image = python_image(containerd_a, NS)
+    assert python_image(containerd_b, NS) == image
+    cid, new = unique("heap"), unique("heap-restored")
+    cleanup(a, cid)
+    cleanup(b, new)
+    a.run_container(cid, image=image, args=["python3", "-c", HEAP_SERVER], runc_options=containerd_a.runc_options())
+    wait_for(lambda: a.exec_in_task(cid, ["cat", "/tmp/ready"])[0] == 0, timeout=60, what="the heap server")
+    code, out, err = a.exec_in_task(cid, ["python3", "-c", ASK])
+    assert code == 0, err
+    checksum, pid = out.decode().split()
+
+    ref = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--stop", "--to", registry.ref("heap", "v1"), cid).stdout.strip()
+    inspected = json.loads(agent("inspect", ref, "-o", "json").stdout)
+    assert inspected["containers"][0]["memoryBytes"] >= 200 << 20
+    a.remove_container(cid)
+
+    agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER,
+          "--runc-root", containerd_b.runc_root, ref, new)
+    code, out, err = b.exec_in_task(new, ["python3", "-c", ASK])
+    assert code == 0, err
+    assert out.decode().split() == [checksum, pid]
+
+
+WRITER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/mine; echo $i > /vol/seq.tmp; mv /vol/seq.tmp /vol/seq; done"
+READER = "while true; do v=$(cat /vol/seq 2>/dev/null) && echo ${v:-0} > /tmp/seen; done"
+
+
+def test_group_freeze_is_consistent_and_volume_comes_back(containerd_a, containerd_b, registry, cleanup, tmp_path):  # type: ignore[no-untyped-def]
+    a, b = client(containerd_a), client(containerd_b)
+    image = busybox_image(containerd_a, NS)
+    busybox_image(containerd_b, NS)
+    vol, newvol = tmp_path / "vol", tmp_path / "newvol"
+    vol.mkdir()
+    newvol.mkdir()
+    w, r = unique("writer"), unique("reader")
+    w2, r2 = unique("writer2"), unique("reader2")
+    for c, cid in ((a, w), (a, r), (b, w2), (b, r2)):
+        cleanup(c, cid)
+    mount = {"destination": "/vol", "type": "bind", "source": str(vol), "options": ["rbind", "rw"]}
+    a.run_container(w, image=image, args=["sh", "-c", WRITER], mounts=[mount], runc_options=containerd_a.runc_options())
+    a.run_container(r, image=image, args=["sh", "-c", READER], mounts=[mount], runc_options=containerd_a.runc_options())
+    wait_for(lambda: (vol / "seq").exists() and int((vol / "seq").read_text()) > 1000, what="the writer")
+
+    ref = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--stop", "--volume", str(vol),
+                "--to", registry.ref("group", "v1"), w, r).stdout.strip()
+    for cid in (w, r):
+        a.remove_container(cid)
+    # In the artifact: what the reader had seen <= the shared file <= what the writer had written.
+    layers = artifact_layers(ref)
+    mine = int(read_member(layers[0], "rootfs-diff.tar", "tmp/mine"))
+    seen = int(read_member(layers[1], "rootfs-diff.tar", "tmp/seen"))
+    seq = int(read_member(layers[2], None, "vol-0/seq"))
+    assert seen <= seq <= mine, (seen, seq, mine)
+
+    agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER,
+          "--runc-root", containerd_b.runc_root, "--volume", str(newvol), ref, w2, r2)
+    # the directory contents came back into the new host dir
+    assert (newvol / "seq").exists()
+    for _ in range(20):
+        # read the reader first, then the writer: with a consistent freeze the reader is never ahead
+        code, seen, _ = b.exec_in_task(r2, ["cat", "/tmp/seen"])
+        assert code == 0
+        code, seq, _ = b.exec_in_task(w2, ["cat", "/vol/seq"])
+        assert code == 0
+        assert int(seen.decode() or 0) <= int(seq.decode())
+    assert int((newvol / "seq").read_text()) > 1000

@@ -1,0 +1,157 @@
+"""The checkpoint use case's ordering and failure rules, over fakes of its two ports.
+
+(The real thing is tested against containerd, CRIU and a registry in tests/integration.)
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.core.errors import CriuFailed, FailedPrecondition, NotFound, Unavailable
+from kubectl_snapshot.core.model import HostFacts, parse_config
+from kubectl_snapshot.core.oci import parse_manifest
+from kubectl_snapshot.core.reference import Reference
+from shim.engine.checkpoint import CheckpointRequest, checkpoint
+from shim.engine.staging import StatePaths
+
+HOST = HostFacts(kernel="6.18", arch="x86_64", criu_version="4.2.1")
+TARGET = Reference.parse("127.0.0.1:5000/snap:v1")
+
+
+@dataclass
+class FakeContainerd:
+    running: set[str]
+    fail_checkpoint: str | None = None
+    calls: list[tuple[str, str]] = field(default_factory=list)
+    paused: set[str] = field(default_factory=set)
+    killed: set[str] = field(default_factory=set)
+
+    def version(self) -> tuple[str, str]:
+        return ("v2.3.7", "x")
+
+    def get_container(self, cid: str) -> Any:
+        if cid not in self.running:
+            raise NotFound(f"container {cid} not found")
+        return SimpleNamespace(id=cid, image="img", spec={"a": 1}, snapshotter="overlayfs", snapshot_key=cid, labels={})
+
+    def get_task(self, cid: str) -> Any:
+        return SimpleNamespace(pid=1, status="paused" if cid in self.paused else "running")
+
+    def pause_task(self, cid: str) -> None:
+        self.calls.append(("pause", cid))
+        self.paused.add(cid)
+
+    def resume_task(self, cid: str) -> None:
+        self.calls.append(("resume", cid))
+        self.paused.discard(cid)
+
+    def checkpoint_task(self, cid: str, *, image_path: str, work_path: str, **kw: Any) -> None:
+        self.calls.append(("checkpoint", cid))
+        assert self.paused == self.running, "every container is frozen before any is dumped"
+        if cid == self.fail_checkpoint:
+            raise CriuFailed(f"checkpoint of {cid} failed", details="Error (criu/sk-unix.c): boom")
+        Path(image_path, "inventory.img").write_bytes(b"fake")
+
+    def kill_task(self, cid: str, signal: int = 15, *, all: bool = False) -> None:
+        self.calls.append(("kill", cid))
+        self.killed.add(cid)
+
+    def wait_task(self, cid: str, timeout: float | None = None) -> int:
+        return 137
+
+    def get_image(self, name: str) -> Any:
+        return SimpleNamespace(target=SimpleNamespace(digest="sha256:" + "a" * 64))
+
+    def snapshot_mounts(self, snapshotter: str, key: str) -> list[Any]:
+        return []
+
+
+@dataclass
+class FakeRegistry:
+    fail_push: bool = False
+    down: bool = False
+    blobs: dict[str, bytes] = field(default_factory=dict)
+    manifests: dict[str, bytes] = field(default_factory=dict)
+
+    def ping(self, ref: Reference) -> None:
+        if self.down:
+            raise Unavailable("cannot reach registry")
+
+    def push_blob(self, ref: Reference, *, digest: str, size: int, path: str | None = None, data: bytes | None = None, progress: Any = None) -> bool:
+        if self.fail_push:
+            raise Unavailable("connection reset mid-push")
+        self.blobs[digest] = data if data is not None else Path(path or "").read_bytes()
+        return True
+
+    def push_manifest(self, ref: Reference, manifest: bytes, media_type: str) -> str:
+        self.manifests[ref.tag or ""] = manifest
+        import hashlib
+
+        return "sha256:" + hashlib.sha256(manifest).hexdigest()
+
+
+def run(cd: FakeContainerd, reg: FakeRegistry, tmp_path: Path, **kw: Any) -> Any:
+    req = CheckpointRequest(containers=kw.pop("containers", ["a", "b"]), target=TARGET, **kw)
+    return checkpoint(req, containerd=cd, registry=reg, paths=StatePaths(str(tmp_path)), host=HOST)
+
+
+def test_all_frozen_first_then_dumped_then_resumed(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry()
+    result = run(cd, reg, tmp_path)
+    assert [c for c in cd.calls] == [
+        ("pause", "a"), ("pause", "b"), ("checkpoint", "a"), ("checkpoint", "b"), ("resume", "a"), ("resume", "b")
+    ]
+    assert cd.paused == set() and cd.killed == set()
+    manifest = parse_manifest(reg.manifests["v1"])
+    cfg = parse_config(reg.blobs[manifest.config.digest])
+    assert [c.name for c in cfg.containers] == ["a", "b"]
+    assert {layer.digest for layer in manifest.layers} <= set(reg.blobs)
+    assert str(result.reference) == f"127.0.0.1:5000/snap@{manifest.digest}"
+    assert not os.listdir(tmp_path / "work")  # work dir cleaned
+
+
+def test_dump_failure_resumes_everything_and_keeps_the_log(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a", "b"}, fail_checkpoint="b"), FakeRegistry()
+    with pytest.raises(CriuFailed) as e:
+        run(cd, reg, tmp_path, stop=True)
+    assert "boom" in (e.value.details or "")
+    assert cd.paused == set() and cd.killed == set()
+    assert reg.manifests == {}
+
+
+def test_push_failure_with_stop_resumes_and_does_not_kill(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry(fail_push=True)
+    with pytest.raises(Unavailable):
+        run(cd, reg, tmp_path, stop=True)
+    assert cd.paused == set() and cd.killed == set()
+
+
+def test_stop_keeps_frozen_until_pushed_then_kills(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry()
+    run(cd, reg, tmp_path, stop=True)
+    assert cd.killed == {"a", "b"}
+    names = [c for c, _ in cd.calls]
+    assert names.index("kill") < names.index("resume")  # killed while frozen, then thawed to die
+
+
+def test_registry_down_is_found_before_freezing(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a"}), FakeRegistry(down=True)
+    with pytest.raises(Unavailable):
+        run(cd, reg, tmp_path, containers=["a"])
+    assert cd.calls == []
+
+
+def test_unknown_or_stopped_containers_are_refused_before_freezing(tmp_path: Path) -> None:
+    cd = FakeContainerd({"a"})
+    with pytest.raises(NotFound):
+        run(cd, FakeRegistry(), tmp_path, containers=["a", "zzz"])
+    assert cd.calls == []
+    cd.get_task = lambda cid: SimpleNamespace(pid=0, status="stopped")  # type: ignore[method-assign]
+    with pytest.raises(FailedPrecondition, match="not running"):
+        run(cd, FakeRegistry(), tmp_path, containers=["a"])
