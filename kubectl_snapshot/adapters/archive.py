@@ -1,0 +1,648 @@
+"""Tar and zstd streams: safe extraction of untrusted snapshots, deterministic packing, hashing.
+
+Extraction never trusts the archive (threat model C1-C4, the CPython tarfile CVEs): every member name
+goes through ``core.safepath``; every write happens through directory fds opened component by
+component with ``O_NOFOLLOW``, so no write can follow a symlink, whatever the archive or a concurrent
+process put on disk; links, devices, special modes and sizes are checked before anything is written.
+``tarfile.extractall`` is not used at all.
+
+Packing is a push pipeline that never needs a second copy on disk::
+
+    hw = HashingWriter(upload_or_file)              # sha256 + size of the compressed bytes
+    with open_zstd_writer(hw, level=1, threads=-1) as zw:
+        tar_directory(checkpoint_dir, zw)           # deterministic tar straight into zstd
+    blob_digest, blob_size = hw.digest, hw.size
+
+and ``iter_produced(producer)`` turns such a push pipeline into an iterator of chunks for an HTTP
+client that pulls (e.g. ``requests`` chunked upload), with back-pressure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import io
+import os
+import queue
+import shutil
+import stat
+import tarfile
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import IO, Any, BinaryIO, Self, cast
+
+import zstandard
+
+from kubectl_snapshot.core.errors import UnsafeArchive
+from kubectl_snapshot.core.safepath import ExtractLimits, check_member_name, check_symlink_target
+
+CHUNK = 1 << 20
+# Decoders refuse frames that need a bigger window than this (zstd's own default limit, 128 MiB):
+# bounds decoder memory whatever the stream claims.
+ZSTD_MAX_WINDOW = 1 << 27
+# GNU long names / pax headers are read into memory whole by tarfile: cap them.
+MAX_HEADER_BYTES = 1 << 20
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_HINT = "the snapshot is corrupted or was crafted; do not restore it, and take a new snapshot"
+_SETID = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX
+
+
+@dataclass(frozen=True)
+class ExtractReport:
+    """What an extraction wrote: member count and regular-file bytes."""
+
+    members: int
+    bytes: int
+
+
+def _unsafe(name: str, why: str) -> UnsafeArchive:
+    return UnsafeArchive(f"refusing archive member {name!r}: {why}", hint=_HINT)
+
+
+# tarfile's header errors are not in its typed public API; they have existed unchanged since 3.2.
+_EOF_HEADER: type[Exception] = getattr(tarfile, "EOFHeaderError")  # noqa: B009
+_EMPTY_HEADER: type[Exception] = getattr(tarfile, "EmptyHeaderError")  # noqa: B009
+_TRUNCATED_HEADER: type[Exception] = getattr(tarfile, "TruncatedHeaderError")  # noqa: B009
+
+
+class _CappedTarInfo(tarfile.TarInfo):
+    """TarInfo that makes tarfile strict: no silent stop on a bad header, capped extended headers.
+
+    Stock tarfile treats a corrupt, truncated or missing header after the first member as the end of
+    the archive and returns what it has; a truncated download would then extract "successfully".
+    Here only the zero block that ends a tar ends it.
+    """
+
+    @classmethod
+    def frombuf(cls, buf: bytes | bytearray, encoding: str, errors: str) -> Self:
+        try:
+            return super().frombuf(buf, encoding, errors)
+        except _EOF_HEADER:
+            raise
+        except (_EMPTY_HEADER, _TRUNCATED_HEADER) as e:
+            raise UnsafeArchive(f"truncated archive (no end-of-archive marker): {e}", hint=_HINT) from e
+        except tarfile.HeaderError as e:
+            raise UnsafeArchive(f"corrupt tar header: {e}", hint=_HINT) from e
+
+    def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        header_types = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE)
+        if self.type in header_types and self.size > MAX_HEADER_BYTES:
+            raise _unsafe(self.name, f"extended header of {self.size} bytes (limit {MAX_HEADER_BYTES})")
+        return cast(tarfile.TarInfo, super()._proc_member(tarfile_))  # type: ignore[misc]
+
+
+class _Tree:
+    """dest opened once; every path below it is reached through O_NOFOLLOW directory fds."""
+
+    def __init__(self, dest: str) -> None:
+        self.fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._cache: tuple[str, int] | None = None
+        self.created_dirs: set[str] = set()
+
+    def close(self) -> None:
+        self.forget()
+        os.close(self.fd)
+
+    def forget(self) -> None:
+        """Drop the cached parent fd (after anything was removed, it may name a deleted dir)."""
+        if self._cache is not None:
+            os.close(self._cache[1])
+            self._cache = None
+
+    def parent(self, rel: str, *, create: bool) -> tuple[int, str]:
+        """(fd of rel's parent directory, leaf name). The fd is borrowed: do not close it.
+
+        Refuses (UnsafeArchive) when a component is a symlink or not a directory; creates missing
+        components (0755) when `create`, else raises FileNotFoundError.
+        """
+        head, _, leaf = rel.rpartition("/")
+        if self._cache is not None and self._cache[0] == head:
+            return self._cache[1], leaf
+        fd = os.dup(self.fd)
+        done: list[str] = []
+        try:
+            for comp in head.split("/") if head else []:
+                done.append(comp)
+                try:
+                    nfd = os.open(comp, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    os.mkdir(comp, 0o755, dir_fd=fd)
+                    self.created_dirs.add("/".join(done))
+                    nfd = os.open(comp, _DIR_FLAGS, dir_fd=fd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise _unsafe(
+                            rel, f"parent {'/'.join(done)!r} is a symlink or not a directory"
+                        ) from e
+                    raise
+                os.close(fd)
+                fd = nfd
+        except BaseException:
+            os.close(fd)
+            raise
+        self.forget()
+        self._cache = (head, fd)
+        return fd, leaf
+
+    def open_dir(self, rel: str) -> int | None:
+        """An owned O_NOFOLLOW fd of directory rel, or None if it is gone or no longer a directory."""
+        if rel == ".":
+            return os.dup(self.fd)
+        try:
+            pfd, leaf = self.parent(rel, create=False)
+            return os.open(leaf, _DIR_FLAGS, dir_fd=pfd)
+        except (FileNotFoundError, NotADirectoryError, UnsafeArchive):
+            return None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return None
+            raise
+
+
+def _clear_leaf(tree: _Tree, pfd: int, leaf: str, name: str, *, new_is_dir: bool, overwrite: bool) -> bool:
+    """Make room for member `name`; True if an existing directory is kept (dir over dir)."""
+    try:
+        st = os.stat(leaf, dir_fd=pfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(st.st_mode):
+        if new_is_dir:
+            return True
+        if not overwrite:
+            raise _unsafe(name, "would replace a directory")
+        # pfd (the cached fd) is the parent of what is removed, so it stays valid.
+        shutil.rmtree(leaf, dir_fd=pfd)
+        return False
+    if not overwrite:
+        raise _unsafe(name, "already exists in the destination")
+    os.unlink(leaf, dir_fd=pfd)
+    return False
+
+
+def _ns(mtime: float) -> tuple[int, int]:
+    ns = int(mtime * 1_000_000_000)
+    return ns, ns
+
+
+def safe_extract(
+    fileobj: BinaryIO,
+    dest: str,
+    *,
+    limits: ExtractLimits = ExtractLimits(),  # noqa: B008 (frozen dataclass: safe default)
+    allow_absolute_symlinks: bool = False,
+    preserve_owner: bool = True,
+    allow_special_modes: bool = False,
+    overwrite: bool = False,
+) -> ExtractReport:
+    """Stream the tar in `fileobj` into the existing directory `dest`, refusing anything unsafe.
+
+    Refused with UnsafeArchive (message names the member): bad names (core.safepath), duplicates,
+    symlinks that are absolute (unless `allow_absolute_symlinks`: container rootfs content, resolved
+    by the kernel inside the container) or resolve outside dest, hard links to anything but a regular
+    file extracted earlier from this archive, char/block devices and fifos, members below a symlink,
+    setuid/setgid/sticky regular files (unless `allow_special_modes`), size/count over `limits`, and
+    corrupt tar data. Without `overwrite` an existing non-directory is never replaced (fresh staging
+    dirs); with it (applying a rootfs diff) existing files are unlinked and replaced, and a directory
+    replaced by a non-directory is removed with its contents. On refusal nothing has been written
+    outside dest; partial content may remain inside: extract into a fresh dir and delete it on error.
+    Ownership is restored only when `preserve_owner` and running as root.
+    """
+    chown = preserve_owner and os.geteuid() == 0
+    tree = _Tree(dest)
+    seen: set[str] = set()
+    regular: set[str] = set()
+    dirs: list[tuple[str, tarfile.TarInfo]] = []
+    members = total = 0
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r|", tarinfo=_CappedTarInfo) as tf:
+            for m in tf:
+                members += 1
+                if members > limits.max_members:
+                    raise _unsafe(m.name, f"more than {limits.max_members} members")
+                name = check_member_name(m.name)
+                if name in seen:
+                    raise _unsafe(name, "duplicate member name")
+                seen.add(name)
+                if name == ".":
+                    if not m.isdir():
+                        raise _unsafe(m.name, "non-directory member replacing the destination itself")
+                    continue
+                if m.isreg():
+                    if m.size > limits.max_member_bytes:
+                        raise _unsafe(name, f"{m.size} bytes, over the per-member limit")
+                    total += m.size
+                    if total > limits.max_total_bytes:
+                        raise _unsafe(name, f"archive exceeds the {limits.max_total_bytes}-byte limit")
+                    if m.mode & _SETID and not allow_special_modes:
+                        raise _unsafe(name, f"setuid/setgid/sticky mode {m.mode:o}")
+                    _write_file(tree, tf, m, name, chown=chown, overwrite=overwrite)
+                    regular.add(name)
+                elif m.isdir():
+                    pfd, leaf = tree.parent(name, create=True)
+                    if not _clear_leaf(tree, pfd, leaf, name, new_is_dir=True, overwrite=overwrite):
+                        os.mkdir(leaf, 0o700, dir_fd=pfd)
+                    dirs.append((name, m))
+                elif m.issym():
+                    check_symlink_target(name, m.linkname, allow_absolute=allow_absolute_symlinks)
+                    pfd, leaf = tree.parent(name, create=True)
+                    _clear_leaf(tree, pfd, leaf, name, new_is_dir=False, overwrite=overwrite)
+                    os.symlink(m.linkname, leaf, dir_fd=pfd)
+                    if chown:
+                        os.chown(leaf, m.uid, m.gid, dir_fd=pfd, follow_symlinks=False)
+                    os.utime(leaf, ns=_ns(m.mtime), dir_fd=pfd, follow_symlinks=False)
+                elif m.islnk():
+                    _hardlink(tree, m, name, regular, overwrite=overwrite)
+                    regular.add(name)
+                elif m.ischr() or m.isblk():
+                    raise _unsafe(name, "device node")
+                elif m.isfifo():
+                    raise _unsafe(name, "fifo")
+                else:
+                    raise _unsafe(name, f"unsupported member type {m.type!r}")
+            _finish_dirs(tree, dirs, chown=chown)
+    except (tarfile.TarError, EOFError, zstandard.ZstdError) as e:
+        raise UnsafeArchive(f"corrupt or truncated archive: {e}", hint=_HINT) from e
+    finally:
+        tree.close()
+    return ExtractReport(members=members, bytes=total)
+
+
+def _write_file(
+    tree: _Tree, tf: tarfile.TarFile, m: tarfile.TarInfo, name: str, *, chown: bool, overwrite: bool
+) -> None:
+    pfd, leaf = tree.parent(name, create=True)
+    _clear_leaf(tree, pfd, leaf, name, new_is_dir=False, overwrite=overwrite)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(leaf, flags, 0o600, dir_fd=pfd)
+    try:
+        src = tf.extractfile(m)
+        if src is None:  # pragma: no cover - isreg() members always have data
+            raise _unsafe(name, "no data")
+        with src:
+            while chunk := src.read(CHUNK):
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(fd, view) :]
+        if chown:
+            os.fchown(fd, m.uid, m.gid)
+        os.fchmod(fd, m.mode & 0o7777)  # after chown, which clears setuid bits
+        os.utime(fd, ns=_ns(m.mtime))
+    finally:
+        os.close(fd)
+
+
+def _hardlink(tree: _Tree, m: tarfile.TarInfo, name: str, regular: set[str], *, overwrite: bool) -> None:
+    try:
+        target = check_member_name(m.linkname)
+    except UnsafeArchive as e:
+        raise _unsafe(name, f"hard link target is unsafe ({e.message})") from e
+    if target not in regular:
+        raise _unsafe(name, f"hard link to {m.linkname!r}, which is not a regular file of this archive")
+    tfd, tleaf = tree.parent(target, create=False)
+    tfd = os.dup(tfd)  # the next parent() call may close the cached fd
+    try:
+        if not stat.S_ISREG(os.stat(tleaf, dir_fd=tfd, follow_symlinks=False).st_mode):
+            raise _unsafe(name, f"hard link target {target!r} is no longer a regular file")
+        pfd, leaf = tree.parent(name, create=True)
+        _clear_leaf(tree, pfd, leaf, name, new_is_dir=False, overwrite=overwrite)
+        pfd, leaf = tree.parent(name, create=False)
+        os.link(tleaf, leaf, src_dir_fd=tfd, dst_dir_fd=pfd, follow_symlinks=False)
+    finally:
+        os.close(tfd)
+
+
+def _finish_dirs(tree: _Tree, dirs: list[tuple[str, tarfile.TarInfo]], *, chown: bool) -> None:
+    """Apply directory owner/mode/mtime last, deepest first, so writing children cannot undo them."""
+    for name, m in sorted(dirs, key=lambda d: d[0], reverse=True):
+        fd = tree.open_dir(name)
+        if fd is None:
+            continue
+        try:
+            if chown:
+                os.fchown(fd, m.uid, m.gid)
+            os.fchmod(fd, m.mode & 0o7777)
+            os.utime(fd, ns=_ns(m.mtime))
+        finally:
+            os.close(fd)
+
+
+# --- packing ------------------------------------------------------------------------------------
+
+EntryFilter = Callable[[str, os.stat_result, "int | None"], bool]
+
+
+def _sort_key(name: str) -> bytes:
+    return name.encode("utf-8", "surrogateescape")
+
+
+def tar_directory(
+    src: str,
+    out: IO[bytes],
+    *,
+    arcname: str = "",
+    follow_symlinks: bool = False,
+    on_entry: EntryFilter | None = None,
+) -> None:
+    """Write a deterministic PAX tar of the tree at `src` into `out` (a stream; never seeks).
+
+    Entries are sorted by byte order; modes, uid/gid, whole-second mtimes, symlinks, hard links
+    (as tar links) and device/fifo nodes are recorded; user/group names are left empty so the bytes
+    do not depend on the host's passwd; sockets are skipped. `arcname` prefixes every name and adds a
+    directory entry for the root; with "" the root itself is not recorded. Without
+    `follow_symlinks` every file is opened with O_NOFOLLOW below directory fds, so a workload racing
+    symlinks in its own tree cannot make us read host files. `on_entry(relpath, lstat, fd)` (fd is
+    an open fd for directories and regular files, else None) may return False to leave an entry out
+    (and, for a directory, its contents).
+    """
+    nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
+    # Not a `with`: on error the end-of-archive blocks must not be written after a partial member.
+    tf = tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT)  # noqa: SIM115
+    links: dict[tuple[int, int], str] = {}
+    visited: set[tuple[int, int]] = set()  # directory loops are only possible with follow_symlinks
+    prefix = arcname.strip("/")
+    # Iterative DFS (no recursion limit on deep trees): (dir fd, relative path, remaining sorted names)
+    stack: list[tuple[int, str, list[str]]] = []
+    root_fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        root_st = os.fstat(root_fd)
+        visited.add((root_st.st_dev, root_st.st_ino))
+        stack.append((root_fd, "", sorted(os.listdir(root_fd), key=_sort_key)))
+    except BaseException:
+        os.close(root_fd)
+        raise
+    try:
+        if prefix:
+            tf.addfile(_tarinfo(prefix, root_st, tarfile.DIRTYPE))
+        while stack:
+            dfd, rel, names = stack[-1]
+            if not names:
+                os.close(dfd)
+                stack.pop()
+                continue
+            entry = names.pop(0)
+            path = f"{rel}/{entry}" if rel else entry
+            arc = f"{prefix}/{path}" if prefix else path
+            st = os.stat(entry, dir_fd=dfd, follow_symlinks=follow_symlinks)
+            mode = st.st_mode
+            if stat.S_ISDIR(mode):
+                if (st.st_dev, st.st_ino) in visited:
+                    continue
+                cfd = os.open(entry, (_DIR_FLAGS & ~os.O_NOFOLLOW) | nofollow, dir_fd=dfd)
+                if on_entry is not None and not on_entry(path, st, cfd):
+                    os.close(cfd)
+                    continue
+                tf.addfile(_tarinfo(arc, st, tarfile.DIRTYPE))
+                if follow_symlinks:
+                    visited.add((st.st_dev, st.st_ino))
+                stack.append((cfd, path, sorted(os.listdir(cfd), key=_sort_key)))
+            elif stat.S_ISREG(mode):
+                _add_regular(tf, dfd, entry, path, arc, st, nofollow, on_entry, links)
+            elif stat.S_ISSOCK(mode) or (on_entry is not None and not on_entry(path, st, None)):
+                continue
+            elif stat.S_ISLNK(mode):
+                ti = _tarinfo(arc, st, tarfile.SYMTYPE)
+                ti.linkname = os.readlink(entry, dir_fd=dfd)
+                tf.addfile(ti)
+            elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                ti = _tarinfo(arc, st, tarfile.CHRTYPE if stat.S_ISCHR(mode) else tarfile.BLKTYPE)
+                ti.devmajor, ti.devminor = os.major(st.st_rdev), os.minor(st.st_rdev)
+                tf.addfile(ti)
+            elif stat.S_ISFIFO(mode):
+                tf.addfile(_tarinfo(arc, st, tarfile.FIFOTYPE))
+        tf.close()
+    finally:
+        for dfd, _, _ in stack:
+            os.close(dfd)
+
+
+def _add_regular(
+    tf: tarfile.TarFile,
+    dfd: int,
+    entry: str,
+    path: str,
+    arc: str,
+    st: os.stat_result,
+    nofollow: int,
+    on_entry: EntryFilter | None,
+    links: dict[tuple[int, int], str],
+) -> None:
+    ffd = os.open(entry, os.O_RDONLY | os.O_CLOEXEC | nofollow, dir_fd=dfd)
+    with open(ffd, "rb", closefd=True) as f:
+        fst = os.fstat(ffd)
+        if (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(fst.st_mode):
+            raise UnsafeArchive(
+                f"{path!r} was replaced while it was being archived",
+                hint="archive only frozen or quiescent trees",
+                retryable=True,
+            )
+        if on_entry is not None and not on_entry(path, fst, ffd):
+            return
+        key = (fst.st_dev, fst.st_ino)
+        if fst.st_nlink > 1 and key in links:
+            ti = _tarinfo(arc, fst, tarfile.LNKTYPE)
+            ti.linkname = links[key]
+            tf.addfile(ti)
+            return
+        if fst.st_nlink > 1:
+            links[key] = arc
+        ti = _tarinfo(arc, fst, tarfile.REGTYPE)
+        ti.size = fst.st_size
+        tf.addfile(ti, f)
+
+
+def _tarinfo(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.type = kind
+    ti.mode = stat.S_IMODE(st.st_mode)
+    ti.uid, ti.gid = st.st_uid, st.st_gid
+    ti.uname = ti.gname = ""
+    ti.mtime = int(st.st_mtime)
+    return ti
+
+
+class HashingWriter(io.RawIOBase):
+    """A write-only stream that sha256-hashes and counts what passes through to `raw` (optional).
+
+    Sits at the end of tar -> zstd -> here -> file/upload so the blob digest is known the moment the
+    last byte is written, without reading the blob again. close() does not close `raw`.
+    """
+
+    def __init__(self, raw: IO[bytes] | None = None) -> None:
+        super().__init__()
+        self._raw = raw
+        self._hash = hashlib.sha256()
+        self.size = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self._hash.update(view)
+        if self._raw is not None:
+            self._raw.write(view)
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        if self._raw is not None and not self.closed:
+            self._raw.flush()
+
+    @property
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()
+
+    @property
+    def digest(self) -> str:
+        """OCI form: ``sha256:<hex>``."""
+        return "sha256:" + self._hash.hexdigest()
+
+
+def open_zstd_writer(out: IO[bytes], *, level: int = 1, threads: int = 0) -> BinaryIO:
+    """A zstd compressing stream into `out`; close it (or use ``with``) to end the frame.
+
+    `threads`: 0 compresses in the caller's thread, -1 uses every CPU, n uses n worker threads
+    (zstd's multi-threaded mode overlaps compression with the producer; level 1 is ~1.4 GB/s per core).
+    Frames carry zstd's content checksum, so corruption is detected by the decoder too, not only
+    by the blob digest. Closing it does not close `out`.
+    """
+    cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
+    return cast(BinaryIO, cctx.stream_writer(out, closefd=False, write_return_read=True))
+
+
+def compress_to(
+    src: IO[bytes] | Iterable[bytes], out: IO[bytes], *, level: int = 1, threads: int = 0
+) -> None:
+    """zstd-compress a reader or an iterable of byte chunks into `out` (one frame, not closed)."""
+    if hasattr(src, "read"):
+        src = cast(IO[bytes], src)
+        cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
+        cctx.copy_stream(src, out, read_size=CHUNK, write_size=CHUNK)
+        return
+    with open_zstd_writer(out, level=level, threads=threads) as zw:
+        for chunk in src:
+            zw.write(chunk)
+
+
+class _ZstdReader(io.RawIOBase):
+    """Decompressing reader whose corrupt-input errors are UnsafeArchive, not zstandard internals."""
+
+    def __init__(self, fileobj: IO[bytes]) -> None:
+        super().__init__()
+        dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+        self._r = dctx.stream_reader(fileobj, read_size=CHUNK, read_across_frames=True, closefd=False)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        try:
+            return self._r.read(size)
+        except zstandard.ZstdError as e:
+            raise UnsafeArchive(f"corrupt zstd stream: {e}", hint=_HINT) from e
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        cast(Any, self._r).close()
+        super().close()
+
+
+def open_zstd_reader(fileobj: IO[bytes]) -> BinaryIO:
+    """Streaming zstd decompression of `fileobj` (all frames), window capped at 128 MiB.
+
+    Feed it to safe_extract; the extraction limits bound the output (decompression bombs).
+    Closing it does not close `fileobj`.
+    """
+    return cast(BinaryIO, _ZstdReader(fileobj))
+
+
+# --- push -> pull adapter -----------------------------------------------------------------------
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class _QueueWriter(io.RawIOBase):
+    def __init__(self, q: queue.Queue[object], chunk_size: int, cancel: threading.Event) -> None:
+        super().__init__()
+        self._q, self._size, self._cancel = q, chunk_size, cancel
+        self._buf = bytearray()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        self._buf += view
+        while len(self._buf) >= self._size:
+            self._put(bytes(self._buf[: self._size]))
+            del self._buf[: self._size]
+        return len(view)
+
+    def _put(self, item: object) -> None:
+        while True:
+            if self._cancel.is_set():
+                raise _Cancelled()
+            try:
+                self._q.put(item, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def finish(self) -> None:
+        if self._buf:
+            self._put(bytes(self._buf))
+            self._buf.clear()
+
+
+_DONE = object()
+
+
+def iter_produced(
+    producer: Callable[[BinaryIO], None], *, chunk_size: int = 4 * CHUNK, max_chunks: int = 8
+) -> Iterator[bytes]:
+    """Run `producer(writer)` in a thread and yield what it writes, in `chunk_size` chunks.
+
+    Bounded queue (`max_chunks`) = back-pressure: the producer waits for the consumer, so memory
+    stays at about chunk_size * max_chunks. The producer's exception is re-raised in the consumer;
+    if the consumer stops early (closes the generator), the producer is cancelled.
+    """
+    q: queue.Queue[object] = queue.Queue(maxsize=max_chunks)
+    cancel = threading.Event()
+    writer = _QueueWriter(q, chunk_size, cancel)
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            producer(cast(BinaryIO, writer))
+            writer.finish()
+        except _Cancelled:
+            return
+        except BaseException as e:
+            failure.append(e)
+        with contextlib.suppress(_Cancelled):
+            writer._put(_DONE)
+
+    thread = threading.Thread(target=run, name="iter-produced", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _DONE:
+                break
+            yield cast(bytes, item)
+        if failure:
+            raise failure[0]
+    finally:
+        cancel.set()
+        thread.join()
