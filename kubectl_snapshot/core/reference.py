@@ -103,6 +103,19 @@ class Reference:
     tag: str | None = None
     digest: str | None = None
 
+    def __post_init__(self) -> None:
+        # References are also built directly (e.g. from a snapshot's recorded data): the fields end
+        # up in URL paths, so every construction is checked, not just parse().
+        if not _HOST_RE.match(self.registry):
+            raise InvalidArgument(f"invalid registry {self.registry!r}", hint=_HINT)
+        components = self.repository.split("/")
+        if len(self.repository) > _MAX_NAME or not all(_COMPONENT_RE.match(c) for c in components):
+            raise InvalidArgument(f"invalid repository {self.repository!r}", hint=_HINT)
+        if self.tag is not None and not _TAG_RE.match(self.tag):
+            raise InvalidArgument(f"invalid tag {self.tag!r}", hint=_HINT)
+        if self.digest is not None:
+            validate_digest(self.digest)
+
     @classmethod
     def parse(cls, text: str, *, default_tag: str | None = "latest") -> Reference:
         """Parse `text`; when it has neither tag nor digest, the tag is `default_tag`.
@@ -137,9 +150,7 @@ class Reference:
         if sep and ("." in first or ":" in first or first == "localhost" or first.startswith("[")):
             registry, repository = first, rest
             if not _HOST_RE.match(registry):
-                raise InvalidArgument(
-                    f"invalid reference {original!r}: bad registry {registry!r}", hint=_HINT
-                )
+                raise InvalidArgument(f"invalid reference {original!r}: bad registry {registry!r}", hint=_HINT)
             if normalize_registry(registry) == DOCKER_HUB:
                 registry = DOCKER_HUB
         else:

@@ -121,3 +121,18 @@ def test_docker_hub_names() -> None:
     assert api_host("docker.io") == "registry-1.docker.io"
     assert Reference.parse("busybox").api_host == "registry-1.docker.io"
     assert api_host("127.0.0.1:5000") == "127.0.0.1:5000"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"registry": "r.example", "repository": "../etc"},
+        {"registry": "r.example", "repository": "a", "tag": "x/y"},
+        {"registry": "r.example", "repository": "a", "digest": "sha256:zz"},
+        {"registry": "r.example/evil", "repository": "a"},
+        {"registry": "", "repository": "a"},
+    ],
+)
+def test_direct_construction_is_validated(fields: dict[str, str]) -> None:
+    with pytest.raises(InvalidArgument):
+        Reference(**fields)
