@@ -29,9 +29,9 @@ import shutil
 import stat
 import tarfile
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
-from typing import IO, Any, BinaryIO, Self, cast
+from typing import IO, Any, BinaryIO, Protocol, Self, cast
 
 import zstandard
 
@@ -48,6 +48,12 @@ MAX_HEADER_BYTES = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _HINT = "the snapshot is corrupted or was crafted; do not restore it, and take a new snapshot"
 _SETID = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX
+
+
+class ByteSink(Protocol):
+    """Anything with write(bytes): a file, a socket wrapper, HashingWriter, a zstd writer."""
+
+    def write(self, data: bytes, /) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -136,9 +142,7 @@ class _Tree:
                     nfd = os.open(comp, _DIR_FLAGS, dir_fd=fd)
                 except OSError as e:
                     if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise _unsafe(
-                            rel, f"parent {'/'.join(done)!r} is a symlink or not a directory"
-                        ) from e
+                        raise _unsafe(rel, f"parent {'/'.join(done)!r} is a symlink or not a directory") from e
                     raise
                 os.close(fd)
                 fd = nfd
@@ -472,7 +476,7 @@ class HashingWriter(io.RawIOBase):
     last byte is written, without reading the blob again. close() does not close `raw`.
     """
 
-    def __init__(self, raw: IO[bytes] | None = None) -> None:
+    def __init__(self, raw: ByteSink | None = None) -> None:
         super().__init__()
         self._raw = raw
         self._hash = hashlib.sha256()
@@ -485,13 +489,14 @@ class HashingWriter(io.RawIOBase):
         view = memoryview(b).cast("B")
         self._hash.update(view)
         if self._raw is not None:
-            self._raw.write(view)
+            self._raw.write(bytes(view) if not isinstance(b, bytes) else b)
         self.size += len(view)
         return len(view)
 
     def flush(self) -> None:
-        if self._raw is not None and not self.closed:
-            self._raw.flush()
+        flush = getattr(self._raw, "flush", None)
+        if flush is not None and not self.closed:
+            flush()
 
     @property
     def hexdigest(self) -> str:
@@ -503,7 +508,7 @@ class HashingWriter(io.RawIOBase):
         return "sha256:" + self._hash.hexdigest()
 
 
-def open_zstd_writer(out: IO[bytes], *, level: int = 1, threads: int = 0) -> BinaryIO:
+def open_zstd_writer(out: ByteSink, *, level: int = 1, threads: int = 0) -> BinaryIO:
     """A zstd compressing stream into `out`; close it (or use ``with``) to end the frame.
 
     `threads`: 0 compresses in the caller's thread, -1 uses every CPU, n uses n worker threads
@@ -512,17 +517,15 @@ def open_zstd_writer(out: IO[bytes], *, level: int = 1, threads: int = 0) -> Bin
     by the blob digest. Closing it does not close `out`.
     """
     cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
-    return cast(BinaryIO, cctx.stream_writer(out, closefd=False, write_return_read=True))
+    return cast(BinaryIO, cctx.stream_writer(cast(IO[bytes], out), closefd=False, write_return_read=True))
 
 
-def compress_to(
-    src: IO[bytes] | Iterable[bytes], out: IO[bytes], *, level: int = 1, threads: int = 0
-) -> None:
+def compress_to(src: IO[bytes] | Iterable[bytes], out: ByteSink, *, level: int = 1, threads: int = 0) -> None:
     """zstd-compress a reader or an iterable of byte chunks into `out` (one frame, not closed)."""
     if hasattr(src, "read"):
         src = cast(IO[bytes], src)
         cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
-        cctx.copy_stream(src, out, read_size=CHUNK, write_size=CHUNK)
+        cctx.copy_stream(src, cast(IO[bytes], out), read_size=CHUNK, write_size=CHUNK)
         return
     with open_zstd_writer(out, level=level, threads=threads) as zw:
         for chunk in src:
@@ -610,7 +613,7 @@ _DONE = object()
 
 def iter_produced(
     producer: Callable[[BinaryIO], None], *, chunk_size: int = 4 * CHUNK, max_chunks: int = 8
-) -> Iterator[bytes]:
+) -> Generator[bytes, None, None]:
     """Run `producer(writer)` in a thread and yield what it writes, in `chunk_size` chunks.
 
     Bounded queue (`max_chunks`) = back-pressure: the producer waits for the consumer, so memory

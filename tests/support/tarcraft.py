@@ -26,8 +26,8 @@ class Entry:
     pax: dict[str, str] = field(default_factory=dict)
 
 
-def reg(name: str, data: bytes = b"", mode: int = 0o644, **kw: int) -> Entry:
-    return Entry(name, tarfile.REGTYPE, data, mode=mode, **kw)
+def reg(name: str, data: bytes = b"", mode: int = 0o644, uid: int = 0, gid: int = 0) -> Entry:
+    return Entry(name, tarfile.REGTYPE, data, mode=mode, uid=uid, gid=gid)
 
 
 def dir_(name: str, mode: int = 0o755) -> Entry:

@@ -273,9 +273,7 @@ def test_special_files_refused(box: tuple[Path, Path], entry: Entry) -> None:
 
 
 def test_special_modes_allowed_when_asked(tmp_path: Path) -> None:
-    extract(
-        craft_tar([reg("suid", b"x", mode=0o4755), dir_("tmp", 0o1777)]), tmp_path, allow_special_modes=True
-    )
+    extract(craft_tar([reg("suid", b"x", mode=0o4755), dir_("tmp", 0o1777)]), tmp_path, allow_special_modes=True)
     assert stat.S_IMODE((tmp_path / "suid").stat().st_mode) == 0o4755
     assert stat.S_IMODE((tmp_path / "tmp").stat().st_mode) == 0o1777
 
@@ -405,7 +403,7 @@ def test_iter_produced_streams_with_backpressure(tmp_path: Path) -> None:
     chunks = list(iter_produced(produce, chunk_size=64 << 10, max_chunks=2))
     assert all(len(c) == 64 << 10 for c in chunks[:-1])
     direct = io.BytesIO()
-    produce(direct)  # type: ignore[arg-type]
+    produce(direct)
     direct.seek(0)
     assert open_zstd_reader(io.BytesIO(b"".join(chunks))).read() == open_zstd_reader(direct).read()
 
