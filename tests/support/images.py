@@ -196,9 +196,7 @@ def _cached(kind: str, recipe: dict[str, Any], build: Callable[[Path], dict[str,
 
 
 def _install_busybox(rootfs: Path) -> None:
-    applets = subprocess.run(
-        [str(BUSYBOX), "--list"], capture_output=True, text=True, check=True
-    ).stdout.split()
+    applets = subprocess.run([str(BUSYBOX), "--list"], capture_output=True, text=True, check=True).stdout.split()
     (rootfs / "bin").mkdir(exist_ok=True)
     dst = rootfs / "bin" / "busybox"
     if not dst.exists():

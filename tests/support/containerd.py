@@ -1,0 +1,255 @@
+"""Real containerd daemons for integration tests: private root, state, socket and runc state each.
+
+``ContainerdDaemon(name, base_dir)`` runs /usr/local/bin/containerd with a generated config
+(version 3; CRI and NRI off, since these tests are not Kubernetes) and everything under
+`base_dir`: two instances never share metadata, snapshots, shim sockets or runc state
+(``runc_options`` points runc's ``--root`` at the instance's own directory; containers must be
+created with it). Each instance also gets its own containerd namespace, so the cgroups of its
+containers (``/<namespace>/<id>``) cannot collide with another instance's or another test session's.
+
+Fixtures (session-scoped): ``containerd_a``, ``containerd_b`` and their ``runc_root_a``/``runc_root_b``.
+They skip when not root or when containerd, its runc shim, runc or CRIU are missing
+(hack/install-node-deps.sh installs them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kubectl_snapshot.core.errors import SnapshotError
+from shim.containerd.client import ContainerdClient, RuncOptions
+
+CONTAINERD = "/usr/local/bin/containerd"
+SHIM = "/usr/local/bin/containerd-shim-runc-v2"
+RUNC = "/usr/sbin/runc"
+CRIU = "/usr/sbin/criu"
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+# Plugins a non-Kubernetes test daemon does not need (and that would want CNI, NRI sockets, ...).
+DISABLED_PLUGINS = (
+    "io.containerd.grpc.v1.cri",
+    "io.containerd.cri.v1.images",
+    "io.containerd.cri.v1.runtime",
+    "io.containerd.podsandbox.controller.v1.podsandbox",
+    "io.containerd.nri.v1.nri",
+    "io.containerd.tracing.processor.v1.otlp",
+    "io.containerd.internal.v1.tracing",
+)
+
+
+def missing_requirements() -> str | None:
+    """Why real-containerd tests cannot run here, or None when they can."""
+    if os.geteuid() != 0:
+        return "needs root (containerd, runc and CRIU)"
+    for binary in (CONTAINERD, SHIM, RUNC, CRIU):
+        if not os.access(binary, os.X_OK):
+            return f"{binary} is missing (run hack/install-node-deps.sh)"
+    return None
+
+
+def _toml_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+class ContainerdDaemon:
+    """One containerd process with all of its state under `base_dir`."""
+
+    def __init__(self, name: str, base_dir: str | os.PathLike[str], *, namespace: str | None = None) -> None:
+        self.name = name
+        self.base_dir = Path(base_dir)
+        self.root = self.base_dir / "root"
+        self.state = self.base_dir / "state"
+        self.runc_root = str(self.base_dir / "runc")
+        self.address = str(self.base_dir / "containerd.sock")
+        self.config_path = self.base_dir / "config.toml"
+        self.log_path = self.base_dir / "containerd.log"
+        self.namespace = namespace or f"kst-{name}-{secrets.token_hex(3)}"
+        self._proc: subprocess.Popen[bytes] | None = None
+        if len(self.address) > 100:
+            raise ValueError(f"socket path too long for a unix socket: {self.address}")
+
+    @property
+    def runc_options(self) -> RuncOptions:
+        """Runtime options every container of this instance must use (its own runc state dir)."""
+        return RuncOptions(root=self.runc_root)
+
+    def client(self, timeout: float = 30.0) -> ContainerdClient:
+        return ContainerdClient(self.address, self.namespace, timeout=timeout)
+
+    def config(self) -> str:
+        disabled = ", ".join(_toml_str(p) for p in DISABLED_PLUGINS)
+        return "\n".join(
+            [
+                "version = 3",
+                f"root = {_toml_str(str(self.root))}",
+                f"state = {_toml_str(str(self.state))}",
+                f"disabled_plugins = [{disabled}]",
+                "[grpc]",
+                f"  address = {_toml_str(self.address)}",
+                "[ttrpc]",
+                f"  address = {_toml_str(self.address + '.ttrpc')}",
+                "[debug]",
+                '  level = "info"',
+                "",
+            ]
+        )
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def start(self, timeout: float = 30.0) -> None:
+        for d in (self.root, self.state, Path(self.runc_root)):
+            d.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(self.config())
+        env = {**os.environ, "PATH": PATH}
+        env.pop("CONTAINERD_ADDRESS", None)
+        with self.log_path.open("ab") as log:
+            self._proc = subprocess.Popen(
+                [CONTAINERD, "--config", str(self.config_path)],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"containerd {self.name} exited ({self._proc.returncode}):\n{self.log_tail()}")
+            if os.path.exists(self.address):
+                with contextlib.suppress(SnapshotError), self.client(timeout=2.0) as c:
+                    c.version()
+                    return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"containerd {self.name} did not answer in {timeout}s:\n{self.log_tail()}")
+            time.sleep(0.1)
+
+    # --- teardown ---------------------------------------------------------------------------------
+
+    def _remove_containers(self) -> None:
+        with contextlib.suppress(SnapshotError), self.client(timeout=10.0) as c:
+            for info in c.list_containers():
+                with contextlib.suppress(SnapshotError):
+                    c.remove_container(info.id)
+
+    def _shim_pids(self) -> list[int]:
+        """Shims started by this daemon: their command line names its socket (-address)."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv and argv[0].endswith(b"containerd-shim-runc-v2") and self.address.encode() in argv:
+                pids.append(int(entry.name))
+        return pids
+
+    def _kill_leftover_containers(self) -> None:
+        root = Path(self.runc_root)
+        if not root.is_dir():
+            return
+        for ns_dir in root.iterdir():
+            for state in ns_dir.iterdir() if ns_dir.is_dir() else ():
+                subprocess.run(
+                    [RUNC, "--root", str(ns_dir), "delete", "--force", state.name],
+                    capture_output=True,
+                    timeout=30,
+                    check=False,
+                )
+
+    def _unmount_all(self) -> None:
+        base = str(self.base_dir.resolve())
+        targets = []
+        with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+            for line in f:
+                mountpoint = line.split()[4].replace("\\040", " ")
+                if mountpoint == base or mountpoint.startswith(base + "/"):
+                    targets.append(mountpoint)
+        for mp in sorted(targets, key=len, reverse=True):
+            subprocess.run(["umount", "-l", mp], capture_output=True, check=False)
+
+    def _remove_namespace_cgroups(self) -> None:
+        for cg in Path("/sys/fs/cgroup").glob(f"*/{self.namespace}"):
+            with contextlib.suppress(OSError):
+                cg.rmdir()
+        with contextlib.suppress(OSError):
+            Path("/sys/fs/cgroup/unified", self.namespace).rmdir()
+
+    def stop(self) -> None:
+        """Remove containers, stop the daemon, kill its leftover shims and containers, unmount."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._remove_containers()
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
+        self._proc = None
+        for pid in self._shim_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._kill_leftover_containers()
+        self._unmount_all()
+        self._remove_namespace_cgroups()
+
+    def __enter__(self) -> ContainerdDaemon:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@contextlib.contextmanager
+def running_daemon(name: str, base_dir: Path) -> Iterator[ContainerdDaemon]:
+    reason = missing_requirements()
+    if reason:
+        pytest.skip(reason)
+    daemon = ContainerdDaemon(name, base_dir)
+    daemon.start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop()
+        shutil.rmtree(base_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def containerd_a(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContainerdDaemon]:
+    """A private containerd instance ("node A") for the whole test session."""
+    with running_daemon("a", tmp_path_factory.mktemp("containerd-a")) as d:
+        yield d
+
+
+@pytest.fixture(scope="session")
+def containerd_b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContainerdDaemon]:
+    """A second, independent containerd instance ("node B"), e.g. the restore target."""
+    with running_daemon("b", tmp_path_factory.mktemp("containerd-b")) as d:
+        yield d
+
+
+@pytest.fixture(scope="session")
+def runc_root_a(containerd_a: ContainerdDaemon) -> str:
+    return containerd_a.runc_root
+
+
+@pytest.fixture(scope="session")
+def runc_root_b(containerd_b: ContainerdDaemon) -> str:
+    return containerd_b.runc_root
