@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# Tear the local test cluster down completely and idempotently, also after a failed or partial
+# start: no processes, mounts, cgroups, network interfaces, routes or iptables rules of ours are
+# left, and the state directories are removed (the binary cache is kept). Exits non-zero and says
+# what is left if something could not be removed.
+#
+# Only processes of this cluster are stopped: by pid file, by membership of the nodes' own cgroup
+# roots (the pods), or because their command line names this cluster's own state directories
+# (containerd shims, daemons whose pid file was lost). Never by program name.
+set -uo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=hack/cluster/lib.sh
+. "$HERE/lib.sh"
+
+[ "$(id -u)" = 0 ] || ks_die "must run as root" "sudo $0"
+
+# Pids whose command line mentions our state dirs (excluding this script and its ancestors).
+our_pids() {
+  local self=$$ ancestors=" " p pid cmd
+  p=$self
+  while [ -n "$p" ] && [ "$p" != 0 ] && [ "$p" != 1 ]; do
+    ancestors+="$p "
+    p="$(awk '{print $4}' "/proc/$p/stat" 2>/dev/null)" || break
+  done
+  for d in /proc/[0-9]*; do
+    pid="${d#/proc/}"
+    [[ "$ancestors" == *" $pid "* ]] && continue
+    cmd="$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null)" || continue
+    case "$cmd" in
+      *"$KS_DIR/"* | *"$KS_RUN/"*) echo "$pid" ;;
+    esac
+  done
+}
+
+cgroup_pids() {  # pids in the nodes' cgroup roots, every hierarchy
+  local node
+  for node in "${KS_NODES[@]}"; do
+    find /sys/fs/cgroup/*/"$node" -name cgroup.procs -exec cat {} + 2>/dev/null
+  done | sort -u
+}
+
+# 1. kubelets first, so nothing restarts pods while we stop them.
+for node in "${KS_NODES[@]}"; do ks_stop "kubelet-$node" 10; done
+
+# 2. the pods: thaw frozen cgroups (a SIGKILL does not reach a frozen task), then kill.
+for node in "${KS_NODES[@]}"; do
+  find "/sys/fs/cgroup/freezer/$node" -name freezer.state 2>/dev/null | while read -r f; do
+    echo THAWED >"$f" 2>/dev/null || true
+  done
+done
+for _ in 1 2 3 4 5 6 7 8 9 10; do
+  pids="$(cgroup_pids)"
+  [ -n "$pids" ] || break
+  # shellcheck disable=SC2086
+  kill -KILL $pids 2>/dev/null || true
+  sleep 0.3
+done
+
+# 3. containerd, its shims, and the control plane.
+for node in "${KS_NODES[@]}"; do ks_stop "containerd-$node" 10; done
+for name in kube-scheduler kube-controller-manager kube-apiserver etcd registry; do ks_stop "$name" 10; done
+for _ in 1 2 3 4 5 6 7 8 9 10; do
+  pids="$(our_pids)"
+  [ -n "$pids" ] || break
+  # shellcheck disable=SC2086
+  kill -KILL $pids 2>/dev/null || true
+  sleep 0.3
+done
+
+# 4. shim sockets in the shared /run/containerd/s (their paths are recorded in our bundles).
+if [ -d "$KS_RUN" ]; then
+  find "$KS_RUN" -path '*io.containerd.runtime.v2.task*' -name address -type f 2>/dev/null | while read -r f; do
+    sock="$(sed 's#^unix://##' "$f")"
+    case "$sock" in /run/containerd/s/*) rm -f "$sock" ;; esac
+  done
+fi
+
+# 5. mounts under our dirs (overlay rootfs, netns, shm, kubelet volumes), deepest first.
+for _ in 1 2 3; do
+  mounts="$(findmnt -rn -o TARGET | grep -E "^($KS_DIR|$KS_RUN)(/|$)" | sort -r)"
+  [ -n "$mounts" ] || break
+  while read -r m; do
+    m="$(printf '%b' "$m")"  # findmnt -r escapes blanks as \x20
+    umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
+  done <<<"$mounts"
+done
+
+# 6. cgroup roots, deepest first.
+for node in "${KS_NODES[@]}"; do
+  for h in /sys/fs/cgroup/*/"$node"; do
+    [ -d "$h" ] && find "$h" -depth -type d -exec rmdir {} \; 2>/dev/null
+  done
+done
+
+# 7. network: veths left on our bridge, the bridge, the service blackhole route.
+if ip link show "$KS_BRIDGE" >/dev/null 2>&1; then
+  for l in $(ip -o link show master "$KS_BRIDGE" 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1); do
+    ip link delete "$l" 2>/dev/null || true
+  done
+  ip link delete "$KS_BRIDGE" 2>/dev/null || true
+fi
+ip route del blackhole "$KS_SERVICE_CIDR" 2>/dev/null || true
+
+# 8. iptables: chains KUBE-*/CNI-* that were not there before up.sh, and rules using them or our
+#    bridge/pod CIDR. (The kubelet runs with makeIPTablesUtilChains=false; this is a safety net.)
+if command -v iptables-save >/dev/null; then
+  before="$KS_RUN/iptables.before"
+  table=""
+  iptables-save 2>/dev/null | while read -r line; do
+    case "$line" in
+      \**) table="${line#\*}" ;;
+      -A*)
+        if [[ "$line" =~ (KUBE-|CNI-|$KS_BRIDGE|${KS_POD_CIDR%/*}) ]] && ! grep -qxF -- "$line" "$before" 2>/dev/null; then
+          # shellcheck disable=SC2086
+          eval "iptables -t $table -D ${line#-A }" 2>/dev/null || true
+        fi ;;
+    esac
+  done
+  iptables-save 2>/dev/null | while read -r line; do
+    case "$line" in
+      \**) table="${line#\*}" ;;
+      :KUBE-* | :CNI-*)
+        chain="${line%% *}"; chain="${chain#:}"
+        if ! grep -q "^:$chain " "$before" 2>/dev/null; then
+          iptables -t "$table" -F "$chain" 2>/dev/null; iptables -t "$table" -X "$chain" 2>/dev/null || true
+        fi ;;
+    esac
+  done
+fi
+
+# 9. kubelet symlinks into our pod logs, then the state dirs.
+find /var/log/containers -maxdepth 1 -type l -lname "$KS_DIR/*" -delete 2>/dev/null || true
+rm -rf "$KS_DIR" "$KS_RUN" 2>/dev/null || true
+
+# 10. verify.
+left=()
+[ -z "$(our_pids)$(cgroup_pids)" ] || left+=("processes: $(our_pids) $(cgroup_pids)")
+m="$(findmnt -rn -o TARGET | grep -E "^($KS_DIR|$KS_RUN)(/|$)")" && left+=("mounts: $m")
+ip link show "$KS_BRIDGE" >/dev/null 2>&1 && left+=("interface $KS_BRIDGE")
+ip route show type blackhole 2>/dev/null | grep -q "${KS_SERVICE_CIDR%/*}" && left+=("blackhole route")
+for node in "${KS_NODES[@]}"; do
+  for h in /sys/fs/cgroup/*/"$node"; do [ -d "$h" ] && left+=("cgroup $h"); done
+done
+[ ! -e "$KS_DIR" ] || left+=("dir $KS_DIR")
+[ ! -e "$KS_RUN" ] || left+=("dir $KS_RUN")
+if [ ${#left[@]} -gt 0 ]; then
+  printf 'error: teardown left: %s\n' "${left[@]}" >&2
+  exit 1
+fi
+ks_log "cluster is down (nothing left)"

@@ -1,0 +1,141 @@
+# shellcheck shell=bash
+# Settings and helpers shared by hack/cluster/{up,down,containerd-restart}.sh (sourced, not run).
+#
+# Network layout (see docs/cluster.md): everything stays on loopback in the root network
+# namespace. The API server listens on 127.0.0.1, each kubelet on its own 127.0.0.x; because the
+# kubelet refuses a loopback --node-ip, kubelets run with --cloud-provider=external and up.sh plays
+# the cloud provider: it writes the node addresses (127.0.0.x) and removes the "uninitialized"
+# taint. Pods share one bridge that has no address (no gateway, no default route), so nothing a
+# pod sends can leave the machine; the service CIDR is blackholed for host-network pods.
+
+KS_K8S_VERSION="${K8S_VERSION:-v1.36.3}"
+KS_DIR="${KS_CLUSTER_DIR:-/var/lib/ks-cluster}"      # persistent state (PKI, etcd, node dirs)
+KS_RUN="${KS_CLUSTER_RUN:-/run/ks-cluster}"          # sockets, pids, containerd state
+KS_NODES=(ks-n1 ks-n2)
+KS_API_ADDR=127.0.0.1
+KS_API_PORT="${KS_API_PORT:-6443}"
+KS_ETCD_PORT="${KS_ETCD_PORT:-23790}"
+KS_REGISTRY="${KS_REGISTRY:-127.0.0.1:5005}"
+KS_POD_CIDR=10.244.0.0/16
+KS_SERVICE_CIDR=10.96.0.0/16
+KS_BRIDGE=ks-br0
+KS_IMAGE_PREFIX="$KS_REGISTRY/kubectl-snapshot"
+KS_PAUSE_IMAGE="$KS_IMAGE_PREFIX/pause:3.10-ks"
+KS_BUSYBOX_IMAGE="$KS_IMAGE_PREFIX/busybox:1.37"
+KS_PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # criu, runc in /usr/sbin
+
+ks_log() { printf '[cluster] %s\n' "$*" >&2; }
+ks_die() { printf 'error: %s\n' "$1" >&2; [ -z "${2:-}" ] || printf 'hint: %s\n' "$2" >&2; exit 1; }
+
+ks_node_ip() {  # NODE -> its 127.0.0.x
+  case "$1" in
+    ks-n1) echo 127.0.0.11 ;;
+    ks-n2) echo 127.0.0.12 ;;
+    *) ks_die "unknown node '$1'" "nodes are: ${KS_NODES[*]}" ;;
+  esac
+}
+ks_node_sock() { echo "$KS_RUN/$1/containerd.sock"; }
+ks_node_dropins() { echo "$KS_DIR/$1/containerd.d"; }
+
+ks_pidfile() { echo "$KS_RUN/pids/$1.pid"; }
+ks_alive() {  # NAME: is the daemon from its pid file running?
+  local f pid
+  f="$(ks_pidfile "$1")"
+  [ -f "$f" ] && pid="$(cat "$f")" && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
+}
+
+# Start a daemon in its own session (it must outlive the caller, e.g. pytest), log to a file and
+# record its pid so down.sh can stop exactly it.
+ks_start() {  # NAME CMD...
+  local name="$1"; shift
+  mkdir -p "$KS_DIR/logs" "$KS_RUN/pids"
+  PATH="$KS_PATH" setsid "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$(ks_pidfile "$name")"
+}
+
+ks_stop() {  # NAME [TIMEOUT_S]: SIGTERM, then SIGKILL after the timeout
+  local f pid i
+  f="$(ks_pidfile "$1")"
+  [ -f "$f" ] || return 0
+  pid="$(cat "$f")"
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < ${2:-10} * 10; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$pid" 2>/dev/null || true
+    for ((i = 0; i < 50; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  fi
+  rm -f "$f"
+}
+
+ks_wait() {  # TIMEOUT_S DESCRIPTION CMD...: poll CMD until it succeeds
+  local timeout="$1" what="$2" start
+  shift 2
+  start=$(date +%s)
+  until "$@" >/dev/null 2>&1; do
+    if (( $(date +%s) - start >= timeout )); then
+      ks_log "timed out after ${timeout}s waiting for $what"
+      return 1
+    fi
+    sleep 0.5
+  done
+}
+
+ks_containerd_config() {  # NODE: write the node's containerd config
+  local node="$1"
+  mkdir -p "$KS_DIR/$node" "$(ks_node_dropins "$node")"
+  cat >"$KS_DIR/$node/containerd.toml" <<EOF
+# containerd v2.3.x config for test node $node (written by hack/cluster/lib.sh).
+version = 3
+root = "$KS_DIR/$node/containerd"
+state = "$KS_RUN/$node/containerd"
+# Drop-ins (version = 3 files) for this node only, e.g. the kubectl-snapshot runtime handler.
+# Apply them with hack/cluster/containerd-restart.sh $node.
+imports = ["$(ks_node_dropins "$node")/*.toml"]
+
+[grpc]
+  address = "$(ks_node_sock "$node")"
+
+[debug]
+  address = ""
+
+[metrics]
+  address = ""
+
+[plugins.'io.containerd.nri.v1.nri']
+  disable = true
+
+[plugins.'io.containerd.cri.v1.images']
+  snapshotter = 'overlayfs'
+  [plugins.'io.containerd.cri.v1.images'.pinned_images]
+    sandbox = '$KS_PAUSE_IMAGE'
+  [plugins.'io.containerd.cri.v1.images'.registry]
+    config_path = '$KS_DIR/certs.d'
+
+[plugins.'io.containerd.cri.v1.runtime']
+  # The VM lacks CAP_SYS_RESOURCE: runc cannot lower oom_score_adj to the kubelet's -998.
+  restrict_oom_score_adj = true
+  enable_criu = true
+  # The project restores through its own runtime wrapper, never through CRI restore-via-create.
+  enable_experimental_restore_via_create = false
+  # Pod network namespaces under this node's state dir, so teardown finds them.
+  netns_mounts_under_state_dir = true
+  [plugins.'io.containerd.cri.v1.runtime'.containerd]
+    default_runtime_name = 'runc'
+    [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
+      runtime_type = 'io.containerd.runc.v2'
+      [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        BinaryName = '/usr/sbin/runc'
+  [plugins.'io.containerd.cri.v1.runtime'.cni]
+    bin_dirs = ['/usr/lib/cni']
+    conf_dir = '$KS_DIR/cni/net.d'
+EOF
+}
+
+ks_start_containerd() {  # NODE
+  local node="$1"
+  mkdir -p "$KS_RUN/$node"
+  ks_start "containerd-$node" /usr/local/bin/containerd --config "$KS_DIR/$node/containerd.toml"
+  ks_wait 30 "containerd on $node" /usr/local/bin/ctr --address "$(ks_node_sock "$node")" version \
+    || ks_die "containerd on $node did not start" "see $KS_DIR/logs/containerd-$node.log"
+}
