@@ -21,7 +21,7 @@ from kubectl_snapshot.core.errors import (
 )
 from kubectl_snapshot.core.reference import Reference
 from tests.support.faulty_proxy import FaultyProxy
-from tests.support.registry import RegistryServer, free_port, registry_server, registry_server_factory  # noqa: F401
+from tests.support.registry import RegistryServer, free_port, registry_server, registry_server_factory
 
 pytestmark = pytest.mark.integration
 
@@ -56,10 +56,7 @@ def manifest_for(config: bytes, layers: list[tuple[str, int]]) -> bytes:
                 "digest": sha256_digest(config),
                 "size": len(config),
             },
-            "layers": [
-                {"mediaType": constants.CHECKPOINT_LAYER_MEDIA_TYPE, "digest": d, "size": s}
-                for d, s in layers
-            ],
+            "layers": [{"mediaType": constants.CHECKPOINT_LAYER_MEDIA_TYPE, "digest": d, "size": s} for d, s in layers],
         },
         sort_keys=True,
     ).encode()
@@ -188,6 +185,19 @@ def test_corrupted_transfer_is_detected(registry: RegistryServer) -> None:
         proxied = Reference(proxy.host, ref.repository, tag="v1")
         with pytest.raises(DigestMismatch):
             client.read_blob(proxied, digest)
+
+
+def test_blob_download_follows_redirects(registry: RegistryServer, tmp_path: Path) -> None:
+    client = fast_client()
+    ref = unique_ref(registry)
+    data, digest = blob(2 * MiB, seed=13)
+    client.push_blob(ref, digest=digest, size=len(data), data=data)
+    with FaultyProxy("127.0.0.1", registry.port, redirect_on=("GET", "/blobs/sha256:")) as proxy:
+        proxied = Reference(proxy.host, ref.repository)
+        with open(tmp_path / "out", "wb") as fh:
+            assert client.fetch_blob(proxied, digest, fh, expected_size=len(data)) == len(data)
+        assert [s for _, _, s in proxy.requests] == [307]
+    assert (tmp_path / "out").read_bytes() == data
 
 
 def test_size_limits(registry: RegistryServer) -> None:
@@ -333,9 +343,7 @@ def test_upload_restarts_after_one_failure(registry: RegistryServer, tmp_path: P
         assert client.push_blob(ref, digest=digest, size=len(data), path=str(src), progress=seen.append)
         assert sum(seen) == len(data)  # a restart never double counts
         assert proxy.failures == 1
-    assert (
-        fast_client().read_blob(Reference(registry.host, ref.repository), digest, max_size=len(data)) == data
-    )
+    assert fast_client().read_blob(Reference(registry.host, ref.repository), digest, max_size=len(data)) == data
 
 
 def test_retry_on_503_then_success(registry: RegistryServer) -> None:
@@ -346,9 +354,7 @@ def test_retry_on_503_then_success(registry: RegistryServer) -> None:
         proxied = Reference(proxy.host, ref.repository)
         assert client.read_blob(proxied, sha256_digest(b"hello")) == b"hello"
         assert [s for _, _, s in proxy.requests] == [503, 503, 200]
-    with FaultyProxy(
-        "127.0.0.1", registry.port, fail_on=("GET", "/manifests/"), status=429, retry_after=0
-    ) as proxy:
+    with FaultyProxy("127.0.0.1", registry.port, fail_on=("GET", "/manifests/"), status=429, retry_after=0) as proxy:
         with pytest.raises(Unavailable, match="429"):
             fast_client(retries=1).get_manifest(Reference(proxy.host, ref.repository, tag="v1"))
         assert len(proxy.requests) == 2

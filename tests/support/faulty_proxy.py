@@ -5,8 +5,9 @@ request-body bytes have passed through it (counted over its lifetime), resets th
 the middle of the request that crosses N. ``fail_on=(method, path_regex)`` answers ``status``
 (with a distribution error body and optional Retry-After) instead of forwarding.
 ``corrupt_on=(method, path_regex)`` flips one byte of the matching responses' bodies.
-``times`` bounds how many failures are injected (None: every time). ``.requests`` records
-(method, path, status) for every request, status 0 for a reset. Use as a context manager.
+``redirect_on=(method, path_regex)`` answers 307 to the same path on the upstream (as registries
+with object-storage backends do). ``times`` bounds how many failures are injected (None: every
+time). ``.requests`` records (method, path, status) for every request, status 0 for a reset. Use as a context manager.
 
 The registry builds Location headers from the Host header, which the proxy forwards unchanged,
 so upload sessions keep going through the proxy.
@@ -38,12 +39,14 @@ class FaultyProxy:
         status: int = 500,
         retry_after: int | None = None,
         corrupt_on: tuple[str, str] | None = None,
+        redirect_on: tuple[str, str] | None = None,
         times: int | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.fail_after_bytes = fail_after_bytes
         self.fail_on = (fail_on[0].upper(), re.compile(fail_on[1])) if fail_on else None
         self.corrupt_on = (corrupt_on[0].upper(), re.compile(corrupt_on[1])) if corrupt_on else None
+        self.redirect_on = (redirect_on[0].upper(), re.compile(redirect_on[1])) if redirect_on else None
         self.status = status
         self.retry_after = retry_after
         self.times = times
@@ -113,11 +116,17 @@ class FaultyProxy:
 
             def _handle(self) -> None:
                 method, path = self.command, self.path
-                matches = bool(
-                    proxy.fail_on and proxy.fail_on[0] in (method, "*") and proxy.fail_on[1].search(path)
-                )
+                matches = bool(proxy.fail_on and proxy.fail_on[0] in (method, "*") and proxy.fail_on[1].search(path))
                 if matches and proxy._may_fail():
                     self._fail(method, path)
+                    return
+                redirect = proxy.redirect_on
+                if redirect and redirect[0] in (method, "*") and redirect[1].search(path):
+                    proxy._record(method, path, 307)
+                    self.send_response(307)
+                    self.send_header("Location", f"http://{proxy.upstream[0]}:{proxy.upstream[1]}{path}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
                     return
                 length = int(self.headers.get("Content-Length", "0") or 0)
                 chunked_body = self._read_body()
@@ -167,9 +176,7 @@ class FaultyProxy:
                         if key.lower() not in ("transfer-encoding", "content-length", "connection"):
                             self.send_header(key, value)
                     declared = resp.getheader("Content-Length")
-                    self.send_header(
-                        "Content-Length", declared if method == "HEAD" and declared else str(len(body))
-                    )
+                    self.send_header("Content-Length", declared if method == "HEAD" and declared else str(len(body)))
                     self.end_headers()
                     proxy._record(method, path, resp.status)  # before the client can see the answer
                     if method != "HEAD":

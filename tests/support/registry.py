@@ -197,9 +197,7 @@ class RegistryServer:
             htpasswd = require("htpasswd", "apache2-utils")
             lines = []
             for user, pw in self.users.items():
-                out = subprocess.run(
-                    [htpasswd, "-Bbn", user, pw], check=True, capture_output=True, text=True
-                ).stdout
+                out = subprocess.run([htpasswd, "-Bbn", user, pw], check=True, capture_output=True, text=True).stdout
                 lines.append(out.strip())
             (workdir / "htpasswd").write_text("\n".join(lines) + "\n")
             config["auth"] = {"htpasswd": {"realm": "basic-realm", "path": str(workdir / "htpasswd")}}

@@ -124,14 +124,8 @@ class CredentialStore:
         try:
             config = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(
-                f"{where} is not valid JSON: {exc}", hint="check the file's content"
-            ) from exc
-        if (
-            isinstance(config, dict)
-            and "auths" not in config
-            and all(isinstance(v, dict) for v in config.values())
-        ):
+            raise InvalidArgument(f"{where} is not valid JSON: {exc}", hint="check the file's content") from exc
+        if isinstance(config, dict) and "auths" not in config and all(isinstance(v, dict) for v in config.values()):
             config = {"auths": config}  # legacy .dockercfg
         return cls._from_config(config, where)
 

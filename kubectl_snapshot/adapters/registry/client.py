@@ -91,9 +91,7 @@ class RegistryClient:
         self.retry = RetryPolicy(retries=retries, backoff=backoff)
         self._sleep = sleep
         session = session or requests.Session()
-        self.auth = TokenAuth(
-            credentials or CredentialStore(), session=session, timeout=timeout, plain_http=plain_http
-        )
+        self.auth = TokenAuth(credentials or CredentialStore(), session=session, timeout=timeout, plain_http=plain_http)
         self.transport = Transport(
             auth=self.auth,
             plain_http=plain_http,
@@ -385,9 +383,7 @@ class RegistryClient:
                 attempt += 1
 
     def _start_upload(self, ref: Reference, what: str) -> tuple[str, int]:
-        resp = self._req(
-            "POST", ref, self._path(ref, "blobs/uploads/"), what=what, headers={"Content-Length": "0"}
-        )
+        resp = self._req("POST", ref, self._path(ref, "blobs/uploads/"), what=what, headers={"Content-Length": "0"})
         resp.close()
         if resp.status_code != 202:
             raise Internal(f"{what}: the registry answered {resp.status_code} to the upload request, not 202")

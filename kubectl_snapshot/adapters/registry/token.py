@@ -41,10 +41,7 @@ class _Token:
 
 
 def _login_hint(registry: str) -> str:
-    return (
-        f"run `docker login {registry}` or pass --registry-secret "
-        "with a kubernetes.io/dockerconfigjson Secret"
-    )
+    return f"run `docker login {registry}` or pass --registry-secret with a kubernetes.io/dockerconfigjson Secret"
 
 
 class TokenAuth:
@@ -153,11 +150,7 @@ class TokenAuth:
                 hint="the registry's auth configuration is broken; report it to its operator",
             )
         creds = self.credentials.lookup(registry)
-        if (
-            creds is not None
-            and parts.scheme == "http"
-            and not (self.plain_http or is_loopback_registry(parts.netloc))
-        ):
+        if creds is not None and parts.scheme == "http" and not (self.plain_http or is_loopback_registry(parts.netloc)):
             raise PermissionDenied(
                 f"{what}: refusing to send credentials for {registry} to a plain-HTTP token service {realm}",
                 hint="use a token service with TLS, or --plain-http if this network is trusted",
@@ -191,9 +184,7 @@ class TokenAuth:
             token = payload.get("token") or payload.get("access_token")
             lifetime = float(payload.get("expires_in") or DEFAULT_TOKEN_LIFETIME)
         except (ValueError, AttributeError, TypeError) as exc:
-            raise Internal(
-                f"{what}: the token service of registry {registry} sent an invalid answer"
-            ) from exc
+            raise Internal(f"{what}: the token service of registry {registry} sent an invalid answer") from exc
         if not isinstance(token, str) or not token:
             raise Internal(f"{what}: the token service of registry {registry} sent no token")
         with self._lock:

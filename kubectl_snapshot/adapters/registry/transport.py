@@ -44,9 +44,7 @@ USER_AGENT = "kubectl-snapshot"
 BodyData = bytes | IO[bytes] | Iterable[bytes]
 Body = bytes | Callable[[], BodyData]
 
-_PLAIN_HTTP_HINT = (
-    "check the registry address and that it is running; use --plain-http for a registry without TLS"
-)
+_PLAIN_HTTP_HINT = "check the registry address and that it is running; use --plain-http for a registry without TLS"
 
 
 @dataclass(frozen=True)
@@ -131,9 +129,7 @@ def connection_reason(exc: BaseException) -> str:
     return text[:300]
 
 
-def error_for_status(
-    resp: requests.Response, what: str, registry: str, *, has_credentials: bool
-) -> SnapshotError:
+def error_for_status(resp: requests.Response, what: str, registry: str, *, has_credentials: bool) -> SnapshotError:
     """Map a failed response to the project's error tree."""
     status = resp.status_code
     detail = registry_errors(resp)
@@ -155,9 +151,7 @@ def error_for_status(
     if codes & {"NAME_INVALID", "TAG_INVALID"}:
         return InvalidArgument(msg, hint="check the repository name and tag")
     if status == 405 or "UNSUPPORTED" in codes:
-        return FailedPrecondition(
-            msg, hint="the registry does not support this operation (is delete enabled?)"
-        )
+        return FailedPrecondition(msg, hint="the registry does not support this operation (is delete enabled?)")
     if status == 413:
         return FailedPrecondition(msg, hint="the registry refuses content this large")
     if status in RETRYABLE_STATUS or status >= 500:
@@ -244,9 +238,7 @@ class Transport:
                     attempt += 1
                     self._sleep(delay)
                     continue
-                raise Unavailable(
-                    f"{what}: cannot reach registry {registry}: {reason}", hint=_PLAIN_HTTP_HINT
-                ) from exc
+                raise Unavailable(f"{what}: cannot reach registry {registry}: {reason}", hint=_PLAIN_HTTP_HINT) from exc
             finally:
                 close = getattr(data, "close", None)
                 if callable(close) and not isinstance(data, bytes):
@@ -255,9 +247,7 @@ class Transport:
             if status == 401 and not auth_answered:
                 auth_answered = True
                 challenge = resp.headers.get("WWW-Authenticate", "")
-                refused = error_for_status(
-                    resp, what, registry, has_credentials=self.auth.has_credentials(registry)
-                )
+                refused = error_for_status(resp, what, registry, has_credentials=self.auth.has_credentials(registry))
                 resp.close()
                 if self.auth.answer(registry, repository, method, challenge, what=what):
                     continue
