@@ -201,6 +201,7 @@ def safe_extract(
     allow_absolute_symlinks: bool = False,
     preserve_owner: bool = True,
     allow_special_modes: bool = False,
+    allow_fifos: bool = False,
     overwrite: bool = False,
 ) -> ExtractReport:
     """Stream the tar in `fileobj` into the existing directory `dest`, refusing anything unsafe.
@@ -209,7 +210,8 @@ def safe_extract(
     symlinks that are absolute (unless `allow_absolute_symlinks`: container rootfs content, resolved
     by the kernel inside the container) or resolve outside dest, hard links to anything but a regular
     file extracted earlier from this archive, char/block devices and fifos, members below a symlink,
-    setuid/setgid/sticky regular files (unless `allow_special_modes`), size/count over `limits`, and
+    setuid/setgid/sticky regular files (unless `allow_special_modes`), fifos (unless `allow_fifos`:
+    harmless inside a container rootfs), size/count over `limits`, and
     corrupt tar data. Without `overwrite` an existing non-directory is never replaced (fresh staging
     dirs); with it (applying a rootfs diff) existing files are unlinked and replaced, and a directory
     replaced by a non-directory is removed with its contents. On refusal nothing has been written
@@ -256,16 +258,19 @@ def safe_extract(
                     pfd, leaf = tree.parent(name, create=True)
                     _clear_leaf(tree, pfd, leaf, name, new_is_dir=False, overwrite=overwrite)
                     os.symlink(m.linkname, leaf, dir_fd=pfd)
-                    if chown:
-                        os.chown(leaf, m.uid, m.gid, dir_fd=pfd, follow_symlinks=False)
-                    os.utime(leaf, ns=_ns(m.mtime), dir_fd=pfd, follow_symlinks=False)
+                    _set_meta_nofollow(pfd, leaf, m, chown=chown, mode=False)
                 elif m.islnk():
                     _hardlink(tree, m, name, regular, overwrite=overwrite)
                     regular.add(name)
                 elif m.ischr() or m.isblk():
                     raise _unsafe(name, "device node")
                 elif m.isfifo():
-                    raise _unsafe(name, "fifo")
+                    if not allow_fifos:
+                        raise _unsafe(name, "fifo")
+                    pfd, leaf = tree.parent(name, create=True)
+                    _clear_leaf(tree, pfd, leaf, name, new_is_dir=False, overwrite=overwrite)
+                    os.mkfifo(leaf, 0o600, dir_fd=pfd)
+                    _set_meta_nofollow(pfd, leaf, m, chown=chown)
                 else:
                     raise _unsafe(name, f"unsupported member type {m.type!r}")
             _finish_dirs(tree, dirs, chown=chown)
@@ -274,6 +279,14 @@ def safe_extract(
     finally:
         tree.close()
     return ExtractReport(members=members, bytes=total)
+
+
+def _set_meta_nofollow(pfd: int, leaf: str, m: tarfile.TarInfo, *, chown: bool, mode: bool = True) -> None:
+    if chown:
+        os.chown(leaf, m.uid, m.gid, dir_fd=pfd, follow_symlinks=False)
+    if mode:  # fifos only: Linux cannot chmod a symlink itself
+        os.chmod(leaf, m.mode & 0o777, dir_fd=pfd, follow_symlinks=False)
+    os.utime(leaf, ns=_ns(m.mtime), dir_fd=pfd, follow_symlinks=False)
 
 
 def _write_file(
@@ -346,7 +359,7 @@ def _sort_key(name: str) -> bytes:
 
 def tar_directory(
     src: str,
-    out: IO[bytes],
+    out: ByteSink,
     *,
     arcname: str = "",
     follow_symlinks: bool = False,
@@ -365,7 +378,7 @@ def tar_directory(
     """
     nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
     # Not a `with`: on error the end-of-archive blocks must not be written after a partial member.
-    tf = tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT)  # noqa: SIM115
+    tf = tarfile.open(fileobj=cast(IO[bytes], out), mode="w|", format=tarfile.PAX_FORMAT)  # noqa: SIM115
     links: dict[tuple[int, int], str] = {}
     visited: set[tuple[int, int]] = set()  # directory loops are only possible with follow_symlinks
     prefix = arcname.strip("/")
