@@ -1,8 +1,8 @@
 """kubectl-snapshot-agent: the node engine as a command, usable against any containerd like `ctr`.
 
-    kubectl-snapshot-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
-    kubectl-snapshot-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
-    kubectl-snapshot-agent inspect    REF [-o json|yaml]
+kubectl-snapshot-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
+kubectl-snapshot-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
+kubectl-snapshot-agent inspect    REF [-o json|yaml]
 """
 
 from __future__ import annotations
@@ -50,8 +50,12 @@ def containerd_options(fn: F) -> F:
 
 
 def registry_options(fn: F) -> F:
-    fn = click.option("--plain-http", is_flag=True, help="Talk HTTP, not HTTPS, to the registry (loopback is always plain).")(fn)
-    fn = click.option("--registry-username", envvar="KUBECTL_SNAPSHOT_REGISTRY_USERNAME", help="Registry user.")(fn)
+    fn = click.option(
+        "--plain-http", is_flag=True, help="Talk HTTP, not HTTPS, to the registry (loopback is always plain)."
+    )(fn)
+    fn = click.option(
+        "--registry-username", envvar="KUBECTL_SNAPSHOT_REGISTRY_USERNAME", help="Registry user."
+    )(fn)
     fn = click.option(
         "--registry-password",
         envvar="KUBECTL_SNAPSHOT_REGISTRY_PASSWORD",
@@ -93,7 +97,13 @@ def cli(verbose: bool) -> None:
 @registry_options
 @click.option("--to", "to", required=True, help="Destination REGISTRY/REPO[:TAG].")
 @click.option("--stop", is_flag=True, help="Stop the containers once the snapshot is safely pushed.")
-@click.option("--volume", "volumes", multiple=True, type=click.Path(file_okay=False), help="Host dir to include (repeatable).")
+@click.option(
+    "--volume",
+    "volumes",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="Host dir to include (repeatable).",
+)
 @click.option("--no-tcp-established", is_flag=True, help="Do not dump established TCP connections.")
 @click.option("--keep-work", is_flag=True, help="Keep the dump directory (for debugging).")
 @output_option
@@ -146,7 +156,13 @@ def checkpoint_cmd(
 @cli.command("restore")
 @containerd_options
 @registry_options
-@click.option("--volume", "volumes", multiple=True, type=click.Path(file_okay=False), help="Host dir for each snapshotted volume, in order.")
+@click.option(
+    "--volume",
+    "volumes",
+    multiple=True,
+    type=click.Path(file_okay=False),
+    help="Host dir for each snapshotted volume, in order.",
+)
 @click.option(
     "--runtime-binary",
     default=lambda: shutil.which(C.WRAPPER_BINARY_NAME) or "",
@@ -154,7 +170,12 @@ def checkpoint_cmd(
     help="The runc-compatible wrapper the new containers run under.",
 )
 @click.option("--runc-root", default="", help="runc state root for the new containers (default: the shim's).")
-@click.option("--log-dir", default="/var/log/kubectl-snapshot", show_default=True, help="Where container stdout/stderr go.")
+@click.option(
+    "--log-dir",
+    default="/var/log/kubectl-snapshot",
+    show_default=True,
+    help="Where container stdout/stderr go.",
+)
 @output_option
 @click.argument("ref")
 @click.argument("names", nargs=-1, required=True)
@@ -176,7 +197,8 @@ def restore_cmd(
     registry = make_registry(source, registry_opts)
     if not runtime_binary:
         raise InvalidArgument(
-            f"{C.WRAPPER_BINARY_NAME} was not found on PATH", hint="pass --runtime-binary /path/to/kubectl-snapshot-runc"
+            f"{C.WRAPPER_BINARY_NAME} was not found on PATH",
+            hint="pass --runtime-binary /path/to/kubectl-snapshot-runc",
         )
     with _client(address, namespace) as containerd, Progress("restore") as bar:
         result = restore(
@@ -253,7 +275,8 @@ def _inspect_text(d: dict[str, Any]) -> str:
     for c in d["containers"]:
         lines.append(
             f"  {c['name']}: image {c['image']}; {c['processCount']} process(es), "
-            f"{c['pagesWritten']} pages ({human_bytes(c['memoryBytes'])}) of memory; layer {human_bytes(c['layerSize'])}"
+            f"{c['pagesWritten']} pages ({human_bytes(c['memoryBytes'])}) of memory; "
+            f"layer {human_bytes(c['layerSize'])}"
         )
         for p in c["processes"]:
             lines.append(f"    pid {p['pid']:<6} ppid {p['ppid']:<6} {p['comm']}")
@@ -267,4 +290,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

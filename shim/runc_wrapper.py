@@ -46,7 +46,8 @@ class Invocation:
 
 def parse_invocation(argv: Sequence[str]) -> Invocation:
     """Split runc's argv into global options, the subcommand and its arguments."""
-    i, global_args = 0, []
+    i = 0
+    global_args: list[str] = []
     while i < len(argv):
         a = argv[i]
         if not a.startswith("-"):
@@ -130,9 +131,8 @@ def find_staged(paths: StatePaths, container_id: str, bundle: str) -> str | None
 
 def restore_command(runc: str, inv: Invocation, create: CreateArgs, staged: str) -> list[str]:
     options: dict[str, bool] = {}
-    with contextlib.suppress(OSError, ValueError):
-        with open(os.path.join(staged, C.DUMP_OPTIONS_FILE)) as f:
-            options = json.load(f)
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(staged, C.DUMP_OPTIONS_FILE)) as f:
+        options = json.load(f)
     cmd = [runc, *inv.global_args, "restore", "--detach"]
     cmd += ["--image-path", os.path.join(staged, C.CHECKPOINT_DIRECTORY), "--work-path", staged]
     cmd += ["--bundle", create.bundle]
@@ -159,9 +159,8 @@ def _apply_diff(bundle: str, staged: str) -> None:
     rootfs = root if os.path.isabs(root) else os.path.join(bundle, root)
     diff = os.path.join(staged, C.ROOTFS_DIFF_TAR)
     deleted: list[str] = []
-    with contextlib.suppress(OSError, ValueError):
-        with open(os.path.join(staged, C.DELETED_FILES_FILE)) as f:
-            deleted = [str(x) for x in json.load(f)]
+    with contextlib.suppress(OSError, ValueError), open(os.path.join(staged, C.DELETED_FILES_FILE)) as f:
+        deleted = [str(x) for x in json.load(f)]
     if os.path.exists(diff):
         from shim.rootfs_diff import apply_rootfs_diff  # imported only when restoring: keep pass-through fast
 
@@ -180,7 +179,7 @@ def _log_error(inv: Invocation, message: str) -> None:
             f.write(json.dumps(line) + "\n")
 
 
-def run(argv: Sequence[str]) -> int:
+def run(argv: Sequence[str]) -> int:  # returns only for create/start of a restore
     inv = parse_invocation(argv)
     runc = real_runc()
     paths = StatePaths.from_env()
@@ -196,9 +195,10 @@ def run(argv: Sequence[str]) -> int:
             proc = subprocess.run(restore_command(runc, inv, create, staged), check=False)
             if proc.returncode != 0:
                 tail = ""
-                with contextlib.suppress(OSError), open(
-                    os.path.join(staged, C.RESTORE_LOG_FILE), errors="replace"
-                ) as f:
+                with (
+                    contextlib.suppress(OSError),
+                    open(os.path.join(staged, C.RESTORE_LOG_FILE), errors="replace") as f,
+                ):
                     tail = log_tail(f.read(), 10)
                 _log_error(inv, f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}")
                 return proc.returncode
@@ -216,7 +216,6 @@ def run(argv: Sequence[str]) -> int:
                 if inv.command == "start":
                     return 0  # the restored process is already running
     os.execv(runc, [runc, *argv])
-    return 127  # not reached
 
 
 def main() -> None:
