@@ -195,9 +195,7 @@ class ContainerdClient:
     def __enter__(self) -> ContainerdClient:
         return self
 
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
     def _metadata(self) -> list[tuple[str, str]]:
@@ -368,9 +366,7 @@ class ContainerdClient:
         self._call(self._tasks.Pause, tasks_pb2.PauseTaskRequest(container_id=cid), f"pause task of {cid!r}")
 
     def resume_task(self, cid: str) -> None:
-        self._call(
-            self._tasks.Resume, tasks_pb2.ResumeTaskRequest(container_id=cid), f"resume task of {cid!r}"
-        )
+        self._call(self._tasks.Resume, tasks_pb2.ResumeTaskRequest(container_id=cid), f"resume task of {cid!r}")
 
     def checkpoint_task(
         self,
@@ -399,22 +395,17 @@ class ContainerdClient:
             image_path=image_path,
             work_path=work_path,
         )
-        req = tasks_pb2.CheckpointTaskRequest(
-            container_id=cid, options=_pack(opts, c.RUNC_CHECKPOINT_OPTIONS_TYPE)
-        )
+        req = tasks_pb2.CheckpointTaskRequest(container_id=cid, options=_pack(opts, c.RUNC_CHECKPOINT_OPTIONS_TYPE))
         what = f"checkpoint container {cid!r}"
         try:
-            self._tasks.Checkpoint(
-                req, timeout=timeout or max(self.timeout, 600.0), metadata=self._metadata()
-            )
+            self._tasks.Checkpoint(req, timeout=timeout or max(self.timeout, 600.0), metadata=self._metadata())
         except grpc.RpcError as e:
             err = self._error(e, what)
             if not isinstance(err, Internal):
                 raise err from None
             raise CriuFailed(
                 f"{what}: CRIU dump failed: {e.details()}",
-                hint=f"see the CRIU log in {work_path}/{c.DUMP_LOG_FILE}; `criu check` tells what this "
-                "kernel supports",
+                hint=f"see the CRIU log in {work_path}/{c.DUMP_LOG_FILE}; `criu check` tells what this kernel supports",
                 details=_read_dump_log(work_path),
             ) from None
 
@@ -428,9 +419,7 @@ class ContainerdClient:
     def wait_task(self, cid: str, timeout: float | None = None) -> int:
         """Block until the task exits (at most `timeout` seconds, default: forever); its exit status."""
         try:
-            r = self._tasks.Wait(
-                tasks_pb2.WaitRequest(container_id=cid), timeout=timeout, metadata=self._metadata()
-            )
+            r = self._tasks.Wait(tasks_pb2.WaitRequest(container_id=cid), timeout=timeout, metadata=self._metadata())
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise FailedPrecondition(
@@ -444,9 +433,7 @@ class ContainerdClient:
     def delete_task(self, cid: str) -> int | None:
         """Delete a stopped (or created) task; its exit status, None when there was no task."""
         try:
-            r = self._call(
-                self._tasks.Delete, tasks_pb2.DeleteTaskRequest(container_id=cid), f"delete task of {cid!r}"
-            )
+            r = self._call(self._tasks.Delete, tasks_pb2.DeleteTaskRequest(container_id=cid), f"delete task of {cid!r}")
         except NotFound:
             return None
         return int(r.exit_status)

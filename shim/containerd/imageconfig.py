@@ -62,9 +62,7 @@ def is_index(media_type: str, doc: Mapping[str, Any]) -> bool:
     return media_type in _INDEX_TYPES or (media_type not in _MANIFEST_TYPES and "manifests" in doc)
 
 
-def select_manifest(
-    index: Mapping[str, Any], *, os: str = "linux", arch: str | None = None
-) -> dict[str, Any]:
+def select_manifest(index: Mapping[str, Any], *, os: str = "linux", arch: str | None = None) -> dict[str, Any]:
     """The descriptor of the manifest for `os`/`arch` (default: this machine) in an image index."""
     arch = arch or host_architecture()
     manifests = index.get("manifests") or []
@@ -77,8 +75,7 @@ def select_manifest(
     if len(unplatformed) == 1:
         return dict(unplatformed[0])
     available = sorted(
-        f"{(d.get('platform') or {}).get('os')}/{(d.get('platform') or {}).get('architecture')}"
-        for d in manifests
+        f"{(d.get('platform') or {}).get('os')}/{(d.get('platform') or {}).get('architecture')}" for d in manifests
     )
     raise NotFound(
         f"image index has no manifest for {os}/{arch}",
@@ -91,7 +88,5 @@ def diff_ids(config: Mapping[str, Any]) -> list[str]:
     rootfs = config.get("rootfs") or {}
     ids = rootfs.get("diff_ids")
     if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-        raise InvalidArgument(
-            "image config has no rootfs.diff_ids", hint="the image is not a container image"
-        )
+        raise InvalidArgument("image config has no rootfs.diff_ids", hint="the image is not a container image")
     return list(ids)
