@@ -155,11 +155,15 @@ def _file_uri(path: str) -> str:
 
 
 def _read_dump_log(work_path: str) -> str | None:
+    """CRIU's error lines (the cause is often far above the end) and the tail of its dump log."""
     for name in (c.DUMP_LOG_FILE, "criu-dump.log"):
         try:
-            return log_tail(Path(work_path, name).read_text(errors="replace"))
+            text = Path(work_path, name).read_text(errors="replace")
         except OSError:
             continue
+        errors = [line for line in text.splitlines() if "Error (" in line][-10:]
+        tail = log_tail(text)
+        return "\n".join(errors) + "\n...\n" + tail if errors else tail
     return None
 
 

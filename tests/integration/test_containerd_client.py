@@ -278,6 +278,8 @@ def test_checkpoint_failure_carries_the_criu_log(
         assert cid in e.value.message
         assert e.value.details, "the dump.log tail should be attached"
         assert e.value.details.strip().splitlines()[-1] in (work / "dump.log").read_text()
+        assert "Error (" in e.value.details.splitlines()[0], "CRIU's error lines come first"
+        assert "tcp" in e.value.details.lower()
         task = client.get_task(cid)
         assert task is not None and task.status == "running", "a failed dump must leave the task running"
     finally:
