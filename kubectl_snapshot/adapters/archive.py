@@ -44,6 +44,8 @@ CHUNK = 1 << 20
 ZSTD_MAX_WINDOW = 1 << 27
 # GNU long names / pax headers are read into memory whole by tarfile: cap them.
 MAX_HEADER_BYTES = 1 << 20
+# tarfile's stream reader copies its leftover buffer on every header read: keep it moderate.
+_READ_BUF = 64 << 10
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _HINT = "the snapshot is corrupted or was crafted; do not restore it, and take a new snapshot"
@@ -225,7 +227,7 @@ def safe_extract(
     dirs: list[tuple[str, tarfile.TarInfo]] = []
     members = total = 0
     try:
-        with tarfile.open(fileobj=fileobj, mode="r|", tarinfo=_CappedTarInfo) as tf:
+        with tarfile.open(fileobj=fileobj, mode="r|", tarinfo=_CappedTarInfo, bufsize=_READ_BUF) as tf:
             for m in tf:
                 members += 1
                 if members > limits.max_members:
@@ -378,7 +380,9 @@ def tar_directory(
     """
     nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
     # Not a `with`: on error the end-of-archive blocks must not be written after a partial member.
-    tf = tarfile.open(fileobj=cast(IO[bytes], out), mode="w|", format=tarfile.PAX_FORMAT)  # noqa: SIM115
+    # "w" on a forward-only sink (tarfile's "w|" re-buffers every byte through 10 KiB slices).
+    tf = tarfile.TarFile(fileobj=cast(IO[bytes], _TellingWriter(out)), mode="w", format=tarfile.PAX_FORMAT)
+    tf.copybufsize = CHUNK  # type: ignore[attr-defined]  # stdlib default: 16 KiB copies
     links: dict[tuple[int, int], str] = {}
     visited: set[tuple[int, int]] = set()  # directory loops are only possible with follow_symlinks
     prefix = arcname.strip("/")
@@ -435,6 +439,22 @@ def tar_directory(
     finally:
         for dfd, _, _ in stack:
             os.close(dfd)
+
+
+class _TellingWriter:
+    """The two methods TarFile("w") uses on its file: write() and tell(); nothing ever seeks."""
+
+    def __init__(self, out: ByteSink) -> None:
+        self._out = out
+        self._pos = 0
+
+    def write(self, data: bytes) -> int:
+        self._out.write(data)
+        self._pos += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def _add_regular(
