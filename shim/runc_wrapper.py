@@ -168,6 +168,30 @@ def _apply_diff(bundle: str, staged: str) -> None:
             apply_rootfs_diff(rootfs, f, deleted)
 
 
+def _loopback_up(create: CreateArgs) -> None:
+    """Bring `lo` up in a restored private network namespace.
+
+    runc always dumps and restores the network namespace as empty (it does not manage network
+    devices), so a container that owned its netns comes back with `lo` down, as runc's `create` would
+    have set it up. Containers that join a namespace (Kubernetes pods) are not touched.
+    """
+    try:
+        with open(os.path.join(create.bundle, "config.json")) as f:
+            namespaces = (json.load(f).get("linux") or {}).get("namespaces") or []
+        if not any(ns.get("type") == "network" and not ns.get("path") for ns in namespaces):
+            return
+        with open(create.pid_file or "") as f:
+            pid = int(f.read().strip())
+    except (OSError, ValueError):
+        return
+    subprocess.run(
+        ["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "link", "set", "lo", "up"],
+        check=False,
+        capture_output=True,
+        timeout=10,
+    )
+
+
 def _log_error(inv: Invocation, message: str) -> None:
     """Write an error where the shim looks for runc's errors (the --log file, JSON) and to stderr."""
     print(f"kubectl-snapshot-runc: {message}", file=sys.stderr)
@@ -202,6 +226,7 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
                     tail = log_tail(f.read(), 10)
                 _log_error(inv, f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}")
                 return proc.returncode
+            _loopback_up(create)
             marker = paths.restored_marker(create.container_id)
             os.makedirs(os.path.dirname(marker), exist_ok=True)
             with open(marker, "w") as f:

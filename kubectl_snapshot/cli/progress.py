@@ -17,7 +17,12 @@ class Progress:
     def __enter__(self) -> Progress:
         if self.enabled:
             self._bar = tqdm(
-                desc=self._description, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=False
+                desc=self._description,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                file=sys.stderr,
+                leave=False,
             )
         return self
 

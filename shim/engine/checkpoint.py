@@ -9,7 +9,6 @@ only once the manifest is in the registry.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
+
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, SnapshotError
 from kubectl_snapshot.core.model import (
@@ -30,6 +30,7 @@ from kubectl_snapshot.core.model import (
     DumpStats,
     HostFacts,
     PodRecord,
+    ProcessInfo,
     SnapshotConfig,
     VolumeRecord,
     layer_annotations,
@@ -87,7 +88,9 @@ def _validate(req: CheckpointRequest) -> list[str]:
         raise InvalidArgument("container names must be unique, one per container")
     for v in req.volumes:
         if not os.path.isdir(v):
-            raise InvalidArgument(f"volume directory {v!r} does not exist", hint="pass an existing host directory")
+            raise InvalidArgument(
+                f"volume directory {v!r} does not exist", hint="pass an existing host directory"
+            )
     if req.volume_names is not None and len(req.volume_names) != len(req.volumes):
         raise InvalidArgument("one volume name per volume directory")
     return names
@@ -109,16 +112,18 @@ def checkpoint(
     t0 = clock()
 
     # Preflight before touching the workload: the containers run, the registry answers.
-    infos = []
+    infos, upperdirs = [], []
     for cid in req.containers:
         info = containerd.get_container(cid)
         task = containerd.get_task(cid)
         if task is None or task.status not in ("running",):
             state = "no task" if task is None else task.status
             raise FailedPrecondition(
-                f"container {cid!r} is not running ({state})", hint="only running containers can be snapshotted"
+                f"container {cid!r} is not running ({state})",
+                hint="only running containers can be snapshotted",
             )
         infos.append(info)
+        upperdirs.append(_upperdir(containerd, info))
     registry.ping(req.target)
     image_digests = [_image_digest(containerd, info.image) for info in infos]
     if host is None:
@@ -140,8 +145,8 @@ def checkpoint(
                 containerd.pause_task(cid)
                 frozen.append(cid)
             phase("dump")
-            for cid, name in zip(req.containers, names, strict=True):
-                _dump_one(containerd, cid, os.path.join(work, name), req)
+            for cid, name, upper in zip(req.containers, names, upperdirs, strict=True):
+                _dump_one(containerd, cid, os.path.join(work, name), upper, req)
             volume_tar = _capture_volumes(req, work) if req.volumes else None
             timings["dump_ms"] = (clock() - t_freeze) * 1000
         except BaseException:
@@ -227,7 +232,21 @@ def _image_digest(containerd: Containerd, image: str) -> str:
         return ""
 
 
-def _dump_one(containerd: Containerd, cid: str, cdir: str, req: CheckpointRequest) -> None:
+def _upperdir(containerd: Containerd, info: Any) -> str | None:
+    """The overlay upperdir holding the container's writable layer (None: no rootfs snapshot at all)."""
+    if not info.snapshot_key:
+        return None
+    mounts = containerd.snapshot_mounts(info.snapshotter, info.snapshot_key)
+    upper = upperdir_from_mounts([(m.type, m.source, list(m.options)) for m in mounts])
+    if upper is None and mounts:
+        raise FailedPrecondition(
+            f"container {info.id!r} uses snapshotter {info.snapshotter!r} whose rootfs has no overlay upperdir",
+            hint="kubectl-snapshot captures writable layers of the overlayfs snapshotter (containerd's default)",
+        )
+    return upper
+
+
+def _dump_one(containerd: Containerd, cid: str, cdir: str, upper: str | None, req: CheckpointRequest) -> None:
     image_path = os.path.join(cdir, C.CHECKPOINT_DIRECTORY)
     os.makedirs(image_path, mode=0o700)
     containerd.checkpoint_task(
@@ -240,7 +259,10 @@ def _dump_one(containerd: Containerd, cid: str, cdir: str, req: CheckpointReques
     )
     info = containerd.get_container(cid)
     upper = upperdir_from_mounts(
-        [(m.type, m.source, list(m.options)) for m in containerd.snapshot_mounts(info.snapshotter, info.snapshot_key)]
+        [
+            (m.type, m.source, list(m.options))
+            for m in containerd.snapshot_mounts(info.snapshotter, info.snapshot_key)
+        ]
     )
     if upper is not None:
         with open(os.path.join(cdir, C.ROOTFS_DIFF_TAR), "wb") as out:
@@ -250,7 +272,11 @@ def _dump_one(containerd: Containerd, cid: str, cdir: str, req: CheckpointReques
 
 
 def _volume_names(req: CheckpointRequest) -> list[str]:
-    return list(req.volume_names) if req.volume_names is not None else [f"vol-{i}" for i in range(len(req.volumes))]
+    return (
+        list(req.volume_names)
+        if req.volume_names is not None
+        else [f"vol-{i}" for i in range(len(req.volumes))]
+    )
 
 
 def _capture_volumes(req: CheckpointRequest, work: str) -> str:
@@ -274,7 +300,8 @@ def _stats(cdir: str) -> DumpStats:
         process_count=s.process_count,
         memory_bytes=s.memory_bytes,
         pages_written=s.pages_written,
-        frozen_time_us=int(getattr(s, "frozen_time_us", 0) or 0),
+        frozen_time_us=s.frozen_time_us or 0,
+        processes=tuple(ProcessInfo(pid=p.pid, ppid=p.ppid, comm=p.comm) for p in s.processes),
     )
 
 
@@ -331,7 +358,12 @@ def _push(
     files = list(layers)
     if volumes_layer is not None:
         descs.append(
-            Descriptor(C.VOLUMES_LAYER_MEDIA_TYPE, volumes_layer.digest, volumes_layer.size, {C.ANN_TITLE: "volumes.tar.zst"})
+            Descriptor(
+                C.VOLUMES_LAYER_MEDIA_TYPE,
+                volumes_layer.digest,
+                volumes_layer.size,
+                {C.ANN_TITLE: "volumes.tar.zst"},
+            )
         )
         files.append(volumes_layer)
     total = sum(f.size for f in files) + len(config_bytes)
@@ -350,7 +382,10 @@ def _push(
     if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes):
         sent += len(config_bytes)
     manifest = build_manifest(
-        config=config_desc, layers=descs, artifact_type=C.ARTIFACT_TYPE, annotations=manifest_annotations(config)
+        config=config_desc,
+        layers=descs,
+        artifact_type=C.ARTIFACT_TYPE,
+        annotations=manifest_annotations(config),
     )
     digest = registry.push_manifest(target, manifest.to_bytes(), C.OCI_MANIFEST)
     return CheckpointResult(

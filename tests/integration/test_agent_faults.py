@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import socket
@@ -15,21 +14,21 @@ import zstandard
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import NotFound
-from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConfig
+from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from tests.integration.test_agent_roundtrip import (
-    NS,
-    WRAPPER,
     agent,
+    cleanup,  # noqa: F401
     client,
+    on,
     read_counter,
+    restore_on,
     start_counter,
     unique,
     wait_for,
 )
-from tests.integration.test_agent_roundtrip import cleanup  # noqa: F401
 from tests.support.containerd import containerd_a, containerd_b  # noqa: F401
 from tests.support.faulty_proxy import FaultyProxy
 from tests.support.images import busybox_image, python_image
@@ -44,8 +43,8 @@ def running_counter(containerd_a, cleanup):  # type: ignore[no-untyped-def]
     a = client(containerd_a)
     cid = unique("fault")
     cleanup(a, cid)
-    start_counter(a, containerd_a, cid, busybox_image(containerd_a, NS))
-    return a, cid
+    start_counter(a, containerd_a, cid, busybox_image(containerd_a))
+    return a, containerd_a, cid
 
 
 def assert_still_running(a, cid):  # type: ignore[no-untyped-def]
@@ -55,41 +54,35 @@ def assert_still_running(a, cid):  # type: ignore[no-untyped-def]
 
 
 def test_unknown_container_is_a_clear_error(containerd_a, registry):  # type: ignore[no-untyped-def]
-    proc = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--to", registry.ref("x", "v1"), "no-such-ctr", check=False)
+    proc = agent("checkpoint", *on(containerd_a), "--to", registry.ref("x", "v1"), "no-such-ctr", check=False)
     assert proc.returncode == 1
     assert "error:" in proc.stderr and "no-such-ctr" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_bad_reference_is_a_usage_error(containerd_a):  # type: ignore[no-untyped-def]
-    proc = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--to", "UPPER CASE/?", "c", check=False)
+    proc = agent("checkpoint", *on(containerd_a), "--to", "UPPER CASE/?", "c", check=False)
     assert proc.returncode == 2
     assert proc.stderr.startswith("error:")
 
 
 def test_registry_down_leaves_the_container_running(running_counter):  # type: ignore[no-untyped-def]
-    a, cid = running_counter
+    a, daemon, cid = running_counter
     with socket.socket() as s:  # a loopback port with nobody listening
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = agent("checkpoint", "-a", running_counter_address(a), "-n", NS, "--stop",
-                 "--to", f"127.0.0.1:{port}/down:v1", cid, check=False)
+    proc = agent("checkpoint", *on(daemon), "--stop", "--to", f"127.0.0.1:{port}/down:v1", cid, check=False)
     assert proc.returncode == 1
     assert "error:" in proc.stderr and f"127.0.0.1:{port}" in proc.stderr
     assert "hint:" in proc.stderr
     assert_still_running(a, cid)
 
 
-def running_counter_address(a) -> str:  # type: ignore[no-untyped-def]
-    return str(a.address)
-
-
 def test_registry_failing_mid_push_leaves_no_tag_and_the_container_running(running_counter, registry):  # type: ignore[no-untyped-def]
-    a, cid = running_counter
+    a, daemon, cid = running_counter
     host, port = registry.host.rsplit(":", 1)
-    with FaultyProxy(host, int(port), fail_after_bytes=64 << 10) as proxy:
-        proc = agent("checkpoint", "-a", running_counter_address(a), "-n", NS, "--stop",
-                     "--to", f"{proxy.host}/midpush:v1", cid, check=False)
+    with FaultyProxy(host, int(port), fail_after_bytes=1024) as proxy:
+        proc = agent("checkpoint", *on(daemon), "--stop", "--to", f"{proxy.host}/midpush:v1", cid, check=False)
     assert proc.returncode == 1, proc.stdout
     assert "error:" in proc.stderr
     assert_still_running(a, cid)  # --stop did not stop it: the snapshot never reached the registry
@@ -100,7 +93,7 @@ def test_registry_failing_mid_push_leaves_no_tag_and_the_container_running(runni
 def test_criu_dump_failure_shows_the_log_and_leaves_the_container_running(containerd_a, registry, cleanup, tmp_path):  # type: ignore[no-untyped-def]
     """A process connected to a unix socket outside its container cannot be dumped by CRIU."""
     a = client(containerd_a)
-    image = python_image(containerd_a, NS)
+    image = python_image(containerd_a)
     sockdir = tmp_path / "sock"
     sockdir.mkdir()
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -118,9 +111,11 @@ def test_criu_dump_failure_shows_the_log_and_leaves_the_container_running(contai
         "    i+=1; open('/tmp/count','w').write('t %d' % i); time.sleep(0.05)\n"
     )
     mount = {"destination": "/sock", "type": "bind", "source": str(sockdir), "options": ["rbind", "rw"]}
-    a.run_container(cid, image=image, args=["python3", "-c", code], mounts=[mount], runc_options=containerd_a.runc_options())
+    a.run_container(
+        cid, image=image, args=["python3", "-c", code], mounts=[mount], runc_options=containerd_a.runc_options
+    )
     wait_for(lambda: read_counter(a, cid)[1] > 5, what="the client to run")
-    proc = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--to", registry.ref("extsock", "v1"), cid, check=False)
+    proc = agent("checkpoint", *on(containerd_a), "--to", registry.ref("extsock", "v1"), cid, check=False)
     server.close()
     assert proc.returncode == 1
     assert "error:" in proc.stderr
@@ -138,7 +133,13 @@ def _push_artifact(registry, name: str, layer_tar: bytes) -> str:  # type: ignor
     ref = Reference.parse(registry.ref(name, "v1"))
     layer = zstandard.ZstdCompressor().compress(layer_tar)
     rec = ContainerRecord(name="c", id="c", image="", image_digest="", layer_digest=sha256_digest(layer), spec={})
-    cfg = SnapshotConfig(group="g", namespace=NS, created="2026-01-01T00:00:00Z", containers=(rec,), host=hostfacts.gather())
+    cfg = SnapshotConfig(
+        group="g",
+        namespace="test",
+        created="2026-01-01T00:00:00Z",
+        containers=(rec,),
+        host=hostfacts.gather(),
+    )
     cfg_bytes = cfg.to_bytes()
     reg_client.push_blob(ref, digest=sha256_digest(layer), size=len(layer), data=layer)
     reg_client.push_blob(ref, digest=sha256_digest(cfg_bytes), size=len(cfg_bytes), data=cfg_bytes)
@@ -163,7 +164,7 @@ def _push_artifact(registry, name: str, layer_tar: bytes) -> str:  # type: ignor
 def test_malicious_layers_are_refused_and_nothing_escapes(containerd_b, registry, entries, why, tmp_path):  # type: ignore[no-untyped-def]
     ref = _push_artifact(registry, f"evil-{why.strip('.') or 'dotdot'}", craft_tar(entries))
     name = unique("evil")
-    proc = agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER, ref, name, check=False)
+    proc = agent(*restore_on(containerd_b), ref, name, check=False)
     assert proc.returncode == 1, proc.stdout
     assert "error:" in proc.stderr
     state = Path(os.environ.get(C.ENV_STATE_DIR, C.DEFAULT_STATE_DIR))
@@ -178,9 +179,9 @@ def test_tampered_blob_is_refused_before_extraction(containerd_a, containerd_b, 
     a = client(containerd_a)
     cid = unique("tamper")
     cleanup(a, cid)
-    start_counter(a, containerd_a, cid, busybox_image(containerd_a, NS))
-    busybox_image(containerd_b, NS)
-    ref = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--to", registry.ref("tamper", "v1"), cid).stdout.strip()
+    start_counter(a, containerd_a, cid, busybox_image(containerd_a))
+    busybox_image(containerd_b)
+    ref = agent("checkpoint", *on(containerd_a), "--to", registry.ref("tamper", "v1"), cid).stdout.strip()
     body, _, _ = RegistryClient().get_manifest(Reference.parse(ref))
     layer_digest = json.loads(body)["layers"][0]["digest"]
     blob = registry.blob_path(layer_digest)
@@ -188,7 +189,7 @@ def test_tampered_blob_is_refused_before_extraction(containerd_a, containerd_b, 
     data[len(data) // 2] ^= 0xFF
     blob.write_bytes(bytes(data))
     name = unique("tampered")
-    proc = agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER, ref, name, check=False)
+    proc = agent(*restore_on(containerd_b), ref, name, check=False)
     assert proc.returncode == 1
     assert "digest" in proc.stderr.lower()
     state = Path(os.environ.get(C.ENV_STATE_DIR, C.DEFAULT_STATE_DIR))
@@ -198,8 +199,7 @@ def test_tampered_blob_is_refused_before_extraction(containerd_a, containerd_b, 
 
 
 def test_unknown_reference_and_wrong_name_count(containerd_b, registry):  # type: ignore[no-untyped-def]
-    proc = agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER,
-                 registry.ref("does-not-exist", "v1"), "x", check=False)
+    proc = agent(*restore_on(containerd_b), registry.ref("does-not-exist", "v1"), "x", check=False)
     assert proc.returncode == 1 and "error:" in proc.stderr
     proc = agent("inspect", registry.ref("does-not-exist", "v1"), check=False)
     assert proc.returncode == 1 and "error:" in proc.stderr

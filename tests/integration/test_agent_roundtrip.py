@@ -4,9 +4,7 @@ registry. Everything goes through `kubectl-snapshot-agent`, the command a user r
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -28,10 +26,9 @@ pytestmark = pytest.mark.integration
 
 AGENT = str(Path(sys.executable).with_name("kubectl-snapshot-agent"))
 WRAPPER = str(Path(sys.executable).with_name("kubectl-snapshot-runc"))
-NS = "kstest"
 COUNTER = (
     "tok=$(cat /proc/sys/kernel/random/uuid); i=0; "
-    "while true; do i=$((i+1)); echo \"$tok $i\" > /tmp/count; echo $i; usleep 50000; done"
+    'while true; do i=$((i+1)); echo "$tok $i" > /tmp/count; echo $i; usleep 50000; done'
 )
 
 
@@ -78,7 +75,16 @@ def unique(prefix: str) -> str:
 
 
 def client(d: ContainerdDaemon) -> ContainerdClient:
-    return ContainerdClient(d.address, NS)
+    return d.client()
+
+
+def on(d: ContainerdDaemon) -> list[str]:
+    """The agent flags that address this daemon."""
+    return ["-a", d.address, "-n", d.namespace]
+
+
+def restore_on(d: ContainerdDaemon) -> list[str]:
+    return ["restore", *on(d), "--runtime-binary", WRAPPER, "--runc-root", d.runc_root]
 
 
 def read_counter(c: ContainerdClient, cid: str, path: str = "/tmp/count") -> tuple[str, int]:
@@ -116,13 +122,13 @@ def cleanup() -> Callable[[ContainerdClient, str], None]:
 
 
 def start_counter(c: ContainerdClient, d: ContainerdDaemon, cid: str, image: str, **kw: object) -> None:
-    c.run_container(cid, image=image, args=["sh", "-c", COUNTER], runc_options=d.runc_options(), **kw)  # type: ignore[arg-type]
+    c.run_container(cid, image=image, args=["sh", "-c", COUNTER], runc_options=d.runc_options, **kw)  # type: ignore[arg-type]
     wait_for(lambda: read_counter(c, cid)[1] >= 20, what="the counter to reach 20")
 
 
 def test_counter_continues_on_a_second_containerd(containerd_a, containerd_b, registry, cleanup):  # type: ignore[no-untyped-def]
     a, b = client(containerd_a), client(containerd_b)
-    image_a, image_b = busybox_image(containerd_a, NS), busybox_image(containerd_b, NS)
+    image_a, image_b = busybox_image(containerd_a), busybox_image(containerd_b)
     assert image_a == image_b
     cid, new = unique("counter"), unique("restored")
     cleanup(a, cid)
@@ -130,7 +136,7 @@ def test_counter_continues_on_a_second_containerd(containerd_a, containerd_b, re
     start_counter(a, containerd_a, cid, image_a)
     tok_before, v_before = read_counter(a, cid)
 
-    out = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--stop", "--to", registry.ref("counter", "v1"), cid)
+    out = agent("checkpoint", *on(containerd_a), "--stop", "--to", registry.ref("counter", "v1"), cid)
     ref = out.stdout.strip()
     assert re.fullmatch(rf"{re.escape(registry.host)}/counter@sha256:[0-9a-f]{{64}}", ref), ref
     # --stop: the original is stopped once the snapshot is in the registry
@@ -138,8 +144,7 @@ def test_counter_continues_on_a_second_containerd(containerd_a, containerd_b, re
     assert task is None or task.status == "stopped"
     a.remove_container(cid)
 
-    restored = agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER,
-                     "--runc-root", containerd_b.runc_root, "-o", "json", ref, new)
+    restored = agent(*restore_on(containerd_b), "-o", "json", ref, new)
     info = json.loads(restored.stdout)
     assert info["containers"][0]["name"] == new
     assert b.get_task(new).status == "running"
@@ -158,11 +163,11 @@ def test_counter_continues_on_a_second_containerd(containerd_a, containerd_b, re
 
 def test_snapshot_without_stop_leaves_the_original_running(containerd_a, registry, cleanup):  # type: ignore[no-untyped-def]
     a = client(containerd_a)
-    image = busybox_image(containerd_a, NS)
+    image = busybox_image(containerd_a)
     cid = unique("keep")
     cleanup(a, cid)
     start_counter(a, containerd_a, cid, image)
-    agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--to", registry.ref("keep", "v1"), cid)
+    agent("checkpoint", *on(containerd_a), "--to", registry.ref("keep", "v1"), cid)
     assert a.get_task(cid).status == "running"
     _, v1 = read_counter(a, cid)
     wait_for(lambda: read_counter(a, cid)[1] > v1 + 3, what="the original counter to advance")
@@ -192,37 +197,39 @@ ASK = "import socket; s=socket.create_connection(('127.0.0.1', 8080), timeout=10
 
 def test_python_heap_and_listening_socket_survive(containerd_a, containerd_b, registry, cleanup):  # type: ignore[no-untyped-def]
     a, b = client(containerd_a), client(containerd_b)
-    image = python_image(containerd_a, NS)
-    assert python_image(containerd_b, NS) == image
+    image = python_image(containerd_a)
+    assert python_image(containerd_b) == image
     cid, new = unique("heap"), unique("heap-restored")
     cleanup(a, cid)
     cleanup(b, new)
-    a.run_container(cid, image=image, args=["python3", "-c", HEAP_SERVER], runc_options=containerd_a.runc_options())
+    a.run_container(cid, image=image, args=["python3", "-c", HEAP_SERVER], runc_options=containerd_a.runc_options)
     wait_for(lambda: a.exec_in_task(cid, ["cat", "/tmp/ready"])[0] == 0, timeout=60, what="the heap server")
     code, out, err = a.exec_in_task(cid, ["python3", "-c", ASK])
     assert code == 0, err
     checksum, pid = out.decode().split()
 
-    ref = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--stop", "--to", registry.ref("heap", "v1"), cid).stdout.strip()
+    ref = agent("checkpoint", *on(containerd_a), "--stop", "--to", registry.ref("heap", "v1"), cid).stdout.strip()
     inspected = json.loads(agent("inspect", ref, "-o", "json").stdout)
     assert inspected["containers"][0]["memoryBytes"] >= 200 << 20
     a.remove_container(cid)
 
-    agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER,
-          "--runc-root", containerd_b.runc_root, ref, new)
+    agent(*restore_on(containerd_b), ref, new)
     code, out, err = b.exec_in_task(new, ["python3", "-c", ASK])
     assert code == 0, err
     assert out.decode().split() == [checksum, pid]
 
 
-WRITER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/mine; echo $i > /vol/seq.tmp; mv /vol/seq.tmp /vol/seq; done"
-READER = "while true; do v=$(cat /vol/seq 2>/dev/null) && echo ${v:-0} > /tmp/seen; done"
+WRITER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/mine.t; mv /tmp/mine.t /tmp/mine; "
+    "echo $i > /vol/seq.t; mv /vol/seq.t /vol/seq; done"
+)
+READER = "while true; do v=$(cat /vol/seq 2>/dev/null) && echo ${v:-0} > /tmp/seen.t && mv /tmp/seen.t /tmp/seen; done"
 
 
 def test_group_freeze_is_consistent_and_volume_comes_back(containerd_a, containerd_b, registry, cleanup, tmp_path):  # type: ignore[no-untyped-def]
     a, b = client(containerd_a), client(containerd_b)
-    image = busybox_image(containerd_a, NS)
-    busybox_image(containerd_b, NS)
+    image = busybox_image(containerd_a)
+    busybox_image(containerd_b)
     vol, newvol = tmp_path / "vol", tmp_path / "newvol"
     vol.mkdir()
     newvol.mkdir()
@@ -231,12 +238,21 @@ def test_group_freeze_is_consistent_and_volume_comes_back(containerd_a, containe
     for c, cid in ((a, w), (a, r), (b, w2), (b, r2)):
         cleanup(c, cid)
     mount = {"destination": "/vol", "type": "bind", "source": str(vol), "options": ["rbind", "rw"]}
-    a.run_container(w, image=image, args=["sh", "-c", WRITER], mounts=[mount], runc_options=containerd_a.runc_options())
-    a.run_container(r, image=image, args=["sh", "-c", READER], mounts=[mount], runc_options=containerd_a.runc_options())
+    a.run_container(w, image=image, args=["sh", "-c", WRITER], mounts=[mount], runc_options=containerd_a.runc_options)
+    a.run_container(r, image=image, args=["sh", "-c", READER], mounts=[mount], runc_options=containerd_a.runc_options)
     wait_for(lambda: (vol / "seq").exists() and int((vol / "seq").read_text()) > 1000, what="the writer")
 
-    ref = agent("checkpoint", "-a", containerd_a.address, "-n", NS, "--stop", "--volume", str(vol),
-                "--to", registry.ref("group", "v1"), w, r).stdout.strip()
+    ref = agent(
+        "checkpoint",
+        *on(containerd_a),
+        "--stop",
+        "--volume",
+        str(vol),
+        "--to",
+        registry.ref("group", "v1"),
+        w,
+        r,
+    ).stdout.strip()
     for cid in (w, r):
         a.remove_container(cid)
     # In the artifact: what the reader had seen <= the shared file <= what the writer had written.
@@ -246,8 +262,7 @@ def test_group_freeze_is_consistent_and_volume_comes_back(containerd_a, containe
     seq = int(read_member(layers[2], None, "vol-0/seq"))
     assert seen <= seq <= mine, (seen, seq, mine)
 
-    agent("restore", "-a", containerd_b.address, "-n", NS, "--runtime-binary", WRAPPER,
-          "--runc-root", containerd_b.runc_root, "--volume", str(newvol), ref, w2, r2)
+    agent(*restore_on(containerd_b), "--volume", str(newvol), ref, w2, r2)
     # the directory contents came back into the new host dir
     assert (newvol / "seq").exists()
     for _ in range(20):

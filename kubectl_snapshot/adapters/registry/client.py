@@ -281,7 +281,7 @@ class RegistryClient:
         actual = "sha256:" + hasher.hexdigest()
         if actual != digest:
             raise DigestMismatch(
-                f"{what}: content hashes to {actual}",
+                f"{what}: content does not match its digest (it hashes to {actual})",
                 hint="the registry's storage is corrupt or the content was tampered with; it was not used",
             )
         return written
