@@ -83,7 +83,16 @@ class FakeRegistry:
         if self.down:
             raise Unavailable("cannot reach registry")
 
-    def push_blob(self, ref: Reference, *, digest: str, size: int, path: str | None = None, data: bytes | None = None, progress: Any = None) -> bool:
+    def push_blob(
+        self,
+        ref: Reference,
+        *,
+        digest: str,
+        size: int,
+        path: str | None = None,
+        data: bytes | None = None,
+        progress: Any = None,
+    ) -> bool:
         if self.fail_push:
             raise Unavailable("connection reset mid-push")
         self.blobs[digest] = data if data is not None else Path(path or "").read_bytes()
@@ -105,7 +114,12 @@ def test_all_frozen_first_then_dumped_then_resumed(tmp_path: Path) -> None:
     cd, reg = FakeContainerd({"a", "b"}), FakeRegistry()
     result = run(cd, reg, tmp_path)
     assert [c for c in cd.calls] == [
-        ("pause", "a"), ("pause", "b"), ("checkpoint", "a"), ("checkpoint", "b"), ("resume", "a"), ("resume", "b")
+        ("pause", "a"),
+        ("pause", "b"),
+        ("checkpoint", "a"),
+        ("checkpoint", "b"),
+        ("resume", "a"),
+        ("resume", "b"),
     ]
     assert cd.paused == set() and cd.killed == set()
     manifest = parse_manifest(reg.manifests["v1"])
