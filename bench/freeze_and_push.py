@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.containerd import ContainerdDaemon  # noqa: E402
-from tests.support.images import python_image  # noqa: E402
-from tests.support.registry import RegistryServer  # noqa: E402
+from tests.support.containerd import ContainerdDaemon
+from tests.support.images import python_image
+from tests.support.registry import RegistryServer
 
 AGENT = str(Path(sys.executable).with_name("kubectl-snapshot-agent"))
 WORKLOAD = (
@@ -62,7 +62,10 @@ def raw_criu_dump(mib: int, runs: int) -> list[float]:
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [py, "-c", WORKLOAD.format(mib=mib), str(ready)],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     times = []
     try:
@@ -71,9 +74,21 @@ def raw_criu_dump(mib: int, runs: int) -> list[float]:
             d = Path(tempfile.mkdtemp(dir=base))
             t = time.monotonic()
             subprocess.run(
-                [criu, "dump", "-t", str(proc.pid), "-D", str(d), "--leave-running", "--tcp-established",
-                 "--file-locks", "-o", "dump.log"],
-                check=True, capture_output=True,
+                [
+                    criu,
+                    "dump",
+                    "-t",
+                    str(proc.pid),
+                    "-D",
+                    str(d),
+                    "--leave-running",
+                    "--tcp-established",
+                    "--file-locks",
+                    "-o",
+                    "dump.log",
+                ],
+                check=True,
+                capture_output=True,
             )
             times.append(time.monotonic() - t)
             shutil.rmtree(d)
@@ -90,17 +105,35 @@ def agent_runs(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, run
     c = daemon.client()
     ready_dir = Path(tempfile.mkdtemp(dir=STATE))
     mount = {"destination": "/ready", "type": "bind", "source": str(ready_dir), "options": ["rbind", "rw"]}
-    c.run_container(cid, image=image, args=["python3", "-c", WORKLOAD.format(mib=mib), "/ready/ready"],
-                    mounts=[mount], runc_options=daemon.runc_options)
+    c.run_container(
+        cid,
+        image=image,
+        args=["python3", "-c", WORKLOAD.format(mib=mib), "/ready/ready"],
+        mounts=[mount],
+        runc_options=daemon.runc_options,
+    )
     out = []
     try:
         wait_file(ready_dir / "ready")
         for i in range(runs + 1):
             t = time.monotonic()
             proc = subprocess.run(
-                [AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json",
-                 "--to", f"{registry.host}/bench{mib}:run{i}", cid],
-                capture_output=True, text=True, check=False,
+                [
+                    AGENT,
+                    "checkpoint",
+                    "-a",
+                    daemon.address,
+                    "-n",
+                    daemon.namespace,
+                    "-o",
+                    "json",
+                    "--to",
+                    f"{registry.host}/bench{mib}:run{i}",
+                    cid,
+                ],
+                capture_output=True,
+                text=True,
+                check=False,
             )
             wall = time.monotonic() - t
             if proc.returncode != 0:
@@ -133,30 +166,37 @@ def main() -> None:
             raw_m = median(raw)
             freeze_m = median([a["freeze"] for a in agent])
             pushed_m = median([a["pushed"] for a in agent])
-            rows.append({
-                "mib": mib,
-                "raw_criu_dump_s": raw_m,
-                "freeze_s": freeze_m,
-                "freeze_ratio": freeze_m / raw_m,
-                "freeze_goal_s": 1.1 * raw_m + 0.030,
-                "freeze_meets_goal": freeze_m <= 1.1 * raw_m + 0.030,
-                "pushed_s": pushed_m,
-                "pushed_ratio": pushed_m / raw_m,
-                "snapshot_bytes": median([a["size"] for a in agent]),
-                "runs": args.runs,
-            })
+            rows.append(
+                {
+                    "mib": mib,
+                    "raw_criu_dump_s": raw_m,
+                    "freeze_s": freeze_m,
+                    "freeze_ratio": freeze_m / raw_m,
+                    "freeze_goal_s": 1.1 * raw_m + 0.030,
+                    "freeze_meets_goal": freeze_m <= 1.1 * raw_m + 0.030,
+                    "pushed_s": pushed_m,
+                    "pushed_ratio": pushed_m / raw_m,
+                    "snapshot_bytes": median([a["size"] for a in agent]),
+                    "runs": args.runs,
+                }
+            )
     finally:
         daemon.stop()
         registry.stop()
         shutil.rmtree(work, ignore_errors=True)
     facts = {"kernel": platform.release(), "cpus": os.cpu_count(), "python": platform.python_version()}
     print(f"machine: {facts}; medians of {args.runs} runs after 1 warm-up\n")
-    print("| touched memory | raw criu dump | agent freeze | freeze / raw | goal 1.1x+30ms | checkpoint->pushed | pushed / raw dump |")
+    print(
+        "| touched memory | raw criu dump | agent freeze | freeze / raw | goal 1.1x+30ms "
+        "| checkpoint->pushed | pushed / raw dump |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['mib']} MiB | {r['raw_criu_dump_s']*1000:.0f} ms | {r['freeze_s']*1000:.0f} ms | "
-              f"{r['freeze_ratio']:.2f}x | {'met' if r['freeze_meets_goal'] else 'missed'} | "
-              f"{r['pushed_s']*1000:.0f} ms | {r['pushed_ratio']:.2f}x |")
+        print(
+            f"| {r['mib']} MiB | {r['raw_criu_dump_s'] * 1000:.0f} ms | {r['freeze_s'] * 1000:.0f} ms | "
+            f"{r['freeze_ratio']:.2f}x | {'met' if r['freeze_meets_goal'] else 'missed'} | "
+            f"{r['pushed_s'] * 1000:.0f} ms | {r['pushed_ratio']:.2f}x |"
+        )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"machine": facts, "rows": rows}, indent=2))
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.support.containerd import ContainerdDaemon  # noqa: E402
-from tests.support.images import busybox_image  # noqa: E402
-from tests.support.registry import RegistryServer  # noqa: E402
+from tests.support.containerd import ContainerdDaemon
+from tests.support.images import busybox_image
+from tests.support.registry import RegistryServer
 
 BIN = Path(sys.executable).parent
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; echo count $i; sleep 1; done"
@@ -64,8 +64,18 @@ def main() -> None:
 
         say("snapshot it (freeze, CRIU dump, push to the registry) and stop it")
         agent = str(BIN / "kubectl-snapshot-agent")
-        ref = run(agent, "checkpoint", "-a", node_a.address, "-n", "demo", "--stop",
-                  "--to", f"{registry.host}/demo/counter:v1", "counter")
+        ref = run(
+            agent,
+            "checkpoint",
+            "-a",
+            node_a.address,
+            "-n",
+            "demo",
+            "--stop",
+            "--to",
+            f"{registry.host}/demo/counter:v1",
+            "counter",
+        )
         with node_a.client() as c:
             c.remove_container("counter")
         print("the original is gone from node A")
@@ -74,8 +84,20 @@ def main() -> None:
         run(agent, "inspect", ref)
 
         say("restore it on node B")
-        run(agent, "restore", "-a", node_b.address, "-n", "demo", "--runtime-binary",
-            str(BIN / "kubectl-snapshot-runc"), "--runc-root", node_b.runc_root, ref, "counter-restored")
+        run(
+            agent,
+            "restore",
+            "-a",
+            node_b.address,
+            "-n",
+            "demo",
+            "--runtime-binary",
+            str(BIN / "kubectl-snapshot-runc"),
+            "--runc-root",
+            node_b.runc_root,
+            ref,
+            "counter-restored",
+        )
         first = count(node_b, "counter-restored")
         time.sleep(3)
         later = count(node_b, "counter-restored")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -53,9 +52,7 @@ def registry_options(fn: F) -> F:
     fn = click.option(
         "--plain-http", is_flag=True, help="Talk HTTP, not HTTPS, to the registry (loopback is always plain)."
     )(fn)
-    fn = click.option(
-        "--registry-username", envvar="KUBECTL_SNAPSHOT_REGISTRY_USERNAME", help="Registry user."
-    )(fn)
+    fn = click.option("--registry-username", envvar="KUBECTL_SNAPSHOT_REGISTRY_USERNAME", help="Registry user.")(fn)
     fn = click.option(
         "--registry-password",
         envvar="KUBECTL_SNAPSHOT_REGISTRY_PASSWORD",

@@ -92,7 +92,5 @@ def preflight_problems(snapshot: HostFacts, here: HostFacts) -> list[str]:
         problems.append(f"the snapshot was taken on {snapshot.arch}, this node is {here.arch}")
     missing = sorted(set(snapshot.cpu_flags) - set(here.cpu_flags))
     if missing:
-        problems.append(
-            f"this node's CPU lacks features the snapshotted processes may use: {', '.join(missing)}"
-        )
+        problems.append(f"this node's CPU lacks features the snapshotted processes may use: {', '.join(missing)}")
     return problems

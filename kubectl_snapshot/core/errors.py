@@ -44,9 +44,7 @@ class SnapshotError(Exception):
 
     def with_context(self, prefix: str) -> SnapshotError:
         """Return a copy of this error whose message is prefixed (same class, hint, details)."""
-        err = type(self)(
-            f"{prefix}: {self.message}", hint=self.hint, details=self.details, retryable=self.retryable
-        )
+        err = type(self)(f"{prefix}: {self.message}", hint=self.hint, details=self.details, retryable=self.retryable)
         err.__cause__ = self
         return err
 

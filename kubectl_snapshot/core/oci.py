@@ -18,9 +18,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import FailedPrecondition
 
 _DIGEST_RE = re.compile(r"^sha256:[a-f0-9]{64}$")
-_MEDIA_TYPE_RE = re.compile(
-    r"^[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}$"
-)
+_MEDIA_TYPE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}/[A-Za-z0-9][A-Za-z0-9!#$&^_.+-]{0,126}$")
 
 EMPTY_JSON = b"{}"
 
@@ -151,6 +149,4 @@ def build_manifest(
 
 
 def _bad(message: str, hint: str | None = None) -> FailedPrecondition:
-    return FailedPrecondition(
-        message, hint=hint or "the artifact is damaged or was not made by kubectl-snapshot"
-    )
+    return FailedPrecondition(message, hint=hint or "the artifact is damaged or was not made by kubectl-snapshot")

@@ -22,7 +22,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
-
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, SnapshotError
 from kubectl_snapshot.core.model import (
@@ -88,9 +87,7 @@ def _validate(req: CheckpointRequest) -> list[str]:
         raise InvalidArgument("container names must be unique, one per container")
     for v in req.volumes:
         if not os.path.isdir(v):
-            raise InvalidArgument(
-                f"volume directory {v!r} does not exist", hint="pass an existing host directory"
-            )
+            raise InvalidArgument(f"volume directory {v!r} does not exist", hint="pass an existing host directory")
     if req.volume_names is not None and len(req.volume_names) != len(req.volumes):
         raise InvalidArgument("one volume name per volume directory")
     return names
@@ -191,8 +188,7 @@ def checkpoint(
             containers=tuple(records),
             host=host,
             volumes=tuple(
-                VolumeRecord(name=n, source=src)
-                for n, src in zip(_volume_names(req), req.volumes, strict=True)
+                VolumeRecord(name=n, source=src) for n, src in zip(_volume_names(req), req.volumes, strict=True)
             ),
             volumes_layer=volumes_layer.digest if volumes_layer else None,
             stopped=req.stop,
@@ -259,10 +255,7 @@ def _dump_one(containerd: Containerd, cid: str, cdir: str, upper: str | None, re
     )
     info = containerd.get_container(cid)
     upper = upperdir_from_mounts(
-        [
-            (m.type, m.source, list(m.options))
-            for m in containerd.snapshot_mounts(info.snapshotter, info.snapshot_key)
-        ]
+        [(m.type, m.source, list(m.options)) for m in containerd.snapshot_mounts(info.snapshotter, info.snapshot_key)]
     )
     if upper is not None:
         with open(os.path.join(cdir, C.ROOTFS_DIFF_TAR), "wb") as out:
@@ -272,11 +265,7 @@ def _dump_one(containerd: Containerd, cid: str, cdir: str, upper: str | None, re
 
 
 def _volume_names(req: CheckpointRequest) -> list[str]:
-    return (
-        list(req.volume_names)
-        if req.volume_names is not None
-        else [f"vol-{i}" for i in range(len(req.volumes))]
-    )
+    return list(req.volume_names) if req.volume_names is not None else [f"vol-{i}" for i in range(len(req.volumes))]
 
 
 def _capture_volumes(req: CheckpointRequest, work: str) -> str:

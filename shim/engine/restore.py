@@ -186,9 +186,7 @@ def restore(
 
     phase("download")
     staged = [paths.staged_by_id(cid) for cid in req.new_ids]
-    stage_artifact(
-        artifact, staged, registry=registry, paths=paths, volume_targets=req.volumes, on_bytes=on_bytes
-    )
+    stage_artifact(artifact, staged, registry=registry, paths=paths, volume_targets=req.volumes, on_bytes=on_bytes)
 
     phase("restore")
     created: list[str] = []

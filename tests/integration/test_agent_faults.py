@@ -20,7 +20,7 @@ from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from tests.integration.test_agent_roundtrip import (
     agent,
-    cleanup,  # noqa: F401
+    cleanup,
     client,
     on,
     read_counter,
@@ -29,10 +29,10 @@ from tests.integration.test_agent_roundtrip import (
     unique,
     wait_for,
 )
-from tests.support.containerd import containerd_a, containerd_b  # noqa: F401
+from tests.support.containerd import containerd_a, containerd_b
 from tests.support.faulty_proxy import FaultyProxy
 from tests.support.images import busybox_image, python_image
-from tests.support.registry import registry  # noqa: F401
+from tests.support.registry import registry
 from tests.support.tarcraft import craft_tar, dev, reg, sym
 
 pytestmark = pytest.mark.integration

@@ -3,6 +3,7 @@ registry. Everything goes through `kubectl-snapshot-agent`, the command a user r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -18,9 +19,9 @@ from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.reference import Reference
 from shim.containerd.client import ContainerdClient
-from tests.support.containerd import ContainerdDaemon, containerd_a, containerd_b  # noqa: F401
+from tests.support.containerd import ContainerdDaemon, containerd_a, containerd_b
 from tests.support.images import busybox_image, python_image
-from tests.support.registry import RegistryServer, registry  # noqa: F401
+from tests.support.registry import RegistryServer, registry
 
 pytestmark = pytest.mark.integration
 
@@ -115,10 +116,8 @@ def cleanup() -> Callable[[ContainerdClient, str], None]:
 
     yield add  # type: ignore[misc]
     for c, cid in todo:
-        try:
+        with contextlib.suppress(Exception):
             c.remove_container(cid)
-        except Exception:
-            pass
 
 
 def start_counter(c: ContainerdClient, d: ContainerdDaemon, cid: str, image: str, **kw: object) -> None:
