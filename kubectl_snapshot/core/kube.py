@@ -1,0 +1,50 @@
+"""Kubernetes names shared by the plugin and the agent (docs/kubernetes.md is the contract)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+GROUP: Final = "kubectl-snapshot.io"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "PodSnapshot"
+PLURAL: Final = "podsnapshots"
+SINGULAR: Final = "podsnapshot"
+SHORT_NAME: Final = "psnap"
+
+# PodSnapshot status.phase
+PHASE_PENDING: Final = "Pending"
+PHASE_RUNNING: Final = "Running"
+PHASE_SUCCEEDED: Final = "Succeeded"
+PHASE_FAILED: Final = "Failed"
+TERMINAL_PHASES: Final = (PHASE_SUCCEEDED, PHASE_FAILED)
+
+# restore
+RUNTIME_CLASS: Final = "kubectl-snapshot"
+ANN_RESTORE_FROM: Final = f"{GROUP}/restore-from"  # REGISTRY/REPO@sha256:...
+ANN_RESTORE_STATUS: Final = f"{GROUP}/restore-status"  # Staged | Failed: <reason>
+ANN_REGISTRY_SECRET: Final = f"{GROUP}/registry-secret"
+LABEL_RESTORED_FROM: Final = f"{GROUP}/restored-from"
+GATE_VOLUME: Final = "kubectl-snapshot-gate"
+GATE_CONTAINER: Final = "kubectl-snapshot-gate"
+GATE_MOUNT: Final = "/gate"
+GATE_STAGED_FILE: Final = "staged"
+GATE_FAILED_FILE: Final = "failed"
+RESTORE_STAGED: Final = "Staged"
+RESTORE_FAILED_PREFIX: Final = "Failed: "
+DROPPED_LABELS: Final = ("pod-template-hash", "controller-revision-hash")
+SA_TOKEN_VOLUME_PREFIX: Final = "kube-api-access-"
+
+# the agent
+AGENT_NAMESPACE: Final = "kubectl-snapshot-system"
+AGENT_NAME: Final = "kubectl-snapshot-agent"
+AGENT_LABEL: Final = {"app.kubernetes.io/name": AGENT_NAME}
+EMPTY_DIR_PLUGIN_DIR: Final = "kubernetes.io~empty-dir"
+CONTAINERD_K8S_NAMESPACE: Final = "k8s.io"
+
+# Events on the pod
+EVENT_SNAPSHOT_STARTED: Final = "SnapshotStarted"
+EVENT_SNAPSHOT_SUCCEEDED: Final = "SnapshotSucceeded"
+EVENT_SNAPSHOT_FAILED: Final = "SnapshotFailed"
+EVENT_RESTORE_STAGED: Final = "RestoreStaged"
+EVENT_RESTORE_FAILED: Final = "RestoreFailed"
