@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Tear the local test cluster down completely and idempotently, also after a failed or partial
-# start: no processes, mounts, cgroups, network interfaces, routes or iptables rules of ours are
-# left, and the state directories are removed (the binary cache is kept). Exits non-zero and says
+# start: no processes, mounts, cgroups or network namespace of ours are left (the cluster's
+# interfaces, routes and iptables rules all live in that namespace and go with it), and the state
+# directories are removed (the binary cache is kept). Exits non-zero and says
 # what is left if something could not be removed.
 #
 # Only processes of this cluster are stopped: by pid file, by membership of the nodes' own cgroup
@@ -25,7 +26,7 @@ our_pids() {
   for d in /proc/[0-9]*; do
     pid="${d#/proc/}"
     [[ "$ancestors" == *" $pid "* ]] && continue
-    cmd="$(tr '\0' ' ' <"$d/cmdline" 2>/dev/null)" || continue
+    cmd="$({ tr '\0' ' ' <"$d/cmdline"; } 2>/dev/null)" || continue
     case "$cmd" in
       *"$KS_DIR/"* | *"$KS_RUN/"*) echo "$pid" ;;
     esac
@@ -58,7 +59,10 @@ done
 
 # 3. containerd, its shims, and the control plane.
 for node in "${KS_NODES[@]}"; do ks_stop "containerd-$node" 10; done
-for name in kube-scheduler kube-controller-manager kube-apiserver etcd registry; do ks_stop "$name" 10; done
+for name in root-apiserver-relay apiserver-relay kube-scheduler kube-controller-manager kube-apiserver etcd \
+            root-registry-relay registry-relay registry; do
+  ks_stop "$name" 10
+done
 for _ in 1 2 3 4 5 6 7 8 9 10; do
   pids="$(our_pids)"
   [ -n "$pids" ] || break
@@ -92,52 +96,18 @@ for node in "${KS_NODES[@]}"; do
   done
 done
 
-# 7. network: veths left on our bridge, the bridge, the service blackhole route.
-if ip link show "$KS_BRIDGE" >/dev/null 2>&1; then
-  for l in $(ip -o link show master "$KS_BRIDGE" 2>/dev/null | awk -F': ' '{print $2}' | cut -d@ -f1); do
-    ip link delete "$l" 2>/dev/null || true
-  done
-  ip link delete "$KS_BRIDGE" 2>/dev/null || true
-fi
-ip route del blackhole "$KS_SERVICE_CIDR" 2>/dev/null || true
+# 7. the cluster's network namespace, with everything in it (dummy, bridge, veths, NAT rules).
+ip netns delete "$KS_NETNS" 2>/dev/null || true
 
-# 8. iptables: chains KUBE-*/CNI-* that were not there before up.sh, and rules using them or our
-#    bridge/pod CIDR. (The kubelet runs with makeIPTablesUtilChains=false; this is a safety net.)
-if command -v iptables-save >/dev/null; then
-  before="$KS_RUN/iptables.before"
-  table=""
-  iptables-save 2>/dev/null | while read -r line; do
-    case "$line" in
-      \**) table="${line#\*}" ;;
-      -A*)
-        if [[ "$line" =~ (KUBE-|CNI-|$KS_BRIDGE|${KS_POD_CIDR%/*}) ]] && ! grep -qxF -- "$line" "$before" 2>/dev/null; then
-          # shellcheck disable=SC2086
-          eval "iptables -t $table -D ${line#-A }" 2>/dev/null || true
-        fi ;;
-    esac
-  done
-  iptables-save 2>/dev/null | while read -r line; do
-    case "$line" in
-      \**) table="${line#\*}" ;;
-      :KUBE-* | :CNI-*)
-        chain="${line%% *}"; chain="${chain#:}"
-        if ! grep -q "^:$chain " "$before" 2>/dev/null; then
-          iptables -t "$table" -F "$chain" 2>/dev/null; iptables -t "$table" -X "$chain" 2>/dev/null || true
-        fi ;;
-    esac
-  done
-fi
-
-# 9. kubelet symlinks into our pod logs, then the state dirs.
+# 8. kubelet symlinks into our pod logs, then the state dirs.
 find /var/log/containers -maxdepth 1 -type l -lname "$KS_DIR/*" -delete 2>/dev/null || true
 rm -rf "$KS_DIR" "$KS_RUN" 2>/dev/null || true
 
-# 10. verify.
+# 9. verify.
 left=()
 [ -z "$(our_pids)$(cgroup_pids)" ] || left+=("processes: $(our_pids) $(cgroup_pids)")
 m="$(findmnt -rn -o TARGET | grep -E "^($KS_DIR|$KS_RUN)(/|$)")" && left+=("mounts: $m")
-ip link show "$KS_BRIDGE" >/dev/null 2>&1 && left+=("interface $KS_BRIDGE")
-ip route show type blackhole 2>/dev/null | grep -q "${KS_SERVICE_CIDR%/*}" && left+=("blackhole route")
+[ ! -e "/run/netns/$KS_NETNS" ] || left+=("network namespace $KS_NETNS")
 for node in "${KS_NODES[@]}"; do
   for h in /sys/fs/cgroup/*/"$node"; do [ -d "$h" ] && left+=("cgroup $h"); done
 done

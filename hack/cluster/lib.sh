@@ -1,18 +1,23 @@
 # shellcheck shell=bash
 # Settings and helpers shared by hack/cluster/{up,down,containerd-restart}.sh (sourced, not run).
 #
-# Network layout (see docs/cluster.md): everything stays on loopback in the root network
-# namespace. The API server listens on 127.0.0.1, each kubelet on its own 127.0.0.x; because the
-# kubelet refuses a loopback --node-ip, kubelets run with --cloud-provider=external and up.sh plays
-# the cloud provider: it writes the node addresses (127.0.0.x) and removes the "uninitialized"
-# taint. Pods share one bridge that has no address (no gateway, no default route), so nothing a
-# pod sends can leave the machine; the service CIDR is blackholed for host-network pods.
+# Network layout (see docs/cluster.md): the whole cluster (etcd, API server, controllers, both
+# nodes' kubelet + containerd, the registry, the pods' bridge) runs in one network namespace that
+# these scripts create, "ks-net". It has no uplink (only lo, carrying the API server and node
+# addresses, and the pod bridge), so nothing can leave the machine, and its addresses are real
+# non-loopback ones: the kubelet refuses a loopback node IP and the API server refuses to proxy to
+# one. The root namespace gets no interface, address, route or iptables rule; users and tests
+# reach the API server and the registry at 127.0.0.1 through two relays joined by a Unix socket
+# (hack/cluster/forward.py). Daemons enter the namespace with `nsenter --net` only, so they share
+# the host's mount namespace (cgroups, container mounts and files stay visible as usual).
 
 KS_K8S_VERSION="${K8S_VERSION:-v1.36.3}"
 KS_DIR="${KS_CLUSTER_DIR:-/var/lib/ks-cluster}"      # persistent state (PKI, etcd, node dirs)
 KS_RUN="${KS_CLUSTER_RUN:-/run/ks-cluster}"          # sockets, pids, containerd state
 KS_NODES=(ks-n1 ks-n2)
-KS_API_ADDR=127.0.0.1
+KS_NETNS=ks-net
+KS_API_IP=10.213.0.1                                 # in ks-net
+KS_API_ADDR=127.0.0.1                                # root namespace (relay) and ks-net loopback
 KS_API_PORT="${KS_API_PORT:-6443}"
 KS_ETCD_PORT="${KS_ETCD_PORT:-23790}"
 KS_REGISTRY="${KS_REGISTRY:-127.0.0.1:5005}"
@@ -27,10 +32,10 @@ KS_PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # criu, 
 ks_log() { printf '[cluster] %s\n' "$*" >&2; }
 ks_die() { printf 'error: %s\n' "$1" >&2; [ -z "${2:-}" ] || printf 'hint: %s\n' "$2" >&2; exit 1; }
 
-ks_node_ip() {  # NODE -> its 127.0.0.x
+ks_node_ip() {  # NODE -> its address in ks-net
   case "$1" in
-    ks-n1) echo 127.0.0.11 ;;
-    ks-n2) echo 127.0.0.12 ;;
+    ks-n1) echo 10.213.0.11 ;;
+    ks-n2) echo 10.213.0.12 ;;
     *) ks_die "unknown node '$1'" "nodes are: ${KS_NODES[*]}" ;;
   esac
 }
@@ -44,12 +49,19 @@ ks_alive() {  # NAME: is the daemon from its pid file running?
   [ -f "$f" ] && pid="$(cat "$f")" && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
 }
 
+ks_net() { nsenter --net="/run/netns/$KS_NETNS" "$@"; }  # CMD... inside ks-net
+
 # Start a daemon in its own session (it must outlive the caller, e.g. pytest), log to a file and
-# record its pid so down.sh can stop exactly it.
+# record its pid so down.sh can stop exactly it. It runs in ks-net unless NAME starts with "root-".
 ks_start() {  # NAME CMD...
   local name="$1"; shift
   mkdir -p "$KS_DIR/logs" "$KS_RUN/pids"
-  PATH="$KS_PATH" setsid "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null &
+  if [[ "$name" == root-* ]]; then
+    PATH="$KS_PATH" setsid "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null &
+  else
+    # nsenter execs the command, so the pid stays the daemon's.
+    PATH="$KS_PATH" setsid nsenter --net="/run/netns/$KS_NETNS" "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null &
+  fi
   echo $! >"$(ks_pidfile "$name")"
 }
 

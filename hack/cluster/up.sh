@@ -24,9 +24,10 @@ print_usage() {
 Cluster is up ($(( $(date +%s) - t0 ))s). Kubernetes $KS_K8S_VERSION, containerd $(/usr/local/bin/containerd --version | awk '{print $3}').
   export KUBECONFIG=$KS_DIR/admin.kubeconfig     # or: source $KS_DIR/cluster.env
   kubectl:   $BIN/kubectl
-  API:       https://$KS_API_ADDR:$KS_API_PORT  (host-network pods use this address too)
-  registry:  $KS_REGISTRY  (plain HTTP; images: $KS_PAUSE_IMAGE, $KS_BUSYBOX_IMAGE)
-  nodes:     ${KS_NODES[*]}  (containerd sockets: $(ks_node_sock ks-n1), $(ks_node_sock ks-n2))
+  API:       https://$KS_API_ADDR:$KS_API_PORT (relay into network namespace $KS_NETNS, where it is
+             https://$KS_API_IP:$KS_API_PORT; pods also reach it as https://10.96.0.1:443)
+  registry:  $KS_REGISTRY  (same address in $KS_NETNS; plain HTTP; images: $KS_PAUSE_IMAGE, $KS_BUSYBOX_IMAGE)
+  nodes:     ${KS_NODES[*]} ($(ks_node_ip ks-n1), $(ks_node_ip ks-n2); containerd sockets: $(ks_node_sock ks-n1), $(ks_node_sock ks-n2))
   containerd drop-ins: $KS_DIR/NODE/containerd.d/*.toml, then hack/cluster/containerd-restart.sh NODE
   checkpoints land in: $KS_DIR/NODE/kubelet/checkpoints/
   logs:      $KS_DIR/logs/
@@ -53,8 +54,25 @@ on_error() {
   [ "${KS_KEEP_ON_FAILURE:-0}" = 1 ] || "$HERE/down.sh" >&2 || true
 }
 trap on_error ERR
-mkdir -p "$KS_DIR" "$KS_RUN/pids" "$PKI" "$KS_DIR/logs"
-iptables-save >"$KS_RUN/iptables.before" 2>/dev/null || true
+mkdir -p "$KS_DIR" "$KS_RUN/pids" "$KS_RUN/fwd" "$PKI" "$KS_DIR/logs"
+
+# --- the cluster's network namespace ---------------------------------------------------------
+ks_log "creating network namespace $KS_NETNS"
+ip netns add "$KS_NETNS"
+ip -n "$KS_NETNS" link set lo up
+# The API server and node addresses sit on the namespace's lo (the kernel has no dummy driver);
+# they are still real, non-loopback addresses to the kubelet and the API server.
+for a in "$KS_API_IP" $(for n in "${KS_NODES[@]}"; do ks_node_ip "$n"; done); do
+  ip -n "$KS_NETNS" addr add "$a/32" dev lo
+done
+# No kube-proxy: the kubernetes Service IP (first of the service CIDR) is DNATed to the API server
+# for pods and host-network processes alike; other service IPs go nowhere. These rules live in
+# ks-net and vanish with it.
+ip -n "$KS_NETNS" route add "$KS_SERVICE_CIDR" dev lo
+for chain in PREROUTING OUTPUT; do
+  ks_net iptables -t nat -A "$chain" -d 10.96.0.1/32 -p tcp --dport 443 \
+    -j DNAT --to-destination "$KS_API_IP:$KS_API_PORT"
+done
 
 # --- PKI -------------------------------------------------------------------------------------
 ks_log "generating certificates"
@@ -75,7 +93,7 @@ extendedKeyUsage=clientAuth"
 cert apiserver "/CN=kube-apiserver" "basicConstraints=CA:FALSE
 keyUsage=critical,digitalSignature,keyEncipherment
 extendedKeyUsage=serverAuth
-subjectAltName=DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,DNS:localhost,IP:127.0.0.1,IP:10.96.0.1"
+subjectAltName=DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local,DNS:localhost,IP:127.0.0.1,IP:10.96.0.1,IP:$KS_API_IP"
 cert admin "/O=system:masters/CN=kubectl-snapshot-admin" "$client_ext"
 cert apiserver-kubelet-client "/CN=kube-apiserver-kubelet-client" "$client_ext"
 cert controller-manager "/CN=system:kube-controller-manager" "$client_ext"
@@ -87,14 +105,14 @@ openssl_quiet genrsa -out "$PKI/sa.key" 2048
 openssl_quiet rsa -in "$PKI/sa.key" -pubout -out "$PKI/sa.pub"
 chmod 600 "$PKI"/*.key
 
-kubeconfig() {  # FILE CERT-NAME
+kubeconfig() {  # FILE CERT-NAME [SERVER]
   cat >"$1" <<EOF
 apiVersion: v1
 kind: Config
 clusters:
 - name: ks
   cluster:
-    server: https://$KS_API_ADDR:$KS_API_PORT
+    server: ${3:-https://$KS_API_ADDR:$KS_API_PORT}
     certificate-authority-data: $(base64 -w0 "$PKI/ca.crt")
 users:
 - name: $2
@@ -111,7 +129,9 @@ EOF
 kubeconfig "$KS_DIR/admin.kubeconfig" admin
 kubeconfig "$KS_DIR/controller-manager.kubeconfig" controller-manager
 kubeconfig "$KS_DIR/scheduler.kubeconfig" scheduler
-for node in "${KS_NODES[@]}"; do kubeconfig "$KS_DIR/$node.kubeconfig" "kubelet-$node"; done
+for node in "${KS_NODES[@]}"; do
+  kubeconfig "$KS_DIR/$node.kubeconfig" "kubelet-$node" "https://$KS_API_IP:$KS_API_PORT"
+done
 
 # --- registry and images ---------------------------------------------------------------------
 ks_log "starting registry on $KS_REGISTRY and pushing images"
@@ -124,7 +144,14 @@ storage:
   delete: {enabled: true}
 http: {addr: $KS_REGISTRY}
 EOF
+PY="$(command -v python3)"
+relay() {  # NAME TCP-ADDR: a relay from the root namespace to the same address in ks-net
+  ks_start "$1-relay" "$PY" "$HERE/forward.py" "unix:$KS_RUN/fwd/$1.sock" "tcp:$2"
+  ks_wait 10 "$1 relay socket" test -S "$KS_RUN/fwd/$1.sock"
+  ks_start "root-$1-relay" "$PY" "$HERE/forward.py" "tcp:$2" "unix:$KS_RUN/fwd/$1.sock"
+}
 ks_start registry /usr/bin/docker-registry serve "$KS_DIR/registry.yml"
+relay registry "$KS_REGISTRY"
 ks_wait 20 "registry" curl -fsS "http://$KS_REGISTRY/v2/"
 mkdir -p "$KS_DIR/images"
 ( cd "$HERE/pause" && CGO_ENABLED=0 GOFLAGS= go build -trimpath -ldflags "-s -w" -o "$KS_DIR/images/pause-bin" pause.go )
@@ -146,12 +173,11 @@ ks_start etcd /usr/bin/etcd --name ks --data-dir "$KS_DIR/etcd" \
   --listen-peer-urls "http://127.0.0.1:$((KS_ETCD_PORT + 10))" \
   --initial-advertise-peer-urls "http://127.0.0.1:$((KS_ETCD_PORT + 10))" \
   --initial-cluster "ks=http://127.0.0.1:$((KS_ETCD_PORT + 10))" --unsafe-no-fsync --log-level warn
-ks_wait 30 "etcd" curl -fsS "http://127.0.0.1:$KS_ETCD_PORT/health"
+ks_wait 30 "etcd" ks_net curl -fsS "http://127.0.0.1:$KS_ETCD_PORT/health"
 
 ks_start kube-apiserver "$BIN/kube-apiserver" \
   --etcd-servers="http://127.0.0.1:$KS_ETCD_PORT" \
-  --bind-address="$KS_API_ADDR" --secure-port="$KS_API_PORT" --advertise-address="$KS_API_ADDR" \
-  --endpoint-reconciler-type=none \
+  --bind-address=0.0.0.0 --secure-port="$KS_API_PORT" --advertise-address="$KS_API_IP" \
   --tls-cert-file="$PKI/apiserver.crt" --tls-private-key-file="$PKI/apiserver.key" \
   --client-ca-file="$PKI/ca.crt" \
   --service-account-issuer=https://kubernetes.default.svc.cluster.local \
@@ -160,8 +186,9 @@ ks_start kube-apiserver "$BIN/kube-apiserver" \
   --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
   --kubelet-client-certificate="$PKI/apiserver-kubelet-client.crt" \
   --kubelet-client-key="$PKI/apiserver-kubelet-client.key" \
-  --kubelet-preferred-address-types=InternalIP,ExternalIP \
+  --kubelet-preferred-address-types=InternalIP \
   --allow-privileged=true --profiling=false --v=1
+relay apiserver "$KS_API_ADDR:$KS_API_PORT"
 ks_wait 90 "kube-apiserver /readyz" "${KUBECTL[@]}" get --raw /readyz
 
 # The apiserver calls kubelets as kube-apiserver-kubelet-client: logs/exec need
@@ -201,10 +228,8 @@ ks_start kube-scheduler "$BIN/kube-scheduler" \
   --authorization-kubeconfig="$KS_DIR/scheduler.kubeconfig" \
   --bind-address=127.0.0.1 --leader-elect=false --profiling=false --v=1
 
-# --- host networking for pods ----------------------------------------------------------------
-# No kube-proxy: a host-network client of the kubernetes Service would otherwise route to the
-# default gateway. The pod bridge gets no address, so pods have no route off their bridge.
-ip route replace blackhole "$KS_SERVICE_CIDR"
+# --- pod network (inside ks-net): pods route only the service CIDR and the cluster addresses
+# (API server, nodes) via the bridge; no default route, and ks-net itself has no uplink ---------
 mkdir -p "$KS_DIR/cni/net.d" "$KS_DIR/cni/ipam"
 cat >"$KS_DIR/cni/net.d/10-ks-pods.conflist" <<EOF
 {
@@ -214,11 +239,12 @@ cat >"$KS_DIR/cni/net.d/10-ks-pods.conflist" <<EOF
     {
       "type": "bridge",
       "bridge": "$KS_BRIDGE",
-      "isGateway": false,
+      "isGateway": true,
       "ipMasq": false,
       "ipam": {
         "type": "host-local",
         "ranges": [[{"subnet": "$KS_POD_CIDR"}]],
+        "routes": [{"dst": "$KS_SERVICE_CIDR"}, {"dst": "${KS_API_IP%.*}.0/24"}],
         "dataDir": "$KS_DIR/cni/ipam"
       }
     }
@@ -274,17 +300,10 @@ oomScoreAdj: 0
 EOF
   ks_start "kubelet-$node" "$BIN/kubelet" --config="$KS_DIR/$node/kubelet.yaml" \
     --kubeconfig="$KS_DIR/$node.kubeconfig" --root-dir="$KS_DIR/$node/kubelet" \
-    --hostname-override="$node" --cloud-provider=external --v=1
+    --hostname-override="$node" --node-ip="$ip" --v=1
 done
 
-# --- play the cloud provider: node addresses, remove the uninitialized taint -----------------
-for node in "${KS_NODES[@]}"; do
-  ip="$(ks_node_ip "$node")"
-  ks_wait 90 "node $node to register" "${KUBECTL[@]}" get node "$node"
-  "${KUBECTL[@]}" patch node "$node" --subresource=status --type=merge -p \
-    "{\"status\":{\"addresses\":[{\"type\":\"InternalIP\",\"address\":\"$ip\"},{\"type\":\"ExternalIP\",\"address\":\"$ip\"},{\"type\":\"Hostname\",\"address\":\"$node\"}]}}" >/dev/null
-  "${KUBECTL[@]}" taint node "$node" node.cloudprovider.kubernetes.io/uninitialized- >/dev/null 2>&1 || true
-done
+for node in "${KS_NODES[@]}"; do ks_wait 90 "node $node to register" "${KUBECTL[@]}" get node "$node"; done
 "${KUBECTL[@]}" wait --for=condition=Ready "${KS_NODES[@]/#/node/}" --timeout=120s >/dev/null
 ks_wait 60 "default service account" "${KUBECTL[@]}" get serviceaccount default -n default
 
@@ -293,6 +312,8 @@ export KUBECONFIG=$KS_DIR/admin.kubeconfig
 export KS_KUBECTL=$BIN/kubectl
 export KS_REGISTRY=$KS_REGISTRY
 export KS_API_HOST=$KS_API_ADDR
+export KS_API_IP=$KS_API_IP
+export KS_NETNS=$KS_NETNS
 export KS_API_PORT=$KS_API_PORT
 export KS_NODES="${KS_NODES[*]}"
 export KS_BUSYBOX_IMAGE=$KS_BUSYBOX_IMAGE

@@ -26,7 +26,7 @@ from tests.support.cluster import Cluster, cluster, namespace  # noqa: F401
 
 pytestmark = pytest.mark.e2e
 
-NODE_IPS = {"ks-n1": "127.0.0.11", "ks-n2": "127.0.0.12"}
+NODE_IPS = {"ks-n1": "10.213.0.11", "ks-n2": "10.213.0.12"}  # in the cluster's network namespace
 
 
 def pod(
@@ -94,9 +94,9 @@ def test_two_nodes_ready(cluster: Cluster) -> None:
         assert ready and ready[0]["status"] == "True", (name, ready)
         info = node["status"]["nodeInfo"]
         assert info["kubeletVersion"] == "v1.36.3"
-        assert info["containerRuntimeVersion"].startswith("containerd://v2.3."), info
+        assert info["containerRuntimeVersion"].startswith("containerd://2.3."), info
         addresses = {a["type"]: a["address"] for a in node["status"]["addresses"]}
-        assert addresses["InternalIP"] == addresses["ExternalIP"] == NODE_IPS[name]
+        assert addresses["InternalIP"] == NODE_IPS[name]
         assert not node["spec"].get("taints"), node["spec"]["taints"]
     text = cluster.kubectl("get", "nodes").stdout
     assert text.count(" Ready ") == 2, text
@@ -138,7 +138,7 @@ def test_pod_on_each_node_pulls_from_local_registry(cluster: Cluster, namespace:
         assert ipaddress.ip_address(status["status"]["podIP"]) in ipaddress.ip_network("10.244.0.0/16")
         assert status["status"]["containerStatuses"][0]["imageID"].endswith(digest)
         assert tag in node_images(cluster, node), f"{node}'s containerd did not pull {tag}"
-        # logs go API server -> kubelet on 127.0.0.x (kubelet-api-admin RBAC for the apiserver)
+        # logs go API server -> kubelet (kubelet-api-admin RBAC for the apiserver's client identity)
         wanted = partial(logs_contain, cluster, namespace, f"on-{node}", f"hello-from-{node}")
         cluster.wait_for("logs", wanted, timeout=30)
 
@@ -289,29 +289,31 @@ def test_runtime_handler_dropin_selected_by_runtimeclass(cluster: Cluster, names
 
 
 def test_pod_network_stays_on_the_machine(cluster: Cluster, namespace: str) -> None:
-    # Pod network: an address on the shared bridge and no route anywhere else.
+    """Pods and host-network pods live in the cluster's own network namespace, which has no uplink.
+
+    Pods reach the API server (directly and as the kubernetes Service, 10.96.0.1:443, DNATed in the
+    namespace because there is no kube-proxy); host-network pods see only the namespace's
+    interfaces and reach the API server and the registry on its loopback.
+    """
+    api = f"{cluster.api_host} {cluster.api_port}"
     cluster.apply(
         pod(
             "routes",
             namespace,
             cluster.busybox_image,
-            "ip route; cat /etc/resolv.conf || true",
+            "ip route; cat /etc/resolv.conf; nc -w 3 10.96.0.1 443 </dev/null && echo service-ok",
             node=cluster.nodes[0],
             restartPolicy="Never",
         )
     )
-    wait_phase(cluster, namespace, "routes", "Succeeded")
-    out = cluster.kubectl("logs", "routes", "-n", namespace).stdout
-    assert "10.244.0.0/16" in out and "default" not in out and "nameserver" not in out, out
-    # Host-network pods (how the node agent reaches the API server and the registry).
     cluster.apply(
         [
             pod(
                 f"host-{n}",
                 namespace,
                 cluster.busybox_image,
-                f"nc -w 3 {cluster.api_host} {cluster.api_port} </dev/null && "
-                f"nc -w 3 {cluster.registry.replace(':', ' ')} </dev/null",
+                f"ip -o addr; ip route; nc -w 3 {api} </dev/null && nc -w 3 {cluster.registry.replace(':', ' ')} "
+                "</dev/null && nc -w 3 10.96.0.1 443 </dev/null && echo host-ok",
                 node=n,
                 hostNetwork=True,
                 restartPolicy="Never",
@@ -319,5 +321,13 @@ def test_pod_network_stays_on_the_machine(cluster: Cluster, namespace: str) -> N
             for n in cluster.nodes
         ]
     )
+    wait_phase(cluster, namespace, "routes", "Succeeded")
+    out = cluster.kubectl("logs", "routes", "-n", namespace).stdout
+    assert "10.96.0.0/16 via 10.244.0.1" in out and "default" not in out and "service-ok" in out, out
+    nameservers = [line.split()[1] for line in out.splitlines() if line.startswith("nameserver")]
+    assert all(ipaddress.ip_address(ns).is_loopback for ns in nameservers), out
     for n in cluster.nodes:
         wait_phase(cluster, namespace, f"host-{n}", "Succeeded")
+        out = cluster.kubectl("logs", f"host-{n}", "-n", namespace).stdout
+        assert "host-ok" in out and NODE_IPS[n] in out, out
+        assert "default" not in out and " eth0 " not in out, out  # no uplink, no host interfaces
