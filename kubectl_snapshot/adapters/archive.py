@@ -27,13 +27,13 @@ import os
 import queue
 import shutil
 import stat
+import sys
 import tarfile
 import threading
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import IO, Any, BinaryIO, Protocol, Self, cast
-
-import zstandard
 
 from kubectl_snapshot.core.errors import UnsafeArchive
 from kubectl_snapshot.core.safepath import ExtractLimits, check_member_name, check_symlink_target
@@ -190,6 +190,24 @@ def _clear_leaf(tree: _Tree, pfd: int, leaf: str, name: str, *, new_is_dir: bool
     return False
 
 
+def _zstandard() -> ModuleType:
+    """zstandard, imported on first use.
+
+    Why lazily: the runtime wrapper (shim/runc_wrapper.py) imports this module for ``safe_extract`` of
+    the plain rootfs-diff tar and runs with the host's bare /usr/bin/python3, which has no third-party
+    packages. Only the zstd helpers need the C extension.
+    """
+    import zstandard
+
+    return zstandard
+
+
+def _corrupt_input_errors() -> tuple[type[BaseException], ...]:
+    """What a corrupt or truncated stream raises; ZstdError only if zstandard is loaded (else nothing raised it)."""
+    zstd = sys.modules.get("zstandard")
+    return (tarfile.TarError, EOFError, *((zstd.ZstdError,) if zstd is not None else ()))
+
+
 def _ns(mtime: float) -> tuple[int, int]:
     ns = int(mtime * 1_000_000_000)
     return ns, ns
@@ -276,7 +294,7 @@ def safe_extract(
                 else:
                     raise _unsafe(name, f"unsupported member type {m.type!r}")
             _finish_dirs(tree, dirs, chown=chown)
-    except (tarfile.TarError, EOFError, zstandard.ZstdError) as e:
+    except _corrupt_input_errors() as e:
         raise UnsafeArchive(f"corrupt or truncated archive: {e}", hint=_HINT) from e
     finally:
         tree.close()
@@ -549,7 +567,7 @@ def open_zstd_writer(out: ByteSink, *, level: int = 1, threads: int = 0) -> Bina
     Frames carry zstd's content checksum, so corruption is detected by the decoder too, not only
     by the blob digest. Closing it does not close `out`.
     """
-    cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
+    cctx = _zstandard().ZstdCompressor(level=level, threads=threads, write_checksum=True)
     return cast(BinaryIO, cctx.stream_writer(cast(IO[bytes], out), closefd=False, write_return_read=True))
 
 
@@ -557,7 +575,7 @@ def compress_to(src: IO[bytes] | Iterable[bytes], out: ByteSink, *, level: int =
     """zstd-compress a reader or an iterable of byte chunks into `out` (one frame, not closed)."""
     if hasattr(src, "read"):
         src = cast(IO[bytes], src)
-        cctx = zstandard.ZstdCompressor(level=level, threads=threads, write_checksum=True)
+        cctx = _zstandard().ZstdCompressor(level=level, threads=threads, write_checksum=True)
         cctx.copy_stream(src, cast(IO[bytes], out), read_size=CHUNK, write_size=CHUNK)
         return
     with open_zstd_writer(out, level=level, threads=threads) as zw:
@@ -570,7 +588,9 @@ class _ZstdReader(io.RawIOBase):
 
     def __init__(self, fileobj: IO[bytes]) -> None:
         super().__init__()
-        dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+        zstd = _zstandard()
+        self._zstd_error: type[BaseException] = zstd.ZstdError
+        dctx = zstd.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
         self._r = dctx.stream_reader(fileobj, read_size=CHUNK, read_across_frames=True, closefd=False)
 
     def readable(self) -> bool:
@@ -578,8 +598,8 @@ class _ZstdReader(io.RawIOBase):
 
     def read(self, size: int = -1) -> bytes:
         try:
-            return self._r.read(size)
-        except zstandard.ZstdError as e:
+            return cast(bytes, self._r.read(size))
+        except self._zstd_error as e:
             raise UnsafeArchive(f"corrupt zstd stream: {e}", hint=_HINT) from e
 
     def readinto(self, b: Any) -> int:

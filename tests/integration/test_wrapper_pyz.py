@@ -1,0 +1,132 @@
+"""The runtime wrapper zipapp runs on a bare host Python: Debian's /usr/bin/python3 with -I -S.
+
+-I -S leaves out the environment, user site and dist-packages, so only the stdlib and the zipapp
+itself are importable: exactly a node where nothing but python3 is installed. A pass-through call and
+a full restore ``create`` (rootfs diff applied through kubectl_snapshot.adapters.archive, then
+``runc restore`` of a fake runc that records its argv) both have to work there.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+HOST_PYTHON = Path("/usr/bin/python3")
+BUILD = REPO / "hack" / "build-wrapper-pyz.py"
+
+pytestmark = pytest.mark.skipif(not HOST_PYTHON.exists(), reason="/usr/bin/python3 (the host's Python) is missing")
+
+
+@pytest.fixture(scope="module")
+def pyz(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pyz") / "kubectl-snapshot-runc.pyz"
+    subprocess.run([str(HOST_PYTHON), str(BUILD), str(out)], check=True, capture_output=True, timeout=120)
+    return out
+
+
+def fake_runc(tmp_path: Path) -> tuple[Path, Path]:
+    log = tmp_path / "runc-calls.jsonl"
+    runc = tmp_path / "runc"
+    runc.write_text(
+        f"#!{HOST_PYTHON}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+    )
+    runc.chmod(0o755)
+    return runc, log
+
+
+def run_pyz(pyz: Path, runc: Path, state: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "KUBECTL_SNAPSHOT_RUNC": str(runc)}
+    env["KUBECTL_SNAPSHOT_STATE_DIR"] = str(state)
+    return subprocess.run(
+        [str(HOST_PYTHON), "-I", "-S", str(pyz), *args], env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def calls(log: Path) -> list[list[str]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def test_host_python_has_no_third_party_packages() -> None:
+    """Otherwise the tests below would not prove that the zipapp is self-contained."""
+    proc = subprocess.run([str(HOST_PYTHON), "-I", "-S", "-c", "import zstandard"], capture_output=True, timeout=30)
+    assert proc.returncode != 0
+
+
+def test_zipapp_holds_only_the_wrapper_closure(pyz: Path) -> None:
+    with zipfile.ZipFile(pyz) as zf:
+        names = {n for n in zf.namelist() if n.endswith(".py")}
+    assert "__main__.py" in names and "shim/runc_wrapper.py" in names
+    assert "kubectl_snapshot/adapters/archive.py" in names
+    assert not any(n.startswith(("shim/containerd", "kubectl_snapshot/cli", "shim/agent")) for n in names), names
+    assert pyz.read_bytes().startswith(b"#!/usr/bin/python3")
+
+
+def test_build_is_reproducible(pyz: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again.pyz"
+    subprocess.run([str(HOST_PYTHON), str(BUILD), str(again)], check=True, capture_output=True, timeout=120)
+    assert again.read_bytes() == pyz.read_bytes()
+
+
+def test_pass_through_execs_runc_unchanged(pyz: Path, tmp_path: Path) -> None:
+    runc, log = fake_runc(tmp_path)
+    argv = ["--root", "/run/runc-x", "--log", str(tmp_path / "log.json"), "state", "abc"]
+    proc = run_pyz(pyz, runc, tmp_path / "state", *argv)
+    assert proc.returncode == 0, proc.stderr
+    assert calls(log) == [argv]
+
+
+def test_create_without_staged_data_is_a_plain_create(pyz: Path, tmp_path: Path) -> None:
+    runc, log = fake_runc(tmp_path)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps({"root": {"path": "rootfs"}, "annotations": {}}))
+    argv = ["create", "--bundle", str(bundle), "--pid-file", str(tmp_path / "pid"), "c1"]
+    proc = run_pyz(pyz, runc, tmp_path / "state", *argv)
+    assert proc.returncode == 0, proc.stderr
+    assert calls(log) == [argv]
+
+
+def _diff_tar(files: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def test_create_with_staged_data_applies_diff_and_restores(pyz: Path, tmp_path: Path) -> None:
+    runc, log = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    uid, name = "0b6b1c9e-pod-uid", "main"
+    staged = state / "staged" / "by-pod" / uid / name
+    (staged / "checkpoint").mkdir(parents=True)
+    (staged / "rootfs-diff.tar").write_bytes(_diff_tar({"etc/written-at-runtime": b"from the snapshot\n"}))
+    (staged / "deleted.files").write_text(json.dumps(["/etc/gone"]))
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs" / "etc").mkdir(parents=True)
+    (bundle / "rootfs" / "etc" / "gone").write_text("deleted in the snapshot")
+    annotations = {"io.kubernetes.cri.sandbox-uid": uid, "io.kubernetes.cri.container-name": name}
+    (bundle / "config.json").write_text(json.dumps({"root": {"path": "rootfs"}, "annotations": annotations}))
+
+    proc = run_pyz(pyz, runc, state, "create", "--bundle", str(bundle), "--pid-file", str(tmp_path / "pid"), "c1")
+    assert proc.returncode == 0, proc.stderr
+    assert (bundle / "rootfs" / "etc" / "written-at-runtime").read_bytes() == b"from the snapshot\n"
+    assert not (bundle / "rootfs" / "etc" / "gone").exists()
+    [restore] = calls(log)
+    assert restore[:2] == ["restore", "--detach"] and restore[-1] == "c1"
+    assert restore[restore.index("--image-path") + 1] == str(staged / "checkpoint")
+    # and the following `start` is swallowed: the restored process already runs
+    proc = run_pyz(pyz, runc, state, "start", "c1")
+    assert proc.returncode == 0, proc.stderr
+    assert len(calls(log)) == 1
+    assert os.listdir(state / "restored") == []
