@@ -1,37 +1,5 @@
-"""Read a snapshot artifact from a registry: manifest and config, verified and validated."""
+"""Moved to `kubectl_snapshot.app.artifact` (the plugin needs it and must not import shim)."""
 
-from __future__ import annotations
+from kubectl_snapshot.app.artifact import MAX_CONFIG_BYTES, Artifact, load_artifact
 
-from dataclasses import dataclass
-
-from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core.errors import FailedPrecondition
-from kubectl_snapshot.core.model import SnapshotConfig, check_layers_match, parse_config
-from kubectl_snapshot.core.oci import Manifest, parse_manifest
-from kubectl_snapshot.core.reference import Reference
-from shim.engine.ports import Registry
-
-MAX_CONFIG_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class Artifact:
-    reference: Reference  # pinned by digest
-    manifest: Manifest
-    config: SnapshotConfig
-
-
-def load_artifact(registry: Registry, ref: Reference) -> Artifact:
-    body, _media_type, digest = registry.get_manifest(ref)
-    manifest = parse_manifest(body)
-    if manifest.artifact_type != C.ARTIFACT_TYPE or manifest.config.media_type != C.CONFIG_MEDIA_TYPE:
-        raise FailedPrecondition(
-            f"{ref} is not a kubectl-snapshot snapshot (artifactType {manifest.artifact_type!r})",
-            hint="name a reference that `kubectl-snapshot-agent checkpoint` or `kubectl snapshot` printed",
-        )
-    if manifest.config.size > MAX_CONFIG_BYTES:
-        raise FailedPrecondition(f"snapshot config of {ref} is too large ({manifest.config.size} bytes)")
-    pinned = Reference(ref.registry, ref.repository, tag=ref.tag, digest=digest)
-    config = parse_config(registry.read_blob(pinned, manifest.config.digest, max_size=MAX_CONFIG_BYTES))
-    check_layers_match(config, [layer.digest for layer in manifest.layers])
-    return Artifact(pinned, manifest, config)
+__all__ = ["MAX_CONFIG_BYTES", "Artifact", "load_artifact"]

@@ -1,0 +1,491 @@
+"""The Kubernetes API adapter: the only module that imports `kubernetes`.
+
+Why raw REST through ``ApiClient.call_api`` rather than the typed APIs: the plugin and the agent pass
+API objects around as plain dicts (the PodSnapshot has no generated model; pod specs are recorded and
+replayed verbatim), and the typed models drop fields they do not know. So every call here sends and
+returns the API server's JSON unchanged, while kubeconfig loading, TLS, exec/token auth and in-cluster
+token refresh stay with the official client. Every ApiException becomes a project error:
+
+    401 -> PermissionDenied (kubeconfig hint)     403 -> PermissionDenied (the server's message)
+    404 -> NotFound                               409 -> FailedPrecondition (retryable: a conflict)
+    422/400 -> InvalidArgument                    connection errors -> Unavailable (names the server)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+from urllib.parse import quote
+
+import urllib3
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import (
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    SnapshotError,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+FIELD_MANAGER = "kubectl-snapshot"
+JSON = "application/json"
+MERGE_PATCH = "application/merge-patch+json"
+APPLY_PATCH = "application/apply-patch+yaml"
+_KUBECONFIG_HINT = "check --kubeconfig/--context (or $KUBECONFIG) and that your credentials are still valid"
+
+
+def _q(part: str) -> str:
+    return quote(part, safe="")
+
+
+def _snapshots_path(ns: str | None, name: str | None = None, sub: str | None = None) -> str:
+    base = f"/apis/{K.GROUP}/{K.VERSION}"
+    path = f"{base}/namespaces/{_q(ns)}/{K.PLURAL}" if ns else f"{base}/{K.PLURAL}"
+    if name:
+        path += f"/{_q(name)}"
+    if sub:
+        path += f"/{sub}"
+    return path
+
+
+def _pods_path(ns: str | None, name: str | None = None) -> str:
+    path = f"/api/v1/namespaces/{_q(ns)}/pods" if ns else "/api/v1/pods"
+    return f"{path}/{_q(name)}" if name else path
+
+
+def _api_message(e: ApiException) -> str:
+    body: Any = e.body
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", "replace")
+    try:
+        status = json.loads(body) if body else {}
+    except ValueError:
+        status = {}
+    if isinstance(status, dict) and status.get("message"):
+        return str(status["message"])
+    return f"{e.status} {e.reason}".strip()
+
+
+def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
+    """An ApiException as the project's error, keeping the API server's own words."""
+    msg = _api_message(e)
+    if e.status == 401:
+        return PermissionDenied(
+            f"{what}: the API server at {server} rejected the credentials ({msg})", hint=_KUBECONFIG_HINT
+        )
+    if e.status == 403:
+        return PermissionDenied(
+            f"{what}: {msg}",
+            hint="ask a cluster admin for the RBAC permission named above (kubectl auth can-i ...)",
+        )
+    if e.status == 404:
+        return NotFound(f"{what}: {msg}")
+    if e.status == 409:
+        return FailedPrecondition(f"{what}: {msg}", retryable=True)
+    if e.status in (400, 422):
+        return InvalidArgument(f"{what}: {msg}")
+    if e.status in (429, 500, 502, 503, 504):
+        return Unavailable(f"{what}: the API server at {server} answered {e.status}: {msg}")
+    if e.status == 0 or e.status is None:
+        return Unavailable(f"{what}: cannot reach the API server at {server}: {e.reason}", hint=_KUBECONFIG_HINT)
+    return Internal(f"{what}: unexpected answer {e.status} from the API server: {msg}")
+
+
+class KubeClient:
+    """A thin, dict-in/dict-out client for the calls the plugin and the agent make."""
+
+    def __init__(self, api: k8s_client.ApiClient, *, namespace: str = "default") -> None:
+        self.api = api
+        self.namespace = namespace  # the context's namespace (or the in-cluster pod's), for defaults
+        self.server = str(api.configuration.host)
+        self._resources: dict[tuple[str, str], tuple[str, bool]] = {}
+
+    # --- construction --------------------------------------------------------------------------------
+
+    @classmethod
+    def from_config(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeClient:
+        """Load a kubeconfig like kubectl does ($KUBECONFIG, else ~/.kube/config; --context)."""
+        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        try:
+            contexts, current = k8s_config.list_kube_config_contexts(kubeconfig)
+            chosen = current
+            if context:
+                chosen = next((c for c in contexts if c.get("name") == context), None)
+                if chosen is None:
+                    names = ", ".join(str(c.get("name")) for c in contexts) or "none"
+                    raise InvalidArgument(f"context {context!r} is not in {where}", hint=f"contexts there: {names}")
+            api = k8s_config.new_client_from_config(config_file=kubeconfig, context=context, persist_config=False)
+        except (ConfigException, OSError, TypeError, ValueError) as e:
+            raise FailedPrecondition(
+                f"cannot load kubeconfig {where}: {e}",
+                hint="pass --kubeconfig PATH or set $KUBECONFIG to a valid kubeconfig",
+            ) from e
+        ns = str(((chosen or {}).get("context") or {}).get("namespace") or "default")
+        return cls(api, namespace=ns)
+
+    @classmethod
+    def in_cluster(cls) -> KubeClient:
+        """Use the pod's ServiceAccount (the agent)."""
+        cfg = k8s_client.Configuration()
+        try:
+            k8s_config.load_incluster_config(client_configuration=cfg)
+        except ConfigException as e:
+            raise FailedPrecondition(
+                f"not running in a Kubernetes pod: {e}", hint="run the agent as the DaemonSet or pass a kubeconfig"
+            ) from e
+        ns_file = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+        try:
+            with open(ns_file) as f:
+                ns = f.read().strip() or "default"
+        except OSError:
+            ns = "default"
+        return cls(k8s_client.ApiClient(configuration=cfg), namespace=ns)
+
+    # --- transport -----------------------------------------------------------------------------------
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        what: str,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+        content_type: str = JSON,
+        timeout: float | tuple[float, float] | None = 60,
+        stream: bool = False,
+    ) -> Any:
+        try:
+            resp = self.api.call_api(
+                path,
+                method,
+                query_params=[(k, v) for k, v in (query or {}).items() if v is not None],
+                header_params={"Accept": JSON, "Content-Type": content_type},
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=timeout,
+            )
+        except ApiException as e:
+            raise map_api_error(e, what, self.server) from e
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise Unavailable(
+                f"{what}: cannot reach the API server at {self.server}: {_reason(e)}", hint=_KUBECONFIG_HINT
+            ) from e
+        if stream:
+            return resp
+        data = resp.data
+        if not data:
+            return {}
+        try:
+            return json.loads(data)
+        except ValueError as e:
+            raise Internal(f"{what}: the API server answered non-JSON: {data[:200]!r}") from e
+
+    def _watch(
+        self, path: str, *, what: str, query: Mapping[str, Any], timeout_s: int
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        q = {**query, "watch": "true", "timeoutSeconds": str(timeout_s), "allowWatchBookmarks": "false"}
+        resp = self._call("GET", path, what=what, query=q, timeout=(10, timeout_s + 30), stream=True)
+        buf = b""
+        try:
+            for chunk in resp.stream(64 << 10, decode_content=True):
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    event = _parse_event(line, what)
+                    if event is not None:
+                        yield event
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise Unavailable(f"{what}: watch interrupted: {_reason(e)}") from e
+        finally:
+            resp.release_conn()
+        event = _parse_event(buf, what)
+        if event is not None:
+            yield event
+
+    # --- pods ----------------------------------------------------------------------------------------
+
+    def get_pod(self, ns: str, name: str) -> dict[str, Any]:
+        return dict(self._call("GET", _pods_path(ns, name), what=f"get pod {ns}/{name}"))
+
+    def list_pods(
+        self, ns: str | None, *, label_selector: str | None = None, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        q = {"labelSelector": label_selector, "fieldSelector": field_selector}
+        data = self._call("GET", _pods_path(ns), what=f"list pods in {ns or 'all namespaces'}", query=q)
+        return list(data.get("items") or [])
+
+    def watch_pods(
+        self, *, field_selector: str | None, namespace: str | None = None, timeout_s: int = 300
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(type, pod) events; starts with ADDED for every existing match, ends after timeout_s."""
+        return self._watch(
+            _pods_path(namespace),
+            what=f"watch pods in {namespace or 'all namespaces'}",
+            query={"fieldSelector": field_selector},
+            timeout_s=timeout_s,
+        )
+
+    def create_pod(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("metadata", {}).get("name", "?")
+        return dict(self._call("POST", _pods_path(ns), what=f"create pod {ns}/{name}", body=body))
+
+    def delete_pod(self, ns: str, name: str) -> None:
+        self._call("DELETE", _pods_path(ns, name), what=f"delete pod {ns}/{name}")
+
+    def patch_pod_annotations(self, ns: str, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
+        """Merge-patch annotations; a None value removes the key."""
+        return dict(
+            self._call(
+                "PATCH",
+                _pods_path(ns, name),
+                what=f"annotate pod {ns}/{name}",
+                body={"metadata": {"annotations": annotations}},
+                content_type=MERGE_PATCH,
+            )
+        )
+
+    # --- PodSnapshots --------------------------------------------------------------------------------
+
+    def get_snapshot(self, ns: str, name: str) -> dict[str, Any]:
+        return dict(self._call("GET", _snapshots_path(ns, name), what=f"get podsnapshot {ns}/{name}"))
+
+    def create_snapshot(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = body.get("metadata", {}).get("name", "?")
+        return dict(self._call("POST", _snapshots_path(ns), what=f"create podsnapshot {ns}/{name}", body=body))
+
+    def list_snapshots(self, ns: str | None) -> list[dict[str, Any]]:
+        data = self._call("GET", _snapshots_path(ns), what=f"list podsnapshots in {ns or 'all namespaces'}")
+        return list(data.get("items") or [])
+
+    def delete_snapshot(self, ns: str, name: str) -> None:
+        self._call("DELETE", _snapshots_path(ns, name), what=f"delete podsnapshot {ns}/{name}")
+
+    def watch_snapshots(self, namespace: str | None, timeout_s: int = 300) -> Iterator[tuple[str, dict[str, Any]]]:
+        return self._watch(
+            _snapshots_path(namespace),
+            what=f"watch podsnapshots in {namespace or 'all namespaces'}",
+            query={},
+            timeout_s=timeout_s,
+        )
+
+    def watch_snapshot(self, ns: str, name: str, timeout_s: int = 300) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Events for one PodSnapshot (a field selector on metadata.name)."""
+        return self._watch(
+            _snapshots_path(ns),
+            what=f"watch podsnapshot {ns}/{name}",
+            query={"fieldSelector": f"metadata.name={name}"},
+            timeout_s=timeout_s,
+        )
+
+    def patch_snapshot_status(
+        self, ns: str, name: str, status: dict[str, Any], *, resource_version: str | None = None
+    ) -> dict[str, Any]:
+        """Merge-patch the status subresource; with resource_version, a concurrent change is a
+        FailedPrecondition(retryable=True) (how agents claim a PodSnapshot exactly once)."""
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        return dict(
+            self._call(
+                "PATCH",
+                _snapshots_path(ns, name, "status"),
+                what=f"update status of podsnapshot {ns}/{name}",
+                body=body,
+                content_type=MERGE_PATCH,
+            )
+        )
+
+    # --- events, secrets, nodes, daemonsets ----------------------------------------------------------
+
+    def create_event(
+        self,
+        ns: str,
+        *,
+        involved: dict[str, Any],
+        reason: str,
+        message: str,
+        type: str = "Normal",
+        component: str = K.AGENT_NAME,
+    ) -> dict[str, Any]:
+        import datetime
+        import uuid
+
+        meta = involved.get("metadata", {})
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{meta.get('name', 'object')}.{uuid.uuid4().hex[:12]}", "namespace": ns},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion", "v1"),
+                "kind": involved.get("kind", "Pod"),
+                "name": meta.get("name", ""),
+                "namespace": meta.get("namespace", ns),
+                "uid": meta.get("uid", ""),
+                "resourceVersion": meta.get("resourceVersion", ""),
+            },
+            "reason": reason,
+            "message": message[:1024],
+            "type": type,
+            "source": {"component": component},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        return dict(self._call("POST", f"/api/v1/namespaces/{_q(ns)}/events", what=f"record event {reason}", body=body))
+
+    def get_secret(self, ns: str, name: str) -> dict[str, Any]:
+        return dict(
+            self._call("GET", f"/api/v1/namespaces/{_q(ns)}/secrets/{_q(name)}", what=f"get secret {ns}/{name}")
+        )
+
+    def get_node(self, name: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"/api/v1/nodes/{_q(name)}", what=f"get node {name}"))
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/api/v1/nodes", what="list nodes").get("items") or [])
+
+    def patch_node_annotations(self, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
+        return dict(
+            self._call(
+                "PATCH",
+                f"/api/v1/nodes/{_q(name)}",
+                what=f"annotate node {name}",
+                body={"metadata": {"annotations": annotations}},
+                content_type=MERGE_PATCH,
+            )
+        )
+
+    def get_daemonset(self, ns: str, name: str) -> dict[str, Any] | None:
+        """The DaemonSet, or None when it does not exist (PermissionDenied still raises)."""
+        try:
+            return dict(
+                self._call(
+                    "GET", f"/apis/apps/v1/namespaces/{_q(ns)}/daemonsets/{_q(name)}", what=f"get daemonset {ns}/{name}"
+                )
+            )
+        except NotFound:
+            return None
+
+    def get_crd(self, name: str) -> dict[str, Any] | None:
+        try:
+            path = f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{_q(name)}"
+            return dict(self._call("GET", path, what=f"get crd {name}"))
+        except NotFound:
+            return None
+
+    def get_object(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The live version of `obj` (matched by apiVersion, kind, namespace, name), or None."""
+        try:
+            return dict(self._call("GET", self._object_path(obj), what=f"get {_describe(obj)}"))
+        except NotFound:
+            return None
+
+    # --- install / uninstall -------------------------------------------------------------------------
+
+    def _resource(self, api_version: str, kind: str) -> tuple[str, bool]:
+        """(plural, namespaced) for a kind, from the API server's discovery document."""
+        key = (api_version, kind)
+        if key not in self._resources:
+            base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+            doc = self._call("GET", base, what=f"discover {api_version}")
+            for r in doc.get("resources") or []:
+                if "/" not in r.get("name", "") and r.get("kind"):
+                    self._resources[(api_version, r["kind"])] = (r["name"], bool(r.get("namespaced")))
+            if key not in self._resources:
+                raise NotFound(f"the API server does not serve {kind} in {api_version}")
+        return self._resources[key]
+
+    def _object_path(self, obj: Mapping[str, Any], *, collection: bool = False) -> str:
+        api_version, kind = str(obj.get("apiVersion", "")), str(obj.get("kind", ""))
+        meta = obj.get("metadata") or {}
+        plural, namespaced = self._resource(api_version, kind)
+        base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+        if namespaced:
+            base += f"/namespaces/{_q(str(meta.get('namespace') or 'default'))}"
+        path = f"{base}/{plural}"
+        return path if collection else f"{path}/{_q(str(meta.get('name', '')))}"
+
+    def apply(self, objects: list[dict[str, Any]]) -> None:
+        """Server-side apply each object in order (field manager kubectl-snapshot, conflicts forced)."""
+        for obj in objects:
+            if (
+                obj.get("kind") == "CustomResourceDefinition"
+                or (obj.get("apiVersion"), obj.get("kind")) not in self._resources
+            ):
+                # a CRD applied just before may add kinds: rediscover lazily
+                self._resources.pop((str(obj.get("apiVersion")), str(obj.get("kind"))), None)
+            self._call(
+                "PATCH",
+                self._object_path(obj),
+                what=f"apply {_describe(obj)}",
+                body=obj,
+                content_type=APPLY_PATCH,
+                query={"fieldManager": FIELD_MANAGER, "force": "true"},
+            )
+
+    def delete_objects(self, objects: list[dict[str, Any]]) -> None:
+        """Delete each object in the given order; absent objects (or kinds) are skipped."""
+        for obj in objects:
+            try:
+                self._call(
+                    "DELETE",
+                    self._object_path(obj),
+                    what=f"delete {_describe(obj)}",
+                    query={"propagationPolicy": "Background"},
+                )
+            except NotFound:
+                continue
+
+
+def _describe(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    ns = meta.get("namespace")
+    return f"{str(obj.get('kind', '?')).lower()} {ns + '/' if ns else ''}{meta.get('name', '?')}"
+
+
+def _reason(e: BaseException) -> str:
+    inner = getattr(e, "reason", None)
+    text = str(inner or e)
+    for marker in ("Connection refused", "timed out", "Name or service not known", "No route to host"):
+        if marker in text:
+            return marker.lower()
+    return text[:300]
+
+
+def _parse_event(line: bytes, what: str) -> tuple[str, dict[str, Any]] | None:
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        event = json.loads(line)
+    except ValueError as e:
+        raise Internal(f"{what}: malformed watch event {line[:200]!r}") from e
+    etype, obj = str(event.get("type", "")), event.get("object") or {}
+    if etype == "ERROR":
+        code = int(obj.get("code") or 0)
+        if code == 410:
+            raise FailedPrecondition(f"{what}: watch expired ({obj.get('message', '')})", retryable=True)
+        raise _watch_error(code, str(obj.get("message", "")), what)
+    return etype, dict(obj)
+
+
+def _watch_error(code: int, message: str, what: str) -> SnapshotError:
+    """An in-stream watch ERROR (a Status object), mapped like the same HTTP error."""
+    e = ApiException(status=code, reason=message)
+    e.body = json.dumps({"message": message}).encode()
+    return map_api_error(e, what, "the API server")

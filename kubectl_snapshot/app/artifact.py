@@ -1,0 +1,46 @@
+"""Read a snapshot artifact from a registry: manifest and config, verified and validated.
+
+Shared by the plugin (restore, inspect) and the node agent (shim imports it from here: the plugin
+must not import shim). Only manifest + config are read; layers stay in the registry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.errors import FailedPrecondition
+from kubectl_snapshot.core.model import SnapshotConfig, check_layers_match, parse_config
+from kubectl_snapshot.core.oci import Manifest, parse_manifest
+from kubectl_snapshot.core.reference import Reference
+
+MAX_CONFIG_BYTES = 16 << 20
+
+
+class ManifestReader(Protocol):
+    def get_manifest(self, ref: Reference, *, max_size: int = ...) -> tuple[bytes, str, str]: ...
+    def read_blob(self, ref: Reference, digest: str, *, max_size: int = ...) -> bytes: ...
+
+
+@dataclass(frozen=True)
+class Artifact:
+    reference: Reference  # pinned by digest
+    manifest: Manifest
+    config: SnapshotConfig
+
+
+def load_artifact(registry: ManifestReader, ref: Reference) -> Artifact:
+    body, _media_type, digest = registry.get_manifest(ref)
+    manifest = parse_manifest(body)
+    if manifest.artifact_type != C.ARTIFACT_TYPE or manifest.config.media_type != C.CONFIG_MEDIA_TYPE:
+        raise FailedPrecondition(
+            f"{ref} is not a kubectl-snapshot snapshot (artifactType {manifest.artifact_type!r})",
+            hint="name a reference that `kubectl snapshot` or `kubectl-snapshot-agent checkpoint` printed",
+        )
+    if manifest.config.size > MAX_CONFIG_BYTES:
+        raise FailedPrecondition(f"snapshot config of {ref} is too large ({manifest.config.size} bytes)")
+    pinned = Reference(ref.registry, ref.repository, tag=ref.tag, digest=digest)
+    config = parse_config(registry.read_blob(pinned, manifest.config.digest, max_size=MAX_CONFIG_BYTES))
+    check_layers_match(config, [layer.digest for layer in manifest.layers])
+    return Artifact(pinned, manifest, config)

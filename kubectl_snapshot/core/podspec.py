@@ -1,0 +1,359 @@
+"""Pure builders for the Kubernetes objects the plugin writes and the states it reads back.
+
+Kept apart from the adapter so that the restore Pod (docs/kubernetes.md, "Restore protocol") can be
+checked field by field without a cluster: what the restored pod may do (mounts, devices, images,
+security context) comes only from this spec, never from data inside the snapshot's layers.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
+from kubectl_snapshot.core.model import PodRecord
+from kubectl_snapshot.core.reference import Reference
+
+MAX_NAME = 253
+POD_NAME_MAX = 63  # pod names end up as hostnames: keep them DNS labels
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+
+# The gate init container: waits until the agent staged the data, fails with the agent's reason.
+# Python, because the agent image is a Python image (a shell is not guaranteed to be in it).
+GATE_SCRIPT = (
+    "import os,sys,time\n"
+    f"d={K.GATE_MOUNT!r}\n"
+    "while True:\n"
+    f"    f=os.path.join(d,{K.GATE_FAILED_FILE!r})\n"
+    "    if os.path.exists(f):\n"
+    "        print(open(f,errors='replace').read().strip() or 'restore failed',flush=True); sys.exit(1)\n"
+    f"    if os.path.exists(os.path.join(d,{K.GATE_STAGED_FILE!r})): sys.exit(0)\n"
+    "    time.sleep(0.2)\n"
+)
+
+
+# --- names -----------------------------------------------------------------------------------------
+
+
+def parse_pod_arg(text: str) -> str:
+    """`NAME`, `pod/NAME`, `pods/NAME`, `po/NAME` -> NAME (anything else is a usage error)."""
+    kind, sep, name = text.partition("/")
+    if not sep:
+        kind, name = "pod", text
+    if kind.lower() not in ("pod", "pods", "po"):
+        raise InvalidArgument(f"cannot snapshot {text!r}: only pods can be snapshotted", hint="use pod/NAME")
+    validate_name(name, "pod")
+    return name
+
+
+def validate_name(name: str, what: str) -> str:
+    if not name or len(name) > MAX_NAME or not _DNS_SUBDOMAIN.match(name):
+        raise InvalidArgument(
+            f"invalid {what} name {name!r}",
+            hint="Kubernetes names are lowercase letters, digits, '-' and '.', starting and ending alphanumeric",
+        )
+    return name
+
+
+def timestamp(now: datetime.datetime) -> str:
+    """`yyyymmdd-hhmmss` in UTC: the suffix of snapshot names and the default tag."""
+    return now.astimezone(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+
+
+def snapshot_name(pod: str, now: datetime.datetime) -> str:
+    """`<pod>-<yyyymmdd-hhmmss>`, the pod part shortened so the whole stays a valid name."""
+    suffix = "-" + timestamp(now)
+    return pod[: MAX_NAME - len(suffix)].rstrip("-.") + suffix
+
+
+def restored_name(original: str) -> str:
+    suffix = "-restored"
+    return original[: POD_NAME_MAX - len(suffix)].rstrip("-.") + suffix
+
+
+def destination(repository: str, tag: str) -> Reference:
+    """`--to REPO[:TAG]` (or $KUBECTL_SNAPSHOT_REPOSITORY) with the default tag when it has none."""
+    ref = Reference.parse(repository, default_tag=None)
+    if ref.digest:
+        raise InvalidArgument(
+            f"--to {repository!r} names a digest",
+            hint="a snapshot's digest is known only after it is pushed: give REGISTRY/REPO[:TAG]",
+        )
+    return ref if ref.tag else ref.with_tag(tag)
+
+
+# --- PodSnapshot -----------------------------------------------------------------------------------
+
+
+def snapshot_object(
+    *,
+    name: str,
+    namespace: str,
+    pod: str,
+    target: Reference,
+    registry_secret: str | None = None,
+    insecure: bool = False,
+    stop: bool = False,
+    include_volumes: bool = True,
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "podName": pod,
+        "podNamespace": namespace,
+        "destination": str(target),
+        "insecure": insecure,
+        "stop": stop,
+        "includeVolumes": include_volumes,
+    }
+    if registry_secret:
+        spec["registrySecret"] = validate_name(registry_secret, "secret")
+    return {
+        "apiVersion": K.API_VERSION,
+        "kind": K.KIND,
+        "metadata": {"name": validate_name(name, "snapshot"), "namespace": namespace},
+        "spec": spec,
+    }
+
+
+@dataclass(frozen=True)
+class SnapshotStatus:
+    """What the plugin reads from a PodSnapshot's status while it waits."""
+
+    phase: str
+    node: str
+    stage: str
+    bytes_done: int
+    bytes_total: int
+    reference: str
+    message: str
+
+    @property
+    def claimed(self) -> bool:
+        return bool(self.phase)
+
+    @property
+    def done(self) -> bool:
+        return self.phase in K.TERMINAL_PHASES
+
+
+def snapshot_status(obj: Mapping[str, Any]) -> SnapshotStatus:
+    st = obj.get("status") or {}
+
+    def num(key: str) -> int:
+        v = st.get(key)
+        return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0
+
+    return SnapshotStatus(
+        phase=str(st.get("phase") or ""),
+        node=str(st.get("node") or ""),
+        stage=str(st.get("stage") or ""),
+        bytes_done=num("bytesDone"),
+        bytes_total=num("bytesTotal"),
+        reference=str(st.get("reference") or ""),
+        message=str(st.get("message") or ""),
+    )
+
+
+# --- pod checks ------------------------------------------------------------------------------------
+
+
+def check_pod_running(pod: Mapping[str, Any]) -> None:
+    """Raise FailedPrecondition saying why a pod cannot be snapshotted (not Running, not ready yet)."""
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+    phase = str(status.get("phase") or "Unknown")
+    if meta.get("deletionTimestamp"):
+        raise FailedPrecondition(f"pod {name} is being deleted", hint="snapshot a pod that is running")
+    if phase == "Running" and pod.get("spec", {}).get("nodeName"):
+        waiting = [
+            f"{c.get('name')}: {(c.get('state') or {}).get('waiting', {}).get('reason', 'waiting')}"
+            for c in status.get("containerStatuses") or []
+            if not (c.get("state") or {}).get("running")
+        ]
+        if waiting:
+            raise FailedPrecondition(
+                f"pod {name} is Running but not all containers run ({'; '.join(waiting)})",
+                hint="wait until every container runs (kubectl get pod -w), then retry",
+                retryable=True,
+            )
+        return
+    why = [f"phase {phase}"]
+    for cond in status.get("conditions") or []:
+        if cond.get("status") == "False" and cond.get("message"):
+            why.append(f"{cond.get('type')}: {cond.get('message')}")
+    if status.get("reason"):
+        why.append(str(status["reason"]))
+    hint = "only Running pods can be snapshotted; see kubectl describe pod " + str(meta.get("name", ""))
+    raise FailedPrecondition(f"pod {name} is not Running ({'; '.join(why)})", hint=hint, retryable=phase == "Pending")
+
+
+# --- recorded spec (agent side) --------------------------------------------------------------------
+
+
+def sanitize_pod_spec(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The pod spec the agent records in the artifact (docs/kubernetes.md): no nodeName, init
+    containers, ephemeral containers or service-account token volume; images pinned to the
+    imageID the kubelet reported."""
+    spec = copy.deepcopy(dict(pod.get("spec") or {}))
+    for key in ("nodeName", "initContainers", "ephemeralContainers"):
+        spec.pop(key, None)
+    token_volumes = {
+        v.get("name") for v in spec.get("volumes") or [] if str(v.get("name", "")).startswith(K.SA_TOKEN_VOLUME_PREFIX)
+    }
+    if "volumes" in spec:
+        spec["volumes"] = [v for v in spec["volumes"] if v.get("name") not in token_volumes]
+        if not spec["volumes"]:
+            del spec["volumes"]
+    image_ids = {c.get("name"): c.get("imageID") for c in (pod.get("status") or {}).get("containerStatuses") or []}
+    for c in spec.get("containers") or []:
+        if "volumeMounts" in c:
+            c["volumeMounts"] = [m for m in c["volumeMounts"] if m.get("name") not in token_volumes]
+            if not c["volumeMounts"]:
+                del c["volumeMounts"]
+        pinned = pinned_image(str(c.get("image", "")), str(image_ids.get(c.get("name")) or ""))
+        if pinned:
+            c["image"] = pinned
+    return spec
+
+
+def pinned_image(image: str, image_id: str) -> str:
+    """The kubelet's imageID as a pullable `repo@sha256:...` (it may carry a `docker-pullable://`
+    prefix, or be just the digest: then the repository comes from `image`)."""
+    if "://" in image_id:
+        image_id = image_id.split("://", 1)[1]
+    if not image_id:
+        return image
+    if image_id.startswith("sha256:"):
+        repo = image.split("@", 1)[0]
+        slash, colon = repo.rfind("/"), repo.rfind(":")
+        if colon > slash:
+            repo = repo[:colon]
+        return f"{repo}@{image_id}"
+    return image_id if "@sha256:" in image_id else image
+
+
+# --- restore Pod -----------------------------------------------------------------------------------
+
+
+def restore_pod(
+    record: PodRecord,
+    *,
+    reference: Reference,
+    namespace: str,
+    gate_image: str,
+    name: str | None = None,
+    node: str | None = None,
+    registry_secret: str | None = None,
+) -> dict[str, Any]:
+    """The Pod that `kubectl snapshot restore` creates from a recorded pod (docs/kubernetes.md)."""
+    if not reference.digest:
+        raise InvalidArgument(f"restore needs a reference pinned by digest, got {reference}")
+    if not record.spec.get("containers"):
+        raise FailedPrecondition(
+            f"the snapshot {reference} records no pod spec",
+            hint="it was not taken from a Kubernetes pod; restore it on a node with kubectl-snapshot-agent restore",
+        )
+    pod_name = validate_name(name or restored_name(record.name or "pod"), "pod")
+    spec = copy.deepcopy(dict(record.spec))
+    recorded_meta = spec.pop("metadata", None) or {}
+    for key in ("nodeName", "initContainers", "ephemeralContainers"):
+        spec.pop(key, None)
+    for c in spec["containers"]:
+        image = str(c.get("image", ""))
+        if "@sha256:" not in image:
+            raise FailedPrecondition(
+                f"container {c.get('name')!r} of the snapshot has image {image!r}, not pinned by digest",
+                hint="the restored container must run the exact image it was snapshotted with",
+            )
+    labels = {
+        k: str(v)
+        for k, v in (recorded_meta.get("labels") or {}).items()
+        if k not in K.DROPPED_LABELS and k != K.LABEL_RESTORED_FROM
+    }
+    labels[K.LABEL_RESTORED_FROM] = _label_value(record.name)
+    annotations = {K.ANN_RESTORE_FROM: f"{reference.registry}/{reference.repository}@{reference.digest}"}
+    if registry_secret:
+        annotations[K.ANN_REGISTRY_SECRET] = validate_name(registry_secret, "secret")
+    spec["runtimeClassName"] = K.RUNTIME_CLASS
+    if node:
+        spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), "kubernetes.io/hostname": node}
+        if _requires_node_affinity(spec):
+            spec.pop("affinity", None)  # recorded for the old node; --node decides now
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != K.GATE_VOLUME]
+    spec["volumes"] = [*volumes, {"name": K.GATE_VOLUME, "emptyDir": {}}]
+    spec["initContainers"] = [gate_container(gate_image)]
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": pod_name, "namespace": namespace, "labels": labels, "annotations": annotations},
+        "spec": spec,
+    }
+
+
+def gate_container(image: str) -> dict[str, Any]:
+    return {
+        "name": K.GATE_CONTAINER,
+        "image": image,
+        "command": ["python3", "-c", GATE_SCRIPT],
+        "volumeMounts": [{"name": K.GATE_VOLUME, "mountPath": K.GATE_MOUNT}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+    }
+
+
+def _label_value(text: str) -> str:
+    value = re.sub(r"[^A-Za-z0-9_.-]", "-", text)[:63].strip("-_.")
+    return value or "unknown"
+
+
+def _requires_node_affinity(spec: Mapping[str, Any]) -> bool:
+    """True when a recorded required node affinity could contradict --node (it is then dropped)."""
+    affinity = (spec.get("affinity") or {}).get("nodeAffinity") or {}
+    return bool(affinity.get("requiredDuringSchedulingIgnoredDuringExecution"))
+
+
+@dataclass(frozen=True)
+class RestoreState:
+    """Where a restore Pod is: `waiting`, `running` or `failed` (with the reason)."""
+
+    state: str
+    reason: str = ""
+
+
+def restore_state(pod: Mapping[str, Any]) -> RestoreState:
+    meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+    ann = str((meta.get("annotations") or {}).get(K.ANN_RESTORE_STATUS) or "")
+    if ann.startswith(K.RESTORE_FAILED_PREFIX):
+        return RestoreState("failed", ann[len(K.RESTORE_FAILED_PREFIX) :] or "the agent reported a failure")
+    for c in status.get("initContainerStatuses") or []:
+        if c.get("name") != K.GATE_CONTAINER:
+            continue
+        term = (c.get("state") or {}).get("terminated") or (c.get("lastState") or {}).get("terminated")
+        if term and term.get("exitCode", 0) != 0:
+            return RestoreState("failed", str(term.get("message") or term.get("reason") or "the gate failed").strip())
+    phase = status.get("phase")
+    if phase == "Failed":
+        return RestoreState("failed", str(status.get("message") or status.get("reason") or "the pod failed"))
+    if phase == "Succeeded":
+        return RestoreState("failed", "the restored pod exited instead of running")
+    for c in status.get("containerStatuses") or []:
+        term = (c.get("state") or {}).get("terminated")
+        waiting = (c.get("state") or {}).get("waiting") or {}
+        if term or waiting.get("reason") in ("CrashLoopBackOff", "CreateContainerError", "RunContainerError"):
+            detail = (term or {}).get("message") or waiting.get("message") or waiting.get("reason") or "terminated"
+            return RestoreState("failed", f"container {c.get('name')}: {str(detail).strip()}")
+    statuses = status.get("containerStatuses") or []
+    if phase == "Running" and statuses and all((c.get("state") or {}).get("running") for c in statuses):
+        return RestoreState("running")
+    for c in statuses:
+        waiting = (c.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in ("ErrImagePull", "ImagePullBackOff", "InvalidImageName"):
+            return RestoreState("waiting", f"{c.get('name')}: {waiting.get('reason')}: {waiting.get('message', '')}")
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return RestoreState("waiting", f"unschedulable: {cond.get('message', '')}")
+    return RestoreState("waiting", ann or str(phase or "Pending"))
