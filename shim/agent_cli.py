@@ -15,13 +15,14 @@ from typing import Any, TypeVar
 import click
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
+from kubectl_snapshot.app.artifact import load_artifact
+from kubectl_snapshot.app.inspect import inspect_data, inspect_text
 from kubectl_snapshot.cli.errors import handle_errors
-from kubectl_snapshot.cli.output import emit, human_bytes, output_option
+from kubectl_snapshot.cli.output import emit, output_option
 from kubectl_snapshot.cli.progress import Progress
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
-from shim.engine.artifact import load_artifact
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
@@ -230,56 +231,7 @@ def inspect_cmd(output: str, ref: str, **registry_opts: Any) -> None:
     """Show what a snapshot holds: containers, process trees, memory, host facts."""
     source = Reference.parse(ref)
     artifact = load_artifact(make_registry(source, registry_opts), source)
-    cfg = artifact.config
-    sizes = {layer.digest: layer.size for layer in artifact.manifest.layers}
-    data = {
-        "reference": f"{source.registry}/{source.repository}@{artifact.reference.digest}",
-        "created": cfg.created,
-        "group": cfg.group,
-        "namespace": cfg.namespace,
-        "stopped": cfg.stopped,
-        "freezeMs": cfg.freeze_ms,
-        "host": cfg.host.to_dict(),
-        "containers": [
-            {
-                "name": c.name,
-                "image": c.image,
-                "imageDigest": c.image_digest,
-                "layer": c.layer_digest,
-                "layerSize": sizes.get(c.layer_digest, 0),
-                **c.stats.to_dict(),
-            }
-            for c in cfg.containers
-        ],
-        "volumes": [v.to_dict() for v in cfg.volumes],
-        "size": sum(sizes.values()) + artifact.manifest.config.size,
-    }
-    emit(data, output, _inspect_text)
-
-
-def _inspect_text(d: dict[str, Any]) -> str:
-    h = d["host"]
-    lines = [
-        f"Reference:  {d['reference']}",
-        f"Created:    {d['created']}",
-        f"Group:      {d['group']} (namespace {d['namespace'] or '-'})",
-        f"Size:       {human_bytes(d['size'])}; frozen for {d['freezeMs']:.0f} ms; "
-        f"{'stopped' if d['stopped'] else 'left running'} after the snapshot",
-        f"Host:       {h['arch']} kernel {h['kernel']}, CRIU {h['criuVersion']}, runc {h['runcVersion']}, "
-        f"containerd {h['containerdVersion']}, cgroup {h['cgroupVersion']}",
-        "Containers:",
-    ]
-    for c in d["containers"]:
-        lines.append(
-            f"  {c['name']}: image {c['image']}; {c['processCount']} process(es), "
-            f"{c['pagesWritten']} pages ({human_bytes(c['memoryBytes'])}) of memory; "
-            f"layer {human_bytes(c['layerSize'])}"
-        )
-        for p in c["processes"]:
-            lines.append(f"    pid {p['pid']:<6} ppid {p['ppid']:<6} {p['comm']}")
-    for v in d["volumes"]:
-        lines.append(f"Volume:     {v['name']} (from {v['source']})")
-    return "\n".join(lines)
+    emit(inspect_data(artifact), output, inspect_text)
 
 
 def main() -> None:
@@ -288,3 +240,107 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# --- the DaemonSet side -------------------------------------------------------------------------
+
+
+def node_options(fn: F) -> F:
+    from shim.controller.settings import NodeSettings
+
+    d = NodeSettings(node="")
+    opts = [
+        click.option("--node", envvar="NODE_NAME", required=True, help="This node's name ($NODE_NAME)."),
+        click.option("--state-root", default=d.state_root, show_default=True, help="Agent state (per node below it)."),
+        click.option("--opt-root", default=d.opt_root, show_default=True, help="Where the runtime hook is installed."),
+        click.option("--kubelet-root", default=d.kubelet_root, show_default=True, help="The kubelet's --root-dir."),
+        click.option(
+            "--containerd-socket",
+            envvar="CONTAINERD_ADDRESS",
+            default=d.containerd_socket,
+            show_default=True,
+            help="The node's containerd socket.",
+        ),
+        click.option(
+            "--containerd-dropin-dir",
+            default=d.containerd_dropin_dir,
+            show_default=True,
+            help="A directory containerd imports config drop-ins from.",
+        ),
+        click.option("--restart-command", default="", help="Host shell command that restarts containerd."),
+        click.option("--criu-path", default=d.criu_path, show_default=True, help="CRIU as the node's runc finds it."),
+        click.option(
+            "--node-map",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="JSON/YAML {node: {kubeletRoot, containerdSocket, ...}} overriding the paths per node.",
+        ),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _node_settings(kw: dict[str, Any]) -> Any:
+    from shim.controller.settings import NodeSettings, apply_node_map
+
+    s = NodeSettings(
+        node=kw.pop("node"),
+        state_root=kw.pop("state_root"),
+        opt_root=kw.pop("opt_root"),
+        kubelet_root=kw.pop("kubelet_root"),
+        containerd_socket=kw.pop("containerd_socket"),
+        containerd_dropin_dir=kw.pop("containerd_dropin_dir"),
+        restart_command=kw.pop("restart_command"),
+        criu_path=kw.pop("criu_path"),
+    )
+    return apply_node_map(s, kw.pop("node_map"))
+
+
+@cli.command("run")
+@node_options
+@click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Out-of-cluster use (development).")
+@handle_errors
+def run_cmd(kubeconfig: str | None, **kw: Any) -> None:
+    """Run the agent: take PodSnapshots for pods on this node, stage restores for pods created here."""
+    import logging
+
+    from kubectl_snapshot.adapters.kube import KubeClient
+    from shim.controller.node_install import _in_container
+    from shim.controller.run import run
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = _node_settings(kw)
+    kube = KubeClient.from_config(kubeconfig, None) if kubeconfig else KubeClient.in_cluster()
+    run(kube, settings, in_container=_in_container())
+
+
+@cli.command("install-node")
+@node_options
+@click.option(
+    "--wrapper-pyz",
+    default="/opt/kubectl-snapshot-runc.pyz",
+    show_default=True,
+    help="The runtime hook zipapp to install.",
+)
+@handle_errors
+def install_node_cmd(wrapper_pyz: str, **kw: Any) -> None:
+    """Install the runtime hook and the containerd drop-in on this node (DaemonSet init container)."""
+    from shim.controller.node_install import install
+
+    r = install(_node_settings(kw), wrapper_pyz=wrapper_pyz)
+    click.echo(
+        f"runtime hook {r.launcher}; drop-in {r.dropin} ({'changed' if r.changed else 'unchanged'}"
+        f"{', containerd restarted' if r.restarted else ''})"
+    )
+
+
+@cli.command("uninstall-node")
+@node_options
+@handle_errors
+def uninstall_node_cmd(**kw: Any) -> None:
+    """Remove the runtime hook and the containerd drop-in from this node."""
+    from shim.controller.node_install import uninstall
+
+    uninstall(_node_settings(kw))
+    click.echo("removed")

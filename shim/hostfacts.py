@@ -7,6 +7,7 @@ import platform
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 
 from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.model import HostFacts
@@ -26,6 +27,27 @@ def find_binary(name: str, *, extra_dirs: tuple[str, ...] = ("/usr/sbin", "/usr/
     return path
 
 
+@dataclass(frozen=True)
+class HostProbe:
+    """How to run the host's tools: directly, or (from the agent's container) through nsenter."""
+
+    exec_prefix: tuple[str, ...] = ()  # e.g. ("nsenter", "--mount=/proc/1/ns/mnt", "--")
+    criu: str = "criu"
+    runc: str = "runc"
+
+    @classmethod
+    def host_from_container(cls, *, criu: str = "criu", runc: str = "runc") -> HostProbe:
+        return cls(("nsenter", "--mount=/proc/1/ns/mnt", "--"), criu, runc)
+
+    def command(self, binary: str) -> list[str] | None:
+        if self.exec_prefix:
+            return [*self.exec_prefix, binary]
+        try:
+            return [find_binary(binary)]
+        except FailedPrecondition:
+            return None
+
+
 def _version_of(cmd: list[str], pattern: str) -> str:
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False).stdout
@@ -35,20 +57,14 @@ def _version_of(cmd: list[str], pattern: str) -> str:
     return m.group(1) if m else ""
 
 
-def criu_version() -> str:
-    try:
-        criu = find_binary("criu")
-    except FailedPrecondition:
-        return ""
-    return _version_of([criu, "--version"], r"Version:\s*(\S+)")
+def criu_version(probe: HostProbe = HostProbe()) -> str:
+    cmd = probe.command(probe.criu)
+    return _version_of([*cmd, "--version"], r"Version:\s*(\S+)") if cmd else ""
 
 
-def runc_version() -> str:
-    try:
-        runc = find_binary("runc")
-    except FailedPrecondition:
-        return ""
-    return _version_of([runc, "--version"], r"runc version\s+(\S+)")
+def runc_version(probe: HostProbe = HostProbe()) -> str:
+    cmd = probe.command(probe.runc)
+    return _version_of([*cmd, "--version"], r"runc version\s+(\S+)") if cmd else ""
 
 
 def cgroup_version() -> str:
@@ -71,13 +87,13 @@ def cpu_flags() -> tuple[str, ...]:
     return ()
 
 
-def gather(containerd_version: str = "") -> HostFacts:
+def gather(containerd_version: str = "", probe: HostProbe = HostProbe()) -> HostFacts:
     return HostFacts(
         kernel=platform.release(),
         arch=platform.machine(),
-        criu_version=criu_version(),
+        criu_version=criu_version(probe),
         containerd_version=containerd_version,
-        runc_version=runc_version(),
+        runc_version=runc_version(probe),
         cgroup_version=cgroup_version(),
         cpu_flags=cpu_flags(),
     )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -231,6 +232,8 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
             os.makedirs(os.path.dirname(marker), exist_ok=True)
             with open(marker, "w") as f:
                 f.write(staged)
+            # Used once: a later re-create of this container (a restart) starts it afresh.
+            shutil.rmtree(staged, ignore_errors=True)
             return 0
     elif inv.command in ("start", "delete") and inv.args:
         cid = inv.args[-1]

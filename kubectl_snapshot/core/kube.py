@@ -39,6 +39,8 @@ SA_TOKEN_VOLUME_PREFIX: Final = "kube-api-access-"
 AGENT_NAMESPACE: Final = "kubectl-snapshot-system"
 AGENT_NAME: Final = "kubectl-snapshot-agent"
 AGENT_LABEL: Final = {"app.kubernetes.io/name": AGENT_NAME}
+ANN_NODE_FACTS: Final = f"{GROUP}/node-facts"  # JSON the agent publishes on its Node (doctor reads it)
+READY_FILE: Final = "/tmp/kubectl-snapshot-agent.ready"
 EMPTY_DIR_PLUGIN_DIR: Final = "kubernetes.io~empty-dir"
 CONTAINERD_K8S_NAMESPACE: Final = "k8s.io"
 

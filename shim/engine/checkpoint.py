@@ -103,7 +103,13 @@ def checkpoint(
     on_bytes: BytesFn | None = None,
     clock: Callable[[], float] = time.monotonic,
     host: HostFacts | None = None,
+    before_stop: Callable[[], None] | None = None,
 ) -> CheckpointResult:
+    """Checkpoint `req.containers` together and push one artifact; see the module docstring.
+
+    `before_stop` (with ``stop``) runs after the push and before the frozen containers are killed,
+    e.g. to delete the pod object so that the kubelet does not restart them.
+    """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
     t0 = clock()
@@ -209,6 +215,12 @@ def checkpoint(
 
     if req.stop:
         phase("stop")
+        if before_stop is not None:
+            try:
+                before_stop()
+            except BaseException:
+                _resume_all(containerd, frozen)
+                raise
         for cid in frozen:
             containerd.kill_task(cid, signal.SIGKILL, all=True)
         _resume_all(containerd, frozen)  # thaw so that the pending SIGKILL is delivered

@@ -1,0 +1,1 @@
+"""The agent as a Kubernetes controller: PodSnapshot objects in, snapshots out; restore pods staged."""

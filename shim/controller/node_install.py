@@ -1,0 +1,120 @@
+"""Install (and remove) the runtime hook on this node: the wrapper, its launcher, the containerd drop-in.
+
+Run by the DaemonSet's init container. The wrapper runs on the host (containerd's runc shim execs
+it), so it is a zipapp of pure-Python modules run by the host's python3; the launcher pins the
+node's state dir. The drop-in registers the runtime handler `kubectl-snapshot` (selected by the
+RuntimeClass of the same name); containerd reads drop-ins at start, so a changed drop-in is followed
+by the configured restart command, run in the host's namespaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
+from shim.controller.settings import NodeSettings
+
+DROPIN_NAME = "kubectl-snapshot.toml"
+PYZ_NAME = "kubectl-snapshot-runc.pyz"
+HOST_PYTHON = "/usr/bin/python3"
+
+
+@dataclass(frozen=True)
+class InstallResult:
+    launcher: str
+    dropin: str
+    changed: bool
+    restarted: bool
+
+
+def launcher_script(settings: NodeSettings) -> str:
+    pyz = os.path.join(settings.wrapper_dir, PYZ_NAME)
+    return (
+        "#!/bin/sh\n"
+        "# kubectl-snapshot runtime hook for node " + settings.node + " (installed by the agent DaemonSet)\n"
+        f"KUBECTL_SNAPSHOT_STATE_DIR={shlex.quote(settings.state_dir)}\n"
+        "export KUBECTL_SNAPSHOT_STATE_DIR\n"
+        f'exec {HOST_PYTHON} -I {shlex.quote(pyz)} "$@"\n'
+    )
+
+
+def dropin_toml(settings: NodeSettings) -> str:
+    table = f"plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{K.RUNTIME_CLASS}"
+    return (
+        "# written by kubectl-snapshot-agent install-node; removed by uninstall-node\n"
+        "version = 3\n"
+        f"[{table}]\n"
+        "  runtime_type = 'io.containerd.runc.v2'\n"
+        f"[{table}.options]\n"
+        f"  BinaryName = '{settings.wrapper_launcher}'\n"
+        "  SystemdCgroup = false\n"
+    )
+
+
+def _write_if_changed(path: str, content: str, mode: int) -> bool:
+    with contextlib.suppress(OSError), open(path) as f:
+        if f.read() == content:
+            os.chmod(path, mode)
+            return False
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(content)
+    os.chmod(tmp, mode)
+    os.rename(tmp, path)
+    return True
+
+
+def install(settings: NodeSettings, *, wrapper_pyz: str) -> InstallResult:
+    if not os.path.isfile(wrapper_pyz):
+        raise InvalidArgument(f"wrapper zipapp {wrapper_pyz} not found", hint="the agent image ships it")
+    os.makedirs(settings.wrapper_dir, exist_ok=True)
+    os.makedirs(settings.state_dir, mode=0o700, exist_ok=True)
+    pyz_target = os.path.join(settings.wrapper_dir, PYZ_NAME)
+    tmp = pyz_target + ".tmp"
+    shutil.copyfile(wrapper_pyz, tmp)
+    os.chmod(tmp, 0o755)
+    os.rename(tmp, pyz_target)
+    _write_if_changed(settings.wrapper_launcher, launcher_script(settings), 0o755)
+    os.makedirs(settings.containerd_dropin_dir, exist_ok=True)
+    dropin = os.path.join(settings.containerd_dropin_dir, DROPIN_NAME)
+    changed = _write_if_changed(dropin, dropin_toml(settings), 0o644)
+    restarted = False
+    if changed and settings.restart_command:
+        _run_on_host(settings.restart_command)
+        restarted = True
+    return InstallResult(settings.wrapper_launcher, dropin, changed, restarted)
+
+
+def uninstall(settings: NodeSettings) -> None:
+    dropin = os.path.join(settings.containerd_dropin_dir, DROPIN_NAME)
+    existed = os.path.exists(dropin)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(dropin)
+    shutil.rmtree(settings.wrapper_dir, ignore_errors=True)
+    if existed and settings.restart_command:
+        _run_on_host(settings.restart_command)
+
+
+def _run_on_host(command: str) -> None:
+    """Run a shell command in the host's namespaces (the agent runs with hostPID and privileges)."""
+    prefix = ["nsenter", "-t", "1", "-m", "-u", "-i", "-n", "-p", "--"] if _in_container() else []
+    proc = subprocess.run([*prefix, "sh", "-c", command], capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise FailedPrecondition(
+            f"restarting containerd failed ({proc.returncode}): {proc.stderr.strip()[-500:]}",
+            hint="restart the node's containerd by hand to activate the kubectl-snapshot runtime handler",
+        )
+
+
+def _in_container() -> bool:
+    """True when this process does not share the host's mount namespace (pid 1 is the host's init)."""
+    try:
+        return os.readlink("/proc/1/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return False

@@ -1,0 +1,153 @@
+"""Stage restores for pods created on this node with the restore annotation.
+
+The pod was created by the user (RBAC applies); its injected gate init container waits until this
+agent has pulled and verified the snapshot, extracted each container's data where the runtime
+wrapper looks for it (by pod uid + container name) and put the emptyDir contents into the pod's
+volume dirs. Only then does the kubelet create the app containers, which the wrapper restores.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import time
+from typing import Any
+
+from kubectl_snapshot.cli.errors import render
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError
+from kubectl_snapshot.core.model import HostFacts
+from kubectl_snapshot.core.reference import Reference
+from shim import hostfacts
+from shim.controller.podinfo import empty_dir_path
+from shim.controller.settings import NodeSettings
+from shim.controller.snapshots import registry_for
+from shim.engine.artifact import load_artifact
+from shim.engine.restore import stage_artifact
+from shim.engine.staging import StatePaths
+
+log = logging.getLogger(__name__)
+VOLUME_WAIT_S = 120.0
+
+
+def wants_restore(pod: dict[str, Any], node: str) -> bool:
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    annotations = meta.get("annotations") or {}
+    return (
+        K.ANN_RESTORE_FROM in annotations
+        and K.ANN_RESTORE_STATUS not in annotations
+        and spec.get("nodeName") == node
+        and not meta.get("deletionTimestamp")
+    )
+
+
+class RestoreWorker:
+    def __init__(self, *, kube: Any, settings: NodeSettings, facts: HostFacts) -> None:
+        self.kube = kube
+        self.settings = settings
+        self.facts = facts
+        self.paths = StatePaths(settings.state_dir)
+        self._seen: set[str] = set()
+
+    def consider(self, pod: dict[str, Any]) -> None:
+        if not wants_restore(pod, self.settings.node):
+            return
+        uid = pod["metadata"]["uid"]
+        if uid in self._seen:
+            return
+        self._seen.add(uid)
+        self.run(pod)
+
+    def run(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        gate = empty_dir_path(self.settings.kubelet_root, uid, K.GATE_VOLUME)
+        staged: list[str] = []
+        try:
+            ref = Reference.parse(meta["annotations"][K.ANN_RESTORE_FROM])
+            secret = meta["annotations"].get(K.ANN_REGISTRY_SECRET)
+            registry = registry_for(self.kube, ns, secret, insecure=False)
+            artifact = load_artifact(registry, ref)
+            config = artifact.config
+            problems = hostfacts.preflight_problems(config.host, self.facts)
+            if problems:
+                raise FailedPrecondition(
+                    f"node {self.settings.node} cannot restore {ref}: {'; '.join(problems)}",
+                    hint="restore on a node that has CRIU and matches the snapshot's (choose it with --node)",
+                )
+            app = {c["name"] for c in (pod.get("spec") or {}).get("containers") or []}
+            missing = [c.name for c in config.containers if c.name not in app]
+            if missing:
+                raise FailedPrecondition(
+                    f"the pod has no container named {', '.join(missing)} that the snapshot holds",
+                    hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
+                )
+            targets = []
+            for vol in config.volumes:
+                target = empty_dir_path(self.settings.kubelet_root, uid, vol.name)
+                targets.append(target)
+            self._wait_for_dirs([gate, *targets])
+            staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
+            stage_artifact(artifact, staged, registry=registry, paths=self.paths, volume_targets=targets)
+        except SnapshotError as e:
+            for d in staged:
+                shutil.rmtree(d, ignore_errors=True)
+            self._fail(pod, gate, e)
+            return
+        except Exception as e:  # never leave the gate closed forever
+            log.exception("restore of %s/%s failed", ns, name)
+            for d in staged:
+                shutil.rmtree(d, ignore_errors=True)
+            self._fail(pod, gate, SnapshotError(f"internal error: {e}"))
+            return
+        self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
+        self._annotate(pod, K.RESTORE_STAGED)
+        self._event(pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}")
+
+    def _wait_for_dirs(self, dirs: list[str]) -> None:
+        deadline = time.monotonic() + VOLUME_WAIT_S
+        while not all(os.path.isdir(d) for d in dirs):
+            if time.monotonic() > deadline:
+                missing = [d for d in dirs if not os.path.isdir(d)]
+                raise FailedPrecondition(
+                    f"the kubelet did not set up the pod's volumes in {VOLUME_WAIT_S:.0f}s: {', '.join(missing)}",
+                    hint="the pod needs the emptyDir volumes of the snapshot and the gate volume",
+                )
+            time.sleep(0.2)
+
+    def _fail(self, pod: dict[str, Any], gate: str, err: SnapshotError) -> None:
+        message = render(err)
+        with contextlib.suppress(OSError):
+            if os.path.isdir(gate):
+                self._open_gate(gate, K.GATE_FAILED_FILE, message + "\n")
+        self._annotate(pod, K.RESTORE_FAILED_PREFIX + err.message)
+        self._event(pod, K.EVENT_RESTORE_FAILED, message, warning=True)
+
+    @staticmethod
+    def _open_gate(gate: str, name: str, content: str) -> None:
+        tmp = os.path.join(gate, f".{name}.tmp")
+        with open(tmp, "w") as f:
+            f.write(content)
+        os.chmod(tmp, 0o644)
+        os.rename(tmp, os.path.join(gate, name))
+
+    def _annotate(self, pod: dict[str, Any], value: str) -> None:
+        meta = pod["metadata"]
+        try:
+            self.kube.patch_pod_annotations(meta["namespace"], meta["name"], {K.ANN_RESTORE_STATUS: value[:1000]})
+        except SnapshotError:
+            log.warning("could not annotate %s/%s", meta["namespace"], meta["name"])
+
+    def _event(self, pod: dict[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
+        try:
+            self.kube.create_event(
+                pod["metadata"]["namespace"],
+                involved=pod,
+                reason=reason,
+                message=message[:1000],
+                type="Warning" if warning else "Normal",
+            )
+        except SnapshotError:
+            log.warning("could not record event %s", reason)

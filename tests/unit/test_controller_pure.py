@@ -1,0 +1,144 @@
+"""The agent's pure rules: which containers, which emptyDirs, what the recorded pod spec keeps."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import FailedPrecondition
+from shim.controller.node_install import dropin_toml, install, launcher_script, uninstall
+from shim.controller.podinfo import empty_dirs, record_pod, running_containers
+from shim.controller.restores import wants_restore
+from shim.controller.settings import NodeSettings, apply_node_map
+
+POD: dict[str, Any] = {
+    "metadata": {
+        "name": "counter",
+        "namespace": "team-a",
+        "uid": "1234-abcd",
+        "labels": {"app": "counter", "pod-template-hash": "x"},
+        "annotations": {"note": "keep", "kubectl-snapshot.io/restore-status": "drop"},
+    },
+    "spec": {
+        "nodeName": "ks-n1",
+        "initContainers": [{"name": "init", "image": "busybox"}],
+        "containers": [
+            {
+                "name": "app",
+                "image": "127.0.0.1:5005/busybox:1.37",
+                "volumeMounts": [
+                    {"name": "data", "mountPath": "/data"},
+                    {"name": "kube-api-access-abcde", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"},
+                ],
+            },
+            {"name": "side", "image": "127.0.0.1:5005/busybox@sha256:" + "b" * 64},
+        ],
+        "volumes": [
+            {"name": "data", "emptyDir": {}},
+            {"name": "cfg", "configMap": {"name": "c"}},
+            {"name": "kube-api-access-abcde", "projected": {"sources": []}},
+        ],
+    },
+    "status": {
+        "phase": "Running",
+        "containerStatuses": [
+            {
+                "name": "side",
+                "containerID": "containerd://bbb",
+                "state": {"running": {}},
+                "imageID": "127.0.0.1:5005/busybox@sha256:" + "b" * 64,
+            },
+            {
+                "name": "app",
+                "containerID": "containerd://aaa",
+                "state": {"running": {}},
+                "imageID": "127.0.0.1:5005/busybox@sha256:" + "a" * 64,
+            },
+        ],
+    },
+}
+
+
+def test_running_containers_in_spec_order() -> None:
+    c = running_containers(POD)
+    assert c.ids == ["aaa", "bbb"] and c.names == ["app", "side"]
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda p: p["status"].update(phase="Pending"), "Pending, not Running"),
+        (lambda p: p["status"]["containerStatuses"][1].update(state={"waiting": {}}), "not running"),
+        (lambda p: p["status"]["containerStatuses"][0].update(containerID="cri-o://x"), "not containerd"),
+    ],
+)
+def test_running_containers_refuses(mutate, match) -> None:  # type: ignore[no-untyped-def]
+    pod = copy.deepcopy(POD)
+    mutate(pod)
+    with pytest.raises(FailedPrecondition, match=match):
+        running_containers(pod)
+
+
+def test_empty_dirs_are_the_kubelet_paths() -> None:
+    assert empty_dirs(POD, "/var/lib/kubelet") == {
+        "data": "/var/lib/kubelet/pods/1234-abcd/volumes/kubernetes.io~empty-dir/data"
+    }
+
+
+def test_record_pod_sanitizes_and_pins_images() -> None:
+    rec = record_pod(POD, "ks-n1")
+    spec = rec.spec
+    assert rec.name == "counter" and rec.namespace == "team-a" and rec.uid == "1234-abcd" and rec.node == "ks-n1"
+    assert "nodeName" not in spec and "initContainers" not in spec
+    assert [v["name"] for v in spec["volumes"]] == ["data", "cfg"]
+    assert spec["containers"][0]["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
+    assert spec["containers"][0]["image"] == "127.0.0.1:5005/busybox@sha256:" + "a" * 64
+    assert spec["containers"][1]["image"] == "127.0.0.1:5005/busybox@sha256:" + "b" * 64
+    assert spec["metadata"]["annotations"] == {"note": "keep"}
+    assert POD["spec"]["nodeName"] == "ks-n1"  # the input is not modified
+
+
+def test_wants_restore() -> None:
+    pod = copy.deepcopy(POD)
+    assert not wants_restore(pod, "ks-n1")
+    pod["metadata"]["annotations"] = {K.ANN_RESTORE_FROM: "r/x@sha256:" + "a" * 64}
+    assert wants_restore(pod, "ks-n1")
+    assert not wants_restore(pod, "ks-n2")
+    pod["metadata"]["annotations"][K.ANN_RESTORE_STATUS] = K.RESTORE_STAGED
+    assert not wants_restore(pod, "ks-n1")
+
+
+def test_node_map_overrides_only_known_keys(tmp_path: Path) -> None:
+    f = tmp_path / "nodes.yaml"
+    f.write_text("ks-n1:\n  kubeletRoot: /k1\n  containerdSocket: /c1.sock\n  bogus: x\nks-n2:\n  kubeletRoot: /k2\n")
+    s = apply_node_map(NodeSettings(node="ks-n1"), str(f))
+    assert (s.kubelet_root, s.containerd_socket) == ("/k1", "/c1.sock")
+    assert s.state_dir == "/var/lib/kubectl-snapshot/ks-n1"
+    assert apply_node_map(NodeSettings(node="other"), str(f)) == NodeSettings(node="other")
+
+
+def test_install_and_uninstall_node(tmp_path: Path) -> None:
+    s = NodeSettings(
+        node="n1",
+        state_root=str(tmp_path / "state"),
+        opt_root=str(tmp_path / "opt"),
+        containerd_dropin_dir=str(tmp_path / "dropins"),
+        restart_command=f"touch {tmp_path / 'restarted'}",
+    )
+    pyz = tmp_path / "w.pyz"
+    pyz.write_bytes(b"PK")
+    r = install(s, wrapper_pyz=str(pyz))
+    assert r.changed and r.restarted and (tmp_path / "restarted").exists()
+    assert Path(s.wrapper_launcher).read_text() == launcher_script(s)
+    assert f"BinaryName = '{s.wrapper_launcher}'" in dropin_toml(s)
+    assert Path(r.dropin).read_text() == dropin_toml(s)
+    (tmp_path / "restarted").unlink()
+    again = install(s, wrapper_pyz=str(pyz))
+    assert not again.changed and not again.restarted and not (tmp_path / "restarted").exists()
+    uninstall(s)
+    assert not Path(r.dropin).exists() and not Path(s.wrapper_dir).exists()
+    assert (tmp_path / "restarted").exists()
