@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Final
 
-FORMAT_VERSION: Final = 1
+FORMAT_VERSION: Final = 2  # v2 = v1 + memory pages as content-addressed chunks (docs/format.md)
+SUPPORTED_FORMAT_VERSIONS: Final = (1, 2)  # readers accept both; writers write FORMAT_VERSION
 
 # --- OCI media types --------------------------------------------------------------------------
 OCI_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
@@ -24,6 +25,8 @@ CONFIG_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.config.v1+json"
 CHECKPOINT_LAYER_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.checkpoint.v1.tar+zstd"
 # One layer with the contents of the pod's emptyDir volumes (a tar with one top dir per volume).
 VOLUMES_LAYER_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.volumes.v1.tar+zstd"
+# Format v2: one zstd frame holding a byte range of a CRIU pages-N.img (content-addressed chunk).
+CHUNK_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.chunk.v1+zstd"
 
 # --- annotations ------------------------------------------------------------------------------
 ANN_CREATED: Final = "org.opencontainers.image.created"

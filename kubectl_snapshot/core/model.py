@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.chunks import PagesFile, chunk_digests, parse_pages_files
 from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.oci import canonical_json, is_digest
 
@@ -106,9 +107,11 @@ class ContainerRecord:
     tcp_established: bool = True
     file_locks: bool = True
     stats: DumpStats = field(default_factory=DumpStats)
+    # format v2: CRIU page files stored as chunks, not inside the layer (checkpoint/<name>)
+    pages: tuple[PagesFile, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "name": self.name,
             "id": self.id,
             "image": self.image,
@@ -118,6 +121,9 @@ class ContainerRecord:
             "dumpOptions": {"tcpEstablished": self.tcp_established, "fileLocks": self.file_locks},
             "stats": self.stats.to_dict(),
         }
+        if self.pages:
+            d["pages"] = [p.to_dict() for p in self.pages]
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], where: str) -> ContainerRecord:
@@ -141,6 +147,7 @@ class ContainerRecord:
             tcp_established=bool(opts.get("tcpEstablished", True)),
             file_locks=bool(opts.get("fileLocks", True)),
             stats=DumpStats.from_dict(d.get("stats") or {}),
+            pages=parse_pages_files(d.get("pages"), where),
         )
 
 
@@ -220,9 +227,10 @@ def parse_config(body: bytes) -> SnapshotConfig:
     if not isinstance(d, dict):
         raise _bad("snapshot config is not a JSON object")
     version = d.get("formatVersion")
-    if version != C.FORMAT_VERSION:
+    if version not in C.SUPPORTED_FORMAT_VERSIONS or isinstance(version, bool):
         raise FailedPrecondition(
-            f"snapshot format version {version!r} is not supported (this build reads {C.FORMAT_VERSION})",
+            f"snapshot format version {version!r} is not supported "
+            f"(this build reads {', '.join(map(str, C.SUPPORTED_FORMAT_VERSIONS))})",
             hint="use a kubectl-snapshot release that matches the one that made the snapshot",
         )
     raw_containers = d.get("containers")
@@ -232,6 +240,8 @@ def parse_config(body: bytes) -> SnapshotConfig:
         ContainerRecord.from_dict(c if isinstance(c, dict) else {}, f"container {i}")
         for i, c in enumerate(raw_containers)
     )
+    if version < 2 and any(c.pages for c in containers):
+        raise _bad("a format v1 snapshot config lists page chunks (a v2 feature)")
     names = [c.name for c in containers]
     if len(set(names)) != len(names):
         raise _bad("snapshot config has duplicate container names")
@@ -269,6 +279,7 @@ def parse_config(body: bytes) -> SnapshotConfig:
         stopped=bool(d.get("stopped", False)),
         freeze_ms=float(d.get("freezeMs") or 0.0),
         pod=pod,
+        format_version=int(version),
     )
 
 
@@ -314,6 +325,10 @@ def check_layers_match(config: SnapshotConfig, layer_digests: Sequence[str]) -> 
             raise _bad(f"container {c.name!r} names layer {c.layer_digest} that the manifest lacks")
     if config.volumes_layer and config.volumes_layer not in present:
         raise _bad(f"volumes layer {config.volumes_layer} is not in the manifest")
+    for c in config.containers:
+        for digest in chunk_digests(c.pages):
+            if digest not in present:
+                raise _bad(f"container {c.name!r} names chunk {digest} that the manifest lacks")
 
 
 def _str(d: Mapping[str, Any], key: str) -> str:

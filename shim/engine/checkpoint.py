@@ -23,6 +23,7 @@ from typing import Any
 
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, SnapshotError
 from kubectl_snapshot.core.model import (
     ContainerRecord,
@@ -38,7 +39,14 @@ from kubectl_snapshot.core.model import (
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
-from shim.engine.package import LayerFile, compress_directory, compress_file
+from shim.engine.package import (
+    PackagedBlob,
+    PackagedContainer,
+    package_container,
+    package_volumes,
+    progress_counter,
+    tree_bytes,
+)
 from shim.engine.ports import Containerd, Registry
 from shim.engine.staging import StatePaths
 from shim.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
@@ -160,31 +168,34 @@ def checkpoint(
             frozen = []
         timings["freeze_ms"] = (clock() - t_freeze) * 1000
 
-        phase("package")
+        # Everything below runs after the resume: compression, hashing and upload never extend the freeze.
+        phase("upload")
         t_pack = clock()
-        records, layers = [], []
+        on_raw = progress_counter(on_bytes, tree_bytes(work))
+        records, packaged = [], []
         for cid, name, info, image_digest in zip(req.containers, names, infos, image_digests, strict=True):
             cdir = os.path.join(work, name)
             stats = _stats(cdir)
             _write_metadata(cdir, cid, name, info, req)
-            layer = compress_directory(cdir, os.path.join(work, f"{name}.layer"))
+            pc = package_container(registry, req.target, cdir, on_raw=on_raw)
             records.append(
                 ContainerRecord(
                     name=name,
                     id=cid,
                     image=info.image,
                     image_digest=image_digest,
-                    layer_digest=layer.digest,
+                    layer_digest=pc.layer.digest,
                     spec=info.spec,
                     tcp_established=req.tcp_established,
                     file_locks=req.file_locks,
                     stats=stats,
+                    pages=pc.pages,
                 )
             )
-            layers.append(layer)
-        volumes_layer: LayerFile | None = None
+            packaged.append(pc)
+        volumes_layer: PackagedBlob | None = None
         if volume_tar is not None:
-            volumes_layer = compress_file(volume_tar, os.path.join(work, "volumes.layer"))
+            volumes_layer = package_volumes(registry, req.target, volume_tar, on_raw=on_raw)
         timings["package_ms"] = (clock() - t_pack) * 1000
 
         config = SnapshotConfig(
@@ -201,9 +212,8 @@ def checkpoint(
             freeze_ms=timings["freeze_ms"],
             pod=req.pod,
         )
-        phase("upload")
         t_up = clock()
-        result = _push(req.target, config, records, layers, volumes_layer, registry, on_bytes)
+        result = _push(req.target, config, records, packaged, volumes_layer, registry)
         timings["upload_ms"] = (clock() - t_up) * 1000
     except BaseException:
         if frozen:
@@ -340,23 +350,24 @@ def _push(
     target: Reference,
     config: SnapshotConfig,
     records: Sequence[ContainerRecord],
-    layers: Sequence[LayerFile],
-    volumes_layer: LayerFile | None,
+    packaged: Sequence[PackagedContainer],
+    volumes_layer: PackagedBlob | None,
     registry: Registry,
-    on_bytes: BytesFn | None,
 ) -> CheckpointResult:
+    """Config and manifest, after every blob is in the registry: no tag ever points at a partial snapshot."""
     config_bytes = config.to_bytes()
     config_desc = Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
     descs = [
         Descriptor(
             C.CHECKPOINT_LAYER_MEDIA_TYPE,
-            layer.digest,
-            layer.size,
+            pc.layer.digest,
+            pc.layer.size,
             layer_annotations(rec, group=config.group, namespace=config.namespace),
         )
-        for rec, layer in zip(records, layers, strict=True)
+        for rec, pc in zip(records, packaged, strict=True)
     ]
-    files = list(layers)
+    stored = sum(pc.stored for pc in packaged) + len(config_bytes)
+    sent = sum(pc.uploaded for pc in packaged)
     if volumes_layer is not None:
         descs.append(
             Descriptor(
@@ -366,20 +377,12 @@ def _push(
                 {C.ANN_TITLE: "volumes.tar.zst"},
             )
         )
-        files.append(volumes_layer)
-    total = sum(f.size for f in files) + len(config_bytes)
-    sent = 0
-
-    def progress(n: int) -> None:
-        if on_bytes:
-            on_bytes(n, total)
-
-    # Blobs first, manifest last: no tag ever points at a partial snapshot.
-    for f in files:
-        if registry.push_blob(target, digest=f.digest, size=f.size, path=f.path, progress=progress):
-            sent += f.size
-        elif on_bytes:
-            on_bytes(f.size, total)
+        stored += volumes_layer.size
+        sent += volumes_layer.size
+    # Every chunk is a layer too, so that registry garbage collection keeps what the snapshot needs.
+    all_pages = [p for rec in records for p in rec.pages]
+    sizes = chunk_sizes(all_pages)
+    descs.extend(Descriptor(C.CHUNK_MEDIA_TYPE, d, sizes[d]) for d in chunk_digests(all_pages))
     if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes):
         sent += len(config_bytes)
     manifest = build_manifest(
@@ -393,6 +396,6 @@ def _push(
         reference=replace(target, tag=None, digest=digest),
         tagged=target,
         config=config,
-        size=total,
+        size=stored,
         uploaded=sent,
     )

@@ -1,53 +1,90 @@
-"""Turn dumped directories into compressed, digested layer files (tar -> zstd -> sha256 in one pass)."""
+"""Package a dumped container (and the volumes) straight into the registry, as format v2 blobs.
+
+A container becomes one small tar+zstd layer (CRIU's metadata images, the rootfs diff, the
+checkpointctl files) plus its page files as content-addressed chunks (core/chunks.py); both are
+streamed (shim/engine/stream.py): nothing is copied to disk a second time, compression uses both
+cores, and a chunk the registry already has (from an earlier snapshot in the same repository) is not
+sent again.
+"""
 
 from __future__ import annotations
 
 import os
+import stat
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import BinaryIO
 
-from kubectl_snapshot.adapters.archive import HashingWriter, compress_to, open_zstd_writer, tar_directory
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.chunks import PagesFile
+from kubectl_snapshot.core.reference import Reference
+from shim.engine.chunks import plan_checkpoint
+from shim.engine.ports import Registry
+from shim.engine.stream import push_chunks, push_file_stream, push_tar_stream
 
-ZSTD_LEVEL = 1  # the fastest useful level: packaging, not CRIU, is the bottleneck (PLATFORM.md)
-ZSTD_THREADS = -1  # one compression worker per core, overlapping with tar
+CountFn = Callable[[int], None]
 
 
 @dataclass(frozen=True)
-class LayerFile:
-    path: str
+class PackagedBlob:
     digest: str
-    size: int
-    raw_size: int
+    size: int  # compressed bytes stored
 
 
-def compress_directory(src: str, dest: str) -> LayerFile:
-    """tar `src` (its contents at the archive root) into zstd at `dest`, hashing the compressed bytes."""
-    with open(dest, "wb") as raw:
-        hashing = HashingWriter(raw)
-        with open_zstd_writer(hashing, level=ZSTD_LEVEL, threads=ZSTD_THREADS) as zw:
-            counting = _Counting(zw)
-            tar_directory(src, counting)
-        raw.flush()
-        os.fsync(raw.fileno())
-    return LayerFile(dest, hashing.digest, hashing.size, counting.size)
+@dataclass(frozen=True)
+class PackagedContainer:
+    layer: PackagedBlob
+    pages: tuple[PagesFile, ...]
+    stored: int  # compressed bytes of the layer and all its chunks
+    uploaded: int  # bytes actually sent (the layer always; chunks only when the registry lacked them)
 
 
-def compress_file(src: str, dest: str) -> LayerFile:
-    """zstd-compress an existing tar file (the volumes layer captured while frozen)."""
-    with open(src, "rb") as fin, open(dest, "wb") as raw:
-        hashing = HashingWriter(raw)
-        compress_to(fin, hashing, level=ZSTD_LEVEL, threads=ZSTD_THREADS)
-        raw_size = fin.tell()
-    return LayerFile(dest, hashing.digest, hashing.size, raw_size)
+def progress_counter(on_bytes: Callable[[int, int], None] | None, total: int) -> CountFn | None:
+    """A thread-safe (new bytes) callback feeding on_bytes(new, total) (workers report concurrently)."""
+    if on_bytes is None:
+        return None
+    lock = threading.Lock()
+
+    def add(n: int) -> None:
+        with lock:
+            on_bytes(n, total)
+
+    return add
 
 
-class _Counting:
-    """Counts the uncompressed bytes on their way into the compressor."""
+def tree_bytes(path: str) -> int:
+    """Bytes of regular files below `path` (the raw size a progress bar counts towards)."""
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(root, f))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
 
-    def __init__(self, inner: BinaryIO) -> None:
-        self._inner = inner
-        self.size = 0
 
-    def write(self, data: bytes, /) -> int:
-        self.size += len(data)
-        return self._inner.write(data)
+def package_container(
+    registry: Registry, ref: Reference, cdir: str, *, on_raw: CountFn | None = None
+) -> PackagedContainer:
+    """Upload the container dump in `cdir` (checkpointctl layout): page chunks first, then the layer."""
+    plans = plan_checkpoint(os.path.join(cdir, C.CHECKPOINT_DIRECTORY))
+    chunks = push_chunks(registry, ref, plans, on_raw=on_raw)
+    exclude = [f"{C.CHECKPOINT_DIRECTORY}/{p.name}" for p in plans]
+    digest, size = push_tar_stream(registry, ref, cdir, exclude=exclude, on_raw=on_raw)
+    return PackagedContainer(
+        layer=PackagedBlob(digest, size),
+        pages=chunks.files,
+        stored=chunks.stored + size,
+        uploaded=chunks.uploaded + size,
+    )
+
+
+def package_volumes(
+    registry: Registry, ref: Reference, tar_path: str, *, on_raw: CountFn | None = None
+) -> PackagedBlob:
+    """Upload the volumes tar captured while frozen as one zstd layer (streamed, not staged)."""
+    digest, size = push_file_stream(registry, ref, tar_path, on_raw=on_raw)
+    return PackagedBlob(digest, size)

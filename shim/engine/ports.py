@@ -6,7 +6,7 @@ The real adapters are `shim.containerd.client.ContainerdClient` and
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, BinaryIO, Protocol
 
 from kubectl_snapshot.core.reference import Reference
@@ -72,6 +72,9 @@ class Registry(Protocol):
         data: bytes | None = None,
         progress: ProgressFn | None = None,
     ) -> bool: ...
+    def push_blob_stream(
+        self, ref: Reference, chunks: Iterable[bytes], *, progress: ProgressFn | None = None
+    ) -> tuple[str, int]: ...
     def push_manifest(self, ref: Reference, manifest: bytes, media_type: str) -> str: ...
     def get_manifest(self, ref: Reference, *, max_size: int = ...) -> tuple[bytes, str, str]: ...
     def read_blob(self, ref: Reference, digest: str, *, max_size: int = ...) -> bytes: ...

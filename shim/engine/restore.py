@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import os
 import shutil
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from kubectl_snapshot.core.errors import (
     InvalidArgument,
     NotFound,
     SnapshotError,
+    UnsafeArchive,
     log_tail,
 )
 from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
@@ -32,8 +34,10 @@ from kubectl_snapshot.core.oci import Descriptor
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.engine.artifact import Artifact, load_artifact
+from shim.engine.package import progress_counter
 from shim.engine.ports import Registry
 from shim.engine.staging import StatePaths, check_key
+from shim.engine.stream import fetch_chunks
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]
@@ -67,13 +71,18 @@ def stage_artifact(
     volume_targets: Sequence[str] = (),
     on_bytes: BytesFn | None = None,
 ) -> None:
-    """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets."""
+    """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets.
+
+    Format v2 page files are then rebuilt from their chunks by parallel workers, each chunk verified
+    against its digest before it is written (shim/engine/stream.py).
+    """
     config = artifact.config
     layers = {d.digest: d for d in artifact.manifest.layers}
     wanted: list[Descriptor] = [layers[c.layer_digest] for c in config.containers]
     if config.volumes_layer:
         wanted.append(layers[config.volumes_layer])
-    total = sum(d.size for d in wanted)
+    total = sum(d.size for d in wanted) + sum(c.size for rec in config.containers for p in rec.pages for c in p.chunks)
+    count = progress_counter(on_bytes, total)
     downloads = paths.downloads()
     os.makedirs(downloads, mode=0o700, exist_ok=True)
     blobs: dict[str, str] = {}
@@ -91,11 +100,13 @@ def stage_artifact(
                     out,
                     expected_size=d.size,
                     max_size=d.size,
-                    progress=(lambda n: on_bytes(n, total)) if on_bytes else None,
+                    progress=count,
                 )
         # 2. ... before anything is extracted
         for record, target in zip(config.containers, staged_dirs, strict=True):
             _extract_fresh(blobs[record.layer_digest], target)
+            if record.pages:
+                _fetch_pages(registry, artifact.reference, record, target, count)
         if config.volumes_layer:
             tmp = os.path.join(downloads, f"volumes.{os.getpid()}")
             _extract_fresh(blobs[config.volumes_layer], tmp)
@@ -112,6 +123,28 @@ def stage_artifact(
         for path in blobs.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _fetch_pages(
+    registry: Registry, ref: Reference, record: ContainerRecord, target: str, count: Callable[[int], None] | None
+) -> None:
+    cp = os.path.join(target, C.CHECKPOINT_DIRECTORY)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(cp, 0o700)
+    try:
+        fetch_chunks(registry, ref, record.pages, cp, on_bytes=count)
+    except NotADirectoryError as e:
+        raise UnsafeArchive(
+            f"container {record.name!r}: {C.CHECKPOINT_DIRECTORY}/ in its layer is not a directory",
+            hint="the snapshot is corrupted or was crafted; do not restore it",
+        ) from e
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise UnsafeArchive(
+                f"container {record.name!r}: {C.CHECKPOINT_DIRECTORY}/ in its layer is a symlink",
+                hint="the snapshot is corrupted or was crafted; do not restore it",
+            ) from e
+        raise
 
 
 def _extract_fresh(blob_path: str, target: str) -> None:

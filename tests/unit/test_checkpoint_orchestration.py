@@ -98,6 +98,16 @@ class FakeRegistry:
         self.blobs[digest] = data if data is not None else Path(path or "").read_bytes()
         return True
 
+    def push_blob_stream(self, ref: Reference, chunks: Any, *, progress: Any = None) -> tuple[str, int]:
+        if self.fail_push:
+            raise Unavailable("connection reset mid-push")
+        import hashlib
+
+        data = b"".join(chunks)
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        self.blobs[digest] = data
+        return digest, len(data)
+
     def push_manifest(self, ref: Reference, manifest: bytes, media_type: str) -> str:
         self.manifests[ref.tag or ""] = manifest
         import hashlib

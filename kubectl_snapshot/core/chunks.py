@@ -1,0 +1,221 @@
+"""Memory pages as content-addressed chunks (format v2): the records, the boundaries, the checks.
+
+Why chunks: a second snapshot of a process whose memory changed a little should upload only what
+changed. The kernel here has no soft-dirty tracking (no ``criu pre-dump``), so change is found by
+content: each ``pages-N.img`` of a CRIU dump is cut into chunks, each chunk is compressed on its own
+and stored as a blob named by its digest; a registry that already has a blob is not sent it again.
+
+Why boundaries follow virtual addresses, not file offsets: a page file lists the present pages in
+address order, so one page more or less anywhere shifts every later file offset and would change
+every later fixed-offset chunk. Cutting where the *virtual address* crosses a multiple of the span
+keeps chunk contents stable when other mappings grow or shrink. Tiny neighbours are merged so that a
+process with many small mappings does not turn into thousands of blobs.
+
+Why restores can trust the result: a chunk is a byte range ``[offset, offset+length)`` of one page
+file plus the digest of its compressed blob; the chunks of a file must tile it exactly (sorted, no
+gap, no overlap), so a restore writes every byte once, and every blob is verified by digest before
+its bytes are written.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+from kubectl_snapshot.core.errors import FailedPrecondition
+from kubectl_snapshot.core.oci import is_digest
+
+PAGE_SIZE = 4096
+MIN_SPAN = 256 << 10
+MAX_SPAN = 8 << 20
+TARGET_CHUNKS = 256  # per snapshot: few enough blobs for the registry round trips, small enough to dedupe
+MAX_CHUNK_BYTES = MAX_SPAN  # a restore holds a few chunks in memory: refuse bigger ones
+MAX_PAGES_FILE_BYTES = 1 << 40
+PAGES_FILE_RE = re.compile(r"^pages-[1-9][0-9]{0,9}\.img$")
+_HINT = "the artifact is damaged or was not made by kubectl-snapshot"
+
+
+@dataclass(frozen=True)
+class PagemapRun:
+    """Present pages of one pagemap entry: `nr_pages` pages from `vaddr`, stored consecutively."""
+
+    vaddr: int
+    nr_pages: int
+
+
+@dataclass(frozen=True)
+class Span:
+    """A byte range of a page file, before compression."""
+
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One stored chunk: raw range of the page file + the digest and size of its compressed blob."""
+
+    offset: int
+    length: int
+    digest: str
+    size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"offset": self.offset, "length": self.length, "digest": self.digest, "size": self.size}
+
+
+@dataclass(frozen=True)
+class PagesFile:
+    """A CRIU ``pages-N.img`` stored as chunks instead of inside the container's tar layer."""
+
+    name: str  # file name inside checkpoint/ (pages-N.img)
+    size: int
+    chunks: tuple[Chunk, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "chunks": [c.to_dict() for c in self.chunks]}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> PagesFile:
+        if not isinstance(d, dict):
+            raise _bad(f"{where} is not an object")
+        name, size, raw_chunks = d.get("name"), d.get("size"), d.get("chunks")
+        if not isinstance(name, str) or not PAGES_FILE_RE.match(name):
+            raise _bad(f"{where} has an invalid page file name {name!r}")
+        if not _is_int(size) or not 0 <= size <= MAX_PAGES_FILE_BYTES:
+            raise _bad(f"{where} has an invalid size {size!r}")
+        if not isinstance(raw_chunks, list):
+            raise _bad(f"{where} has no chunk list")
+        chunks = tuple(_chunk(c, f"{where} chunk {i}") for i, c in enumerate(raw_chunks))
+        pf = cls(name, size, chunks)
+        check_tiling(pf, where)
+        return pf
+
+
+def _chunk(d: Any, where: str) -> Chunk:
+    if not isinstance(d, dict):
+        raise _bad(f"{where} is not an object")
+    offset, length, digest, size = d.get("offset"), d.get("length"), d.get("digest"), d.get("size")
+    if not _is_int(offset) or offset < 0:
+        raise _bad(f"{where} has an invalid offset {offset!r}")
+    if not _is_int(length) or not 0 < length <= MAX_CHUNK_BYTES:
+        raise _bad(f"{where} has an invalid length {length!r} (1..{MAX_CHUNK_BYTES})")
+    if not isinstance(digest, str) or not is_digest(digest):
+        raise _bad(f"{where} has an invalid digest {digest!r}")
+    # a zstd frame of `length` bytes is never much larger than length; bound what a restore downloads
+    if not _is_int(size) or not 0 < size <= length + (length >> 7) + 4096:
+        raise _bad(f"{where} has an invalid blob size {size!r}")
+    return Chunk(offset, length, digest, size)
+
+
+def check_tiling(pf: PagesFile, where: str = "page file") -> None:
+    """The chunks must cover [0, size) exactly, in order: every byte written once by a restore."""
+    pos = 0
+    for i, c in enumerate(pf.chunks):
+        if c.offset != pos:
+            raise _bad(f"{where} ({pf.name}): chunk {i} starts at {c.offset}, expected {pos} (gap or overlap)")
+        pos += c.length
+    if pos != pf.size:
+        raise _bad(f"{where} ({pf.name}): chunks cover {pos} bytes of {pf.size}")
+
+
+def choose_span(total_bytes: int) -> int:
+    """The chunk span for a dump of `total_bytes` of pages: a power of two near total/TARGET_CHUNKS.
+
+    Rounded in log space (not up), so a process hovering around a size keeps its span, and with it
+    its chunk boundaries, from one snapshot to the next.
+    """
+    if total_bytes <= 0:
+        return MIN_SPAN
+    exp = round(math.log2(max(total_bytes / TARGET_CHUNKS, 1)))
+    return int(min(MAX_SPAN, max(MIN_SPAN, 1 << exp)))
+
+
+def plan_chunks(runs: Iterable[PagemapRun], file_size: int, span: int) -> list[Span]:
+    """Cut a page file whose present pages are `runs` (in file order) at span-aligned addresses.
+
+    A new chunk starts where the address window (vaddr // span) changes; chunks smaller than a
+    quarter span are merged into the next when the sum stays within a span. Returns ranges tiling
+    [0, file_size); if the runs do not account for the file exactly, falls back to fixed offsets
+    (still correct, only less stable).
+    """
+    if span <= 0 or span % PAGE_SIZE:
+        raise ValueError("span must be a positive multiple of the page size")
+    cuts: list[int] = []
+    pos = 0
+    window: int | None = None
+    for run in runs:
+        if run.nr_pages <= 0:
+            continue
+        length = run.nr_pages * PAGE_SIZE
+        first = run.vaddr // span
+        if first != window:
+            cuts.append(pos)
+        # every span-aligned address strictly inside this run starts a chunk
+        aligned = (first + 1) * span
+        while aligned < run.vaddr + length:
+            cuts.append(pos + aligned - run.vaddr)
+            aligned += span
+        window = (run.vaddr + length - 1) // span
+        pos += length
+    if pos != file_size:
+        return fixed_chunks(file_size, span)
+    return _merge_small(_ranges(cuts, file_size), span)
+
+
+def fixed_chunks(file_size: int, span: int) -> list[Span]:
+    return [Span(o, min(span, file_size - o)) for o in range(0, file_size, span)]
+
+
+def _ranges(cuts: Sequence[int], end: int) -> list[Span]:
+    if end <= 0:
+        return []
+    points = sorted({0, *(c for c in cuts if 0 <= c < end)})
+    return [Span(a, b - a) for a, b in zip(points, [*points[1:], end], strict=True) if b > a]
+
+
+def _merge_small(spans: list[Span], span: int) -> list[Span]:
+    out: list[Span] = []
+    for s in spans:
+        if out and out[-1].length < span // 4 and out[-1].length + s.length <= span:
+            prev = out.pop()
+            s = Span(prev.offset, prev.length + s.length)
+        out.append(s)
+    return out
+
+
+def parse_pages_files(raw: Any, where: str) -> tuple[PagesFile, ...]:
+    """The ``pages`` list of a container record (format v2); absent in v1."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise _bad(f"{where} pages is not a list")
+    files = tuple(PagesFile.from_dict(p, f"{where} pages[{i}]") for i, p in enumerate(raw))
+    names = [f.name for f in files]
+    if len(set(names)) != len(names):
+        raise _bad(f"{where} lists a page file twice")
+    return files
+
+
+def chunk_digests(files: Iterable[PagesFile]) -> list[str]:
+    """Every distinct chunk digest, in first-use order (one manifest layer each)."""
+    seen: dict[str, None] = {}
+    for f in files:
+        for c in f.chunks:
+            seen.setdefault(c.digest, None)
+    return list(seen)
+
+
+def chunk_sizes(files: Iterable[PagesFile]) -> Mapping[str, int]:
+    return {c.digest: c.size for f in files for c in f.chunks}
+
+
+def _is_int(v: Any) -> TypeGuard[int]:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _bad(message: str) -> FailedPrecondition:
+    return FailedPrecondition(message, hint=_HINT)
