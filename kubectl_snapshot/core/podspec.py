@@ -191,51 +191,6 @@ def check_pod_running(pod: Mapping[str, Any]) -> None:
     raise FailedPrecondition(f"pod {name} is not Running ({'; '.join(why)})", hint=hint, retryable=phase == "Pending")
 
 
-# --- recorded spec (agent side) --------------------------------------------------------------------
-
-
-def sanitize_pod_spec(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """The pod spec the agent records in the artifact (docs/kubernetes.md): no nodeName, init
-    containers, ephemeral containers or service-account token volume; images pinned to the
-    imageID the kubelet reported."""
-    spec = copy.deepcopy(dict(pod.get("spec") or {}))
-    for key in ("nodeName", "initContainers", "ephemeralContainers"):
-        spec.pop(key, None)
-    token_volumes = {
-        v.get("name") for v in spec.get("volumes") or [] if str(v.get("name", "")).startswith(K.SA_TOKEN_VOLUME_PREFIX)
-    }
-    if "volumes" in spec:
-        spec["volumes"] = [v for v in spec["volumes"] if v.get("name") not in token_volumes]
-        if not spec["volumes"]:
-            del spec["volumes"]
-    image_ids = {c.get("name"): c.get("imageID") for c in (pod.get("status") or {}).get("containerStatuses") or []}
-    for c in spec.get("containers") or []:
-        if "volumeMounts" in c:
-            c["volumeMounts"] = [m for m in c["volumeMounts"] if m.get("name") not in token_volumes]
-            if not c["volumeMounts"]:
-                del c["volumeMounts"]
-        pinned = pinned_image(str(c.get("image", "")), str(image_ids.get(c.get("name")) or ""))
-        if pinned:
-            c["image"] = pinned
-    return spec
-
-
-def pinned_image(image: str, image_id: str) -> str:
-    """The kubelet's imageID as a pullable `repo@sha256:...` (it may carry a `docker-pullable://`
-    prefix, or be just the digest: then the repository comes from `image`)."""
-    if "://" in image_id:
-        image_id = image_id.split("://", 1)[1]
-    if not image_id:
-        return image
-    if image_id.startswith("sha256:"):
-        repo = image.split("@", 1)[0]
-        slash, colon = repo.rfind("/"), repo.rfind(":")
-        if colon > slash:
-            repo = repo[:colon]
-        return f"{repo}@{image_id}"
-    return image_id if "@sha256:" in image_id else image
-
-
 # --- restore Pod -----------------------------------------------------------------------------------
 
 

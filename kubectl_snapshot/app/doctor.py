@@ -1,0 +1,98 @@
+"""`kubectl snapshot doctor`: is everything in place, per node and for the cluster.
+
+Per node: the agent pod and its readiness, and the facts the agent publishes in the node annotation
+`kubectl-snapshot.io/node-facts` (CRIU, containerd, runc, kernel, runtime handler); "unknown" when the
+agent has not published them. Cluster: the CRD, the agent DaemonSet and the RuntimeClass.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubectl_snapshot.app.ports import Kube, Obj
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import PermissionDenied
+
+NODE_FACTS_ANNOTATION = f"{K.GROUP}/node-facts"
+UNKNOWN = "unknown"
+FACT_KEYS = ("criuVersion", "containerdVersion", "runcVersion", "kernel", "runtimeHandler")
+
+
+def node_facts(node: Obj) -> dict[str, Any]:
+    raw = ((node.get("metadata") or {}).get("annotations") or {}).get(NODE_FACTS_ANNOTATION)
+    try:
+        facts = json.loads(raw) if raw else {}
+    except ValueError:
+        facts = {}
+    if not isinstance(facts, dict):
+        facts = {}
+    return {k: facts[k] if k in facts and facts[k] not in (None, "") else UNKNOWN for k in FACT_KEYS}
+
+
+def _pod_ready(pod: Obj) -> bool:
+    for cond in (pod.get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "Ready":
+            return bool(cond.get("status") == "True")
+    return False
+
+
+def _check(kube: Kube, what: str, obj: Obj) -> dict[str, Any]:
+    try:
+        found = kube.get_object(obj)
+    except PermissionDenied as e:
+        return {"check": what, "ok": False, "detail": f"cannot read: {e.message}"}
+    return {"check": what, "ok": found is not None, "detail": "present" if found else "missing"}
+
+
+def doctor(*, kube: Kube) -> dict[str, Any]:
+    crd = f"{K.PLURAL}.{K.GROUP}"
+    checks = [
+        _check(
+            kube,
+            f"CRD {crd}",
+            {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition", "metadata": {"name": crd}},
+        ),
+        _check(
+            kube,
+            f"DaemonSet {K.AGENT_NAMESPACE}/{K.AGENT_NAME}",
+            {
+                "apiVersion": "apps/v1",
+                "kind": "DaemonSet",
+                "metadata": {"name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE},
+            },
+        ),
+        _check(
+            kube,
+            f"RuntimeClass {K.RUNTIME_CLASS}",
+            {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": K.RUNTIME_CLASS}},
+        ),
+    ]
+    selector = ",".join(f"{k}={v}" for k, v in K.AGENT_LABEL.items())
+    try:
+        agents = kube.list_pods(K.AGENT_NAMESPACE, label_selector=selector)
+        agents_error = ""
+    except PermissionDenied as e:
+        agents, agents_error = [], f"cannot list agent pods: {e.message}"
+    by_node: dict[str, Obj] = {}
+    for pod in agents:
+        node_name = str((pod.get("spec") or {}).get("nodeName") or "")
+        if node_name and (node_name not in by_node or _pod_ready(pod)):
+            by_node[node_name] = pod
+    nodes = []
+    for node in sorted(kube.list_nodes(), key=lambda n: str(n["metadata"]["name"])):
+        name = str(node["metadata"]["name"])
+        agent = by_node.get(name)
+        nodes.append(
+            {
+                "node": name,
+                "agentPod": str(agent["metadata"]["name"]) if agent else "",
+                "agentReady": UNKNOWN if agents_error else bool(agent and _pod_ready(agent)),
+                **node_facts(node),
+            }
+        )
+    ok = all(c["ok"] for c in checks) and not agents_error and all(n["agentReady"] is True for n in nodes)
+    result: dict[str, Any] = {"ok": ok, "checks": checks, "nodes": nodes}
+    if agents_error:
+        result["error"] = agents_error
+    return result

@@ -1,0 +1,48 @@
+"""`kubectl snapshot list`: PodSnapshots as rows (the same columns as the CRD's printer columns)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from kubectl_snapshot.app.ports import Kube, Obj
+
+
+def list_rows(*, kube: Kube, namespace: str | None, now: datetime.datetime | None = None) -> list[dict[str, Any]]:
+    items = kube.list_snapshots(namespace)
+    now = now or datetime.datetime.now(datetime.UTC)
+    rows = [snapshot_row(obj, now) for obj in items]
+    return sorted(rows, key=lambda r: (r["namespace"], r["created"], r["name"]))
+
+
+def snapshot_row(obj: Obj, now: datetime.datetime) -> dict[str, Any]:
+    meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+    created = str(meta.get("creationTimestamp") or "")
+    return {
+        "namespace": str(meta.get("namespace") or ""),
+        "name": str(meta.get("name") or ""),
+        "pod": str(spec.get("podName") or ""),
+        "phase": str(status.get("phase") or "Pending"),
+        "node": str(status.get("node") or ""),
+        "size": int(status.get("size") or 0),
+        "reference": str(status.get("reference") or ""),
+        "created": created,
+        "age": age(created, now),
+        "message": str(status.get("message") or ""),
+    }
+
+
+def age(created: str, now: datetime.datetime) -> str:
+    """kubectl-style age: 45s, 12m, 3h, 5d."""
+    try:
+        then = datetime.datetime.fromisoformat(created.replace("Z", "+00:00"))
+    except ValueError:
+        return "-"
+    s = max(0, int((now - then).total_seconds()))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 2 * 86400:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"

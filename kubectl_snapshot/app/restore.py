@@ -1,0 +1,169 @@
+"""`kubectl snapshot restore REF|SNAPSHOT`: read the artifact, create the restore Pod, wait until it runs.
+
+The Pod comes from the spec recorded in the artifact's config, rebuilt by the pure
+`core.podspec.restore_pod` (images by digest, gate init container, runtime class). The node agent
+stages the data and opens the gate; the runtime hook restores each container when the kubelet
+creates it. The plugin only watches the Pod: the agent's verdict arrives as the restore-status
+annotation or as the gate container's exit.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kubectl_snapshot.app.artifact import Artifact, load_artifact
+from kubectl_snapshot.app.ports import Kube, Obj, StoreFactory
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from kubectl_snapshot.core.podspec import RestoreState, restore_pod, restore_state, validate_name
+from kubectl_snapshot.core.reference import Reference
+
+StateFn = Callable[[RestoreState], None]
+WATCH_WINDOW_S = 10
+
+
+@dataclass(frozen=True)
+class Source:
+    reference: Reference
+    insecure: bool = False
+    snapshot: str | None = None  # the PodSnapshot it came from, if named that way
+
+
+def resolve_source(text: str, *, namespace: str, kube: Kube, insecure: bool = False) -> Source:
+    """REF (it has a '/') or the name of a Succeeded PodSnapshot in `namespace` (its status.reference)."""
+    if "/" in text:
+        return Source(Reference.parse(text), insecure=insecure)
+    validate_name(text, "snapshot")
+    try:
+        obj = kube.get_snapshot(namespace, text)
+    except NotFound as e:
+        raise NotFound(
+            f"no podsnapshot {text!r} in namespace {namespace!r}",
+            hint=f"list them with: kubectl snapshot list -n {namespace}; or give REGISTRY/REPO[:TAG|@DIGEST]",
+        ) from e
+    status = obj.get("status") or {}
+    ref = str(status.get("reference") or "")
+    if status.get("phase") != K.PHASE_SUCCEEDED or not ref:
+        raise FailedPrecondition(
+            f"podsnapshot {namespace}/{text} has no image to restore (phase {status.get('phase') or 'Pending'})",
+            hint=str(status.get("message") or "") or "wait until it has Succeeded: kubectl snapshot list",
+        )
+    spec = obj.get("spec") or {}
+    return Source(Reference.parse(ref), insecure=insecure or bool(spec.get("insecure")), snapshot=text)
+
+
+def read_artifact(source: Source, *, stores: StoreFactory) -> Artifact:
+    return load_artifact(stores(source.reference, source.insecure), source.reference)
+
+
+def gate_image(*, kube: Kube, explicit: str | None) -> str:
+    """The agent image for the gate init container: --agent-image, else the agent DaemonSet's image."""
+    if explicit:
+        return explicit
+    try:
+        ds = kube.get_daemonset(K.AGENT_NAMESPACE, K.AGENT_NAME)
+    except PermissionDenied:
+        ds = None
+    containers = ((((ds or {}).get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers") or []
+    for c in containers:
+        if c.get("name") == K.AGENT_NAME and c.get("image"):
+            return str(c["image"])
+    if containers and containers[0].get("image"):
+        return str(containers[0]["image"])
+    raise FailedPrecondition(
+        f"cannot find the agent image (daemonset {K.AGENT_NAMESPACE}/{K.AGENT_NAME} is absent or not readable)",
+        hint="pass --agent-image IMAGE (the image the kubectl-snapshot agent runs), or install the agent",
+    )
+
+
+@dataclass(frozen=True)
+class RestoreRequest:
+    source: str
+    namespace: str
+    name: str | None = None
+    node: str | None = None
+    registry_secret: str | None = None
+    agent_image: str | None = None
+    insecure: bool = False
+
+
+def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> tuple[Obj, Artifact]:
+    """The Pod to create (not created yet) and the artifact it restores."""
+    source = resolve_source(req.source, namespace=req.namespace, kube=kube, insecure=req.insecure)
+    artifact = read_artifact(source, stores=stores)
+    if artifact.config.pod is None:
+        raise FailedPrecondition(
+            f"{artifact.reference} is a snapshot of containers, not of a Kubernetes pod",
+            hint="restore it on a node with: kubectl-snapshot-agent restore",
+        )
+    if req.node:
+        kube.get_node(req.node)  # NotFound names the node
+    body = restore_pod(
+        artifact.config.pod,
+        reference=artifact.reference,
+        namespace=req.namespace,
+        gate_image=gate_image(kube=kube, explicit=req.agent_image),
+        name=req.name,
+        node=req.node,
+        registry_secret=req.registry_secret,
+    )
+    return body, artifact
+
+
+def create_restore_pod(body: Obj, *, kube: Kube) -> Obj:
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    try:
+        return kube.create_pod(ns, body)
+    except FailedPrecondition as e:  # 409: the name is taken
+        raise FailedPrecondition(
+            f"pod {ns}/{name} already exists", hint="choose another name with --name, or delete that pod"
+        ) from e
+    except InvalidArgument as e:
+        if "runtimeClass" in e.message or "RuntimeClass" in e.message:
+            raise FailedPrecondition(e.message, hint="install kubectl-snapshot first: kubectl snapshot install") from e
+        raise
+
+
+def wait_running(
+    namespace: str,
+    name: str,
+    *,
+    kube: Kube,
+    timeout_s: float = 600,
+    on_state: StateFn | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Obj:
+    """Until every container of the restored Pod runs (returned) or the restore fails (raised)."""
+    start = clock()
+    last: Obj | None = None
+    state = RestoreState("waiting", "Pending")
+    while True:
+        elapsed = clock() - start
+        if elapsed > timeout_s:
+            raise Unavailable(
+                f"restored pod {namespace}/{name} is not running after {timeout_s:.0f}s ({state.reason})",
+                hint=f"kubectl describe pod {name} -n {namespace}; kubectl snapshot doctor; or raise --timeout",
+                retryable=False,
+            )
+        window = int(max(1, min(WATCH_WINDOW_S, timeout_s - elapsed + 1)))
+        for etype, obj in kube.watch_pods(
+            field_selector=f"metadata.name={name}", namespace=namespace, timeout_s=window
+        ):
+            if etype == "DELETED":
+                raise NotFound(f"restored pod {namespace}/{name} was deleted while it was starting")
+            last = obj
+            state = restore_state(obj)
+            if on_state is not None:
+                on_state(state)
+            if state.state != "waiting":
+                break
+        if state.state == "running" and last is not None:
+            return last
+        if state.state == "failed":
+            raise FailedPrecondition(
+                f"restore of pod {namespace}/{name} failed: {state.reason}",
+                hint=f"kubectl describe pod {name} -n {namespace} (events from the agent); "
+                f"delete it with kubectl delete pod {name} -n {namespace}",
+            )

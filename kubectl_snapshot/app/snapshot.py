@@ -1,0 +1,139 @@
+"""`kubectl snapshot pod/NAME`: check the pod, create a PodSnapshot, follow its status to the end.
+
+The plugin never talks to nodes: the agent on the pod's node claims the PodSnapshot (status.phase)
+and reports progress in its status. If no agent claims it within `claim_timeout_s`, nobody is
+listening for this node (agent not installed, not ready, or RBAC) and waiting longer would hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kubectl_snapshot.app.ports import Kube, Obj
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, Unavailable
+from kubectl_snapshot.core.podspec import (
+    SnapshotStatus,
+    check_pod_running,
+    destination,
+    snapshot_name,
+    snapshot_object,
+    snapshot_status,
+    timestamp,
+)
+from kubectl_snapshot.core.reference import Reference
+
+StatusFn = Callable[[SnapshotStatus], None]
+WATCH_WINDOW_S = 10  # a watch is re-opened this often, so deadlines are checked at least this often
+
+
+@dataclass(frozen=True)
+class SnapshotRequest:
+    namespace: str
+    pod: str
+    repository: str  # REGISTRY/REPO[:TAG]; without a tag the snapshot's timestamp is the tag
+    registry_secret: str | None = None
+    insecure: bool = False
+    stop: bool = False
+    include_volumes: bool = True
+    now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC))
+
+
+def start_snapshot(req: SnapshotRequest, *, kube: Kube) -> Obj:
+    """Check the pod exists and runs, then create its PodSnapshot; returns the created object."""
+    target: Reference = destination(req.repository, timestamp(req.now))
+    try:
+        pod = kube.get_pod(req.namespace, req.pod)
+    except NotFound as e:
+        raise NotFound(
+            f"pod {req.pod!r} not found in namespace {req.namespace!r}",
+            hint=f"list the pods with: kubectl get pods -n {req.namespace}",
+        ) from e
+    check_pod_running(pod)
+    body = snapshot_object(
+        name=snapshot_name(req.pod, req.now),
+        namespace=req.namespace,
+        pod=req.pod,
+        target=target,
+        registry_secret=req.registry_secret,
+        insecure=req.insecure,
+        stop=req.stop,
+        include_volumes=req.include_volumes,
+    )
+    try:
+        return kube.create_snapshot(req.namespace, body)
+    except NotFound as e:
+        raise FailedPrecondition(
+            f"the PodSnapshot resource is not installed in this cluster ({e.message})",
+            hint="install kubectl-snapshot first: kubectl snapshot install",
+        ) from e
+
+
+def wait_snapshot(
+    namespace: str,
+    name: str,
+    *,
+    kube: Kube,
+    timeout_s: float = 600,
+    claim_timeout_s: float = 60,
+    on_status: StatusFn | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Obj:
+    """Follow the PodSnapshot until Succeeded (returned) or Failed / timeout (raised)."""
+    start = clock()
+    last: Obj | None = None
+    while True:
+        elapsed = clock() - start
+        status = snapshot_status(last or {})
+        if last is not None and status.done:
+            break
+        if not status.claimed and elapsed > claim_timeout_s:
+            raise Unavailable(
+                f"no kubectl-snapshot agent picked up podsnapshot {namespace}/{name} within {claim_timeout_s:.0f}s",
+                hint="check the agent on the pod's node: kubectl snapshot doctor",
+                retryable=False,
+            )
+        if elapsed > timeout_s:
+            raise Unavailable(
+                f"podsnapshot {namespace}/{name} did not finish within {timeout_s:.0f}s "
+                f"(phase {status.phase or 'unclaimed'}, stage {status.stage or '-'})",
+                hint=f"it may still finish: kubectl snapshot list -n {namespace}; or raise --timeout",
+                retryable=False,
+            )
+        window = int(max(1, min(WATCH_WINDOW_S, timeout_s - elapsed + 1)))
+        seen = False
+        for etype, obj in kube.watch_snapshot(namespace, name, timeout_s=window):
+            seen = True
+            if etype == "DELETED":
+                raise NotFound(f"podsnapshot {namespace}/{name} was deleted while it was being taken")
+            last = obj
+            status = snapshot_status(obj)
+            if on_status is not None:
+                on_status(status)
+            if status.done or (not status.claimed and clock() - start > claim_timeout_s):
+                break
+        if not seen and last is None:
+            last = kube.get_snapshot(namespace, name)  # the watch saw nothing: read it once
+    final = snapshot_status(last)
+    if final.phase == K.PHASE_FAILED:
+        message, hint = split_message(final.message or "the agent reported a failure without a message")
+        raise FailedPrecondition(
+            f"snapshot {namespace}/{name} failed{' on node ' + final.node if final.node else ''}: {message}",
+            hint=hint or f"kubectl describe podsnapshot {name} -n {namespace}; kubectl describe pod -n {namespace}",
+        )
+    return last
+
+
+def split_message(text: str) -> tuple[str, str | None]:
+    """The agent writes `error: ... hint: ...` into status.message: give back (message, hint)."""
+    text = text.strip()
+    if text.startswith("error: "):
+        text = text[len("error: ") :]
+    for sep in ("\nhint: ", " hint: "):
+        if sep in text:
+            message, hint = text.split(sep, 1)
+            return message.strip(), hint.strip()
+    return text, None

@@ -1,0 +1,468 @@
+"""kubectl-snapshot: the kubectl plugin (`kubectl snapshot ...`).
+
+    kubectl snapshot pod/NAME [--to REPO[:TAG]] [--stop] ...     take a snapshot (a PodSnapshot)
+    kubectl snapshot restore REF|SNAPSHOT [--name N] [--node N]   create a pod from a snapshot
+    kubectl snapshot migrate pod/NAME [--node N]                   snapshot, restore elsewhere, delete
+    kubectl snapshot list | inspect | delete                       manage snapshots
+    kubectl snapshot install | uninstall | doctor                  the node agent
+
+A thin click layer: parsing, wiring adapters into the use cases of `kubectl_snapshot.app`, output.
+Errors print `error:`/`hint:` and exit 1 (runtime) or 2 (usage); `-v` adds tracebacks.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+import yaml
+
+from kubectl_snapshot.app import doctor as doctor_app
+from kubectl_snapshot.app import install as install_app
+from kubectl_snapshot.app.artifact import load_artifact
+from kubectl_snapshot.app.delete import delete_snapshots
+from kubectl_snapshot.app.inspect import inspect_data, inspect_text
+from kubectl_snapshot.app.listing import list_rows
+from kubectl_snapshot.app.migrate import MigrateRequest, migrate
+from kubectl_snapshot.app.ports import ArtifactStore, Kube
+from kubectl_snapshot.app.restore import RestoreRequest, build_restore, create_restore_pod, resolve_source, wait_running
+from kubectl_snapshot.app.snapshot import SnapshotRequest, start_snapshot, wait_snapshot
+from kubectl_snapshot.cli.errors import handle_errors
+from kubectl_snapshot.cli.output import emit, human_bytes, output_option
+from kubectl_snapshot.cli.params import ENV_REPOSITORY, Duration, common_options, kube_opts, repository_default
+from kubectl_snapshot.cli.watch_progress import RemoteProgress
+from kubectl_snapshot.core.errors import InvalidArgument
+from kubectl_snapshot.core.podspec import parse_pod_arg, snapshot_status
+from kubectl_snapshot.core.reference import Reference
+
+DEFAULT_COMMAND = "pod"
+
+
+class PluginGroup(click.Group):
+    """`kubectl snapshot pod/NAME`: an argument that is not a subcommand goes to the `pod` command."""
+
+    def resolve_command(
+        self, ctx: click.Context, args: list[str]
+    ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and not args[0].startswith("-") and self.get_command(ctx, args[0]) is None:
+            return DEFAULT_COMMAND, self.get_command(ctx, DEFAULT_COMMAND), args
+        return super().resolve_command(ctx, args)
+
+
+# --- wiring --------------------------------------------------------------------------------------------
+
+
+def kube_client() -> Kube:
+    from kubectl_snapshot.adapters.kube import KubeClient
+
+    opts = kube_opts(click.get_current_context())
+    return KubeClient.from_config(opts.kubeconfig, opts.context)
+
+
+def namespace_of(kube: Kube) -> str:
+    return kube_opts(click.get_current_context()).namespace or kube.namespace or "default"
+
+
+def artifact_store(ref: Reference, insecure: bool) -> ArtifactStore:
+    """Credentials from the docker config; loopback registries are plain HTTP anyway."""
+    from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
+
+    return RegistryClient(credentials=CredentialStore.from_docker_config(), plain_http=insecure)
+
+
+def _wait_options(fn: Any) -> Any:
+    fn = click.option(
+        "--timeout", type=Duration(), default="10m", show_default=True, help="How long to wait (e.g. 90s, 10m, 1h)."
+    )(fn)
+    fn = click.option("--no-wait", is_flag=True, help="Return once the object is created.")(fn)
+    return fn
+
+
+def _snapshot_options(fn: Any) -> Any:
+    opts = [
+        click.option(
+            "--to",
+            "to",
+            default=repository_default,
+            show_default=f"${ENV_REPOSITORY}",
+            help="Destination REGISTRY/REPO[:TAG] (default tag: the snapshot's timestamp).",
+        ),
+        click.option("--registry-secret", help="dockerconfigjson Secret in the namespace, used by the agent to push."),
+        click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry."),
+        click.option("--no-volumes", is_flag=True, help="Do not capture emptyDir volumes."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def _require_to(to: str | None) -> str:
+    if not to:
+        raise InvalidArgument(
+            "no destination repository",
+            hint=f"pass --to REGISTRY/REPO (e.g. --to 127.0.0.1:5000/snapshots/web) or set ${ENV_REPOSITORY}",
+        )
+    return to
+
+
+# --- commands ------------------------------------------------------------------------------------------
+
+
+@click.group(
+    cls=PluginGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    invoke_without_command=False,
+)
+@common_options
+@click.version_option(package_name="kubectl-snapshot")
+def cli() -> None:
+    """Save games for pods: snapshot a running pod to a registry, restore it anywhere.
+
+    \b
+    kubectl snapshot pod/NAME --to REGISTRY/REPO      take a snapshot
+    kubectl snapshot restore SNAPSHOT|REF              bring it back as a new pod
+    """
+
+
+@cli.command(DEFAULT_COMMAND)
+@common_options
+@_snapshot_options
+@click.option("--stop", is_flag=True, help="Stop the pod's containers once the snapshot is pushed.")
+@_wait_options
+@output_option
+@click.argument("target", metavar="pod/NAME")
+@handle_errors
+def pod_cmd(
+    target: str,
+    to: str | None,
+    registry_secret: str | None,
+    insecure: bool,
+    no_volumes: bool,
+    stop: bool,
+    no_wait: bool,
+    timeout: float,
+    output: str,
+) -> None:
+    """Snapshot a running pod: `kubectl snapshot pod/NAME --to REGISTRY/REPO[:TAG]`."""
+    pod = parse_pod_arg(target)
+    repository = _require_to(to)
+    kube = kube_client()
+    ns = namespace_of(kube)
+    req = SnapshotRequest(
+        namespace=ns,
+        pod=pod,
+        repository=repository,
+        registry_secret=registry_secret,
+        insecure=insecure,
+        stop=stop,
+        include_volumes=not no_volumes,
+    )
+    created = start_snapshot(req, kube=kube)
+    name = created["metadata"]["name"]
+    if no_wait:
+        emit(created, output, lambda _d: f"podsnapshot/{name} created")
+        return
+    with RemoteProgress(f"snapshot {pod}") as bar:
+        final = wait_snapshot(ns, name, kube=kube, timeout_s=timeout, on_status=bar.snapshot)
+    emit(final, output, lambda d: snapshot_status(d).reference)
+
+
+@cli.command("restore")
+@common_options
+@click.option("--name", help="Name of the new pod (default: <original>-restored).")
+@click.option("--node", help="Run it on this node (default: the scheduler picks).")
+@click.option("--registry-secret", help="dockerconfigjson Secret the agent pulls with.")
+@click.option("--agent-image", help="Image of the gate init container (default: the agent DaemonSet's image).")
+@click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
+@click.option("--dry-run", is_flag=True, help="Print the Pod instead of creating it.")
+@_wait_options
+@output_option
+@click.argument("source", metavar="REF|SNAPSHOT")
+@handle_errors
+def restore_cmd(
+    source: str,
+    name: str | None,
+    node: str | None,
+    registry_secret: str | None,
+    agent_image: str | None,
+    insecure: bool,
+    dry_run: bool,
+    no_wait: bool,
+    timeout: float,
+    output: str,
+) -> None:
+    """Create a pod from a snapshot (a PodSnapshot name here, or REGISTRY/REPO[:TAG|@DIGEST])."""
+    kube = kube_client()
+    ns = namespace_of(kube)
+    req = RestoreRequest(
+        source=source,
+        namespace=ns,
+        name=name,
+        node=node,
+        registry_secret=registry_secret,
+        agent_image=agent_image,
+        insecure=insecure,
+    )
+    body, _artifact = build_restore(req, kube=kube, stores=artifact_store)
+    if dry_run:
+        emit(body, "json" if output == "json" else "yaml", str)
+        return
+    created = create_restore_pod(body, kube=kube)
+    pod_name = created["metadata"]["name"]
+    if no_wait:
+        emit(created, output, lambda _d: f"pod/{pod_name}")
+        return
+    with RemoteProgress(f"restore {pod_name}") as bar:
+        running = wait_running(ns, pod_name, kube=kube, timeout_s=timeout, on_state=bar.restore)
+    emit(running, output, lambda _d: f"pod/{pod_name}")
+
+
+@cli.command("migrate")
+@common_options
+@_snapshot_options
+@click.option("--node", help="Target node (default: another Ready node).")
+@click.option("--name", help="Name of the new pod (default: <original>-restored).")
+@click.option("--agent-image", help="Image of the gate init container (default: the agent DaemonSet's image).")
+@click.option("--timeout", type=Duration(), default="10m", show_default=True, help="Per step (snapshot, restore) wait.")
+@output_option
+@click.argument("target", metavar="pod/NAME")
+@handle_errors
+def migrate_cmd(
+    target: str,
+    to: str | None,
+    registry_secret: str | None,
+    insecure: bool,
+    no_volumes: bool,
+    node: str | None,
+    name: str | None,
+    agent_image: str | None,
+    timeout: float,
+    output: str,
+) -> None:
+    """Move a running pod to another node: snapshot it (it keeps running), restore the copy there, and
+    delete the original only once the copy runs. If anything fails the original is left untouched."""
+    pod = parse_pod_arg(target)
+    repository = _require_to(to)
+    kube = kube_client()
+    ns = namespace_of(kube)
+    req = MigrateRequest(
+        snapshot=SnapshotRequest(
+            namespace=ns,
+            pod=pod,
+            repository=repository,
+            registry_secret=registry_secret,
+            insecure=insecure,
+            stop=False,
+            include_volumes=not no_volumes,
+        ),
+        node=node,
+        name=name,
+        agent_image=agent_image,
+        timeout_s=timeout,
+    )
+    with RemoteProgress(f"migrate {pod}") as bar:
+        result = migrate(
+            req, kube=kube, stores=artifact_store, on_status=bar.snapshot, on_state=bar.restore, on_step=bar.step
+        )
+    data = {
+        "snapshot": snapshot_status(result.snapshot).reference,
+        "pod": result.pod["metadata"]["name"],
+        "namespace": ns,
+        "from": result.from_node,
+        "to": result.to_node,
+    }
+    emit(data, output, lambda d: f"pod/{d['pod']} runs on {d['to']} (from {d['snapshot']})")
+
+
+@cli.command("list")
+@common_options
+@click.option("-A", "--all-namespaces", is_flag=True, help="List PodSnapshots in every namespace.")
+@output_option
+@handle_errors
+def list_cmd(all_namespaces: bool, output: str) -> None:
+    """List PodSnapshots."""
+    kube = kube_client()
+    rows = list_rows(kube=kube, namespace=None if all_namespaces else namespace_of(kube))
+    emit(rows, output, lambda r: _table(r, all_namespaces))
+
+
+def _table(rows: list[dict[str, Any]], with_ns: bool) -> str:
+    if not rows:
+        return "No PodSnapshots found."
+    head = (["NAMESPACE"] if with_ns else []) + ["NAME", "POD", "PHASE", "NODE", "SIZE", "REFERENCE", "AGE"]
+    lines = [head]
+    for r in rows:
+        size = human_bytes(r["size"]) if r["size"] else "-"
+        cells = [r["name"], r["pod"], r["phase"], r["node"] or "-", size, r["reference"] or "-", r["age"]]
+        lines.append(([r["namespace"]] if with_ns else []) + cells)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    return "\n".join("   ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
+
+
+@cli.command("inspect")
+@common_options
+@click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
+@output_option
+@click.argument("source", metavar="REF|SNAPSHOT")
+@handle_errors
+def inspect_cmd(source: str, insecure: bool, output: str) -> None:
+    """Show what a snapshot holds: containers, process trees, memory, host facts."""
+    if "/" in source:  # a reference needs no cluster
+        ref = Reference.parse(source)
+        artifact = load_artifact(artifact_store(ref, insecure), ref)
+    else:
+        kube = kube_client()
+        src = resolve_source(source, namespace=namespace_of(kube), kube=kube, insecure=insecure)
+        artifact = load_artifact(artifact_store(src.reference, src.insecure), src.reference)
+    emit(inspect_data(artifact), output, inspect_text)
+
+
+@cli.command("delete")
+@common_options
+@click.option("--registry", is_flag=True, help="Also delete the snapshot's manifest from the registry.")
+@click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
+@output_option
+@click.argument("names", nargs=-1, required=True, metavar="SNAPSHOT...")
+@handle_errors
+def delete_cmd(names: tuple[str, ...], registry: bool, insecure: bool, output: str) -> None:
+    """Delete PodSnapshots (and with --registry their manifests)."""
+    kube = kube_client()
+    done = delete_snapshots(
+        list(names),
+        namespace=namespace_of(kube),
+        kube=kube,
+        stores=artifact_store if registry else None,
+        insecure=insecure,
+    )
+    data = [{"name": d.name, "deletedFromRegistry": d.reference} for d in done]
+    emit(
+        data,
+        output,
+        lambda rows: "\n".join(
+            f"podsnapshot/{r['name']} deleted"
+            + (f" (and {r['deletedFromRegistry']})" if r["deletedFromRegistry"] else "")
+            for r in rows
+        ),
+    )
+
+
+def _deleted_line(r: dict[str, str]) -> str:
+    extra = f" (and {r['deletedFromRegistry']})" if r["deletedFromRegistry"] else ""
+    return f"podsnapshot/{r['name']} deleted{extra}"
+
+
+def _install_settings(api_server: str | None, state_dir: str | None) -> dict[str, Any]:
+    settings: dict[str, Any] = {}
+    if api_server:
+        settings["api_server"] = api_server
+    if state_dir:
+        settings["state_dir"] = state_dir
+    return settings
+
+
+@cli.command("install")
+@common_options
+@click.option("--agent-image", required=True, help="The kubectl-snapshot agent image.")
+@click.option("--api-server", help="API server URL for the agent (when the in-cluster service is unreachable).")
+@click.option("--state-dir", help="Agent state directory on each node.")
+@click.option("--dry-run", is_flag=True, help="Print the manifests instead of applying them.")
+@click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long to wait for the rollout.")
+@output_option
+@handle_errors
+def install_cmd(
+    agent_image: str, api_server: str | None, state_dir: str | None, dry_run: bool, timeout: float, output: str
+) -> None:
+    """Install the CRD, RBAC, agent DaemonSet and RuntimeClass; wait until the agents run."""
+    objects = install_app.render(agent_image, _install_settings(api_server, state_dir))
+    if dry_run:
+        _emit_objects(objects, output)
+        return
+    kube = kube_client()
+    with RemoteProgress("install") as bar:
+        install_app.install(objects, kube=kube, timeout_s=timeout, on_step=lambda what, _d, _t: bar.step(what))
+    emit({"installed": [f"{o['kind']}/{o['metadata']['name']}" for o in objects]}, output, lambda _d: "installed")
+
+
+@cli.command("uninstall")
+@common_options
+@click.option("--dry-run", is_flag=True, help="Print what would be deleted.")
+@output_option
+@handle_errors
+def uninstall_cmd(dry_run: bool, output: str) -> None:
+    """Remove what `install` created (PodSnapshot objects go with the CRD)."""
+    objects = install_app.render("unused", {})
+    names = [f"{o['kind']}/{o['metadata']['name']}" for o in reversed(objects)]
+    if not dry_run:
+        install_app.uninstall(objects, kube=kube_client())
+    emit({"deleted": names, "dryRun": dry_run}, output, lambda d: "\n".join(f"{n} deleted" for n in d["deleted"]))
+
+
+def _emit_objects(objects: list[dict[str, Any]], output: str) -> None:
+    if output == "json":
+        emit({"apiVersion": "v1", "kind": "List", "items": objects}, "json", str)
+    else:
+        click.echo(yaml.safe_dump_all(objects, sort_keys=False).rstrip())
+
+
+@cli.command("doctor")
+@common_options
+@output_option
+@handle_errors
+def doctor_cmd(output: str) -> None:
+    """Check the installation and each node's agent and facts."""
+    report = doctor_app.doctor(kube=kube_client())
+    emit(report, output, _doctor_text)
+    if not report["ok"]:
+        sys.exit(1)
+
+
+def _doctor_text(d: dict[str, Any]) -> str:
+    lines = [f"{'ok ' if c['ok'] else 'BAD'} {c['check']}: {c['detail']}" for c in d["checks"]]
+    if d.get("error"):
+        lines.append(f"BAD {d['error']}")
+    head = ["NODE", "AGENT", "READY", "CRIU", "CONTAINERD", "RUNC", "KERNEL", "HANDLER"]
+    rows = [head] + [
+        [
+            n["node"],
+            n["agentPod"] or "-",
+            str(n["agentReady"]).lower(),
+            str(n["criuVersion"]),
+            str(n["containerdVersion"]),
+            str(n["runcVersion"]),
+            str(n["kernel"]),
+            str(n["runtimeHandler"]).lower(),
+        ]
+        for n in d["nodes"]
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines += ["", *("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)]
+    return "\n".join(lines)
+
+
+# --- entry point ---------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the plugin; usage errors print `error:`/`hint:` and exit 2."""
+    try:
+        cli.main(args=argv, prog_name="kubectl snapshot", standalone_mode=False)
+    except click.exceptions.NoArgsIsHelpError as e:
+        click.echo(e.ctx.get_help() if e.ctx else "", err=True)
+        sys.exit(2)
+    except click.UsageError as e:
+        cmd = e.ctx.command_path if e.ctx else "kubectl snapshot"
+        click.echo(f"error: {e.format_message()}\nhint: see '{cmd} --help'", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("error: aborted", err=True)
+        sys.exit(1)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()
