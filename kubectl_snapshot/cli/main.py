@@ -33,7 +33,7 @@ from kubectl_snapshot.cli.output import emit, human_bytes, output_option
 from kubectl_snapshot.cli.params import ENV_REPOSITORY, Duration, common_options, kube_opts, repository_default
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.core.podspec import parse_pod_arg, snapshot_status
+from kubectl_snapshot.core.podspec import destination, parse_pod_arg, snapshot_status
 from kubectl_snapshot.core.reference import Reference
 
 DEFAULT_COMMAND = "pod"
@@ -98,11 +98,13 @@ def _snapshot_options(fn: Any) -> Any:
 
 
 def _require_to(to: str | None) -> str:
+    """The destination, checked before anything talks to the cluster."""
     if not to:
         raise InvalidArgument(
             "no destination repository",
             hint=f"pass --to REGISTRY/REPO (e.g. --to 127.0.0.1:5000/snapshots/web) or set ${ENV_REPOSITORY}",
         )
+    destination(to, "latest")
     return to
 
 

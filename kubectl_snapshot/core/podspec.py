@@ -172,7 +172,7 @@ def check_pod_running(pod: Mapping[str, Any]) -> None:
         waiting = [
             f"{c.get('name')}: {(c.get('state') or {}).get('waiting', {}).get('reason', 'waiting')}"
             for c in status.get("containerStatuses") or []
-            if not (c.get("state") or {}).get("running")
+            if "running" not in (c.get("state") or {})
         ]
         if waiting:
             raise FailedPrecondition(
@@ -302,7 +302,7 @@ def restore_state(pod: Mapping[str, Any]) -> RestoreState:
             detail = (term or {}).get("message") or waiting.get("message") or waiting.get("reason") or "terminated"
             return RestoreState("failed", f"container {c.get('name')}: {str(detail).strip()}")
     statuses = status.get("containerStatuses") or []
-    if phase == "Running" and statuses and all((c.get("state") or {}).get("running") for c in statuses):
+    if phase == "Running" and statuses and all("running" in (c.get("state") or {}) for c in statuses):
         return RestoreState("running")
     for c in statuses:
         waiting = (c.get("state") or {}).get("waiting") or {}

@@ -1,0 +1,220 @@
+"""The pure builders behind `kubectl snapshot`: names, the PodSnapshot, the restore Pod, states."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
+from kubectl_snapshot.core.model import PodRecord
+from kubectl_snapshot.core.podspec import (
+    GATE_SCRIPT,
+    check_pod_running,
+    destination,
+    parse_pod_arg,
+    restore_pod,
+    restore_state,
+    restored_name,
+    snapshot_name,
+    snapshot_object,
+    snapshot_status,
+)
+from kubectl_snapshot.core.reference import Reference
+
+NOW = datetime.datetime(2026, 11, 29, 16, 0, 5, tzinfo=datetime.UTC)
+DIGEST = "sha256:" + "a" * 64
+IMG = "127.0.0.1:5005/kubectl-snapshot/busybox@sha256:" + "b" * 64
+
+
+@pytest.mark.parametrize("arg", ["web", "pod/web", "pods/web", "po/web", "Pod/web"])
+def test_pod_arg_forms(arg: str) -> None:
+    assert parse_pod_arg(arg) == "web"
+
+
+@pytest.mark.parametrize("arg", ["svc/web", "deploy/web", "pod/", "pod/Web", "pod/a_b", ""])
+def test_pod_arg_rejects(arg: str) -> None:
+    with pytest.raises(InvalidArgument) as e:
+        parse_pod_arg(arg)
+    assert e.value.hint
+
+
+def test_snapshot_name_is_pod_plus_utc_timestamp() -> None:
+    assert snapshot_name("counter", NOW) == "counter-20261129-160005"
+    local = NOW.astimezone(datetime.timezone(datetime.timedelta(hours=5)))
+    assert snapshot_name("counter", local) == "counter-20261129-160005"
+    long = snapshot_name("a" * 300, NOW)
+    assert len(long) == 253 and long.endswith("-20261129-160005")
+
+
+def test_restored_name_stays_a_dns_label() -> None:
+    assert restored_name("web") == "web-restored"
+    assert len(restored_name("x" * 80)) == 63
+
+
+def test_destination_default_tag_and_digest_refused() -> None:
+    assert str(destination("127.0.0.1:5005/snaps/web", "20261129-160005")) == "127.0.0.1:5005/snaps/web:20261129-160005"
+    assert str(destination("127.0.0.1:5005/snaps/web:v1", "x")) == "127.0.0.1:5005/snaps/web:v1"
+    with pytest.raises(InvalidArgument):
+        destination("127.0.0.1:5005/snaps/web@" + DIGEST, "x")
+    with pytest.raises(InvalidArgument):
+        destination("http://127.0.0.1:5005/snaps/web", "x")
+
+
+def test_snapshot_object_matches_the_contract() -> None:
+    obj = snapshot_object(
+        name="web-20261129-160005",
+        namespace="team-a",
+        pod="web",
+        target=Reference.parse("127.0.0.1:5005/snaps/web:t1"),
+        registry_secret="regcred",
+        stop=True,
+        include_volumes=False,
+    )
+    assert obj["apiVersion"] == "kubectl-snapshot.io/v1alpha1" and obj["kind"] == "PodSnapshot"
+    assert obj["metadata"] == {"name": "web-20261129-160005", "namespace": "team-a"}
+    assert obj["spec"] == {
+        "podName": "web",
+        "podNamespace": "team-a",
+        "destination": "127.0.0.1:5005/snaps/web:t1",
+        "registrySecret": "regcred",
+        "insecure": False,
+        "stop": True,
+        "includeVolumes": False,
+    }
+
+
+def test_snapshot_status_tolerates_missing_and_bad_fields() -> None:
+    st = snapshot_status({})
+    assert not st.claimed and not st.done and st.bytes_done == 0
+    st = snapshot_status({"status": {"phase": "Succeeded", "bytesDone": "x", "bytesTotal": 10, "node": "n1"}})
+    assert st.done and st.bytes_done == 0 and st.bytes_total == 10 and st.node == "n1"
+
+
+def _pod(phase: str, **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "web", "namespace": "team-a"},
+        "spec": {"nodeName": "n1"} if phase == "Running" else {},
+        "status": {"phase": phase, **status},
+    }
+
+
+def test_running_pod_passes() -> None:
+    check_pod_running(_pod("Running", containerStatuses=[{"name": "c", "state": {"running": {}}}]))
+
+
+def test_pending_pod_says_why() -> None:
+    pod = _pod(
+        "Pending",
+        conditions=[
+            {"type": "PodScheduled", "status": "False", "message": "0/2 nodes are available: node(s) didn't match"}
+        ],
+    )
+    with pytest.raises(FailedPrecondition) as e:
+        check_pod_running(pod)
+    assert "not Running" in e.value.message and "0/2 nodes are available" in e.value.message
+    assert "kubectl describe pod web" in (e.value.hint or "")
+
+
+def test_running_pod_with_a_waiting_container_is_refused() -> None:
+    pod = _pod("Running", containerStatuses=[{"name": "c", "state": {"waiting": {"reason": "CrashLoopBackOff"}}}])
+    with pytest.raises(FailedPrecondition, match="CrashLoopBackOff"):
+        check_pod_running(pod)
+
+
+def _record(**spec: Any) -> PodRecord:
+    base = {
+        "containers": [{"name": "app", "image": IMG, "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+        "volumes": [{"name": "data", "emptyDir": {}}],
+        "metadata": {
+            "labels": {"app": "web", "pod-template-hash": "abc", "controller-revision-hash": "x"},
+            "annotations": {"secret": "not copied"},
+        },
+    }
+    base.update(spec)
+    return PodRecord(name="web", namespace="team-a", uid="u1", node="n1", spec=base)
+
+
+def test_restore_pod_follows_the_contract() -> None:
+    ref = Reference.parse("127.0.0.1:5005/snaps/web:t1").with_digest(DIGEST)
+    pod = restore_pod(
+        _record(initContainers=[{"name": "init", "image": IMG}], nodeName="n1"),
+        reference=ref,
+        namespace="team-b",
+        gate_image="agent:1",
+        node="n2",
+        registry_secret="regcred",
+    )
+    meta, spec = pod["metadata"], pod["spec"]
+    assert meta["name"] == "web-restored" and meta["namespace"] == "team-b"
+    assert meta["labels"] == {"app": "web", K.LABEL_RESTORED_FROM: "web"}
+    assert meta["annotations"] == {
+        K.ANN_RESTORE_FROM: "127.0.0.1:5005/snaps/web@" + DIGEST,  # by digest, never by tag
+        K.ANN_REGISTRY_SECRET: "regcred",
+    }
+    assert "metadata" not in spec and "nodeName" not in spec
+    assert spec["runtimeClassName"] == "kubectl-snapshot"
+    assert spec["nodeSelector"] == {"kubernetes.io/hostname": "n2"}
+    assert spec["volumes"] == [{"name": "data", "emptyDir": {}}, {"name": K.GATE_VOLUME, "emptyDir": {}}]
+    (gate,) = spec["initContainers"]  # the recorded init containers already ran: dropped
+    assert gate["name"] == K.GATE_CONTAINER and gate["image"] == "agent:1"
+    assert gate["volumeMounts"] == [{"name": K.GATE_VOLUME, "mountPath": "/gate"}]
+    assert spec["containers"][0]["image"] == IMG
+
+
+def test_restore_pod_without_node_lets_the_scheduler_pick_and_keeps_affinity() -> None:
+    aff = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    ref = Reference.parse("r.example/s/web@" + DIGEST)
+    pod = restore_pod(_record(affinity=aff), reference=ref, namespace="a", gate_image="g", name="copy")
+    assert pod["metadata"]["name"] == "copy" and "nodeSelector" not in pod["spec"] and pod["spec"]["affinity"] == aff
+    pinned = restore_pod(_record(affinity=aff), reference=ref, namespace="a", gate_image="g", node="n2")
+    assert "affinity" not in pinned["spec"]  # it may contradict --node
+
+
+def test_restore_pod_refuses_unpinned_images_and_missing_spec() -> None:
+    ref = Reference.parse("r.example/s/web@" + DIGEST)
+    with pytest.raises(FailedPrecondition, match="not pinned by digest"):
+        restore_pod(
+            _record(containers=[{"name": "a", "image": "busybox:1"}]), reference=ref, namespace="a", gate_image="g"
+        )
+    with pytest.raises(FailedPrecondition, match="records no pod spec"):
+        restore_pod(PodRecord(name="x", namespace="a"), reference=ref, namespace="a", gate_image="g")
+    with pytest.raises(InvalidArgument):
+        restore_pod(_record(), reference=Reference.parse("r.example/s/web:t"), namespace="a", gate_image="g")
+
+
+def test_gate_script_waits_then_fails_or_passes(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    script = GATE_SCRIPT.replace(repr(K.GATE_MOUNT), repr(str(tmp_path)))
+    (tmp_path / K.GATE_FAILED_FILE).write_text("digest mismatch in layer 2\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=10)
+    assert proc.returncode == 1 and "digest mismatch in layer 2" in proc.stdout
+    (tmp_path / K.GATE_FAILED_FILE).unlink()
+    (tmp_path / K.GATE_STAGED_FILE).write_text("staged\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=10)
+    assert proc.returncode == 0
+
+
+def _rpod(**status: Any) -> dict[str, Any]:
+    ann = status.pop("ann", None)
+    return {"metadata": {"annotations": {K.ANN_RESTORE_STATUS: ann} if ann else {}}, "status": status}
+
+
+def test_restore_states() -> None:
+    assert restore_state(_rpod(phase="Pending")).state == "waiting"
+    assert restore_state(_rpod(ann="Failed: arch mismatch")) == restore_state(_rpod(ann="Failed: arch mismatch"))
+    assert restore_state(_rpod(ann="Failed: arch mismatch")).reason == "arch mismatch"
+    gate_failed = {"name": K.GATE_CONTAINER, "state": {"terminated": {"exitCode": 1, "message": "criu too old\n"}}}
+    st = restore_state(_rpod(phase="Pending", initContainerStatuses=[gate_failed]))
+    assert st.state == "failed" and st.reason == "criu too old"
+    running = [{"name": "app", "state": {"running": {}}}]
+    assert restore_state(_rpod(phase="Running", containerStatuses=running)).state == "running"
+    crashed = [{"name": "app", "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off"}}}]
+    assert restore_state(_rpod(phase="Running", containerStatuses=crashed)).state == "failed"
+    assert restore_state(_rpod(phase="Failed", message="evicted")).reason == "evicted"
+    unsched = [{"type": "PodScheduled", "status": "False", "message": "no node"}]
+    assert "unschedulable" in restore_state(_rpod(phase="Pending", conditions=unsched)).reason
