@@ -1,0 +1,72 @@
+"""Everything a cluster needs to run kubectl-snapshot, as plain Kubernetes objects.
+
+``render()`` is the single source: ``manifests/`` (kustomize base + overlays) is generated from it by
+``hack/gen-manifests.py`` and a test checks they match; the e2e tests and an installer can apply its
+output directly. It is pure (dicts in, dicts out), so the objects are unit-testable without a cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kubectl_snapshot import __version__
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.errors import InvalidArgument
+from kubectl_snapshot.deploy import agent, crd, rbac
+from kubectl_snapshot.deploy.agent import DEFAULT_DROPIN_DIR, AgentSettings
+
+DEFAULT_IMAGE = f"kubectl-snapshot-agent:{__version__}"
+LABELS = {"app.kubernetes.io/part-of": "kubectl-snapshot"}
+
+__all__ = ["DEFAULT_IMAGE", "LABELS", "render"]
+
+
+def render(
+    image: str,
+    *,
+    api_server: str | None = None,
+    state_root: str = C.DEFAULT_STATE_DIR,
+    opt_root: str = "/opt/kubectl-snapshot",
+    kubelet_root: str = "/var/lib/kubelet",
+    containerd_socket: str = "/run/containerd/containerd.sock",
+    containerd_dropin_dir: str | None = None,
+    restart_command: str | None = None,
+    per_node_paths: Mapping[str, Mapping[str, str]] | None = None,
+) -> list[dict[str, Any]]:
+    """The objects to apply, in apply order (CRD and namespace before what lives in them).
+
+    `image`: the agent image (pin it by digest in production). `api_server`: ``https://HOST:PORT`` the
+    agent uses instead of the kubernetes Service (hostNetwork clusters without kube-proxy). The paths
+    are host paths, mounted at the same path in the agent. `restart_command`: run on the host by
+    ``install-node`` when the runtime handler was not active yet; ``{node}`` is replaced by the node
+    name. `per_node_paths`: ``{node: {containerd_socket, kubelet_root, containerd_dropin_dir}}`` for
+    several nodes on one machine; missing keys fall back to the defaults above.
+    """
+    if not image or any(c.isspace() for c in image):
+        raise InvalidArgument(f"image must be an image reference, got {image!r}")
+    settings = AgentSettings(
+        image=image,
+        api_server=api_server,
+        state_root=agent.check_path(state_root, "state_root"),
+        opt_root=agent.check_path(opt_root, "opt_root"),
+        kubelet_root=agent.check_path(kubelet_root, "kubelet_root"),
+        containerd_socket=agent.check_path(containerd_socket, "containerd_socket"),
+        containerd_dropin_dir=agent.check_path(containerd_dropin_dir or DEFAULT_DROPIN_DIR, "containerd_dropin_dir"),
+        restart_command=restart_command,
+        per_node_paths=agent.check_per_node_paths(per_node_paths or {}),
+    )
+    labels = dict(LABELS)
+    objects = [
+        crd.podsnapshot_crd(labels),
+        rbac.namespace(labels),
+        rbac.service_account(labels),
+        rbac.agent_cluster_role(labels),
+        rbac.agent_cluster_role_binding(labels),
+        *rbac.user_cluster_roles(labels),
+        agent.runtime_class(labels),
+    ]
+    if settings.per_node_paths:
+        objects.append(agent.node_config_map(settings.per_node_paths, labels))
+    objects.append(agent.daemonset(settings, labels))
+    return objects

@@ -1,0 +1,244 @@
+"""The node agent's DaemonSet, its per-node path ConfigMap and the RuntimeClass of restored pods.
+
+Why the DaemonSet looks like this:
+
+- privileged, hostPID: containerd runs CRIU for us, but the agent must see the host's processes and
+  mounts (container rootfs upperdirs, /proc/PID of frozen tasks) to capture and stage state;
+- hostNetwork: the agent needs no pod IP and must work where the pod network is down or absent (the
+  local test cluster blackholes the service CIDR, so ``api_server`` sets KUBERNETES_SERVICE_HOST/PORT);
+- host directories are mounted at the SAME path inside, because paths cross the boundary: containerd
+  (on the host) writes CRIU images into the agent's state dir, the wrapper (on the host) reads staged
+  data from it, and the kubelet's pod volume dirs are named by host path. Directories, never socket
+  files, are mounted, so the agent still reaches containerd after it restarts (a new socket inode);
+- HostToContainer propagation everywhere: memory-backed emptyDirs are tmpfs mounts made by the
+  kubelet after the agent started;
+- one machine may run several nodes (the local cluster): ``per_node_paths`` becomes a ConfigMap the
+  agent reads at start, picking its entry by NODE_NAME; the DaemonSet mounts the smallest set of host
+  directories that covers every node's paths.
+
+The agent's command lines (``install-node`` in the init container, ``run``) take the same flags as
+render()'s parameters; docs/deploy.md lists them.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import posixpath
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import InvalidArgument
+
+NODE_CONFIG_MAP = f"{K.AGENT_NAME}-nodes"
+NODE_CONFIG_KEY = "nodes.json"
+NODE_CONFIG_DIR = "/etc/kubectl-snapshot/nodes"
+NODE_PATH_KEYS = ("containerd_socket", "kubelet_root", "containerd_dropin_dir")
+WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
+READY_FILE = "/tmp/ready"
+DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"  # containerd 2.x's default config imports *.toml from here
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """render()'s parameters, checked once."""
+
+    image: str
+    api_server: str | None
+    state_root: str
+    opt_root: str
+    kubelet_root: str
+    containerd_socket: str
+    containerd_dropin_dir: str
+    restart_command: str | None
+    per_node_paths: Mapping[str, Mapping[str, str]]
+
+
+def check_path(value: str, what: str) -> str:
+    if not value.startswith("/") or "\n" in value or posixpath.normpath(value) != value.rstrip("/") or value == "/":
+        raise InvalidArgument(f"{what} must be a normalized absolute path below /, got {value!r}")
+    return value
+
+
+def check_per_node_paths(per_node: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, str]]:
+    """Validate {node: {containerd_socket, kubelet_root, containerd_dropin_dir}} (each key optional)."""
+    out: dict[str, dict[str, str]] = {}
+    for node, paths in sorted(per_node.items()):
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", node):
+            raise InvalidArgument(f"per_node_paths: {node!r} is not a node name")
+        unknown = sorted(set(paths) - set(NODE_PATH_KEYS))
+        if unknown:
+            raise InvalidArgument(
+                f"per_node_paths[{node!r}]: unknown key(s) {', '.join(unknown)}",
+                hint=f"use {', '.join(NODE_PATH_KEYS)}",
+            )
+        out[node] = {k: check_path(paths[k], f"per_node_paths[{node!r}].{k}") for k in NODE_PATH_KEYS if k in paths}
+    return out
+
+
+def api_server_env(api_server: str) -> list[dict[str, str]]:
+    """KUBERNETES_SERVICE_HOST/PORT for an https://HOST:PORT API server URL (what in-cluster config reads)."""
+    url = urlsplit(api_server)
+    try:
+        port = url.port or 443
+    except ValueError as e:
+        raise InvalidArgument(f"api_server {api_server!r}: {e}") from e
+    if url.scheme != "https" or not url.hostname or url.path not in ("", "/"):
+        raise InvalidArgument(f"api_server must look like https://HOST[:PORT], got {api_server!r}")
+    return [
+        {"name": "KUBERNETES_SERVICE_HOST", "value": url.hostname},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": str(port)},
+    ]
+
+
+def host_mounts(settings: AgentSettings) -> list[tuple[str, str]]:
+    """(host dir, hostPath type) to mount at the same path: the fewest directories covering every path.
+
+    A default path that every per-node entry overrides is not mounted: on a machine running several
+    nodes it usually does not exist, and a missing ``Directory`` hostPath keeps the pod from starting.
+    """
+    per_node = list(settings.per_node_paths.values())
+
+    def host_dir(key: str, path: str) -> str:
+        return posixpath.dirname(path) if key == "containerd_socket" else path
+
+    defaults = {
+        "containerd_socket": settings.containerd_socket,
+        "kubelet_root": settings.kubelet_root,
+        "containerd_dropin_dir": settings.containerd_dropin_dir,
+    }
+    needed = {settings.state_root, settings.opt_root}  # ours: created if missing
+    must_exist: set[str] = set()  # containerd's and the kubelet's: their absence is a misconfiguration
+    for key, default in defaults.items():
+        dirs = {host_dir(key, p[key]) for p in per_node if key in p}
+        if not per_node or any(key not in p for p in per_node):
+            dirs.add(host_dir(key, default))
+        # One node's paths live in its own subdirectory (/run/ks-cluster/ks-n1/...): mount the parent
+        # they share rather than one volume per node, so the same DaemonSet fits every node.
+        if len(dirs) > 1 and posixpath.commonpath(sorted(dirs)) != "/":
+            dirs = {posixpath.commonpath(sorted(dirs))}
+        needed |= dirs
+        if key != "containerd_dropin_dir":
+            must_exist |= dirs
+    kept = sorted(d for d in needed if not any(d != o and d.startswith(o.rstrip("/") + "/") for o in needed))
+    return [(d, "Directory" if d in must_exist else "DirectoryOrCreate") for d in kept]
+
+
+def volume_name(path: str) -> str:
+    """host-var-lib-kubelet: readable, a DNS label (hashed suffix if too long)."""
+    slug = "host-" + re.sub(r"[^a-z0-9]+", "-", path.lower()).strip("-")
+    if len(slug) > 63:
+        slug = slug[:54].rstrip("-") + "-" + hashlib.sha256(path.encode()).hexdigest()[:8]
+    return slug
+
+
+def node_config_map(per_node: Mapping[str, Mapping[str, str]], labels: dict[str, str]) -> dict[str, Any]:
+    """The per-node paths as JSON, read by the agent at start (its entry is picked by NODE_NAME)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": NODE_CONFIG_MAP, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)},
+        "data": {NODE_CONFIG_KEY: json.dumps(per_node, indent=2, sort_keys=True) + "\n"},
+    }
+
+
+def runtime_class(labels: dict[str, str]) -> dict[str, Any]:
+    """Restored pods run under the project's runc wrapper, registered by install-node as this handler."""
+    return {
+        "apiVersion": "node.k8s.io/v1",
+        "kind": "RuntimeClass",
+        "metadata": {"name": K.RUNTIME_CLASS, "labels": dict(labels)},
+        "handler": K.RUNTIME_CLASS,
+    }
+
+
+def _path_flags(settings: AgentSettings) -> list[str]:
+    flags = [
+        f"--containerd-socket={settings.containerd_socket}",
+        f"--kubelet-root={settings.kubelet_root}",
+        f"--containerd-dropin-dir={settings.containerd_dropin_dir}",
+    ]
+    if settings.per_node_paths:
+        flags.append(f"--node-config={NODE_CONFIG_DIR}/{NODE_CONFIG_KEY}")
+    return flags
+
+
+def _env(settings: AgentSettings) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        # $(NODE_NAME) is expanded by the kubelet: one state dir per node, even with several per machine.
+        {"name": C.ENV_STATE_DIR, "value": f"{settings.state_root}/$(NODE_NAME)"},
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    if settings.api_server:
+        env += api_server_env(settings.api_server)
+    return env
+
+
+def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]:
+    mounts = host_mounts(settings)
+    volumes: list[dict[str, Any]] = [
+        {"name": volume_name(d), "hostPath": {"path": d, "type": kind}} for d, kind in mounts
+    ]
+    volume_mounts: list[dict[str, Any]] = [
+        {"name": volume_name(d), "mountPath": d, "mountPropagation": "HostToContainer"} for d, _ in mounts
+    ]
+    if settings.per_node_paths:
+        volumes.append({"name": "node-config", "configMap": {"name": NODE_CONFIG_MAP}})
+        volume_mounts.append({"name": "node-config", "mountPath": NODE_CONFIG_DIR, "readOnly": True})
+    pull = "IfNotPresent" if "@sha256:" in settings.image else "Always"
+    common: dict[str, Any] = {
+        "image": settings.image,
+        "imagePullPolicy": pull,
+        "env": _env(settings),
+        "securityContext": {"privileged": True},
+        "volumeMounts": volume_mounts,
+    }
+    install_args = ["install-node", f"--wrapper={WRAPPER_IN_IMAGE}", f"--opt-root={settings.opt_root}"]
+    install_args += _path_flags(settings)
+    if settings.restart_command:
+        install_args.append(f"--restart-command={settings.restart_command}")
+    run_args = ["run", *_path_flags(settings), f"--ready-file={READY_FILE}"]
+    selector = dict(K.AGENT_LABEL)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "DaemonSet",
+        "metadata": {"name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)},
+        "spec": {
+            "selector": {"matchLabels": selector},
+            "updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}},
+            "template": {
+                "metadata": {"labels": labels | selector},
+                "spec": {
+                    "serviceAccountName": K.AGENT_NAME,
+                    "hostNetwork": True,
+                    "hostPID": True,
+                    "dnsPolicy": "ClusterFirstWithHostNet",
+                    "priorityClassName": "system-node-critical",
+                    "tolerations": [{"operator": "Exists"}],
+                    # Long enough for an interrupted dump to thaw the pod it froze (never lose the workload).
+                    "terminationGracePeriodSeconds": 30,
+                    "initContainers": [{"name": "install-node", "args": install_args, **copy.deepcopy(common)}],
+                    "containers": [
+                        {
+                            "name": "agent",
+                            "args": run_args,
+                            **copy.deepcopy(common),
+                            "readinessProbe": {
+                                "exec": {"command": ["test", "-f", READY_FILE]},
+                                "periodSeconds": 5,
+                            },
+                            "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+                        }
+                    ],
+                    "volumes": volumes,
+                },
+            },
+        },
+    }

@@ -1,0 +1,165 @@
+"""The PodSnapshot CustomResourceDefinition (docs/kubernetes.md is the contract).
+
+Why a structural schema with every field spelled out: the API server then prunes unknown fields,
+rejects typos (``podname:``) at create time instead of leaving a PodSnapshot that no agent acts on,
+and ``kubectl explain podsnapshot.spec`` documents the resource. The spec is immutable (a CEL rule):
+an agent that already froze the pod must not see its destination change under it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubectl_snapshot.core import kube as K
+
+CRD_NAME = f"{K.PLURAL}.{K.GROUP}"
+
+_STRING: dict[str, Any] = {"type": "string"}
+_TIME: dict[str, Any] = {"type": "string", "format": "date-time"}
+_BYTES: dict[str, Any] = {"type": "integer", "format": "int64", "minimum": 0}
+_MS: dict[str, Any] = {"type": "number", "minimum": 0}
+
+
+def _spec_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "What to snapshot and where to push it. Immutable once created.",
+        "required": ["podName", "destination"],
+        "x-kubernetes-validations": [{"rule": "self == oldSelf", "message": "spec is immutable"}],
+        "properties": {
+            "podName": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 253,
+                "description": "A pod in this PodSnapshot's namespace.",
+            },
+            "podNamespace": {
+                "type": "string",
+                "maxLength": 63,
+                "description": "Optional; must equal metadata.namespace (the agent refuses otherwise).",
+            },
+            "destination": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 1024,
+                "description": "REGISTRY/REPO[:TAG] to push the snapshot to.",
+            },
+            "registrySecret": {
+                "type": "string",
+                "maxLength": 253,
+                "description": "A kubernetes.io/dockerconfigjson Secret in this namespace with push credentials.",
+            },
+            "insecure": {
+                "type": "boolean",
+                "default": False,
+                "description": "Plain HTTP to a non-loopback registry.",
+            },
+            "stop": {
+                "type": "boolean",
+                "default": False,
+                "description": "Stop the pod's containers once the snapshot is pushed.",
+            },
+            "includeVolumes": {
+                "type": "boolean",
+                "default": True,
+                "description": "Capture the pod's emptyDir volumes.",
+            },
+        },
+    }
+
+
+def _status_schema() -> dict[str, Any]:
+    condition = {
+        "type": "object",
+        "required": ["type", "status"],
+        "properties": {
+            "type": _STRING,
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": _STRING,
+            "message": _STRING,
+            "lastTransitionTime": _TIME,
+            "observedGeneration": {"type": "integer", "format": "int64"},
+        },
+    }
+    return {
+        "type": "object",
+        "description": "Written by the node agent that took the snapshot.",
+        "properties": {
+            "phase": {"type": "string", "enum": [K.PHASE_PENDING, K.PHASE_RUNNING, K.PHASE_SUCCEEDED, K.PHASE_FAILED]},
+            "node": _STRING,
+            "stage": {"type": "string", "description": "freeze, dump, package, upload or done."},
+            "bytesDone": _BYTES,
+            "bytesTotal": _BYTES,
+            "timings": {
+                "type": "object",
+                "properties": {k: _MS for k in ("freezeMs", "dumpMs", "packageMs", "uploadMs", "totalMs")},
+            },
+            "reference": {"type": "string", "description": "REGISTRY/REPO@sha256:... of the pushed snapshot."},
+            "tag": _STRING,
+            "size": _BYTES,
+            "message": _STRING,
+            "conditions": {
+                "type": "array",
+                "items": condition,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["type"],
+            },
+            "startTime": _TIME,
+            "completionTime": _TIME,
+        },
+    }
+
+
+def _printer_columns() -> list[dict[str, Any]]:
+    return [
+        {"name": "Pod", "type": "string", "jsonPath": ".spec.podName"},
+        {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+        {"name": "Node", "type": "string", "jsonPath": ".status.node"},
+        {"name": "Size", "type": "integer", "format": "int64", "jsonPath": ".status.size"},
+        {"name": "Reference", "type": "string", "jsonPath": ".status.reference"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    ]
+
+
+def podsnapshot_crd(labels: dict[str, str]) -> dict[str, Any]:
+    """The CRD object, apiextensions.k8s.io/v1."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": dict(labels)},
+        "spec": {
+            "group": K.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": K.KIND,
+                "listKind": f"{K.KIND}List",
+                "plural": K.PLURAL,
+                "singular": K.SINGULAR,
+                "shortNames": [K.SHORT_NAME],
+                "categories": ["kubectl-snapshot"],
+            },
+            "versions": [
+                {
+                    "name": K.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": _printer_columns(),
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A request to snapshot a running pod into an OCI artifact.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": _STRING,
+                                "kind": _STRING,
+                                "metadata": {"type": "object"},
+                                "spec": _spec_schema(),
+                                "status": _status_schema(),
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }

@@ -1,0 +1,280 @@
+"""render(): the objects are what docs/kubernetes.md says, least privilege, and manifests/ matches them.
+
+Pure checks of render()'s output; the same objects are applied to a real API server in
+tests/e2e/test_agent_image.py. `kubectl kustomize` (offline, no cluster) checks the overlay when the
+cluster's kubectl binary is built.
+"""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import InvalidArgument
+from kubectl_snapshot.deploy import render
+
+REPO = Path(__file__).resolve().parents[2]
+GEN = REPO / "hack" / "gen-manifests.py"
+LOCAL_NODES = {
+    n: {
+        "containerd_socket": f"/run/ks-cluster/{n}/containerd.sock",
+        "kubelet_root": f"/var/lib/ks-cluster/{n}/kubelet",
+        "containerd_dropin_dir": f"/var/lib/ks-cluster/{n}/containerd.d",
+    }
+    for n in ("ks-n1", "ks-n2")
+}
+
+
+def by_kind(objs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def pod_spec(objs: list[dict[str, Any]]) -> dict[str, Any]:
+    spec: dict[str, Any] = by_kind(objs)[("DaemonSet", K.AGENT_NAME)]["spec"]["template"]["spec"]
+    return spec
+
+
+def test_apply_order_and_names() -> None:
+    objs = render("reg.example/agent@sha256:" + "a" * 64)
+    kinds = [o["kind"] for o in objs]
+    assert kinds[0] == "CustomResourceDefinition" and kinds[1] == "Namespace" and kinds[-1] == "DaemonSet"
+    assert kinds.index("ServiceAccount") < kinds.index("ClusterRoleBinding") < kinds.index("DaemonSet")
+    assert "ConfigMap" not in kinds  # only with per_node_paths
+    for o in objs:
+        if o["kind"] in ("ServiceAccount", "DaemonSet", "ConfigMap"):
+            assert o["metadata"]["namespace"] == K.AGENT_NAMESPACE
+    assert by_kind(objs)[("RuntimeClass", K.RUNTIME_CLASS)]["handler"] == K.RUNTIME_CLASS
+
+
+def test_crd_schema() -> None:
+    crd = by_kind(render("img"))[("CustomResourceDefinition", f"{K.PLURAL}.{K.GROUP}")]
+    spec = crd["spec"]
+    assert spec["group"] == K.GROUP and spec["scope"] == "Namespaced"
+    assert spec["names"]["kind"] == K.KIND and spec["names"]["shortNames"] == [K.SHORT_NAME]
+    [version] = spec["versions"]
+    assert version["name"] == K.VERSION and version["served"] and version["storage"]
+    assert version["subresources"] == {"status": {}}
+    columns = [c["name"] for c in version["additionalPrinterColumns"]]
+    assert columns == ["Pod", "Phase", "Node", "Size", "Reference", "Age"]
+    schema = version["schema"]["openAPIV3Schema"]
+    s, st = schema["properties"]["spec"], schema["properties"]["status"]
+    assert set(s["required"]) == {"podName", "destination"}
+    assert set(s["properties"]) == {
+        "podName", "podNamespace", "destination", "registrySecret", "insecure", "stop", "includeVolumes",
+    }  # fmt: skip
+    assert s["properties"]["includeVolumes"]["default"] is True and s["properties"]["stop"]["default"] is False
+    assert st["properties"]["phase"]["enum"] == [K.PHASE_PENDING, K.PHASE_RUNNING, K.PHASE_SUCCEEDED, K.PHASE_FAILED]
+    assert {"bytesDone", "bytesTotal", "timings", "reference", "tag", "size", "message", "conditions"} <= set(
+        st["properties"]
+    )
+    assert set(st["properties"]["timings"]["properties"]) == {"freezeMs", "dumpMs", "packageMs", "uploadMs", "totalMs"}
+
+    def structural(node: dict[str, Any], where: str) -> None:
+        """Every node has a type (apiextensions rejects non-structural schemas)."""
+        assert "type" in node, where
+        for name, child in node.get("properties", {}).items():
+            structural(child, f"{where}.{name}")
+        if "items" in node:
+            structural(node["items"], f"{where}[]")
+
+    structural(schema, "root")
+
+
+def rules(obj: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (g, r, v) for rule in obj["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]
+    }
+
+
+def test_agent_rbac_is_exactly_least_privilege() -> None:
+    objs = by_kind(render("img"))
+    role = objs[("ClusterRole", K.AGENT_NAME)]
+    expected = {
+        *((K.GROUP, "podsnapshots", v) for v in ("get", "list", "watch")),
+        *((K.GROUP, "podsnapshots/status", v) for v in ("get", "update", "patch")),
+        *(("", "pods", v) for v in ("get", "list", "watch", "patch")),
+        *(("", "events", v) for v in ("create", "patch")),
+        ("", "secrets", "get"),
+        *(("", "nodes", v) for v in ("get", "patch")),
+    }
+    assert rules(role) == expected
+    assert not any("*" in (g, r, v) for g, r, v in rules(role))
+    binding = objs[("ClusterRoleBinding", K.AGENT_NAME)]
+    assert binding["roleRef"]["name"] == K.AGENT_NAME
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE}]
+    assert pod_spec(list(objs.values()))["serviceAccountName"] == K.AGENT_NAME
+
+
+def test_user_roles_aggregate_to_builtin_roles() -> None:
+    objs = by_kind(render("img"))
+    edit, view = objs[("ClusterRole", "kubectl-snapshot-edit")], objs[("ClusterRole", "kubectl-snapshot-view")]
+    agg = "rbac.authorization.k8s.io/aggregate-to-"
+    assert edit["metadata"]["labels"][agg + "edit"] == "true" and edit["metadata"]["labels"][agg + "admin"] == "true"
+    assert view["metadata"]["labels"][agg + "view"] == "true" and agg + "edit" not in view["metadata"]["labels"]
+    assert rules(edit) == {(K.GROUP, "podsnapshots", v) for v in ("create", "get", "list", "watch", "delete")}
+    assert rules(view) == {(K.GROUP, "podsnapshots", v) for v in ("get", "list", "watch")}
+
+
+def mounts(spec: dict[str, Any], container: str = "agent") -> dict[str, dict[str, Any]]:
+    [c] = [c for c in spec["containers"] + spec["initContainers"] if c["name"] == container]
+    vols = {v["name"]: v for v in spec["volumes"]}
+    return {m["mountPath"]: vols[m["name"]] for m in c["volumeMounts"]}
+
+
+def test_daemonset_defaults() -> None:
+    spec = pod_spec(render("reg.example/agent:1"))
+    assert spec["hostNetwork"] and spec["hostPID"]
+    for c in spec["containers"] + spec["initContainers"]:
+        assert c["securityContext"] == {"privileged": True}
+        assert c["imagePullPolicy"] == "Always"  # a tag can move; digests use IfNotPresent
+        env = {e["name"]: e for e in c["env"]}
+        assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+        assert env["KUBECTL_SNAPSHOT_STATE_DIR"]["value"] == "/var/lib/kubectl-snapshot/$(NODE_NAME)"
+        assert "KUBERNETES_SERVICE_HOST" not in env
+        m = mounts(spec, c["name"])
+        # host paths at the same path inside; directories, never the socket file (containerd restarts)
+        assert {p: v["hostPath"]["path"] for p, v in m.items()} == {
+            "/var/lib/kubectl-snapshot": "/var/lib/kubectl-snapshot",
+            "/opt/kubectl-snapshot": "/opt/kubectl-snapshot",
+            "/var/lib/kubelet": "/var/lib/kubelet",
+            "/run/containerd": "/run/containerd",
+            "/etc/containerd/conf.d": "/etc/containerd/conf.d",
+        }
+        assert m["/run/containerd"]["hostPath"]["type"] == "Directory"
+        assert m["/var/lib/kubectl-snapshot"]["hostPath"]["type"] == "DirectoryOrCreate"
+    [init] = spec["initContainers"]
+    assert init["args"][0] == "install-node" and "--wrapper=/opt/kubectl-snapshot-runc.pyz" in init["args"]
+    assert not any(a.startswith("--restart-command") for a in init["args"])
+    [agent] = spec["containers"]
+    assert agent["args"][0] == "run" and "--ready-file=/tmp/ready" in agent["args"]
+    assert agent["readinessProbe"]["exec"]["command"] == ["test", "-f", "/tmp/ready"]
+    assert not any(a.startswith("--node-config") for a in agent["args"])
+
+
+def test_daemonset_for_two_nodes_on_one_machine() -> None:
+    objs = render(
+        "127.0.0.1:5005/agent@sha256:" + "b" * 64,
+        api_server="https://127.0.0.1:6443",
+        restart_command="restart-containerd {node}",
+        per_node_paths=LOCAL_NODES,
+    )
+    cm = by_kind(objs)[("ConfigMap", "kubectl-snapshot-agent-nodes")]
+    assert json.loads(cm["data"]["nodes.json"]) == LOCAL_NODES
+    spec = pod_spec(objs)
+    m = mounts(spec)
+    # the parents shared by both nodes' paths, and none of the defaults every node overrides
+    assert set(m) == {
+        "/var/lib/kubectl-snapshot",
+        "/opt/kubectl-snapshot",
+        "/run/ks-cluster",
+        "/var/lib/ks-cluster",
+        "/etc/kubectl-snapshot/nodes",
+    }
+    assert m["/etc/kubectl-snapshot/nodes"] == {"name": "node-config", "configMap": {"name": cm["metadata"]["name"]}}
+    for node_paths in LOCAL_NODES.values():
+        for path in node_paths.values():
+            assert any(path.startswith(d + "/") for d in m), path
+    for c in spec["containers"] + spec["initContainers"]:
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1" and env["KUBERNETES_SERVICE_PORT"] == "6443"
+        assert "--node-config=/etc/kubectl-snapshot/nodes/nodes.json" in c["args"]
+        assert c["imagePullPolicy"] == "IfNotPresent"
+    assert "--restart-command=restart-containerd {node}" in spec["initContainers"][0]["args"]
+
+
+def test_containers_do_not_share_dicts() -> None:
+    """render()'s output may be edited by callers (and YAML dumpers must not write aliases)."""
+    spec = pod_spec(render("img"))
+    spec["containers"][0]["env"].append({"name": "X", "value": "1"})
+    assert all(e["name"] != "X" for e in spec["initContainers"][0]["env"])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"api_server": "http://127.0.0.1:6443"},
+        {"api_server": "https://127.0.0.1:notaport"},
+        {"state_root": "relative/dir"},
+        {"kubelet_root": "/var/lib/../kubelet"},
+        {"per_node_paths": {"ks-n1": {"containerd_sock": "/run/x.sock"}}},
+        {"per_node_paths": {"Bad_Node": {"kubelet_root": "/k"}}},
+        {"per_node_paths": {"ks-n1": {"kubelet_root": "k"}}},
+    ],
+)
+def test_bad_settings_are_refused(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgument):
+        render("img", **kwargs)
+
+
+def test_manifests_are_up_to_date() -> None:
+    proc = subprocess.run([sys.executable, str(GEN), "--check"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr
+
+
+def _load_gen() -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_manifests", GEN)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _apply_json_patch(doc: Any, ops: list[dict[str, Any]]) -> Any:
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        parent = doc
+        for p in parts[:-1]:
+            parent = parent[int(p)] if isinstance(parent, list) else parent[p]
+        if op["op"] == "remove":
+            del parent[parts[-1]]
+        else:
+            parent[parts[-1]] = op["value"]
+    return doc
+
+
+def test_overlay_patches_turn_the_base_into_the_local_render() -> None:
+    gen = _load_gen()
+    base = {gen.key(o): o for o in render(gen.DEFAULT_IMAGE)}
+    overlay_dir = REPO / "manifests" / "overlays" / "local-cluster"
+    kustomization = yaml.safe_load((overlay_dir / "kustomization.yaml").read_text())
+    for patch in kustomization["patches"]:
+        t = patch["target"]
+        [k] = [k for k in base if k[1] == t["kind"] and k[3] == t["name"]]
+        base[k] = _apply_json_patch(base[k], yaml.safe_load((overlay_dir / patch["path"]).read_text()))
+    for res in kustomization["resources"][1:]:
+        for obj in yaml.safe_load_all((overlay_dir / res).read_text()):
+            base[gen.key(obj)] = obj
+    assert base == {gen.key(o): o for o in render(**gen.LOCAL_CLUSTER)}
+
+
+def _kubectl() -> str | None:
+    found = sorted(glob.glob("/var/cache/kubectl-snapshot/k8s-v*/bin/kubectl"))
+    return shutil.which("kubectl") or (found[-1] if found else None)
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/local-cluster"])
+def test_kustomize_builds_the_rendered_objects(overlay: str) -> None:
+    kubectl = _kubectl()
+    if kubectl is None:
+        pytest.skip("no kubectl binary (hack/cluster/build.sh builds one)")
+    gen = _load_gen()
+    proc = subprocess.run(
+        [kubectl, "kustomize", str(REPO / "manifests" / overlay)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    built = {gen.key(o): o for o in yaml.safe_load_all(proc.stdout)}
+    params = gen.LOCAL_CLUSTER if overlay != "base" else {"image": gen.DEFAULT_IMAGE}
+    assert built == {gen.key(o): o for o in render(**params)}
