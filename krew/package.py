@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Build the krew release of the plugin: `kubectl-snapshot` as one zipapp, its archive and manifest.
+
+Why a zipapp with vendored pure-Python dependencies: krew installs a file and puts it on PATH; the
+user's machine has a python3 but none of our packages. Everything the plugin imports (click,
+kubernetes and its closure, requests, pyyaml, tqdm) has a pure-Python form, so one platform-independent
+file serves Linux and macOS. Node-only dependencies (grpcio, protobuf, zstandard) and the asyncio
+client's aiohttp are left out; compiled extension files are dropped (pyyaml and charset-normalizer fall
+back to their pure-Python modules).
+
+The dependency files are copied from the installed distributions of the Python running this script
+(the project venv), so the build is offline and reproducible: sorted entries, fixed timestamps, and
+the archive's sha256 only changes when the inputs do.
+
+Usage: .venv/bin/python krew/package.py [--out DIR] [--version vX.Y.Z] [--uri-base URL]
+Writes DIR/kubectl-snapshot (the zipapp), DIR/kubectl-snapshot-VERSION.tar.gz and DIR/snapshot.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import importlib.metadata as md
+import importlib.util
+import io
+import re
+import sys
+import tarfile
+import zipfile
+from importlib._bootstrap_external import _code_to_hash_pyc  # type: ignore[attr-defined]
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PROJECT = "kubectl-snapshot"
+BIN = "kubectl-snapshot"
+PLUGIN = "snapshot"
+EXCLUDED = {"grpcio", "protobuf", "zstandard", "aiohttp", "grpcio-tools", "google-auth"}
+DROP_SUFFIXES = (".so", ".pyd", ".dylib", ".pyc", ".pyi")
+EPOCH = (1980, 1, 1, 0, 0, 0)
+MIN_PYTHON = (3, 11)
+MAIN = f'''"""kubectl-snapshot, the kubectl plugin, as a zipapp (built by krew/package.py)."""
+import sys
+
+if sys.version_info < {MIN_PYTHON!r}:
+    sys.stderr.write(
+        "error: kubectl-snapshot needs Python {MIN_PYTHON[0]}.{MIN_PYTHON[1]} or newer, this is %d.%d\\n"
+        "hint: install a newer python3 and put it first on PATH\\n" % sys.version_info[:2]
+    )
+    sys.exit(1)
+
+from kubectl_snapshot.cli.main import main
+
+main()
+'''
+
+
+def _requirement(req: str) -> tuple[str, bool]:
+    """(name, applies): markers are evaluated for this (Linux/macOS) Python with no extras."""
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:  # pip vendors it
+        from pip._vendor.packaging.requirements import Requirement
+    parsed = Requirement(req)
+    applies = parsed.marker is None or parsed.marker.evaluate({"extra": ""})
+    return parsed.name, bool(applies)
+
+
+def _installed(name: str) -> bool:
+    try:
+        md.distribution(name)
+    except md.PackageNotFoundError:
+        return False
+    return True
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def closure() -> list[str]:
+    """The installed distributions the plugin needs (its requirements, recursively, minus EXCLUDED)."""
+    seen: set[str] = set()
+    todo = [PROJECT]
+    while todo:
+        name = todo.pop()
+        if _norm(name) in seen or _norm(name) in EXCLUDED:
+            continue
+        seen.add(_norm(name))
+        for req in md.requires(name) or []:
+            dep, applies = _requirement(req)
+            if not applies:
+                continue
+            if not _installed(dep):
+                raise SystemExit(f"error: {name} needs {dep}, which is not installed in {sys.prefix}")
+            todo.append(dep)
+    seen.discard(_norm(PROJECT))
+    return sorted(seen)
+
+
+def dist_files(name: str) -> dict[str, Path]:
+    """arcname -> file for one distribution: its modules and data, no metadata, bytecode or binaries."""
+    dist = md.distribution(name)
+    out: dict[str, Path] = {}
+    for f in dist.files or []:
+        arc = str(f).replace("\\", "/")
+        top = arc.split("/", 1)[0]
+        if arc.startswith("..") or top.endswith((".dist-info", ".egg-info", ".data")) or "__pycache__" in arc:
+            continue
+        if arc.endswith(DROP_SUFFIXES) or top == "bin":
+            continue
+        path = Path(str(dist.locate_file(f)))
+        if path.is_file():
+            out[arc] = path
+    return out
+
+
+def project_files() -> dict[str, Path]:
+    base = REPO / "kubectl_snapshot"
+    return {
+        str(p.relative_to(REPO)): p
+        for p in sorted(base.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(DROP_SUFFIXES)
+    }
+
+
+def _add(z: zipfile.ZipFile, arc: str, data: bytes) -> None:
+    info = zipfile.ZipInfo(arc, date_time=EPOCH)
+    info.external_attr = 0o644 << 16
+    info.compress_type = zipfile.ZIP_DEFLATED
+    z.writestr(info, data)
+
+
+def _bytecode(arc: str, source: bytes) -> bytes | None:
+    """Unchecked-hash bytecode beside each module: zipimport cannot cache compiled modules, and
+    compiling the kubernetes client on every run costs seconds. A Python with another magic number
+    ignores it and compiles the source."""
+    try:
+        code = compile(source, arc, "exec", dont_inherit=True)
+        return bytes(_code_to_hash_pyc(code, importlib.util.source_hash(source), False))
+    except (SyntaxError, ValueError):
+        return None
+
+
+def build_zipapp(out: Path) -> list[str]:
+    """Write the zipapp; returns the vendored distributions."""
+    files: dict[str, Path] = {}
+    deps = closure()
+    for dep in deps:
+        files.update(dist_files(dep))
+    files.update(project_files())
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED) as z:
+        entries = {"__main__.py": MAIN.encode(), **{arc: p.read_bytes() for arc, p in files.items()}}
+        for arc in sorted(entries):
+            _add(z, arc, entries[arc])
+            code = _bytecode(arc, entries[arc]) if arc.endswith(".py") else None
+            if code is not None:
+                _add(z, arc + "c", code)
+    out.write_bytes(b"#!/usr/bin/env python3\n" + buf.getvalue())
+    out.chmod(0o755)
+    return deps
+
+
+def build_archive(zipapp: Path, out: Path) -> None:
+    """A reproducible tar.gz holding the zipapp (and the license when the repository has one)."""
+    members = [(BIN, zipapp, 0o755)]
+    license_file = REPO / "LICENSE"
+    if license_file.exists():
+        members.append(("LICENSE", license_file, 0o644))
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, path, mode in members:
+            data = path.read_bytes()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime, info.uname, info.gname = len(data), mode, 0, "root", "root"
+            tar.addfile(info, io.BytesIO(data))
+    with out.open("wb") as f, gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0) as gz:
+        gz.write(raw.getvalue())
+
+
+def manifest(version: str, uri: str, sha256: str, has_license: bool) -> dict[str, object]:
+    files = [{"from": BIN, "to": "."}] + ([{"from": "LICENSE", "to": "."}] if has_license else [])
+    return {
+        "apiVersion": "krew.googlecontainertools.github.com/v1alpha2",
+        "kind": "Plugin",
+        "metadata": {"name": PLUGIN},
+        "spec": {
+            "version": version,
+            "homepage": "https://github.com/kubectl-snapshot/kubectl-snapshot",
+            "shortDescription": "Snapshot running pods with CRIU and restore them anywhere",
+            "description": (
+                "A save game for pods: `kubectl snapshot pod/NAME` freezes a running pod for a moment,\n"
+                "captures its memory, processes, files and emptyDir volumes as an OCI artifact in a\n"
+                "registry, and `kubectl snapshot restore` brings it back on any node. Needs the\n"
+                "kubectl-snapshot node agent (`kubectl snapshot install`) and python3 >= 3.11.\n"
+            ),
+            "caveats": (
+                "The plugin needs python3 (3.11 or newer) on PATH.\n"
+                "Install the node agent once per cluster: kubectl snapshot install --agent-image IMAGE\n"
+            ),
+            "platforms": [
+                {
+                    "selector": {"matchExpressions": [{"key": "os", "operator": "In", "values": ["linux", "darwin"]}]},
+                    "uri": uri,
+                    "sha256": sha256,
+                    "bin": BIN,
+                    "files": files,
+                }
+            ],
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "dist" / "krew")
+    ap.add_argument("--version", default="v" + md.version(PROJECT))
+    ap.add_argument("--uri-base", default="https://github.com/kubectl-snapshot/kubectl-snapshot/releases/download")
+    args = ap.parse_args(argv)
+    if not re.match(r"^v\d+\.\d+\.\d+", args.version):
+        ap.error("--version must look like v1.2.3 (krew requires a semantic version with a leading v)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    zipapp = args.out / BIN
+    deps = build_zipapp(zipapp)
+    archive = args.out / f"{BIN}-{args.version}.tar.gz"
+    build_archive(zipapp, archive)
+    sha = hashlib.sha256(archive.read_bytes()).hexdigest()
+    uri = f"{args.uri_base.rstrip('/')}/{args.version}/{archive.name}"
+    doc = manifest(args.version, uri, sha, (REPO / "LICENSE").exists())
+    (args.out / f"{PLUGIN}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    print(f"{archive} sha256:{sha} ({len(deps)} vendored distributions: {', '.join(deps)})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
