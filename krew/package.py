@@ -62,7 +62,7 @@ def _requirement(req: str) -> tuple[str, bool]:
     try:
         from packaging.requirements import Requirement
     except ImportError:  # pip vendors it
-        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.requirements import Requirement  # type: ignore[assignment]
     parsed = Requirement(req)
     applies = parsed.marker is None or parsed.marker.evaluate({"extra": ""})
     return parsed.name, bool(applies)
