@@ -60,6 +60,7 @@ async def _serve(listen: str, target: str) -> None:
     else:
         host, _, port = rest.rpartition(":")
         server = await asyncio.start_server(handle, host, int(port), limit=CHUNK, reuse_address=True)
+    print(f"listening on {listen}, forwarding to {target}", flush=True)  # up.sh waits for this line
     async with server:
         await server.serve_forever()
 

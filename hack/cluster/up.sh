@@ -53,7 +53,7 @@ on_error() {
   tail -n 20 "$KS_DIR"/logs/*.log >&2 2>/dev/null || true
   [ "${KS_KEEP_ON_FAILURE:-0}" = 1 ] || "$HERE/down.sh" >&2 || true
 }
-trap on_error ERR
+trap 'rc=$?; [ "$rc" = 0 ] || on_error; exit "$rc"' EXIT
 mkdir -p "$KS_DIR" "$KS_RUN/pids" "$KS_RUN/fwd" "$PKI" "$KS_DIR/logs"
 
 # --- the cluster's network namespace ---------------------------------------------------------
@@ -146,10 +146,16 @@ http: {addr: $KS_REGISTRY}
 EOF
 PY="$(command -v python3)"
 relay() {  # NAME TCP-ADDR: a relay from the root namespace to the same address in ks-net
+  local name
   ks_start "$1-relay" "$PY" "$HERE/forward.py" "unix:$KS_RUN/fwd/$1.sock" "tcp:$2"
-  ks_wait 10 "$1 relay socket" test -S "$KS_RUN/fwd/$1.sock"
   ks_start "root-$1-relay" "$PY" "$HERE/forward.py" "tcp:$2" "unix:$KS_RUN/fwd/$1.sock"
+  for name in "$1-relay" "root-$1-relay"; do
+    ks_wait 20 "$name" relay_started "$name"
+    ks_alive "$name" || ks_die "the $name relay failed (port $2 in use?): $(tail -1 "$KS_DIR/logs/$name.log")" \
+      "free it, or choose other ports with KS_API_PORT=PORT / KS_REGISTRY=127.0.0.1:PORT"
+  done
 }
+relay_started() { grep -q "^listening on" "$KS_DIR/logs/$1.log" || ! ks_alive "$1"; }
 ks_start registry /usr/bin/docker-registry serve "$KS_DIR/registry.yml"
 relay registry "$KS_REGISTRY"
 ks_wait 20 "registry" curl -fsS "http://$KS_REGISTRY/v2/"
@@ -320,5 +326,5 @@ export KS_BUSYBOX_IMAGE=$KS_BUSYBOX_IMAGE
 export KS_PAUSE_IMAGE=$KS_PAUSE_IMAGE
 export PATH=$BIN:\$PATH
 EOF
-trap - ERR
+trap - EXIT
 print_usage
