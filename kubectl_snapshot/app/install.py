@@ -15,7 +15,8 @@ from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
 StepFn = Callable[[str, int, int], None]  # (what, done, total)
 
 
-def render(image: str, settings: Mapping[str, Any]) -> list[Obj]:
+def render(image: str | None, settings: Mapping[str, Any]) -> list[Obj]:
+    """The objects to apply, in order; `image` None means the release's default agent image."""
     try:
         from kubectl_snapshot import deploy
     except ImportError as e:
@@ -24,7 +25,7 @@ def render(image: str, settings: Mapping[str, Any]) -> list[Obj]:
             hint="reinstall kubectl-snapshot from a release",
         ) from e
     render_fn: Callable[..., list[Obj]] = deploy.render  # type: ignore[attr-defined,unused-ignore]
-    return render_fn(image, **settings)
+    return render_fn(image or str(getattr(deploy, "DEFAULT_IMAGE", "")), **settings)
 
 
 def install(

@@ -359,21 +359,26 @@ def _install_settings(api_server: str | None, state_dir: str | None) -> dict[str
     if api_server:
         settings["api_server"] = api_server
     if state_dir:
-        settings["state_dir"] = state_dir
+        settings["state_root"] = state_dir
     return settings
 
 
 @cli.command("install")
 @common_options
-@click.option("--agent-image", required=True, help="The kubectl-snapshot agent image.")
+@click.option("--agent-image", help="The kubectl-snapshot agent image (default: kubectl-snapshot-agent:VERSION).")
 @click.option("--api-server", help="API server URL for the agent (when the in-cluster service is unreachable).")
-@click.option("--state-dir", help="Agent state directory on each node.")
+@click.option("--state-dir", help="Agent state root on each node (default /var/lib/kubectl-snapshot).")
 @click.option("--dry-run", is_flag=True, help="Print the manifests instead of applying them.")
 @click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long to wait for the rollout.")
 @output_option
 @handle_errors
 def install_cmd(
-    agent_image: str, api_server: str | None, state_dir: str | None, dry_run: bool, timeout: float, output: str
+    agent_image: str | None,
+    api_server: str | None,
+    state_dir: str | None,
+    dry_run: bool,
+    timeout: float,
+    output: str,
 ) -> None:
     """Install the CRD, RBAC, agent DaemonSet and RuntimeClass; wait until the agents run."""
     objects = install_app.render(agent_image, _install_settings(api_server, state_dir))
@@ -393,11 +398,12 @@ def install_cmd(
 @handle_errors
 def uninstall_cmd(dry_run: bool, output: str) -> None:
     """Remove what `install` created (PodSnapshot objects go with the CRD)."""
-    objects = install_app.render("unused", {})
+    objects = install_app.render(None, {})
     names = [f"{o['kind']}/{o['metadata']['name']}" for o in reversed(objects)]
     if not dry_run:
         install_app.uninstall(objects, kube=kube_client())
-    emit({"deleted": names, "dryRun": dry_run}, output, lambda d: "\n".join(f"{n} deleted" for n in d["deleted"]))
+    verb = "would be deleted" if dry_run else "deleted"
+    emit({"deleted": names, "dryRun": dry_run}, output, lambda d: "\n".join(f"{n} {verb}" for n in d["deleted"]))
 
 
 def _emit_objects(objects: list[dict[str, Any]], output: str) -> None:
