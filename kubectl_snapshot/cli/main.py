@@ -37,6 +37,7 @@ from kubectl_snapshot.core.podspec import destination, parse_pod_arg, snapshot_s
 from kubectl_snapshot.core.reference import Reference
 
 DEFAULT_COMMAND = "pod"
+ALIASES = {"snapshot": DEFAULT_COMMAND}  # `kubectl-snapshot snapshot pod/NAME` reads naturally too
 
 
 class PluginGroup(click.Group):
@@ -45,6 +46,8 @@ class PluginGroup(click.Group):
     def resolve_command(
         self, ctx: click.Context, args: list[str]
     ) -> tuple[str | None, click.Command | None, list[str]]:
+        if args and args[0] in ALIASES:
+            return ALIASES[args[0]], self.get_command(ctx, ALIASES[args[0]]), args[1:]
         if args and not args[0].startswith("-") and self.get_command(ctx, args[0]) is None:
             return DEFAULT_COMMAND, self.get_command(ctx, DEFAULT_COMMAND), args
         return super().resolve_command(ctx, args)
@@ -268,13 +271,16 @@ def migrate_cmd(
             req, kube=kube, stores=artifact_store, on_status=bar.snapshot, on_state=bar.restore, on_step=bar.step
         )
     data = {
-        "snapshot": snapshot_status(result.snapshot).reference,
-        "pod": result.pod["metadata"]["name"],
-        "namespace": ns,
-        "from": result.from_node,
-        "to": result.to_node,
+        "snapshot": result.snapshot,  # the PodSnapshot object
+        "restored": {"name": result.pod["metadata"]["name"], "namespace": ns, "node": result.to_node},
+        "original": {"name": pod, "namespace": ns, "node": result.from_node, "deleted": True},
     }
-    emit(data, output, lambda d: f"pod/{d['pod']} runs on {d['to']} (from {d['snapshot']})")
+    emit(data, output, _migrated_text)
+
+
+def _migrated_text(d: dict[str, Any]) -> str:
+    ref = snapshot_status(d["snapshot"]).reference
+    return f"pod/{d['restored']['name']} runs on {d['restored']['node']} (from {ref})"
 
 
 @cli.command("list")

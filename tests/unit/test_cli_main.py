@@ -157,3 +157,8 @@ def test_doctor_text_shows_unknown_facts() -> None:
         }
     )
     assert "BAD CRD x: missing" in text and "n1" in text and "unknown" in text
+
+
+def test_snapshot_verb_is_an_alias_of_the_pod_command() -> None:
+    proc = run("snapshot", "pod/web")
+    assert proc.returncode == 2 and "error: no destination repository" in proc.stderr
