@@ -1,0 +1,259 @@
+"""The agent image and render()'s objects on the real two-node cluster (hack/cluster).
+
+- hack/build-agent-image.sh builds the image offline and pushes it to the cluster's registry; a pod
+  from it runs on each node: the entry point, the agent's imports (grpc, kubernetes, zstandard, pycriu,
+  the generated containerd stubs) and the wrapper zipapp under the image's bare python3;
+- the CRD applies, ``kubectl get podsnapshots``/``psnap`` show the printer columns, the schema rejects
+  bad objects and keeps the spec immutable, and the status subresource works;
+- the RBAC objects do what they claim on the real authorizer: the agent's service account can do
+  exactly its list, and users get PodSnapshot rights through the built-in edit/view roles;
+- the DaemonSet for this cluster (per-node paths, API server override) passes server-side validation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot import __version__
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.deploy import render
+from tests.support.cluster import Cluster, cluster, namespace
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[2]
+AGENT_SA = f"system:serviceaccount:{K.AGENT_NAMESPACE}:{K.AGENT_NAME}"
+
+
+@pytest.fixture(scope="module")
+def agent_image(cluster: Cluster) -> str:
+    """REF@sha256:... of the agent image, built (or found in the cache) and pushed to the cluster's registry."""
+    if shutil.which("debootstrap") is None:
+        pytest.skip("debootstrap is missing (apt-get install debootstrap)")
+    if not Path("/usr/lib/python3/dist-packages/pycriu").is_dir():
+        pytest.skip("python3-pycriu is missing (hack/install-node-deps.sh)")
+    proc = subprocess.run(
+        [str(REPO / "hack" / "build-agent-image.sh"), f"{cluster.registry}/kubectl-snapshot/agent:e2e"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ref = proc.stdout.strip().splitlines()[-1]
+    assert ref.startswith(f"{cluster.registry}/kubectl-snapshot/agent@sha256:"), proc.stdout
+    return ref
+
+
+def wait_done(cluster: Cluster, ns: str, name: str, timeout: float = 180) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+
+    def done() -> bool:
+        nonlocal last
+        last = cluster.get_json("pod", name, "-n", ns)
+        return last["status"].get("phase") in ("Succeeded", "Failed")
+
+    try:
+        cluster.wait_for(f"pod {ns}/{name} to finish", done, timeout)
+    except AssertionError:
+        events = cluster.kubectl("get", "events", "-n", ns, check=False).stdout
+        raise AssertionError(f"{json.dumps(last.get('status'))[:2000]}\n{events}") from None
+    return last
+
+
+CHECK_IMAGE = """
+set -e
+kubectl-snapshot-agent --version
+python3 -c 'import grpc, kubernetes, zstandard, yaml, pycriu, shim.containerd.client, shim.agent_cli
+print("imports-ok")'
+# the wrapper zipapp with no site-packages at all, as on a node's bare python3
+/usr/bin/python3 -I -S -c 'import sys; sys.path.insert(0, "/opt/kubectl-snapshot-runc.pyz")
+import shim.runc_wrapper, shim.rootfs_diff; print("pyz-ok")'
+"""
+
+
+def test_agent_image_runs_on_each_node(cluster: Cluster, namespace: str, agent_image: str) -> None:
+    pods = [
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": f"agent-{node}", "namespace": namespace},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "restartPolicy": "Never",
+                "terminationGracePeriodSeconds": 1,
+                "containers": [
+                    {
+                        "name": "agent",
+                        "image": agent_image,
+                        "imagePullPolicy": "IfNotPresent",
+                        "command": ["sh", "-c", CHECK_IMAGE],
+                    }
+                ],
+            },
+        }
+        for node in cluster.nodes
+    ]
+    cluster.apply(pods)
+    for node in cluster.nodes:
+        pod = wait_done(cluster, namespace, f"agent-{node}")
+        logs = cluster.kubectl("logs", f"agent-{node}", "-n", namespace, check=False).stdout
+        assert pod["status"]["phase"] == "Succeeded", logs
+        assert pod["spec"]["nodeName"] == node
+        assert __version__ in logs and "imports-ok" in logs and "pyz-ok" in logs, logs
+
+
+def test_agent_version_is_the_entrypoint(cluster: Cluster, namespace: str, agent_image: str) -> None:
+    """Entrypoint ["kubectl-snapshot-agent"]: args alone run it (as the DaemonSet's containers do)."""
+    node = cluster.nodes[0]
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "entrypoint", "namespace": namespace},
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "restartPolicy": "Never",
+                "containers": [{"name": "agent", "image": agent_image, "args": ["--version"]}],
+            },
+        }
+    )
+    pod = wait_done(cluster, namespace, "entrypoint")
+    logs = cluster.kubectl("logs", "entrypoint", "-n", namespace).stdout
+    assert pod["status"]["phase"] == "Succeeded" and __version__ in logs, logs
+
+
+@pytest.fixture(scope="module")
+def installed(cluster: Cluster) -> Iterator[list[dict[str, Any]]]:
+    """render()'s cluster-wide objects applied for real; the DaemonSet only validated (dry run)."""
+    objs = render(
+        "127.0.0.1:5005/kubectl-snapshot/agent:e2e",
+        api_server=f"https://{cluster.api_host}:{cluster.api_port}",
+        per_node_paths={
+            n: {
+                "containerd_socket": str(cluster.containerd_socket(n)),
+                "kubelet_root": str(cluster.state_dir / n / "kubelet"),
+                "containerd_dropin_dir": str(cluster.containerd_dropin_dir(n)),
+            }
+            for n in cluster.nodes
+        },
+    )
+    cluster.apply([o for o in objs if o["kind"] not in ("DaemonSet", "ConfigMap")])
+    cluster.kubectl(
+        "wait", "--for=condition=Established", f"crd/{K.PLURAL}.{K.GROUP}", "--timeout=60s"
+    )  # fmt: skip
+    yield objs
+
+
+def test_daemonset_passes_server_side_validation(cluster: Cluster, installed: list[dict[str, Any]]) -> None:
+    rest = [o for o in installed if o["kind"] in ("DaemonSet", "ConfigMap")]
+    proc = cluster.kubectl(
+        "apply", "--dry-run=server", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": rest})
+    )
+    assert "daemonset.apps/kubectl-snapshot-agent" in proc.stdout, proc.stdout
+
+
+def podsnapshot(name: str, ns: str, **spec: Any) -> dict[str, Any]:
+    body = {"podName": "counter", "destination": "127.0.0.1:5005/snapshots/counter:1", **spec}
+    return {"apiVersion": K.API_VERSION, "kind": K.KIND, "metadata": {"name": name, "namespace": ns}, "spec": body}
+
+
+def test_crd_and_kubectl_get(cluster: Cluster, namespace: str, installed: list[dict[str, Any]]) -> None:
+    cluster.apply(podsnapshot("snap-1", namespace))
+    table = cluster.kubectl("get", "podsnapshots", "-n", namespace).stdout
+    header = table.splitlines()[0].split()
+    assert header == ["NAME", "POD", "PHASE", "NODE", "SIZE", "REFERENCE", "AGE"], table
+    assert "snap-1" in table and "counter" in table
+    assert "snap-1" in cluster.kubectl("get", K.SHORT_NAME, "-n", namespace).stdout
+    obj = cluster.get_json(K.PLURAL, "snap-1", "-n", namespace)
+    assert obj["spec"]["includeVolumes"] is True and obj["spec"]["stop"] is False  # schema defaults
+
+    # status through the subresource, shown by the printer columns
+    status = {"status": {"phase": K.PHASE_SUCCEEDED, "node": "ks-n1", "size": 4096, "reference": "r@sha256:x"}}
+    cluster.kubectl(
+        "patch", K.PLURAL, "snap-1", "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(status)
+    )
+    row = cluster.kubectl("get", K.PLURAL, "snap-1", "-n", namespace, "--no-headers").stdout.split()
+    assert row[:6] == ["snap-1", "counter", "Succeeded", "ks-n1", "4096", "r@sha256:x"], row
+
+    # the spec is immutable; bad objects are refused at the door
+    changed = cluster.kubectl(
+        "patch", K.PLURAL, "snap-1", "-n", namespace, "--type=merge", "-p", '{"spec":{"podName":"other"}}', check=False
+    )
+    assert changed.returncode != 0 and "immutable" in changed.stderr, changed.stderr
+    bad = podsnapshot("snap-bad", namespace)
+    del bad["spec"]["destination"]
+    refused = cluster.kubectl("create", "-f", "-", input=json.dumps(bad), check=False)
+    assert refused.returncode != 0 and "destination" in refused.stderr, refused.stderr
+    bad_phase = cluster.kubectl(
+        "patch", K.PLURAL, "snap-1", "-n", namespace, "--subresource=status", "--type=merge",
+        "-p", '{"status":{"phase":"Exploded"}}', check=False,
+    )  # fmt: skip
+    assert bad_phase.returncode != 0, bad_phase.stdout
+
+
+def can_i(cluster: Cluster, user: str, verb: str, resource: str, ns: str | None = None) -> bool:
+    args = ["auth", "can-i", verb, resource, "--as", user] + (["-n", ns] if ns else ["--all-namespaces"])
+    return cluster.kubectl(*args, check=False).stdout.strip() == "yes"
+
+
+def test_agent_rbac_on_the_real_authorizer(cluster: Cluster, installed: list[dict[str, Any]]) -> None:
+    allowed = [
+        ("watch", K.PLURAL),
+        ("patch", f"{K.PLURAL}/status"),
+        ("patch", "pods"),
+        ("create", "events"),
+        ("get", "secrets"),
+        ("patch", "nodes"),
+    ]
+    denied = [
+        ("create", K.PLURAL),
+        ("update", K.PLURAL),
+        ("list", "secrets"),
+        ("create", "pods"),
+        ("delete", "pods"),
+        ("create", "pods/exec"),
+        ("delete", "nodes"),
+    ]
+    for verb, resource in allowed:
+        assert can_i(cluster, AGENT_SA, verb, resource), (verb, resource)
+    for verb, resource in denied:
+        assert not can_i(cluster, AGENT_SA, verb, resource), (verb, resource)
+
+
+def test_users_get_rights_through_builtin_roles(
+    cluster: Cluster, namespace: str, installed: list[dict[str, Any]]
+) -> None:
+    editor, viewer = f"e2e-editor-{uuid.uuid4().hex[:6]}", f"e2e-viewer-{uuid.uuid4().hex[:6]}"
+    cluster.apply(
+        [
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": {"name": f"{role}-binding", "namespace": namespace},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role},
+                "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}],
+            }
+            for role, user in (("edit", editor), ("view", viewer))
+        ]
+    )
+    # aggregation is done by the controller-manager: poll until the built-in roles carry our rules
+    cluster.wait_for(
+        "edit/view to aggregate the PodSnapshot rules",
+        lambda: (
+            can_i(cluster, editor, "create", K.PLURAL, namespace)
+            and can_i(cluster, viewer, "list", K.PLURAL, namespace)
+        ),
+        timeout=60,
+    )
+    assert can_i(cluster, editor, "delete", K.PLURAL, namespace)
+    assert not can_i(cluster, editor, "patch", f"{K.PLURAL}/status", namespace)  # only agents write status
+    assert not can_i(cluster, viewer, "create", K.PLURAL, namespace)
+    assert not can_i(cluster, editor, "create", K.PLURAL, "default")  # namespaced grant only
