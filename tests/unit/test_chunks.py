@@ -28,7 +28,7 @@ from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConf
 from shim.engine.chunks import IMG_COMMON_MAGIC, PAGEMAP_MAGIC, plan_checkpoint, read_pagemap
 
 D = ["sha256:" + c * 64 for c in "0123456789abcdef"]
-SPAN = 256 << 10
+SPAN = MIN_SPAN
 PAGES_PER_SPAN = SPAN // PAGE_SIZE
 
 
@@ -49,9 +49,9 @@ def contents(spans: list[Span], runs: list[PagemapRun]) -> list[tuple[int, ...]]
 
 def test_span_is_a_power_of_two_near_total_over_target_and_stable_near_boundaries() -> None:
     assert choose_span(0) == MIN_SPAN
-    assert choose_span(64 << 20) == MIN_SPAN
-    assert choose_span(512 << 20) == 2 << 20
-    assert choose_span(2 << 30) == MAX_SPAN
+    assert choose_span(64 << 20) == MIN_SPAN == 1 << 20
+    assert choose_span(512 << 20) == 8 << 20
+    assert choose_span(2 << 30) == MAX_SPAN == 16 << 20
     # a process just over a power of two keeps the same span (rounding in log space, not up)
     assert choose_span((512 << 20) + (30 << 20)) == choose_span((512 << 20) - (30 << 20))
 

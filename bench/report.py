@@ -1,0 +1,122 @@
+"""Turn bench/run.py's measurements into ratios, goal verdicts and a Markdown table.
+
+No absolute number appears without the ratio it belongs to (PLATFORM.md: shared, noisy machines).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _r(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _fmt(x: float | None, unit: str = "x") -> str:
+    return "n/a" if x is None else f"{x:.2f}{unit}"
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 1000:.0f} ms"
+
+
+def _verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("met" if ok else "**missed**")
+
+
+def derive(row: dict[str, Any]) -> dict[str, Any]:
+    raw, ag = row["raw"], row["agent"]
+    pod, ctr = row.get("podman", {}), row.get("ctr", {})
+    parts = [raw.get(k) for k in ("dump_s", "zstd_s", "sha_s", "upload_s")]
+    serial = sum(p for p in parts if p is not None) if all(p is not None for p in parts) else None
+    rparts = [raw.get(k) for k in ("download_s", "unzstd_s", "restore_s")]
+    rbound = sum(p for p in rparts if p is not None) if all(p is not None for p in rparts) else None
+    d: dict[str, Any] = {
+        "freeze_vs_raw_dump": _r(ag.get("freeze_s"), raw.get("dump_s")),
+        "freeze_goal_met": None
+        if ag.get("freeze_s") is None or raw.get("dump_s") is None
+        else ag["freeze_s"] <= 1.1 * raw["dump_s"] + 0.030,
+        "serial_bound_s": serial,
+        "pushed_vs_serial_bound": _r(ag.get("pushed_s"), serial),
+        "pushed_internal_vs_serial_bound": _r(ag.get("pushed_internal_s"), serial),
+        "pushed_vs_podman_export": _r(ag.get("pushed_s"), pod.get("checkpoint_export_s")),
+        "pushed_vs_ctr_checkpoint_push": _r(ag.get("pushed_s"), ctr.get("checkpoint_push_s")),
+        "restore_bound_s": rbound,
+        "restore_vs_bound": _r(ag.get("restore_s"), rbound),
+        "restore_vs_podman_import": _r(ag.get("restore_s"), pod.get("restore_import_s")),
+        "restore_vs_ctr_pull_restore": _r(ag.get("restore_s"), ctr.get("pull_restore_s")),
+        "size_vs_rss": _r(ag.get("size_bytes"), raw.get("rss_bytes")),
+        "size_vs_zstd1_raw": _r(ag.get("size_bytes"), raw.get("zstd_bytes")),
+        "incr_1pct_vs_first": _r(ag.get("incr_1pct_uploaded"), ag.get("incr_base_uploaded")),
+        "incr_5pct_vs_first": _r(ag.get("incr_5pct_uploaded"), ag.get("incr_base_uploaded")),
+    }
+    pv, cv = d["pushed_vs_podman_export"], d["pushed_vs_ctr_checkpoint_push"]
+    d["pushed_goal_met"] = None if d["pushed_vs_serial_bound"] is None else (
+        (row["mib"] < 512 or d["pushed_vs_serial_bound"] <= 1.5) and (pv is None or pv < 1) and (cv is None or cv < 1)
+    )  # fmt: skip
+    rv, rp, rc = d["restore_vs_bound"], d["restore_vs_podman_import"], d["restore_vs_ctr_pull_restore"]
+    d["restore_goal_met"] = None if rv is None else (rv <= 1.5 and (rp is None or rp < 1) and (rc is None or rc < 1))
+    d["size_goal_met"] = None if d["size_vs_zstd1_raw"] is None else d["size_vs_zstd1_raw"] <= 1.05
+    d["incr_goal_met"] = None if d["incr_5pct_vs_first"] is None else d["incr_5pct_vs_first"] <= 0.10
+    return d
+
+
+def markdown(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    lines = [
+        "# kubectl-snapshot benchmark",
+        "",
+        f"Machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['memory_bytes'] >> 30} GiB, kernel {m['kernel']}, "
+        f"{m['criu']}, {m['runc']}, {m['containerd']}, {m['podman'] or 'no podman'}; load average at the end "
+        f"{', '.join(f'{x:.2f}' for x in m['loadavg'])}; {m['time']}.",
+        f"Each figure: median of {result['rows'][0]['runs'] if result['rows'] else '?'} runs after one warm-up; "
+        "every absolute number is shown next to the bound or peer it is divided by, measured in the same run.",
+        "",
+        "| workload | freeze vs raw criu dump | goal <=1.1x+30ms | checkpoint->pushed vs serial bound "
+        "| vs podman export | vs ctr checkpoint+push | goal | pull->running vs bound | vs podman import "
+        "| vs ctr pull+restore | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        d, ag, raw = derive(row), row["agent"], row["raw"]
+        pod, ctr = row.get("podman", {}), row.get("ctr", {})
+        lines.append(
+            f"| {row['kind']} {row['mib']} MiB "
+            f"| {_fmt(d['freeze_vs_raw_dump'])} ({_ms(ag.get('freeze_s'))} / {_ms(raw.get('dump_s'))}) "
+            f"| {_verdict(d['freeze_goal_met'])} "
+            f"| {_fmt(d['pushed_vs_serial_bound'])} ({_ms(ag.get('pushed_s'))} / {_ms(d['serial_bound_s'])}; "
+            f"in-agent {_fmt(d['pushed_internal_vs_serial_bound'])}) "
+            f"| {_fmt(d['pushed_vs_podman_export'])} ({_ms(pod.get('checkpoint_export_s'))}) "
+            f"| {_fmt(d['pushed_vs_ctr_checkpoint_push'])} ({_ms(ctr.get('checkpoint_push_s'))}) "
+            f"| {_verdict(d['pushed_goal_met'])} "
+            f"| {_fmt(d['restore_vs_bound'])} ({_ms(ag.get('restore_s'))} / {_ms(d['restore_bound_s'])}) "
+            f"| {_fmt(d['restore_vs_podman_import'])} ({_ms(pod.get('restore_import_s'))}) "
+            f"| {_fmt(d['restore_vs_ctr_pull_restore'])} ({_ms(ctr.get('pull_restore_s'))}) "
+            f"| {_verdict(d['restore_goal_met'])} |"
+        )
+    lines += [
+        "",
+        "| workload | size vs RSS | size vs zstd -1 of raw images | goal <=1.05x | 2nd snapshot after 1% changed "
+        "| after 5% changed | goal <=10% | serial bound parts (dump / zstd / sha256 / upload) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        d, ag, raw = derive(row), row["agent"], row["raw"]
+        lines.append(
+            f"| {row['kind']} {row['mib']} MiB | {_fmt(d['size_vs_rss'])} "
+            f"| {_fmt(d['size_vs_zstd1_raw'])} ({ag.get('size_bytes', 0) / 2**20:.1f} / "
+            f"{raw.get('zstd_bytes', 0) / 2**20:.1f} MiB) | {_verdict(d['size_goal_met'])} "
+            f"| {_fmt(d['incr_1pct_vs_first'] and d['incr_1pct_vs_first'] * 100, '%')} "
+            f"| {_fmt(d['incr_5pct_vs_first'] and d['incr_5pct_vs_first'] * 100, '%')} of "
+            f"{ag.get('incr_base_uploaded', 0) / 2**20:.1f} MiB | {_verdict(d['incr_goal_met'])} "
+            f"| {' / '.join(_ms(raw.get(k)) for k in ('dump_s', 'zstd_s', 'sha_s', 'upload_s'))} |"
+        )
+    errors = [
+        f"- {row['kind']} {row['mib']} MiB {p}: {row[p]['error']}"
+        for row in result["rows"]
+        for p in ("podman", "ctr")
+        if isinstance(row.get(p), dict) and "error" in row[p]
+    ]
+    if errors:
+        lines += ["", "Peer failures (reported, not hidden):", *errors]
+    return "\n".join(lines) + "\n"

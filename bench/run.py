@@ -1,0 +1,411 @@
+#!/usr/bin/env python3
+"""kubectl-snapshot benchmark: every figure is a ratio to a bound or a peer measured in the same run.
+
+    .venv/bin/python bench/run.py [--quick] [--sizes 64,512,2048] [--kinds random,objects] [--runs 5]
+                                  [--no-peers] [--out bench/results]
+
+For each workload (a Python process holding N MiB of touched memory, incompressible or a realistic
+object heap; bench/workload.py) it measures, as medians of --runs runs after one warm-up:
+
+* freeze: the agent's frozen time vs a raw ``criu dump --leave-running`` of the same program;
+* checkpoint -> pushed (CLI wall time, fresh repository every run) vs the serial bound (raw criu dump
+  + tar|zstd -1 + sha256 + upload, each timed on its own) and vs podman ``container checkpoint
+  --export --compress zstd`` (which does not even push) and ``ctr c checkpoint --task --rw`` +
+  ``ctr images push``;
+* pull -> running vs the bound (download + zstd -d|tar + raw ``criu restore``) and vs podman
+  ``container restore --import`` and ``ctr images pull`` + ``ctr c restore --live --rw``;
+* snapshot size vs RSS and vs ``zstd -1`` of the raw CRIU images;
+* bytes uploaded by a second snapshot after 1% and 5% of the memory changed, vs the first's.
+
+Writes RESULTS.md and results.json (machine facts included) under --out. Needs root, the node deps
+(hack/install-node-deps.sh) and, for the peers, hack/install-bench-deps.sh (podman). Network: the
+registry listens on 127.0.0.1 and podman containers run with --network none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import report
+from bench.workload import args as workload_args
+from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core.reference import Reference
+from tests.support.containerd import ContainerdDaemon
+from tests.support.images import python_image, python_tarball
+from tests.support.registry import RegistryServer
+
+BIN = Path(sys.executable).parent
+AGENT = str(BIN / "kubectl-snapshot-agent")
+WRAPPER = str(BIN / "kubectl-snapshot-runc")
+CTR = "/usr/local/bin/ctr"
+CRIU = shutil.which("criu") or "/usr/sbin/criu"
+HOST_PY = "/usr/bin/python3"
+STATE = Path(os.environ.get("KUBECTL_SNAPSHOT_STATE_DIR", "/var/lib/kubectl-snapshot"))
+
+
+def sh(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, **kw)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[:6])} ... failed ({proc.returncode}): {proc.stderr.strip()[-800:]}")
+    return proc
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    t = time.monotonic()
+    fn()
+    return time.monotonic() - t
+
+
+def med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def wait_file(path: Path, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {path}")
+        time.sleep(0.05)
+
+
+def mutate(ctl: Path, pct: float) -> None:
+    (ctl / "mutated").unlink(missing_ok=True)
+    (ctl / "mutate.tmp").write_text(str(pct))
+    (ctl / "mutate.tmp").rename(ctl / "mutate")
+    wait_file(ctl / "mutated")
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+# --- raw CRIU and the serial bounds ---------------------------------------------------------------
+
+
+def raw_bounds(work: Path, registry: RegistryServer, mib: int, kind: str, runs: int) -> dict[str, Any]:
+    ctl = Path(tempfile.mkdtemp(dir=work))
+    proc = subprocess.Popen(
+        [HOST_PY, *workload_args(ctl, mib, kind)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    reg = RegistryClient()
+    m: dict[str, list[float]] = {k: [] for k in ("dump", "zstd", "sha", "upload", "download", "unzstd", "restore")}
+    out: dict[str, Any] = {}
+    dumps = work / "raw"
+    try:
+        wait_file(ctl / "ready")
+        out["rss_bytes"] = rss_bytes(proc.pid)
+        opts = ["--tcp-established", "--file-locks", "-o", "dump.log"]
+        for i in range(runs + 1):
+            d = dumps / f"d{i}"
+            d.mkdir(parents=True)
+            t_dump = timed(lambda d=d: sh([CRIU, "dump", "-t", str(proc.pid), "-D", str(d), "--leave-running", *opts]))
+            blob = work / f"raw{i}.tar.zst"
+            t_z = timed(lambda d=d, b=blob: sh(["sh", "-c", f"tar -C {d} -cf - . | zstd -1 -T0 -q -c > {b}"]))
+            digest = ""
+
+            def sha(b: Path = blob) -> None:
+                nonlocal digest
+                digest = "sha256:" + sh(["sha256sum", str(b)]).stdout.split()[0]
+
+            t_sha = timed(sha)
+            ref = Reference.parse(f"{registry.host}/raw-{uuid.uuid4().hex[:8]}:x")
+            size = blob.stat().st_size
+            t_up = timed(lambda b=blob, r=ref, s=size: reg.push_blob(r, digest=digest, size=s, path=str(b)))  # noqa: B023 (called at once)
+            dl = work / "dl.tar.zst"
+            with open(dl, "wb") as f:
+                t_dl = timed(lambda r=ref, f=f, s=size: reg.fetch_blob(r, digest, f, expected_size=s))  # noqa: B023 (called at once)
+            x = work / "x"
+            x.mkdir()
+            t_unz = timed(lambda x=x: sh(["sh", "-c", f"zstd -d -q -c {dl} | tar -C {x} -xf -"]))  # noqa: B023 (called at once)
+            shutil.rmtree(x)
+            dl.unlink()
+            if i:
+                for k, v in zip(("dump", "zstd", "sha", "upload", "download", "unzstd"),
+                                (t_dump, t_z, t_sha, t_up, t_dl, t_unz), strict=True):  # fmt: skip
+                    m[k].append(v)
+            out["images_bytes"] = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+            out["zstd_bytes"] = size
+            blob.unlink()
+            if i < runs:
+                shutil.rmtree(d)
+        # raw restore of the last dump (the original must be gone: CRIU restores the same pid)
+        proc.kill()
+        proc.wait()
+        last = dumps / f"d{runs}"
+        for i in range(runs + 1):
+            t = timed(lambda: sh([CRIU, "restore", "-D", str(last), "--restore-detached", *opts[:2], "-o", "r.log"]))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, 9)
+            _wait_gone(proc.pid)
+            if i:
+                m["restore"].append(t)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, 9)
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=5)
+        shutil.rmtree(dumps, ignore_errors=True)
+        shutil.rmtree(ctl, ignore_errors=True)
+    out.update({f"{k}_s": med(v) for k, v in m.items()})
+    return out
+
+
+def _wait_gone(pid: int, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)
+        time.sleep(0.01)
+
+
+# --- the agent -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def container(daemon: ContainerdDaemon, mib: int, kind: str) -> Iterator[tuple[str, Path]]:
+    cid = f"bench-{kind}-{mib}-{uuid.uuid4().hex[:6]}"
+    ctl = Path(tempfile.mkdtemp(dir=STATE))
+    c = daemon.client()
+    mount = {"destination": "/ctl", "type": "bind", "source": str(ctl), "options": ["rbind", "rw"]}
+    c.run_container(
+        cid,
+        image=python_image(daemon),
+        args=["python3", *workload_args("/ctl", mib, kind)],
+        mounts=[mount],
+        runc_options=daemon.runc_options,
+    )
+    try:
+        wait_file(ctl / "ready")
+        yield cid, ctl
+    finally:
+        with contextlib.suppress(Exception):
+            c.remove_container(cid)
+        shutil.rmtree(ctl, ignore_errors=True)
+
+
+def agent_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[float, dict[str, Any]]:
+    t = time.monotonic()
+    proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--to", ref, cid])
+    return time.monotonic() - t, json.loads(proc.stdout)
+
+
+def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, kind: str, runs: int) -> dict[str, Any]:
+    freeze, pushed, internal, sizes, restores = [], [], [], [], []
+    out: dict[str, Any] = {}
+    with container(daemon, mib, kind) as (cid, ctl):
+        ref = ""
+        for i in range(runs + 1):
+            wall, res = agent_checkpoint(daemon, f"{registry.host}/agent-{uuid.uuid4().hex[:8]}:v1", cid)
+            ref = res["reference"]
+            if i:
+                freeze.append(res["timingsMs"]["freeze_ms"] / 1000)
+                pushed.append(wall)
+                internal.append(res["timingsMs"]["total_ms"] / 1000)
+                sizes.append(res["size"])
+                out["timings_ms_last"] = res["timingsMs"]
+        for i in range(runs + 1):
+            new = f"r-{uuid.uuid4().hex[:8]}"
+            t = time.monotonic()
+            sh([AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", WRAPPER,
+                "--runc-root", daemon.runc_root, ref, new])  # fmt: skip
+            if i:
+                restores.append(time.monotonic() - t)
+            with contextlib.suppress(Exception):
+                daemon.client().remove_container(new)
+        # incremental: a base snapshot, then 1% changed, then 5% more changed (same repository)
+        repo = f"{registry.host}/incr-{uuid.uuid4().hex[:8]}"
+        _, base = agent_checkpoint(daemon, f"{repo}:base", cid)
+        mutate(ctl, 1)
+        _, one = agent_checkpoint(daemon, f"{repo}:one", cid)
+        mutate(ctl, 5)
+        _, five = agent_checkpoint(daemon, f"{repo}:five", cid)
+    out.update(
+        freeze_s=med(freeze),
+        pushed_s=med(pushed),
+        pushed_internal_s=med(internal),
+        size_bytes=med(sizes),
+        restore_s=med(restores),
+        incr_base_uploaded=base["uploaded"],
+        incr_1pct_uploaded=one["uploaded"],
+        incr_5pct_uploaded=five["uploaded"],
+    )
+    return out
+
+
+# --- peers ---------------------------------------------------------------------------------------
+
+
+def measure_ctr(
+    daemon: ContainerdDaemon, other: ContainerdDaemon, registry: RegistryServer, mib: int, kind: str, runs: int
+) -> dict[str, Any]:
+    """ctr checkpoint+push on `daemon`, pull+restore on `other` (a restore on the same daemon would join
+    the original's cgroup, which ctr keeps from the checkpoint, and removing it would kill the original)."""
+    base = [CTR, "-a", daemon.address, "-n", daemon.namespace]
+    there = [CTR, "-a", other.address, "-n", other.namespace]
+    python_image(other)
+    ckpt, restore = [], []
+    with container(daemon, mib, kind) as (cid, _ctl):
+        for i in range(runs + 1):
+            ref = f"{registry.host}/ctr-{uuid.uuid4().hex[:8]}:v1"
+            t = time.monotonic()
+            sh([*base, "c", "checkpoint", "--task", "--rw", cid, ref])
+            sh([*base, "images", "push", "--plain-http", ref])
+            if i:
+                ckpt.append(time.monotonic() - t)
+            sh([*base, "images", "rm", ref])
+            new = f"ctr-r-{uuid.uuid4().hex[:6]}"
+            t = time.monotonic()
+            sh([*there, "images", "pull", "--plain-http", ref])
+            sh([*there, "c", "restore", "--live", "--rw", new, ref])
+            if i:
+                restore.append(time.monotonic() - t)
+            with contextlib.suppress(Exception):
+                other.client().remove_container(new)
+            with contextlib.suppress(Exception):
+                sh([*there, "images", "rm", ref])
+    return {"checkpoint_push_s": med(ckpt), "pull_restore_s": med(restore)}
+
+
+def podman_image() -> str:
+    out = sh(["podman", "load", "-q", "-i", str(python_tarball())]).stdout
+    return out.strip().split()[-1]
+
+
+def measure_podman(work: Path, image: str, mib: int, kind: str, runs: int) -> dict[str, Any]:
+    name = f"pb-{kind}-{mib}-{uuid.uuid4().hex[:6]}"
+    ctl = Path(tempfile.mkdtemp(dir=work))
+    sh(["podman", "run", "-d", "--runtime", "runc", "--network", "none", "--name", name, "-v", f"{ctl}:/ctl",
+        image, "python3", *workload_args("/ctl", mib, kind)])  # fmt: skip
+    ckpt, restore, sizes = [], [], []
+    try:
+        wait_file(ctl / "ready")
+        for i in range(runs + 1):
+            f = work / f"{name}.tar.zst"
+            t = timed(lambda f=f: sh(["podman", "container", "checkpoint", "--leave-running", "--export", str(f),
+                                      "--compress", "zstd", name]))  # fmt: skip
+            new = f"{name}-r{i}"
+            t_r = timed(lambda f=f, n=new: sh(["podman", "container", "restore", "--import", str(f), "--name", n]))
+            sh(["podman", "rm", "-f", new])
+            if i:
+                ckpt.append(t)
+                restore.append(t_r)
+                sizes.append(f.stat().st_size)
+            f.unlink()
+    finally:
+        subprocess.run(["podman", "rm", "-f", name], capture_output=True, check=False)
+        shutil.rmtree(ctl, ignore_errors=True)
+    return {"checkpoint_export_s": med(ckpt), "restore_import_s": med(restore), "export_bytes": med(sizes)}
+
+
+def peer(fn: Callable[[], dict[str, Any]], what: str) -> dict[str, Any]:
+    try:
+        return fn()
+    except Exception as e:  # a peer that fails here is reported, not fatal
+        print(f"  {what} failed: {e}", file=sys.stderr)
+        return {"error": str(e)[-300:]}
+
+
+def machine_facts() -> dict[str, Any]:
+    def version(cmd: list[str]) -> str:
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, check=False).stdout.strip().splitlines()[0]
+        except (OSError, IndexError):
+            return ""
+
+    model = ""
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+    mem = 0
+    with contextlib.suppress(OSError):
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        mem = int(next(ln.split()[1] for ln in lines if ln.startswith("MemTotal"))) * 1024
+    return {
+        "kernel": platform.release(),
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "memory_bytes": mem,
+        "python": platform.python_version(),
+        "criu": version([CRIU, "--version"]),
+        "runc": version(["runc", "--version"]),
+        "containerd": version(["/usr/local/bin/containerd", "--version"]),
+        "podman": version(["podman", "--version"]),
+        "loadavg": os.getloadavg(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="64,512,2048", help="MiB of touched memory (comma-separated)")
+    ap.add_argument("--kinds", default="random,objects", help="random (incompressible), objects (Python heap)")
+    ap.add_argument("--runs", type=int, default=5, help="measured runs per metric (after one warm-up)")
+    ap.add_argument("--quick", action="store_true", help="64 and 512 MiB only")
+    ap.add_argument("--no-peers", action="store_true", help="skip podman and ctr")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    a = ap.parse_args()
+    sizes = [64, 512] if a.quick else [int(x) for x in a.sizes.split(",")]
+    kinds = a.kinds.split(",")
+    work = Path(tempfile.mkdtemp(prefix="ksbench-", dir="/var/tmp"))
+    daemon = ContainerdDaemon("bench", work / "ctrd")
+    other = ContainerdDaemon("bench-b", work / "ctrd-b")
+    registry = RegistryServer(work / "registry")
+    daemon.start()
+    other.start()
+    registry.start()
+    rows = []
+    started = time.monotonic()
+    try:
+        pimage = (
+            None if a.no_peers or not shutil.which("podman") else peer(lambda: {"i": podman_image()}, "podman load")
+        )
+        for kind in kinds:
+            for mib in sizes:
+                print(f"[bench] {kind} {mib} MiB", file=sys.stderr)
+                row: dict[str, Any] = {"kind": kind, "mib": mib, "runs": a.runs}
+                row["raw"] = raw_bounds(work, registry, mib, kind, a.runs)
+                row["agent"] = measure_agent(daemon, registry, mib, kind, a.runs)
+                if not a.no_peers:
+                    if pimage and "i" in pimage:
+                        row["podman"] = peer(lambda: measure_podman(work, pimage["i"], mib, kind, a.runs), "podman")  # noqa: B023 (called at once)
+                    row["ctr"] = peer(lambda: measure_ctr(daemon, other, registry, mib, kind, a.runs), "ctr")  # noqa: B023 (called at once)
+                rows.append(row)
+    finally:
+        daemon.stop()
+        other.stop()
+        registry.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    result = {"machine": machine_facts(), "elapsed_s": time.monotonic() - started, "rows": rows}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    md = report.markdown(result)
+    (out / "RESULTS.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
