@@ -10,6 +10,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 [ "$(id -u)" = 0 ] || ks_die "must run as root" "sudo $0 $*"
 [ $# = 1 ] || ks_die "usage: $0 NODE" "nodes are: ${KS_NODES[*]}"
+ks_lock
 node="$1"
 ks_node_ip "$node" >/dev/null
 [ -f "$KS_DIR/$node/containerd.toml" ] || ks_die "node $node has no containerd config" "bring the cluster up first: hack/cluster/up.sh"

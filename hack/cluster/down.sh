@@ -14,6 +14,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 . "$HERE/lib.sh"
 
 [ "$(id -u)" = 0 ] || ks_die "must run as root" "sudo $0"
+ks_lock
 
 # Pids whose command line mentions our state dirs (excluding this script and its ancestors).
 our_pids() {

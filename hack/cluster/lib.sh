@@ -42,6 +42,16 @@ ks_node_ip() {  # NODE -> its address in ks-net
 ks_node_sock() { echo "$KS_RUN/$1/containerd.sock"; }
 ks_node_dropins() { echo "$KS_DIR/$1/containerd.d"; }
 
+# One cluster operation at a time (up, down, containerd restart, and the pytest fixture, which
+# sets KS_LOCK_HELD when it holds the lock itself). Daemons must not inherit the lock's fd.
+ks_lock() {
+  [ -z "${KS_LOCK_HELD:-}" ] || return 0
+  mkdir -p "$(dirname "$KS_RUN")"
+  exec 8>"$KS_RUN.lock"
+  flock 8
+  export KS_LOCK_HELD=1
+}
+
 ks_pidfile() { echo "$KS_RUN/pids/$1.pid"; }
 ks_alive() {  # NAME: is the daemon from its pid file running?
   local f pid
@@ -57,10 +67,10 @@ ks_start() {  # NAME CMD...
   local name="$1"; shift
   mkdir -p "$KS_DIR/logs" "$KS_RUN/pids"
   if [[ "$name" == root-* ]]; then
-    PATH="$KS_PATH" setsid "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null &
+    PATH="$KS_PATH" setsid "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null 8>&- &
   else
     # nsenter execs the command, so the pid stays the daemon's.
-    PATH="$KS_PATH" setsid nsenter --net="/run/netns/$KS_NETNS" "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null &
+    PATH="$KS_PATH" setsid nsenter --net="/run/netns/$KS_NETNS" "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null 8>&- &
   fi
   echo $! >"$(ks_pidfile "$name")"
 }

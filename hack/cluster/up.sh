@@ -10,6 +10,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 . "$HERE/lib.sh"
 
 [ "$(id -u)" = 0 ] || ks_die "must run as root" "sudo $0"
+ks_lock
 for b in /usr/bin/etcd /usr/lib/cni/bridge /usr/bin/docker-registry /usr/local/bin/containerd /usr/sbin/runc /usr/sbin/criu /bin/busybox; do
   [ -x "$b" ] || ks_die "$b is missing" "run hack/cluster/install-deps.sh first"
 done

@@ -1,10 +1,14 @@
 """The local two-node Kubernetes cluster (hack/cluster) as a pytest fixture.
 
 ``cluster`` (session scope) reuses a running cluster, or brings one up with
-``hack/cluster/up.sh`` and tears it down with ``hack/cluster/down.sh`` at the end of the run (only
-if it started it). It skips with the reason when not root, when the node packages are missing
+``hack/cluster/up.sh``. Sessions register as users of the cluster; the last one to finish tears a
+cluster that a test session started down with ``hack/cluster/down.sh`` (one started by hand with
+``hack/cluster-up`` is left running). Several pytest sessions may share the cluster at once:
+start, stop and the user list are serialized with the same lock file as the scripts.
+
+It skips with the reason when not root, when the node packages are missing
 (``hack/cluster/install-deps.sh``) or when the Kubernetes binaries are not built yet
-(``hack/cluster/build.sh``, 25-40 min cold, so never started implicitly by a test run unless
+(``hack/cluster/build.sh``, ~17 min cold here, so never started implicitly by a test run unless
 ``KUBECTL_SNAPSHOT_E2E_BUILD=1``). ``KUBECTL_SNAPSHOT_E2E=0`` skips it outright.
 
 ``namespace`` gives each test a fresh namespace, deleted afterwards.
@@ -14,6 +18,8 @@ Import into a test module: ``from tests.support.cluster import cluster, namespac
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
@@ -130,31 +136,64 @@ def _running() -> Cluster | None:
     return found if ok else None
 
 
+USERS_DIR = RUN_DIR / "pytest-users"
+STARTED_MARK = RUN_DIR / "started-by-pytest"
+
+
+@contextlib.contextmanager
+def _cluster_lock() -> Iterator[dict[str, str]]:
+    """Hold the scripts' lock; yield the environment that tells them we hold it."""
+    RUN_DIR.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{RUN_DIR}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield {**os.environ, "KS_LOCK_HELD": "1"}
+
+
+def _live_users() -> list[Path]:
+    live = []
+    for f in USERS_DIR.glob("*"):
+        try:
+            os.kill(int(f.name), 0)
+            live.append(f)
+        except (ValueError, ProcessLookupError):
+            f.unlink(missing_ok=True)
+    return live
+
+
 @pytest.fixture(scope="session")
 def cluster() -> Iterator[Cluster]:
     if os.environ.get("KUBECTL_SNAPSHOT_E2E") == "0":
         pytest.skip("KUBECTL_SNAPSHOT_E2E=0")
     if os.geteuid() != 0:
         pytest.skip("the e2e cluster needs root (cgroups, mounts, containerd)")
-    found = _running()
-    if found is not None:
-        yield found
-        return
     missing = [p for p in NEEDED if not os.access(p, os.X_OK)]
-    if missing:
-        pytest.skip(f"missing {', '.join(missing)}: run hack/cluster/install-deps.sh")
-    built = subprocess.run([str(HACK / "build.sh"), "--check"], capture_output=True, text=True)
-    if built.returncode != 0 and os.environ.get("KUBECTL_SNAPSHOT_E2E_BUILD") != "1":
-        pytest.skip("Kubernetes binaries not built: run hack/cluster/build.sh (or KUBECTL_SNAPSHOT_E2E_BUILD=1)")
-    up = subprocess.run([str(HACK / "up.sh")], capture_output=True, text=True, timeout=3600)
-    if up.returncode != 0:
-        pytest.fail(f"hack/cluster/up.sh failed ({up.returncode}):\n{up.stderr[-4000:]}")
+    with _cluster_lock() as env:
+        found = _running()
+        if found is None:
+            if missing:
+                pytest.skip(f"missing {', '.join(missing)}: run hack/cluster/install-deps.sh")
+            built = subprocess.run([str(HACK / "build.sh"), "--check"], capture_output=True, text=True)
+            if built.returncode != 0 and os.environ.get("KUBECTL_SNAPSHOT_E2E_BUILD") != "1":
+                pytest.skip(
+                    "Kubernetes binaries not built: run hack/cluster/build.sh (or KUBECTL_SNAPSHOT_E2E_BUILD=1)"
+                )
+            up = subprocess.run([str(HACK / "up.sh")], capture_output=True, text=True, timeout=3600, env=env)
+            if up.returncode != 0:
+                pytest.fail(f"hack/cluster/up.sh failed ({up.returncode}):\n{up.stderr[-4000:]}")
+            STARTED_MARK.touch()
+            found = _load(STATE_DIR / "cluster.env")
+        USERS_DIR.mkdir(parents=True, exist_ok=True)
+        me = USERS_DIR / str(os.getpid())
+        me.touch()
     try:
-        yield _load(STATE_DIR / "cluster.env")
+        yield found
     finally:
-        down = subprocess.run([str(HACK / "down.sh")], capture_output=True, text=True, timeout=300)
-        if down.returncode != 0:
-            pytest.fail(f"hack/cluster/down.sh failed ({down.returncode}):\n{down.stderr[-4000:]}")
+        with _cluster_lock() as env:
+            me.unlink(missing_ok=True)
+            if STARTED_MARK.exists() and not _live_users():
+                down = subprocess.run([str(HACK / "down.sh")], capture_output=True, text=True, timeout=300, env=env)
+                if down.returncode != 0:
+                    pytest.fail(f"hack/cluster/down.sh failed ({down.returncode}):\n{down.stderr[-4000:]}")
 
 
 @pytest.fixture
