@@ -18,19 +18,14 @@ ks_lock
 
 # Pids whose command line mentions our state dirs (excluding this script and its ancestors).
 our_pids() {
-  local self=$$ ancestors=" " p pid cmd
-  p=$self
+  local ancestors=" " p=$$ pid
   while [ -n "$p" ] && [ "$p" != 0 ] && [ "$p" != 1 ]; do
     ancestors+="$p "
     p="$(awk '{print $4}' "/proc/$p/stat" 2>/dev/null)" || break
   done
-  for d in /proc/[0-9]*; do
-    pid="${d#/proc/}"
-    [[ "$ancestors" == *" $pid "* ]] && continue
-    cmd="$({ tr '\0' ' ' <"$d/cmdline"; } 2>/dev/null)" || continue
-    case "$cmd" in
-      *"$KS_DIR/"* | *"$KS_RUN/"*) echo "$pid" ;;
-    esac
+  # patterns from a file, so that grep's own command line does not match
+  grep -lsaF -f <(printf '%s\n' "$KS_DIR/" "$KS_RUN/") /proc/[0-9]*/cmdline 2>/dev/null | while IFS=/ read -r _ _ pid _; do
+    [[ "$ancestors" == *" $pid "* ]] || echo "$pid"
   done
 }
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.cluster import Cluster, cluster, namespace  # noqa: F401
+from tests.support.cluster import Cluster, cluster, namespace
 
 pytestmark = pytest.mark.e2e
 

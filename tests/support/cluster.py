@@ -13,7 +13,7 @@ It skips with the reason when not root, when the node packages are missing
 
 ``namespace`` gives each test a fresh namespace, deleted afterwards.
 
-Import into a test module: ``from tests.support.cluster import cluster, namespace  # noqa: F401``.
+Import into a test module: ``from tests.support.cluster import cluster, namespace``.
 """
 
 from __future__ import annotations
