@@ -5,10 +5,15 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup deps venv lint typecheck check-generated protos unit integration e2e test demo bench clean
+.PHONY: setup deps cluster-deps venv lint typecheck check-generated protos unit integration e2e test demo bench clean
 
 deps:
 	hack/install-node-deps.sh
+
+# etcd, CNI plugins and the Kubernetes binaries built from source (cached by version; ~30 min cold)
+cluster-deps: deps
+	hack/cluster/install-deps.sh
+	hack/cluster/build.sh
 
 venv:
 	hack/setup-venv.sh
@@ -35,7 +40,7 @@ unit: venv
 integration: setup
 	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
 
-test: setup lint typecheck check-generated
+test: setup cluster-deps lint typecheck check-generated
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
 
 demo: setup

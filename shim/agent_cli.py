@@ -21,6 +21,7 @@ from kubectl_snapshot.cli.errors import handle_errors
 from kubectl_snapshot.cli.output import emit, output_option
 from kubectl_snapshot.cli.progress import Progress
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
@@ -300,8 +301,9 @@ def _node_settings(kw: dict[str, Any]) -> Any:
 @cli.command("run")
 @node_options
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Out-of-cluster use (development).")
+@click.option("--ready-file", default=K.READY_FILE, show_default=True, help="Written once the agent is watching.")
 @handle_errors
-def run_cmd(kubeconfig: str | None, **kw: Any) -> None:
+def run_cmd(kubeconfig: str | None, ready_file: str, **kw: Any) -> None:
     """Run the agent: take PodSnapshots for pods on this node, stage restores for pods created here."""
     import logging
 
@@ -312,7 +314,7 @@ def run_cmd(kubeconfig: str | None, **kw: Any) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _node_settings(kw)
     kube = KubeClient.from_config(kubeconfig, None) if kubeconfig else KubeClient.in_cluster()
-    run(kube, settings, in_container=_in_container())
+    run(kube, settings, in_container=_in_container(), ready_file=ready_file)
 
 
 @cli.command("install-node")

@@ -243,8 +243,9 @@ class KubeClient:
         name = body.get("metadata", {}).get("name", "?")
         return dict(self._call("POST", _pods_path(ns), what=f"create pod {ns}/{name}", body=body))
 
-    def delete_pod(self, ns: str, name: str) -> None:
-        self._call("DELETE", _pods_path(ns, name), what=f"delete pod {ns}/{name}")
+    def delete_pod(self, ns: str, name: str, *, grace_period_seconds: int | None = None) -> None:
+        body = None if grace_period_seconds is None else {"gracePeriodSeconds": grace_period_seconds}
+        self._call("DELETE", _pods_path(ns, name), what=f"delete pod {ns}/{name}", body=body)
 
     def patch_pod_annotations(self, ns: str, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
         """Merge-patch annotations; a None value removes the key."""

@@ -14,7 +14,7 @@ from kubectl_snapshot.app.ports import Kube, Obj
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import PermissionDenied
 
-NODE_FACTS_ANNOTATION = f"{K.GROUP}/node-facts"
+NODE_FACTS_ANNOTATION = K.ANN_NODE_FACTS
 UNKNOWN = "unknown"
 FACT_KEYS = ("criuVersion", "containerdVersion", "runcVersion", "kernel", "runtimeHandler")
 

@@ -89,7 +89,14 @@ def _safe(handle: Callable[[dict[str, Any]], None], obj: dict[str, Any], name: s
         log.exception("%s: handling %s failed", name, (obj.get("metadata") or {}).get("name"))
 
 
-def run(kube: Any, settings: NodeSettings, *, in_container: bool, stop: threading.Event | None = None) -> None:
+def run(
+    kube: Any,
+    settings: NodeSettings,
+    *,
+    in_container: bool,
+    ready_file: str = K.READY_FILE,
+    stop: threading.Event | None = None,
+) -> None:
     stop = stop or threading.Event()
     facts = node_facts(settings, in_container=in_container)
     log.info("agent on node %s: %s", settings.node, facts)
@@ -131,7 +138,7 @@ def run(kube: Any, settings: NodeSettings, *, in_container: bool, stop: threadin
     while not (ready_snap.is_set() and ready_restore.is_set()):
         if stop.wait(0.2):
             return
-    with open(K.READY_FILE, "w") as f:
+    with open(ready_file, "w") as f:
         f.write("ready\n")
     log.info("agent ready")
     while not stop.wait(60):

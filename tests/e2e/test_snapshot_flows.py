@@ -1,0 +1,210 @@
+"""`kubectl snapshot` end to end on the real two-node cluster: snapshot, restore on the other node,
+migrate, tenancy and failures. The plugin runs as a user runs it (a subprocess); the agent runs as
+the DaemonSet installed by `kubectl snapshot install`."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core.errors import NotFound
+from kubectl_snapshot.core.reference import Reference
+from tests.support.agent import AgentInstall, agent, plugin  # noqa: F401
+from tests.support.cluster import Cluster, cluster, namespace  # noqa: F401
+
+pytestmark = pytest.mark.e2e
+
+COUNTER = (
+    "tok=$(cat /proc/sys/kernel/random/uuid); i=0; "
+    'while true; do i=$((i+1)); echo "$tok $i" > /tmp/count.t; mv /tmp/count.t /tmp/count; sleep 0.2; done'
+)
+WRITER = (
+    "i=0; while true; do i=$((i+1)); echo $i > /tmp/mine.t; mv /tmp/mine.t /tmp/mine; "
+    "echo $i > /vol/seq.t; mv /vol/seq.t /vol/seq; usleep 2000; done"
+)
+READER = "while true; do v=$(cat /vol/seq 2>/dev/null) && echo ${v:-0} > /tmp/seen.t && mv /tmp/seen.t /tmp/seen; done"
+
+
+def pod(name: str, ns: str, image: str, containers: dict[str, str], *, node: str, empty_dir: bool = False) -> dict[str, Any]:
+    mounts = [{"name": "vol", "mountPath": "/vol"}] if empty_dir else []
+    spec: dict[str, Any] = {
+        "containers": [
+            {"name": cname, "image": image, "command": ["sh", "-c", cmd], "volumeMounts": mounts}
+            for cname, cmd in containers.items()
+        ],
+        "nodeSelector": {"kubernetes.io/hostname": node},
+        "terminationGracePeriodSeconds": 1,
+    }
+    if empty_dir:
+        spec["volumes"] = [{"name": "vol", "emptyDir": {}}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns, "labels": {"app": name}}, "spec": spec}
+
+
+def running(cluster: Cluster, ns: str, name: str, timeout: float = 180) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+
+    def ok() -> bool:
+        nonlocal last
+        r = cluster.kubectl("get", "pod", name, "-n", ns, "-o", "json", check=False)
+        if r.returncode != 0:
+            return False
+        last = json.loads(r.stdout)
+        return bool(last["status"].get("phase") == "Running")
+
+    try:
+        cluster.wait_for(f"pod {ns}/{name} Running", ok, timeout)
+    except AssertionError:
+        events = cluster.kubectl("get", "events", "-n", ns, check=False).stdout
+        raise AssertionError(f"{name}: {json.dumps(last.get('status'))[:2000]}\n{events[-3000:]}") from None
+    return last
+
+
+def read(cluster: Cluster, ns: str, name: str, container: str, path: str) -> str:
+    return cluster.kubectl("exec", "-n", ns, name, "-c", container, "--", "cat", path).stdout.strip()
+
+
+def counter_value(cluster: Cluster, ns: str, name: str, container: str = "counter") -> tuple[str, int]:
+    tok, value = read(cluster, ns, name, container, "/tmp/count").split()
+    return tok, int(value)
+
+
+def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    n1, n2 = cluster.nodes[:2]
+    cluster.apply(pod("counter", namespace, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+    running(cluster, namespace, "counter")
+    cluster.wait_for("the counter to reach 10", lambda: counter_value(cluster, namespace, "counter")[1] >= 10)
+    tok, before = counter_value(cluster, namespace, "counter")
+
+    out = plugin("snapshot", "pod/counter", "-n", namespace, "--to", f"{cluster.registry}/e2e/counter", "-o", "json")
+    psnap = json.loads(out.stdout)
+    assert psnap["status"]["phase"] == "Succeeded", psnap
+    ref = psnap["status"]["reference"]
+    assert ref.startswith(f"{cluster.registry}/e2e/counter@sha256:")
+    RegistryClient().get_manifest(Reference.parse(ref))  # the digest resolves in the registry
+    assert psnap["status"]["node"] == n1
+    listed = cluster.get_json("podsnapshots", "-n", namespace)["items"]
+    assert [x["metadata"]["name"] for x in listed] == [psnap["metadata"]["name"]]
+
+    cluster.kubectl("delete", "pod", "counter", "-n", namespace, "--wait=true")
+    plugin("restore", psnap["metadata"]["name"], "-n", namespace, "--name", "counter2", "--node", n2)
+    restored = running(cluster, namespace, "counter2")
+    assert restored["spec"]["nodeName"] == n2
+    tok2, after = counter_value(cluster, namespace, "counter2")
+    assert tok2 == tok  # the same process memory, not a fresh start
+    assert after >= before
+    cluster.wait_for("the restored counter to go on", lambda: counter_value(cluster, namespace, "counter2")[1] > after)
+    assert restored["metadata"]["annotations"]["kubectl-snapshot.io/restore-from"].endswith(ref.split("@")[1])
+
+
+def test_two_containers_sharing_an_empty_dir(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    n1, n2 = cluster.nodes[:2]
+    cluster.apply(pod("pair", namespace, cluster.busybox_image, {"writer": WRITER, "reader": READER}, node=n1, empty_dir=True))
+    running(cluster, namespace, "pair")
+    cluster.wait_for("the writer", lambda: int(read(cluster, namespace, "pair", "writer", "/vol/seq") or 0) > 200)
+    out = plugin("snapshot", "pod/pair", "-n", namespace, "--to", f"{cluster.registry}/e2e/pair", "--stop", "-o", "json")
+    psnap = json.loads(out.stdout)
+    assert psnap["status"]["phase"] == "Succeeded"
+    # --stop: the original pod is gone once the snapshot is in the registry
+    cluster.wait_for(
+        "the original to be deleted",
+        lambda: cluster.kubectl("get", "pod", "pair", "-n", namespace, check=False).returncode != 0,
+    )
+    plugin("restore", psnap["status"]["reference"], "-n", namespace, "--name", "pair2", "--node", n2)
+    running(cluster, namespace, "pair2")
+    seq_restored = int(read(cluster, namespace, "pair2", "writer", "/vol/seq"))
+    assert seq_restored > 200  # the emptyDir came back with its contents
+    for _ in range(10):
+        seen = int(read(cluster, namespace, "pair2", "reader", "/tmp/seen") or 0)
+        seq = int(read(cluster, namespace, "pair2", "writer", "/vol/seq"))
+        assert seen <= seq
+
+
+def test_migrate_moves_the_pod_and_deletes_the_original_after(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    n1, n2 = cluster.nodes[:2]
+    cluster.apply(pod("mover", namespace, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+    running(cluster, namespace, "mover")
+    cluster.wait_for("the counter", lambda: counter_value(cluster, namespace, "mover")[1] >= 5)
+    tok, before = counter_value(cluster, namespace, "mover")
+    out = plugin("migrate", "pod/mover", "-n", namespace, "--node", n2, "--to", f"{cluster.registry}/e2e/mover", "-o", "json")
+    new_name = json.loads(out.stdout)["restored"]["name"]
+    moved = running(cluster, namespace, new_name)
+    assert moved["spec"]["nodeName"] == n2
+    assert cluster.kubectl("get", "pod", "mover", "-n", namespace, check=False).returncode != 0
+    tok2, after = counter_value(cluster, namespace, new_name)
+    assert tok2 == tok and after >= before
+
+
+def _psnap(ns: str, name: str, pod_name: str, destination: str, **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "kubectl-snapshot.io/v1alpha1",
+        "kind": "PodSnapshot",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {"podName": pod_name, "destination": destination, **spec},
+    }
+
+
+def _final(cluster: Cluster, ns: str, name: str, timeout: float = 120) -> dict[str, Any]:
+    obj: dict[str, Any] = {}
+
+    def done() -> bool:
+        nonlocal obj
+        obj = cluster.get_json("podsnapshot", name, "-n", ns)
+        return (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+    cluster.wait_for(f"podsnapshot {name} to finish", done, timeout)
+    return obj
+
+
+def test_agent_refuses_a_pod_of_another_namespace(cluster, namespace, agent):  # type: ignore[no-untyped-def]
+    other = f"e2e-other-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", other)
+    try:
+        cluster.apply(pod("victim", other, cluster.busybox_image, {"c": "sleep 3600"}, node=cluster.nodes[0]))
+        running(cluster, other, "victim")
+        cluster.apply(_psnap(namespace, "steal", "victim", f"{cluster.registry}/e2e/steal:v1", podNamespace=other))
+        obj = _final(cluster, namespace, "steal")
+        assert obj["status"]["phase"] == "Failed"
+        assert "refused" in obj["status"]["message"]
+        with pytest.raises(NotFound):
+            RegistryClient().get_manifest(Reference.parse(f"{cluster.registry}/e2e/steal:v1"))
+    finally:
+        cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
+
+
+def test_unreachable_registry_fails_and_the_pod_keeps_running(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    cluster.apply(pod("keep", namespace, cluster.busybox_image, {"counter": COUNTER}, node=cluster.nodes[0]))
+    running(cluster, namespace, "keep")
+    proc = plugin("snapshot", "pod/keep", "-n", namespace, "--to", "127.0.0.1:1/nowhere", "--stop", check=False)
+    assert proc.returncode == 1
+    assert "error:" in proc.stderr and "127.0.0.1:1" in proc.stderr
+    status = running(cluster, namespace, "keep")["status"]
+    assert all(cs.get("restartCount", 0) == 0 for cs in status["containerStatuses"])
+    _, v = counter_value(cluster, namespace, "keep")
+    cluster.wait_for("the counter to go on", lambda: counter_value(cluster, namespace, "keep")[1] > v)
+
+
+def test_bad_input_gives_clear_errors(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    proc = plugin("snapshot", "pod/nope", "-n", namespace, "--to", f"{cluster.registry}/e2e/x", check=False)
+    assert proc.returncode == 1 and "error:" in proc.stderr and "nope" in proc.stderr
+    proc = plugin("restore", f"{cluster.registry}/e2e/does-not-exist:v1", "-n", namespace, check=False)
+    assert proc.returncode == 1 and "error:" in proc.stderr
+
+
+def test_restore_onto_a_node_that_cannot(cluster, namespace, agent: AgentInstall, plugin):  # type: ignore[no-untyped-def]
+    """Preflight: the target node's CRIU is missing -> the restore fails with the reason, nothing runs."""
+    n1, n2 = cluster.nodes[:2]
+    cluster.apply(pod("pre", namespace, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+    running(cluster, namespace, "pre")
+    out = plugin("snapshot", "pod/pre", "-n", namespace, "--to", f"{cluster.registry}/e2e/pre", "-o", "json")
+    ref = json.loads(out.stdout)["status"]["reference"]
+    with agent.node_override(n2, criuPath="/nonexistent/criu"):
+        proc = plugin("restore", ref, "-n", namespace, "--name", "pre2", "--node", n2, "--timeout", "120s", check=False)
+    assert proc.returncode == 1
+    assert "CRIU is not installed" in proc.stderr, proc.stderr
+    assert running(cluster, namespace, "pre")  # the original is untouched
+    time.sleep(0)
