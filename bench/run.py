@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,13 +66,13 @@ def sh(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
     return proc
 
 
-def timed(fn: Callable[[], Any]) -> float:
+def timed(fn: Callable[..., Any], *args: Any, **kw: Any) -> float:
     t = time.monotonic()
-    fn()
+    fn(*args, **kw)
     return time.monotonic() - t
 
 
-def med(xs: list[float]) -> float | None:
+def med(xs: Sequence[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
@@ -121,25 +121,21 @@ def raw_bounds(work: Path, registry: RegistryServer, mib: int, kind: str, runs: 
         for i in range(runs + 1):
             d = dumps / f"d{i}"
             d.mkdir(parents=True)
-            t_dump = timed(lambda d=d: sh([CRIU, "dump", "-t", str(proc.pid), "-D", str(d), "--leave-running", *opts]))
+            t_dump = timed(sh, [CRIU, "dump", "-t", str(proc.pid), "-D", str(d), "--leave-running", *opts])
             blob = work / f"raw{i}.tar.zst"
-            t_z = timed(lambda d=d, b=blob: sh(["sh", "-c", f"tar -C {d} -cf - . | zstd -1 -T0 -q -c > {b}"]))
-            digest = ""
-
-            def sha(b: Path = blob) -> None:
-                nonlocal digest
-                digest = "sha256:" + sh(["sha256sum", str(b)]).stdout.split()[0]
-
-            t_sha = timed(sha)
+            t_z = timed(sh, ["sh", "-c", f"tar -C {d} -cf - . | zstd -1 -T0 -q -c > {blob}"])
+            t = time.monotonic()
+            digest = "sha256:" + sh(["sha256sum", str(blob)]).stdout.split()[0]
+            t_sha = time.monotonic() - t
             ref = Reference.parse(f"{registry.host}/raw-{uuid.uuid4().hex[:8]}:x")
             size = blob.stat().st_size
-            t_up = timed(lambda b=blob, r=ref, s=size: reg.push_blob(r, digest=digest, size=s, path=str(b)))  # noqa: B023 (called at once)
+            t_up = timed(reg.push_blob, ref, digest=digest, size=size, path=str(blob))
             dl = work / "dl.tar.zst"
             with open(dl, "wb") as f:
-                t_dl = timed(lambda r=ref, f=f, s=size: reg.fetch_blob(r, digest, f, expected_size=s))  # noqa: B023 (called at once)
+                t_dl = timed(reg.fetch_blob, ref, digest, f, expected_size=size)
             x = work / "x"
             x.mkdir()
-            t_unz = timed(lambda x=x: sh(["sh", "-c", f"zstd -d -q -c {dl} | tar -C {x} -xf -"]))  # noqa: B023 (called at once)
+            t_unz = timed(sh, ["sh", "-c", f"zstd -d -q -c {dl} | tar -C {x} -xf -"])
             shutil.rmtree(x)
             dl.unlink()
             if i:
@@ -261,12 +257,12 @@ def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, 
 def measure_ctr(
     daemon: ContainerdDaemon, other: ContainerdDaemon, registry: RegistryServer, mib: int, kind: str, runs: int
 ) -> dict[str, Any]:
-    """ctr checkpoint+push on `daemon`, pull+restore on `other` (a restore on the same daemon would join
-    the original's cgroup, which ctr keeps from the checkpoint, and removing it would kill the original)."""
+    """ctr checkpoint+push on `daemon`, then pull+restore on `other`, after the original is gone: ctr keeps
+    the original's cgroup path from the checkpoint, so removing a restored copy kills that cgroup."""
     base = [CTR, "-a", daemon.address, "-n", daemon.namespace]
     there = [CTR, "-a", other.address, "-n", other.namespace]
     python_image(other)
-    ckpt, restore = [], []
+    ckpt, restore, refs = [], [], []
     with container(daemon, mib, kind) as (cid, _ctl):
         for i in range(runs + 1):
             ref = f"{registry.host}/ctr-{uuid.uuid4().hex[:8]}:v1"
@@ -276,16 +272,18 @@ def measure_ctr(
             if i:
                 ckpt.append(time.monotonic() - t)
             sh([*base, "images", "rm", ref])
-            new = f"ctr-r-{uuid.uuid4().hex[:6]}"
-            t = time.monotonic()
-            sh([*there, "images", "pull", "--plain-http", ref])
-            sh([*there, "c", "restore", "--live", "--rw", new, ref])
-            if i:
-                restore.append(time.monotonic() - t)
-            with contextlib.suppress(Exception):
-                other.client().remove_container(new)
-            with contextlib.suppress(Exception):
-                sh([*there, "images", "rm", ref])
+            refs.append(ref)
+    for i, ref in enumerate(refs):
+        new = f"ctr-r-{uuid.uuid4().hex[:6]}"
+        t = time.monotonic()
+        sh([*there, "images", "pull", "--plain-http", ref])
+        sh([*there, "c", "restore", "--live", "--rw", new, ref])
+        if i:
+            restore.append(time.monotonic() - t)
+        with contextlib.suppress(Exception):
+            other.client().remove_container(new)
+        with contextlib.suppress(Exception):
+            sh([*there, "images", "rm", ref])
     return {"checkpoint_push_s": med(ckpt), "pull_restore_s": med(restore)}
 
 
@@ -304,10 +302,10 @@ def measure_podman(work: Path, image: str, mib: int, kind: str, runs: int) -> di
         wait_file(ctl / "ready")
         for i in range(runs + 1):
             f = work / f"{name}.tar.zst"
-            t = timed(lambda f=f: sh(["podman", "container", "checkpoint", "--leave-running", "--export", str(f),
-                                      "--compress", "zstd", name]))  # fmt: skip
+            t = timed(sh, ["podman", "container", "checkpoint", "--leave-running", "--export", str(f),
+                           "--compress", "zstd", name])  # fmt: skip
             new = f"{name}-r{i}"
-            t_r = timed(lambda f=f, n=new: sh(["podman", "container", "restore", "--import", str(f), "--name", n]))
+            t_r = timed(sh, ["podman", "container", "restore", "--import", str(f), "--name", new])
             sh(["podman", "rm", "-f", new])
             if i:
                 ckpt.append(t)
