@@ -360,12 +360,22 @@ def _deleted_line(r: dict[str, str]) -> str:
     return f"podsnapshot/{r['name']} deleted{extra}"
 
 
-def _install_settings(api_server: str | None, state_dir: str | None) -> dict[str, Any]:
-    settings: dict[str, Any] = {}
+def _install_settings(api_server: str | None, state_dir: str | None, **paths: str | None) -> dict[str, Any]:
+    settings: dict[str, Any] = {k: v for k, v in paths.items() if v and k != "node_config"}
     if api_server:
         settings["api_server"] = api_server
     if state_dir:
         settings["state_root"] = state_dir
+    node_config = paths.get("node_config")
+    if node_config:
+        try:
+            with open(node_config) as f:
+                per_node = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError) as e:
+            raise InvalidArgument(f"cannot read --node-config {node_config}: {e}") from e
+        if not isinstance(per_node, dict):
+            raise InvalidArgument(f"--node-config {node_config} must map node names to their paths")
+        settings["per_node_paths"] = per_node
     return settings
 
 
@@ -374,6 +384,19 @@ def _install_settings(api_server: str | None, state_dir: str | None) -> dict[str
 @click.option("--agent-image", help="The kubectl-snapshot agent image (default: kubectl-snapshot-agent:VERSION).")
 @click.option("--api-server", help="API server URL for the agent (when the in-cluster service is unreachable).")
 @click.option("--state-dir", help="Agent state root on each node (default /var/lib/kubectl-snapshot).")
+@click.option("--containerd-socket", help="The nodes' containerd socket (default /run/containerd/containerd.sock).")
+@click.option("--kubelet-root", help="The kubelets' --root-dir (default /var/lib/kubelet).")
+@click.option(
+    "--containerd-dropin-dir", help="A dir the nodes' containerd imports *.toml from (default /etc/containerd/conf.d)."
+)
+@click.option(
+    "--restart-command", help="Host command restarting containerd after the runtime hook is added ({node} = node name)."
+)
+@click.option(
+    "--node-config",
+    type=click.Path(dir_okay=False, exists=True),
+    help="YAML/JSON {node: {containerd_socket, kubelet_root, containerd_dropin_dir}} for several nodes per machine.",
+)
 @click.option("--dry-run", is_flag=True, help="Print the manifests instead of applying them.")
 @click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long to wait for the rollout.")
 @output_option
@@ -385,9 +408,10 @@ def install_cmd(
     dry_run: bool,
     timeout: float,
     output: str,
+    **paths: str | None,
 ) -> None:
     """Install the CRD, RBAC, agent DaemonSet and RuntimeClass; wait until the agents run."""
-    objects = install_app.render(agent_image, _install_settings(api_server, state_dir))
+    objects = install_app.render(agent_image, _install_settings(api_server, state_dir, **paths))
     if dry_run:
         _emit_objects(objects, output)
         return

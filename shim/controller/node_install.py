@@ -86,7 +86,7 @@ def install(settings: NodeSettings, *, wrapper_pyz: str) -> InstallResult:
     changed = _write_if_changed(dropin, dropin_toml(settings), 0o644)
     restarted = False
     if changed and settings.restart_command:
-        _run_on_host(settings.restart_command)
+        _run_on_host(settings.restart_command.replace("{node}", settings.node))
         restarted = True
     return InstallResult(settings.wrapper_launcher, dropin, changed, restarted)
 
@@ -98,7 +98,7 @@ def uninstall(settings: NodeSettings) -> None:
         os.unlink(dropin)
     shutil.rmtree(settings.wrapper_dir, ignore_errors=True)
     if existed and settings.restart_command:
-        _run_on_host(settings.restart_command)
+        _run_on_host(settings.restart_command.replace("{node}", settings.node))
 
 
 def _run_on_host(command: str) -> None:

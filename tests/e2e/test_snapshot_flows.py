@@ -30,7 +30,9 @@ WRITER = (
 READER = "while true; do v=$(cat /vol/seq 2>/dev/null) && echo ${v:-0} > /tmp/seen.t && mv /tmp/seen.t /tmp/seen; done"
 
 
-def pod(name: str, ns: str, image: str, containers: dict[str, str], *, node: str, empty_dir: bool = False) -> dict[str, Any]:
+def pod(
+    name: str, ns: str, image: str, containers: dict[str, str], *, node: str, empty_dir: bool = False
+) -> dict[str, Any]:
     mounts = [{"name": "vol", "mountPath": "/vol"}] if empty_dir else []
     spec: dict[str, Any] = {
         "containers": [
@@ -42,7 +44,12 @@ def pod(name: str, ns: str, image: str, containers: dict[str, str], *, node: str
     }
     if empty_dir:
         spec["volumes"] = [{"name": "vol", "emptyDir": {}}]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns, "labels": {"app": name}}, "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, "labels": {"app": name}},
+        "spec": spec,
+    }
 
 
 def running(cluster: Cluster, ns: str, name: str, timeout: float = 180) -> dict[str, Any]:
@@ -103,10 +110,14 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
 
 def test_two_containers_sharing_an_empty_dir(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
     n1, n2 = cluster.nodes[:2]
-    cluster.apply(pod("pair", namespace, cluster.busybox_image, {"writer": WRITER, "reader": READER}, node=n1, empty_dir=True))
+    cluster.apply(
+        pod("pair", namespace, cluster.busybox_image, {"writer": WRITER, "reader": READER}, node=n1, empty_dir=True)
+    )
     running(cluster, namespace, "pair")
     cluster.wait_for("the writer", lambda: int(read(cluster, namespace, "pair", "writer", "/vol/seq") or 0) > 200)
-    out = plugin("snapshot", "pod/pair", "-n", namespace, "--to", f"{cluster.registry}/e2e/pair", "--stop", "-o", "json")
+    out = plugin(
+        "snapshot", "pod/pair", "-n", namespace, "--to", f"{cluster.registry}/e2e/pair", "--stop", "-o", "json"
+    )
     psnap = json.loads(out.stdout)
     assert psnap["status"]["phase"] == "Succeeded"
     # --stop: the original pod is gone once the snapshot is in the registry
@@ -130,7 +141,9 @@ def test_migrate_moves_the_pod_and_deletes_the_original_after(cluster, namespace
     running(cluster, namespace, "mover")
     cluster.wait_for("the counter", lambda: counter_value(cluster, namespace, "mover")[1] >= 5)
     tok, before = counter_value(cluster, namespace, "mover")
-    out = plugin("migrate", "pod/mover", "-n", namespace, "--node", n2, "--to", f"{cluster.registry}/e2e/mover", "-o", "json")
+    out = plugin(
+        "migrate", "pod/mover", "-n", namespace, "--node", n2, "--to", f"{cluster.registry}/e2e/mover", "-o", "json"
+    )
     new_name = json.loads(out.stdout)["restored"]["name"]
     moved = running(cluster, namespace, new_name)
     assert moved["spec"]["nodeName"] == n2

@@ -1,0 +1,138 @@
+"""The node agent installed on the e2e cluster the way a user installs it: the image built by
+`hack/build-agent-image.sh` and pushed to the cluster's registry, then `kubectl snapshot install`.
+
+``agent`` (session scope) gives an ``AgentInstall``; ``plugin`` runs `kubectl-snapshot` with the
+cluster's kubeconfig and fails the test on a non-zero exit unless ``check=False``.
+
+Import: ``from tests.support.agent import agent, plugin  # noqa: F401`` (with the cluster fixtures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.core import kube as K
+from tests.support.cluster import HACK, REPO, Cluster
+
+PLUGIN = str(Path(sys.executable).with_name("kubectl-snapshot"))
+NODE_CONFIG_MAP = f"{K.AGENT_NAME}-nodes"
+NODE_CONFIG_KEY = "nodes.json"
+
+
+def _plugin(cluster: Cluster, *args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [PLUGIN, *args, "--kubeconfig", str(cluster.kubeconfig)], capture_output=True, text=True, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kubectl-snapshot {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return proc
+
+
+@dataclass
+class AgentInstall:
+    cluster: Cluster
+    image: str
+
+    def agent_pod(self, node: str) -> dict[str, Any] | None:
+        pods = self.cluster.get_json(
+            "pods", "-n", K.AGENT_NAMESPACE, "-l", "app.kubernetes.io/name=" + K.AGENT_NAME,
+            "--field-selector", f"spec.nodeName={node}",
+        )["items"]  # fmt: skip
+        return pods[0] if pods else None
+
+    def wait_ready(self, node: str, *, not_uid: str | None = None, timeout: float = 180) -> None:
+        def ready() -> bool:
+            p = self.agent_pod(node)
+            if p is None or p["metadata"]["uid"] == not_uid or p["metadata"].get("deletionTimestamp"):
+                return False
+            return any(
+                c.get("type") == "Ready" and c.get("status") == "True" for c in p["status"].get("conditions", [])
+            )
+
+        self.cluster.wait_for(f"the agent on {node} to be ready", ready, timeout)
+
+    def restart(self, node: str) -> None:
+        old = self.agent_pod(node)
+        assert old is not None, f"no agent pod on {node}"
+        self.cluster.kubectl("delete", "pod", "-n", K.AGENT_NAMESPACE, old["metadata"]["name"], "--wait=false")
+        self.wait_ready(node, not_uid=old["metadata"]["uid"])
+
+    @contextlib.contextmanager
+    def node_override(self, node: str, **values: str) -> Iterator[None]:
+        """Change one node's entry of the agent's node map (e.g. criuPath) while the block runs."""
+        cm = self.cluster.get_json("configmap", NODE_CONFIG_MAP, "-n", K.AGENT_NAMESPACE)
+        original = cm["data"][NODE_CONFIG_KEY]
+        data = json.loads(original)
+        data.setdefault(node, {}).update(values)
+        self._set_node_map(json.dumps(data))
+        self.restart(node)
+        try:
+            yield
+        finally:
+            self._set_node_map(original)
+            self.restart(node)
+
+    def _set_node_map(self, text: str) -> None:
+        patch = json.dumps({"data": {NODE_CONFIG_KEY: text}})
+        self.cluster.kubectl(
+            "patch", "configmap", NODE_CONFIG_MAP, "-n", K.AGENT_NAMESPACE, "--type=merge", "-p", patch
+        )
+
+
+@pytest.fixture(scope="session")
+def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentInstall]:
+    build = subprocess.run(
+        [str(REPO / "hack" / "build-agent-image.sh"), f"{cluster.registry}/kubectl-snapshot/agent:e2e"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    if build.returncode != 0:
+        pytest.fail(f"hack/build-agent-image.sh failed ({build.returncode}):\n{build.stderr[-4000:]}")
+    image = build.stdout.strip().splitlines()[-1]
+    node_config = tmp_path_factory.mktemp("agent") / "nodes.json"
+    node_config.write_text(
+        json.dumps(
+            {
+                node: {
+                    "containerd_socket": str(cluster.containerd_socket(node)),
+                    "kubelet_root": str(cluster.state_dir / node / "kubelet"),
+                    "containerd_dropin_dir": str(cluster.containerd_dropin_dir(node)),
+                }
+                for node in cluster.nodes
+            }
+        )
+    )
+    _plugin(
+        cluster,
+        "install",
+        "--agent-image", image,
+        "--api-server", f"https://{cluster.api_host}:{cluster.api_port}",
+        "--node-config", str(node_config),
+        "--restart-command", f"{HACK / 'containerd-restart.sh'} {{node}}",
+        "--timeout", "5m",
+    )  # fmt: skip
+    installed = AgentInstall(cluster, image)
+    for node in cluster.nodes:
+        installed.wait_ready(node)
+    try:
+        yield installed
+    finally:
+        _plugin(cluster, "uninstall", check=False)
+
+
+@pytest.fixture
+def plugin(cluster: Cluster) -> Callable[..., subprocess.CompletedProcess[str]]:
+    def run(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+        return _plugin(cluster, *args, check=check, timeout=timeout)
+
+    return run
