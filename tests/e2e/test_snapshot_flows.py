@@ -14,8 +14,8 @@ import pytest
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.reference import Reference
-from tests.support.agent import AgentInstall, agent, plugin  # noqa: F401
-from tests.support.cluster import Cluster, cluster, namespace  # noqa: F401
+from tests.support.agent import AgentInstall, agent, plugin
+from tests.support.cluster import Cluster, cluster, namespace
 
 pytestmark = pytest.mark.e2e
 
