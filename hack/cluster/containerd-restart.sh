@@ -14,6 +14,6 @@ ks_lock
 node="$1"
 ks_node_ip "$node" >/dev/null
 [ -f "$KS_DIR/$node/containerd.toml" ] || ks_die "node $node has no containerd config" "bring the cluster up first: hack/cluster/up.sh"
-ks_stop "containerd-$node" 20
+ks_stop -t 20 "containerd-$node"
 ks_start_containerd "$node"
 ks_log "containerd on $node restarted ($(ls "$(ks_node_dropins "$node")" 2>/dev/null | wc -l) drop-in(s))"

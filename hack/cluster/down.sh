@@ -37,7 +37,7 @@ cgroup_pids() {  # pids in the nodes' cgroup roots, every hierarchy
 }
 
 # 1. kubelets first, so nothing restarts pods while we stop them.
-for node in "${KS_NODES[@]}"; do ks_stop "kubelet-$node" 10; done
+ks_stop "${KS_NODES[@]/#/kubelet-}"
 
 # 2. the pods: thaw frozen cgroups (a SIGKILL does not reach a frozen task), then kill.
 for node in "${KS_NODES[@]}"; do
@@ -54,11 +54,8 @@ for _ in 1 2 3 4 5 6 7 8 9 10; do
 done
 
 # 3. containerd, its shims, and the control plane.
-for node in "${KS_NODES[@]}"; do ks_stop "containerd-$node" 10; done
-for name in root-apiserver-relay apiserver-relay kube-scheduler kube-controller-manager kube-apiserver etcd \
-            root-registry-relay registry-relay registry; do
-  ks_stop "$name" 10
-done
+ks_stop "${KS_NODES[@]/#/containerd-}" root-apiserver-relay apiserver-relay kube-scheduler \
+  kube-controller-manager kube-apiserver etcd root-registry-relay registry-relay registry
 for _ in 1 2 3 4 5 6 7 8 9 10; do
   pids="$(our_pids)"
   [ -n "$pids" ] || break

@@ -56,7 +56,7 @@ ks_pidfile() { echo "$KS_RUN/pids/$1.pid"; }
 ks_alive() {  # NAME: is the daemon from its pid file running?
   local f pid
   f="$(ks_pidfile "$1")"
-  [ -f "$f" ] && pid="$(cat "$f")" && [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null
+  [ -f "$f" ] && pid="$(cat "$f")" && [ -n "$pid" ] && ks_running "$pid"
 }
 
 ks_net() { nsenter --net="/run/netns/$KS_NETNS" "$@"; }  # CMD... inside ks-net
@@ -75,18 +75,29 @@ ks_start() {  # NAME CMD...
   echo $! >"$(ks_pidfile "$name")"
 }
 
-ks_stop() {  # NAME [TIMEOUT_S]: SIGTERM, then SIGKILL after the timeout
-  local f pid i
-  f="$(ks_pidfile "$1")"
-  [ -f "$f" ] || return 0
-  pid="$(cat "$f")"
-  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for ((i = 0; i < ${2:-10} * 10; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-    kill -KILL "$pid" 2>/dev/null || true
-    for ((i = 0; i < 50; i++)); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
-  fi
-  rm -f "$f"
+ks_running() {  # PID: alive and not a zombie (PID 1 here reaps orphans only now and then)
+  local state
+  state="$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" && [ -n "$state" ] && [ "$state" != Z ]
+}
+
+ks_stop() {  # [-t TIMEOUT_S] NAME...: SIGTERM all, wait, then SIGKILL what is left
+  local timeout=10 f pid pids=() i alive
+  if [ "${1:-}" = -t ]; then timeout="$2"; shift 2; fi
+  for name in "$@"; do
+    f="$(ks_pidfile "$name")"
+    [ -f "$f" ] || continue
+    pid="$(cat "$f")"; rm -f "$f"
+    [ -n "$pid" ] && ks_running "$pid" && kill -TERM "$pid" 2>/dev/null && pids+=("$pid")
+  done
+  for ((i = 0; i < timeout * 10; i++)); do
+    alive=0
+    for pid in "${pids[@]}"; do ks_running "$pid" && { alive=1; break; }; done
+    [ "$alive" = 1 ] || return 0
+    sleep 0.1
+  done
+  for pid in "${pids[@]}"; do ks_running "$pid" && kill -KILL "$pid" 2>/dev/null; done
+  sleep 0.2
+  return 0
 }
 
 ks_wait() {  # TIMEOUT_S DESCRIPTION CMD...: poll CMD until it succeeds
