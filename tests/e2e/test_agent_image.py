@@ -62,7 +62,9 @@ def wait_done(cluster: Cluster, ns: str, name: str, timeout: float = 180) -> dic
 
     try:
         cluster.wait_for(f"pod {ns}/{name} to finish", done, timeout)
-    except AssertionError:
+    except AssertionError as e:
+        if "timed out" not in str(e):
+            raise  # kubectl itself failed: say so, not "timed out"
         events = cluster.kubectl("get", "events", "-n", ns, check=False).stdout
         raise AssertionError(f"{json.dumps(last.get('status'))[:2000]}\n{events}") from None
     return last
@@ -200,7 +202,9 @@ def test_crd_and_kubectl_get(cluster: Cluster, namespace: str, installed: list[d
 
 
 def can_i(cluster: Cluster, user: str, verb: str, resource: str, ns: str | None = None) -> bool:
+    resource, _, sub = resource.partition("/")  # kubectl reads TYPE/NAME; subresources go in a flag
     args = ["auth", "can-i", verb, resource, "--as", user] + (["-n", ns] if ns else ["--all-namespaces"])
+    args += [f"--subresource={sub}"] if sub else []
     return cluster.kubectl(*args, check=False).stdout.strip() == "yes"
 
 
