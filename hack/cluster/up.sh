@@ -36,8 +36,10 @@ Cluster is up ($(( $(date +%s) - t0 ))s). Kubernetes $KS_K8S_VERSION, containerd
 EOF
 }
 
+# Daemons alive: give a busy machine a minute before calling the cluster broken (others may be
+# using it; a teardown would pull it from under their tests).
 if ks_alive kube-apiserver && ks_alive kubelet-ks-n1 && ks_alive kubelet-ks-n2 \
-   && "${KUBECTL[@]}" get --raw /readyz >/dev/null 2>&1; then
+   && ks_wait 60 "the running cluster's API server" "${KUBECTL[@]}" get --raw /readyz; then
   ks_log "already running"
   print_usage
   exit 0

@@ -132,6 +132,7 @@ def _running() -> Cluster | None:
     if not env_file.exists():
         return None
     found = _load(env_file)
+    # up.sh decides: it reuses a cluster whose daemons run (waiting out a slow API server).
     ok = found.kubectl("get", "--raw", "/readyz", check=False, timeout=20).returncode == 0
     return found if ok else None
 
@@ -180,7 +181,8 @@ def cluster() -> Iterator[Cluster]:
             up = subprocess.run([str(HACK / "up.sh")], capture_output=True, text=True, timeout=3600, env=env)
             if up.returncode != 0:
                 pytest.fail(f"hack/cluster/up.sh failed ({up.returncode}):\n{up.stderr[-4000:]}")
-            STARTED_MARK.touch()
+            if "already running" not in up.stderr:
+                STARTED_MARK.touch()
             found = _load(STATE_DIR / "cluster.env")
         USERS_DIR.mkdir(parents=True, exist_ok=True)
         me = USERS_DIR / str(os.getpid())
