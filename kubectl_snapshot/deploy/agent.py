@@ -10,8 +10,10 @@ Why the DaemonSet looks like this:
   (on the host) writes CRIU images into the agent's state dir, the wrapper (on the host) reads staged
   data from it, and the kubelet's pod volume dirs are named by host path. Directories, never socket
   files, are mounted, so the agent still reaches containerd after it restarts (a new socket inode);
-- HostToContainer propagation everywhere: memory-backed emptyDirs are tmpfs mounts made by the
-  kubelet after the agent started;
+- no mount propagation: containerd refuses HostToContainer when the host's / is a private mount (hosts
+  without systemd, like the project's VMs: "is mounted on / but it is not a shared or slave mount").
+  Mounts made on the host after the agent started (memory-backed emptyDirs are tmpfs) are reached
+  through the host's mount namespace instead: /proc/1/root/<path> (hostPID);
 - one machine may run several nodes (the local cluster): ``per_node_paths`` becomes a ConfigMap the
   agent reads at start, picking its entry by NODE_NAME; the DaemonSet mounts the smallest set of host
   directories that covers every node's paths.
@@ -186,9 +188,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
     volumes: list[dict[str, Any]] = [
         {"name": volume_name(d), "hostPath": {"path": d, "type": kind}} for d, kind in mounts
     ]
-    volume_mounts: list[dict[str, Any]] = [
-        {"name": volume_name(d), "mountPath": d, "mountPropagation": "HostToContainer"} for d, _ in mounts
-    ]
+    volume_mounts: list[dict[str, Any]] = [{"name": volume_name(d), "mountPath": d} for d, _ in mounts]
     if settings.per_node_paths:
         volumes.append({"name": "node-config", "configMap": {"name": NODE_CONFIG_MAP}})
         volume_mounts.append({"name": "node-config", "mountPath": NODE_CONFIG_DIR, "readOnly": True})

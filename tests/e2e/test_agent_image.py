@@ -261,3 +261,64 @@ def test_users_get_rights_through_builtin_roles(
     assert not can_i(cluster, editor, "patch", f"{K.PLURAL}/status", namespace)  # only agents write status
     assert not can_i(cluster, viewer, "create", K.PLURAL, namespace)
     assert not can_i(cluster, editor, "create", K.PLURAL, "default")  # namespaced grant only
+
+
+AGENT_ENV_CHECK = """
+import json, os, socket
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+
+config.load_incluster_config()  # KUBERNETES_SERVICE_HOST/PORT from render(api_server=...)
+node = os.environ["NODE_NAME"]
+api = client.CoreV1Api()
+api.read_node(node)
+try:
+    api.list_namespaced_secret("default")
+except ApiException as e:
+    print("secrets-list", e.status)
+paths = json.load(open("/etc/kubectl-snapshot/nodes/nodes.json"))[node]
+s = socket.socket(socket.AF_UNIX)
+s.connect(paths["containerd_socket"])
+s.close()
+assert os.path.isdir(os.path.join(paths["kubelet_root"], "pods")), paths
+assert os.environ["KUBECTL_SNAPSHOT_STATE_DIR"] == "/var/lib/kubectl-snapshot/" + node
+print("agent-env-ok", node)
+"""
+
+
+def test_agent_pod_spec_reaches_api_server_and_containerd(
+    cluster: Cluster, agent_image: str, installed: list[dict[str, Any]]
+) -> None:
+    """The DaemonSet's pod spec (hostNetwork, API server override, mounts, node config, service account)
+    on each node, with a probe script instead of `run`: in-cluster config, the agent's RBAC, its node's
+    containerd socket and kubelet root through the per-node ConfigMap."""
+    [cm] = [o for o in installed if o["kind"] == "ConfigMap"]
+    [ds] = [o for o in installed if o["kind"] == "DaemonSet"]
+    cluster.apply(cm)
+    suffix = uuid.uuid4().hex[:6]
+    pods = []
+    for node in cluster.nodes:
+        spec = json.loads(json.dumps(ds["spec"]["template"]["spec"]))
+        spec.pop("initContainers")
+        [container] = spec["containers"]
+        container.pop("readinessProbe")
+        container.pop("args")
+        container.update(image=agent_image, imagePullPolicy="IfNotPresent", command=["python3", "-c", AGENT_ENV_CHECK])
+        spec.update(
+            restartPolicy="Never", nodeSelector={"kubernetes.io/hostname": node}, terminationGracePeriodSeconds=1
+        )
+        meta = {"name": f"agent-env-{node}-{suffix}", "namespace": K.AGENT_NAMESPACE}
+        pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec})
+    cluster.apply(pods)
+    try:
+        for p in pods:
+            name, node = p["metadata"]["name"], p["spec"]["nodeSelector"]["kubernetes.io/hostname"]
+            pod = wait_done(cluster, K.AGENT_NAMESPACE, name)
+            logs = cluster.kubectl("logs", name, "-n", K.AGENT_NAMESPACE, check=False).stdout
+            assert pod["status"]["phase"] == "Succeeded", logs
+            assert f"agent-env-ok {node}" in logs and "secrets-list 403" in logs, logs
+    finally:
+        for p in pods:
+            cluster.kubectl(
+                "delete", "pod", p["metadata"]["name"], "-n", K.AGENT_NAMESPACE, "--wait=false", check=False
+            )

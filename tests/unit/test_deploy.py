@@ -142,6 +142,8 @@ def test_daemonset_defaults() -> None:
         assert env["KUBECTL_SNAPSHOT_STATE_DIR"]["value"] == "/var/lib/kubectl-snapshot/$(NODE_NAME)"
         assert "KUBERNETES_SERVICE_HOST" not in env
         m = mounts(spec, c["name"])
+        # containerd refuses HostToContainer when the host's / is a private mount (hosts without systemd)
+        assert all("mountPropagation" not in vm for vm in c["volumeMounts"])
         # host paths at the same path inside; directories, never the socket file (containerd restarts)
         assert {p: v["hostPath"]["path"] for p, v in m.items()} == {
             "/var/lib/kubectl-snapshot": "/var/lib/kubectl-snapshot",
