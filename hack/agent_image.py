@@ -7,7 +7,7 @@ together from parts this machine can make (Containerfile is the same recipe for 
 1. base layer: ``debootstrap --variant=minbase bookworm`` + python3 and ca-certificates, without docs,
    locales, apt lists and logs; cached under /var/cache/kubectl-snapshot/agent-image/ keyed by its
    recipe, so it is built once per machine (a few minutes) and its digest stays the same;
-2. app layer: a venv at /opt/kubectl-snapshot/venv (the base's python3 3.11) holding the project's
+2. app layer: a venv at /usr/local/lib/kubectl-snapshot/venv (the base's python3 3.11) holding the project's
    wheel and its runtime dependencies as cp311 manylinux wheels from PyPI, pinned to the versions of
    the project's .venv (what the tests ran with), Debian's pycriu copied in (it is not on PyPI), the
    entry points, bytecode (unchecked-hash: reproducible, never rewritten at start), and the runtime
@@ -54,7 +54,7 @@ MIRROR = os.environ.get("KUBECTL_SNAPSHOT_DEBIAN_MIRROR", "http://deb.debian.org
 SUITE = "bookworm"
 PACKAGES = ("python3", "ca-certificates")
 PY = "python3.11"
-VENV = "/opt/kubectl-snapshot/venv"
+VENV = "/usr/local/lib/kubectl-snapshot/venv"  # not under /opt/kubectl-snapshot: the DaemonSet mounts the host's there
 WRAPPER = "/opt/kubectl-snapshot-runc.pyz"
 PYCRIU = Path("/usr/lib/python3/dist-packages/pycriu")
 PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

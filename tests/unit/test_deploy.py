@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -194,6 +195,19 @@ def test_daemonset_for_two_nodes_on_one_machine() -> None:
     assert "--restart-command=restart-containerd {node}" in spec["initContainers"][0]["args"]
 
 
+def test_no_host_mount_hides_the_image_contents() -> None:
+    """The image's venv and wrapper must not sit under a hostPath mount (it would shadow them)."""
+    spec = importlib.util.spec_from_file_location("agent_image", REPO / "hack" / "agent_image.py")
+    assert spec and spec.loader
+    image = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(image)
+    for objs in (render("img"), render("img", per_node_paths=LOCAL_NODES)):
+        for c in pod_spec(objs)["containers"] + pod_spec(objs)["initContainers"]:
+            for m in c["volumeMounts"]:
+                for path in (image.VENV, image.WRAPPER):
+                    assert not (path + "/").startswith(m["mountPath"].rstrip("/") + "/"), (path, m)
+
+
 def test_containers_do_not_share_dicts() -> None:
     """render()'s output may be edited by callers (and YAML dumpers must not write aliases)."""
     spec = pod_spec(render("img"))
@@ -224,8 +238,6 @@ def test_manifests_are_up_to_date() -> None:
 
 
 def _load_gen() -> Any:
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("gen_manifests", GEN)
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)
