@@ -46,6 +46,7 @@ sys.path.insert(0, str(REPO))
 import zstandard  # noqa: E402
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient  # noqa: E402
+from kubectl_snapshot.core.errors import SnapshotError  # noqa: E402
 from kubectl_snapshot.core.reference import Reference  # noqa: E402
 
 RECIPE = "1"
@@ -359,7 +360,11 @@ def main(argv: list[str]) -> int:
     if os.geteuid() != 0:
         raise SystemExit("error: building the agent image needs root (debootstrap)\nhint: sudo " + sys.argv[0])
     layout = build_image()
-    print(layout if args.no_push else push(layout, args.image_ref))
+    try:
+        print(layout if args.no_push else push(layout, args.image_ref))
+    except SnapshotError as e:
+        print(f"error: {e}" + (f"\nhint: {e.hint}" if e.hint else ""), file=sys.stderr)
+        return 1
     return 0
 
 
