@@ -271,10 +271,12 @@ def node_options(fn: F) -> F:
         click.option("--restart-command", default="", help="Host shell command that restarts containerd."),
         click.option("--criu-path", default=d.criu_path, show_default=True, help="CRIU as the node's runc finds it."),
         click.option(
+            "--node-config",
             "--node-map",
+            "node_map",
             type=click.Path(dir_okay=False),
             default=None,
-            help="JSON/YAML {node: {kubeletRoot, containerdSocket, ...}} overriding the paths per node.",
+            help="JSON/YAML {node: {kubelet_root, containerd_socket, ...}} overriding the paths per node.",
         ),
     ]
     for o in reversed(opts):
@@ -320,7 +322,9 @@ def run_cmd(kubeconfig: str | None, ready_file: str, **kw: Any) -> None:
 @cli.command("install-node")
 @node_options
 @click.option(
+    "--wrapper",
     "--wrapper-pyz",
+    "wrapper_pyz",
     default="/opt/kubectl-snapshot-runc.pyz",
     show_default=True,
     help="The runtime hook zipapp to install.",
