@@ -43,7 +43,7 @@ NODE_CONFIG_KEY = "nodes.json"
 NODE_CONFIG_DIR = "/etc/kubectl-snapshot/nodes"
 NODE_PATH_KEYS = ("containerd_socket", "kubelet_root", "containerd_dropin_dir")
 WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
-READY_FILE = "/tmp/ready"
+READY_FILE = K.READY_FILE
 DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"  # containerd 2.x's default config imports *.toml from here
 
 
@@ -161,7 +161,10 @@ def runtime_class(labels: dict[str, str]) -> dict[str, Any]:
 
 
 def _path_flags(settings: AgentSettings) -> list[str]:
+    """The node options `install-node` and `run` share (shim/agent_cli.py node_options)."""
     flags = [
+        f"--state-root={settings.state_root}",
+        f"--opt-root={settings.opt_root}",
         f"--containerd-socket={settings.containerd_socket}",
         f"--kubelet-root={settings.kubelet_root}",
         f"--containerd-dropin-dir={settings.containerd_dropin_dir}",
@@ -200,8 +203,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
         "securityContext": {"privileged": True},
         "volumeMounts": volume_mounts,
     }
-    install_args = ["install-node", f"--wrapper={WRAPPER_IN_IMAGE}", f"--opt-root={settings.opt_root}"]
-    install_args += _path_flags(settings)
+    install_args = ["install-node", f"--wrapper={WRAPPER_IN_IMAGE}", *_path_flags(settings)]
     if settings.restart_command:
         install_args.append(f"--restart-command={settings.restart_command}")
     run_args = ["run", *_path_flags(settings), f"--ready-file={READY_FILE}"]

@@ -159,9 +159,11 @@ def test_daemonset_defaults() -> None:
     assert init["args"][0] == "install-node" and "--wrapper=/opt/kubectl-snapshot-runc.pyz" in init["args"]
     assert not any(a.startswith("--restart-command") for a in init["args"])
     [agent] = spec["containers"]
-    assert agent["args"][0] == "run" and "--ready-file=/tmp/ready" in agent["args"]
-    assert agent["readinessProbe"]["exec"]["command"] == ["test", "-f", "/tmp/ready"]
+    assert agent["args"][0] == "run" and f"--ready-file={K.READY_FILE}" in agent["args"]
+    assert agent["readinessProbe"]["exec"]["command"] == ["test", "-f", K.READY_FILE]
     assert not any(a.startswith("--node-config") for a in agent["args"])
+    for c in (init, agent):
+        assert "--state-root=/var/lib/kubectl-snapshot" in c["args"] and "--opt-root=/opt/kubectl-snapshot" in c["args"]
 
 
 def test_daemonset_for_two_nodes_on_one_machine() -> None:
@@ -292,3 +294,16 @@ def test_kustomize_builds_the_rendered_objects(overlay: str) -> None:
     built = {gen.key(o): o for o in yaml.safe_load_all(proc.stdout)}
     params = gen.LOCAL_CLUSTER if overlay != "base" else {"image": gen.DEFAULT_IMAGE}
     assert built == {gen.key(o): o for o in render(**params)}
+
+
+@pytest.mark.parametrize("per_node", [None, LOCAL_NODES])
+def test_agent_cli_accepts_the_rendered_command_lines(per_node: dict[str, Any] | None) -> None:
+    """The DaemonSet's args parse with the real agent CLI (click rejects unknown options before --help)."""
+    from click.testing import CliRunner
+
+    from shim.agent_cli import cli
+
+    spec = pod_spec(render("img", restart_command="restart {node}", per_node_paths=per_node))
+    for c in spec["initContainers"] + spec["containers"]:
+        result = CliRunner().invoke(cli, [*c["args"], "--help"], env={"NODE_NAME": "ks-n1"})
+        assert result.exit_code == 0, (c["name"], result.output)
