@@ -37,7 +37,9 @@ class HostProbe:
 
     @classmethod
     def host_from_container(cls, *, criu: str = "criu", runc: str = "runc") -> HostProbe:
-        return cls(("nsenter", "--mount=/proc/1/ns/mnt", "--"), criu, runc)
+        pid = host_pid()
+        prefix = ("nsenter", f"--mount=/proc/{pid}/ns/mnt", "--") if pid else ()
+        return cls(prefix, criu, runc)
 
     def command(self, binary: str) -> list[str] | None:
         if self.exec_prefix:
@@ -46,6 +48,35 @@ class HostProbe:
             return [find_binary(binary)]
         except FailedPrecondition:
             return None
+
+
+def host_pid() -> int | None:
+    """A process in the host's mount namespace, seen from a container with hostPID.
+
+    PID 1 normally; where PID 1 is out of reach (some VMs protect their init), the node's
+    containerd, which runs in the host's mount namespace by definition. None: not in a container.
+    """
+    try:
+        mine = os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return None
+    candidates = [1]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    argv0 = f.read().split(b"\0", 1)[0]
+            except OSError:
+                continue
+            if os.path.basename(argv0) == b"containerd":
+                candidates.append(int(entry))
+    for pid in candidates:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/mnt") != mine:
+                return pid
+        except OSError:
+            continue
+    return None
 
 
 def _version_of(cmd: list[str], pattern: str) -> str:

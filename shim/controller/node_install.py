@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
 from shim.controller.settings import NodeSettings
+from shim.hostfacts import host_pid
 
 DROPIN_NAME = "kubectl-snapshot.toml"
 PYZ_NAME = "kubectl-snapshot-runc.pyz"
@@ -103,7 +104,8 @@ def uninstall(settings: NodeSettings) -> None:
 
 def _run_on_host(command: str) -> None:
     """Run a shell command in the host's namespaces (the agent runs with hostPID and privileges)."""
-    prefix = ["nsenter", "-t", "1", "-m", "-u", "-i", "-n", "-p", "--"] if _in_container() else []
+    pid = host_pid()
+    prefix = ["nsenter", "-t", str(pid), "-m", "--"] if pid else []
     proc = subprocess.run([*prefix, "sh", "-c", command], capture_output=True, text=True, timeout=300, check=False)
     if proc.returncode != 0:
         raise FailedPrecondition(
@@ -113,8 +115,5 @@ def _run_on_host(command: str) -> None:
 
 
 def _in_container() -> bool:
-    """True when this process does not share the host's mount namespace (pid 1 is the host's init)."""
-    try:
-        return os.readlink("/proc/1/ns/mnt") != os.readlink("/proc/self/ns/mnt")
-    except OSError:
-        return False
+    """True when this process does not share the host's mount namespace."""
+    return host_pid() is not None
