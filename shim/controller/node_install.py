@@ -106,7 +106,18 @@ def _run_on_host(command: str) -> None:
     """Run a shell command in the host's namespaces (the agent runs with hostPID and privileges)."""
     pid = host_pid()
     prefix = ["nsenter", "-t", str(pid), "-m", "--"] if pid else []
-    proc = subprocess.run([*prefix, "sh", "-c", command], capture_output=True, text=True, timeout=300, check=False)
+    # Leave this container's cgroups first (join the host process's): whatever the command starts
+    # (a new containerd) must not die with the init container when the kubelet cleans it up.
+    escape = (
+        f'while IFS=: read -r _ ctrl path; do d="/sys/fs/cgroup/${{ctrl#name=}}"; '
+        f'[ -z "$ctrl" ] && d=/sys/fs/cgroup/unified; [ -d "$d" ] || d="/sys/fs/cgroup"; '
+        f'echo $$ > "$d$path/cgroup.procs" 2>/dev/null || true; done < /proc/{pid}/cgroup; '
+        if pid
+        else ""
+    )
+    proc = subprocess.run(
+        [*prefix, "sh", "-c", escape + command], capture_output=True, text=True, timeout=300, check=False
+    )
     if proc.returncode != 0:
         raise FailedPrecondition(
             f"restarting containerd failed ({proc.returncode}): {proc.stderr.strip()[-500:]}",
