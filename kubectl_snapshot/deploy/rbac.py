@@ -3,7 +3,11 @@
 The agent's rules are the whole list of what it calls (docs/kubernetes.md), nothing more:
 
 - podsnapshots get/list/watch, podsnapshots/status get/update/patch: claim and report, never edit specs;
-- pods get/list/watch/patch: find the pod, set the restore-status annotation;
+- pods get/list/watch/patch/delete: find the pod, set the restore-status annotation, and for
+  ``spec.stop`` delete the snapshotted pod once its snapshot is pushed (before its frozen containers
+  are killed, so that the kubelet does not restart them). This lets anyone allowed to create a
+  PodSnapshot delete pods of that namespace through ``stop``; grant PodSnapshot create only to those
+  who may delete pods there (the aggregated ``edit``/``admin`` roles already can);
 - events create/patch: SnapshotStarted/Succeeded/Failed, RestoreStaged/Failed on the pod;
 - secrets get: the registrySecret a PodSnapshot or a restored pod names, in its own namespace. It is
   cluster-wide because PodSnapshots come from any namespace; ``get`` (no list/watch) means the agent
@@ -36,7 +40,7 @@ def agent_rules() -> list[dict[str, Any]]:
     return [
         _rule(K.GROUP, [K.PLURAL], ["get", "list", "watch"]),
         _rule(K.GROUP, [f"{K.PLURAL}/status"], ["get", "update", "patch"]),
-        _rule("", ["pods"], ["get", "list", "watch", "patch"]),
+        _rule("", ["pods"], ["get", "list", "watch", "patch", "delete"]),
         _rule("", ["events"], ["create", "patch"]),
         _rule("", ["secrets"], ["get"]),
         _rule("", ["nodes"], ["get", "patch"]),

@@ -213,6 +213,7 @@ def test_agent_rbac_on_the_real_authorizer(cluster: Cluster, installed: list[dic
         ("watch", K.PLURAL),
         ("patch", f"{K.PLURAL}/status"),
         ("patch", "pods"),
+        ("delete", "pods"),  # spec.stop: the pod goes once its snapshot is pushed
         ("create", "events"),
         ("get", "secrets"),
         ("patch", "nodes"),
@@ -222,7 +223,6 @@ def test_agent_rbac_on_the_real_authorizer(cluster: Cluster, installed: list[dic
         ("update", K.PLURAL),
         ("list", "secrets"),
         ("create", "pods"),
-        ("delete", "pods"),
         ("create", "pods/exec"),
         ("delete", "nodes"),
     ]

@@ -147,7 +147,11 @@ def test_migrate_moves_the_pod_and_deletes_the_original_after(cluster, namespace
     new_name = json.loads(out.stdout)["restored"]["name"]
     moved = running(cluster, namespace, new_name)
     assert moved["spec"]["nodeName"] == n2
-    assert cluster.kubectl("get", "pod", "mover", "-n", namespace, check=False).returncode != 0
+    cluster.wait_for(
+        "the original to be gone",
+        lambda: cluster.kubectl("get", "pod", "mover", "-n", namespace, check=False).returncode != 0,
+        timeout=60,
+    )
     tok2, after = counter_value(cluster, namespace, new_name)
     assert tok2 == tok and after >= before
 

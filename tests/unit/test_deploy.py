@@ -103,7 +103,7 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
     expected = {
         *((K.GROUP, "podsnapshots", v) for v in ("get", "list", "watch")),
         *((K.GROUP, "podsnapshots/status", v) for v in ("get", "update", "patch")),
-        *(("", "pods", v) for v in ("get", "list", "watch", "patch")),
+        *(("", "pods", v) for v in ("get", "list", "watch", "patch", "delete")),
         *(("", "events", v) for v in ("create", "patch")),
         ("", "secrets", "get"),
         *(("", "nodes", v) for v in ("get", "patch")),
