@@ -165,7 +165,9 @@ def _move_contents(src: str, dest: str) -> None:
                 shutil.rmtree(target)
             else:
                 os.unlink(target)
-        os.rename(os.path.join(src, entry), target)
+        # A rename when both sides are on one mount; a copy (links kept as links) across mounts, e.g.
+        # between two hostPath volumes of the agent's pod.
+        shutil.move(os.path.join(src, entry), target, copy_function=shutil.copy2)
 
 
 def restore(
