@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup deps cluster-deps venv lint typecheck check-generated protos unit integration e2e test demo bench clean
+.PHONY: setup deps cluster-deps venv lint typecheck check-generated protos unit integration e2e test demo demo-node bench clean
 
 deps:
 	hack/install-node-deps.sh
@@ -43,11 +43,15 @@ integration: setup
 test: setup cluster-deps lint typecheck check-generated
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
 
-demo: setup
+demo: setup cluster-deps
 	hack/demo.sh
 
+demo-node: setup
+	hack/demo.sh --node
+
 bench: setup
-	$(PY) bench/freeze_and_push.py
+	hack/install-bench-deps.sh
+	$(PY) bench/run.py --quick
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

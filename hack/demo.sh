@@ -1,5 +1,10 @@
 #!/usr/bin/env bash
-# The demo: local node(s) + registry, a counter snapshotted and restored. `make demo` runs it after setup.
+# The demo (`make demo` runs it after setup): the local two-node cluster, the agent installed, a counter
+# pod snapshotted on one node and restored on the other. `hack/demo.sh --node` runs the Kubernetes-free
+# variant (two containerd instances and kubectl-snapshot-agent).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec .venv/bin/python hack/demo_node.py "$@"
+if [ "${1:-}" = "--node" ]; then
+  exec .venv/bin/python hack/demo_node.py
+fi
+exec .venv/bin/python hack/demo_cluster.py

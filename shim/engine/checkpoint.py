@@ -9,6 +9,7 @@ only once the manifest is in the registry.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,7 +25,7 @@ from typing import Any
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, SnapshotError
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
 from kubectl_snapshot.core.model import (
     ContainerRecord,
     DumpStats,
@@ -232,10 +233,14 @@ def checkpoint(
                 _resume_all(containerd, frozen)
                 raise
         for cid in frozen:
-            containerd.kill_task(cid, signal.SIGKILL, all=True)
+            with contextlib.suppress(NotFound):  # already removed by the kubelet: nothing to kill
+                containerd.kill_task(cid, signal.SIGKILL, all=True)
         _resume_all(containerd, frozen)  # thaw so that the pending SIGKILL is delivered
         for cid in frozen:
-            containerd.wait_task(cid, timeout=30)
+            # The kubelet may already be removing the pod's containers (its object was deleted):
+            # a task that is gone is as stopped as one that exited.
+            with contextlib.suppress(SnapshotError):
+                containerd.wait_task(cid, timeout=30)
     timings["total_ms"] = (clock() - t0) * 1000
     result.timings_ms = timings
     return result

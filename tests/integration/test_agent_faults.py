@@ -104,11 +104,11 @@ def test_criu_dump_failure_shows_the_log_and_leaves_the_container_running(contai
     cid = unique("extsock")
     cleanup(a, cid)
     code = (
-        "import socket,time\n"
+        "import os,socket,time\n"
         "s=socket.socket(socket.AF_UNIX); s.connect('/sock/s')\n"
         "i=0\n"
         "while True:\n"
-        "    i+=1; open('/tmp/count','w').write('t %d' % i); time.sleep(0.05)\n"
+        "    i+=1; open('/tmp/c.t','w').write('t %d' % i); os.replace('/tmp/c.t', '/tmp/count'); time.sleep(0.05)\n"
     )
     mount = {"destination": "/sock", "type": "bind", "source": str(sockdir), "options": ["rbind", "rw"]}
     a.run_container(
