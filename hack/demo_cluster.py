@@ -100,13 +100,12 @@ def main() -> None:
     subprocess.run(["kubectl", "apply", "-f", "-"], input=json.dumps(pod), text=True, env=env, check=True)
     kubectl("wait", "--for=condition=Ready", "pod/counter", "-n", NS, "--timeout=120s")
     time.sleep(5)
-    kubectl("exec", "-n", NS, "counter", "--", "cat", "/tmp/count")
+    before = int(kubectl("exec", "-n", NS, "counter", "-c", "counter", "--", "cat", "/tmp/count"))
 
     say("kubectl snapshot pod/counter: freeze, CRIU dump, push to the registry")
     ref = run("kubectl-snapshot", "pod/counter", "-n", NS, "--to", f"{registry}/demo/counter", env=env)
     run("kubectl-snapshot", "list", "-n", NS, env=env)
     run("kubectl-snapshot", "inspect", ref, env=env)
-    before = int(kubectl("exec", "-n", NS, "counter", "--", "cat", "/tmp/count", show=False))
 
     say("the pod is deleted (its node could have died)")
     kubectl("delete", "pod", "counter", "-n", NS, "--wait=true")
@@ -114,10 +113,12 @@ def main() -> None:
     say(f"kubectl snapshot restore on {n2}")
     run("kubectl-snapshot", "restore", ref, "-n", NS, "--name", "counter", "--node", n2, env=env)
     kubectl("get", "pod", "counter", "-n", NS, "-o", "wide")
-    first = int(kubectl("exec", "-n", NS, "counter", "--", "cat", "/tmp/count"))
+    first = int(kubectl("exec", "-n", NS, "counter", "-c", "counter", "--", "cat", "/tmp/count"))
     time.sleep(3)
-    later = int(kubectl("exec", "-n", NS, "counter", "--", "cat", "/tmp/count"))
-    print(f"counter: {before} when snapshotted on {n1}; {first} right after the restore on {n2}; {later} 3 s later")
+    later = int(kubectl("exec", "-n", NS, "counter", "-c", "counter", "--", "cat", "/tmp/count"))
+    print(
+        f"counter: {before} just before the snapshot on {n1}; {first} right after the restore on {n2}; {later} 3 s later"
+    )
     if first < before or later <= first:
         raise SystemExit("demo: the counter did not carry on from the snapshot")
     say("the counter carried on from where it was snapshotted (hack/cluster-down removes the cluster)")
