@@ -116,9 +116,8 @@ def main() -> None:
     first = int(kubectl("exec", "-n", NS, "counter", "-c", "counter", "--", "cat", "/tmp/count"))
     time.sleep(3)
     later = int(kubectl("exec", "-n", NS, "counter", "-c", "counter", "--", "cat", "/tmp/count"))
-    print(
-        f"counter: {before} just before the snapshot on {n1}; {first} right after the restore on {n2}; {later} 3 s later"
-    )
+    print(f"counter: {before} just before the snapshot on {n1}; {first} right after the restore on {n2};", end=" ")
+    print(f"{later} 3 s later")
     if first < before or later <= first:
         raise SystemExit("demo: the counter did not carry on from the snapshot")
     say("the counter carried on from where it was snapshotted (hack/cluster-down removes the cluster)")
