@@ -21,6 +21,7 @@ from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
+from shim.controller.events import pod_event
 from shim.controller.podinfo import empty_dir_path
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
@@ -104,7 +105,9 @@ class RestoreWorker:
             return
         self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
         self._annotate(pod, K.RESTORE_STAGED)
-        self._event(pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}")
+        pod_event(
+            self.kube, pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}"
+        )
 
     def _wait_for_dirs(self, dirs: list[str]) -> None:
         deadline = time.monotonic() + VOLUME_WAIT_S
@@ -123,7 +126,7 @@ class RestoreWorker:
             if os.path.isdir(gate):
                 self._open_gate(gate, K.GATE_FAILED_FILE, message + "\n")
         self._annotate(pod, K.RESTORE_FAILED_PREFIX + err.message)
-        self._event(pod, K.EVENT_RESTORE_FAILED, message, warning=True)
+        pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, message, warning=True)
 
     @staticmethod
     def _open_gate(gate: str, name: str, content: str) -> None:
@@ -139,15 +142,3 @@ class RestoreWorker:
             self.kube.patch_pod_annotations(meta["namespace"], meta["name"], {K.ANN_RESTORE_STATUS: value[:1000]})
         except SnapshotError:
             log.warning("could not annotate %s/%s", meta["namespace"], meta["name"])
-
-    def _event(self, pod: dict[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
-        try:
-            self.kube.create_event(
-                pod["metadata"]["namespace"],
-                involved=pod,
-                reason=reason,
-                message=message[:1000],
-                type="Warning" if warning else "Normal",
-            )
-        except SnapshotError:
-            log.warning("could not record event %s", reason)

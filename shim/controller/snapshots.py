@@ -22,6 +22,7 @@ from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, No
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from shim.containerd.client import ContainerdClient
+from shim.controller.events import pod_event
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
 from shim.controller.settings import NodeSettings
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
@@ -108,7 +109,7 @@ class SnapshotWorker:
     def run(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
         meta, spec = obj["metadata"], obj.get("spec") or {}
         ns, name = meta["namespace"], meta["name"]
-        self._event(pod, K.EVENT_SNAPSHOT_STARTED, f"snapshot {name} started on {self.settings.node}")
+        pod_event(self.kube, pod, K.EVENT_SNAPSHOT_STARTED, f"snapshot {name} started on {self.settings.node}")
         reporter = _StatusReporter(self.kube, ns, name, self.clock)
         try:
             containers = running_containers(pod)
@@ -174,7 +175,7 @@ class SnapshotWorker:
             "conditions": [_condition("Succeeded", "True", "Pushed", f"pushed {r.reference}")],
         }
         self.kube.patch_snapshot_status(meta["namespace"], meta["name"], status)
-        self._event(pod, K.EVENT_SNAPSHOT_SUCCEEDED, f"snapshot {meta['name']} pushed as {r.reference}")
+        pod_event(self.kube, pod, K.EVENT_SNAPSHOT_SUCCEEDED, f"snapshot {meta['name']} pushed as {r.reference}")
 
     def _finish_failed(self, obj: dict[str, Any], pod: dict[str, Any] | None, err: SnapshotError) -> None:
         meta = obj["metadata"]
@@ -192,19 +193,7 @@ class SnapshotWorker:
         except SnapshotError:
             log.exception("could not record the failure of %s/%s", meta["namespace"], meta["name"])
         if pod is not None:
-            self._event(pod, K.EVENT_SNAPSHOT_FAILED, message, warning=True)
-
-    def _event(self, pod: dict[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
-        try:
-            self.kube.create_event(
-                pod["metadata"]["namespace"],
-                involved=pod,
-                reason=reason,
-                message=message[:1000],
-                type="Warning" if warning else "Normal",
-            )
-        except SnapshotError:
-            log.warning("could not record event %s on %s", reason, pod["metadata"]["name"])
+            pod_event(self.kube, pod, K.EVENT_SNAPSHOT_FAILED, message, warning=True)
 
 
 class _StatusReporter:
