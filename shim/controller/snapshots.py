@@ -144,21 +144,21 @@ class SnapshotWorker:
             log.exception("snapshot %s/%s failed", ns, name)
             self._finish_failed(obj, pod, SnapshotError(f"internal error: {e}"))
             return
-        self._finish_ok(obj, pod, result, reporter)
+        self._finish_ok(obj, pod, result)
 
     def _delete_pod(self, pod: dict[str, Any]) -> None:
         """With stop: the pod object goes first, so that the kubelet does not restart what we kill."""
         meta = pod["metadata"]
         self.kube.delete_pod(meta["namespace"], meta["name"], grace_period_seconds=0)
 
-    def _finish_ok(self, obj: dict[str, Any], pod: dict[str, Any], r: CheckpointResult, rep: _StatusReporter) -> None:
+    def _finish_ok(self, obj: dict[str, Any], pod: dict[str, Any], r: CheckpointResult) -> None:
         meta = obj["metadata"]
         t = r.timings_ms
         status = {
             "phase": K.PHASE_SUCCEEDED,
             "node": self.settings.node,
             "stage": "done",
-            "bytesDone": rep.done or r.size,
+            "bytesDone": r.size,
             "bytesTotal": r.size,
             "timings": {
                 "freezeMs": round(t.get("freeze_ms", 0), 1),
