@@ -1,0 +1,108 @@
+"""Which agent takes a PodSnapshot, and what it refuses, over a fake of the Kubernetes port.
+
+(The real flow, with the real API server and two agents, is in tests/e2e/test_snapshot_flows.py.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import FailedPrecondition, NotFound
+from kubectl_snapshot.core.model import HostFacts
+from shim.controller.settings import NodeSettings
+from shim.controller.snapshots import SnapshotWorker
+
+
+@dataclass
+class FakeKube:
+    pods: dict[tuple[str, str], dict[str, Any]]
+    conflict: bool = False
+    patches: list[tuple[str, str, dict[str, Any], str | None]] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+
+    def get_pod(self, ns: str, name: str) -> dict[str, Any]:
+        try:
+            return self.pods[(ns, name)]
+        except KeyError:
+            raise NotFound(f"pod {ns}/{name} not found") from None
+
+    def patch_snapshot_status(
+        self, ns: str, name: str, status: dict[str, Any], *, resource_version: str | None = None
+    ) -> dict[str, Any]:
+        if resource_version is not None and self.conflict:
+            raise FailedPrecondition("conflict", retryable=True)
+        self.patches.append((ns, name, status, resource_version))
+        return {}
+
+    def create_event(self, ns: str, *, involved: dict[str, Any], reason: str, message: str, type: str) -> None:
+        self.events.append(reason)
+
+
+def snapshot(spec: dict[str, Any], phase: str | None = None) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "metadata": {"name": "s1", "namespace": "a", "resourceVersion": "7"},
+        "spec": {"destination": "127.0.0.1:5005/x", **spec},
+    }
+    if phase:
+        obj["status"] = {"phase": phase}
+    return obj
+
+
+def pod(node: str) -> dict[str, Any]:
+    return {"metadata": {"name": "p", "namespace": "a", "uid": "u"}, "spec": {"nodeName": node}, "status": {}}
+
+
+class Recording(SnapshotWorker):
+    ran: list[str]
+
+    def run(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
+        self.ran.append(obj["metadata"]["name"])
+
+
+def worker(kube: FakeKube, node: str = "n1") -> Recording:
+    w = Recording(kube=kube, settings=NodeSettings(node=node), facts=HostFacts())
+    w.ran = []
+    return w
+
+
+def test_the_agent_of_the_pods_node_claims_and_runs_it() -> None:
+    kube = FakeKube({("a", "p"): pod("n1")})
+    w = worker(kube)
+    w.consider(snapshot({"podName": "p"}))
+    assert w.ran == ["s1"]
+    (_, _, status, rv) = kube.patches[0]
+    assert status["phase"] == K.PHASE_RUNNING and status["node"] == "n1" and rv == "7"
+
+
+def test_other_nodes_and_finished_objects_are_left_alone() -> None:
+    kube = FakeKube({("a", "p"): pod("n2")})
+    w = worker(kube)
+    w.consider(snapshot({"podName": "p"}))
+    w.consider(snapshot({"podName": "p"}, phase=K.PHASE_SUCCEEDED))
+    assert w.ran == [] and kube.patches == []
+
+
+def test_losing_the_claim_race_means_not_running_it() -> None:
+    kube = FakeKube({("a", "p"): pod("n1")}, conflict=True)
+    w = worker(kube)
+    w.consider(snapshot({"podName": "p"}))
+    assert w.ran == [] and kube.patches == []
+
+
+def test_a_pod_of_another_namespace_is_refused_without_looking_it_up() -> None:
+    kube = FakeKube({("b", "p"): pod("n1")})
+    w = worker(kube)
+    w.consider(snapshot({"podName": "p", "podNamespace": "b"}))
+    assert w.ran == []
+    final = kube.patches[-1][2]
+    assert final["phase"] == K.PHASE_FAILED and "refused" in final["message"]
+
+
+def test_an_unknown_pod_fails_the_snapshot() -> None:
+    kube = FakeKube({})
+    w = worker(kube)
+    w.consider(snapshot({"podName": "ghost"}))
+    final = kube.patches[-1][2]
+    assert final["phase"] == K.PHASE_FAILED and "ghost" in final["message"] and "not found" in final["message"]
