@@ -100,6 +100,7 @@ def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> t
         )
     if req.node:
         kube.get_node(req.node)  # NotFound names the node
+        check_agent_on(req.node, kube=kube)
     body = restore_pod(
         artifact.config.pod,
         reference=artifact.reference,
@@ -110,6 +111,32 @@ def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> t
         registry_secret=req.registry_secret,
     )
     return body, artifact
+
+
+def check_agent_on(node: str, *, kube: Kube) -> None:
+    """Refuse early when no agent is ready on the target node (nobody would stage the restore).
+
+    Users who may not read the agent's namespace get no early answer; the gate then times out with
+    a hint instead.
+    """
+    try:
+        pods = kube.list_pods(
+            K.AGENT_NAMESPACE,
+            label_selector=",".join(f"{k}={v}" for k, v in K.AGENT_LABEL.items()),
+            field_selector=f"spec.nodeName={node}",
+        )
+    except PermissionDenied:
+        return
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for p in pods
+        for c in (p.get("status") or {}).get("conditions") or []
+    )
+    if not ready:
+        raise FailedPrecondition(
+            f"no kubectl-snapshot agent is ready on node {node}",
+            hint="kubectl snapshot doctor shows the agents; choose another --node, or install the agent there",
+        )
 
 
 def create_restore_pod(body: Obj, *, kube: Kube) -> Obj:

@@ -212,6 +212,21 @@ def test_bad_input_gives_clear_errors(cluster, namespace, agent, plugin):  # typ
     assert proc.returncode == 1 and "error:" in proc.stderr
 
 
+def test_restore_onto_a_node_without_an_agent(cluster, namespace, agent: AgentInstall, plugin):  # type: ignore[no-untyped-def]
+    n1, n2 = cluster.nodes[:2]
+    cluster.apply(pod("lonely", namespace, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+    running(cluster, namespace, "lonely")
+    ref = json.loads(
+        plugin("snapshot", "pod/lonely", "-n", namespace, "--to", f"{cluster.registry}/e2e/lonely", "-o", "json").stdout
+    )["status"]["reference"]
+    with agent.without_agent_on(n2):
+        proc = plugin("restore", ref, "-n", namespace, "--name", "lonely2", "--node", n2, check=False)
+    assert proc.returncode == 1
+    assert f"no kubectl-snapshot agent is ready on node {n2}" in proc.stderr
+    assert cluster.kubectl("get", "pod", "lonely2", "-n", namespace, check=False).returncode != 0  # nothing created
+    running(cluster, namespace, "lonely")
+
+
 def test_restore_onto_a_node_that_cannot(cluster, namespace, agent: AgentInstall, plugin):  # type: ignore[no-untyped-def]
     """Preflight: the target node's CRIU is missing -> the restore fails with the reason, nothing runs."""
     n1, n2 = cluster.nodes[:2]

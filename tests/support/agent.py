@@ -81,6 +81,31 @@ class AgentInstall:
             self._set_node_map(original)
             self.restart(node)
 
+    @contextlib.contextmanager
+    def without_agent_on(self, node: str) -> Iterator[None]:
+        """Keep the agent DaemonSet off one node while the block runs (a node the agent does not cover)."""
+        affinity = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "NotIn", "values": [node]}]}
+                    ]
+                }
+            }
+        }
+        self._patch_daemonset({"spec": {"template": {"spec": {"affinity": affinity}}}})
+        self.cluster.wait_for(f"the agent to leave {node}", lambda: self.agent_pod(node) is None, 120)
+        try:
+            yield
+        finally:
+            self._patch_daemonset({"spec": {"template": {"spec": {"affinity": None}}}})
+            self.wait_ready(node)
+
+    def _patch_daemonset(self, patch: dict[str, Any]) -> None:
+        self.cluster.kubectl(
+            "patch", "daemonset", K.AGENT_NAME, "-n", K.AGENT_NAMESPACE, "--type=merge", "-p", json.dumps(patch)
+        )
+
     def _set_node_map(self, text: str) -> None:
         patch = json.dumps({"data": {NODE_CONFIG_KEY: text}})
         self.cluster.kubectl(
