@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj
+from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
 
 StepFn = Callable[[str, int, int], None]  # (what, done, total)
@@ -63,7 +64,36 @@ def install(
     step("installed", total, total)
 
 
-def uninstall(objects: list[Obj], *, kube: Kube) -> None:
+def uninstall(
+    objects: list[Obj],
+    *,
+    kube: Kube,
+    timeout_s: float = 300,
+    on_step: StepFn | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """Undo the node installation on every node (a one-shot DaemonSet), then delete the objects."""
+    from kubectl_snapshot.deploy.agent import cleanup_daemonset
+
+    step = on_step or (lambda _w, _d, _t: None)
+    live = kube.get_daemonset(K.AGENT_NAMESPACE, K.AGENT_NAME)
+    if live is not None:
+        cleanup = cleanup_daemonset(live)
+        step("remove the runtime hook from every node", 0, 2)
+        kube.apply([cleanup])
+        try:
+            _wait(
+                "the runtime hook removed from every node",
+                functools.partial(_ds_ready, kube, cleanup),
+                timeout_s=timeout_s,
+                sleep=sleep,
+                clock=clock,
+                hint=f"kubectl -n {K.AGENT_NAMESPACE} logs ds/{cleanup['metadata']['name']} -c install-node",
+            )
+        finally:
+            kube.delete_objects([cleanup])
+    step("delete the objects", 1, 2)
     kube.delete_objects(list(reversed(objects)))
 
 

@@ -424,14 +424,18 @@ def install_cmd(
 @cli.command("uninstall")
 @common_options
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted.")
+@click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long node clean-up may take.")
 @output_option
 @handle_errors
-def uninstall_cmd(dry_run: bool, output: str) -> None:
-    """Remove what `install` created (PodSnapshot objects go with the CRD)."""
+def uninstall_cmd(dry_run: bool, timeout: float, output: str) -> None:
+    """Remove the runtime hook from every node, then what `install` created (PodSnapshots go with the CRD)."""
     objects = install_app.render(None, {})
     names = [f"{o['kind']}/{o['metadata']['name']}" for o in reversed(objects)]
     if not dry_run:
-        install_app.uninstall(objects, kube=kube_client())
+        with RemoteProgress("uninstall") as bar:
+            install_app.uninstall(
+                objects, kube=kube_client(), timeout_s=timeout, on_step=lambda what, _d, _t: bar.step(what)
+            )
     verb = "would be deleted" if dry_run else "deleted"
     emit({"deleted": names, "dryRun": dry_run}, output, lambda d: "\n".join(f"{n} {verb}" for n in d["deleted"]))
 

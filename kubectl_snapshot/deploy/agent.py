@@ -244,3 +244,33 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
             },
         },
     }
+
+
+CLEANUP_NAME = "kubectl-snapshot-uninstall"
+
+
+def cleanup_daemonset(live: Mapping[str, Any]) -> dict[str, Any]:
+    """A one-shot DaemonSet that undoes install-node on every node the agent ran on.
+
+    Derived from the live agent DaemonSet, so it has the same image, node paths and host mounts:
+    its init container runs ``uninstall-node`` (remove the runtime hook and the containerd drop-in,
+    restart containerd if configured), then its main container idles until `uninstall` deletes it.
+    """
+    ds = copy.deepcopy(dict(live))
+    labels = {"app.kubernetes.io/name": CLEANUP_NAME, "app.kubernetes.io/part-of": "kubectl-snapshot"}
+    meta = ds.get("metadata") or {}
+    ds["metadata"] = {"name": CLEANUP_NAME, "namespace": meta.get("namespace", K.AGENT_NAMESPACE), "labels": labels}
+    ds.pop("status", None)
+    spec = ds["spec"]
+    spec["selector"] = {"matchLabels": dict(labels)}
+    template = spec["template"]
+    template["metadata"] = {"labels": dict(labels)}
+    pod = template["spec"]
+    for init in pod.get("initContainers") or []:
+        if init.get("args") and init["args"][0] == "install-node":
+            init["args"] = ["uninstall-node", *(a for a in init["args"][1:] if not a.startswith("--wrapper"))]
+    for c in pod.get("containers") or []:
+        c.pop("args", None)
+        c.pop("readinessProbe", None)
+        c["command"] = ["sleep", "3600"]
+    return ds

@@ -153,6 +153,10 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         yield installed
     finally:
         _plugin(cluster, "uninstall", check=False)
+    # uninstall is the inverse of install, on the nodes too: no runtime hook, no containerd drop-in
+    for node in cluster.nodes:
+        assert not (cluster.containerd_dropin_dir(node) / "kubectl-snapshot.toml").exists(), node
+        assert not Path("/opt/kubectl-snapshot", node).exists(), node
 
 
 @pytest.fixture

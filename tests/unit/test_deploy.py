@@ -307,3 +307,28 @@ def test_agent_cli_accepts_the_rendered_command_lines(per_node: dict[str, Any] |
     for c in spec["initContainers"] + spec["containers"]:
         result = CliRunner().invoke(cli, [*c["args"], "--help"], env={"NODE_NAME": "ks-n1"})
         assert result.exit_code == 0, (c["name"], result.output)
+
+
+def test_uninstall_cleanup_daemonset_undoes_install_node() -> None:
+    from click.testing import CliRunner
+
+    from kubectl_snapshot.deploy.agent import CLEANUP_NAME, cleanup_daemonset
+    from shim.agent_cli import cli
+
+    per_node = {"ks-n1": {"containerd_socket": "/run/ks/ks-n1/containerd.sock"}}
+    live = next(o for o in render("img@sha256:" + "a" * 64, per_node_paths=per_node) if o["kind"] == "DaemonSet")
+    live = {**live, "status": {"numberReady": 1}, "metadata": {**live["metadata"], "resourceVersion": "9"}}
+    ds = cleanup_daemonset(live)
+    assert ds["metadata"] == {
+        "name": CLEANUP_NAME,
+        "namespace": K.AGENT_NAMESPACE,
+        "labels": ds["spec"]["selector"]["matchLabels"],
+    }
+    assert "status" not in ds
+    pod = ds["spec"]["template"]["spec"]
+    init = pod["initContainers"][0]["args"]
+    assert init[0] == "uninstall-node" and not any(a.startswith("--wrapper") for a in init)
+    assert pod["containers"][0]["command"] == ["sleep", "3600"] and "readinessProbe" not in pod["containers"][0]
+    assert pod["volumes"] == live["spec"]["template"]["spec"]["volumes"]  # same host paths as the agent
+    result = CliRunner().invoke(cli, [*init, "--help"], env={"NODE_NAME": "ks-n1"})
+    assert result.exit_code == 0, result.output
