@@ -223,6 +223,18 @@ def restore_cmd(
     emit(data, output, lambda d: "\n".join(f"{c['name']}\trunning (pid {c['pid']})" for c in d["containers"]))
 
 
+@cli.command("recover")
+@containerd_options
+@handle_errors
+def recover_cmd(address: str, namespace: str) -> None:
+    """Thaw containers a killed `checkpoint` left frozen (the agent DaemonSet does this at start)."""
+    from shim.engine.checkpoint import recover_interrupted
+
+    with _client(address, namespace) as containerd:
+        thawed = recover_interrupted(containerd, StatePaths.from_env())
+    click.echo("\n".join(f"{cid}\tthawed" for cid in thawed) or "nothing to recover")
+
+
 @cli.command("inspect")
 @registry_options
 @output_option

@@ -17,6 +17,8 @@ from shim.containerd.client import ContainerdClient
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
+from shim.engine.checkpoint import recover_interrupted
+from shim.engine.staging import StatePaths
 
 log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 240
@@ -100,6 +102,10 @@ def run(
     stop = stop or threading.Event()
     facts = node_facts(settings, in_container=in_container)
     log.info("agent on node %s: %s", settings.node, facts)
+    with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
+        thawed = recover_interrupted(containerd, StatePaths(settings.state_dir))
+    if thawed:
+        log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)
     snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts)
     restores = RestoreWorker(kube=kube, settings=settings, facts=facts)

@@ -58,14 +58,30 @@ class SnapshotWorker:
         self.settings = settings
         self.facts = facts
         self.clock = clock
+        self._handled: set[str | None] = set()  # uids this agent process claimed (stale events follow)
 
     # --- claiming ---------------------------------------------------------------------------------
 
     def consider(self, obj: dict[str, Any]) -> None:
         """Handle one PodSnapshot event: claim it if its pod runs here, then run it to the end."""
-        if (obj.get("status") or {}).get("phase"):
+        meta, spec, status = obj["metadata"], obj.get("spec") or {}, obj.get("status") or {}
+        if status.get("phase"):
+            # Claimed by this node in an earlier life of the agent and never finished: say so.
+            if (
+                status.get("phase") == K.PHASE_RUNNING
+                and status.get("node") == self.settings.node
+                and meta.get("uid") not in self._handled
+            ):
+                self._handled.add(meta.get("uid"))
+                self._finish_failed(
+                    obj,
+                    None,
+                    SnapshotError(
+                        "the agent restarted while this snapshot ran; the pod was thawed and keeps running",
+                        hint="create a new PodSnapshot",
+                    ),
+                )
             return
-        meta, spec = obj["metadata"], obj.get("spec") or {}
         ns = meta["namespace"]
         pod_ns = spec.get("podNamespace") or ns
         if pod_ns != ns:
@@ -84,6 +100,7 @@ class SnapshotWorker:
             return
         if not self._claim(obj):
             return
+        self._handled.add(meta.get("uid"))
         self.run(obj, pod)
 
     def _claim(self, obj: dict[str, Any], phase: str = K.PHASE_RUNNING) -> bool:

@@ -150,6 +150,10 @@ def checkpoint(
     timings: dict[str, float] = {}
     frozen: list[str] = []
     try:
+        # Written before the first pause: if this process dies while containers are frozen, the next
+        # agent start (recover_interrupted) finds the list and thaws them. Never lose the workload.
+        with open(os.path.join(work, FROZEN_FILE), "w") as f:
+            json.dump(list(req.containers), f)
         phase("freeze")
         t_freeze = clock()
         try:
@@ -244,6 +248,32 @@ def checkpoint(
     timings["total_ms"] = (clock() - t0) * 1000
     result.timings_ms = timings
     return result
+
+
+FROZEN_FILE = "frozen-containers.json"
+
+
+def recover_interrupted(containerd: Containerd, paths: StatePaths) -> list[str]:
+    """Thaw containers that a killed checkpoint left frozen and drop its work dirs; returns their ids."""
+    root = os.path.dirname(paths.work_dir("x"))
+    thawed: list[str] = []
+    if not os.path.isdir(root):
+        return thawed
+    for entry in sorted(os.listdir(root)):
+        work = os.path.join(root, entry)
+        try:
+            with open(os.path.join(work, FROZEN_FILE)) as f:
+                cids = [str(c) for c in json.load(f)]
+        except (OSError, ValueError):
+            cids = []
+        for cid in cids:
+            with contextlib.suppress(SnapshotError):
+                task = containerd.get_task(cid)
+                if task is not None and task.status == "paused":
+                    containerd.resume_task(cid)
+                    thawed.append(cid)
+        shutil.rmtree(work, ignore_errors=True)
+    return thawed
 
 
 def _image_digest(containerd: Containerd, image: str) -> str:

@@ -179,3 +179,16 @@ def test_unknown_or_stopped_containers_are_refused_before_freezing(tmp_path: Pat
     cd.get_task = lambda cid: SimpleNamespace(pid=0, status="stopped")  # type: ignore[method-assign]
     with pytest.raises(FailedPrecondition, match="not running"):
         run(cd, FakeRegistry(), tmp_path, containers=["a"])
+
+
+def test_a_killed_checkpoint_is_recovered_by_thawing(tmp_path: Path) -> None:
+    from shim.engine.checkpoint import FROZEN_FILE, recover_interrupted
+
+    cd = FakeContainerd({"a", "b"})
+    paths = StatePaths(str(tmp_path))
+    work = Path(paths.work_dir("123-abc"))
+    work.mkdir(parents=True)
+    (work / FROZEN_FILE).write_text('["a", "b"]')
+    cd.pause_task("a")  # the agent died after freezing "a" only
+    assert recover_interrupted(cd, paths) == ["a"]
+    assert cd.paused == set() and not work.exists()

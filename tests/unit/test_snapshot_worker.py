@@ -106,3 +106,20 @@ def test_an_unknown_pod_fails_the_snapshot() -> None:
     w.consider(snapshot({"podName": "ghost"}))
     final = kube.patches[-1][2]
     assert final["phase"] == K.PHASE_FAILED and "ghost" in final["message"] and "not found" in final["message"]
+
+
+def test_a_snapshot_left_running_by_an_earlier_agent_is_failed_once() -> None:
+    kube = FakeKube({("a", "p"): pod("n1")})
+    w = worker(kube)
+    obj = snapshot({"podName": "p"}, phase=K.PHASE_RUNNING)
+    obj["status"]["node"] = "n1"
+    obj["metadata"]["uid"] = "u1"
+    w.consider(obj)
+    w.consider(obj)  # a later event for the same object changes nothing
+    assert len(kube.patches) == 1
+    final = kube.patches[0][2]
+    assert final["phase"] == K.PHASE_FAILED and "restarted" in final["message"]
+    other = snapshot({"podName": "p"}, phase=K.PHASE_RUNNING)
+    other["status"]["node"] = "n2"  # another node's agent is working on it
+    w.consider(other)
+    assert len(kube.patches) == 1
