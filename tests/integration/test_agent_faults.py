@@ -203,3 +203,20 @@ def test_unknown_reference_and_wrong_name_count(containerd_b, registry):  # type
     assert proc.returncode == 1 and "error:" in proc.stderr
     proc = agent("inspect", registry.ref("does-not-exist", "v1"), check=False)
     assert proc.returncode == 1 and "error:" in proc.stderr
+
+
+def test_recover_thaws_what_a_killed_checkpoint_left_frozen(running_counter):  # type: ignore[no-untyped-def]
+    """The agent died between freezing and resuming: `recover` (run by the DaemonSet at start) thaws."""
+    from shim.engine.checkpoint import FROZEN_FILE
+    from shim.engine.staging import StatePaths
+
+    a, daemon, cid = running_counter
+    work = Path(StatePaths.from_env().work_dir(unique("killed")))
+    work.mkdir(parents=True)
+    (work / FROZEN_FILE).write_text(json.dumps([cid]))
+    a.pause_task(cid)
+    assert a.get_task(cid).status == "paused"
+    out = agent("recover", *on(daemon)).stdout
+    assert f"{cid}\tthawed" in out
+    assert not work.exists()
+    assert_still_running(a, cid)
