@@ -167,6 +167,9 @@ def _read_dump_log(work_path: str) -> str | None:
     return None
 
 
+_DEADLINE_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
 class ContainerdClient:
     """A connection to one containerd socket, acting in one containerd namespace.
 
@@ -425,7 +428,7 @@ class ContainerdClient:
         try:
             r = self._tasks.Wait(tasks_pb2.WaitRequest(container_id=cid), timeout=timeout, metadata=self._metadata())
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if e.code() in _DEADLINE_CODES:
                 raise FailedPrecondition(
                     f"wait for task of {cid!r}: still running after {timeout}s",
                     hint="kill it first, or wait longer",
@@ -481,7 +484,9 @@ class ContainerdClient:
                         metadata=self._metadata(),
                     )
                 except grpc.RpcError as e:
-                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # The deadline shows up as DEADLINE_EXCEEDED, or as CANCELLED when containerd,
+                    # which sees the same deadline, resets the stream first.
+                    if e.code() not in _DEADLINE_CODES:
                         raise self._error(e, what) from None
                     with contextlib.suppress(SnapshotError):
                         self._call(

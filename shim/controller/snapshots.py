@@ -100,7 +100,6 @@ class SnapshotWorker:
             return
         if not self._claim(obj):
             return
-        self._handled.add(meta.get("uid"))
         self.run(obj, pod)
 
     def _claim(self, obj: dict[str, Any], phase: str = K.PHASE_RUNNING) -> bool:
@@ -114,6 +113,7 @@ class SnapshotWorker:
             )
         except FailedPrecondition:  # another agent won the race
             return False
+        self._handled.add(meta.get("uid"))  # later events still show our Running claim: not a restart
         return True
 
     def _claim_and_fail(self, obj: dict[str, Any], message: str, hint: str) -> None:

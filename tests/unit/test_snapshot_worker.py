@@ -123,3 +123,16 @@ def test_a_snapshot_left_running_by_an_earlier_agent_is_failed_once() -> None:
     other["status"]["node"] = "n2"  # another node's agent is working on it
     w.consider(other)
     assert len(kube.patches) == 1
+
+
+def test_our_own_claim_seen_again_is_not_taken_for_a_restart() -> None:
+    kube = FakeKube({("b", "p"): pod("n1")})
+    w = worker(kube)
+    obj = snapshot({"podName": "p", "podNamespace": "b"})
+    obj["metadata"]["uid"] = "u2"
+    w.consider(obj)  # claimed, then refused
+    stale = snapshot({"podName": "p", "podNamespace": "b"}, phase=K.PHASE_RUNNING)
+    stale["status"]["node"] = "n1"
+    stale["metadata"]["uid"] = "u2"
+    w.consider(stale)  # the watch delivers our claim after the fact
+    assert "refused" in kube.patches[-1][2]["message"]
