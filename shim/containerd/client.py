@@ -428,7 +428,7 @@ class ContainerdClient:
         try:
             r = self._tasks.Wait(tasks_pb2.WaitRequest(container_id=cid), timeout=timeout, metadata=self._metadata())
         except grpc.RpcError as e:
-            if e.code() in _DEADLINE_CODES:
+            if e.code() in _DEADLINE_CODES and timeout is not None:
                 raise FailedPrecondition(
                     f"wait for task of {cid!r}: still running after {timeout}s",
                     hint="kill it first, or wait longer",
