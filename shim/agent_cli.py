@@ -322,13 +322,12 @@ def run_cmd(kubeconfig: str | None, ready_file: str, **kw: Any) -> None:
     import logging
 
     from kubectl_snapshot.adapters.kube import KubeClient
-    from shim.controller.node_install import _in_container
     from shim.controller.run import run
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _node_settings(kw)
     kube = KubeClient.from_config(kubeconfig, None) if kubeconfig else KubeClient.in_cluster()
-    run(kube, settings, in_container=_in_container(), ready_file=ready_file)
+    run(kube, settings, ready_file=ready_file)
 
 
 @cli.command("install-node")

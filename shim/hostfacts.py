@@ -37,6 +37,7 @@ class HostProbe:
 
     @classmethod
     def host_from_container(cls, *, criu: str = "criu", runc: str = "runc") -> HostProbe:
+        """Through the host's mount namespace when this process is in another one, else directly."""
         pid = host_pid()
         prefix = ("nsenter", f"--mount=/proc/{pid}/ns/mnt", "--") if pid else ()
         return cls(prefix, criu, runc)

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, log_tail
@@ -109,17 +110,23 @@ def real_runc() -> str:
     raise SystemExit("kubectl-snapshot-runc: runc not found (set KUBECTL_SNAPSHOT_RUNC)")
 
 
-def find_staged(paths: StatePaths, container_id: str, bundle: str) -> str | None:
+def bundle_spec(bundle: str) -> dict[str, Any]:
+    """The OCI spec the shim wrote into the bundle ({} if unreadable): read once per `create`."""
+    try:
+        with open(os.path.join(bundle, "config.json")) as f:
+            spec = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return spec if isinstance(spec, dict) else {}
+
+
+def find_staged(paths: StatePaths, container_id: str, spec: dict[str, Any]) -> str | None:
     """The staged snapshot directory for this container, if the agent prepared one."""
     with contextlib.suppress(SnapshotError):
         d = paths.staged_by_id(container_id)
         if os.path.isdir(os.path.join(d, C.CHECKPOINT_DIRECTORY)):
             return d
-    try:
-        with open(os.path.join(bundle, "config.json")) as f:
-            annotations = json.load(f).get("annotations") or {}
-    except (OSError, ValueError):
-        return None
+    annotations = spec.get("annotations") or {}
     uid, name = annotations.get(ANN_SANDBOX_UID), annotations.get(ANN_CONTAINER_NAME)
     if annotations.get(ANN_CONTAINER_TYPE, "container") != "container" or not uid or not name:
         return None
@@ -151,12 +158,8 @@ def restore_command(runc: str, inv: Invocation, create: CreateArgs, staged: str)
     return cmd
 
 
-def _apply_diff(bundle: str, staged: str) -> None:
-    try:
-        with open(os.path.join(bundle, "config.json")) as f:
-            root = (json.load(f).get("root") or {}).get("path") or "rootfs"
-    except (OSError, ValueError):
-        root = "rootfs"
+def _apply_diff(bundle: str, spec: dict[str, Any], staged: str) -> None:
+    root = (spec.get("root") or {}).get("path") or "rootfs"
     rootfs = root if os.path.isabs(root) else os.path.join(bundle, root)
     diff = os.path.join(staged, C.ROOTFS_DIFF_TAR)
     deleted: list[str] = []
@@ -169,18 +172,17 @@ def _apply_diff(bundle: str, staged: str) -> None:
             apply_rootfs_diff(rootfs, f, deleted)
 
 
-def _loopback_up(create: CreateArgs) -> None:
+def _loopback_up(create: CreateArgs, spec: dict[str, Any]) -> None:
     """Bring `lo` up in a restored private network namespace.
 
     runc always dumps and restores the network namespace as empty (it does not manage network
     devices), so a container that owned its netns comes back with `lo` down, as runc's `create` would
     have set it up. Containers that join a namespace (Kubernetes pods) are not touched.
     """
+    namespaces = (spec.get("linux") or {}).get("namespaces") or []
+    if not any(ns.get("type") == "network" and not ns.get("path") for ns in namespaces):
+        return
     try:
-        with open(os.path.join(create.bundle, "config.json")) as f:
-            namespaces = (json.load(f).get("linux") or {}).get("namespaces") or []
-        if not any(ns.get("type") == "network" and not ns.get("path") for ns in namespaces):
-            return
         with open(create.pid_file or "") as f:
             pid = int(f.read().strip())
     except (OSError, ValueError):
@@ -210,10 +212,11 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
     paths = StatePaths.from_env()
     if inv.command == "create":
         create = parse_create(inv.args)
-        staged = find_staged(paths, create.container_id, create.bundle)
+        spec = bundle_spec(create.bundle)
+        staged = find_staged(paths, create.container_id, spec)
         if staged is not None:
             try:
-                _apply_diff(create.bundle, staged)
+                _apply_diff(create.bundle, spec, staged)
             except SnapshotError as e:
                 _log_error(inv, f"applying the snapshot's rootfs diff failed: {e}")
                 return 1
@@ -227,7 +230,7 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
                     tail = log_tail(f.read(), 10)
                 _log_error(inv, f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}")
                 return proc.returncode
-            _loopback_up(create)
+            _loopback_up(create, spec)
             marker = paths.restored_marker(create.container_id)
             os.makedirs(os.path.dirname(marker), exist_ok=True)
             with open(marker, "w") as f:

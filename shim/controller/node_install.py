@@ -123,8 +123,3 @@ def _run_on_host(command: str) -> None:
             f"restarting containerd failed ({proc.returncode}): {proc.stderr.strip()[-500:]}",
             hint="restart the node's containerd by hand to activate the kubectl-snapshot runtime handler",
         )
-
-
-def _in_container() -> bool:
-    """True when this process does not share the host's mount namespace."""
-    return host_pid() is not None

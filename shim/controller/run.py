@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -25,20 +26,14 @@ WATCH_TIMEOUT_S = 240
 RETRY_S = 2.0
 
 
-def node_facts(settings: NodeSettings, *, in_container: bool) -> HostFacts:
+def node_facts(settings: NodeSettings) -> HostFacts:
     with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as c:
         version, _ = c.version()
-    probe = (
-        hostfacts.HostProbe.host_from_container(criu=settings.criu_path)
-        if in_container
-        else hostfacts.HostProbe(criu=settings.criu_path)
-    )
+    probe = hostfacts.HostProbe.host_from_container(criu=settings.criu_path)
     return hostfacts.gather(containerd_version=version, probe=probe)
 
 
 def publish_facts(kube: Any, settings: NodeSettings, facts: HostFacts) -> None:
-    import os
-
     data = {
         **facts.to_dict(),
         "runtimeHandler": os.path.exists(settings.wrapper_launcher),
@@ -95,12 +90,11 @@ def run(
     kube: Any,
     settings: NodeSettings,
     *,
-    in_container: bool,
     ready_file: str = K.READY_FILE,
     stop: threading.Event | None = None,
 ) -> None:
     stop = stop or threading.Event()
-    facts = node_facts(settings, in_container=in_container)
+    facts = node_facts(settings)
     log.info("agent on node %s: %s", settings.node, facts)
     with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
         thawed = recover_interrupted(containerd, StatePaths(settings.state_dir))
