@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Where the freeze goes: the steps of the agent's freeze for one container, timed separately in one
 run, next to a raw `criu dump` of the same program as a host process and the cgroup freezer itself.
+The checkpoint is timed twice, alternating: with CRIU's defaults and with the runc CRIU configuration
+install-node writes (shim/criu_config.py: nftables network lock); CRIU's own start-up before it
+seizes the task (read off dump.log) is shown on its own.
 
     sudo .venv/bin/python bench/freeze_breakdown.py [--mib 64] [--runs 5]
 
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -22,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from shim import criu_config
 from tests.support.containerd import ContainerdDaemon
 from tests.support.images import python_image
 
@@ -58,6 +63,15 @@ def raw_criu(mib: int, runs: int, work: Path) -> list[float]:
     return out[1:]
 
 
+def criu_startup(log: str) -> float | None:
+    """Seconds from CRIU's start to its seizing the first task, from dump.log's timestamps."""
+    for line in log.splitlines():
+        m = re.match(r"\((\d+\.\d+)\) (freezing cgroup|SEIZE )", line)
+        if m:
+            return float(m.group(1))
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=64)
@@ -66,8 +80,14 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ksfreeze-", dir="/var/tmp"))
     daemon = ContainerdDaemon("freeze", work / "ctrd")
     daemon.start()
-    steps: dict[str, list[float]] = {"pause (containerd RPC)": [], "checkpoint (runc + CRIU)": [], "resume": []}
+    default, tuned = "checkpoint, CRIU defaults (iptables lock)", "checkpoint, node config (nftables lock)"
+    startup = "  of which CRIU start-up before it seizes the task"
+    direct = "`runc checkpoint --leave-running` on the same container, node config (no containerd, no pause)"
+    steps: dict[str, list[float]] = {"pause (containerd RPC)": [], default: [], tuned: [], startup: [], "resume": []}
+    steps[direct] = []
     steps["cgroup freezer write"] = []
+    if criu_config.remove().state == "foreign":
+        sys.exit(f"{criu_config.RUNC_CONF} was not written by kubectl-snapshot: not comparing configurations")
     try:
         c = daemon.client()
         c.run_container(
@@ -78,20 +98,33 @@ def main() -> None:
         )
         time.sleep(4)
         state = f"/sys/fs/cgroup/freezer{c.get_container('w').spec['linux']['cgroupsPath']}/freezer.state"
-        for i in range(args.runs + 1):
+        for i in range(2 * (args.runs + 1)):
+            variant = tuned if i % 2 else default
+            if variant == tuned:
+                criu_config.ensure()
             d = work / f"img{i}"
             d.mkdir()
             steps["pause (containerd RPC)"].append(timed(lambda: c.pause_task("w")))
-            steps["checkpoint (runc + CRIU)"].append(
-                timed(lambda d=d: c.checkpoint_task("w", image_path=str(d), work_path=str(d)))
-            )
+            steps[variant].append(timed(lambda d=d: c.checkpoint_task("w", image_path=str(d), work_path=str(d))))
             steps["resume"].append(timed(lambda: c.resume_task("w")))
+            up = criu_startup((d / "dump.log").read_text(errors="replace"))
+            if variant == tuned and up is not None:
+                steps[startup].append(up)
+            if variant == tuned:
+                r = work / f"runc{i}"
+                r.mkdir()
+                runc = ["runc", "--root", str(next(Path(daemon.runc_root).iterdir())), "checkpoint", "--leave-running"]
+                cmd = [*runc, "--tcp-established", "--image-path", str(r), "--work-path", str(r), "w"]
+                steps[direct].append(timed(lambda cmd=cmd: subprocess.run(cmd, check=True, capture_output=True)))
+                shutil.rmtree(r)
+            criu_config.remove()
             shutil.rmtree(d)
             if os.path.exists(state):
                 steps["cgroup freezer write"].append(timed(lambda: Path(state).write_text("FROZEN")))
                 Path(state).write_text("THAWED")
         raw = statistics.median(raw_criu(args.mib, args.runs, work))
     finally:
+        criu_config.remove()
         daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
     print(f"{args.mib} MiB touched, medians of {args.runs} runs after a warm-up; raw criu dump: {raw * 1000:.0f} ms\n")

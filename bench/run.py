@@ -46,7 +46,7 @@ from bench import report
 from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core.reference import Reference
-from tests.support.containerd import ContainerdDaemon
+from tests.support.containerd import ContainerdDaemon, node_criu_config
 from tests.support.images import python_image, python_tarball
 from tests.support.registry import RegistryServer
 
@@ -368,6 +368,10 @@ def main() -> None:
     sizes = [64, 512] if a.quick else [int(x) for x in a.sizes.split(",")]
     kinds = a.kinds.split(",")
     work = Path(tempfile.mkdtemp(prefix="ksbench-", dir="/var/tmp"))
+    # The node as install-node leaves it (runc's CRIU configuration: nftables network lock); runc
+    # reads it for podman's checkpoints too, so the peers run with the same CRIU options.
+    stack = contextlib.ExitStack()
+    conf = stack.enter_context(node_criu_config())
     daemon = ContainerdDaemon("bench", work / "ctrd")
     other = ContainerdDaemon("bench-b", work / "ctrd-b")
     registry = RegistryServer(work / "registry")
@@ -396,7 +400,10 @@ def main() -> None:
         other.stop()
         registry.stop()
         shutil.rmtree(work, ignore_errors=True)
-    result = {"machine": machine_facts(), "elapsed_s": time.monotonic() - started, "rows": rows}
+        facts = machine_facts()
+        facts["criu_config"] = f"{conf.path}: {conf.state}" if conf else "n/a"
+        stack.close()
+    result = {"machine": facts, "elapsed_s": time.monotonic() - started, "rows": rows}
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(result, indent=2))

@@ -283,6 +283,12 @@ def node_options(fn: F) -> F:
         click.option("--restart-command", default="", help="Host shell command that restarts containerd."),
         click.option("--criu-path", default=d.criu_path, show_default=True, help="CRIU as the node's runc finds it."),
         click.option(
+            "--criu-config",
+            default=d.criu_config,
+            show_default=True,
+            help="The runc-specific CRIU configuration file on the host (written by install-node where safe).",
+        ),
+        click.option(
             "--node-config",
             "--node-map",
             "node_map",
@@ -308,6 +314,7 @@ def _node_settings(kw: dict[str, Any]) -> Any:
         containerd_dropin_dir=kw.pop("containerd_dropin_dir"),
         restart_command=kw.pop("restart_command"),
         criu_path=kw.pop("criu_path"),
+        criu_config=kw.pop("criu_config"),
     )
     return apply_node_map(s, kw.pop("node_map"))
 
@@ -350,6 +357,9 @@ def install_node_cmd(wrapper_pyz: str, **kw: Any) -> None:
         f"runtime hook {r.launcher}; drop-in {r.dropin} ({'changed' if r.changed else 'unchanged'}"
         f"{', containerd restarted' if r.restarted else ''})"
     )
+    if r.criu_config is not None:
+        c = r.criu_config
+        click.echo(f"CRIU configuration {c.path}: {c.state}" + (f" ({c.detail})" if c.detail else ""))
 
 
 @cli.command("uninstall-node")

@@ -617,6 +617,7 @@ class ContainerdClient:
         log_path: str | None = None,
         runc_options: RuncOptions | None = None,
         host_network: bool = False,
+        netns_path: str | None = None,
         snapshotter: str = "overlayfs",
         labels: Mapping[str, str] | None = None,
     ) -> int:
@@ -632,6 +633,7 @@ class ContainerdClient:
             env=env or (),
             mounts=mounts or (),
             host_network=host_network,
+            netns_path=netns_path,
         )
         uri = _file_uri(log_path) if log_path else ""
         with self.lease():

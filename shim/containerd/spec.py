@@ -126,6 +126,7 @@ def default_spec(
     cwd: str = "/",
     mounts: Iterable[Mapping[str, Any]] = (),
     host_network: bool = False,
+    netns_path: str | None = None,
     hostname: str | None = None,
     no_new_privileges: bool = False,
 ) -> dict[str, Any]:
@@ -133,14 +134,17 @@ def default_spec(
 
     `mounts` are OCI mount objects (``{"destination", "type", "source", "options"}``); one with the
     destination of a default mount replaces it. With `host_network` the container joins the host's
-    network namespace (no network namespace entry). The cgroup is ``/<namespace>/<cid>``, as
+    network namespace (no network namespace entry); with `netns_path` it joins that network
+    namespace, as a pod's containers join their sandbox's. The cgroup is ``/<namespace>/<cid>``, as
     containerd names it, so cgroups of two containerd namespaces never collide.
     """
     if not args:
         raise ValueError("a container needs a command (args is empty)")
     caps = list(DEFAULT_CAPABILITIES)
     namespaces = [{"type": t} for t in ("pid", "ipc", "uts", "mount")]
-    if not host_network:
+    if netns_path is not None:
+        namespaces.append({"type": "network", "path": netns_path})
+    elif not host_network:
         namespaces.append({"type": "network"})
     devices: list[dict[str, Any]] = [{"allow": False, "access": "rwm"}]
     for dtype, major, minor in ALLOWED_DEVICES:

@@ -4,7 +4,8 @@ Run by the DaemonSet's init container. The wrapper runs on the host (containerd'
 it), so it is a zipapp of pure-Python modules run by the host's python3; the launcher pins the
 node's state dir. The drop-in registers the runtime handler `kubectl-snapshot` (selected by the
 RuntimeClass of the same name); containerd reads drop-ins at start, so a changed drop-in is followed
-by the configured restart command, run in the host's namespaces.
+by the configured restart command, run in the host's namespaces. The node's runc CRIU configuration
+(shim/criu_config.py) is written too, where it is safe and this node's CRIU supports it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
+from shim import criu_config
 from shim.controller.settings import NodeSettings
 from shim.hostfacts import host_pid
 
@@ -32,6 +34,7 @@ class InstallResult:
     dropin: str
     changed: bool
     restarted: bool
+    criu_config: criu_config.ConfigResult | None = None
 
 
 def launcher_script(settings: NodeSettings) -> str:
@@ -89,7 +92,8 @@ def install(settings: NodeSettings, *, wrapper_pyz: str) -> InstallResult:
     if changed and settings.restart_command:
         _run_on_host(settings.restart_command.replace("{node}", settings.node))
         restarted = True
-    return InstallResult(settings.wrapper_launcher, dropin, changed, restarted)
+    conf = criu_config.ensure(_host_path(settings.criu_config), run=_capture_on_host, criu=settings.criu_path)
+    return InstallResult(settings.wrapper_launcher, dropin, changed, restarted, conf)
 
 
 def uninstall(settings: NodeSettings) -> None:
@@ -98,8 +102,22 @@ def uninstall(settings: NodeSettings) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(dropin)
     shutil.rmtree(settings.wrapper_dir, ignore_errors=True)
+    criu_config.remove(_host_path(settings.criu_config))
     if existed and settings.restart_command:
         _run_on_host(settings.restart_command.replace("{node}", settings.node))
+
+
+def _host_path(path: str) -> str:
+    """A host path as this process reaches it: through the host's mount namespace when in a container."""
+    pid = host_pid()
+    return f"/proc/{pid}/root{path}" if pid else path
+
+
+def _capture_on_host(command: str) -> tuple[int, str]:
+    pid = host_pid()
+    prefix = ["nsenter", "-t", str(pid), "-m", "--"] if pid else []
+    proc = subprocess.run([*prefix, "sh", "-c", command], capture_output=True, text=True, timeout=120, check=False)
+    return proc.returncode, (proc.stdout + proc.stderr).strip()
 
 
 def _run_on_host(command: str) -> None:

@@ -22,6 +22,7 @@ class NodeSettings:
     containerd_dropin_dir: str = "/etc/containerd/conf.d"
     restart_command: str = ""
     criu_path: str = "criu"  # as the node's containerd finds it (looked up in the host's mount namespace)
+    criu_config: str = "/etc/criu/runc.conf"  # the runc-specific CRIU configuration (shim/criu_config.py)
 
     @property
     def state_dir(self) -> str:
@@ -44,6 +45,7 @@ _OVERRIDABLE = (
     "restart_command",
     "state_root",
     "criu_path",
+    "criu_config",
 )
 _ALIASES = {
     "kubeletRoot": "kubelet_root",
@@ -52,6 +54,7 @@ _ALIASES = {
     "restartCommand": "restart_command",
     "stateRoot": "state_root",
     "criuPath": "criu_path",
+    "criuConfig": "criu_config",
 }
 
 

@@ -3,10 +3,11 @@
 Why this shape: packaging, not CRIU, is the bottleneck (PLATFORM.md: zstd -1 and sha256 each run at
 about the speed of a CRIU dump on one core). So after the workload is resumed:
 
-* memory page chunks go through a small thread pool; each worker reads its chunk with pread,
+* memory page chunks go through a thread pool; each worker reads its chunk with pread,
   compresses it (zstd releases the GIL), hashes it (hashlib releases the GIL) and uploads it unless the
   registry already has that digest (the incremental part). Both cores compress while sockets send;
-  memory stays at about ``workers x 2 x chunk``, and nothing is written to disk a second time.
+  memory stays at about ``workers x 2 x chunk`` (``workers_for``: more workers for small chunks, whose
+  cost is registry round trips), and nothing is written to disk a second time.
 * the rest of a container's dump (small CRIU images, rootfs diff, metadata) is tarred straight into a
   zstd stream that is hashed and uploaded as it is produced (no layer file on disk).
 
@@ -36,6 +37,18 @@ from shim.engine.ports import Registry
 
 ZSTD_LEVEL = 1  # the fastest useful level (PLATFORM.md)
 WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # I/O waits overlap with the other workers' CPU
+# Small chunks are bound by registry round trips (HEAD, POST, PUT: tens of ms each on a busy registry),
+# not by CPU: more of them in flight, as long as the chunks held in memory stay within this budget.
+MAX_IO_WORKERS = 16
+CHUNK_MEMORY_BUDGET = 128 << 20
+
+
+def workers_for(chunk_bytes: int) -> int:
+    """How many chunks to handle at once when the largest is `chunk_bytes` (raw + compressed each)."""
+    by_memory = CHUNK_MEMORY_BUDGET // max(1, 2 * chunk_bytes)
+    return max(WORKERS, min(MAX_IO_WORKERS, by_memory))
+
+
 _HINT = "the registry's storage is corrupt or the content was tampered with; it was not used"
 
 CountFn = Callable[[int], None]
@@ -89,7 +102,7 @@ def push_chunks(
     ref: Reference,
     plans: Sequence[PagesPlan],
     *,
-    workers: int = WORKERS,
+    workers: int | None = None,
     on_raw: CountFn | None = None,
 ) -> PushedChunks:
     """Compress, hash and upload every planned chunk (in parallel); returns the chunk records."""
@@ -112,7 +125,8 @@ def push_chunks(
             return Chunk(offset, length, digest, len(blob))
 
         jobs = [(p.name, s.offset, s.length) for p in plans for s in p.spans]
-        results = run_parallel(one, jobs, workers=workers, name="chunk-push")
+        n = workers or workers_for(max((length for _, _, length in jobs), default=0))
+        results = run_parallel(one, jobs, workers=n, name="chunk-push")
     finally:
         for fd in fds.values():
             os.close(fd)
@@ -182,7 +196,7 @@ def fetch_chunks(
     files: Sequence[PagesFile],
     checkpoint_dir: str,
     *,
-    workers: int = WORKERS,
+    workers: int | None = None,
     on_bytes: CountFn | None = None,
 ) -> int:
     """Recreate each page file in `checkpoint_dir` (an existing directory, not a symlink) from its
@@ -233,7 +247,8 @@ def fetch_chunks(
             if on_bytes is not None:
                 on_bytes(c.size)
 
-        run_parallel(one, [(f.name, c) for f in files for c in f.chunks], workers=workers, name="chunk-fetch")
+        n = workers or workers_for(max((c.length for f in files for c in f.chunks), default=0))
+        run_parallel(one, [(f.name, c) for f in files for c in f.chunks], workers=n, name="chunk-fetch")
     finally:
         for fd in fds.values():
             os.close(fd)

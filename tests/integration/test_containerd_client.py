@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core.errors import CriuFailed, FailedPrecondition, NotFound, Unavailable
+from shim import criu_config
 from shim.containerd.client import ContainerdClient
 from shim.containerd.imageconfig import chain_id, select_manifest
 from shim.containerd.spec import default_spec
-from tests.support.containerd import ContainerdDaemon, containerd_a, containerd_b
+from tests.support.containerd import CRIU, ContainerdDaemon, containerd_a, containerd_b, criu_node_config
 from tests.support.images import busybox_image, python_image
 
 UPSTREAM_API = Path.home() / "go/pkg/mod/github.com/containerd/containerd/api@v1.11.1"
@@ -333,3 +334,21 @@ def test_python_image_runs_python(containerd_a: ContainerdDaemon, client: Contai
         _wait_for(lambda: log.exists() and "py 3" in log.read_text(), timeout=30)
     finally:
         client.remove_container(cid)
+
+
+def test_node_criu_config_is_probed_and_used(
+    client: ContainerdClient, counter: str, tmp_path: Path, criu_node_config: criu_config.ConfigResult | None
+) -> None:
+    """install-node's CRIU configuration (nftables network lock): the probe is a real CRIU dump, and
+    runc's CRIU reads the file on a real checkpoint of a container in its own network namespace."""
+    probe = criu_config.ensure(str(tmp_path / "probe" / "runc.conf"), criu=CRIU)
+    assert probe.state == "written", probe.detail
+    assert criu_node_config is not None and criu_node_config.state in ("written", "unchanged", "foreign")
+    if criu_node_config.state == "foreign":
+        pytest.skip(f"{criu_config.RUNC_CONF} belongs to someone else on this machine")
+    client.checkpoint_task(counter, image_path=str(tmp_path / "img"), work_path=str(tmp_path / "work"))
+    log = (tmp_path / "work" / "dump.log").read_text()
+    assert f"Parsing config file {criu_config.RUNC_CONF}" in log
+    assert "Dumping finished successfully" in log
+    task = client.get_task(counter)
+    assert task is not None and task.status == "running"

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.core import kube as K
+from shim import criu_config
 from tests.support.cluster import HACK, REPO, Cluster
 
 PLUGIN = str(Path(sys.executable).with_name("kubectl-snapshot"))
@@ -137,6 +138,8 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
             }
         )
     )
+    conf = Path(criu_config.RUNC_CONF)
+    conf_before = conf.read_text() if conf.exists() else None
     _plugin(
         cluster,
         "install",
@@ -149,6 +152,9 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     installed = AgentInstall(cluster, image)
     for node in cluster.nodes:
         installed.wait_ready(node)
+    # install-node probed CRIU's nftables network lock on the host and wrote runc's CRIU configuration
+    foreign = conf_before is not None and not criu_config.is_ours(conf_before)
+    assert foreign or criu_config.is_ours(conf.read_text() if conf.exists() else None)
     try:
         yield installed
     finally:
@@ -157,6 +163,8 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     for node in cluster.nodes:
         assert not (cluster.containerd_dropin_dir(node) / "kubectl-snapshot.toml").exists(), node
         assert not Path("/opt/kubectl-snapshot", node).exists(), node
+    after = conf.read_text() if conf.exists() else None
+    assert after == conf_before if foreign else not criu_config.is_ours(after)
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core.errors import SnapshotError
+from shim import criu_config
 from shim.containerd.client import ContainerdClient, RuncOptions
 
 CONTAINERD = "/usr/local/bin/containerd"
@@ -250,15 +251,40 @@ def remove_in_background(path: Path) -> None:
     )
 
 
+@contextlib.contextmanager
+def node_criu_config() -> Iterator[criu_config.ConfigResult | None]:
+    """This machine's runc CRIU configuration as install-node leaves it on a node (so that tests and the
+    bench run the configuration users get); removed afterwards if this wrote it."""
+    if missing_requirements():
+        yield None
+        return
+    result = criu_config.ensure(criu_config.RUNC_CONF, criu=CRIU)
+    try:
+        yield result
+    finally:
+        if result.state == "written":
+            criu_config.remove(criu_config.RUNC_CONF)
+
+
 @pytest.fixture(scope="session")
-def containerd_a(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContainerdDaemon]:
+def criu_node_config() -> Iterator[criu_config.ConfigResult | None]:
+    with node_criu_config() as result:
+        yield result
+
+
+@pytest.fixture(scope="session")
+def containerd_a(
+    tmp_path_factory: pytest.TempPathFactory, criu_node_config: criu_config.ConfigResult | None
+) -> Iterator[ContainerdDaemon]:
     """A private containerd instance ("node A") for the whole test session."""
     with running_daemon("a", tmp_path_factory.mktemp("containerd-a")) as d:
         yield d
 
 
 @pytest.fixture(scope="session")
-def containerd_b(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ContainerdDaemon]:
+def containerd_b(
+    tmp_path_factory: pytest.TempPathFactory, criu_node_config: criu_config.ConfigResult | None
+) -> Iterator[ContainerdDaemon]:
     """A second, independent containerd instance ("node B"), e.g. the restore target."""
     with running_daemon("b", tmp_path_factory.mktemp("containerd-b")) as d:
         yield d

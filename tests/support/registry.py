@@ -190,7 +190,12 @@ class RegistryServer:
         config: dict[str, Any] = {
             "version": 0.1,
             "log": {"level": "info", "accesslog": {"disabled": True}},
-            "storage": {"filesystem": {"rootdirectory": str(self.storage)}, "delete": {"enabled": True}},
+            # the blob descriptor cache is in upstream distribution's default configuration
+            "storage": {
+                "filesystem": {"rootdirectory": str(self.storage)},
+                "delete": {"enabled": True},
+                "cache": {"blobdescriptor": "inmemory"},
+            },
             "http": {"addr": self.host},
         }
         if auth == "htpasswd":

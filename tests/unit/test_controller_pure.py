@@ -128,11 +128,16 @@ def test_install_and_uninstall_node(tmp_path: Path) -> None:
         opt_root=str(tmp_path / "opt"),
         containerd_dropin_dir=str(tmp_path / "dropins"),
         restart_command=f"touch {tmp_path / 'restarted'}",
+        criu_path=str(tmp_path / "no-criu"),
+        criu_config=str(tmp_path / "criu" / "runc.conf"),
     )
     pyz = tmp_path / "w.pyz"
     pyz.write_bytes(b"PK")
     r = install(s, wrapper_pyz=str(pyz))
     assert r.changed and r.restarted and (tmp_path / "restarted").exists()
+    # this node's "CRIU" cannot run the nftables probe: no configuration is written
+    assert r.criu_config is not None and r.criu_config.state == "unsupported"
+    assert not Path(s.criu_config).exists()
     assert Path(s.wrapper_launcher).read_text() == launcher_script(s)
     assert f"BinaryName = '{s.wrapper_launcher}'" in dropin_toml(s)
     assert Path(r.dropin).read_text() == dropin_toml(s)
