@@ -195,6 +195,32 @@ def _loopback_up(create: CreateArgs, spec: dict[str, Any]) -> None:
     )
 
 
+def _log_size(inv: Invocation) -> int:
+    args = inv.global_args
+    if "--log" not in args:
+        return 0
+    try:
+        return os.path.getsize(args[args.index("--log") + 1])
+    except OSError:
+        return 0
+
+
+def _runc_errors_since(inv: Invocation, offset: int) -> str:
+    """runc's own error messages written to the --log file after `offset` (when it failed before CRIU ran)."""
+    args = inv.global_args
+    if "--log" not in args:
+        return ""
+    msgs = []
+    with contextlib.suppress(OSError), open(args[args.index("--log") + 1], errors="replace") as f:
+        f.seek(offset)
+        for line in f.read().splitlines():
+            with contextlib.suppress(ValueError, AttributeError):
+                entry = json.loads(line)
+                if entry.get("level") in ("error", "fatal"):
+                    msgs.append(str(entry.get("msg", "")))
+    return "; ".join(msgs[-3:])
+
+
 def _log_error(inv: Invocation, message: str) -> None:
     """Write an error where the shim looks for runc's errors (the --log file, JSON) and to stderr."""
     print(f"kubectl-snapshot-runc: {message}", file=sys.stderr)
@@ -220,6 +246,7 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
             except SnapshotError as e:
                 _log_error(inv, f"applying the snapshot's rootfs diff failed: {e}")
                 return 1
+            log_offset = _log_size(inv)
             proc = subprocess.run(restore_command(runc, inv, create, staged), check=False)
             if proc.returncode != 0:
                 tail = ""
@@ -228,6 +255,8 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
                     open(os.path.join(staged, C.RESTORE_LOG_FILE), errors="replace") as f,
                 ):
                     tail = log_tail(f.read(), 10)
+                if not tail:  # runc failed before CRIU started (a missing mount source, say)
+                    tail = "(CRIU did not run) runc: " + (_runc_errors_since(inv, log_offset) or "no error message")
                 _log_error(inv, f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}")
                 return proc.returncode
             _loopback_up(create, spec)

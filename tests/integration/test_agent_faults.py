@@ -124,6 +124,27 @@ def test_criu_dump_failure_shows_the_log_and_leaves_the_container_running(contai
     assert_still_running(a, cid)
 
 
+def test_restore_whose_mount_source_is_gone_says_why(containerd_a, containerd_b, registry, cleanup, tmp_path):  # type: ignore[no-untyped-def]
+    """runc fails before CRIU runs (a bind mount's host directory is gone): runc's reason is in the error."""
+    a, b = client(containerd_a), client(containerd_b)
+    data = tmp_path / "data"
+    data.mkdir()
+    cid, new = unique("gone"), unique("gone-r")
+    cleanup(a, cid)
+    cleanup(b, new)
+    mount = {"destination": "/data", "type": "bind", "source": str(data), "options": ["rbind", "rw"]}
+    start_counter(a, containerd_a, cid, busybox_image(containerd_a), mounts=[mount])
+    ref = json.loads(
+        agent("checkpoint", *on(containerd_a), "-o", "json", "--to", registry.ref("gone", "v1"), cid).stdout
+    )
+    busybox_image(containerd_b)
+    data.rmdir()
+    proc = agent(*restore_on(containerd_b), ref["reference"], new, check=False)
+    assert proc.returncode == 1
+    assert "CRIU did not run" in proc.stderr and str(data) in proc.stderr, proc.stderr
+    assert_still_running(a, cid)
+
+
 # --- restore-side bad input -------------------------------------------------------------------
 
 
