@@ -36,6 +36,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         "freeze_goal_met": None
         if ag.get("freeze_s") is None or raw.get("dump_s") is None
         else ag["freeze_s"] <= 1.1 * raw["dump_s"] + 0.030,
+        "freeze_vs_runc_checkpoint": _r(ag.get("freeze_s"), ag.get("runc_checkpoint_s")),
         "serial_bound_s": serial,
         "pushed_vs_serial_bound": _r(ag.get("pushed_s"), serial),
         "pushed_internal_vs_serial_bound": _r(ag.get("pushed_internal_s"), serial),
@@ -111,6 +112,22 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_fmt(d['incr_5pct_vs_first'] and d['incr_5pct_vs_first'] * 100, '%')} of "
             f"{ag.get('incr_base_uploaded', 0) / 2**20:.1f} MiB | {_verdict(d['incr_goal_met'])} "
             f"| {' / '.join(_ms(raw.get(k)) for k in ('dump_s', 'zstd_s', 'sha_s', 'upload_s'))} |"
+        )
+    lines += [
+        "",
+        "The freeze against a second reference: `runc checkpoint --leave-running` of the same container, run "
+        "directly (CRIU under runc with the container's namespaces, mounts and cgroups; no containerd, no pause, "
+        "no rootfs diff).",
+        "",
+        "| workload | freeze | runc checkpoint of the same container | freeze / runc checkpoint "
+        "| raw criu dump of the host process |",
+        "|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        d, ag, raw = derive(row), row["agent"], row["raw"]
+        lines.append(
+            f"| {row['kind']} {row['mib']} MiB | {_ms(ag.get('freeze_s'))} | {_ms(ag.get('runc_checkpoint_s'))} "
+            f"| {_fmt(d['freeze_vs_runc_checkpoint'])} | {_ms(raw.get('dump_s'))} |"
         )
     errors = [
         f"- {row['kind']} {row['mib']} MiB {p}: {row[p]['error']}"

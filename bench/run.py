@@ -181,9 +181,11 @@ def _wait_gone(pid: int, timeout: float = 10) -> None:
 
 
 @contextlib.contextmanager
-def container(daemon: ContainerdDaemon, mib: int, kind: str) -> Iterator[tuple[str, Path]]:
+def container(daemon: ContainerdDaemon, mib: int, kind: str, ctl_dir: Path | None = None) -> Iterator[tuple[str, Path]]:
+    """The workload in a container; its control dir (bind-mounted at /ctl) is removed afterwards unless
+    the caller passed it (restores of the checkpoint need the mount source to exist)."""
     cid = f"bench-{kind}-{mib}-{uuid.uuid4().hex[:6]}"
-    ctl = Path(tempfile.mkdtemp(dir=STATE))
+    ctl = ctl_dir or Path(tempfile.mkdtemp(dir=STATE))
     c = daemon.client()
     mount = {"destination": "/ctl", "type": "bind", "source": str(ctl), "options": ["rbind", "rw"]}
     c.run_container(
@@ -199,7 +201,8 @@ def container(daemon: ContainerdDaemon, mib: int, kind: str) -> Iterator[tuple[s
     finally:
         with contextlib.suppress(Exception):
             c.remove_container(cid)
-        shutil.rmtree(ctl, ignore_errors=True)
+        if ctl_dir is None:
+            shutil.rmtree(ctl, ignore_errors=True)
 
 
 def agent_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[float, dict[str, Any]]:
@@ -209,7 +212,7 @@ def agent_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[floa
 
 
 def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, kind: str, runs: int) -> dict[str, Any]:
-    freeze, pushed, internal, sizes, restores = [], [], [], [], []
+    freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
     out: dict[str, Any] = {}
     with container(daemon, mib, kind) as (cid, ctl):
         ref = ""
@@ -231,6 +234,17 @@ def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, 
                 restores.append(time.monotonic() - t)
             with contextlib.suppress(Exception):
                 daemon.client().remove_container(new)
+        # the same container dumped by runc alone (no containerd, no pause, no packaging): what CRIU
+        # under runc costs for this container, a second reference for the freeze
+        ns_root = next(p for p in Path(daemon.runc_root).iterdir() if (p / cid).is_dir())
+        for i in range(runs + 1):
+            d = Path(tempfile.mkdtemp(dir=STATE))
+            cmd = ["runc", "--root", str(ns_root), "checkpoint", "--leave-running", "--tcp-established",
+                   "--file-locks", "--image-path", str(d), "--work-path", str(d), cid]  # fmt: skip
+            t = timed(sh, cmd)
+            shutil.rmtree(d, ignore_errors=True)
+            if i:
+                runc_dumps.append(t)
         # incremental: a base snapshot, then 1% changed, then 5% more changed (same repository)
         repo = f"{registry.host}/incr-{uuid.uuid4().hex[:8]}"
         _, base = agent_checkpoint(daemon, f"{repo}:base", cid)
@@ -240,6 +254,7 @@ def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, 
         _, five = agent_checkpoint(daemon, f"{repo}:five", cid)
     out.update(
         freeze_s=med(freeze),
+        runc_checkpoint_s=med(runc_dumps),
         pushed_s=med(pushed),
         pushed_internal_s=med(internal),
         size_bytes=med(sizes),
@@ -263,27 +278,31 @@ def measure_ctr(
     there = [CTR, "-a", other.address, "-n", other.namespace]
     python_image(other)
     ckpt, restore, refs = [], [], []
-    with container(daemon, mib, kind) as (cid, _ctl):
-        for i in range(runs + 1):
-            ref = f"{registry.host}/ctr-{uuid.uuid4().hex[:8]}:v1"
+    ctl = Path(tempfile.mkdtemp(dir=STATE))  # the restored copies bind-mount it too
+    try:
+        with container(daemon, mib, kind, ctl) as (cid, _ctl):
+            for i in range(runs + 1):
+                ref = f"{registry.host}/ctr-{uuid.uuid4().hex[:8]}:v1"
+                t = time.monotonic()
+                sh([*base, "c", "checkpoint", "--task", "--rw", cid, ref])
+                sh([*base, "images", "push", "--plain-http", ref])
+                if i:
+                    ckpt.append(time.monotonic() - t)
+                sh([*base, "images", "rm", ref])
+                refs.append(ref)
+        for i, ref in enumerate(refs):
+            new = f"ctr-r-{uuid.uuid4().hex[:6]}"
             t = time.monotonic()
-            sh([*base, "c", "checkpoint", "--task", "--rw", cid, ref])
-            sh([*base, "images", "push", "--plain-http", ref])
+            sh([*there, "images", "pull", "--plain-http", ref])
+            sh([*there, "c", "restore", "--live", "--rw", new, ref])
             if i:
-                ckpt.append(time.monotonic() - t)
-            sh([*base, "images", "rm", ref])
-            refs.append(ref)
-    for i, ref in enumerate(refs):
-        new = f"ctr-r-{uuid.uuid4().hex[:6]}"
-        t = time.monotonic()
-        sh([*there, "images", "pull", "--plain-http", ref])
-        sh([*there, "c", "restore", "--live", "--rw", new, ref])
-        if i:
-            restore.append(time.monotonic() - t)
-        with contextlib.suppress(Exception):
-            other.client().remove_container(new)
-        with contextlib.suppress(Exception):
-            sh([*there, "images", "rm", ref])
+                restore.append(time.monotonic() - t)
+            with contextlib.suppress(Exception):
+                other.client().remove_container(new)
+            with contextlib.suppress(Exception):
+                sh([*there, "images", "rm", ref])
+    finally:
+        shutil.rmtree(ctl, ignore_errors=True)
     return {"checkpoint_push_s": med(ckpt), "pull_restore_s": med(restore)}
 
 
