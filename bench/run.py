@@ -30,6 +30,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -384,6 +385,8 @@ def main() -> None:
     ap.add_argument("--no-peers", action="store_true", help="skip podman and ctr")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args()
+    # a SIGTERM (timeout, kill) unwinds like ^C: daemons stopped, workloads killed, CRIU config removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     sizes = [64, 512] if a.quick else [int(x) for x in a.sizes.split(",")]
     kinds = a.kinds.split(",")
     work = Path(tempfile.mkdtemp(prefix="ksbench-", dir="/var/tmp"))

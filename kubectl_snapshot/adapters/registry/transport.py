@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 import requests
+import requests.adapters
 
 from kubectl_snapshot.adapters.registry.token import TokenAuth
 from kubectl_snapshot.core.errors import (
@@ -37,6 +38,7 @@ from kubectl_snapshot.core.reference import api_host, is_loopback_registry
 log = logging.getLogger(__name__)
 
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+POOL_SIZE = 32  # connections kept per registry host
 MAX_RETRY_AFTER = 30.0
 USER_AGENT = "kubectl-snapshot"
 
@@ -172,7 +174,13 @@ class Transport:
         session: requests.Session | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self.session = session or requests.Session()
+        if session is None:
+            session = requests.Session()
+            # Chunks are uploaded and fetched by up to 16 threads: keep a connection per thread alive
+            # (requests' default pool of 10 would drop and reopen the surplus on every request).
+            for prefix in ("http://", "https://"):
+                session.mount(prefix, requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=POOL_SIZE))
+        self.session = session
         self.session.headers.setdefault("User-Agent", USER_AGENT)
         self.auth = auth
         self.plain_http = plain_http
