@@ -44,6 +44,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         "pushed_vs_ctr_checkpoint_push": _r(ag.get("pushed_s"), ctr.get("checkpoint_push_s")),
         "restore_bound_s": rbound,
         "restore_vs_bound": _r(ag.get("restore_s"), rbound),
+        "restore_internal_vs_bound": _r(ag.get("restore_internal_s"), rbound),
         "restore_vs_podman_import": _r(ag.get("restore_s"), pod.get("restore_import_s")),
         "restore_vs_ctr_pull_restore": _r(ag.get("restore_s"), ctr.get("pull_restore_s")),
         "size_vs_rss": _r(ag.get("size_bytes"), raw.get("rss_bytes")),
@@ -91,7 +92,8 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {_fmt(d['pushed_vs_podman_export'])} ({_ms(pod.get('checkpoint_export_s'))}) "
             f"| {_fmt(d['pushed_vs_ctr_checkpoint_push'])} ({_ms(ctr.get('checkpoint_push_s'))}) "
             f"| {_verdict(d['pushed_goal_met'])} "
-            f"| {_fmt(d['restore_vs_bound'])} ({_ms(ag.get('restore_s'))} / {_ms(d['restore_bound_s'])}) "
+            f"| {_fmt(d['restore_vs_bound'])} ({_ms(ag.get('restore_s'))} / {_ms(d['restore_bound_s'])}; "
+            f"in-agent {_fmt(d['restore_internal_vs_bound'])}) "
             f"| {_fmt(d['restore_vs_podman_import'])} ({_ms(pod.get('restore_import_s'))}) "
             f"| {_fmt(d['restore_vs_ctr_pull_restore'])} ({_ms(ctr.get('pull_restore_s'))}) "
             f"| {_verdict(d['restore_goal_met'])} |"

@@ -214,6 +214,7 @@ def agent_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[floa
 
 def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, kind: str, runs: int) -> dict[str, Any]:
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
+    restores_internal: list[float] = []
     out: dict[str, Any] = {}
     with container(daemon, mib, kind) as (cid, ctl):
         ref = ""
@@ -229,10 +230,11 @@ def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, 
         for i in range(runs + 1):
             new = f"r-{uuid.uuid4().hex[:8]}"
             t = time.monotonic()
-            sh([AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", WRAPPER,
-                "--runc-root", daemon.runc_root, ref, new])  # fmt: skip
+            proc = sh([AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", WRAPPER,
+                       "--runc-root", daemon.runc_root, "-o", "json", ref, new])  # fmt: skip
             if i:
                 restores.append(time.monotonic() - t)
+                restores_internal.append(json.loads(proc.stdout)["timingsMs"]["total_ms"] / 1000)
             with contextlib.suppress(Exception):
                 daemon.client().remove_container(new)
         # the same container dumped by runc alone (no containerd, no pause, no packaging): what CRIU
@@ -260,6 +262,7 @@ def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, 
         pushed_internal_s=med(internal),
         size_bytes=med(sizes),
         restore_s=med(restores),
+        restore_internal_s=med(restores_internal),
         incr_base_uploaded=base["uploaded"],
         incr_1pct_uploaded=one["uploaded"],
         incr_5pct_uploaded=five["uploaded"],

@@ -24,6 +24,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
+from shim import freezer
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
@@ -137,6 +138,7 @@ def checkpoint_cmd(
             containerd=containerd,
             registry=registry,
             paths=StatePaths.from_env(),
+            freezer_for=freezer.lookup,
             on_phase=bar.phase,
             on_bytes=bar.advance,
         )
@@ -219,6 +221,7 @@ def restore_cmd(
     data = {
         "reference": str(result.reference),
         "containers": [{"name": cid, "pid": pid} for cid, pid in result.containers],
+        "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
     }
     emit(data, output, lambda d: "\n".join(f"{c['name']}\trunning (pid {c['pid']})" for c in d["containers"]))
 
@@ -231,7 +234,7 @@ def recover_cmd(address: str, namespace: str) -> None:
     from shim.engine.checkpoint import recover_interrupted
 
     with _client(address, namespace) as containerd:
-        thawed = recover_interrupted(containerd, StatePaths.from_env())
+        thawed = recover_interrupted(containerd, StatePaths.from_env(), freezer.lookup)
     click.echo("\n".join(f"{cid}\tthawed" for cid in thawed) or "nothing to recover")
 
 

@@ -255,9 +255,11 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
                     open(os.path.join(staged, C.RESTORE_LOG_FILE), errors="replace") as f,
                 ):
                     tail = log_tail(f.read(), 10)
-                if not tail:  # runc failed before CRIU started (a missing mount source, say)
-                    tail = "(CRIU did not run) runc: " + (_runc_errors_since(inv, log_offset) or "no error message")
-                _log_error(inv, f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}")
+                if tail:
+                    _log_error(inv, f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}")
+                else:  # runc failed before CRIU started (a bind mount's source is gone, say)
+                    why = _runc_errors_since(inv, log_offset) or "no error message in runc's log"
+                    _log_error(inv, f"runc restore failed before CRIU ran (exit {proc.returncode}): {why}")
                 return proc.returncode
             _loopback_up(create, spec)
             marker = paths.restored_marker(create.container_id)

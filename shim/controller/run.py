@@ -13,7 +13,7 @@ from typing import Any
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
-from shim import hostfacts
+from shim import freezer, hostfacts
 from shim.containerd.client import ContainerdClient
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
@@ -97,7 +97,7 @@ def run(
     facts = node_facts(settings)
     log.info("agent on node %s: %s", settings.node, facts)
     with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
-        thawed = recover_interrupted(containerd, StatePaths(settings.state_dir))
+        thawed = recover_interrupted(containerd, StatePaths(settings.state_dir), freezer.lookup)
     if thawed:
         log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)

@@ -21,6 +21,7 @@ from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
+from shim import freezer
 from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
@@ -153,6 +154,7 @@ class SnapshotWorker:
                     on_bytes=reporter.bytes,
                     before_stop=lambda: self._delete_pod(pod),
                     host=self.facts,
+                    freezer_for=freezer.lookup,
                 )
         except SnapshotError as e:
             self._finish_failed(obj, pod, e)

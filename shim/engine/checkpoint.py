@@ -1,7 +1,8 @@
 """Checkpoint a group of containers (a pod's containers) into one OCI artifact in a registry.
 
-Consistency: every container is frozen (cgroup freezer, through containerd) before the first is dumped,
-and none runs again until the last dump and the capture of the writable layers and volumes are done.
+Consistency: every container is frozen (its cgroup freezer, written directly or through containerd)
+before the first is dumped, and none runs again until the last dump and the capture of the writable
+layers and volumes are done.
 Safety: if anything fails before the snapshot is safely in the registry, every container is resumed and
 keeps running; with ``stop`` the containers stay frozen while the artifact is uploaded and are killed
 only once the manifest is in the registry.
@@ -17,7 +18,7 @@ import signal
 import tarfile
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -49,7 +50,7 @@ from shim.engine.package import (
     progress_counter,
     tree_bytes,
 )
-from shim.engine.ports import Containerd, Registry
+from shim.engine.ports import Containerd, Freezer, FreezerFor, Registry
 from shim.engine.staging import StatePaths
 from shim.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
 
@@ -114,11 +115,14 @@ def checkpoint(
     clock: Callable[[], float] = time.monotonic,
     host: HostFacts | None = None,
     before_stop: Callable[[], None] | None = None,
+    freezer_for: FreezerFor | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
     `before_stop` (with ``stop``) runs after the push and before the frozen containers are killed,
-    e.g. to delete the pod object so that the kubelet does not restart them.
+    e.g. to delete the pod object so that the kubelet does not restart them. `freezer_for` gives a
+    task's cgroup freezer to write directly (shim.freezer; ~0.4 ms instead of a containerd Pause/Resume
+    round trip of ~11 ms each way); without it, or where it gives None, containerd pauses.
     """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
@@ -126,6 +130,7 @@ def checkpoint(
 
     # Preflight before touching the workload: the containers run, the registry answers.
     infos, upperdirs = [], []
+    direct: dict[str, Freezer] = {}
     for cid in req.containers:
         info = containerd.get_container(cid)
         task = containerd.get_task(cid)
@@ -135,6 +140,9 @@ def checkpoint(
                 f"container {cid!r} is not running ({state})",
                 hint="only running containers can be snapshotted",
             )
+        fz = freezer_for(task.pid) if freezer_for is not None else None
+        if fz is not None:
+            direct[cid] = fz
         infos.append(info)
         upperdirs.append(_upperdir(containerd, info))
     registry.ping(req.target)
@@ -159,17 +167,17 @@ def checkpoint(
         t_freeze = clock()
         try:
             for cid in req.containers:
-                containerd.pause_task(cid)
+                _freeze(containerd, direct, cid)
                 frozen.append(cid)
             phase("dump")
             _dump_all(containerd, req, names, upperdirs, work)
             volume_tar = _capture_volumes(req, work) if req.volumes else None
             timings["dump_ms"] = (clock() - t_freeze) * 1000
         except BaseException:
-            _resume_all(containerd, frozen)
+            _resume_all(containerd, frozen, direct)
             raise
         if not req.stop:
-            _resume_all(containerd, frozen, strict=True)
+            _resume_all(containerd, frozen, direct, strict=True)
             frozen = []
         timings["freeze_ms"] = (clock() - t_freeze) * 1000
 
@@ -222,7 +230,7 @@ def checkpoint(
         timings["upload_ms"] = (clock() - t_up) * 1000
     except BaseException:
         if frozen:
-            _resume_all(containerd, frozen)
+            _resume_all(containerd, frozen, direct)
         raise
     finally:
         if not req.keep_work:
@@ -234,12 +242,12 @@ def checkpoint(
             try:
                 before_stop()
             except BaseException:
-                _resume_all(containerd, frozen)
+                _resume_all(containerd, frozen, direct)
                 raise
         for cid in frozen:
             with contextlib.suppress(NotFound):  # already removed by the kubelet: nothing to kill
                 containerd.kill_task(cid, signal.SIGKILL, all=True)
-        _resume_all(containerd, frozen)  # thaw so that the pending SIGKILL is delivered
+        _resume_all(containerd, frozen, direct)  # thaw so that the pending SIGKILL is delivered
         for cid in frozen:
             # The kubelet may already be removing the pod's containers (its object was deleted):
             # a task that is gone is as stopped as one that exited.
@@ -253,8 +261,12 @@ def checkpoint(
 FROZEN_FILE = "frozen-containers.json"
 
 
-def recover_interrupted(containerd: Containerd, paths: StatePaths) -> list[str]:
-    """Thaw containers that a killed checkpoint left frozen and drop its work dirs; returns their ids."""
+def recover_interrupted(containerd: Containerd, paths: StatePaths, freezer_for: FreezerFor | None = None) -> list[str]:
+    """Thaw containers that a killed checkpoint left frozen and drop its work dirs; returns their ids.
+
+    A container frozen through its cgroup freezer directly is "running" to containerd (its shim keeps
+    its own state): `freezer_for` finds those.
+    """
     root = os.path.dirname(paths.work_dir("x"))
     thawed: list[str] = []
     if not os.path.isdir(root):
@@ -271,6 +283,11 @@ def recover_interrupted(containerd: Containerd, paths: StatePaths) -> list[str]:
                 task = containerd.get_task(cid)
                 if task is not None and task.status == "paused":
                     containerd.resume_task(cid)
+                    thawed.append(cid)
+                    continue
+                fz = freezer_for(task.pid) if task is not None and freezer_for is not None else None
+                if fz is not None and fz.frozen():
+                    fz.thaw()
                     thawed.append(cid)
         shutil.rmtree(work, ignore_errors=True)
     return thawed
@@ -389,12 +406,33 @@ def _write_metadata(cdir: str, cid: str, name: str, info: Any, req: CheckpointRe
         json.dump({"tcpEstablished": req.tcp_established, "fileLocks": req.file_locks}, f)
 
 
-def _resume_all(containerd: Containerd, cids: Sequence[str], *, strict: bool = False) -> None:
+def _freeze(containerd: Containerd, direct: dict[str, Freezer], cid: str) -> None:
+    """Freeze through the cgroup freezer where placed, else (or if that fails) through containerd."""
+    fz = direct.get(cid)
+    if fz is not None:
+        try:
+            fz.freeze()
+            return
+        except (OSError, TimeoutError):
+            del direct[cid]  # thawed again by freeze() on timeout; containerd takes over
+    containerd.pause_task(cid)
+
+
+def _resume_all(
+    containerd: Containerd, cids: Sequence[str], direct: Mapping[str, Freezer], *, strict: bool = False
+) -> None:
     """Resume every container; with strict, raise the first failure after trying all."""
     first: BaseException | None = None
     for cid in cids:
         try:
-            containerd.resume_task(cid)
+            fz = direct.get(cid)
+            if fz is None:
+                containerd.resume_task(cid)
+            else:
+                try:
+                    fz.thaw()
+                except OSError:
+                    containerd.resume_task(cid)  # runc thaws what it sees paused
         except Exception as e:  # keep going: every container must get its chance to run again
             first = first or e
     if strict and first is not None:

@@ -14,6 +14,7 @@ import copy
 import errno
 import os
 import shutil
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,8 +180,11 @@ def restore(
     namespace: str,
     on_phase: PhaseFn | None = None,
     on_bytes: BytesFn | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> RestoreResult:
     phase = on_phase or (lambda _p: None)
+    t0 = clock()
+    timings: dict[str, float] = {}
     for cid in req.new_ids:
         check_key(cid, "container name")
     if len(set(req.new_ids)) != len(req.new_ids):
@@ -219,11 +223,15 @@ def restore(
         raise FailedPrecondition(f"a container named {cid!r} already exists", hint="choose another name")
     chain_ids = [_check_image(containerd, rec) for rec in config.containers]
 
+    timings["resolve_ms"] = (clock() - t0) * 1000
     phase("download")
+    t_dl = clock()
     staged = [paths.staged_by_id(cid) for cid in req.new_ids]
     stage_artifact(artifact, staged, registry=registry, paths=paths, volume_targets=req.volumes, on_bytes=on_bytes)
+    timings["download_ms"] = (clock() - t_dl) * 1000
 
     phase("restore")
+    t_run = clock()
     created: list[str] = []
     results: list[tuple[str, int]] = []
     try:
@@ -239,7 +247,9 @@ def restore(
     finally:
         for sdir in staged:
             shutil.rmtree(sdir, ignore_errors=True)
-    return RestoreResult(artifact.reference, results, config)
+    timings["restore_ms"] = (clock() - t_run) * 1000
+    timings["total_ms"] = (clock() - t0) * 1000
+    return RestoreResult(artifact.reference, results, config, timings)
 
 
 def _check_image(containerd: Any, rec: ContainerRecord) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import threading
 from pathlib import Path
 
@@ -141,7 +142,7 @@ def test_restore_whose_mount_source_is_gone_says_why(containerd_a, containerd_b,
     data.rmdir()
     proc = agent(*restore_on(containerd_b), ref["reference"], new, check=False)
     assert proc.returncode == 1
-    assert "CRIU did not run" in proc.stderr and str(data) in proc.stderr, proc.stderr
+    assert "before CRIU ran" in proc.stderr and str(data) in proc.stderr, proc.stderr
     assert_still_running(a, cid)
 
 
@@ -240,4 +241,35 @@ def test_recover_thaws_what_a_killed_checkpoint_left_frozen(running_counter):  #
     out = agent("recover", *on(daemon)).stdout
     assert f"{cid}\tthawed" in out
     assert not work.exists()
+    assert_still_running(a, cid)
+
+
+def test_direct_freezer_on_a_real_container_and_recover(running_counter):  # type: ignore[no-untyped-def]
+    """The cgroup freezer the agent writes directly: the container stops counting while frozen, runc calls it
+    paused, containerd still "running"; `recover` finds it through the freezer and thaws it."""
+    from shim import freezer
+    from shim.engine.checkpoint import FROZEN_FILE
+    from shim.engine.staging import StatePaths
+
+    a, daemon, cid = running_counter
+    fz = freezer.lookup(a.get_task(cid).pid)
+    assert fz is not None, "the task's freezer should be placeable on this machine"
+    fz.freeze()
+    try:
+        assert fz.frozen()
+        state = subprocess.run(
+            ["runc", "--root", str(next(Path(daemon.runc_root).iterdir())), "state", cid],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert json.loads(state)["status"] == "paused"
+        work = Path(StatePaths.from_env().work_dir(unique("killed-direct")))
+        work.mkdir(parents=True)
+        (work / FROZEN_FILE).write_text(json.dumps([cid]))
+        out = agent("recover", *on(daemon)).stdout
+        assert f"{cid}\tthawed" in out and not work.exists()
+        assert not fz.frozen()
+    finally:
+        fz.thaw()
     assert_still_running(a, cid)

@@ -188,3 +188,51 @@ def test_a_killed_checkpoint_is_recovered_by_thawing(tmp_path: Path) -> None:
     cd.pause_task("a")  # the agent died after freezing "a" only
     assert recover_interrupted(cd, paths) == ["a"]
     assert cd.paused == set() and not work.exists()
+
+
+class FakeFreezer:
+    """A cgroup freezer; what it freezes the fake containerd sees as paused (as runc would)."""
+
+    def __init__(self, cid: str, log: list[tuple[str, str]], cd: FakeContainerd, fail: bool = False) -> None:
+        self.cid, self.log, self.cd, self.fail, self.is_frozen = cid, log, cd, fail, False
+
+    def freeze(self) -> None:
+        if self.fail:
+            raise OSError("EACCES")
+        self.log.append(("freeze", self.cid))
+        self.is_frozen = True
+        self.cd.paused.add(self.cid)
+
+    def thaw(self) -> None:
+        self.log.append(("thaw", self.cid))
+        self.is_frozen = False
+        self.cd.paused.discard(self.cid)
+
+    def frozen(self) -> bool:
+        return self.is_frozen
+
+
+def test_direct_freezer_replaces_containerd_pause_and_falls_back_when_it_fails(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry()
+    log: list[tuple[str, str]] = []
+    freezers = iter([FakeFreezer("a", log, cd), FakeFreezer("b", log, cd, fail=True)])  # in container order
+    req = CheckpointRequest(containers=["a", "b"], target=TARGET)
+    paths = StatePaths(str(tmp_path))
+    checkpoint(req, containerd=cd, registry=reg, paths=paths, host=HOST, freezer_for=lambda _pid: next(freezers))
+    assert ("freeze", "a") in log and ("thaw", "a") in log
+    assert ("pause", "a") not in cd.calls and ("resume", "a") not in cd.calls
+    assert ("pause", "b") in cd.calls and ("resume", "b") in cd.calls  # b's freezer failed: containerd
+
+
+def test_recover_thaws_a_directly_frozen_container(tmp_path: Path) -> None:
+    from shim.engine.checkpoint import FROZEN_FILE, recover_interrupted
+
+    cd = FakeContainerd({"a"})
+    paths = StatePaths(str(tmp_path))
+    work = Path(paths.work_dir("killed"))
+    work.mkdir(parents=True)
+    (work / FROZEN_FILE).write_text('["a"]')
+    fz = FakeFreezer("a", [], cd)
+    fz.is_frozen = True  # containerd still says "running"
+    assert recover_interrupted(cd, paths, lambda _pid: fz) == ["a"]
+    assert not fz.is_frozen and not work.exists()
