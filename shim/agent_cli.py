@@ -148,6 +148,7 @@ def checkpoint_cmd(
         "size": result.size,
         "uploaded": result.uploaded,
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
+        "frozenBy": result.frozen_by,
         "containers": [c.name for c in result.config.containers],
         "stopped": stop,
     }

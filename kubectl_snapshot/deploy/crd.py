@@ -94,6 +94,10 @@ def _status_schema() -> dict[str, Any]:
                 "type": "object",
                 "properties": {k: _MS for k in ("freezeMs", "dumpMs", "packageMs", "uploadMs", "totalMs")},
             },
+            "frozenBy": {
+                "type": "string",
+                "description": "How the containers were paused: cgroup freezer (written by the agent) or containerd.",
+            },
             "reference": {"type": "string", "description": "REGISTRY/REPO@sha256:... of the pushed snapshot."},
             "tag": _STRING,
             "size": _BYTES,

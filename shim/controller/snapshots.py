@@ -186,6 +186,7 @@ class SnapshotWorker:
                 "uploadMs": round(t.get("upload_ms", 0), 1),
                 "totalMs": round(t.get("total_ms", 0), 1),
             },
+            "frozenBy": r.frozen_by,
             "reference": str(r.reference),
             "tag": str(r.tagged),
             "size": r.size,

@@ -82,6 +82,7 @@ class CheckpointResult:
     timings_ms: dict[str, float] = field(default_factory=dict)
     size: int = 0  # compressed bytes of all blobs
     uploaded: int = 0  # bytes actually sent (blobs the registry lacked)
+    frozen_by: str = ""  # "cgroup freezer", "containerd" or both: how the containers were paused
 
 
 def _now_rfc3339() -> str:
@@ -176,6 +177,7 @@ def checkpoint(
         except BaseException:
             _resume_all(containerd, frozen, direct)
             raise
+        frozen_by = sorted({"cgroup freezer" if cid in direct else "containerd" for cid in req.containers})
         if not req.stop:
             _resume_all(containerd, frozen, direct, strict=True)
             frozen = []
@@ -255,6 +257,7 @@ def checkpoint(
                 containerd.wait_task(cid, timeout=30)
     timings["total_ms"] = (clock() - t0) * 1000
     result.timings_ms = timings
+    result.frozen_by = " + ".join(frozen_by)
     return result
 
 

@@ -94,6 +94,8 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     assert ref.startswith(f"{cluster.registry}/e2e/counter@sha256:")
     RegistryClient().get_manifest(Reference.parse(ref))  # the digest resolves in the registry
     assert psnap["status"]["node"] == n1
+    # the agent (a container with hostPID) froze the pod's container through the host's cgroupfs itself
+    assert psnap["status"]["frozenBy"] == "cgroup freezer", psnap["status"]
     listed = cluster.get_json("podsnapshots", "-n", namespace)["items"]
     assert [x["metadata"]["name"] for x in listed] == [psnap["metadata"]["name"]]
 
