@@ -83,10 +83,13 @@ def main() -> None:
     default, tuned = "checkpoint, CRIU defaults (iptables lock)", "checkpoint, node config (nftables lock)"
     startup = "  of which CRIU start-up before it seizes the task"
     direct = "`runc checkpoint --leave-running` on the same container, node config (no containerd, no pause)"
-    steps: dict[str, list[float]] = {"pause (containerd RPC)": [], default: [], tuned: [], startup: [], "resume": []}
+    pause, resume = "containerd Pause (the agent's fallback)", "containerd Resume (the agent's fallback)"
+    write = "cgroup freezer write (what the agent does)"
+    steps: dict[str, list[float]] = {pause: [], default: [], tuned: [], startup: [], resume: []}
     steps[direct] = []
-    steps["cgroup freezer write"] = []
-    if criu_config.remove().state == "foreign":
+    steps[write] = []
+    before = criu_config.remove()
+    if before.state == "foreign":
         sys.exit(f"{criu_config.RUNC_CONF} was not written by kubectl-snapshot: not comparing configurations")
     try:
         c = daemon.client()
@@ -104,9 +107,9 @@ def main() -> None:
                 criu_config.ensure()
             d = work / f"img{i}"
             d.mkdir()
-            steps["pause (containerd RPC)"].append(timed(lambda: c.pause_task("w")))
+            steps[pause].append(timed(lambda: c.pause_task("w")))
             steps[variant].append(timed(lambda d=d: c.checkpoint_task("w", image_path=str(d), work_path=str(d))))
-            steps["resume"].append(timed(lambda: c.resume_task("w")))
+            steps[resume].append(timed(lambda: c.resume_task("w")))
             up = criu_startup((d / "dump.log").read_text(errors="replace"))
             if variant == tuned and up is not None:
                 steps[startup].append(up)
@@ -120,11 +123,13 @@ def main() -> None:
             criu_config.remove()
             shutil.rmtree(d)
             if os.path.exists(state):
-                steps["cgroup freezer write"].append(timed(lambda: Path(state).write_text("FROZEN")))
+                steps[write].append(timed(lambda: Path(state).write_text("FROZEN")))
                 Path(state).write_text("THAWED")
         raw = statistics.median(raw_criu(args.mib, args.runs, work))
     finally:
         criu_config.remove()
+        if before.state == "removed":  # install-node had written it: leave the node as it was
+            criu_config.ensure()
         daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
     print(f"{args.mib} MiB touched, medians of {args.runs} runs after a warm-up; raw criu dump: {raw * 1000:.0f} ms\n")
