@@ -101,12 +101,11 @@ def for_task(pid: int, host_pid: int | None) -> CgroupFreezer | None:
     path, v2 = found
     if not path.startswith("/") or path.startswith("/..") or "/../" in path:
         return None  # relative to a cgroup namespace: not placeable on the host's cgroupfs
-    root = cgroupfs_root(host_pid)
-    candidates = [os.path.join(root, path.lstrip("/"))] if v2 else []
-    if v2:
-        candidates.append(os.path.join(root, "unified", path.lstrip("/")))  # hybrid hosts
+    root, rel = cgroupfs_root(host_pid), path.lstrip("/")
+    if v2:  # pure cgroup v2, or the unified hierarchy of a hybrid host
+        candidates = [os.path.join(root, rel), os.path.join(root, "unified", rel)]
     else:
-        candidates.append(os.path.join(root, "freezer", path.lstrip("/")))
+        candidates = [os.path.join(root, "freezer", rel)]
     for directory in candidates:
         control = os.path.join(directory, "cgroup.freeze" if v2 else "freezer.state")
         try:

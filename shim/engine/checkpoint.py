@@ -282,7 +282,7 @@ def recover_interrupted(containerd: Containerd, paths: StatePaths, freezer_for: 
         except (OSError, ValueError):
             cids = []
         for cid in cids:
-            with contextlib.suppress(SnapshotError):
+            with contextlib.suppress(SnapshotError, OSError):  # gone, or its cgroup with it: nothing to thaw
                 task = containerd.get_task(cid)
                 if task is not None and task.status == "paused":
                     containerd.resume_task(cid)
@@ -416,8 +416,8 @@ def _freeze(containerd: Containerd, direct: dict[str, Freezer], cid: str) -> Non
         try:
             fz.freeze()
             return
-        except (OSError, TimeoutError):
-            del direct[cid]  # thawed again by freeze() on timeout; containerd takes over
+        except OSError:  # TimeoutError included: freeze() thawed it again; containerd takes over
+            del direct[cid]
     containerd.pause_task(cid)
 
 

@@ -236,3 +236,23 @@ def test_recover_thaws_a_directly_frozen_container(tmp_path: Path) -> None:
     fz.is_frozen = True  # containerd still says "running"
     assert recover_interrupted(cd, paths, lambda _pid: fz) == ["a"]
     assert not fz.is_frozen and not work.exists()
+
+
+def test_recover_goes_on_when_a_cgroup_is_gone(tmp_path: Path) -> None:
+    from shim.engine.checkpoint import FROZEN_FILE, recover_interrupted
+
+    class Gone(FakeFreezer):
+        def frozen(self) -> bool:
+            raise FileNotFoundError("cgroup.events")
+
+    cd = FakeContainerd({"a", "b"})
+    paths = StatePaths(str(tmp_path))
+    work = Path(paths.work_dir("killed"))
+    work.mkdir(parents=True)
+    (work / FROZEN_FILE).write_text('["a", "b"]')
+    b = FakeFreezer("b", [], cd)
+    b.is_frozen = True
+    freezers = {"a": Gone("a", [], cd), "b": b}
+    order = iter(["a", "b"])
+    assert recover_interrupted(cd, paths, lambda _pid: freezers[next(order)]) == ["b"]
+    assert not b.is_frozen and not work.exists()
