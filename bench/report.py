@@ -5,6 +5,7 @@ No absolute number appears without the ratio it belongs to (PLATFORM.md: shared,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
@@ -63,6 +64,59 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+Cells = Callable[[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]], list[str]]
+
+
+def _table(result: dict[str, Any], header: list[str], cells: Cells) -> list[str]:
+    """A Markdown table with one row per workload; `cells(row, derived, agent, raw)` gives the rest."""
+    out = ["| workload | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    for row in result["rows"]:
+        values = cells(row, derive(row), row["agent"], row["raw"])
+        out.append(f"| {row['kind']} {row['mib']} MiB | " + " | ".join(values) + " |")
+    return out
+
+
+def _speed(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict[str, Any]) -> list[str]:
+    pod, ctr = row.get("podman", {}), row.get("ctr", {})
+    return [
+        f"{_fmt(d['freeze_vs_raw_dump'])} ({_ms(ag.get('freeze_s'))} / {_ms(raw.get('dump_s'))})",
+        _verdict(d["freeze_goal_met"]),
+        f"{_fmt(d['pushed_vs_serial_bound'])} ({_ms(ag.get('pushed_s'))} / {_ms(d['serial_bound_s'])}; "
+        f"in-agent {_fmt(d['pushed_internal_vs_serial_bound'])})",
+        f"{_fmt(d['pushed_vs_podman_export'])} ({_ms(pod.get('checkpoint_export_s'))})",
+        f"{_fmt(d['pushed_vs_ctr_checkpoint_push'])} ({_ms(ctr.get('checkpoint_push_s'))})",
+        _verdict(d["pushed_goal_met"]),
+        f"{_fmt(d['restore_vs_bound'])} ({_ms(ag.get('restore_s'))} / {_ms(d['restore_bound_s'])}; "
+        f"in-agent {_fmt(d['restore_internal_vs_bound'])})",
+        f"{_fmt(d['restore_vs_podman_import'])} ({_ms(pod.get('restore_import_s'))})",
+        f"{_fmt(d['restore_vs_ctr_pull_restore'])} ({_ms(ctr.get('pull_restore_s'))})",
+        _verdict(d["restore_goal_met"]),
+    ]
+
+
+def _size(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict[str, Any]) -> list[str]:
+    return [
+        _fmt(d["size_vs_rss"]),
+        f"{_fmt(d['size_vs_zstd1_raw'])} ({ag.get('size_bytes', 0) / 2**20:.1f} / "
+        f"{raw.get('zstd_bytes', 0) / 2**20:.1f} MiB)",
+        _verdict(d["size_goal_met"]),
+        _fmt(d["incr_1pct_vs_first"] and d["incr_1pct_vs_first"] * 100, "%"),
+        f"{_fmt(d['incr_5pct_vs_first'] and d['incr_5pct_vs_first'] * 100, '%')} of "
+        f"{ag.get('incr_base_uploaded', 0) / 2**20:.1f} MiB",
+        _verdict(d["incr_goal_met"]),
+        " / ".join(_ms(raw.get(k)) for k in ("dump_s", "zstd_s", "sha_s", "upload_s")),
+    ]
+
+
+def _freeze(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict[str, Any]) -> list[str]:
+    return [
+        _ms(ag.get("freeze_s")),
+        _ms(ag.get("runc_checkpoint_s")),
+        _fmt(d["freeze_vs_runc_checkpoint"]),
+        _ms(raw.get("dump_s")),
+    ]
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
@@ -75,62 +129,24 @@ def markdown(result: dict[str, Any]) -> str:
         f"Each figure: median of {result['rows'][0]['runs'] if result['rows'] else '?'} runs after one warm-up; "
         "every absolute number is shown next to the bound or peer it is divided by, measured in the same run.",
         "",
-        "| workload | freeze vs raw criu dump | goal <=1.1x+30ms | checkpoint->pushed vs serial bound "
-        "| vs podman export | vs ctr checkpoint+push | goal | pull->running vs bound | vs podman import "
-        "| vs ctr pull+restore | goal |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for row in result["rows"]:
-        d, ag, raw = derive(row), row["agent"], row["raw"]
-        pod, ctr = row.get("podman", {}), row.get("ctr", {})
-        lines.append(
-            f"| {row['kind']} {row['mib']} MiB "
-            f"| {_fmt(d['freeze_vs_raw_dump'])} ({_ms(ag.get('freeze_s'))} / {_ms(raw.get('dump_s'))}) "
-            f"| {_verdict(d['freeze_goal_met'])} "
-            f"| {_fmt(d['pushed_vs_serial_bound'])} ({_ms(ag.get('pushed_s'))} / {_ms(d['serial_bound_s'])}; "
-            f"in-agent {_fmt(d['pushed_internal_vs_serial_bound'])}) "
-            f"| {_fmt(d['pushed_vs_podman_export'])} ({_ms(pod.get('checkpoint_export_s'))}) "
-            f"| {_fmt(d['pushed_vs_ctr_checkpoint_push'])} ({_ms(ctr.get('checkpoint_push_s'))}) "
-            f"| {_verdict(d['pushed_goal_met'])} "
-            f"| {_fmt(d['restore_vs_bound'])} ({_ms(ag.get('restore_s'))} / {_ms(d['restore_bound_s'])}; "
-            f"in-agent {_fmt(d['restore_internal_vs_bound'])}) "
-            f"| {_fmt(d['restore_vs_podman_import'])} ({_ms(pod.get('restore_import_s'))}) "
-            f"| {_fmt(d['restore_vs_ctr_pull_restore'])} ({_ms(ctr.get('pull_restore_s'))}) "
-            f"| {_verdict(d['restore_goal_met'])} |"
-        )
-    lines += [
-        "",
-        "| workload | size vs RSS | size vs zstd -1 of raw images | goal <=1.05x | 2nd snapshot after 1% changed "
-        "| after 5% changed | goal <=10% | serial bound parts (dump / zstd / sha256 / upload) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in result["rows"]:
-        d, ag, raw = derive(row), row["agent"], row["raw"]
-        lines.append(
-            f"| {row['kind']} {row['mib']} MiB | {_fmt(d['size_vs_rss'])} "
-            f"| {_fmt(d['size_vs_zstd1_raw'])} ({ag.get('size_bytes', 0) / 2**20:.1f} / "
-            f"{raw.get('zstd_bytes', 0) / 2**20:.1f} MiB) | {_verdict(d['size_goal_met'])} "
-            f"| {_fmt(d['incr_1pct_vs_first'] and d['incr_1pct_vs_first'] * 100, '%')} "
-            f"| {_fmt(d['incr_5pct_vs_first'] and d['incr_5pct_vs_first'] * 100, '%')} of "
-            f"{ag.get('incr_base_uploaded', 0) / 2**20:.1f} MiB | {_verdict(d['incr_goal_met'])} "
-            f"| {' / '.join(_ms(raw.get(k)) for k in ('dump_s', 'zstd_s', 'sha_s', 'upload_s'))} |"
-        )
+    speed_header = ["freeze vs raw criu dump", "goal <=1.1x+30ms", "checkpoint->pushed vs serial bound",
+                    "vs podman export", "vs ctr checkpoint+push", "goal", "pull->running vs bound",
+                    "vs podman import", "vs ctr pull+restore", "goal"]  # fmt: skip
+    lines += _table(result, speed_header, _speed)
+    size_header = ["size vs RSS", "size vs zstd -1 of raw images", "goal <=1.05x", "2nd snapshot after 1% changed",
+                   "after 5% changed", "goal <=10%", "serial bound parts (dump / zstd / sha256 / upload)"]  # fmt: skip
+    lines += ["", *_table(result, size_header, _size)]
     lines += [
         "",
         "The freeze against a second reference: `runc checkpoint --leave-running` of the same container, run "
         "directly (CRIU under runc with the container's namespaces, mounts and cgroups; no containerd, no pause, "
         "no rootfs diff).",
         "",
-        "| workload | freeze | runc checkpoint of the same container | freeze / runc checkpoint "
-        "| raw criu dump of the host process |",
-        "|---|---|---|---|---|",
     ]
-    for row in result["rows"]:
-        d, ag, raw = derive(row), row["agent"], row["raw"]
-        lines.append(
-            f"| {row['kind']} {row['mib']} MiB | {_ms(ag.get('freeze_s'))} | {_ms(ag.get('runc_checkpoint_s'))} "
-            f"| {_fmt(d['freeze_vs_runc_checkpoint'])} | {_ms(raw.get('dump_s'))} |"
-        )
+    freeze_header = ["freeze", "runc checkpoint of the same container", "freeze / runc checkpoint",
+                     "raw criu dump of the host process"]  # fmt: skip
+    lines += _table(result, freeze_header, _freeze)
     errors = [
         f"- {row['kind']} {row['mib']} MiB {p}: {row[p]['error']}"
         for row in result["rows"]
