@@ -13,6 +13,7 @@ Prints medians (after one warm-up) and each step's ratio to the raw CRIU dump.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import shutil
@@ -72,14 +73,25 @@ def criu_startup(log: str) -> float | None:
     return None
 
 
+def log_gaps(log: str, n: int) -> list[tuple[float, str, str]]:
+    """The `n` longest pauses between consecutive dump.log lines: (seconds, line before, line after)."""
+    stamped = [
+        (float(m.group(1)), line.strip()) for line in log.splitlines() if (m := re.match(r"\((\d+\.\d+)\)", line))
+    ]
+    gaps = [(b[0] - a[0], a[1][:90], b[1][:90]) for a, b in itertools.pairwise(stamped)]
+    return sorted(gaps, reverse=True)[:n]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--gaps", type=int, default=8, help="list the N longest pauses in one dump.log (node config)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ksfreeze-", dir="/var/tmp"))
     daemon = ContainerdDaemon("freeze", work / "ctrd")
     daemon.start()
+    last_log = ""
     default, tuned = "checkpoint, CRIU defaults (iptables lock)", "checkpoint, node config (nftables lock)"
     startup = "  of which CRIU start-up before it seizes the task"
     direct = "`runc checkpoint --leave-running` on the same container, node config (no containerd, no pause)"
@@ -114,6 +126,8 @@ def main() -> None:
             if variant == tuned and up is not None:
                 steps[startup].append(up)
             if variant == tuned:
+                last_log = (d / "dump.log").read_text(errors="replace")
+            if variant == tuned:
                 r = work / f"runc{i}"
                 r.mkdir()
                 runc = ["runc", "--root", str(next(Path(daemon.runc_root).iterdir())), "checkpoint", "--leave-running"]
@@ -138,6 +152,12 @@ def main() -> None:
         if xs[1:]:
             m = statistics.median(xs[1:])
             print(f"| {name} | {m * 1000:.1f} ms | {m / raw:.2f}x |")
+    if args.gaps and last_log:
+        print(f"\nThe {args.gaps} longest pauses between lines of the last dump.log (node config): where CRIU spends")
+        print("its time beyond copying pages (a line is logged, then nothing until the next one).\n")
+        print("| pause | last line before it | first line after it |\n|---|---|---|")
+        for sec, before, after in log_gaps(last_log, args.gaps):
+            print(f"| {sec * 1000:.1f} ms | `{before}` | `{after}` |")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ only knob between containerd's checkpoint API and CRIU, and kubectl-snapshot set
 
 ``network-lock nftables``: while a task is frozen CRIU locks its network namespace, so that no TCP
 state moves between the dump of a socket and the end of the dump. The default method runs
-``iptables-restore`` in the namespace twice (lock and unlock); the unlock alone measured ~70 ms of
-the freeze on the project's VMs. nftables does the same lock through netlink in CRIU's own process:
+``iptables-restore`` in the namespace twice (lock and unlock), tens of ms of the freeze on the
+project's VMs. nftables does the same lock through netlink in CRIU's own process:
 same guarantee, a fraction of the time (bench/freeze_breakdown.py shows both).
 
 Rules: a file that kubectl-snapshot did not write is never touched (it is reported instead); the

@@ -113,17 +113,21 @@ def _host_path(path: str) -> str:
     return f"/proc/{pid}/root{path}" if pid else path
 
 
+def _in_host_mounts(pid: int | None) -> list[str]:
+    """The command prefix that enters the host's mount namespace (nothing when not in a container)."""
+    return ["nsenter", "-t", str(pid), "-m", "--"] if pid else []
+
+
 def _capture_on_host(command: str) -> tuple[int, str]:
-    pid = host_pid()
-    prefix = ["nsenter", "-t", str(pid), "-m", "--"] if pid else []
-    proc = subprocess.run([*prefix, "sh", "-c", command], capture_output=True, text=True, timeout=120, check=False)
+    argv = [*_in_host_mounts(host_pid()), "sh", "-c", command]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
     return proc.returncode, (proc.stdout + proc.stderr).strip()
 
 
 def _run_on_host(command: str) -> None:
     """Run a shell command in the host's namespaces (the agent runs with hostPID and privileges)."""
     pid = host_pid()
-    prefix = ["nsenter", "-t", str(pid), "-m", "--"] if pid else []
+    prefix = _in_host_mounts(pid)
     # Leave this container's cgroups first (join the host process's): whatever the command starts
     # (a new containerd) must not die with the init container when the kubelet cleans it up.
     escape = (
