@@ -9,9 +9,10 @@ pod in namespace B.
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -19,9 +20,10 @@ from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
 from kubectl_snapshot.cli.errors import render
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
-from shim import freezer
+from shim import freezer, guard
 from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
@@ -143,8 +145,14 @@ class SnapshotWorker:
                 group=pod["metadata"]["name"],
                 namespace=ns,
                 pod=record_pod(pod, self.settings.node),
+                probe_budgets=probe_budgets(pod),
+                ignore_liveness=bool(spec.get("ignoreLiveness")),
             )
-            with ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
+            report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
+            with (
+                self._guard(report) as held,
+                ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd,
+            ):
                 result = checkpoint(
                     req,
                     containerd=containerd,
@@ -154,7 +162,9 @@ class SnapshotWorker:
                     on_bytes=reporter.bytes,
                     before_stop=lambda: self._delete_pod(pod),
                     host=self.facts,
-                    freezer_for=freezer.lookup,
+                    freezer_for=held.freezer_for,
+                    memory_of=freezer.task_memory,
+                    on_plan=reporter.plan,
                 )
         except SnapshotError as e:
             self._finish_failed(obj, pod, e)
@@ -164,6 +174,16 @@ class SnapshotWorker:
             self._finish_failed(obj, pod, SnapshotError(f"internal error: {e}"))
             return
         self._finish_ok(obj, pod, result)
+
+    @contextlib.contextmanager
+    def _guard(self, report: dict[str, str]) -> Iterator[guard.GuardClient]:
+        """The freeze guard container beside the agent (DaemonSet), else a private one for this snapshot
+        (it survives the agent's process, not a restart of the agent's container)."""
+        if self.settings.guard_socket:
+            yield guard.GuardClient(self.settings.guard_socket, report)
+        else:
+            with guard.private_guard(report) as client:
+                yield client
 
     def _delete_pod(self, pod: dict[str, Any]) -> None:
         """With stop: the pod object goes first, so that the kubelet does not restart what we kill."""
@@ -187,6 +207,7 @@ class SnapshotWorker:
                 "totalMs": round(t.get("total_ms", 0), 1),
             },
             "frozenBy": r.frozen_by,
+            **(_plan_status(r.plan) if r.plan is not None else {}),
             "reference": str(r.reference),
             "tag": str(r.tagged),
             "size": r.size,
@@ -226,6 +247,12 @@ class _StatusReporter:
         self.current = ""
         self._last = 0.0
 
+    def plan(self, plan: FreezePlan) -> None:
+        try:
+            self.kube.patch_snapshot_status(self.ns, self.name, _plan_status(plan))
+        except SnapshotError:
+            log.warning("could not record the freeze plan of %s/%s", self.ns, self.name)
+
     def stage(self, stage: str) -> None:
         self.current = stage
         self._flush(force=True)
@@ -246,6 +273,13 @@ class _StatusReporter:
             )
         except SnapshotError:
             log.warning("could not update the progress of %s/%s", self.ns, self.name)
+
+
+def _plan_status(plan: FreezePlan) -> dict[str, Any]:
+    return {
+        "expectedFreezeSeconds": round(plan.expected_s, 1),
+        "freezeDeadlineSeconds": round(plan.deadline_s, 1),
+    }
 
 
 def _condition(type_: str, status: str, reason: str, message: str) -> dict[str, str]:

@@ -26,6 +26,7 @@ from typing import Any
 
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
 from kubectl_snapshot.core.model import (
@@ -72,6 +73,8 @@ class CheckpointRequest:
     tcp_established: bool = True
     file_locks: bool = True
     keep_work: bool = False
+    probe_budgets: Sequence[freeze_plan.ProbeBudget] = ()  # the pod's liveness budgets (core/freeze.py)
+    ignore_liveness: bool = False  # snapshot even if the freeze may outlast a liveness probe's budget
 
 
 @dataclass
@@ -83,6 +86,7 @@ class CheckpointResult:
     size: int = 0  # compressed bytes of all blobs
     uploaded: int = 0  # bytes actually sent (blobs the registry lacked)
     frozen_by: str = ""  # "cgroup freezer", "containerd" or both: how the containers were paused
+    plan: freeze_plan.FreezePlan | None = None  # expected freeze and deadline
 
 
 def _now_rfc3339() -> str:
@@ -117,6 +121,8 @@ def checkpoint(
     host: HostFacts | None = None,
     before_stop: Callable[[], None] | None = None,
     freezer_for: FreezerFor | None = None,
+    memory_of: Callable[[int], int] | None = None,
+    on_plan: Callable[[freeze_plan.FreezePlan], None] | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -124,6 +130,9 @@ def checkpoint(
     e.g. to delete the pod object so that the kubelet does not restart them. `freezer_for` gives a
     task's cgroup freezer to write directly (shim.freezer; ~0.4 ms instead of a containerd Pause/Resume
     round trip of ~11 ms each way); without it, or where it gives None, containerd pauses.
+    `memory_of` gives a task's memory (shim.freezer.task_memory): the freeze's expected length and
+    deadline follow from it (core/freeze.py), checked against the pod's liveness budgets before
+    anything is frozen; a freezer from shim.guard enforces the deadline.
     """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
@@ -132,6 +141,7 @@ def checkpoint(
     # Preflight before touching the workload: the containers run, the registry answers.
     infos, upperdirs = [], []
     direct: dict[str, Freezer] = {}
+    memory = 0
     for cid in req.containers:
         info = containerd.get_container(cid)
         task = containerd.get_task(cid)
@@ -144,6 +154,8 @@ def checkpoint(
         fz = freezer_for(task.pid) if freezer_for is not None else None
         if fz is not None:
             direct[cid] = fz
+        if memory_of is not None:
+            memory += memory_of(task.pid)
         infos.append(info)
         upperdirs.append(_upperdir(containerd, info))
     registry.ping(req.target)
@@ -153,6 +165,11 @@ def checkpoint(
         host = hostfacts.gather(containerd_version=version)
     if not host.criu_version:
         raise FailedPrecondition("CRIU is not installed on this node", hint="run hack/install-node-deps.sh")
+    plan = freeze_plan.plan(
+        memory, stop=req.stop, budgets=req.probe_budgets, ignore_liveness=req.ignore_liveness
+    )  # raises when a liveness probe would restart a container before the freeze ends
+    if on_plan is not None:
+        on_plan(plan)
 
     snapshot_id = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
     work = paths.work_dir(snapshot_id)
@@ -168,9 +185,10 @@ def checkpoint(
         t_freeze = clock()
         try:
             for cid in req.containers:
-                _freeze(containerd, direct, cid)
+                _freeze(containerd, direct, cid, plan.deadline_s)
                 frozen.append(cid)
             phase("dump")
+            _test_hold()
             _dump_all(containerd, req, names, upperdirs, work)
             volume_tar = _capture_volumes(req, work) if req.volumes else None
             timings["dump_ms"] = (clock() - t_freeze) * 1000
@@ -258,7 +276,19 @@ def checkpoint(
     timings["total_ms"] = (clock() - t0) * 1000
     result.timings_ms = timings
     result.frozen_by = " + ".join(frozen_by)
+    result.plan = plan
     return result
+
+
+ENV_TEST_FROZEN_HOLD_S = "KUBECTL_SNAPSHOT_TEST_FROZEN_HOLD_S"
+
+
+def _test_hold() -> None:
+    """Tests only (tests/e2e/test_freeze_guard.py sets it on its own agent DaemonSet): stay frozen this
+    many seconds before dumping, so that a test can kill or stop the agent while a pod is frozen."""
+    value = os.environ.get(ENV_TEST_FROZEN_HOLD_S, "")
+    if value:
+        time.sleep(min(float(value), 600.0))
 
 
 FROZEN_FILE = "frozen-containers.json"
@@ -409,12 +439,14 @@ def _write_metadata(cdir: str, cid: str, name: str, info: Any, req: CheckpointRe
         json.dump({"tcpEstablished": req.tcp_established, "fileLocks": req.file_locks}, f)
 
 
-def _freeze(containerd: Containerd, direct: dict[str, Freezer], cid: str) -> None:
-    """Freeze through the cgroup freezer where placed, else (or if that fails) through containerd."""
+def _freeze(containerd: Containerd, direct: dict[str, Freezer], cid: str, deadline_s: float) -> None:
+    """Freeze through the cgroup freezer where placed, else (or if that fails) through containerd.
+
+    A guarded freezer that the guard refuses raises a SnapshotError: no unguarded fallback then."""
     fz = direct.get(cid)
     if fz is not None:
         try:
-            fz.freeze()
+            fz.freeze(deadline_s=deadline_s)
             return
         except OSError:  # TimeoutError included: freeze() thawed it again; containerd takes over
             del direct[cid]

@@ -196,7 +196,7 @@ class FakeFreezer:
     def __init__(self, cid: str, log: list[tuple[str, str]], cd: FakeContainerd, fail: bool = False) -> None:
         self.cid, self.log, self.cd, self.fail, self.is_frozen = cid, log, cd, fail, False
 
-    def freeze(self) -> None:
+    def freeze(self, *, deadline_s: float | None = None) -> None:
         if self.fail:
             raise OSError("EACCES")
         self.log.append(("freeze", self.cid))
