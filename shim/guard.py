@@ -499,13 +499,17 @@ def private_guard(report: dict[str, Any] | None = None) -> Iterator[GuardClient]
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kubectl-snapshot-guard", description=__doc__.split("\n\n")[0])
     p.add_argument("--socket", default=os.environ.get(ENV_SOCKET, "/run/kubectl-snapshot-guard/guard.sock"))
     p.add_argument("--state-dir", default="/run/kubectl-snapshot-guard/holds")
     p.add_argument("--once", action="store_true", help="Exit once every connection has ended (private guard).")
     p.add_argument("--idle-exit", type=float, default=0, help="Exit after this many idle seconds (0: never).")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s guard: %(message)s")
     guard = Guard(args.socket, args.state_dir, once=args.once, idle_exit_s=args.idle_exit)
     thawed = guard.recover()

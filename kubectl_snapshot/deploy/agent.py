@@ -14,6 +14,10 @@ Why the DaemonSet looks like this:
   without systemd, like the project's VMs: "is mounted on / but it is not a shared or slave mount").
   Mounts made on the host after the agent started (memory-backed emptyDirs are tmpfs) are reached
   through the host's mount namespace instead: /proc/1/root/<path> (hostPID);
+- a second container, ``guard``, holds every freeze the agent makes (shim/guard.py): the agent asks it
+  over a Unix socket in an emptyDir both mount, and it thaws a pod as soon as the agent's connection
+  closes (the agent died, or its container restarted) or the freeze's deadline passes (it hangs). Its
+  own container, so nothing that kills or hangs the agent's touches it; privileged for the cgroupfs;
 - one machine may run several nodes (the local cluster): ``per_node_paths`` becomes a ConfigMap the
   agent reads at start, picking its entry by NODE_NAME; the DaemonSet mounts the smallest set of host
   directories that covers every node's paths.
@@ -44,7 +48,9 @@ NODE_CONFIG_DIR = "/etc/kubectl-snapshot/nodes"
 NODE_PATH_KEYS = ("containerd_socket", "kubelet_root", "containerd_dropin_dir")
 WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
 READY_FILE = K.READY_FILE
-DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"  # containerd 2.x's default config imports *.toml from here
+DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"
+GUARD_DIR = "/run/kubectl-snapshot-guard"  # an emptyDir shared by the agent and guard containers
+GUARD_SOCKET = f"{GUARD_DIR}/guard.sock"  # containerd 2.x's default config imports *.toml from here
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,8 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
     install_args = ["install-node", f"--wrapper={WRAPPER_IN_IMAGE}", *_path_flags(settings)]
     if settings.restart_command:
         install_args.append(f"--restart-command={settings.restart_command}")
-    run_args = ["run", *_path_flags(settings), f"--ready-file={READY_FILE}"]
+    run_args = ["run", *_path_flags(settings), f"--ready-file={READY_FILE}", f"--guard-socket={GUARD_SOCKET}"]
+    guard_mount = {"name": "guard", "mountPath": GUARD_DIR}
     selector = dict(K.AGENT_LABEL)
     return {
         "apiVersion": "apps/v1",
@@ -238,8 +245,20 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                             },
                             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
                         }
+                        | {"volumeMounts": [*volume_mounts, guard_mount]},
+                        {
+                            "name": "guard",
+                            "image": settings.image,
+                            "imagePullPolicy": pull,
+                            "command": ["python3", "-m", "shim.guard"],
+                            "args": [f"--socket={GUARD_SOCKET}", f"--state-dir={GUARD_DIR}/holds"],
+                            "env": [e for e in _env(settings) if e["name"] != C.ENV_STATE_DIR],
+                            "securityContext": {"privileged": True},
+                            "volumeMounts": [guard_mount],
+                            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+                        },
                     ],
-                    "volumes": volumes,
+                    "volumes": [*volumes, {"name": "guard", "emptyDir": {}}],
                 },
             },
         },
