@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import ssl
 import struct
@@ -169,6 +170,8 @@ class Guard:
         self._served = 0
         self._last_end = time.monotonic()
         self._reported: set[str] = set()
+        self._reports: list[threading.Thread] = []
+        self._held: dict[str, _Hold] = {}
         self._stop = threading.Event()
 
     # Holds survive in the state dir: a guard killed while holding thaws them when it comes back.
@@ -235,7 +238,32 @@ class Guard:
             if key in self._reported:
                 return
             self._reported.add(key)
-        threading.Thread(target=report_failed, args=(report, reason), daemon=True).start()
+            t = threading.Thread(target=report_failed, args=(report, reason), daemon=True)
+            self._reports.append(t)
+        t.start()
+
+    def shutdown(self, reason: str) -> None:
+        """Thaw everything held now and report it (SIGTERM: the agent's pod is being stopped)."""
+        with self._lock:
+            held = list(self._held.values())
+            self._held.clear()
+        for h in held:
+            with contextlib.suppress(OSError):
+                h.fz.thaw()
+            with contextlib.suppress(OSError):
+                os.unlink(h.path)
+            log.warning("%s: %s", h.fz.directory, reason)
+        for h in held:
+            if h.report:
+                self._report(h.report, reason)
+        self.wait_reports(15)
+
+    def wait_reports(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        with self._lock:
+            reports = list(self._reports)
+        for t in reports:
+            t.join(max(0.0, end - time.monotonic()))
 
     def _handle(self, conn: socket.socket) -> None:
         try:
@@ -269,9 +297,13 @@ class Guard:
         except (GuardError, OSError, ValueError, TypeError) as e:
             _send(conn, {"ok": False, "error": str(e)})
             return
+        with self._lock:
+            self._held[hold.path] = hold
         try:
             self._hold(conn, reader, hold, float(req.get("deadline_s") or MAX_DEADLINE_S))
         finally:
+            with self._lock:
+                self._held.pop(hold.path, None)
             with contextlib.suppress(OSError):
                 hold.fz.thaw()
             with contextlib.suppress(OSError):
@@ -512,14 +544,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s guard: %(message)s")
     guard = Guard(args.socket, args.state_dir, once=args.once, idle_exit_s=args.idle_exit)
+
+    def on_term(signum: int, _frame: Any) -> None:
+        guard.shutdown(f"the freeze guard was stopped (signal {signum}) while the pod was frozen; it thawed it")
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
     thawed = guard.recover()
     if thawed:
         log.warning("thawed what an earlier guard held: %s", ", ".join(thawed))
     guard.serve()
-    # Give failure reports still in flight a moment (they are daemon threads).
-    for t in threading.enumerate():
-        if t is not threading.current_thread() and t.daemon:
-            t.join(timeout=15)
+    guard.wait_reports(15)  # failure reports still in flight (daemon threads)
 
 
 if __name__ == "__main__":

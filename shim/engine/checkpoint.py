@@ -188,7 +188,7 @@ def checkpoint(
                 _freeze(containerd, direct, cid, plan.deadline_s)
                 frozen.append(cid)
             phase("dump")
-            _test_hold()
+            _test_hold([direct[c] for c in frozen if c in direct])
             _dump_all(containerd, req, names, upperdirs, work)
             volume_tar = _capture_volumes(req, work) if req.volumes else None
             timings["dump_ms"] = (clock() - t_freeze) * 1000
@@ -283,12 +283,19 @@ def checkpoint(
 ENV_TEST_FROZEN_HOLD_S = "KUBECTL_SNAPSHOT_TEST_FROZEN_HOLD_S"
 
 
-def _test_hold() -> None:
-    """Tests only (tests/e2e/test_freeze_guard.py sets it on its own agent DaemonSet): stay frozen this
-    many seconds before dumping, so that a test can kill or stop the agent while a pod is frozen."""
+def _test_hold(freezers: Sequence[Freezer]) -> None:
+    """Tests only (tests/e2e/test_freeze_guard.py sets it on the agent DaemonSet while it runs): stay
+    frozen up to this many seconds before dumping, so that a test can kill or stop the agent while a pod
+    is frozen; ends early once something else (the freeze guard, at the deadline) thawed the pod."""
     value = os.environ.get(ENV_TEST_FROZEN_HOLD_S, "")
-    if value:
-        time.sleep(min(float(value), 600.0))
+    if not value:
+        return
+    end = time.monotonic() + min(float(value), 600.0)
+    while time.monotonic() < end:
+        with contextlib.suppress(OSError):
+            if freezers and not all(fz.frozen() for fz in freezers):
+                return
+        time.sleep(0.1)
 
 
 FROZEN_FILE = "frozen-containers.json"

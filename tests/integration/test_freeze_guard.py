@@ -161,6 +161,23 @@ def test_a_killed_guard_thaws_what_it_held_when_it_starts_again(counter, tmp_pat
         holder.wait()
 
 
+def test_a_guard_told_to_stop_thaws_first(counter, tmp_path):  # type: ignore[no-untyped-def]
+    """SIGTERM (the kubelet stopping the agent's pod): the guard thaws what it holds, then exits."""
+    _, _, _, pid, fz = counter
+    with guard_process(tmp_path) as (guard, sock):
+        holder = hold(sock, pid, deadline_s=300)
+        try:
+            before = assert_frozen(fz, pid)
+            t0 = time.monotonic()
+            guard.send_signal(signal.SIGTERM)
+            assert guard.wait(10) == 0
+            assert seconds_until_thawed(fz, t0) < 2.0
+            assert_goes_on(pid, before)
+        finally:
+            holder.kill()
+            holder.wait()
+
+
 def test_the_guard_refuses_to_freeze_itself_or_the_host(tmp_path):  # type: ignore[no-untyped-def]
     def ask(sock: str, pid: int) -> dict:  # type: ignore[type-arg]
         with socket.socket(socket.AF_UNIX) as c:
