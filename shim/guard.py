@@ -35,6 +35,7 @@ import contextlib
 import http.client
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -293,6 +294,7 @@ class Guard:
             _send(conn, {"ok": False, "error": "expected a freeze request"})
             return
         try:
+            deadline_s = _deadline(req.get("deadline_s"))
             hold = self._freeze(req, peer_pid)
         except (GuardError, OSError, ValueError, TypeError) as e:
             _send(conn, {"ok": False, "error": str(e)})
@@ -300,7 +302,7 @@ class Guard:
         with self._lock:
             self._held[hold.path] = hold
         try:
-            self._hold(conn, reader, hold, float(req.get("deadline_s") or MAX_DEADLINE_S))
+            self._hold(conn, reader, hold, deadline_s)
         finally:
             with self._lock:
                 self._held.pop(hold.path, None)
@@ -331,7 +333,6 @@ class Guard:
         return _Hold(fz, report, path)
 
     def _hold(self, conn: socket.socket, reader: _Lines, hold: _Hold, deadline_s: float) -> None:
-        deadline_s = min(max(deadline_s, 0.1), MAX_DEADLINE_S)
         end = time.monotonic() + deadline_s
         _send(conn, {"ok": True, "directory": hold.fz.directory, "deadline_s": deadline_s})
         expired = False
@@ -379,6 +380,15 @@ class Guard:
                 with contextlib.suppress(OSError):
                     _send(conn, {"ok": True, "expired": expired})
                 return
+
+
+def _deadline(value: Any) -> float:
+    """The hold's deadline in seconds: a finite number, at least 0.1, at most MAX_DEADLINE_S."""
+    if value is None:
+        return MAX_DEADLINE_S
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise GuardError(f"refused: deadline {value!r} is not a number of seconds")
+    return min(max(float(value), 0.1), MAX_DEADLINE_S)
 
 
 class _Lines:

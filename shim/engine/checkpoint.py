@@ -258,6 +258,14 @@ def checkpoint(
 
     if req.stop:
         phase("stop")
+        thawed_early = [cid for cid in frozen if cid in direct and not _still_frozen(direct[cid])]
+        if thawed_early:  # the freeze guard's deadline passed during the upload: the pod ran on since
+            _resume_all(containerd, frozen, direct)
+            raise FailedPrecondition(
+                f"the pod was thawed before it could be stopped (container {thawed_early[0]!r} passed the freeze's "
+                f"deadline during the upload): it keeps running, and {result.reference} is older than its state",
+                hint="snapshot it again; a large pod on a slow registry link may need a faster destination",
+            )
         if before_stop is not None:
             try:
                 before_stop()
@@ -278,6 +286,13 @@ def checkpoint(
     result.frozen_by = " + ".join(frozen_by)
     result.plan = plan
     return result
+
+
+def _still_frozen(fz: Freezer) -> bool:
+    try:
+        return fz.frozen()
+    except OSError:
+        return False
 
 
 ENV_TEST_FROZEN_HOLD_S = "KUBECTL_SNAPSHOT_TEST_FROZEN_HOLD_S"

@@ -330,3 +330,26 @@ def test_a_guard_that_thaws_early_fails_the_snapshot_and_pushes_nothing(tmp_path
             freezer_for=lambda _pid: Expired("a", [], cd),
         )
     assert cd.paused == set() and not reg.manifests
+
+
+def test_with_stop_a_pod_thawed_during_the_upload_is_not_killed(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a"}), FakeRegistry()
+    fz = FakeFreezer("a", [], cd)
+
+    def expire(_: Any) -> None:  # the guard's deadline passes while the artifact is uploaded
+        fz.thaw()
+
+    req = CheckpointRequest(containers=["a"], target=TARGET, stop=True)
+    killed: list[str] = []
+    with pytest.raises(FailedPrecondition, match="thawed before it could be stopped"):
+        checkpoint(
+            req,
+            containerd=cd,
+            registry=reg,
+            paths=StatePaths(str(tmp_path)),
+            host=HOST,
+            freezer_for=lambda _pid: fz,
+            on_phase=lambda p: expire(p) if p == "upload" else None,
+            before_stop=lambda: killed.append("pod deleted"),
+        )
+    assert killed == [] and cd.killed == set() and not fz.is_frozen
