@@ -66,7 +66,7 @@ def test_crd_schema() -> None:
     assert version["name"] == K.VERSION and version["served"] and version["storage"]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Pod", "Phase", "Node", "Size", "Reference", "Age"]
+    assert columns == ["Pod", "Phase", "Node", "Size", "Reference", "Age", "Stage", "Reason"]
     schema = version["schema"]["openAPIV3Schema"]
     s, st = schema["properties"]["spec"], schema["properties"]["status"]
     assert set(s["required"]) == {"podName", "destination"}
