@@ -153,6 +153,8 @@ def podsnapshot_crd(labels: dict[str, str]) -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
+                    # Agents watch only what concerns their node: field selectors on status.node.
+                    "selectableFields": [{"jsonPath": f".{K.SNAPSHOT_NODE_FIELD}"}],
                     "additionalPrinterColumns": _printer_columns(),
                     "schema": {
                         "openAPIV3Schema": {

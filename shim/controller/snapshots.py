@@ -105,6 +105,8 @@ class SnapshotWorker:
 
     def _claim(self, obj: dict[str, Any]) -> bool:
         meta = obj["metadata"]
+        # Before the patch: the claim's own watch event (another thread) must not look like a restart.
+        self._handled.add(meta.get("uid"))
         try:
             self.kube.patch_snapshot_status(
                 meta["namespace"],
@@ -113,8 +115,8 @@ class SnapshotWorker:
                 resource_version=meta.get("resourceVersion"),
             )
         except FailedPrecondition:  # another agent won the race
+            self._handled.discard(meta.get("uid"))
             return False
-        self._handled.add(meta.get("uid"))  # later events still show our Running claim: not a restart
         return True
 
     def _claim_and_fail(self, obj: dict[str, Any], message: str, hint: str) -> None:
