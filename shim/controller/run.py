@@ -23,7 +23,7 @@ from shim.engine.checkpoint import recover_interrupted
 from shim.engine.staging import StatePaths
 
 log = logging.getLogger(__name__)
-WATCH_TIMEOUT_S = 240
+WATCH_TIMEOUT_S = 60  # each watch is re-opened from its last resourceVersion: cheap, so kept short
 
 
 def node_facts(settings: NodeSettings) -> HostFacts:
