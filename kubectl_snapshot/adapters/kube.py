@@ -407,6 +407,31 @@ class KubeClient:
         }
         return dict(self._call("POST", f"/api/v1/namespaces/{_q(ns)}/events", what=f"record event {reason}", body=body))
 
+    def token_review(self, token: str) -> dict[str, Any]:
+        """Who a bearer token belongs to (authentication.k8s.io TokenReview)."""
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": token}}
+        return dict(self._call("POST", "/apis/authentication.k8s.io/v1/tokenreviews", what="review a token", body=body))
+
+    def subject_access_review(self, user: Mapping[str, Any], *, path: str, verb: str) -> dict[str, Any]:
+        """Whether `user` (a TokenReview's status.user) may `verb` the non-resource URL `path`."""
+        spec: dict[str, Any] = {
+            "user": user.get("username", ""),
+            "groups": list(user.get("groups") or []),
+            "uid": user.get("uid", ""),
+            "nonResourceAttributes": {"path": path, "verb": verb},
+        }
+        if user.get("extra"):
+            spec["extra"] = dict(user["extra"])
+        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": spec}
+        return dict(
+            self._call(
+                "POST",
+                "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                what=f"check whether {spec['user']} may {verb} {path}",
+                body=body,
+            )
+        )
+
     def get_secret(self, ns: str, name: str) -> dict[str, Any]:
         return dict(
             self._call("GET", f"/api/v1/namespaces/{_q(ns)}/secrets/{_q(name)}", what=f"get secret {ns}/{name}")

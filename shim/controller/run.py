@@ -13,7 +13,7 @@ from typing import Any
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
-from shim import freezer, hostfacts
+from shim import freezer, hostfacts, metrics_server
 from shim.containerd.client import ContainerdClient
 from shim.controller.informer import Informer
 from shim.controller.restores import RestoreWorker
@@ -21,6 +21,7 @@ from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
 from shim.engine.checkpoint import recover_interrupted
 from shim.engine.staging import StatePaths
+from shim.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 60  # each watch is re-opened from its last resourceVersion: cheap, so kept short
@@ -50,6 +51,21 @@ def _version() -> str:
     from kubectl_snapshot import __version__
 
     return __version__
+
+
+def serve_metrics(kube: Any, metrics: AgentMetrics, address: str, node: str) -> None:
+    """HTTPS on HOST:PORT (":9443" = every address) for scrapers the API server authorises; the agent
+    works on without metrics if the port cannot be had (logged)."""
+    host, _, port = address.rpartition(":")
+    names = [n for n in (os.environ.get("POD_IP"), node, "localhost", "127.0.0.1") if n]
+    try:
+        metrics_server.serve(
+            metrics.registry, metrics_server.Authorizer(kube), host=host or "0.0.0.0", port=int(port), names=names
+        )
+    except (OSError, ValueError) as e:
+        log.error("metrics: cannot serve on %r: %s; the agent runs without metrics", address, e)
+        return
+    log.info("metrics: https://%s%s for authorised scrapers", address, metrics_server.METRICS_PATH)
 
 
 def node_informers(
@@ -94,8 +110,12 @@ def run(
     *,
     ready_file: str = K.READY_FILE,
     stop: threading.Event | None = None,
+    metrics_address: str = "",
 ) -> None:
     stop = stop or threading.Event()
+    metrics = AgentMetrics()
+    if metrics_address:
+        serve_metrics(kube, metrics, metrics_address, settings.node)
     facts = node_facts(settings)
     log.info("agent on node %s: %s", settings.node, facts)
     with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
@@ -103,8 +123,8 @@ def run(
     if thawed:
         log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)
-    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts)
-    restores = RestoreWorker(kube=kube, settings=settings, facts=facts)
+    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, metrics=metrics)
+    restores = RestoreWorker(kube=kube, settings=settings, facts=facts, metrics=metrics)
     informers = node_informers(kube, settings.node, snapshots.consider, restores.consider)
     for inf in informers:
         threading.Thread(target=inf.run, name=inf.name, args=(stop,), daemon=True).start()

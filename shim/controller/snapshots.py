@@ -28,6 +28,7 @@ from shim.controller.podinfo import empty_dirs, record_pod, running_containers
 from shim.controller.settings import NodeSettings
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
 from shim.engine.staging import StatePaths
+from shim.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 1.0
@@ -53,12 +54,19 @@ def registry_for(kube: Any, namespace: str, secret: str | None, *, insecure: boo
 
 class SnapshotWorker:
     def __init__(
-        self, *, kube: Any, settings: NodeSettings, facts: HostFacts, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        kube: Any,
+        settings: NodeSettings,
+        facts: HostFacts,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: AgentMetrics | None = None,
     ) -> None:
         self.kube = kube
         self.settings = settings
         self.facts = facts
         self.clock = clock
+        self.metrics = metrics or AgentMetrics()
         self._handled: set[str | None] = set()  # uids this agent process claimed (stale events follow)
 
     # --- claiming ---------------------------------------------------------------------------------
@@ -101,7 +109,8 @@ class SnapshotWorker:
             return
         if not self._claim(obj):
             return
-        self.run(obj, pod)
+        with self.metrics.in_progress.labels("snapshot").track_inprogress():
+            self.run(obj, pod)
 
     def _claim(self, obj: dict[str, Any]) -> bool:
         meta = obj["metadata"]
@@ -185,6 +194,10 @@ class SnapshotWorker:
         )
         status = S.succeeded(outcome, node=self.settings.node, now=now(), generation=meta.get("generation"))
         self.kube.patch_snapshot_status(meta["namespace"], meta["name"], status)
+        pod_meta = pod["metadata"]
+        self.metrics.saved(
+            pod_meta["namespace"], pod_meta["name"], timings_ms=r.timings_ms, size=r.size, uploaded=r.uploaded
+        )
         message = f"snapshot {meta['name']} pushed as {r.reference} ({S.human_bytes(r.size)})"
         snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_SUCCEEDED, message)
         pod_event(self.kube, pod, K.EVENT_SNAPSHOT_SUCCEEDED, message)
@@ -204,6 +217,7 @@ class SnapshotWorker:
             self.kube.patch_snapshot_status(meta["namespace"], meta["name"], status)
         except SnapshotError:
             log.exception("could not record the failure of %s/%s", meta["namespace"], meta["name"])
+        self.metrics.save_failed()
         message = f"snapshot {meta['name']} failed: {err.message}"
         snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_FAILED, message, warning=True)
         if pod is not None:
