@@ -19,6 +19,7 @@ from shim.controller.informer import Informer
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
+from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import recover_interrupted
 from shim.engine.staging import StatePaths
 from shim.metrics import AgentMetrics
@@ -123,7 +124,8 @@ def run(
     if thawed:
         log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)
-    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, metrics=metrics)
+    queue = WorkQueue("snapshots", on_length=metrics.queue.set)
+    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, metrics=metrics, queue=queue)
     restores = RestoreWorker(kube=kube, settings=settings, facts=facts, metrics=metrics)
     informers = node_informers(kube, settings.node, snapshots.consider, restores.consider)
     for inf in informers:

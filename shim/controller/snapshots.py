@@ -26,6 +26,7 @@ from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event, snapshot_event
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
 from shim.controller.settings import NodeSettings
+from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
 from shim.engine.staging import StatePaths
 from shim.metrics import AgentMetrics
@@ -61,12 +62,15 @@ class SnapshotWorker:
         facts: HostFacts,
         clock: Callable[[], float] = time.monotonic,
         metrics: AgentMetrics | None = None,
+        queue: WorkQueue | None = None,
     ) -> None:
         self.kube = kube
         self.settings = settings
         self.facts = facts
         self.clock = clock
         self.metrics = metrics or AgentMetrics()
+        # Claimed snapshots run one at a time, in claim order; the watch goes on meanwhile.
+        self.queue = queue or WorkQueue.inline()
         self._handled: set[str | None] = set()  # uids this agent process claimed (stale events follow)
 
     # --- claiming ---------------------------------------------------------------------------------
@@ -109,6 +113,9 @@ class SnapshotWorker:
             return
         if not self._claim(obj):
             return
+        self.queue.submit(lambda: self._run_tracked(obj, pod))
+
+    def _run_tracked(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
         with self.metrics.in_progress.labels("snapshot").track_inprogress():
             self.run(obj, pod)
 
