@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from kubectl_snapshot.core import status as S
 from kubectl_snapshot.core.errors import FailedPrecondition
 from shim import freezer
 
@@ -104,26 +105,16 @@ def report_failed(report: dict[str, Any], reason: str) -> None:
     if not (ns and name and host):
         return
     when = datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
-    message = f"error: {reason}\nhint: the pod was thawed and keeps running; create a new PodSnapshot"
-    body = json.dumps(
-        {
-            "status": {
-                "phase": "Failed",
-                "stage": "failed",
-                "message": message,
-                "completionTime": when,
-                "conditions": [
-                    {
-                        "type": "Succeeded",
-                        "status": "False",
-                        "reason": "Interrupted",
-                        "message": reason[:1000],
-                        "lastTransitionTime": when,
-                    }
-                ],
-            }
-        }
+    status = S.failed(
+        node=os.environ.get("NODE_NAME", ""),
+        now=when,
+        generation=None,
+        reason="Interrupted",
+        message=reason,
+        hint="the pod was thawed and keeps running; create a new PodSnapshot",
     )
+    status.pop("observedGeneration", None)  # unknown here: keep what the agent wrote
+    body = json.dumps({"status": status})
     for attempt in range(5):
         try:
             with open(os.path.join(SA_DIR, "token")) as f:

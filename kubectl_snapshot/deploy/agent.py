@@ -48,9 +48,10 @@ NODE_CONFIG_DIR = "/etc/kubectl-snapshot/nodes"
 NODE_PATH_KEYS = ("containerd_socket", "kubelet_root", "containerd_dropin_dir")
 WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
 READY_FILE = K.READY_FILE
-DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"
+METRICS_PORT = 9443  # HTTPS, authorised scrapers only (shim/metrics_server.py)
+DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"  # containerd 2.x's default config imports *.toml from here
 GUARD_DIR = "/run/kubectl-snapshot-guard"  # an emptyDir shared by the agent and guard containers
-GUARD_SOCKET = f"{GUARD_DIR}/guard.sock"  # containerd 2.x's default config imports *.toml from here
+GUARD_SOCKET = f"{GUARD_DIR}/guard.sock"
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,7 @@ def _path_flags(settings: AgentSettings) -> list[str]:
 def _env(settings: AgentSettings) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         # $(NODE_NAME) is expanded by the kubelet: one state dir per node, even with several per machine.
         {"name": C.ENV_STATE_DIR, "value": f"{settings.state_root}/$(NODE_NAME)"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -212,7 +214,13 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
     install_args = ["install-node", f"--wrapper={WRAPPER_IN_IMAGE}", *_path_flags(settings)]
     if settings.restart_command:
         install_args.append(f"--restart-command={settings.restart_command}")
-    run_args = ["run", *_path_flags(settings), f"--ready-file={READY_FILE}", f"--guard-socket={GUARD_SOCKET}"]
+    run_args = [
+        "run",
+        *_path_flags(settings),
+        f"--ready-file={READY_FILE}",
+        f"--metrics-bind-address=:{METRICS_PORT}",
+        f"--guard-socket={GUARD_SOCKET}",
+    ]
     guard_mount = {"name": "guard", "mountPath": GUARD_DIR}
     selector = dict(K.AGENT_LABEL)
     return {
@@ -244,6 +252,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                                 "periodSeconds": 5,
                             },
                             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+                            "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
                         }
                         | {"volumeMounts": [*volume_mounts, guard_mount]},
                         {
