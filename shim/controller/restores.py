@@ -8,13 +8,13 @@ volume dirs. Only then does the kubelet create the app containers, which the wra
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import time
 from typing import Any
 
+from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.cli.errors import render
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError
@@ -22,11 +22,11 @@ from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.controller.events import pod_event
-from shim.controller.podinfo import empty_dir_path
+from shim.controller.podinfo import check_restore_pod, empty_dir_rel, restore_volume_names
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
-from shim.engine.restore import stage_artifact
+from shim.engine.restore import VolumeTarget, stage_artifact
 from shim.engine.staging import StatePaths
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,12 @@ class RestoreWorker:
     def run(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
-        gate = empty_dir_path(self.settings.kubelet_root, uid, K.GATE_VOLUME)
+        try:
+            check_restore_pod(pod)
+            gate = empty_dir_rel(uid, K.GATE_VOLUME)
+        except SnapshotError as e:  # not ours to touch: no write into any of its volumes
+            self._fail(pod, None, e)
+            return
         staged: list[str] = []
         try:
             ref = Reference.parse(meta["annotations"][K.ANN_RESTORE_FROM])
@@ -85,11 +90,10 @@ class RestoreWorker:
                     f"the pod has no container named {', '.join(missing)} that the snapshot holds",
                     hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
                 )
-            targets = []
-            for vol in config.volumes:
-                target = empty_dir_path(self.settings.kubelet_root, uid, vol.name)
-                targets.append(target)
-            self._wait_for_dirs([gate, *targets])
+            restore_volume_names(pod, [v.name for v in config.volumes])
+            root = self.settings.kubelet_root
+            targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
+            self._wait_for_dirs([gate, *(t.rel for t in targets)])
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
             stage_artifact(artifact, staged, registry=registry, paths=self.paths, volume_targets=targets)
         except SnapshotError as e:
@@ -103,38 +107,52 @@ class RestoreWorker:
                 shutil.rmtree(d, ignore_errors=True)
             self._fail(pod, gate, SnapshotError(f"internal error: {e}"))
             return
-        self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
+        try:
+            self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
+        except (OSError, SnapshotError) as e:
+            for d in staged:
+                shutil.rmtree(d, ignore_errors=True)
+            err = e if isinstance(e, SnapshotError) else SnapshotError(f"could not open the gate: {e}")
+            self._fail(pod, None, err)
+            return
         self._annotate(pod, K.RESTORE_STAGED)
         pod_event(
             self.kube, pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}"
         )
 
-    def _wait_for_dirs(self, dirs: list[str]) -> None:
+    def _wait_for_dirs(self, rels: list[str]) -> None:
+        """Wait until the kubelet made each directory (below its root, reached without links)."""
         deadline = time.monotonic() + VOLUME_WAIT_S
-        while not all(os.path.isdir(d) for d in dirs):
+        while True:
+            missing = []
+            for rel in rels:
+                try:
+                    os.close(safefs.open_dir(self.settings.kubelet_root, rel))
+                except FileNotFoundError:
+                    missing.append(rel)
+            if not missing:
+                return
             if time.monotonic() > deadline:
-                missing = [d for d in dirs if not os.path.isdir(d)]
                 raise FailedPrecondition(
                     f"the kubelet did not set up the pod's volumes in {VOLUME_WAIT_S:.0f}s: {', '.join(missing)}",
                     hint="the pod needs the emptyDir volumes of the snapshot and the gate volume",
                 )
             time.sleep(0.2)
 
-    def _fail(self, pod: dict[str, Any], gate: str, err: SnapshotError) -> None:
+    def _fail(self, pod: dict[str, Any], gate: str | None, err: SnapshotError) -> None:
         message = render(err)
-        with contextlib.suppress(OSError):
-            if os.path.isdir(gate):
+        if gate is not None:
+            try:
                 self._open_gate(gate, K.GATE_FAILED_FILE, message + "\n")
+            except (OSError, SnapshotError) as e:
+                log.warning("could not write the gate's failure file: %s", e)
         self._annotate(pod, K.RESTORE_FAILED_PREFIX + err.message)
         pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, message, warning=True)
 
-    @staticmethod
-    def _open_gate(gate: str, name: str, content: str) -> None:
-        tmp = os.path.join(gate, f".{name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(content)
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, os.path.join(gate, name))
+    def _open_gate(self, gate: str, name: str, content: str) -> None:
+        """Write the gate file through a link-free fd of the gate volume (its containers can write there)."""
+        with safefs.opened_dir(self.settings.kubelet_root, gate) as fd:
+            safefs.write_file(fd, name, content.encode(), mode=0o644)
 
     def _annotate(self, pod: dict[str, Any], value: str) -> None:
         meta = pod["metadata"]

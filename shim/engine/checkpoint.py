@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import tarfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -24,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from kubectl_snapshot.adapters import safefs
+from kubectl_snapshot.adapters.archive import tar_directories
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
@@ -366,10 +367,19 @@ def _volume_names(req: CheckpointRequest) -> list[str]:
 
 
 def _capture_volumes(req: CheckpointRequest, work: str) -> str:
+    """One tar of the volumes, every entry read through O_NOFOLLOW directory fds (adapters/safefs):
+    a link the workload planted in its volume is recorded as a link, never followed to a host file."""
     path = os.path.join(work, "volumes.tar")
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, src in zip(_volume_names(req), req.volumes, strict=True):
-            tar.add(src, arcname=name, recursive=True)
+    fds: list[int] = []
+    try:
+        for src in req.volumes:
+            parent, leaf = os.path.split(os.path.normpath(src))
+            fds.append(safefs.open_dir(parent or "/", leaf))
+        with open(path, "wb") as out:
+            tar_directories(list(zip(_volume_names(req), fds, strict=True)), out)
+    finally:
+        for fd in fds:
+            os.close(fd)
     return path
 
 

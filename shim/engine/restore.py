@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.adapters.archive import open_zstd_reader, safe_extract
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import (
@@ -69,7 +70,7 @@ def stage_artifact(
     *,
     registry: Registry,
     paths: StatePaths,
-    volume_targets: Sequence[str] = (),
+    volume_targets: Sequence[str | VolumeTarget] = (),
     on_bytes: BytesFn | None = None,
 ) -> None:
     """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets.
@@ -109,13 +110,8 @@ def stage_artifact(
             if record.pages:
                 _fetch_pages(registry, artifact.reference, record, target, count)
         if config.volumes_layer:
-            tmp = os.path.join(downloads, f"volumes.{os.getpid()}")
-            _extract_fresh(blobs[config.volumes_layer], tmp)
-            try:
-                for vol, target in zip(config.volumes, volume_targets, strict=True):
-                    _move_contents(os.path.join(tmp, vol.name), target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
+                _extract_volume(blobs[config.volumes_layer], vol.name, vtarget)
     except BaseException:
         for target in staged_dirs:
             shutil.rmtree(target, ignore_errors=True)
@@ -155,20 +151,29 @@ def _extract_fresh(blob_path: str, target: str) -> None:
         safe_extract(reader, target)
 
 
-def _move_contents(src: str, dest: str) -> None:
-    os.makedirs(dest, exist_ok=True)
-    if not os.path.isdir(src):
-        return
-    for entry in os.listdir(src):
-        target = os.path.join(dest, entry)
-        if os.path.lexists(target):
-            if os.path.isdir(target) and not os.path.islink(target):
-                shutil.rmtree(target)
-            else:
-                os.unlink(target)
-        # A rename when both sides are on one mount; a copy (links kept as links) across mounts, e.g.
-        # between two hostPath volumes of the agent's pod.
-        shutil.move(os.path.join(src, entry), target, copy_function=shutil.copy2)
+@dataclass(frozen=True)
+class VolumeTarget:
+    """A pod volume directory: `root` is a trusted host dir (the kubelet's root, followed as set up);
+    `rel` below it is opened without following any link (adapters/safefs.py), since the pod's
+    containers can write there."""
+
+    root: str
+    rel: str
+
+
+def _extract_volume(blob_path: str, name: str, target: str | VolumeTarget) -> None:
+    """Extract volume `name` of the volumes layer straight into the target directory's fd.
+
+    Every write below it goes through O_NOFOLLOW directory fds (safe_extract), so links the pod's
+    containers may plant in their volume (a racing ephemeral container, say) are replaced, never
+    followed; entries already there are replaced by the snapshot's.
+    """
+    if isinstance(target, str):
+        os.makedirs(target, exist_ok=True)
+        parent, leaf = os.path.split(os.path.normpath(target))
+        target = VolumeTarget(parent or "/", leaf)
+    with safefs.opened_dir(target.root, target.rel) as fd, open(blob_path, "rb") as f, open_zstd_reader(f) as reader:
+        safe_extract(reader, fd, only=name, overwrite=True)
 
 
 def restore(
