@@ -1,0 +1,123 @@
+"""Issue 10 on the real cluster: what a tenant with only `create pods` can make the node agent do.
+
+The attack of the issue: a pod that carries the restore annotation brings its own gate emptyDir, and
+its own init container plants symlinks there pointing at a host file the agent (root, hostPath mounts)
+can reach. The restore then fails (the "registry" below answers with an error only after the links are
+in place, so the run is deterministic), and the agent used to write that registry's error message
+through the link. Now the pod is refused before anything in its volumes is touched, and every gate
+write goes through link-free directory fds anyway (unit tests: tests/unit/test_tenant_volumes.py).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.core import kube as K
+from tests.support.agent import agent, plugin
+from tests.support.cluster import Cluster, cluster, namespace
+
+pytestmark = pytest.mark.e2e
+STATE_ROOT = Path("/var/lib/kubectl-snapshot")
+
+
+class _HeldRegistry(BaseHTTPRequestHandler):
+    """Answers every request with a 500 and a body of the tenant's choosing, once `release` is set."""
+
+    release = threading.Event()
+    body = b""
+    hits = 0
+
+    def do_GET(self) -> None:
+        type(self).hits += 1
+        type(self).release.wait(120)
+        self.send_response(500)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def held_registry() -> Iterator[tuple[str, type[_HeldRegistry]]]:
+    handler = type("Held", (_HeldRegistry,), {"release": threading.Event(), "hits": 0})
+    handler.body = json.dumps({"errors": [{"code": "X", "message": "#!/bin/sh\necho tenant-owned-"}]}).encode()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}", handler
+    finally:
+        handler.release.set()
+        server.shutdown()
+        server.server_close()
+
+
+def test_symlink_in_the_pods_own_gate_volume_reaches_no_host_file(  # type: ignore[no-untyped-def]
+    cluster: Cluster, namespace, agent, held_registry
+) -> None:
+    registry, handler = held_registry
+    node = cluster.nodes[0]
+    victim = STATE_ROOT / node / f"e2e-victim-{secrets.token_hex(4)}"
+    victim.write_text("host file the tenant must not write\n")
+    try:
+        plant = f"ln -s {victim} /gate/.failed.tmp && ln -s {victim} /gate/failed && ls -l /gate"
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "evil",
+                "namespace": namespace,
+                "annotations": {K.ANN_RESTORE_FROM: f"{registry}/evil/x@sha256:{'0' * 64}"},
+            },
+            "spec": {
+                "nodeSelector": {"kubernetes.io/hostname": node},
+                "terminationGracePeriodSeconds": 1,
+                "initContainers": [
+                    {
+                        "name": "plant",
+                        "image": cluster.busybox_image,
+                        "command": ["sh", "-c", plant],
+                        "volumeMounts": [{"name": K.GATE_VOLUME, "mountPath": "/gate"}],
+                    }
+                ],
+                "containers": [{"name": "c", "image": cluster.busybox_image, "command": ["sleep", "3600"]}],
+                "volumes": [{"name": K.GATE_VOLUME, "emptyDir": {}}],
+            },
+        }
+        cluster.apply(pod)
+
+        def planted() -> bool:
+            obj = cluster.get_json("pod", "evil", "-n", namespace)
+            states = [s.get("state") or {} for s in obj["status"].get("initContainerStatuses") or []]
+            return bool(states) and "terminated" in states[0]
+
+        cluster.wait_for("the tenant's init container to plant its links", planted, 120)
+        handler.release.set()  # now let the "registry" answer with its error
+
+        def decided() -> bool:
+            ann = cluster.get_json("pod", "evil", "-n", namespace)["metadata"].get("annotations") or {}
+            return K.ANN_RESTORE_STATUS in ann
+
+        cluster.wait_for("the agent to decide on the pod", decided, 120)
+        assert victim.read_text() == "host file the tenant must not write\n"
+        assert not victim.is_symlink()
+        ann = cluster.get_json("pod", "evil", "-n", namespace)["metadata"]["annotations"]
+        assert ann[K.ANN_RESTORE_STATUS].startswith(K.RESTORE_FAILED_PREFIX)
+        assert "not a restore pod" in ann[K.ANN_RESTORE_STATUS], ann
+        events = cluster.kubectl("get", "events", "-n", namespace, "-o", "json").stdout
+        assert K.EVENT_RESTORE_FAILED in events
+    finally:
+        victim.unlink(missing_ok=True)
