@@ -242,6 +242,15 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
         staged = find_staged(paths, create.container_id, spec)
         if staged is not None:
             try:
+                # Issue 10: CRIU takes credentials, capabilities, seccomp, LSM labels, namespaces and
+                # mounts from the images, not from this bundle; refuse images that ask for more.
+                from kubectl_snapshot.adapters.criu_guard import check_images
+
+                check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec)
+            except SnapshotError as e:
+                _log_error(inv, f"{e.message} (hint: {e.hint})" if e.hint else e.message)
+                return 1
+            try:
                 _apply_diff(create.bundle, spec, staged)
             except SnapshotError as e:
                 _log_error(inv, f"applying the snapshot's rootfs diff failed: {e}")
