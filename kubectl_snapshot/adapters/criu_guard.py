@@ -157,11 +157,16 @@ def _caps(words: Sequence[int] | None) -> int:
     return out
 
 
+_WORST_FIRST = ("CAP_SYS_ADMIN", "CAP_SYS_MODULE", "CAP_SYS_PTRACE", "CAP_SYS_RAWIO", "CAP_NET_ADMIN", "CAP_BPF")
+
+
 def _names(mask: int) -> str:
-    names = [
-        CAPABILITIES[i] if i < len(CAPABILITIES) else f"cap#{i}" for i in range(mask.bit_length()) if mask >> i & 1
-    ]
-    return ",".join(names[:6]) + (f",+{len(names) - 6} more" if len(names) > 6 else "")
+    """`CAP_SYS_ADMIN,CAP_SYS_PTRACE,... (0x...)`: the most dangerous named first."""
+    bits = [i for i in range(mask.bit_length()) if mask >> i & 1]
+    names = [CAPABILITIES[i] if i < len(CAPABILITIES) else f"cap#{i}" for i in bits]
+    names.sort(key=lambda n: (_WORST_FIRST.index(n) if n in _WORST_FIRST else len(_WORST_FIRST), n))
+    shown = ",".join(names[:6]) + (f",+{len(names) - 6} more" if len(names) > 6 else "")
+    return f"{shown} (0x{mask:x})"
 
 
 # --- the decisions, over decoded image entries (pure; unit-tested with edited images) ------------
