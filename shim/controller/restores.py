@@ -8,29 +8,49 @@ volume dirs. Only then does the kubelet create the app containers, which the wra
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
 from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.cli.errors import render
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.controller.events import pod_event
+from shim.controller.fairness import FairScheduler
 from shim.controller.podinfo import check_restore_pod, empty_dir_rel, restore_volume_names
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
-from shim.engine.restore import VolumeTarget, stage_artifact
+from shim.engine.restore import RestoreLimits, VolumeTarget, stage_artifact
 from shim.engine.staging import StatePaths
 
 log = logging.getLogger(__name__)
 VOLUME_WAIT_S = 120.0
+GC_GRACE_S = 600.0  # staged data younger than this is never collected (a restore may be starting)
+DOWNLOAD_GC_S = 6 * 3600.0  # partial downloads older than this belong to no live restore
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _age(path: str, now: float) -> float:
+    try:
+        return now - os.lstat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def wants_restore(pod: dict[str, Any], node: str) -> bool:
@@ -45,12 +65,24 @@ def wants_restore(pod: dict[str, Any], node: str) -> bool:
 
 
 class RestoreWorker:
-    def __init__(self, *, kube: Any, settings: NodeSettings, facts: HostFacts) -> None:
+    def __init__(
+        self,
+        *,
+        kube: Any,
+        settings: NodeSettings,
+        facts: HostFacts,
+        scheduler: FairScheduler | None = None,
+        limits: RestoreLimits | None = None,
+    ) -> None:
         self.kube = kube
         self.settings = settings
         self.facts = facts
         self.paths = StatePaths(settings.state_dir)
+        self.scheduler = scheduler  # None: run in the caller's thread (tests)
+        self.limits = limits or RestoreLimits()
         self._seen: set[str] = set()
+        self._active: set[str] = set()
+        self._lock = threading.Lock()
 
     def consider(self, pod: dict[str, Any]) -> None:
         if not wants_restore(pod, self.settings.node):
@@ -59,7 +91,46 @@ class RestoreWorker:
         if uid in self._seen:
             return
         self._seen.add(uid)
-        self.run(pod)
+        if self.scheduler is None:
+            self._run_tracked(pod)
+        else:  # per namespace, in turn: one namespace's restores (or a slow registry) do not hold up others
+            self.scheduler.submit(pod["metadata"]["namespace"], lambda: self._run_tracked(pod))
+
+    def _run_tracked(self, pod: dict[str, Any]) -> None:
+        uid = pod["metadata"]["uid"]
+        with self._lock:
+            self._active.add(uid)
+        try:
+            self.run(pod)
+        finally:
+            with self._lock:
+                self._active.discard(uid)
+
+    def collect_garbage(self, live_pod_uids: set[str], *, now: float | None = None) -> list[str]:
+        """Remove staged data of pods that are gone from this node (deleted before their containers were
+        created, say), and downloads a crashed agent left; returns what was removed."""
+        now = time.time() if now is None else now
+        removed: list[str] = []
+        by_pod = os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod")
+        with self._lock:
+            keep = live_pod_uids | self._active
+        for uid in _listdir(by_pod):
+            path = os.path.join(by_pod, uid)
+            if uid in keep or _age(path, now) < GC_GRACE_S:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        downloads = self.paths.downloads()
+        for name in _listdir(downloads):
+            path = os.path.join(downloads, name)
+            if _age(path, now) >= DOWNLOAD_GC_S:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                removed.append(path)
+        return removed
 
     def run(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]
@@ -95,7 +166,9 @@ class RestoreWorker:
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
             self._wait_for_dirs([gate, *(t.rel for t in targets)])
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
-            stage_artifact(artifact, staged, registry=registry, paths=self.paths, volume_targets=targets)
+            stage_artifact(
+                artifact, staged, registry=registry, paths=self.paths, volume_targets=targets, limits=self.limits
+            )
         except SnapshotError as e:
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)

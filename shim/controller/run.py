@@ -15,6 +15,7 @@ from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from shim import freezer, hostfacts
 from shim.containerd.client import ContainerdClient
+from shim.controller.fairness import FairScheduler
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
@@ -24,6 +25,8 @@ from shim.engine.staging import StatePaths
 log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 240
 RETRY_S = 2.0
+SNAPSHOT_WORKERS = 2
+RESTORE_WORKERS = 4
 
 
 def node_facts(settings: NodeSettings) -> HostFacts:
@@ -102,7 +105,15 @@ def run(
         log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)
     snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts)
-    restores = RestoreWorker(kube=kube, settings=settings, facts=facts)
+    # Issue 10: work runs per namespace in turn, a few at a time; one snapshot per namespace at once
+    # (two of one pod must never overlap), restores two per namespace (a slow registry holds one).
+    snapshots.scheduler = FairScheduler(workers=SNAPSHOT_WORKERS, per_key=1, name="snapshot")
+    restores = RestoreWorker(
+        kube=kube,
+        settings=settings,
+        facts=facts,
+        scheduler=FairScheduler(workers=RESTORE_WORKERS, per_key=2, name="restore"),
+    )
     field = f"spec.nodeName={settings.node}"
     ready_snap, ready_restore = threading.Event(), threading.Event()
     threads = [
@@ -143,3 +154,15 @@ def run(
     log.info("agent ready")
     while not stop.wait(60):
         publish_facts(kube, settings, facts)
+        collect_staged_garbage(kube, restores, field)
+
+
+def collect_staged_garbage(kube: Any, restores: RestoreWorker, field_selector: str) -> None:
+    """Drop staged data of pods no longer on this node (never on a failed list: keep, retry later)."""
+    try:
+        live = {p["metadata"]["uid"] for p in kube.list_pods(None, field_selector=field_selector)}
+    except SnapshotError as e:
+        log.warning("staged data not collected: %s", e)
+        return
+    for path in restores.collect_garbage(live):
+        log.info("removed staged data of a pod that is gone: %s", path)

@@ -60,6 +60,7 @@ class SnapshotWorker:
         self.facts = facts
         self.clock = clock
         self._handled: set[str | None] = set()  # uids this agent process claimed (stale events follow)
+        self.scheduler: Any = None  # a shim.controller.fairness.FairScheduler; None: run in the caller
 
     # --- claiming ---------------------------------------------------------------------------------
 
@@ -101,7 +102,10 @@ class SnapshotWorker:
             return
         if not self._claim(obj):
             return
-        self.run(obj, pod)
+        if self.scheduler is None:
+            self.run(obj, pod)
+        else:  # per namespace, in turn (issue 10): one namespace's snapshots do not starve another's
+            self.scheduler.submit(ns, lambda: self.run(obj, pod))
 
     def _claim(self, obj: dict[str, Any], phase: str = K.PHASE_RUNNING) -> bool:
         meta = obj["metadata"]

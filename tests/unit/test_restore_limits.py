@@ -1,0 +1,211 @@
+"""Issue 10 item 5: restore limits, staged-data garbage collection and per-namespace fairness.
+
+stage_artifact runs against a registry fake that records every call: each refusal is shown to happen
+before a single blob is fetched. The free-space check uses the real statvfs of tmp_path's filesystem.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.core.chunks import Chunk, PagesFile
+from kubectl_snapshot.core.errors import FailedPrecondition
+from kubectl_snapshot.core.model import ContainerRecord, DumpStats, HostFacts, SnapshotConfig
+from kubectl_snapshot.core.oci import Descriptor, Manifest
+from kubectl_snapshot.core.reference import Reference
+from shim.controller.fairness import FairScheduler
+from shim.controller.restores import DOWNLOAD_GC_S, GC_GRACE_S, RestoreWorker
+from shim.controller.settings import NodeSettings
+from shim.engine.artifact import Artifact
+from shim.engine.restore import RestoreLimits, plan_space, stage_artifact
+from shim.engine.staging import StatePaths
+
+D = "sha256:" + "a" * 64
+CHUNK = "sha256:" + "c" * 64
+MIB = 1 << 20
+
+
+class RecordingRegistry:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def fetch_blob(self, ref: Reference, digest: str, out: Any, **kw: Any) -> None:
+        self.calls.append(digest)
+        raise AssertionError("nothing may be downloaded")
+
+
+def artifact(*, layer_size: int = MIB, memory: int = 8 * MIB, pages: tuple[PagesFile, ...] = ()) -> Artifact:
+    rec = ContainerRecord(
+        name="c",
+        id="c",
+        image="i",
+        image_digest="",
+        layer_digest=D,
+        spec={},
+        stats=DumpStats(memory_bytes=memory),
+        pages=pages,
+    )
+    config = SnapshotConfig(group="g", namespace="n", created="", containers=(rec,), host=HostFacts())
+    layers = (Descriptor("application/x", D, layer_size),)
+    manifest = Manifest(config=Descriptor("application/y", "sha256:" + "b" * 64, 2), layers=layers)
+    return Artifact(Reference.parse(f"127.0.0.1:1/x@{D}"), manifest, config)
+
+
+def reused_chunk_pages(times: int) -> tuple[PagesFile, ...]:
+    chunks = tuple(Chunk(i * MIB, MIB, CHUNK, 5000) for i in range(times))
+    return (PagesFile("pages-1.img", times * MIB, chunks),)
+
+
+def stage(tmp_path: Path, art: Artifact, limits: RestoreLimits) -> RecordingRegistry:
+    reg = RecordingRegistry()
+    paths = StatePaths(str(tmp_path / "state"))
+    with pytest.raises(FailedPrecondition) as e:
+        stage_artifact(art, [str(tmp_path / "s")], registry=reg, paths=paths, limits=limits)  # type: ignore[arg-type]
+    assert reg.calls == []  # refused before any download
+    stage.last = e.value  # type: ignore[attr-defined]
+    return reg
+
+
+def test_declared_sizes_over_the_limit_are_refused_before_downloading(tmp_path: Path) -> None:
+    stage(tmp_path, artifact(layer_size=10 * MIB), RestoreLimits(max_bytes=5 * MIB, reserve_bytes=0))
+    assert "over this node's limit" in stage.last.message  # type: ignore[attr-defined]
+
+
+def test_more_than_the_free_space_is_refused_before_downloading(tmp_path: Path) -> None:
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    huge = artifact(layer_size=free + MIB, memory=free + MIB)
+    stage(tmp_path, huge, RestoreLimits(max_bytes=1 << 62, reserve_bytes=0))
+    err = stage.last  # type: ignore[attr-defined]
+    assert "not enough space" in err.message and err.retryable
+
+
+def test_the_reserve_counts(tmp_path: Path) -> None:
+    st = os.statvfs(tmp_path)
+    free = st.f_bavail * st.f_frsize
+    stage(tmp_path, artifact(), RestoreLimits(max_bytes=1 << 62, reserve_bytes=free))
+    assert "kept free" in stage.last.message  # type: ignore[attr-defined]
+
+
+def test_chunks_reused_beyond_the_recorded_memory_are_refused(tmp_path: Path) -> None:
+    """One 5 kB chunk repeated 4096 times would write 4 GiB from a few kB of download."""
+    art = artifact(memory=8 * MIB, pages=reused_chunk_pages(4096))
+    with pytest.raises(FailedPrecondition, match="chunks reused beyond"):
+        plan_space(art)
+    stage(tmp_path, art, RestoreLimits())
+
+
+def test_plan_counts_layers_chunks_and_memory() -> None:
+    art = artifact(layer_size=3 * MIB, memory=8 * MIB, pages=reused_chunk_pages(8))
+    plan = plan_space(art)
+    assert plan.download_bytes == 3 * MIB + 8 * 5000
+    assert plan.written_bytes == 3 * MIB + 8 * MIB
+    v1 = plan_space(artifact(layer_size=3 * MIB, memory=8 * MIB))
+    assert v1.written_bytes == 3 * MIB + 8 * MIB  # memory inside the layer is extracted
+
+
+# --- garbage collection of staged data ------------------------------------------------------------
+
+
+def worker(tmp_path: Path) -> RestoreWorker:
+    settings = NodeSettings(node="n1", state_root=str(tmp_path / "state"), kubelet_root=str(tmp_path / "k"))
+    return RestoreWorker(kube=None, settings=settings, facts=HostFacts())
+
+
+def test_staged_data_of_pods_that_went_away_is_collected(tmp_path: Path) -> None:
+    w = worker(tmp_path)
+    gone = Path(w.paths.staged_by_pod("gone-uid", "c"))
+    live = Path(w.paths.staged_by_pod("live-uid", "c"))
+    fresh = Path(w.paths.staged_by_pod("fresh-uid", "c"))
+    for d in (gone, live, fresh):
+        (d / "checkpoint").mkdir(parents=True)
+    old = time.time() - GC_GRACE_S - 10
+    for d in (gone.parent, live.parent):
+        os.utime(d, (old, old))
+    downloads = Path(w.paths.downloads())
+    downloads.mkdir(parents=True)
+    (downloads / "sha256-x.123.part").write_bytes(b"x")
+    stale = time.time() - DOWNLOAD_GC_S - 10
+    os.utime(downloads / "sha256-x.123.part", (stale, stale))
+    (downloads / "sha256-y.124.part").write_bytes(b"y")  # a restore running now
+    removed = w.collect_garbage({"live-uid"})
+    assert not gone.parent.exists()
+    assert live.exists() and fresh.exists()  # live pod; too young to judge
+    assert sorted(os.listdir(downloads)) == ["sha256-y.124.part"]
+    assert len(removed) == 2
+
+
+def test_a_restore_in_progress_is_never_collected(tmp_path: Path) -> None:
+    w = worker(tmp_path)
+    d = Path(w.paths.staged_by_pod("busy-uid", "c"))
+    d.mkdir(parents=True)
+    old = time.time() - GC_GRACE_S - 10
+    os.utime(d.parent, (old, old))
+    w._active.add("busy-uid")
+    assert w.collect_garbage(set()) == []
+    assert d.exists()
+
+
+# --- fairness ------------------------------------------------------------------------------------
+
+
+def test_a_namespace_with_many_jobs_does_not_starve_another() -> None:
+    order: list[str] = []
+    gate = threading.Event()
+    s = FairScheduler(workers=1, per_key=1, name="t")
+    s.submit("busy", gate.wait)  # holds the only worker until everything is queued
+    for i in range(5):
+        s.submit("busy", lambda i=i: order.append(f"busy{i}"))
+    s.submit("quiet", lambda: order.append("quiet"))
+    gate.set()
+    s.close()
+    assert order.index("quiet") <= 1, order  # its turn comes right after one of busy's
+
+
+def test_a_slow_job_does_not_hold_up_the_next() -> None:
+    slow_release = threading.Event()
+    done = threading.Event()
+    s = FairScheduler(workers=2, per_key=2, name="t")
+    s.submit("a", lambda: slow_release.wait(10))  # a restore stuck on a slow registry
+    s.submit("b", done.set)
+    assert done.wait(5)
+    done.clear()
+    s.submit("a", done.set)  # the same namespace too, with per_key=2
+    assert done.wait(5)
+    slow_release.set()
+    s.close()
+
+
+def test_per_key_limit_holds() -> None:
+    running, peak = 0, 0
+    lock = threading.Lock()
+
+    def job() -> None:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+        time.sleep(0.02)
+        with lock:
+            running -= 1
+
+    s = FairScheduler(workers=4, per_key=1, name="t")
+    for _ in range(6):
+        s.submit("ns", job)
+    s.close()
+    assert peak == 1
+
+
+def test_a_failing_job_does_not_kill_the_worker() -> None:
+    done = threading.Event()
+    s = FairScheduler(workers=1, per_key=1, name="t")
+    s.submit("a", lambda: 1 / 0)  # type: ignore[func-returns-value]
+    s.submit("a", done.set)
+    assert done.wait(5)
+    s.close()
