@@ -88,21 +88,23 @@ def check_restore_pod(pod: dict[str, Any]) -> None:
     hint = "create restore pods with `kubectl snapshot restore`; the agent touches no other pod's volumes"
     expected = gate_container("")
     inits = spec.get("initContainers") or []
-    gate = inits[0] if len(inits) == 1 else None
-    if (
-        gate is None
-        or gate.get("name") != expected["name"]
-        or gate.get("command") != expected["command"]
-        or gate.get("args")
-        or gate.get("restartPolicy")
-        or [{"name": m.get("name"), "mountPath": m.get("mountPath")} for m in gate.get("volumeMounts") or []]
-        != expected["volumeMounts"]
-        or any(m.get("subPath") or m.get("subPathExpr") for m in gate.get("volumeMounts") or [])
-    ):
+    gate = inits[0] if len(inits) == 1 else {}
+    # the API server adds the service account token mount to every container: other mounts are fine
+    gate_mounts = [m for m in gate.get("volumeMounts") or [] if m.get("name") == K.GATE_VOLUME]
+    why = ""
+    if len(inits) != 1 or gate.get("name") != expected["name"]:
+        why = f"its only init container must be the project's gate ({K.GATE_CONTAINER})"
+    elif gate.get("command") != expected["command"] or gate.get("args"):
+        why = "the gate container does not run the project's gate command"
+    elif gate.get("restartPolicy"):
+        why = "the gate container is a sidecar"
+    elif [(m.get("mountPath"), m.get("subPath"), m.get("subPathExpr")) for m in gate_mounts] != [
+        (K.GATE_MOUNT, None, None)
+    ]:
+        why = f"the gate container does not mount {K.GATE_VOLUME} (whole) at {K.GATE_MOUNT}"
+    if why:
         raise FailedPrecondition(
-            f"{where} is not a restore pod: its only init container must be the project's gate "
-            f"({K.GATE_CONTAINER}), found {[c.get('name') for c in inits]}",
-            hint=hint,
+            f"{where} is not a restore pod: {why} (init containers: {[c.get('name') for c in inits]})", hint=hint
         )
     gate_volumes = [v for v in spec.get("volumes") or [] if v.get("name") == K.GATE_VOLUME]
     if len(gate_volumes) != 1 or set(gate_volumes[0]) != {"name", "emptyDir"}:
@@ -138,6 +140,17 @@ def empty_dir_rel(pod_uid: str, volume: str) -> str:
     check_key(pod_uid, "pod uid")
     check_key(volume, "volume name")
     return "/".join(("pods", pod_uid, "volumes", K.EMPTY_DIR_PLUGIN_DIR, volume))
+
+
+def host_view(path: str) -> str:
+    """`path` of the host as the agent reaches it with the mounts made after it started: through the
+    host's mount namespace (/proc/PID/root, hostPID). A memory-backed emptyDir is a tmpfs the kubelet
+    mounts when the pod starts; the agent's own hostPath mount of the kubelet's root does not see it
+    (no mount propagation, see kubectl_snapshot/deploy/agent.py). Outside a container: `path` itself."""
+    from shim.hostfacts import host_pid
+
+    pid = host_pid()
+    return f"/proc/{pid}/root{path}" if pid else path
 
 
 def empty_dir_path(kubelet_root: str, pod_uid: str, volume: str) -> str:

@@ -26,7 +26,7 @@ from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
-from shim.controller.podinfo import check_restore_pod, empty_dir_rel, restore_volume_names
+from shim.controller.podinfo import check_restore_pod, empty_dir_rel, host_view, restore_volume_names
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
@@ -162,9 +162,9 @@ class RestoreWorker:
                     hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
                 )
             restore_volume_names(pod, [v.name for v in config.volumes])
-            root = self.settings.kubelet_root
+            root = host_view(self.settings.kubelet_root)
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
-            self._wait_for_dirs([gate, *(t.rel for t in targets)])
+            self._wait_for_dirs(root, [gate, *(t.rel for t in targets)])
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
             stage_artifact(
                 artifact, staged, registry=registry, paths=self.paths, volume_targets=targets, limits=self.limits
@@ -193,14 +193,14 @@ class RestoreWorker:
             self.kube, pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}"
         )
 
-    def _wait_for_dirs(self, rels: list[str]) -> None:
+    def _wait_for_dirs(self, root: str, rels: list[str]) -> None:
         """Wait until the kubelet made each directory (below its root, reached without links)."""
         deadline = time.monotonic() + VOLUME_WAIT_S
         while True:
             missing = []
             for rel in rels:
                 try:
-                    os.close(safefs.open_dir(self.settings.kubelet_root, rel))
+                    os.close(safefs.open_dir(root, rel))
                 except FileNotFoundError:
                     missing.append(rel)
             if not missing:
@@ -224,7 +224,7 @@ class RestoreWorker:
 
     def _open_gate(self, gate: str, name: str, content: str) -> None:
         """Write the gate file through a link-free fd of the gate volume (its containers can write there)."""
-        with safefs.opened_dir(self.settings.kubelet_root, gate) as fd:
+        with safefs.opened_dir(host_view(self.settings.kubelet_root), gate) as fd:
             safefs.write_file(fd, name, content.encode(), mode=0o644)
 
     def _annotate(self, pod: dict[str, Any], value: str) -> None:

@@ -155,6 +155,7 @@ def run(
     while not stop.wait(60):
         publish_facts(kube, settings, facts)
         collect_staged_garbage(kube, restores, field)
+        snapshots.flush_results()
 
 
 def collect_staged_garbage(kube: Any, restores: RestoreWorker, field_selector: str) -> None:

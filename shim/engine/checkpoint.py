@@ -28,7 +28,7 @@ from kubectl_snapshot.adapters.archive import tar_directories
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError, Unavailable
 from kubectl_snapshot.core.model import (
     ContainerRecord,
     DumpStats,
@@ -40,7 +40,7 @@ from kubectl_snapshot.core.model import (
     layer_annotations,
     manifest_annotations,
 )
-from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
+from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest, sha256_digest
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.engine.package import (
@@ -240,6 +240,12 @@ def checkpoint(
             shutil.rmtree(work, ignore_errors=True)
 
     if req.stop:
+        phase("verify")
+        try:
+            verify_pushed(registry, result.reference)
+        except BaseException:
+            _resume_all(containerd, frozen, direct)
+            raise
         phase("stop")
         if before_stop is not None:
             try:
@@ -260,6 +266,27 @@ def checkpoint(
     result.timings_ms = timings
     result.frozen_by = " + ".join(frozen_by)
     return result
+
+
+def verify_pushed(registry: Registry, reference: Reference) -> None:
+    """Before --stop deletes anything: the manifest resolves by its digest and the registry has every
+    blob it names (config, layers, chunks). A registry or proxy that acknowledged an upload it did not
+    keep is caught here, while the pod still runs."""
+    body, _media_type, digest = registry.get_manifest(reference)
+    if digest != reference.digest:
+        raise Unavailable(
+            f"the registry returned manifest {digest} for {reference}",
+            hint="the registry does not serve what was pushed; the pod was not stopped",
+        )
+    manifest = parse_manifest(body)
+    missing = [d.digest for d in (manifest.config, *manifest.layers) if not registry.blob_exists(reference, d.digest)]
+    if missing:
+        raise Unavailable(
+            f"the registry lacks {len(missing)} of the {1 + len(manifest.layers)} blobs of {reference} "
+            f"right after the push (first: {missing[0]}); the pod was not stopped and keeps running",
+            hint="check the registry's storage (or a proxy in front of it), then snapshot again",
+            retryable=True,
+        )
 
 
 FROZEN_FILE = "frozen-containers.json"

@@ -46,6 +46,9 @@ def good_pod() -> dict[str, Any]:
     pod["spec"]["nodeName"] = "n1"
     # what the API server adds when it defaults the pod
     pod["spec"]["initContainers"][0].update(imagePullPolicy="IfNotPresent", terminationMessagePath="/dev/x")
+    pod["spec"]["initContainers"][0]["volumeMounts"].append(
+        {"name": "kube-api-access-x1", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
+    )
     return pod
 
 
