@@ -32,6 +32,7 @@ from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
 from shim.engine.restore import RestoreLimits, VolumeTarget, stage_artifact
 from shim.engine.staging import StatePaths
+from shim.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 VOLUME_WAIT_S = 120.0
@@ -71,12 +72,14 @@ class RestoreWorker:
         kube: Any,
         settings: NodeSettings,
         facts: HostFacts,
+        metrics: AgentMetrics | None = None,
         scheduler: FairScheduler | None = None,
         limits: RestoreLimits | None = None,
     ) -> None:
         self.kube = kube
         self.settings = settings
         self.facts = facts
+        self.metrics = metrics or AgentMetrics()
         self.paths = StatePaths(settings.state_dir)
         self.scheduler = scheduler  # None: run in the caller's thread (tests)
         self.limits = limits or RestoreLimits()
@@ -101,7 +104,13 @@ class RestoreWorker:
         with self._lock:
             self._active.add(uid)
         try:
-            self.run(pod)
+            started = time.monotonic()
+            with self.metrics.in_progress.labels("restore").track_inprogress():
+                ok = self.run(pod)
+            if ok:
+                self.metrics.restored(time.monotonic() - started)
+            else:
+                self.metrics.restore_failed()
         finally:
             with self._lock:
                 self._active.discard(uid)
@@ -132,7 +141,8 @@ class RestoreWorker:
                 removed.append(path)
         return removed
 
-    def run(self, pod: dict[str, Any]) -> None:
+    def run(self, pod: dict[str, Any]) -> bool:
+        """Stage the pod's restore and open its gate; False when it failed (the gate says why)."""
         meta = pod["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         try:
@@ -140,7 +150,7 @@ class RestoreWorker:
             gate = empty_dir_rel(uid, K.GATE_VOLUME)
         except SnapshotError as e:  # not ours to touch: no write into any of its volumes
             self._fail(pod, None, e)
-            return
+            return False
         staged: list[str] = []
         try:
             ref = Reference.parse(meta["annotations"][K.ANN_RESTORE_FROM])
@@ -173,13 +183,13 @@ class RestoreWorker:
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)
             self._fail(pod, gate, e)
-            return
+            return False
         except Exception as e:  # never leave the gate closed forever
             log.exception("restore of %s/%s failed", ns, name)
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)
             self._fail(pod, gate, SnapshotError(f"internal error: {e}"))
-            return
+            return False
         try:
             self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
         except (OSError, SnapshotError) as e:
@@ -187,11 +197,12 @@ class RestoreWorker:
                 shutil.rmtree(d, ignore_errors=True)
             err = e if isinstance(e, SnapshotError) else SnapshotError(f"could not open the gate: {e}")
             self._fail(pod, None, err)
-            return
+            return False
         self._annotate(pod, K.RESTORE_STAGED)
         pod_event(
             self.kube, pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}"
         )
+        return True
 
     def _wait_for_dirs(self, root: str, rels: list[str]) -> None:
         """Wait until the kubelet made each directory (below its root, reached without links)."""

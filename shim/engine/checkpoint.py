@@ -240,13 +240,12 @@ def checkpoint(
             shutil.rmtree(work, ignore_errors=True)
 
     if req.stop:
-        phase("verify")
+        phase("stop")  # first: the registry really has the snapshot, while the pod can still go on
         try:
             verify_pushed(registry, result.reference)
         except BaseException:
             _resume_all(containerd, frozen, direct)
             raise
-        phase("stop")
         if before_stop is not None:
             try:
                 before_stop()

@@ -145,3 +145,110 @@ def test_memory_backed_empty_dir_is_captured_and_restored(cluster: Cluster, name
     assert seq > 200  # the tmpfs came back with its contents
     mine = int(read(cluster, namespace, "mem2", "writer", "/tmp/mine"))
     assert abs(mine - seq) <= 1  # memory and volume from the same frozen instant
+
+
+def _edit_core_images(layer: bytes, edit: Any) -> bytes:
+    """A container layer (tar.zst) with `edit(creds)` applied to every core-*.img under checkpoint/."""
+    import io
+    import tarfile
+
+    import pycriu.images as images
+    import zstandard
+
+    raw = zstandard.ZstdDecompressor().decompressobj().decompress(layer)
+    out = io.BytesIO()
+    edited = 0
+    with (
+        tarfile.open(fileobj=io.BytesIO(raw)) as src,
+        tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst,
+    ):
+        for m in src:
+            data = src.extractfile(m).read() if m.isreg() else None  # type: ignore[union-attr]
+            name = m.name.split("/")[-1]
+            if data is not None and name.startswith("core-") and name.endswith(".img"):
+                img = images.load(io.BytesIO(data))
+                for entry in img["entries"]:
+                    edit(entry["thread_core"]["creds"])
+                buf = io.BytesIO()
+                images.dump(img, buf)
+                data = buf.getvalue()
+                m.size = len(data)
+                edited += 1
+            dst.addfile(m, io.BytesIO(data) if data is not None else None)
+    assert edited, "no core image in the layer"
+    return zstandard.ZstdCompressor().compress(out.getvalue())
+
+
+def test_edited_criu_images_cannot_restore_more_capabilities_than_the_pod_has(  # type: ignore[no-untyped-def]
+    cluster: Cluster, namespace, agent, plugin
+) -> None:
+    """Item 2, the issue's second attack: every capability put into the images of a pod that dropped
+    them all (and ran RuntimeDefault seccomp). The real runtime wrapper refuses before runc restore,
+    and the reason reaches the user through the restore's status and the pod's Events."""
+    import hashlib
+
+    from kubectl_snapshot.adapters.registry import RegistryClient
+    from kubectl_snapshot.core.oci import parse_manifest
+    from kubectl_snapshot.core.reference import Reference
+    from tests.e2e.test_snapshot_flows import COUNTER, pod, running
+
+    n1, n2 = cluster.nodes[:2]
+    manifest = pod("locked", namespace, cluster.busybox_image, {"counter": COUNTER}, node=n1)
+    manifest["spec"]["securityContext"] = {"seccompProfile": {"type": "RuntimeDefault"}}
+    manifest["spec"]["containers"][0]["securityContext"] = {
+        "capabilities": {"drop": ["ALL"]},
+        "allowPrivilegeEscalation": False,
+    }
+    cluster.apply(manifest)
+    running(cluster, namespace, "locked")
+    out = plugin("snapshot", "pod/locked", "-n", namespace, "--to", f"{cluster.registry}/e2e/locked", "-o", "json")
+    ref = Reference.parse(json.loads(out.stdout)["status"]["reference"])
+
+    # the tenant's edit: download, change the credentials in the CRIU images, push as a new artifact
+    reg = RegistryClient()
+    body, _, _ = reg.get_manifest(ref)
+    man = json.loads(body)
+    config = json.loads(reg.read_blob(ref, man["config"]["digest"], max_size=16 << 20))
+    every = [0xFFFFFFFF, 0x1FF]
+    rec = config["containers"][0]
+    old_layer = rec["layer"]
+    layer_desc = next(x for x in man["layers"] if x["digest"] == old_layer)
+    import io
+
+    buf = io.BytesIO()
+    reg.fetch_blob(ref, old_layer, buf)
+
+    def grant_all(creds: dict[str, Any]) -> None:
+        for key in ("cap_eff", "cap_prm", "cap_bnd", "cap_inh"):
+            creds[key] = list(every)
+
+    new_layer = _edit_core_images(buf.getvalue(), grant_all)
+    new_digest = "sha256:" + hashlib.sha256(new_layer).hexdigest()
+    evil = Reference.parse(f"{cluster.registry}/e2e/locked-evil:v1")
+    reg.push_blob(evil, digest=new_digest, size=len(new_layer), data=new_layer)
+    rec["layer"] = new_digest
+    config_bytes = json.dumps(config).encode()
+    config_digest = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
+    reg.push_blob(evil, digest=config_digest, size=len(config_bytes), data=config_bytes)
+    for layer in man["layers"]:
+        if layer["digest"] != old_layer:  # chunks and volumes: copied unchanged
+            b = io.BytesIO()
+            reg.fetch_blob(ref, layer["digest"], b)
+            reg.push_blob(evil, digest=layer["digest"], size=layer["size"], data=b.getvalue())
+    layer_desc.update(digest=new_digest, size=len(new_layer))
+    man["config"].update(digest=config_digest, size=len(config_bytes))
+    parse_manifest(json.dumps(man).encode())  # still a valid snapshot manifest
+    evil_digest = reg.push_manifest(evil, json.dumps(man).encode(), man["mediaType"])
+
+    proc = plugin(
+        "restore", f"{evil.registry}/{evil.repository}@{evil_digest}", "-n", namespace, "--name", "locked2",
+        "--node", n2, "--timeout", "120s", check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "grant more than the container's spec" in proc.stderr, proc.stderr
+    assert "CAP_SYS_ADMIN" in proc.stderr
+    events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.name=locked2").stdout
+    assert "grant more than the container's spec" in events, events
+    # nothing of the edited snapshot runs: the container never started
+    obj = cluster.get_json("pod", "locked2", "-n", namespace)
+    assert not any("running" in (s.get("state") or {}) for s in obj["status"].get("containerStatuses") or [])

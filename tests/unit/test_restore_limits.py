@@ -209,3 +209,22 @@ def test_a_failing_job_does_not_kill_the_worker() -> None:
     s.submit("a", done.set)
     assert done.wait(5)
     s.close()
+
+
+def test_the_snapshot_queue_takes_namespaces_in_turn() -> None:
+    """The agent's snapshot queue (one at a time, freezes never overlap) serves namespaces in turn."""
+    from shim.controller.workqueue import WorkQueue
+
+    order: list[str] = []
+    gate, done = threading.Event(), threading.Event()
+    q = WorkQueue("t")
+    q.submit(lambda: gate.wait(10), key="busy")
+    for i in range(5):
+        q.submit(lambda i=i: order.append(f"busy{i}"), key="busy")  # type: ignore[misc]
+    q.submit(lambda: order.append("quiet"), key="quiet")
+    q.submit(done.set, key="last")
+    gate.set()
+    assert done.wait(10)
+    time.sleep(0.1)
+    assert order.index("quiet") <= 1, order
+    assert [x for x in order if x.startswith("busy")] == [f"busy{i}" for i in range(5)]  # FIFO within one
