@@ -250,6 +250,9 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
             except SnapshotError as e:
                 _log_error(inv, f"{e.message} (hint: {e.hint})" if e.hint else e.message)
                 return 1
+            except Exception as e:  # fail closed: an image the check cannot read is never restored
+                _log_error(inv, f"refusing to restore: checking the CRIU images failed: {type(e).__name__}: {e}")
+                return 1
             try:
                 _apply_diff(create.bundle, spec, staged)
             except SnapshotError as e:

@@ -300,7 +300,10 @@ def mount_problems(mounts: Sequence[Mapping[str, Any]], grant: BundleGrant) -> l
 
 
 def _load(images: Any, path: str) -> list[dict[str, Any]]:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ImageGrantsMore(f"cannot open CRIU image {os.path.basename(path)}: {e.strerror}", hint=_HINT) from e
     with os.fdopen(fd, "rb") as f:
         if os.fstat(f.fileno()).st_size > MAX_IMAGE_BYTES:
             raise ImageGrantsMore(f"CRIU image {os.path.basename(path)} is too large", hint=_HINT)

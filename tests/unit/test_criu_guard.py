@@ -340,5 +340,5 @@ def test_corrupt_images_are_refused_not_skipped(tmp_path: Path) -> None:
         check_images(str(d), bundle(), lsms=NO_LSM)
     (d / "core-1.img").unlink()
     (d / "core-1.img").symlink_to(d / "pstree.img")
-    with pytest.raises(OSError):
+    with pytest.raises(ImageGrantsMore, match="cannot open"):
         check_images(str(d), bundle(), lsms=NO_LSM)
