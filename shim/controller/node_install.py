@@ -62,7 +62,8 @@ def dropin_toml(settings: NodeSettings) -> str:
 
 
 def _write_if_changed(path: str, content: str, mode: int) -> bool:
-    with contextlib.suppress(OSError), open(path) as f:
+    # UnicodeDecodeError: a binary left there (another launcher kind) is simply replaced
+    with contextlib.suppress(OSError, UnicodeDecodeError), open(path) as f:
         if f.read() == content:
             os.chmod(path, mode)
             return False
