@@ -9,6 +9,7 @@ volume dirs. Only then does the kubelet create the app containers, which the wra
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -20,7 +21,7 @@ from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.cli.errors import render
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError
+from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
@@ -31,13 +32,14 @@ from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
 from shim.engine.restore import RestoreLimits, VolumeTarget, stage_artifact
-from shim.engine.staging import StatePaths
+from shim.engine.staging import StatePaths, check_key
 from shim.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 VOLUME_WAIT_S = 120.0
 GC_GRACE_S = 600.0  # staged data younger than this is never collected (a restore may be starting)
 DOWNLOAD_GC_S = 6 * 3600.0  # partial downloads older than this belong to no live restore
+POD_FILE = ".pod"  # in staged/by-pod/UID/: the pod's namespace and name (container names never start with ".")
 
 
 def _listdir(path: str) -> list[str]:
@@ -115,17 +117,20 @@ class RestoreWorker:
             with self._lock:
                 self._active.discard(uid)
 
-    def collect_garbage(self, live_pod_uids: set[str], *, now: float | None = None) -> list[str]:
-        """Remove staged data of pods that are gone from this node (deleted before their containers were
-        created, say), and downloads a crashed agent left; returns what was removed."""
+    def collect_garbage(self, *, now: float | None = None) -> list[str]:
+        """Remove staged data of pods that are gone (deleted before their containers were created, say)
+        and downloads a crashed agent left; returns what was removed.
+
+        Each pod's staged dir records the pod's namespace and name (POD_FILE); only dirs older than
+        GC_GRACE_S and not in use are looked at, one GET each, so a steady agent lists nothing."""
         now = time.time() if now is None else now
         removed: list[str] = []
         by_pod = os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod")
         with self._lock:
-            keep = live_pod_uids | self._active
+            active = set(self._active)
         for uid in _listdir(by_pod):
             path = os.path.join(by_pod, uid)
-            if uid in keep or _age(path, now) < GC_GRACE_S:
+            if uid in active or _age(path, now) < GC_GRACE_S or self._pod_still_here(path, uid):
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -140,6 +145,29 @@ class RestoreWorker:
                         os.unlink(path)
                 removed.append(path)
         return removed
+
+    def _pod_still_here(self, path: str, uid: str) -> bool:
+        """True unless the API server says the pod that owns `path` is gone (errors: keep it)."""
+        try:
+            with open(os.path.join(path, POD_FILE)) as f:
+                owner = json.load(f)
+            ns, name = str(owner["namespace"]), str(owner["name"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False  # not made by this agent's staging (or unreadable): nothing refers to it
+        try:
+            pod = self.kube.get_pod(ns, name)
+        except NotFound:
+            return False
+        except SnapshotError:
+            return True
+        return bool((pod.get("metadata") or {}).get("uid") == uid)
+
+    def _record_owner(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        d = os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod", check_key(meta["uid"], "pod uid"))
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        with open(os.path.join(d, POD_FILE), "w") as f:
+            json.dump({"namespace": meta["namespace"], "name": meta["name"]}, f)
 
     def run(self, pod: dict[str, Any]) -> bool:
         """Stage the pod's restore and open its gate; False when it failed (the gate says why)."""
@@ -176,6 +204,7 @@ class RestoreWorker:
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
             self._wait_for_dirs(root, [gate, *(t.rel for t in targets)])
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
+            self._record_owner(pod)  # for garbage collection once the pod is gone
             stage_artifact(
                 artifact, staged, registry=registry, paths=self.paths, volume_targets=targets, limits=self.limits
             )

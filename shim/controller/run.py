@@ -148,16 +148,6 @@ def run(
     log.info("agent ready")
     while not stop.wait(60):
         publish_facts(kube, settings, facts)
-        collect_staged_garbage(kube, restores, settings.node)
+        for path in restores.collect_garbage():
+            log.info("removed staged data of a pod that is gone: %s", path)
         snapshots.flush_results()
-
-
-def collect_staged_garbage(kube: Any, restores: RestoreWorker, node: str) -> None:
-    """Drop staged data of pods no longer on this node (never on a failed list: keep, retry later)."""
-    try:
-        live = {p["metadata"]["uid"] for p in kube.list_pods(None, field_selector=f"spec.nodeName={node}")}
-    except SnapshotError as e:
-        log.warning("staged data not collected: %s", e)
-        return
-    for path in restores.collect_garbage(live):
-        log.info("removed staged data of a pod that is gone: %s", path)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.core.chunks import Chunk, PagesFile
-from kubectl_snapshot.core.errors import FailedPrecondition
+from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, Unavailable
 from kubectl_snapshot.core.model import ContainerRecord, DumpStats, HostFacts, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor, Manifest
 from kubectl_snapshot.core.reference import Reference
@@ -113,43 +113,71 @@ def test_plan_counts_layers_chunks_and_memory() -> None:
 # --- garbage collection of staged data ------------------------------------------------------------
 
 
-def worker(tmp_path: Path) -> RestoreWorker:
+class PodsKube:
+    """The pods the API server still has (namespace, name) -> uid; GETs are counted."""
+
+    def __init__(self, pods: dict[tuple[str, str], str], *, down: bool = False) -> None:
+        self.pods, self.down, self.gets = pods, down, 0
+
+    def get_pod(self, ns: str, name: str) -> dict[str, Any]:
+        self.gets += 1
+        if self.down:
+            raise Unavailable("the API server is not answering")
+        if (ns, name) not in self.pods:
+            raise NotFound(f"pod {ns}/{name} not found")
+        return {"metadata": {"uid": self.pods[(ns, name)]}}
+
+
+def worker(tmp_path: Path, kube: Any = None) -> RestoreWorker:
     settings = NodeSettings(node="n1", state_root=str(tmp_path / "state"), kubelet_root=str(tmp_path / "k"))
-    return RestoreWorker(kube=None, settings=settings, facts=HostFacts())
+    return RestoreWorker(kube=kube, settings=settings, facts=HostFacts())
+
+
+def staged_for(w: RestoreWorker, uid: str, name: str, *, old: bool = True) -> Path:
+    d = Path(w.paths.staged_by_pod(uid, "c"))
+    (d / "checkpoint").mkdir(parents=True)
+    w._record_owner({"metadata": {"uid": uid, "namespace": "a", "name": name}})
+    if old:
+        t = time.time() - GC_GRACE_S - 10
+        os.utime(d.parent, (t, t))
+    return d.parent
 
 
 def test_staged_data_of_pods_that_went_away_is_collected(tmp_path: Path) -> None:
-    w = worker(tmp_path)
-    gone = Path(w.paths.staged_by_pod("gone-uid", "c"))
-    live = Path(w.paths.staged_by_pod("live-uid", "c"))
-    fresh = Path(w.paths.staged_by_pod("fresh-uid", "c"))
-    for d in (gone, live, fresh):
-        (d / "checkpoint").mkdir(parents=True)
-    old = time.time() - GC_GRACE_S - 10
-    for d in (gone.parent, live.parent):
-        os.utime(d, (old, old))
+    kube = PodsKube({("a", "live"): "live-uid", ("a", "recreated"): "new-uid"})
+    w = worker(tmp_path, kube)
+    gone = staged_for(w, "gone-uid", "gone")
+    live = staged_for(w, "live-uid", "live")
+    replaced = staged_for(w, "old-uid", "recreated")  # same name, another pod now
+    fresh = staged_for(w, "fresh-uid", "fresh", old=False)
     downloads = Path(w.paths.downloads())
     downloads.mkdir(parents=True)
     (downloads / "sha256-x.123.part").write_bytes(b"x")
     stale = time.time() - DOWNLOAD_GC_S - 10
     os.utime(downloads / "sha256-x.123.part", (stale, stale))
     (downloads / "sha256-y.124.part").write_bytes(b"y")  # a restore running now
-    removed = w.collect_garbage({"live-uid"})
-    assert not gone.parent.exists()
+    removed = w.collect_garbage()
+    assert not gone.exists() and not replaced.exists()
     assert live.exists() and fresh.exists()  # live pod; too young to judge
     assert sorted(os.listdir(downloads)) == ["sha256-y.124.part"]
-    assert len(removed) == 2
+    assert len(removed) == 3
+    assert kube.gets == 3  # only the old dirs were looked up, one GET each
+
+
+def test_nothing_is_collected_while_the_api_server_is_down(tmp_path: Path) -> None:
+    w = worker(tmp_path, PodsKube({}, down=True))
+    d = staged_for(w, "maybe-uid", "maybe")
+    assert w.collect_garbage() == []
+    assert d.exists()
 
 
 def test_a_restore_in_progress_is_never_collected(tmp_path: Path) -> None:
-    w = worker(tmp_path)
-    d = Path(w.paths.staged_by_pod("busy-uid", "c"))
-    d.mkdir(parents=True)
-    old = time.time() - GC_GRACE_S - 10
-    os.utime(d.parent, (old, old))
+    kube = PodsKube({})
+    w = worker(tmp_path, kube)
+    d = staged_for(w, "busy-uid", "busy")
     w._active.add("busy-uid")
-    assert w.collect_garbage(set()) == []
-    assert d.exists()
+    assert w.collect_garbage() == []
+    assert d.exists() and kube.gets == 0
 
 
 # --- fairness ------------------------------------------------------------------------------------
