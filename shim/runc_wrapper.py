@@ -248,7 +248,8 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
 
                 check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec)
             except SnapshotError as e:
-                _log_error(inv, f"{e.message} (hint: {e.hint})" if e.hint else e.message)
+                why = e.message if e.message.startswith("refusing to restore") else f"refusing to restore: {e.message}"
+                _log_error(inv, f"{why} (hint: {e.hint})" if e.hint else why)
                 return 1
             except Exception as e:  # fail closed: an image the check cannot read is never restored
                 _log_error(inv, f"refusing to restore: checking the CRIU images failed: {type(e).__name__}: {e}")

@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 VOLUME_WAIT_S = 120.0
 GC_GRACE_S = 600.0  # staged data younger than this is never collected (a restore may be starting)
 DOWNLOAD_GC_S = 6 * 3600.0  # partial downloads older than this belong to no live restore
+WRAPPER_REFUSAL = "refusing to restore"  # how the runtime wrapper's image check starts its message
 POD_FILE = ".pod"  # in staged/by-pod/UID/: the pod's namespace and name (container names never start with ".")
 
 
@@ -67,6 +68,20 @@ def wants_restore(pod: dict[str, Any], node: str) -> bool:
     )
 
 
+def wrapper_refusal(pod: dict[str, Any], node: str) -> str:
+    """The runtime wrapper's refusal of a staged pod's CRIU images, as the kubelet reports it in the
+    container's status (CreateContainerError), once: the restore status then says Failed with it."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    if (meta.get("annotations") or {}).get(K.ANN_RESTORE_STATUS) != K.RESTORE_STAGED or spec.get("nodeName") != node:
+        return ""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        message = str(waiting.get("message") or "")
+        if waiting.get("reason") == "CreateContainerError" and WRAPPER_REFUSAL in message:
+            return f"container {cs.get('name')}: {message[message.index(WRAPPER_REFUSAL) :]}"
+    return ""
+
+
 class RestoreWorker:
     def __init__(
         self,
@@ -90,6 +105,11 @@ class RestoreWorker:
         self._lock = threading.Lock()
 
     def consider(self, pod: dict[str, Any]) -> None:
+        refused = wrapper_refusal(pod, self.settings.node)
+        if refused:
+            self._annotate(pod, K.RESTORE_FAILED_PREFIX + refused)
+            pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, refused, warning=True)
+            return
         if not wants_restore(pod, self.settings.node):
             return
         uid = pod["metadata"]["uid"]

@@ -250,5 +250,11 @@ def test_edited_criu_images_cannot_restore_more_capabilities_than_the_pod_has(  
     events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.name=locked2").stdout
     assert "grant more than the container's spec" in events, events
     # nothing of the edited snapshot runs: the container never started
+    def status_failed() -> bool:
+        ann = cluster.get_json("pod", "locked2", "-n", namespace)["metadata"].get("annotations") or {}
+        return str(ann.get(K.ANN_RESTORE_STATUS, "")).startswith(K.RESTORE_FAILED_PREFIX)
+
+    cluster.wait_for("the agent to mark the restore failed", status_failed, 60)
     obj = cluster.get_json("pod", "locked2", "-n", namespace)
+    assert "refusing to restore" in obj["metadata"]["annotations"][K.ANN_RESTORE_STATUS]
     assert not any("running" in (s.get("state") or {}) for s in obj["status"].get("containerStatuses") or [])

@@ -316,3 +316,29 @@ def test_checkpoint_volume_capture_refuses_a_volume_that_is_a_link(tmp_path: Pat
     work.mkdir()
     with pytest.raises(UnsafePath):
         _capture_volumes(req, str(work))
+
+
+def test_the_wrappers_refusal_becomes_the_restore_status(tmp_path: Path) -> None:
+    """Item 2: the image check's reason, reported by the kubelet, ends up in the restore status too."""
+    w, kube, _ = worker(tmp_path)
+    pod = good_pod()
+    pod["metadata"]["annotations"][K.ANN_RESTORE_STATUS] = K.RESTORE_STAGED
+    message = (
+        "failed to create containerd task: failed to create shim task: OCI runtime create failed: "
+        "refusing to restore: the CRIU images grant more than the container's spec: process 1: effective "
+        "capabilities CAP_SYS_ADMIN (0x200000) beyond the container's"
+    )
+    pod["status"] = {
+        "containerStatuses": [
+            {"name": "c", "state": {"waiting": {"reason": "CreateContainerError", "message": message}}}
+        ]
+    }
+    w.consider(pod)
+    status = kube.annotations[-1][K.ANN_RESTORE_STATUS]
+    assert status.startswith(K.RESTORE_FAILED_PREFIX + "container c: refusing to restore") and "CAP_SYS_ADMIN" in status
+    assert kube.events[-1][0] == K.EVENT_RESTORE_FAILED
+    # other create errors are the kubelet's business
+    pod["status"]["containerStatuses"][0]["state"]["waiting"]["message"] = "image not found"
+    n = len(kube.annotations)
+    w.consider(pod)
+    assert len(kube.annotations) == n
