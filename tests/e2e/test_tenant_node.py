@@ -249,6 +249,7 @@ def test_edited_criu_images_cannot_restore_more_capabilities_than_the_pod_has(  
     assert "CAP_SYS_ADMIN" in proc.stderr
     events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.name=locked2").stdout
     assert "grant more than the container's spec" in events, events
+
     # nothing of the edited snapshot runs: the container never started
     def status_failed() -> bool:
         ann = cluster.get_json("pod", "locked2", "-n", namespace)["metadata"].get("annotations") or {}
