@@ -146,12 +146,18 @@ def installed(cluster: Cluster) -> Iterator[list[dict[str, Any]]]:
             }
             for n in cluster.nodes
         },
+        host_network=True,  # the cluster's registry listens on loopback only
     )
     cluster.apply([o for o in objs if o["kind"] not in ("DaemonSet", "ConfigMap")])
     cluster.kubectl(
         "wait", "--for=condition=Established", f"crd/{K.PLURAL}.{K.GROUP}", "--timeout=60s"
     )  # fmt: skip
-    yield objs
+    try:
+        yield objs
+    finally:  # admission policies are cluster-wide: leave none behind for the next session
+        for o in objs:
+            if o["kind"].startswith("ValidatingAdmissionPolicy"):
+                cluster.kubectl("delete", o["kind"].lower(), o["metadata"]["name"], "--ignore-not-found", check=False)
 
 
 def test_daemonset_passes_server_side_validation(cluster: Cluster, installed: list[dict[str, Any]]) -> None:
@@ -212,19 +218,22 @@ def test_agent_rbac_on_the_real_authorizer(cluster: Cluster, installed: list[dic
     allowed = [
         ("watch", K.PLURAL),
         ("patch", f"{K.PLURAL}/status"),
-        ("patch", "pods"),
-        ("delete", "pods"),  # spec.stop: the pod goes once its snapshot is pushed
+        ("patch", "pods/status"),  # the restore-status annotation (admission: own node, that annotation)
+        ("delete", "pods"),  # spec.stop: the pod goes once its snapshot is pushed (admission: own node)
         ("create", "events"),
-        ("get", "secrets"),
-        ("patch", "nodes"),
+        ("patch", "nodes"),  # admission: its own node, the host-facts annotation
     ]
     denied = [
         ("create", K.PLURAL),
         ("update", K.PLURAL),
+        ("get", "secrets"),  # only through a namespace's RoleBinding (tests/e2e/test_tenant_admission.py)
         ("list", "secrets"),
+        ("patch", "pods"),
+        ("update", "pods"),
         ("create", "pods"),
         ("create", "pods/exec"),
         ("delete", "nodes"),
+        ("patch", "nodes/status"),
     ]
     for verb, resource in allowed:
         assert can_i(cluster, AGENT_SA, verb, resource), (verb, resource)
