@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 import yaml
 
+from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import PermissionDenied
 from kubectl_snapshot.deploy import admission, rbac
 from tests.support.agent import AgentInstall, agent
 from tests.support.cluster import Cluster, cluster, namespace
@@ -329,19 +331,20 @@ def test_agent_writes_only_to_its_own_node(
             _pod(namespace, theirs, cluster.busybox_image, node=other),
         ]
     )
-    status = json.dumps({"metadata": {"annotations": {K.ANN_RESTORE_STATUS: "Failed: e2e"}}})
-    other_ann = json.dumps({"metadata": {"annotations": {"kubectl-snapshot.io/e2e": "x"}}})
-
-    def patch_status(name: str, body: str) -> subprocess.CompletedProcess[str]:
-        return _kubectl_with(
-            cluster, bound, "patch", "pod", name, "-n", namespace, "--subresource=status", "--type=merge",
-            "-p", body, "--dry-run=server",
-        )  # fmt: skip
-
+    # the agent's own adapter call (a merge PATCH of pods/status, no GET: the agent may not read pods/status)
+    as_agent = KubeClient.from_config(str(bound))
     pods_policy = admission.AGENT_PODS_POLICY
-    admitted(patch_status(mine, status))
-    denied(patch_status(theirs, status), pods_policy, f"bound to node {node}", f"on node {other}")
-    denied(patch_status(mine, other_ann), pods_policy, "may change only")
+    patched = as_agent.patch_pod_annotations(namespace, mine, {K.ANN_RESTORE_STATUS: "Failed: e2e"}, status=True)
+    assert patched["metadata"]["annotations"][K.ANN_RESTORE_STATUS] == "Failed: e2e"
+    with pytest.raises(PermissionDenied) as theirs_err:
+        as_agent.patch_pod_annotations(namespace, theirs, {K.ANN_RESTORE_STATUS: "Failed: e2e"}, status=True)
+    for words in (f"ValidatingAdmissionPolicy '{pods_policy}'", f"bound to node {node}", f"on node {other}"):
+        assert words in theirs_err.value.message, theirs_err.value.message
+    with pytest.raises(PermissionDenied) as other_err:
+        as_agent.patch_pod_annotations(namespace, mine, {"kubectl-snapshot.io/e2e": "x"}, status=True)
+    assert "may change only" in other_err.value.message and "docs/security.md" in (other_err.value.hint or "")
+    with pytest.raises(PermissionDenied, match='cannot patch resource "pods"'):
+        as_agent.patch_pod_annotations(namespace, mine, {K.ANN_RESTORE_STATUS: "x"})  # no pods patch at all
     admitted(_kubectl_with(cluster, bound, "delete", "pod", mine, "-n", namespace, "--dry-run=server"))
     deleted = _kubectl_with(cluster, bound, "delete", "pod", theirs, "-n", namespace, "--dry-run=server")
     denied(deleted, pods_policy, f"on node {other}")
