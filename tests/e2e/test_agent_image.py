@@ -295,16 +295,23 @@ print("agent-env-ok", node)
 """
 
 
+@pytest.mark.parametrize("host_network", [True, False], ids=["host-network", "pod-network"])
 def test_agent_pod_spec_reaches_api_server_and_containerd(
-    cluster: Cluster, agent_image: str, installed: list[dict[str, Any]]
+    cluster: Cluster, agent_image: str, installed: list[dict[str, Any]], host_network: bool
 ) -> None:
-    """The DaemonSet's pod spec (hostNetwork, API server override, mounts, node config, service account)
-    on each node, with a probe script instead of `run`: in-cluster config, the agent's RBAC, its node's
-    containerd socket and kubelet root through the per-node ConfigMap."""
+    """The DaemonSet's pod spec (API server override, mounts, node config, service account) on each
+    node, with a probe script instead of `run`: in-cluster config, the agent's RBAC, its node's
+    containerd socket and kubelet root through the per-node ConfigMap. Also without hostNetwork (the
+    default) and without the override: the kubernetes Service; only this cluster's loopback registry
+    needs the host network."""
     [cm] = [o for o in installed if o["kind"] == "ConfigMap"]
     [ds] = [o for o in installed if o["kind"] == "DaemonSet"]
+    if not host_network:
+        per_node = json.loads(cm["data"]["nodes.json"])
+        [ds] = [o for o in render("unused", per_node_paths=per_node) if o["kind"] == "DaemonSet"]
+        assert not ds["spec"]["template"]["spec"]["hostNetwork"]
     cluster.apply(cm)
-    suffix = uuid.uuid4().hex[:6]
+    suffix = uuid.uuid4().hex[:6] + ("" if host_network else "-podnet")
     pods = []
     for node in cluster.nodes:
         spec = json.loads(json.dumps(ds["spec"]["template"]["spec"]))
