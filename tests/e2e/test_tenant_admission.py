@@ -26,10 +26,12 @@ from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import PermissionDenied
 from kubectl_snapshot.deploy import admission, rbac
+from tests.e2e.test_plugin_errors import _sa_kubeconfig
 from tests.support.agent import AgentInstall, agent
 from tests.support.cluster import Cluster, cluster, namespace
+from tests.support.plugin_cli import PluginRun, ks_plugin
 
-__all__ = ["agent", "cluster", "namespace"]  # fixtures
+__all__ = ["agent", "cluster", "ks_plugin", "namespace"]  # fixtures
 
 pytestmark = pytest.mark.e2e
 
@@ -160,6 +162,21 @@ def test_snapshot_destinations_insecure_and_secrets(tenant: Tenant, cluster: Clu
     denied(tenant.snapshot(podNamespace="kube-system"), policy, "spec.podNamespace")
     # who may rewrite the namespace's lists is not bound by them (the cluster admin here)
     admitted(tenant.snapshot(destination=f"{reg}/other/web:1", insecure=True, stop=True, as_admin=True))
+
+
+def test_plugin_says_what_admission_refused_and_what_to_do(
+    tenant: Tenant, cluster: Cluster, ks_plugin: PluginRun, tmp_path: Path
+) -> None:
+    web = _pod(tenant.ns, "web", cluster.busybox_image)
+    cluster.apply(web)
+    cluster.kubectl("wait", "--for=condition=Ready", "pod/web", "-n", tenant.ns, "--timeout=120s")
+    kubeconfig = _sa_kubeconfig(cluster, tenant.ns, "tenant", tmp_path / "tenant.kubeconfig")
+    proc = ks_plugin("pod/web", "--to", f"{cluster.registry}/other/web", kubeconfig=kubeconfig)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.startswith("error: ") and "is not allowed in namespace" in proc.stderr, proc.stderr
+    assert "hint: use a registry/repository the namespace allows" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert cluster.get_json(K.PLURAL, "-n", tenant.ns)["items"] == []  # nothing reached the agent
 
 
 def test_restore_needs_its_own_verb_a_listed_source_and_a_readable_secret(tenant: Tenant, cluster: Cluster) -> None:
@@ -348,3 +365,30 @@ def test_agent_writes_only_to_its_own_node(
     admitted(_kubectl_with(cluster, bound, "delete", "pod", mine, "-n", namespace, "--dry-run=server"))
     deleted = _kubectl_with(cluster, bound, "delete", "pod", theirs, "-n", namespace, "--dry-run=server")
     denied(deleted, pods_policy, f"on node {other}")
+
+
+def test_object_count_quota_limits_podsnapshots(tenant: Tenant, cluster: Cluster) -> None:
+    """Threat E1: an admin caps a namespace's PodSnapshots with Kubernetes' own object-count quota."""
+    quota = {
+        "apiVersion": "v1",
+        "kind": "ResourceQuota",
+        "metadata": {"name": "snapshots", "namespace": tenant.ns},
+        "spec": {"hard": {f"count/{K.PLURAL}.{K.GROUP}": "1"}},
+    }
+    cluster.apply(quota)
+    cluster.wait_for(
+        "the quota to be counted",
+        lambda: "hard" in (cluster.get_json("resourcequota", "snapshots", "-n", tenant.ns).get("status") or {}),
+        timeout=60,
+    )
+
+    def create(name: str) -> subprocess.CompletedProcess[str]:
+        body = {"podName": "ghost", "destination": f"{cluster.registry}/tenant-ok/ghost:1"}
+        obj = {"apiVersion": K.API_VERSION, "kind": K.KIND, "metadata": {"name": name, "namespace": tenant.ns}}
+        return cluster.kubectl(
+            "--as", tenant.user, "create", "-f", "-", input=json.dumps({**obj, "spec": body}), check=False
+        )
+
+    admitted(create("first"))  # a pod that does not exist: the agent only marks it Failed
+    second = create("second")
+    assert second.returncode != 0 and "exceeded quota: snapshots" in second.stderr, second.stderr
