@@ -4,11 +4,11 @@ Why the DaemonSet looks like this:
 
 - privileged, hostPID: containerd runs CRIU for us, but the agent must see the host's processes and
   mounts (container rootfs upperdirs, /proc/PID of frozen tasks) to capture and stage state;
-- no hostNetwork by default: the agent needs no port and nothing of the node's network (CRIU runs in
-  containerd's process, its network-lock probe in a namespace of its own). ``host_network`` puts it
-  in the node's network namespace only where the registry is reachable from the nodes alone (the local
-  cluster's registry listens on loopback); ``api_server`` sets KUBERNETES_SERVICE_HOST/PORT where the
-  kubernetes Service is not reachable;
+- no hostNetwork by default: the agent needs nothing of the node's network (its metrics port works on
+  a pod IP; CRIU runs in containerd's process, its network-lock probe in a namespace of its own).
+  ``host_network`` puts it in the node's network namespace only where the registry is reachable from
+  the nodes alone (the local cluster's registry listens on loopback); ``api_server`` sets
+  KUBERNETES_SERVICE_HOST/PORT where the kubernetes Service is not reachable;
 - host directories are mounted at the SAME path inside, because paths cross the boundary: containerd
   (on the host) writes CRIU images into the agent's state dir, the wrapper (on the host) reads staged
   data from it, and the kubelet's pod volume dirs are named by host path. Directories, never socket
@@ -47,6 +47,7 @@ NODE_CONFIG_DIR = "/etc/kubectl-snapshot/nodes"
 NODE_PATH_KEYS = ("containerd_socket", "kubelet_root", "containerd_dropin_dir")
 WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
 READY_FILE = K.READY_FILE
+METRICS_PORT = 9443  # HTTPS, authorised scrapers only (shim/metrics_server.py)
 DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"  # containerd 2.x's default config imports *.toml from here
 
 
@@ -181,6 +182,7 @@ def _path_flags(settings: AgentSettings) -> list[str]:
 def _env(settings: AgentSettings) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         # $(NODE_NAME) is expanded by the kubelet: one state dir per node, even with several per machine.
         {"name": C.ENV_STATE_DIR, "value": f"{settings.state_root}/$(NODE_NAME)"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -210,7 +212,12 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
     install_args = ["install-node", f"--wrapper={WRAPPER_IN_IMAGE}", *_path_flags(settings)]
     if settings.restart_command:
         install_args.append(f"--restart-command={settings.restart_command}")
-    run_args = ["run", *_path_flags(settings), f"--ready-file={READY_FILE}"]
+    run_args = [
+        "run",
+        *_path_flags(settings),
+        f"--ready-file={READY_FILE}",
+        f"--metrics-bind-address=:{METRICS_PORT}",
+    ]
     selector = dict(K.AGENT_LABEL)
     return {
         "apiVersion": "apps/v1",
@@ -241,6 +248,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                                 "periodSeconds": 5,
                             },
                             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+                            "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
                         }
                     ],
                     "volumes": volumes,

@@ -17,6 +17,8 @@ agent-side ValidatingAdmissionPolicies do (deploy/admission.py):
   are read through ``kubectl-snapshot-agent-registry-secrets`` (secrets get), which a namespace's
   admin binds in that namespace (RoleBinding) when its snapshots need credentials; admission has
   already checked that the requester may get the Secret they name.
+- tokenreviews/subjectaccessreviews create: a scraper of the agent's metrics is authenticated and
+  authorised by the API server (bind ``kubectl-snapshot-metrics-reader`` to the scraper's identity).
 
 Users get PodSnapshot rights through the built-in roles by aggregation: creating a PodSnapshot is the
 permission to snapshot a pod of that namespace, so it goes with ``edit``/``admin``; ``view`` can read.
@@ -32,6 +34,7 @@ from kubectl_snapshot.core import kube as K
 
 RBAC = "rbac.authorization.k8s.io/v1"
 EDIT_ROLE = "kubectl-snapshot-edit"
+METRICS_READER_ROLE = "kubectl-snapshot-metrics-reader"
 VIEW_ROLE = "kubectl-snapshot-view"
 RESTORE_ROLE = "kubectl-snapshot-restore"
 _AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
@@ -50,6 +53,9 @@ def agent_rules() -> list[dict[str, Any]]:
         _rule("", ["pods/status"], ["patch"]),
         _rule("", ["events"], ["create", "patch"]),
         _rule("", ["nodes"], ["get", "patch"]),
+        # Who may read /metrics is the API server's call (TokenReview + SubjectAccessReview).
+        _rule("authentication.k8s.io", ["tokenreviews"], ["create"]),
+        _rule("authorization.k8s.io", ["subjectaccessreviews"], ["create"]),
     ]
 
 
@@ -129,5 +135,12 @@ def user_cluster_roles(labels: dict[str, str]) -> list[dict[str, Any]]:
             "kind": "ClusterRole",
             "metadata": {"name": VIEW_ROLE, "labels": view_labels},
             "rules": [_rule(K.GROUP, [K.PLURAL], ["get", "list", "watch"])],
+        },
+        {
+            # Not aggregated: bind it to the identity of the Prometheus that scrapes the agents.
+            "apiVersion": RBAC,
+            "kind": "ClusterRole",
+            "metadata": {"name": METRICS_READER_ROLE, "labels": dict(labels)},
+            "rules": [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
         },
     ]
