@@ -4,8 +4,11 @@ Why the DaemonSet looks like this:
 
 - privileged, hostPID: containerd runs CRIU for us, but the agent must see the host's processes and
   mounts (container rootfs upperdirs, /proc/PID of frozen tasks) to capture and stage state;
-- hostNetwork: the agent needs no pod IP and must work where the pod network is down or absent (the
-  local test cluster blackholes the service CIDR, so ``api_server`` sets KUBERNETES_SERVICE_HOST/PORT);
+- no hostNetwork by default: the agent needs nothing of the node's network (its metrics port works on
+  a pod IP; CRIU runs in containerd's process, its network-lock probe in a namespace of its own).
+  ``host_network`` puts it in the node's network namespace only where the registry is reachable from
+  the nodes alone (the local cluster's registry listens on loopback); ``api_server`` sets
+  KUBERNETES_SERVICE_HOST/PORT where the kubernetes Service is not reachable;
 - host directories are mounted at the SAME path inside, because paths cross the boundary: containerd
   (on the host) writes CRIU images into the agent's state dir, the wrapper (on the host) reads staged
   data from it, and the kubelet's pod volume dirs are named by host path. Directories, never socket
@@ -61,6 +64,7 @@ class AgentSettings:
     containerd_dropin_dir: str
     restart_command: str | None
     per_node_paths: Mapping[str, Mapping[str, str]]
+    host_network: bool = False
 
 
 def check_path(value: str, what: str) -> str:
@@ -226,9 +230,9 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                 "metadata": {"labels": labels | selector},
                 "spec": {
                     "serviceAccountName": K.AGENT_NAME,
-                    "hostNetwork": True,
+                    "hostNetwork": settings.host_network,
                     "hostPID": True,
-                    "dnsPolicy": "ClusterFirstWithHostNet",
+                    "dnsPolicy": "ClusterFirstWithHostNet" if settings.host_network else "ClusterFirst",
                     "priorityClassName": "system-node-critical",
                     "tolerations": [{"operator": "Exists"}],
                     # Long enough for an interrupted dump to thaw the pod it froze (never lose the workload).

@@ -21,7 +21,7 @@ from typing import Any
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from shim import freezer
@@ -46,7 +46,15 @@ def now() -> str:
 def registry_for(kube: Any, namespace: str, secret: str | None, *, insecure: bool) -> RegistryClient:
     store = CredentialStore()
     if secret:
-        obj = kube.get_secret(namespace, secret)
+        try:
+            obj = kube.get_secret(namespace, secret)
+        except PermissionDenied as e:
+            raise PermissionDenied(
+                f"the agent may not read secret {namespace}/{secret}: {e.message}",
+                hint=f"an admin of namespace {namespace} lets the agent read its registry Secrets with: kubectl "
+                f"create rolebinding {K.AGENT_SECRETS_ROLE} -n {namespace} --clusterrole={K.AGENT_SECRETS_ROLE} "
+                f"--serviceaccount={K.AGENT_NAMESPACE}:{K.AGENT_NAME}",
+            ) from e
         data = (obj.get("data") or {}).get(".dockerconfigjson")
         if not data:
             raise InvalidArgument(

@@ -103,14 +103,18 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
     expected = {
         *((K.GROUP, "podsnapshots", v) for v in ("get", "list", "watch")),
         *((K.GROUP, "podsnapshots/status", v) for v in ("get", "update", "patch")),
-        *(("", "pods", v) for v in ("get", "list", "watch", "patch", "delete")),
+        *(("", "pods", v) for v in ("get", "list", "watch", "delete")),
+        ("", "pods/status", "patch"),
         *(("", "events", v) for v in ("create", "patch")),
-        ("", "secrets", "get"),
         *(("", "nodes", v) for v in ("get", "patch")),
         ("authentication.k8s.io", "tokenreviews", "create"),
         ("authorization.k8s.io", "subjectaccessreviews", "create"),
     }
     assert rules(role) == expected
+    # secrets only through a per-namespace RoleBinding that nothing in render() creates
+    assert rules(objs[("ClusterRole", K.AGENT_SECRETS_ROLE)]) == {("", "secrets", "get")}
+    bound = {o["roleRef"]["name"] for o in objs.values() if o["kind"] in ("ClusterRoleBinding", "RoleBinding")}
+    assert bound == {K.AGENT_NAME}
     assert not any("*" in (g, r, v) for g, r, v in rules(role))
     binding = objs[("ClusterRoleBinding", K.AGENT_NAME)]
     assert binding["roleRef"]["name"] == K.AGENT_NAME
@@ -129,6 +133,9 @@ def test_user_roles_aggregate_to_builtin_roles() -> None:
     assert reader["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
     assert not any(k.startswith(agg) for k in reader["metadata"]["labels"])  # bound by hand, to the scraper
     assert rules(view) == {(K.GROUP, "podsnapshots", v) for v in ("get", "list", "watch")}
+    restore = objs[("ClusterRole", "kubectl-snapshot-restore")]
+    assert rules(restore) == {(K.GROUP, "podsnapshots", K.RESTORE_VERB)}
+    assert restore["metadata"]["labels"][agg + "edit"] == "true" and agg + "view" not in restore["metadata"]["labels"]
 
 
 def mounts(spec: dict[str, Any], container: str = "agent") -> dict[str, dict[str, Any]]:
@@ -139,7 +146,9 @@ def mounts(spec: dict[str, Any], container: str = "agent") -> dict[str, dict[str
 
 def test_daemonset_defaults() -> None:
     spec = pod_spec(render("reg.example/agent:1"))
-    assert spec["hostNetwork"] and spec["hostPID"]
+    assert spec["hostPID"] and not spec["hostNetwork"] and spec["dnsPolicy"] == "ClusterFirst"
+    host = pod_spec(render("reg.example/agent:1", host_network=True))
+    assert host["hostNetwork"] and host["dnsPolicy"] == "ClusterFirstWithHostNet"
     for c in spec["containers"] + spec["initContainers"]:
         assert c["securityContext"] == {"privileged": True}
         assert c["imagePullPolicy"] == "Always"  # a tag can move; digests use IfNotPresent
