@@ -95,6 +95,11 @@ def _snapshot_options(fn: Any) -> Any:
         click.option("--registry-secret", help="dockerconfigjson Secret in the namespace, used by the agent to push."),
         click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry."),
         click.option("--no-volumes", is_flag=True, help="Do not capture emptyDir volumes."),
+        click.option(
+            "--ignore-liveness",
+            is_flag=True,
+            help="Snapshot even if the freeze may outlast a liveness probe (a container may be restarted).",
+        ),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -145,6 +150,7 @@ def pod_cmd(
     registry_secret: str | None,
     insecure: bool,
     no_volumes: bool,
+    ignore_liveness: bool,
     stop: bool,
     no_wait: bool,
     timeout: float,
@@ -163,6 +169,7 @@ def pod_cmd(
         insecure=insecure,
         stop=stop,
         include_volumes=not no_volumes,
+        ignore_liveness=ignore_liveness,
     )
     created = start_snapshot(req, kube=kube)
     name = created["metadata"]["name"]
@@ -240,6 +247,7 @@ def migrate_cmd(
     registry_secret: str | None,
     insecure: bool,
     no_volumes: bool,
+    ignore_liveness: bool,
     node: str | None,
     name: str | None,
     agent_image: str | None,
@@ -261,6 +269,7 @@ def migrate_cmd(
             insecure=insecure,
             stop=False,
             include_volumes=not no_volumes,
+            ignore_liveness=ignore_liveness,
         ),
         node=node,
         name=name,

@@ -17,6 +17,10 @@ Why the DaemonSet looks like this:
   without systemd, like the project's VMs: "is mounted on / but it is not a shared or slave mount").
   Mounts made on the host after the agent started (memory-backed emptyDirs are tmpfs) are reached
   through the host's mount namespace instead: /proc/1/root/<path> (hostPID);
+- a second container, ``guard``, holds every freeze the agent makes (shim/guard.py): the agent asks it
+  over a Unix socket in an emptyDir both mount, and it thaws a pod as soon as the agent's connection
+  closes (the agent died, or its container restarted) or the freeze's deadline passes (it hangs). Its
+  own container, so nothing that kills or hangs the agent's touches it; privileged for the cgroupfs;
 - one machine may run several nodes (the local cluster): ``per_node_paths`` becomes a ConfigMap the
   agent reads at start, picking its entry by NODE_NAME; the DaemonSet mounts the smallest set of host
   directories that covers every node's paths.
@@ -49,6 +53,8 @@ WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
 READY_FILE = K.READY_FILE
 METRICS_PORT = 9443  # HTTPS, authorised scrapers only (shim/metrics_server.py)
 DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"  # containerd 2.x's default config imports *.toml from here
+GUARD_DIR = "/run/kubectl-snapshot-guard"  # an emptyDir shared by the agent and guard containers
+GUARD_SOCKET = f"{GUARD_DIR}/guard.sock"
 
 
 @dataclass(frozen=True)
@@ -217,7 +223,9 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
         *_path_flags(settings),
         f"--ready-file={READY_FILE}",
         f"--metrics-bind-address=:{METRICS_PORT}",
+        f"--guard-socket={GUARD_SOCKET}",
     ]
+    guard_mount = {"name": "guard", "mountPath": GUARD_DIR}
     selector = dict(K.AGENT_LABEL)
     return {
         "apiVersion": "apps/v1",
@@ -250,8 +258,20 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
                             "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
                         }
+                        | {"volumeMounts": [*volume_mounts, guard_mount]},
+                        {
+                            "name": "guard",
+                            "image": settings.image,
+                            "imagePullPolicy": pull,
+                            "command": ["python3", "-m", "shim.guard"],
+                            "args": [f"--socket={GUARD_SOCKET}", f"--state-dir={GUARD_DIR}/holds"],
+                            "env": [e for e in _env(settings) if e["name"] != C.ENV_STATE_DIR],
+                            "securityContext": {"privileged": True},
+                            "volumeMounts": [guard_mount],
+                            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+                        },
                     ],
-                    "volumes": volumes,
+                    "volumes": [*volumes, {"name": "guard", "emptyDir": {}}],
                 },
             },
         },
