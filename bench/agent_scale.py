@@ -42,7 +42,9 @@ from tests.support.cluster import STATE_DIR, Cluster, _load
 SCALE_LABEL = "kubectl-snapshot.io/scale-test"
 NAMESPACES = [f"ks-scale-{i}" for i in range(10)]
 ELSEWHERE = "ks-elsewhere"  # a node name no agent has
-_METRIC = re.compile(r"^(apiserver_request_total|apiserver_response_sizes_sum)\{([^}]*)\} ([0-9.e+]+)$")
+_METRIC = re.compile(
+    r"^(apiserver_flowcontrol_dispatched_requests_total|apiserver_response_sizes_sum)\{([^}]*)\} ([0-9.e+]+)$"
+)
 
 
 FLOW = "kubectl-snapshot-agent-measured"

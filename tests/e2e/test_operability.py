@@ -16,7 +16,7 @@ from bench.agent_scale import cleanup, measure
 from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import kube as K
 from tests.e2e.test_snapshot_flows import COUNTER, _final, _psnap, counter_value, pod, running
-from tests.support.agent import agent, plugin
+from tests.support.agent import METRICS_PORT, agent, plugin
 from tests.support.cluster import cluster, namespace
 from tests.support.registry import free_port
 
@@ -111,7 +111,7 @@ def test_metrics_only_for_scrapers_the_api_server_authorises(cluster, namespace,
         port = free_port()
         forward = subprocess.Popen(
             [str(cluster.kubectl_bin), "--kubeconfig", str(cluster.kubeconfig), "port-forward", "-n",
-             K.AGENT_NAMESPACE, f"pod/{agent_pod['metadata']['name']}", f"{port}:9443"],
+             K.AGENT_NAMESPACE, f"pod/{agent_pod['metadata']['name']}", f"{port}:{METRICS_PORT}"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         assert forward.stdout is not None
