@@ -407,6 +407,11 @@ def _install_settings(api_server: str | None, state_dir: str | None, **paths: st
     type=click.Path(dir_okay=False, exists=True),
     help="YAML/JSON {node: {containerd_socket, kubelet_root, containerd_dropin_dir}} for several nodes per machine.",
 )
+@click.option(
+    "--host-network",
+    is_flag=True,
+    help="Run the agent in the nodes' network namespace (only when the registry is reachable from nodes alone).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the manifests instead of applying them.")
 @click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long to wait for the rollout.")
 @output_option
@@ -415,13 +420,17 @@ def install_cmd(
     agent_image: str | None,
     api_server: str | None,
     state_dir: str | None,
+    host_network: bool,
     dry_run: bool,
     timeout: float,
     output: str,
     **paths: str | None,
 ) -> None:
-    """Install the CRD, RBAC, agent DaemonSet and RuntimeClass; wait until the agents run."""
-    objects = install_app.render(agent_image, _install_settings(api_server, state_dir, **paths))
+    """Install the CRD, RBAC, admission policies, agent DaemonSet and RuntimeClass; wait until the agents run."""
+    settings = _install_settings(api_server, state_dir, **paths)
+    if host_network:
+        settings["host_network"] = True
+    objects = install_app.render(agent_image, settings)
     if dry_run:
         _emit_objects(objects, output)
         return

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import tarfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -24,11 +23,13 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from kubectl_snapshot.adapters import safefs
+from kubectl_snapshot.adapters.archive import tar_directories
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError, Unavailable
 from kubectl_snapshot.core.model import (
     ContainerRecord,
     DumpStats,
@@ -40,7 +41,7 @@ from kubectl_snapshot.core.model import (
     layer_annotations,
     manifest_annotations,
 )
-from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
+from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest, sha256_digest
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.engine.package import (
@@ -266,6 +267,12 @@ def checkpoint(
                 f"deadline during the upload): it keeps running, and {result.reference} is older than its state",
                 hint="snapshot it again; a large pod on a slow registry link may need a faster destination",
             )
+        # the registry really has the snapshot, while the pod can still go on
+        try:
+            verify_pushed(registry, result.reference)
+        except BaseException:
+            _resume_all(containerd, frozen, direct)
+            raise
         if before_stop is not None:
             try:
                 before_stop()
@@ -286,6 +293,27 @@ def checkpoint(
     result.frozen_by = " + ".join(frozen_by)
     result.plan = plan
     return result
+
+
+def verify_pushed(registry: Registry, reference: Reference) -> None:
+    """Before --stop deletes anything: the manifest resolves by its digest and the registry has every
+    blob it names (config, layers, chunks). A registry or proxy that acknowledged an upload it did not
+    keep is caught here, while the pod still runs."""
+    body, _media_type, digest = registry.get_manifest(reference)
+    if digest != reference.digest:
+        raise Unavailable(
+            f"the registry returned manifest {digest} for {reference}",
+            hint="the registry does not serve what was pushed; the pod was not stopped",
+        )
+    manifest = parse_manifest(body)
+    missing = [d.digest for d in (manifest.config, *manifest.layers) if not registry.blob_exists(reference, d.digest)]
+    if missing:
+        raise Unavailable(
+            f"the registry lacks {len(missing)} of the {1 + len(manifest.layers)} blobs of {reference} "
+            f"right after the push (first: {missing[0]}); the pod was not stopped and keeps running",
+            hint="check the registry's storage (or a proxy in front of it), then snapshot again",
+            retryable=True,
+        )
 
 
 def _still_frozen(fz: Freezer) -> bool:
@@ -418,10 +446,19 @@ def _volume_names(req: CheckpointRequest) -> list[str]:
 
 
 def _capture_volumes(req: CheckpointRequest, work: str) -> str:
+    """One tar of the volumes, every entry read through O_NOFOLLOW directory fds (adapters/safefs):
+    a link the workload planted in its volume is recorded as a link, never followed to a host file."""
     path = os.path.join(work, "volumes.tar")
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, src in zip(_volume_names(req), req.volumes, strict=True):
-            tar.add(src, arcname=name, recursive=True)
+    fds: list[int] = []
+    try:
+        for src in req.volumes:
+            parent, leaf = os.path.split(os.path.normpath(src))
+            fds.append(safefs.open_dir(parent or "/", leaf))
+        with open(path, "wb") as out:
+            tar_directories(list(zip(_volume_names(req), fds, strict=True)), out)
+    finally:
+        for fd in fds:
+            os.close(fd)
     return path
 
 

@@ -76,6 +76,7 @@ class FakeContainerd:
 class FakeRegistry:
     fail_push: bool = False
     down: bool = False
+    loses: list[str] = field(default_factory=list)
     blobs: dict[str, bytes] = field(default_factory=dict)
     manifests: dict[str, bytes] = field(default_factory=dict)
 
@@ -112,7 +113,18 @@ class FakeRegistry:
         self.manifests[ref.tag or ""] = manifest
         import hashlib
 
-        return "sha256:" + hashlib.sha256(manifest).hexdigest()
+        digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
+        self.manifests[digest] = manifest
+        for lost in self.loses:  # a registry (or proxy) that acknowledged uploads it did not keep
+            self.blobs.pop(lost, None)
+        return digest
+
+    def get_manifest(self, ref: Reference, *, max_size: int = 0) -> tuple[bytes, str, str]:
+        body = self.manifests[ref.digest or ref.tag or ""]
+        return body, "application/vnd.oci.image.manifest.v1+json", ref.digest or ""
+
+    def blob_exists(self, ref: Reference, digest: str) -> bool:
+        return digest in self.blobs
 
 
 def run(cd: FakeContainerd, reg: FakeRegistry, tmp_path: Path, **kw: Any) -> Any:
@@ -158,6 +170,27 @@ def test_stop_keeps_frozen_until_pushed_then_kills(tmp_path: Path) -> None:
     assert cd.killed == {"a", "b"}
     names = [c for c, _ in cd.calls]
     assert names.index("kill") < names.index("resume")  # killed while frozen, then thawed to die
+
+
+def test_stop_checks_every_blob_is_in_the_registry_before_deleting_anything(tmp_path: Path) -> None:
+    """Issue 10 item 6: an upload the registry acknowledged but lost never costs the pod."""
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry()
+    run(cd, reg, tmp_path)  # learn the layer digests of this (deterministic) snapshot
+    layer = parse_manifest(reg.manifests["v1"]).layers[-1].digest
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry(loses=[layer])
+    deleted: list[str] = []
+    req = CheckpointRequest(containers=["a", "b"], target=TARGET, stop=True)
+    with pytest.raises(Unavailable, match="not stopped and keeps running") as e:
+        checkpoint(
+            req,
+            containerd=cd,
+            registry=reg,
+            paths=StatePaths(str(tmp_path)),
+            host=HOST,
+            before_stop=lambda: deleted.append("pod"),
+        )
+    assert layer in e.value.message
+    assert deleted == [] and cd.killed == set() and cd.paused == set()
 
 
 def test_registry_down_is_found_before_freezing(tmp_path: Path) -> None:

@@ -106,14 +106,18 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
     expected = {
         *((K.GROUP, "podsnapshots", v) for v in ("get", "list", "watch")),
         *((K.GROUP, "podsnapshots/status", v) for v in ("get", "update", "patch")),
-        *(("", "pods", v) for v in ("get", "list", "watch", "patch", "delete")),
+        *(("", "pods", v) for v in ("get", "list", "watch", "delete")),
+        ("", "pods/status", "patch"),
         *(("", "events", v) for v in ("create", "patch")),
-        ("", "secrets", "get"),
         *(("", "nodes", v) for v in ("get", "patch")),
         ("authentication.k8s.io", "tokenreviews", "create"),
         ("authorization.k8s.io", "subjectaccessreviews", "create"),
     }
     assert rules(role) == expected
+    # secrets only through a per-namespace RoleBinding that nothing in render() creates
+    assert rules(objs[("ClusterRole", K.AGENT_SECRETS_ROLE)]) == {("", "secrets", "get")}
+    bound = {o["roleRef"]["name"] for o in objs.values() if o["kind"] in ("ClusterRoleBinding", "RoleBinding")}
+    assert bound == {K.AGENT_NAME}
     assert not any("*" in (g, r, v) for g, r, v in rules(role))
     binding = objs[("ClusterRoleBinding", K.AGENT_NAME)]
     assert binding["roleRef"]["name"] == K.AGENT_NAME
@@ -132,6 +136,9 @@ def test_user_roles_aggregate_to_builtin_roles() -> None:
     assert reader["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
     assert not any(k.startswith(agg) for k in reader["metadata"]["labels"])  # bound by hand, to the scraper
     assert rules(view) == {(K.GROUP, "podsnapshots", v) for v in ("get", "list", "watch")}
+    restore = objs[("ClusterRole", "kubectl-snapshot-restore")]
+    assert rules(restore) == {(K.GROUP, "podsnapshots", K.RESTORE_VERB)}
+    assert restore["metadata"]["labels"][agg + "edit"] == "true" and agg + "view" not in restore["metadata"]["labels"]
 
 
 def node_side(spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -147,7 +154,9 @@ def mounts(spec: dict[str, Any], container: str = "agent") -> dict[str, dict[str
 
 def test_daemonset_defaults() -> None:
     spec = pod_spec(render("reg.example/agent:1"))
-    assert spec["hostNetwork"] and spec["hostPID"]
+    assert spec["hostPID"] and not spec["hostNetwork"] and spec["dnsPolicy"] == "ClusterFirst"
+    host = pod_spec(render("reg.example/agent:1", host_network=True))
+    assert host["hostNetwork"] and host["dnsPolicy"] == "ClusterFirstWithHostNet"
     for c in node_side(spec):
         assert c["securityContext"] == {"privileged": True}
         assert c["imagePullPolicy"] == "Always"  # a tag can move; digests use IfNotPresent
@@ -359,3 +368,22 @@ def test_uninstall_cleanup_daemonset_undoes_install_node() -> None:
     assert pod["volumes"] == live["spec"]["template"]["spec"]["volumes"]  # same host paths as the agent
     result = CliRunner().invoke(cli, [*init, "--help"], env={"NODE_NAME": "ks-n1"})
     assert result.exit_code == 0, result.output
+
+
+def test_node_map_may_give_each_node_its_metrics_address() -> None:
+    from kubectl_snapshot.deploy.agent import check_per_node_paths
+
+    ok = check_per_node_paths({"n1": {"kubelet_root": "/var/lib/n1/kubelet", "metrics_bind_address": ":9444"}})
+    assert ok == {"n1": {"kubelet_root": "/var/lib/n1/kubelet", "metrics_bind_address": ":9444"}}
+    for bad in ("9444", ":port", "host:1:2;rm", "x" * 300 + ":1"):
+        with pytest.raises(InvalidArgument, match="HOST:PORT"):
+            check_per_node_paths({"n1": {"metrics_bind_address": bad}})
+
+
+def test_a_node_maps_metrics_address_reaches_the_agents_settings(tmp_path: Path) -> None:
+    from shim.controller.settings import NodeSettings, apply_node_map
+
+    m = tmp_path / "nodes.json"
+    m.write_text('{"n2": {"metrics_bind_address": ":9444"}}')
+    assert apply_node_map(NodeSettings(node="n2"), str(m)).metrics_bind_address == ":9444"
+    assert apply_node_map(NodeSettings(node="n1"), str(m)).metrics_bind_address == ""
