@@ -311,5 +311,6 @@ def cleanup_daemonset(live: Mapping[str, Any]) -> dict[str, Any]:
     for c in pod.get("containers") or []:
         c.pop("args", None)
         c.pop("readinessProbe", None)
+        c.pop("ports", None)  # host network: the agent's metrics port would keep a new agent pod off the node
         c["command"] = ["sleep", "3600"]
     return ds
