@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
+from kubectl_snapshot.app.provenance import sign_snapshot
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
@@ -38,8 +39,10 @@ from kubectl_snapshot.core.model import (
     VolumeRecord,
     layer_annotations,
     manifest_annotations,
+    stored_runtime_spec,
 )
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
+from kubectl_snapshot.core.provenance import Origin, SigningKey
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.engine.package import (
@@ -72,6 +75,11 @@ class CheckpointRequest:
     tcp_established: bool = True
     file_locks: bool = True
     keep_work: bool = False
+    # provenance (format v3): the agent's key signs the pushed manifest digest with the origin below;
+    # without a key the snapshot is unsigned (restores then refuse it unless a policy trusts those)
+    signing_key: SigningKey | None = None
+    cluster: str = ""  # the cluster's identity (uid of kube-system), from the agent's trust settings
+    node: str = ""
 
 
 @dataclass
@@ -83,6 +91,7 @@ class CheckpointResult:
     size: int = 0  # compressed bytes of all blobs
     uploaded: int = 0  # bytes actually sent (blobs the registry lacked)
     frozen_by: str = ""  # "cgroup freezer", "containerd" or both: how the containers were paused
+    signed_by: str = ""  # id of the key that signed it ("" when unsigned)
 
 
 def _now_rfc3339() -> str:
@@ -200,7 +209,7 @@ def checkpoint(
                     image=info.image,
                     image_digest=image_digest,
                     layer_digest=pc.layer.digest,
-                    spec=info.spec,
+                    spec=stored_runtime_spec(info.spec),
                     tcp_established=req.tcp_established,
                     file_locks=req.file_locks,
                     stats=stats,
@@ -229,6 +238,9 @@ def checkpoint(
         )
         t_up = clock()
         result = _push(req.target, config, records, packaged, volumes_layer, registry)
+        if req.signing_key is not None:
+            sign_snapshot(registry, result.reference, _origin(req, config), req.signing_key)
+            result.signed_by = req.signing_key.public.id
         timings["upload_ms"] = (clock() - t_up) * 1000
     except BaseException:
         if frozen:
@@ -262,6 +274,19 @@ def checkpoint(
 
 
 FROZEN_FILE = "frozen-containers.json"
+
+
+def _origin(req: CheckpointRequest, config: SnapshotConfig) -> Origin:
+    pod = config.pod
+    return Origin(
+        cluster=req.cluster,
+        namespace=pod.namespace if pod is not None else config.namespace,
+        pod=pod.name if pod is not None else config.group,
+        pod_uid=pod.uid if pod is not None else "",
+        node=req.node or (pod.node if pod is not None else ""),
+        created=config.created,
+        format_version=config.format_version,
+    )
 
 
 def recover_interrupted(containerd: Containerd, paths: StatePaths, freezer_for: FreezerFor | None = None) -> list[str]:
@@ -393,7 +418,7 @@ def _stats(cdir: str) -> DumpStats:
 
 def _write_metadata(cdir: str, cid: str, name: str, info: Any, req: CheckpointRequest) -> None:
     with open(os.path.join(cdir, C.SPEC_DUMP_FILE), "w") as f:
-        json.dump(info.spec, f)
+        json.dump(stored_runtime_spec(info.spec), f)  # no process.env: it holds resolved secrets
     with open(os.path.join(cdir, C.CONFIG_DUMP_FILE), "w") as f:
         json.dump(
             {

@@ -42,6 +42,7 @@ from shim.engine.stream import fetch_chunks
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]
+DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass(frozen=True)
@@ -273,6 +274,11 @@ def restored_spec(
 ) -> dict[str, Any]:
     """The recorded runtime spec, adapted to the new container: cgroup path, volume bind mounts."""
     spec: dict[str, Any] = copy.deepcopy(dict(rec.spec))
+    # Format v3 stores no environment (the restored process has its own, from memory); processes
+    # exec'd into the container later get a plain PATH.
+    process = spec.setdefault("process", {})
+    if isinstance(process, dict):
+        process.setdefault("env", [DEFAULT_PATH_ENV])
     linux = spec.setdefault("linux", {})
     linux["cgroupsPath"] = f"/{namespace}/{new_id}"
     remap = {v.source: t for v, t in zip(config.volumes, volume_targets, strict=True)}
