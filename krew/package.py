@@ -37,7 +37,18 @@ REPO = Path(__file__).resolve().parents[1]
 PROJECT = "kubectl-snapshot"
 BIN = "kubectl-snapshot"
 PLUGIN = "snapshot"
-EXCLUDED = {"grpcio", "protobuf", "zstandard", "aiohttp", "grpcio-tools", "google-auth"}
+# cryptography (+ cffi, pycparser) is compiled: the zipapp's plugin asks for it where it needs it
+EXCLUDED = {
+    "grpcio",
+    "protobuf",
+    "zstandard",
+    "aiohttp",
+    "grpcio-tools",
+    "google-auth",
+    "cryptography",
+    "cffi",
+    "pycparser",
+}
 DROP_SUFFIXES = (".so", ".pyd", ".dylib", ".pyc", ".pyi")
 EPOCH = (1980, 1, 1, 0, 0, 0)
 MIN_PYTHON = (3, 11)

@@ -7,25 +7,30 @@ Shared by the agent (signs after push, verifies before it downloads any layer) a
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.model import SnapshotConfig
 from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.provenance import (
     ANN_COSIGN_SIGNATURE,
     MAX_PAYLOAD_BYTES,
     MAX_SIGNATURES,
     SIMPLE_SIGNING_MEDIA_TYPE,
+    Grant,
     Origin,
     PublicKey,
     SignatureCandidate,
     SigningKey,
     TrustPolicy,
     Verdict,
+    check_claim_matches,
+    check_namespace,
     evaluate,
+    require_trusted,
     signature_manifest,
     signature_tag,
     simple_signing_payload,
@@ -107,24 +112,39 @@ def load_signing_key(path: str) -> SigningKey:
 
 def load_trust(paths: list[str], *, allow_unverified: bool = False) -> TrustPolicy:
     """Trusted public keys from PEM files, or directories of `*.pub` (+ the ConfigMap's settings)."""
-    keys: dict[str, PublicKey] = {}
-    cluster = ""
+    policies = []
     for p in paths:
         if os.path.isdir(p):
-            settings = _read_dir(p)
-            cluster = cluster or settings.get(TRUST_CLUSTER_FILE, "").strip()
-            if settings.get(TRUST_ALLOW_UNVERIFIED_FILE, "").strip().lower() == "true":
-                allow_unverified = True
-            for name in sorted(settings):
-                if name.endswith(TRUST_KEY_SUFFIX):
-                    k = PublicKey.from_pem(settings[name].encode(), where=os.path.join(p, name))
-                    keys[k.id] = k
+            policies.append(trust_from_data(_read_dir(p), where=p))
         elif os.path.exists(p):
             with open(p, "rb") as f:
-                k = PublicKey.from_pem(f.read(), where=p)
-            keys[k.id] = k
+                policies.append(TrustPolicy((PublicKey.from_pem(f.read(), where=p),)))
         else:
             raise FailedPrecondition(f"trusted key {p} does not exist")
+    return merge_trust(policies, allow_unverified=allow_unverified)
+
+
+def trust_from_data(data: Mapping[str, str], *, where: str = "the trust ConfigMap") -> TrustPolicy:
+    """The trust ConfigMap's data (or its mounted files): `<id>.pub` keys, cluster-id, the policy."""
+    keys = [
+        PublicKey.from_pem(data[name].encode(), where=f"{where}: {name}")
+        for name in sorted(data)
+        if name.endswith(TRUST_KEY_SUFFIX)
+    ]
+    return TrustPolicy(
+        tuple(keys),
+        allow_unverified=data.get(TRUST_ALLOW_UNVERIFIED_FILE, "").strip().lower() == "true",
+        cluster=data.get(TRUST_CLUSTER_FILE, "").strip(),
+    )
+
+
+def merge_trust(policies: Iterable[TrustPolicy], *, allow_unverified: bool = False) -> TrustPolicy:
+    keys: dict[str, PublicKey] = {}
+    cluster = ""
+    for pol in policies:
+        keys.update((k.id, k) for k in pol.keys)
+        cluster = cluster or pol.cluster
+        allow_unverified = allow_unverified or pol.allow_unverified
     return TrustPolicy(tuple(keys.values()), allow_unverified=allow_unverified, cluster=cluster)
 
 
@@ -172,3 +192,36 @@ def provenance_of(registry: SignatureReader, ref: Reference, policy: TrustPolicy
         return Provenance(verify_snapshot(registry, ref, policy))
     except SnapshotError as e:
         return Provenance(Verdict(False, e.message), error=f"signatures unreadable: {e.message}")
+
+
+def verify_for_restore(registry: SignatureReader, ref: Reference, config_namespace: str, pod_uid: str,
+                       policy: TrustPolicy) -> Verdict:  # fmt: skip
+    """Before any layer is downloaded: a trusted signature of exactly this digest whose signed origin
+    is the one the config states; or, where an administrator's policy allows it, an unverified one."""
+    verdict = verify_snapshot(registry, ref, policy)
+    require_trusted(verdict, policy, str(ref))
+    if verdict.claim is not None:
+        check_claim_matches(verdict.claim, namespace=config_namespace, pod_uid=pod_uid, what=str(ref))
+    return verdict
+
+
+def authorize_restore(
+    registry: SignatureReader,
+    ref: Reference,
+    config: SnapshotConfig,
+    target_namespace: str,
+    policy: TrustPolicy,
+    grants_of: Callable[[str], Iterable[Grant]],
+) -> str:
+    """Signature, origin and namespace binding, in that order, before any layer is downloaded.
+
+    The source namespace is the signed one (the config must agree); a snapshot only a policy lets
+    through (unverified) is bound to the namespace its config states. Returns why it is allowed.
+    """
+    pod = config.pod
+    config_ns = pod.namespace if pod is not None else config.namespace
+    verdict = verify_for_restore(registry, ref, config_ns, pod.uid if pod is not None else "", policy)
+    source = verdict.claim.origin.namespace if verdict.claim is not None else config_ns
+    grants = [] if source == target_namespace else list(grants_of(source))
+    allowed = check_namespace(source, target_namespace, ref.name, grants)
+    return f"{verdict.reason}; {allowed}"

@@ -26,9 +26,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+try:  # the node agent always has it; the krew zipapp (pure Python, one file for every OS) may not
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    HAVE_CRYPTOGRAPHY = True
+except ImportError:  # pragma: no cover - exercised by the krew zipapp test
+    HAVE_CRYPTOGRAPHY = False
 
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kubectl_snapshot.core.oci import Descriptor, Manifest, canonical_json, is_digest, sha256_digest
@@ -102,6 +107,15 @@ class Origin:
 # --- keys ------------------------------------------------------------------------------------------
 
 
+def _need_cryptography() -> None:
+    if not HAVE_CRYPTOGRAPHY:
+        raise FailedPrecondition(
+            "signing and verifying snapshots needs the Python package 'cryptography', which is not installed",
+            hint="pip install cryptography (the krew build of the plugin cannot bundle it), "
+            "or install kubectl-snapshot with pip",
+        )
+
+
 def key_id(public: ec.EllipticCurvePublicKey) -> str:
     """A short, stable name for a public key: sha256 of its DER SubjectPublicKeyInfo, 16 hex digits."""
     der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
@@ -115,6 +129,7 @@ class PublicKey:
 
     @classmethod
     def from_pem(cls, pem: bytes, *, where: str = "public key") -> PublicKey:
+        _need_cryptography()
         try:
             key = serialization.load_pem_public_key(pem)
         except (ValueError, TypeError) as e:
@@ -140,10 +155,12 @@ class SigningKey:
 
     @classmethod
     def generate(cls) -> SigningKey:
+        _need_cryptography()
         return cls(ec.generate_private_key(ec.SECP256R1()))
 
     @classmethod
     def from_pem(cls, pem: bytes, *, where: str = "signing key") -> SigningKey:
+        _need_cryptography()
         try:
             key = serialization.load_pem_private_key(pem, password=None)
         except (ValueError, TypeError) as e:

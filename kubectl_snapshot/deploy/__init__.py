@@ -59,11 +59,13 @@ def render(
     labels = dict(LABELS)
     objects = [
         crd.podsnapshot_crd(labels),
+        crd.snapshotgrant_crd(labels),
         rbac.namespace(labels),
         rbac.service_account(labels),
         rbac.agent_cluster_role(labels),
         rbac.agent_cluster_role_binding(labels),
         *rbac.user_cluster_roles(labels),
+        rbac.grant_cluster_role(labels),
         agent.runtime_class(labels),
     ]
     if settings.per_node_paths:

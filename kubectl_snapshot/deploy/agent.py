@@ -231,7 +231,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                         {
                             "name": "agent",
                             "args": run_args,
-                            **copy.deepcopy(common),
+                            **_with_provenance_mounts(copy.deepcopy(common)),
                             "readinessProbe": {
                                 "exec": {"command": ["test", "-f", READY_FILE]},
                                 "periodSeconds": 5,
@@ -239,11 +239,34 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
                         }
                     ],
-                    "volumes": volumes,
+                    "volumes": volumes + provenance_volumes(),
                 },
             },
         },
     }
+
+
+def provenance_volumes() -> list[dict[str, Any]]:
+    """The signing key (Secret) and what the cluster trusts (ConfigMap): made by `kubectl snapshot install`,
+    never part of the generated manifests (a private key does not belong in a repository). Optional, so
+    an agent applied without them still starts; it then refuses to snapshot (no key) and to restore
+    (nothing trusted), each with a hint."""
+    return [
+        {
+            "name": "signing-key",
+            "secret": {"secretName": K.SIGNING_KEY_SECRET, "optional": True, "defaultMode": 0o400},
+        },
+        {"name": "trust", "configMap": {"name": K.TRUST_CONFIG_MAP, "optional": True}},
+    ]
+
+
+def _with_provenance_mounts(container: dict[str, Any]) -> dict[str, Any]:
+    container["volumeMounts"] = [
+        *container["volumeMounts"],
+        {"name": "signing-key", "mountPath": K.SIGNING_KEY_DIR, "readOnly": True},
+        {"name": "trust", "mountPath": K.TRUST_DIR, "readOnly": True},
+    ]
+    return container
 
 
 CLEANUP_NAME = "kubectl-snapshot-uninstall"

@@ -44,6 +44,7 @@ def agent_rules() -> list[dict[str, Any]]:
         _rule("", ["events"], ["create", "patch"]),
         _rule("", ["secrets"], ["get"]),
         _rule("", ["nodes"], ["get", "patch"]),
+        _rule(K.GROUP, [K.GRANT_PLURAL], ["get", "list"]),  # provenance: may A's snapshot go to B?
     ]
 
 
@@ -98,3 +99,16 @@ def user_cluster_roles(labels: dict[str, str]) -> list[dict[str, Any]]:
             "rules": [_rule(K.GROUP, [K.PLURAL], ["get", "list", "watch"])],
         },
     ]
+
+
+GRANT_ROLE = "kubectl-snapshot-grant"
+
+
+def grant_cluster_role(labels: dict[str, str]) -> dict[str, Any]:
+    """SnapshotGrants give a namespace's snapshots (its pods' memory) away: `admin` only, by aggregation."""
+    return {
+        "apiVersion": RBAC,
+        "kind": "ClusterRole",
+        "metadata": {"name": GRANT_ROLE, "labels": labels | {_AGGREGATE + "admin": "true"}},
+        "rules": [_rule(K.GROUP, [K.GRANT_PLURAL], ["create", "get", "list", "watch", "update", "patch", "delete"])],
+    }

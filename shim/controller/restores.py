@@ -15,10 +15,12 @@ import shutil
 import time
 from typing import Any
 
+from kubectl_snapshot.app.provenance import authorize_restore, load_trust
 from kubectl_snapshot.cli.errors import render
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
+from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.controller.events import pod_event
@@ -72,6 +74,10 @@ class RestoreWorker:
             registry = registry_for(self.kube, ns, secret, insecure=False)
             artifact = load_artifact(registry, ref)
             config = artifact.config
+            # provenance before anything else is fetched: signed by a key the cluster trusts, exactly
+            # this digest, from this namespace or one that granted it (docs/security.md)
+            why = authorize_restore(registry, artifact.reference, config, ns, self._trust(), self._grants)
+            log.info("restore of %s into %s/%s allowed: %s", artifact.reference, ns, name, why)
             problems = hostfacts.preflight_problems(config.host, self.facts)
             if problems:
                 raise FailedPrecondition(
@@ -108,6 +114,15 @@ class RestoreWorker:
         pod_event(
             self.kube, pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}"
         )
+
+    def _trust(self) -> TrustPolicy:
+        """Read per restore: a rotated key or a changed policy applies as soon as its file lands."""
+        if not os.path.isdir(self.settings.trust_dir):
+            return TrustPolicy()  # nothing trusted: every restore is refused with the reason
+        return load_trust([self.settings.trust_dir])
+
+    def _grants(self, namespace: str) -> list[Grant]:
+        return [g for g in map(parse_grant, self.kube.list_snapshot_grants(namespace)) if g is not None]
 
     def _wait_for_dirs(self, dirs: list[str]) -> None:
         deadline = time.monotonic() + VOLUME_WAIT_S

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 
 
@@ -23,6 +24,8 @@ class NodeSettings:
     restart_command: str = ""
     criu_path: str = "criu"  # as the node's containerd finds it (looked up in the host's mount namespace)
     criu_config: str = "/etc/criu/runc.conf"  # the runc-specific CRIU configuration (shim/criu_config.py)
+    signing_key_dir: str = K.SIGNING_KEY_DIR  # the mounted signing-key Secret (signs every snapshot)
+    trust_dir: str = K.TRUST_DIR  # the mounted trust ConfigMap (public keys, cluster id, policy)
 
     @property
     def state_dir(self) -> str:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
+from kubectl_snapshot.app.provenance import load_signing_key, load_trust
 from kubectl_snapshot.cli.errors import render
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
@@ -133,6 +135,9 @@ class SnapshotWorker:
             containers = running_containers(pod)
             volumes = empty_dirs(pod, self.settings.kubelet_root) if spec.get("includeVolumes", True) else {}
             registry = registry_for(self.kube, ns, spec.get("registrySecret"), insecure=bool(spec.get("insecure")))
+            # read per snapshot: a rotated key (the Secret's mounted file) is used as soon as it lands
+            signing_key = load_signing_key(self.settings.signing_key_dir)
+            trust = load_trust([self.settings.trust_dir]) if os.path.isdir(self.settings.trust_dir) else None
             req = CheckpointRequest(
                 containers=containers.ids,
                 names=containers.names,
@@ -143,6 +148,9 @@ class SnapshotWorker:
                 group=pod["metadata"]["name"],
                 namespace=ns,
                 pod=record_pod(pod, self.settings.node),
+                signing_key=signing_key,
+                cluster=trust.cluster if trust is not None else "",
+                node=self.settings.node,
             )
             with ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
                 result = checkpoint(
@@ -190,7 +198,7 @@ class SnapshotWorker:
             "reference": str(r.reference),
             "tag": str(r.tagged),
             "size": r.size,
-            "message": f"pushed {r.reference}",
+            "message": f"pushed {r.reference}" + (f" (signed by key {r.signed_by})" if r.signed_by else ""),
             "completionTime": now(),
             "conditions": [_condition("Succeeded", "True", "Pushed", f"pushed {r.reference}")],
         }

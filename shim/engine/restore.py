@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubectl_snapshot.adapters.archive import open_zstd_reader, safe_extract
+from kubectl_snapshot.app.provenance import verify_for_restore
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import (
     CriuFailed,
@@ -32,6 +33,7 @@ from kubectl_snapshot.core.errors import (
 )
 from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor
+from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.engine.artifact import Artifact, load_artifact
@@ -54,6 +56,7 @@ class RestoreRequest:
     runc_root: str = ""
     log_dir: str = "/var/log/kubectl-snapshot"
     snapshotter: str = "overlayfs"
+    trust: TrustPolicy = field(default_factory=TrustPolicy)  # default trusts nothing: all refused
 
 
 @dataclass
@@ -62,6 +65,7 @@ class RestoreResult:
     containers: list[tuple[str, int]]  # (new id, pid)
     config: SnapshotConfig
     timings_ms: dict[str, float] = field(default_factory=dict)
+    provenance: str = ""  # why it was trusted
 
 
 def stage_artifact(
@@ -199,6 +203,11 @@ def restore(
     phase("resolve")
     artifact = load_artifact(registry, req.source)
     config = artifact.config
+    # Provenance first: a signature by a trusted key of exactly this digest, agreeing with the config.
+    # A node-level restore is an operator's (root) action: no namespace binding here (see restores.py).
+    pod_uid = config.pod.uid if config.pod is not None else ""
+    origin_ns = config.pod.namespace if config.pod is not None else config.namespace
+    verdict = verify_for_restore(registry, artifact.reference, origin_ns, pod_uid, req.trust)
     if len(req.new_ids) != len(config.containers):
         raise InvalidArgument(
             f"the snapshot has {len(config.containers)} container(s) "
@@ -250,7 +259,7 @@ def restore(
             shutil.rmtree(sdir, ignore_errors=True)
     timings["restore_ms"] = (clock() - t_run) * 1000
     timings["total_ms"] = (clock() - t0) * 1000
-    return RestoreResult(artifact.reference, results, config, timings)
+    return RestoreResult(artifact.reference, results, config, timings, verdict.reason)
 
 
 def _check_image(containerd: Any, rec: ContainerRecord) -> str:

@@ -47,7 +47,14 @@ class FakeContainerd:
     def get_container(self, cid: str) -> Any:
         if cid not in self.running:
             raise NotFound(f"container {cid} not found")
-        return SimpleNamespace(id=cid, image="img", spec={"process": {"args": ["app"], "env": ["TOKEN=s3cret"]}}, snapshotter="overlayfs", snapshot_key=cid, labels={})
+        return SimpleNamespace(
+            id=cid,
+            image="img",
+            spec={"process": {"args": ["app"], "env": ["TOKEN=s3cret"]}},
+            snapshotter="overlayfs",
+            snapshot_key=cid,
+            labels={},
+        )
 
     def get_task(self, cid: str) -> Any:
         return SimpleNamespace(pid=1, status="paused" if cid in self.paused else "running")
