@@ -4,8 +4,9 @@
 Why a zipapp with vendored pure-Python dependencies: krew installs a file and puts it on PATH; the
 user's machine has a python3 but none of our packages. Everything the plugin imports (click,
 kubernetes and its closure, requests, pyyaml, tqdm) has a pure-Python form, so one platform-independent
-file serves Linux and macOS. Node-only dependencies (grpcio, protobuf, zstandard) and the asyncio
-client's aiohttp are left out; compiled extension files are dropped (pyyaml and charset-normalizer fall
+file serves Linux and macOS. Node-only dependencies (grpcio, protobuf, zstandard, prometheus-client),
+cryptography (compiled; the plugin asks for it where it signs or verifies) and the asyncio client's
+aiohttp are left out; compiled extension files are dropped (pyyaml and charset-normalizer fall
 back to their pure-Python modules).
 
 The dependency files are copied from the installed distributions of the Python running this script
@@ -37,7 +38,6 @@ REPO = Path(__file__).resolve().parents[1]
 PROJECT = "kubectl-snapshot"
 BIN = "kubectl-snapshot"
 PLUGIN = "snapshot"
-# cryptography (+ cffi, pycparser) is compiled: the zipapp's plugin asks for it where it needs it
 EXCLUDED = {
     "grpcio",
     "protobuf",
@@ -45,7 +45,8 @@ EXCLUDED = {
     "aiohttp",
     "grpcio-tools",
     "google-auth",
-    "cryptography",
+    "prometheus-client",  # the node agent only
+    "cryptography",  # compiled: the agent (metrics certificate, signatures); the plugin asks for it where needed
     "cffi",
     "pycparser",
 }
