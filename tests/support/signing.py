@@ -39,3 +39,16 @@ def session_key() -> KeyFiles:
 def signing_env() -> dict[str, str]:
     k = session_key()
     return {"KUBECTL_SNAPSHOT_SIGNING_KEY": str(k.private), "KUBECTL_SNAPSHOT_TRUSTED_KEYS": str(k.public)}
+
+
+def sign(ref: str, origin_namespace: str, *, key: KeyFiles | None = None) -> None:
+    """Sign a snapshot a test crafted by hand (REGISTRY/REPO@sha256:...) as an agent would, so that a
+    restore gets past provenance to the check under test. `origin_namespace` must be the namespace its
+    config states (config.pod.namespace, or config.namespace for node-level snapshots)."""
+    from kubectl_snapshot.adapters.registry import RegistryClient
+    from kubectl_snapshot.app.provenance import sign_snapshot
+    from kubectl_snapshot.core.provenance import Origin
+    from kubectl_snapshot.core.reference import Reference
+
+    k = key or session_key()
+    sign_snapshot(RegistryClient(), Reference.parse(ref), Origin(namespace=origin_namespace, format_version=3), k.key)
