@@ -7,7 +7,10 @@ import json
 
 import pytest
 
-from kubectl_snapshot.core.errors import PermissionDenied
+from kubectl_snapshot.app.provenance import authorize_restore, sign_snapshot
+from kubectl_snapshot.core.errors import NotFound, PermissionDenied
+from kubectl_snapshot.core.model import ContainerRecord, HostFacts, PodRecord, SnapshotConfig
+from kubectl_snapshot.core.oci import sha256_digest
 from kubectl_snapshot.core.provenance import (
     ANN_COSIGN_SIGNATURE,
     COSIGN_TYPE,
@@ -28,6 +31,7 @@ from kubectl_snapshot.core.provenance import (
     signature_tag,
     simple_signing_payload,
 )
+from kubectl_snapshot.core.reference import Reference
 
 DIGEST = "sha256:" + "a" * 64
 OTHER = "sha256:" + "b" * 64
@@ -168,3 +172,63 @@ def test_namespace_binding() -> None:
     with pytest.raises(PermissionDenied):
         check_namespace("a", "b", repo, [scoped])
     assert parse_grant({"metadata": {}, "spec": {"targetNamespaces": "b"}}) is None
+
+
+# --- the whole check as the agent runs it, against an in-memory registry ------------------------------
+
+
+class MemoryRegistry:
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+        self.tags: dict[str, bytes] = {}
+
+    def push_blob(
+        self, ref: Reference, *, digest: str, size: int, path: str | None = None, data: bytes | None = None
+    ) -> bool:
+        self.blobs[digest] = data or b""
+        return True
+
+    def push_manifest(self, ref: Reference, manifest: bytes, media_type: str) -> str:
+        self.tags[ref.tag or ""] = manifest
+        return sha256_digest(manifest)
+
+    def get_manifest(self, ref: Reference, *, max_size: int = 0) -> tuple[bytes, str, str]:
+        if (ref.tag or "") not in self.tags:
+            raise NotFound(f"{ref} not found")
+        body = self.tags[ref.tag or ""]
+        return body, "application/vnd.oci.image.manifest.v1+json", sha256_digest(body)
+
+    def read_blob(self, ref: Reference, digest: str, *, max_size: int = 0) -> bytes:
+        return self.blobs[digest]
+
+
+def pod_config(namespace: str, uid: str = "u1") -> SnapshotConfig:
+    rec = ContainerRecord(name="c", id="c", image="i", image_digest="", layer_digest=DIGEST, spec={})
+    return SnapshotConfig(
+        group="web", namespace=namespace, created="t", containers=(rec,), host=HostFacts(),
+        pod=PodRecord(name="web", namespace=namespace, uid=uid),
+    )  # fmt: skip
+
+
+def test_authorize_restore_end_to_end(key: SigningKey) -> None:
+    reg = MemoryRegistry()
+    ref = Reference("127.0.0.1:5000", "snaps", digest=DIGEST)
+    policy = TrustPolicy((key.public,))
+    cfg = pod_config("team-a")
+    with pytest.raises(PermissionDenied, match="not signed"):
+        authorize_restore(reg, ref, cfg, "team-a", policy, lambda ns: [])
+    sign_snapshot(reg, ref, Origin(namespace="team-a", pod="web", pod_uid="u1"), key)
+    assert "same namespace" in authorize_restore(reg, ref, cfg, "team-a", policy, lambda ns: [])
+    asked: list[str] = []
+
+    def grants(ns: str) -> list[Grant]:
+        asked.append(ns)
+        return [Grant("g", "team-a", ("team-b",))]
+
+    assert "snapshotgrant team-a/g" in authorize_restore(reg, ref, cfg, "team-b", policy, grants)
+    assert asked == ["team-a"]  # grants are read in the snapshot's (signed) namespace
+    with pytest.raises(PermissionDenied, match="no SnapshotGrant"):
+        authorize_restore(reg, ref, cfg, "team-c", policy, grants)
+    # a config edited to claim the target namespace no longer matches its signature
+    with pytest.raises(PermissionDenied, match="signed as taken in namespace 'team-a'"):
+        authorize_restore(reg, ref, pod_config("team-c"), "team-c", policy, lambda ns: [])
