@@ -97,6 +97,11 @@ def _snapshot_options(fn: Any) -> Any:
         click.option("--registry-secret", help="dockerconfigjson Secret in the namespace, used by the agent to push."),
         click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry."),
         click.option("--no-volumes", is_flag=True, help="Do not capture emptyDir volumes."),
+        click.option(
+            "--ignore-liveness",
+            is_flag=True,
+            help="Snapshot even if the freeze may outlast a liveness probe (a container may be restarted).",
+        ),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -173,6 +178,7 @@ def pod_cmd(
     registry_secret: str | None,
     insecure: bool,
     no_volumes: bool,
+    ignore_liveness: bool,
     stop: bool,
     no_wait: bool,
     timeout: float,
@@ -191,6 +197,7 @@ def pod_cmd(
         insecure=insecure,
         stop=stop,
         include_volumes=not no_volumes,
+        ignore_liveness=ignore_liveness,
     )
     created = start_snapshot(req, kube=kube)
     memory_notice()
@@ -269,6 +276,7 @@ def migrate_cmd(
     registry_secret: str | None,
     insecure: bool,
     no_volumes: bool,
+    ignore_liveness: bool,
     node: str | None,
     name: str | None,
     agent_image: str | None,
@@ -290,6 +298,7 @@ def migrate_cmd(
             insecure=insecure,
             stop=False,
             include_volumes=not no_volumes,
+            ignore_liveness=ignore_liveness,
         ),
         node=node,
         name=name,
@@ -458,6 +467,11 @@ def _install_settings(api_server: str | None, state_dir: str | None, **paths: st
     help="YAML/JSON {node: {containerd_socket, kubelet_root, containerd_dropin_dir}} for several nodes per machine.",
 )
 @click.option(
+    "--host-network",
+    is_flag=True,
+    help="Run the agent in the nodes' network namespace (only when the registry is reachable from nodes alone).",
+)
+@click.option(
     "--rotate-signing-key",
     is_flag=True,
     help="Make a new snapshot signing key; the old public key stays trusted, so older snapshots still restore.",
@@ -483,6 +497,7 @@ def install_cmd(
     agent_image: str | None,
     api_server: str | None,
     state_dir: str | None,
+    host_network: bool,
     rotate_signing_key: bool,
     trust_keys: tuple[str, ...],
     allow_unverified: bool | None,
@@ -491,12 +506,15 @@ def install_cmd(
     output: str,
     **paths: str | None,
 ) -> None:
-    """Install the CRD, RBAC, agent DaemonSet and RuntimeClass; wait until the agents run.
+    """Install the CRD, RBAC, admission policies, agent DaemonSet and RuntimeClass; wait until the agents run.
 
     Also makes the agents' snapshot signing key (Secret kubectl-snapshot-signing-key, once; see
     --rotate-signing-key) and the trust ConfigMap kubectl-snapshot-trust (public keys, policy).
     """
-    objects = install_app.render(agent_image, _install_settings(api_server, state_dir, **paths))
+    settings = _install_settings(api_server, state_dir, **paths)
+    if host_network:
+        settings["host_network"] = True
+    objects = install_app.render(agent_image, settings)
     if dry_run:
         _emit_objects(objects, output)
         return
