@@ -326,5 +326,8 @@ def cleanup_daemonset(live: Mapping[str, Any]) -> dict[str, Any]:
     for c in pod.get("containers") or []:
         c.pop("args", None)
         c.pop("readinessProbe", None)
+        # no ports: on a host network they are host ports, which the agent's pods still hold while
+        # this runs (its pods would stay Pending, and uninstall would time out leaving it behind)
+        c.pop("ports", None)
         c["command"] = ["sleep", "3600"]
     return ds
