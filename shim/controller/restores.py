@@ -290,6 +290,8 @@ class RestoreWorker:
     def _annotate(self, pod: dict[str, Any], value: str) -> None:
         meta = pod["metadata"]
         try:
-            self.kube.patch_pod_annotations(meta["namespace"], meta["name"], {K.ANN_RESTORE_STATUS: value[:1000]})
+            self.kube.patch_pod_annotations(
+                meta["namespace"], meta["name"], {K.ANN_RESTORE_STATUS: value[:1000]}, status=True
+            )
         except SnapshotError:
             log.warning("could not annotate %s/%s", meta["namespace"], meta["name"])

@@ -14,17 +14,18 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SnapshotError
+from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
-from shim import freezer
+from shim import freezer, guard
 from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event, snapshot_event
 from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_containers
@@ -46,7 +47,15 @@ def now() -> str:
 def registry_for(kube: Any, namespace: str, secret: str | None, *, insecure: bool) -> RegistryClient:
     store = CredentialStore()
     if secret:
-        obj = kube.get_secret(namespace, secret)
+        try:
+            obj = kube.get_secret(namespace, secret)
+        except PermissionDenied as e:
+            raise PermissionDenied(
+                f"the agent may not read secret {namespace}/{secret}: {e.message}",
+                hint=f"an admin of namespace {namespace} lets the agent read its registry Secrets with: kubectl "
+                f"create rolebinding {K.AGENT_SECRETS_ROLE} -n {namespace} --clusterrole={K.AGENT_SECRETS_ROLE} "
+                f"--serviceaccount={K.AGENT_NAMESPACE}:{K.AGENT_NAME}",
+            ) from e
         data = (obj.get("data") or {}).get(".dockerconfigjson")
         if not data:
             raise InvalidArgument(
@@ -180,8 +189,14 @@ class SnapshotWorker:
                 group=pod["metadata"]["name"],
                 namespace=ns,
                 pod=record_pod(pod, self.settings.node),
+                probe_budgets=probe_budgets(pod),
+                ignore_liveness=bool(spec.get("ignoreLiveness")),
             )
-            with ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
+            report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
+            with (
+                self._guard(report) as held,
+                ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd,
+            ):
                 result = checkpoint(
                     req,
                     containerd=containerd,
@@ -191,7 +206,9 @@ class SnapshotWorker:
                     on_bytes=reporter.bytes,
                     before_stop=lambda: self._delete_pod(pod),
                     host=self.facts,
-                    freezer_for=freezer.lookup,
+                    freezer_for=held.freezer_for,
+                    memory_of=freezer.task_memory,
+                    on_plan=reporter.plan,
                 )
         except SnapshotError as e:
             self._finish_failed(obj, pod, e)
@@ -201,6 +218,16 @@ class SnapshotWorker:
             self._finish_failed(obj, pod, SnapshotError(f"internal error: {e}"))
             return
         self._finish_ok(obj, pod, result)
+
+    @contextlib.contextmanager
+    def _guard(self, report: dict[str, str]) -> Iterator[guard.GuardClient]:
+        """The freeze guard container beside the agent (DaemonSet), else a private one for this snapshot
+        (it survives the agent's process, not a restart of the agent's container)."""
+        if self.settings.guard_socket:
+            yield guard.GuardClient(self.settings.guard_socket, report)
+        else:
+            with guard.private_guard(report) as client:
+                yield client
 
     def _delete_pod(self, pod: dict[str, Any]) -> None:
         """With stop: the pod object goes first, so that the kubelet does not restart what we kill."""
@@ -217,6 +244,8 @@ class SnapshotWorker:
             timings_ms=r.timings_ms,
         )
         status = S.succeeded(outcome, node=self.settings.node, now=now(), generation=meta.get("generation"))
+        if r.plan is not None:
+            status.update(_plan_status(r.plan))
         # Issue 10: the pod may already be stopped; a failed status write must never leave the object
         # Running (an agent restart would then report "thawed, keeps running"). The result is kept on
         # the node first, the write retried, and a later pass (or the next agent) writes it.
@@ -340,6 +369,12 @@ class _StatusReporter:
         self.current = ""
         self._last = 0.0
 
+    def plan(self, plan: FreezePlan) -> None:
+        try:
+            self.kube.patch_snapshot_status(self.ns, self.name, _plan_status(plan))
+        except SnapshotError:
+            log.warning("could not record the freeze plan of %s/%s", self.ns, self.name)
+
     def stage(self, stage: str) -> None:
         self.current = stage
         self._flush(force=True)
@@ -360,3 +395,10 @@ class _StatusReporter:
             )
         except SnapshotError:
             log.warning("could not update the progress of %s/%s", self.ns, self.name)
+
+
+def _plan_status(plan: FreezePlan) -> dict[str, Any]:
+    return {
+        "expectedFreezeSeconds": round(plan.expected_s, 1),
+        "freezeDeadlineSeconds": round(plan.deadline_s, 1),
+    }

@@ -176,7 +176,7 @@ class FakeKube:
     annotations: list[dict[str, str]] = field(default_factory=list)
     events: list[tuple[str, str]] = field(default_factory=list)
 
-    def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, str]) -> None:
+    def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, str], *, status: bool = False) -> None:
         self.annotations.append(ann)
 
     def create_event(self, ns: str, *, involved: dict[str, Any], reason: str, message: str, type: str) -> None:
