@@ -40,6 +40,8 @@ FILES = {
     "ServiceAccount": "rbac.yaml",
     "ClusterRole": "rbac.yaml",
     "ClusterRoleBinding": "rbac.yaml",
+    "Role": "rbac.yaml",
+    "RoleBinding": "rbac.yaml",
     "RuntimeClass": "runtimeclass.yaml",
     "ConfigMap": "agent.yaml",
     "DaemonSet": "agent.yaml",

@@ -20,13 +20,14 @@ from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import KeyProvider
 from shim import hostfacts
 from shim.controller.events import pod_event
 from shim.controller.podinfo import empty_dir_path
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
-from shim.engine.restore import stage_artifact
+from shim.engine.restore import opener_for, stage_artifact
 from shim.engine.staging import StatePaths
 
 log = logging.getLogger(__name__)
@@ -45,8 +46,9 @@ def wants_restore(pod: dict[str, Any], node: str) -> bool:
 
 
 class RestoreWorker:
-    def __init__(self, *, kube: Any, settings: NodeSettings, facts: HostFacts) -> None:
+    def __init__(self, *, kube: Any, settings: NodeSettings, facts: HostFacts, keys: KeyProvider | None = None) -> None:
         self.kube = kube
+        self.keys = keys
         self.settings = settings
         self.facts = facts
         self.paths = StatePaths(settings.state_dir)
@@ -85,13 +87,15 @@ class RestoreWorker:
                     f"the pod has no container named {', '.join(missing)} that the snapshot holds",
                     hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
                 )
+            # an encrypted snapshot opens only in the namespace it was sealed for (before any download)
+            opener = opener_for(config, self.keys, ns)
             targets = []
             for vol in config.volumes:
                 target = empty_dir_path(self.settings.kubelet_root, uid, vol.name)
                 targets.append(target)
             self._wait_for_dirs([gate, *targets])
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
-            stage_artifact(artifact, staged, registry=registry, paths=self.paths, volume_targets=targets)
+            stage_artifact(artifact, staged, registry=registry, paths=self.paths, volume_targets=targets, opener=opener)
         except SnapshotError as e:
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)

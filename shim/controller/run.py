@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from kubectl_snapshot.adapters.keystore import SecretKeyProvider
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
@@ -101,8 +102,10 @@ def run(
     if thawed:
         log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)
-    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts)
-    restores = RestoreWorker(kube=kube, settings=settings, facts=facts)
+    # encryption at rest is on: namespace keys in one Secret of the agent's namespace (adapters/keystore.py)
+    keys = SecretKeyProvider(kube)
+    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, keys=keys)
+    restores = RestoreWorker(kube=kube, settings=settings, facts=facts, keys=keys)
     field = f"spec.nodeName={settings.node}"
     ready_snap, ready_restore = threading.Event(), threading.Event()
     threads = [

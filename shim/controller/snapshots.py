@@ -21,6 +21,7 @@ from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import KeyProvider, Sealer
 from shim import freezer
 from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event
@@ -53,9 +54,16 @@ def registry_for(kube: Any, namespace: str, secret: str | None, *, insecure: boo
 
 class SnapshotWorker:
     def __init__(
-        self, *, kube: Any, settings: NodeSettings, facts: HostFacts, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        kube: Any,
+        settings: NodeSettings,
+        facts: HostFacts,
+        clock: Callable[[], float] = time.monotonic,
+        keys: KeyProvider | None = None,
     ) -> None:
         self.kube = kube
+        self.keys = keys  # encryption at rest: every snapshot sealed with its namespace's key
         self.settings = settings
         self.facts = facts
         self.clock = clock
@@ -144,6 +152,8 @@ class SnapshotWorker:
                 namespace=ns,
                 pod=record_pod(pod, self.settings.node),
             )
+            # the key first: a key store problem fails the snapshot before anything is frozen
+            sealer = Sealer(self.keys.namespace_key(ns, create=True), ns) if self.keys is not None else None
             with ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
                 result = checkpoint(
                     req,
@@ -155,6 +165,7 @@ class SnapshotWorker:
                     before_stop=lambda: self._delete_pod(pod),
                     host=self.facts,
                     freezer_for=freezer.lookup,
+                    sealer=sealer,
                 )
         except SnapshotError as e:
             self._finish_failed(obj, pod, e)
