@@ -52,7 +52,7 @@ def restore(daemon: ContainerdDaemon, ref: str, keys: list[str]) -> tuple[float,
 
 def measure(
     daemon: ContainerdDaemon, registry: RegistryServer, key_dir: Path, mib: int, kind: str, runs: int
-) -> dict[str, Any]:  # noqa: E501
+) -> dict[str, Any]:
     keys = ["--key-dir", str(key_dir), "--key-namespace", "bench"]
     modes = {"clear": ([], []), "sealed": (["--encrypt", *keys], keys)}
     pushed: dict[str, list[float]] = {m: [] for m in modes}

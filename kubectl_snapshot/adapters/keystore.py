@@ -27,8 +27,9 @@ import time
 from typing import Any
 
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.encryption import KEY_BYTES
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from kubectl_snapshot.core.sealing import KEY_BYTES, LocalNamespaceKey, NamespaceKey, key_id_of, new_key
+from kubectl_snapshot.core.sealing import LocalNamespaceKey, NamespaceKey, key_id_of, new_key
 
 KEY_SECRET = "kubectl-snapshot-keys"
 # containerd's namespace rule; Kubernetes namespaces (DNS labels) are a subset

@@ -14,9 +14,9 @@ from typing import Any
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import PagesFile, chunk_digests, parse_pages_files
+from kubectl_snapshot.core.encryption import EncryptionInfo
 from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.oci import canonical_json, is_digest
-from kubectl_snapshot.core.sealing import EncryptionInfo
 
 
 @dataclass(frozen=True)

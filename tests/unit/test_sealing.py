@@ -11,6 +11,7 @@ import os
 import pytest
 
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.encryption import SCHEME, EncryptionInfo
 from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.model import (
     ContainerRecord,
@@ -24,10 +25,8 @@ from kubectl_snapshot.core.sealing import (
     HEADER,
     MAGIC,
     MIN_SEGMENT,
-    SCHEME,
     TAG,
     DecryptionFailed,
-    EncryptionInfo,
     LocalNamespaceKey,
     Opener,
     OpeningReader,
@@ -65,7 +64,7 @@ def test_round_trip_whole_and_streamed_at_every_boundary(n: int) -> None:
     streamed = b"".join(seal_stream(pieces, dek, segment_size=SEG))
     assert whole == streamed  # one format, whichever way it was written
     assert len(whole) == sealed_size(n, SEG)
-    assert data not in whole or n == 0
+    assert n < 16 or data not in whole  # (a byte or two may occur in any ciphertext by chance)
     assert open_bytes(whole, dek) == data
     assert read_all(whole, dek) == data
     assert OpeningReader(io.BytesIO(whole), dek).read() == data
