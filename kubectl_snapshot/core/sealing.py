@@ -150,11 +150,16 @@ def seal_stream(pieces: Iterable[bytes], dek: bytes, *, segment_size: int = SEGM
         for piece in it:
             buf += piece
             # keep at least one byte back: the last segment must be sealed as final
-            while len(buf) > segment_size:
-                seg = bytes(buf[:segment_size])
-                del buf[:segment_size]
-                yield aead.encrypt(_nonce(index), seg, _aad(header, index, False))
-                index += 1
+            full = (len(buf) - 1) // segment_size
+            if full:
+                sealed = []
+                with memoryview(buf) as view:
+                    for k in range(full):
+                        with view[k * segment_size : (k + 1) * segment_size] as seg:
+                            sealed.append(aead.encrypt(_nonce(index), seg, _aad(header, index, False)))
+                        index += 1
+                del buf[: full * segment_size]  # one move per piece, not one per segment
+                yield from sealed
         yield aead.encrypt(_nonce(index), bytes(buf), _aad(header, index, True))
     finally:
         close = getattr(it, "close", None)
