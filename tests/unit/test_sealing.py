@@ -260,3 +260,29 @@ def test_an_invalid_record_is_refused(mutate) -> None:  # type: ignore[no-untype
     mutate(d)
     with pytest.raises(FailedPrecondition):
         EncryptionInfo.from_dict(d)
+
+
+def test_inspect_says_whether_and_how_a_snapshot_is_encrypted() -> None:
+    from kubectl_snapshot.app.artifact import Artifact
+    from kubectl_snapshot.app.inspect import inspect_data, inspect_text
+    from kubectl_snapshot.core.oci import Descriptor, build_manifest
+    from kubectl_snapshot.core.reference import Reference
+
+    kek = new_key()
+    info, blobs, _, _ = info_and_blobs(kek, "team-a")
+    ld = list(blobs)[1]
+    ref = Reference.parse("127.0.0.1:5000/r@sha256:" + "1" * 64)
+    for info_or_none in (EncryptionInfo(info.scheme, "team-a", info.key_id, {ld: info.keys[ld]}), None):
+        cfg = config_with(info_or_none, ld)
+        layer = Descriptor(layer_media_type(C.CHECKPOINT_LAYER_MEDIA_TYPE, cfg), ld, 10)
+        manifest = build_manifest(
+            config=Descriptor(C.CONFIG_MEDIA_TYPE, "sha256:" + "2" * 64, 5),
+            layers=[layer],
+            artifact_type=C.ARTIFACT_TYPE,
+            annotations={},
+        )
+        text = inspect_text(inspect_data(Artifact(ref, manifest, cfg)))
+        if info_or_none is None:
+            assert "Encrypted:  no" in text
+        else:
+            assert f"Encrypted:  {SCHEME} with the key of namespace team-a ({key_id_of(kek)})" in text
