@@ -167,20 +167,24 @@ def seal_stream(pieces: Iterable[bytes], dek: bytes, *, segment_size: int = SEGM
             close()  # a producer thread behind `pieces` stops when the upload stops early
 
 
-def seal_bytes(data: bytes, dek: bytes, *, segment_size: int = SEGMENT_SIZE) -> bytes:
-    """Seal a whole in-memory blob (a chunk of a few MiB)."""
+def seal_bytes(data: bytes | bytearray | memoryview, dek: bytes, *, segment_size: int = SEGMENT_SIZE) -> bytearray:
+    """Seal a whole in-memory blob (a chunk of a few MiB), straight into one buffer (no copies)."""
     if not MIN_SEGMENT <= segment_size <= MAX_SEGMENT:
         raise InvalidArgument(f"segment size {segment_size} out of range")
     aead = AESGCM(dek)
     header = HEADER.pack(MAGIC, segment_size)
-    out = [header]
-    view = memoryview(data)
     n = max(1, -(-len(data) // segment_size))
-    for i in range(n):
-        out.append(
-            aead.encrypt(_nonce(i), view[i * segment_size : (i + 1) * segment_size], _aad(header, i, i == n - 1))
-        )
-    return b"".join(out)
+    out = bytearray(sealed_size(len(data), segment_size))
+    out[: HEADER.size] = header
+    pos = HEADER.size
+    with memoryview(data) as view, memoryview(out) as dst:
+        for i in range(n):
+            with view[i * segment_size : (i + 1) * segment_size] as seg:
+                end = pos + len(seg) + TAG
+                with dst[pos:end] as into:
+                    aead.encrypt_into(_nonce(i), seg, _aad(header, i, i == n - 1), into)
+                pos = end
+    return out
 
 
 def sealed_size(plain: int, segment_size: int = SEGMENT_SIZE) -> int:
@@ -209,21 +213,31 @@ def _open(aead: AESGCM, header: bytes, index: int, final: bool, seg: bytes | mem
         ) from None
 
 
-def open_bytes(blob: bytes, dek: bytes) -> bytes:
+def open_bytes(blob: bytes | bytearray | memoryview, dek: bytes) -> bytearray:
     """Decrypt a whole sealed blob; every segment authenticated, the last one as final."""
-    header = bytes(blob[: HEADER.size])
-    size = _read_header(header)
-    aead = AESGCM(dek)
-    body = memoryview(blob)[HEADER.size :]
-    step = size + TAG
-    n = max(1, -(-len(body) // step))
-    out = []
-    for i in range(n):
-        seg = body[i * step : (i + 1) * step]
-        if len(seg) < TAG:
+    with memoryview(blob) as whole:
+        header = bytes(whole[: HEADER.size])
+        size = _read_header(header)
+        aead = AESGCM(dek)
+        body = whole[HEADER.size :]
+        step = size + TAG
+        n = max(1, -(-len(body) // step))
+        if len(body) - (n - 1) * step < TAG:
             raise DecryptionFailed("sealed blob ends inside a segment tag", hint=_TAMPER_HINT)
-        out.append(_open(aead, header, i, i == n - 1, seg))
-    return b"".join(out)
+        out = bytearray(len(body) - n * TAG)
+        with memoryview(out) as dst:
+            for i in range(n):
+                with body[i * step : (i + 1) * step] as seg, dst[i * size : i * size + len(seg) - TAG] as into:
+                    try:
+                        aead.decrypt_into(_nonce(i), seg, _aad(header, i, i == n - 1), into)
+                    except InvalidTag:
+                        raise DecryptionFailed(
+                            f"segment {i} of a sealed blob does not authenticate"
+                            + (" (truncated, reordered or altered)" if i < n - 1 else " (altered or truncated)"),
+                            hint=_TAMPER_HINT,
+                        ) from None
+        body.release()
+    return out
 
 
 class OpeningReader:
@@ -303,7 +317,7 @@ class Sealer:
         self._lock = threading.Lock()
         self._keys: dict[str, str] = {}
 
-    def seal_chunk(self, plain: bytes) -> tuple[bytes, str]:
+    def seal_chunk(self, plain: bytes | bytearray) -> tuple[bytearray, str]:
         """(ciphertext, its digest) of a chunk; same plaintext in the same namespace -> same ciphertext."""
         dek = self.key.mac(_CHUNK_LABEL + hashlib.sha256(plain).digest())
         sealed = seal_bytes(plain, dek, segment_size=self.segment_size)
@@ -356,7 +370,7 @@ class Opener:
                 hint=e.hint,
             ) from None
 
-    def open_chunk(self, digest: str, sealed: bytes) -> bytes:
+    def open_chunk(self, digest: str, sealed: bytes) -> bytearray:
         try:
             return open_bytes(sealed, self.data_key(digest))
         except DecryptionFailed as e:

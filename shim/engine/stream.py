@@ -121,11 +121,12 @@ def push_chunks(
             raw = os.pread(fds[name], length, offset)
             if len(raw) != length:
                 raise OSError(f"{name} shrank while it was being packaged")
-            blob = _compressor().compress(raw)
+            packed = _compressor().compress(raw)
+            blob: bytes | bytearray = packed
             if sealer is not None:
-                blob, digest = sealer.seal_chunk(blob)
+                blob, digest = sealer.seal_chunk(packed)
             else:
-                digest = sha256_digest(blob)
+                digest = sha256_digest(packed)
             if registry.push_blob(ref, digest=digest, size=len(blob), data=blob):
                 uploaded.add(len(blob))
             stored.add(len(blob))
