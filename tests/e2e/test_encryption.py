@@ -17,6 +17,7 @@ from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.model import parse_config
 from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import MAGIC as SEALED_MAGIC
 from kubectl_snapshot.core.sealing import key_id_of
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
 from tests.support.agent import agent, plugin
@@ -46,7 +47,7 @@ def test_agent_seals_snapshots_with_the_namespace_key(cluster, namespace, agent,
     for d in manifest.layers:
         buf = io.BytesIO()
         reg.fetch_blob(ref, d.digest, buf)
-        assert not buf.getvalue().startswith(b"\x28\xb5\x2f\xfd")  # no zstd frame in clear
+        assert buf.getvalue().startswith(SEALED_MAGIC)  # sealed, not a zstd frame in clear
 
     # the key: one entry for this namespace in the agent's Secret, the one the config names
     secret = cluster.get_json("secret", KEY_SECRET, "-n", K.AGENT_NAMESPACE)
