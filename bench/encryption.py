@@ -58,6 +58,7 @@ def measure(
     pushed: dict[str, list[float]] = {m: [] for m in modes}
     running: dict[str, list[float]] = {m: [] for m in modes}
     sizes: dict[str, int] = {}
+    phases: dict[str, dict[str, list[float]]] = {m: {} for m in modes}  # the agent's own timings (ms)
     refs: dict[str, str] = {}
     with container(daemon, mib, kind) as (cid, _ctl):
         for i in range(runs + 1):
@@ -67,12 +68,16 @@ def measure(
                 refs[m], sizes[m] = res["reference"], res["size"]
                 if i:
                     pushed[m].append(wall)
+                    for k, v in res["timingsMs"].items():
+                        phases[m].setdefault("checkpoint." + k, []).append(v)
         for i in range(runs + 1):
             order = list(modes) if i % 2 == 0 else list(reversed(modes))
             for m in order:
-                wall, _ = restore(daemon, refs[m], modes[m][1])
+                wall, res = restore(daemon, refs[m], modes[m][1])
                 if i:
                     running[m].append(wall)
+                    for k, v in res["timingsMs"].items():
+                        phases[m].setdefault("restore." + k, []).append(v)
     med = {k: {m: statistics.median(v[m]) for m in modes} for k, v in (("pushed_s", pushed), ("running_s", running))}
     return {
         "mib": mib,
@@ -82,6 +87,7 @@ def measure(
         "median": med,
         "ratio": {k: med[k]["sealed"] / med[k]["clear"] for k in med},
         "size_bytes": sizes,
+        "phases_ms_median": {m: {k: statistics.median(v) for k, v in p.items()} for m, p in phases.items()},
     }
 
 

@@ -370,7 +370,7 @@ class Opener:
                 hint=e.hint,
             ) from None
 
-    def open_chunk(self, digest: str, sealed: bytes) -> bytearray:
+    def open_chunk(self, digest: str, sealed: bytes | bytearray | memoryview) -> bytearray:
         try:
             return open_bytes(sealed, self.data_key(digest))
         except DecryptionFailed as e:

@@ -255,7 +255,7 @@ def fetch_chunks(
             name, c = job
             buf = io.BytesIO()
             registry.fetch_blob(ref, c.digest, buf, expected_size=c.size, max_size=c.size)
-            blob = buf.getvalue() if opener is None else opener.open_chunk(c.digest, buf.getvalue())
+            blob = buf.getvalue() if opener is None else opener.open_chunk(c.digest, buf.getbuffer())
             try:
                 raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=c.length)
             except zstandard.ZstdError as e:
