@@ -45,7 +45,8 @@ EXCLUDED = {
     "grpcio-tools",
     "google-auth",
     "prometheus-client",  # the node agent only
-    "cryptography",  # the node agent only (its metrics certificate); compiled
+    "cryptography",  # the node agent only (its metrics certificate, encryption at rest); compiled
+    "cffi",
 }
 DROP_SUFFIXES = (".so", ".pyd", ".dylib", ".pyc", ".pyi")
 EPOCH = (1980, 1, 1, 0, 0, 0)

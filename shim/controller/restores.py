@@ -24,6 +24,7 @@ from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import KeyProvider
 from shim import hostfacts
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
@@ -31,7 +32,7 @@ from shim.controller.podinfo import check_restore_pod, empty_dir_rel, host_view,
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
-from shim.engine.restore import RestoreLimits, VolumeTarget, stage_artifact
+from shim.engine.restore import RestoreLimits, VolumeTarget, opener_for, stage_artifact
 from shim.engine.staging import StatePaths, check_key
 from shim.metrics import AgentMetrics
 
@@ -92,8 +93,10 @@ class RestoreWorker:
         metrics: AgentMetrics | None = None,
         scheduler: FairScheduler | None = None,
         limits: RestoreLimits | None = None,
+        keys: KeyProvider | None = None,
     ) -> None:
         self.kube = kube
+        self.keys = keys
         self.settings = settings
         self.facts = facts
         self.metrics = metrics or AgentMetrics()
@@ -219,6 +222,8 @@ class RestoreWorker:
                     f"the pod has no container named {', '.join(missing)} that the snapshot holds",
                     hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
                 )
+            # an encrypted snapshot opens only in the namespace it was sealed for (before any download)
+            opener = opener_for(config, self.keys, ns)
             restore_volume_names(pod, [v.name for v in config.volumes])
             root = host_view(self.settings.kubelet_root)
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
@@ -226,7 +231,13 @@ class RestoreWorker:
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
             self._record_owner(pod)  # for garbage collection once the pod is gone
             stage_artifact(
-                artifact, staged, registry=registry, paths=self.paths, volume_targets=targets, limits=self.limits
+                artifact,
+                staged,
+                registry=registry,
+                paths=self.paths,
+                volume_targets=targets,
+                limits=self.limits,
+                opener=opener,
             )
         except SnapshotError as e:
             for d in staged:
