@@ -46,7 +46,7 @@ EXCLUDED = {
     "grpcio-tools",
     "google-auth",
     "prometheus-client",  # the node agent only
-    "cryptography",  # compiled: the agent (metrics certificate, signatures); the plugin asks for it where needed
+    "cryptography",  # compiled: the agent (metrics certificate, encryption, signatures); the plugin asks for it
     "cffi",
     "pycparser",
 }

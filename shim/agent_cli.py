@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import click
 
+from kubectl_snapshot.adapters.keystore import FileKeyProvider
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
 from kubectl_snapshot.app.artifact import load_artifact
 from kubectl_snapshot.app.inspect import inspect_data, inspect_text
@@ -26,6 +27,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import Sealer
 from shim import freezer, guard
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
@@ -69,6 +71,26 @@ def registry_options(fn: F) -> F:
         help="docker config.json with credentials (default: $DOCKER_CONFIG/config.json, ~/.docker/config.json).",
     )(fn)
     return fn
+
+
+def key_options(fn: F) -> F:
+    fn = click.option(
+        "--key-namespace",
+        default=None,
+        help="Whose key seals/opens the snapshot (default: the containerd --namespace).",
+    )(fn)
+    fn = click.option(
+        "--key-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        show_default="$KUBECTL_SNAPSHOT_STATE_DIR/keys",
+        help="Directory of the namespace keys (one 0600 file per namespace, created on first use).",
+    )(fn)
+    return fn
+
+
+def key_provider(key_dir: str | None) -> FileKeyProvider:
+    return FileKeyProvider(key_dir or os.path.join(StatePaths.from_env().root, "keys"))
 
 
 def make_registry(ref: Reference, opts: dict[str, Any]) -> RegistryClient:
@@ -115,12 +137,19 @@ def cli(verbose: bool) -> None:
     help="A running freeze guard's socket (default: a private guard that outlives this process).",
 )
 @click.option(
+    "--encrypt/--no-encrypt",
+    default=False,
+    show_default=True,
+    help="Seal every layer and chunk with AES-256-GCM under the namespace's key (docs/format.md).",
+)
+@click.option(
     "--signing-key",
     envvar="KUBECTL_SNAPSHOT_SIGNING_KEY",
     type=click.Path(exists=True),
     help="ECDSA P-256 PEM key (or a dir with signing.key) that signs the snapshot, cosign-style. "
     "Without it the snapshot is unsigned, and restores refuse it unless told to trust unverified ones.",
 )
+@key_options
 @output_option
 @click.argument("containers", nargs=-1, required=True)
 @handle_errors
@@ -133,6 +162,9 @@ def checkpoint_cmd(
     no_tcp_established: bool,
     keep_work: bool,
     guard_socket: str,
+    encrypt: bool,
+    key_dir: str | None,
+    key_namespace: str | None,
     signing_key: str | None,
     output: str,
     containers: tuple[str, ...],
@@ -144,6 +176,10 @@ def checkpoint_cmd(
     the freeze's deadline, the guard thaws the containers within moments."""
     target = Reference.parse(to)
     registry = make_registry(target, registry_opts)
+    sealer = None
+    if encrypt:
+        ns = key_namespace or namespace
+        sealer = Sealer(key_provider(key_dir).namespace_key(ns, create=True), ns)
     held = contextlib.nullcontext(guard.GuardClient(guard_socket)) if guard_socket else guard.private_guard()
     with held as guard_client, _client(address, namespace) as containerd, Progress("checkpoint") as bar:
         result = checkpoint(
@@ -165,10 +201,12 @@ def checkpoint_cmd(
             memory_of=freezer.task_memory,
             on_phase=bar.phase,
             on_bytes=bar.advance,
+            sealer=sealer,
         )
     data = {
         "reference": str(result.reference),
         "tag": str(result.tagged),
+        "encrypted": sealer is not None,
         "size": result.size,
         "uploaded": result.uploaded,
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
@@ -203,6 +241,7 @@ def checkpoint_cmd(
     show_default=True,
     help="Where container stdout/stderr go.",
 )
+@key_options
 @click.option(
     "--trusted-key",
     "trusted_keys",
@@ -227,6 +266,8 @@ def restore_cmd(
     runtime_binary: str,
     runc_root: str,
     log_dir: str,
+    key_dir: str | None,
+    key_namespace: str | None,
     trusted_keys: tuple[str, ...],
     allow_unverified: bool,
     output: str,
@@ -259,6 +300,8 @@ def restore_cmd(
             namespace=namespace,
             on_phase=bar.phase,
             on_bytes=bar.advance,
+            keys=key_provider(key_dir),
+            key_namespace=key_namespace,
         )
     data = {
         "reference": str(result.reference),
@@ -403,7 +446,8 @@ def run_cmd(kubeconfig: str | None, ready_file: str, metrics_bind_address: str, 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _node_settings(kw)
     kube = KubeClient.from_config(kubeconfig, None) if kubeconfig else KubeClient.in_cluster()
-    run(kube, settings, ready_file=ready_file, metrics_address=metrics_bind_address)
+    address = settings.metrics_bind_address or metrics_bind_address  # a node map's entry wins
+    run(kube, settings, ready_file=ready_file, metrics_address=address)
 
 
 @cli.command("install-node")

@@ -52,7 +52,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import quote
 
+from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
 from kubectl_snapshot.core.errors import FailedPrecondition
 from shim import freezer
@@ -63,7 +65,7 @@ MAX_DEADLINE_S = 600.0  # whatever the agent asks for (kubectl_snapshot.core.fre
 FREEZE_REPLY_S = freezer.FREEZE_TIMEOUT + 5.0  # the guard answers a freeze within this
 EXPIRED_WAIT_S = 3600.0  # after a deadline, how long a silent (stopped) agent's connection is kept
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
-API_PATH = "/apis/kubectl-snapshot.io/v1alpha1/namespaces/{ns}/podsnapshots/{name}/status"
+API_PATH = f"/apis/{K.API_VERSION}/namespaces/{{ns}}/{K.PLURAL}/{{name}}/status"
 ENV_SOCKET = "KUBECTL_SNAPSHOT_GUARD_SOCKET"
 
 
@@ -124,7 +126,7 @@ def report_failed(report: dict[str, Any], reason: str) -> None:
             try:
                 conn.request(
                     "PATCH",
-                    API_PATH.format(ns=ns, name=name),
+                    API_PATH.format(ns=quote(ns, safe=""), name=quote(name, safe="")),
                     body=body,
                     headers={"Authorization": f"Bearer {token}", "Content-Type": "application/merge-patch+json"},
                 )

@@ -47,6 +47,10 @@ def inspect_data(artifact: Artifact, provenance: Provenance | None = None) -> di
         data["provenance"] = provenance.to_dict()
     if cfg.pod is not None:
         data["pod"] = {"name": cfg.pod.name, "namespace": cfg.pod.namespace, "uid": cfg.pod.uid, "node": cfg.pod.node}
+    enc = cfg.encryption
+    data["encryption"] = (
+        {"scheme": enc.scheme, "namespace": enc.namespace, "keyId": enc.key_id} if enc is not None else None
+    )
     return data
 
 
@@ -60,6 +64,12 @@ def inspect_text(d: dict[str, Any]) -> str:
     if d.get("pod"):
         p = d["pod"]
         lines.append(f"Pod:        {p['namespace']}/{p['name']} on node {p['node'] or '-'} (uid {p['uid'] or '-'})")
+    enc = d.get("encryption")
+    lines.append(
+        f"Encrypted:  {enc['scheme']} with the key of namespace {enc['namespace']} ({enc['keyId']})"
+        if enc
+        else "Encrypted:  no: memory, rootfs diff and volumes are stored in clear"
+    )
     lines += [
         f"Size:       {human_bytes(d['size'])}; frozen for {d['freezeMs']:.0f} ms; "
         f"{'stopped' if d['stopped'] else 'left running'} after the snapshot",

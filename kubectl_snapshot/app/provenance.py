@@ -205,6 +205,12 @@ def verify_for_restore(registry: SignatureReader, ref: Reference, config_namespa
     return verdict
 
 
+@dataclass(frozen=True)
+class Authorized:
+    source_namespace: str  # the namespace the snapshot is bound to (signed, or as its config states)
+    reason: str  # why the restore is allowed, for the log
+
+
 def authorize_restore(
     registry: SignatureReader,
     ref: Reference,
@@ -212,11 +218,11 @@ def authorize_restore(
     target_namespace: str,
     policy: TrustPolicy,
     grants_of: Callable[[str], Iterable[Grant]],
-) -> str:
+) -> Authorized:
     """Signature, origin and namespace binding, in that order, before any layer is downloaded.
 
     The source namespace is the signed one (the config must agree); a snapshot only a policy lets
-    through (unverified) is bound to the namespace its config states. Returns why it is allowed.
+    through (unverified) is bound to the namespace its config states. Raises PermissionDenied.
     """
     pod = config.pod
     config_ns = pod.namespace if pod is not None else config.namespace
@@ -224,4 +230,4 @@ def authorize_restore(
     source = verdict.claim.origin.namespace if verdict.claim is not None else config_ns
     grants = [] if source == target_namespace else list(grants_of(source))
     allowed = check_namespace(source, target_namespace, ref.name, grants)
-    return f"{verdict.reason}; {allowed}"
+    return Authorized(source, f"{verdict.reason}; {allowed}")

@@ -29,6 +29,9 @@ CHECKPOINT_LAYER_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.checkpoin
 VOLUMES_LAYER_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.volumes.v1.tar+zstd"
 # Format v2: one zstd frame holding a byte range of a CRIU pages-N.img (content-addressed chunk).
 CHUNK_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.chunk.v1+zstd"
+# Encryption at rest (core/sealing.py): a sealed layer or chunk has its clear media type + this suffix
+# (ocicrypt's convention), and the manifest says the scheme in ANN_ENCRYPTION.
+ENCRYPTED_SUFFIX: Final = "+encrypted"
 
 # --- annotations ------------------------------------------------------------------------------
 ANN_CREATED: Final = "org.opencontainers.image.created"
@@ -57,6 +60,8 @@ PROJECT_PREFIX: Final = "io.github.kubectl-snapshot."
 ANN_FORMAT_VERSION: Final = PROJECT_PREFIX + "format.version"
 ANN_GROUP_NAME: Final = PROJECT_PREFIX + "group.name"
 ANN_CONTAINER_COUNT: Final = PROJECT_PREFIX + "containers"
+ANN_ENCRYPTION: Final = PROJECT_PREFIX + "encryption"  # the sealing scheme; absent: stored in clear
+ANN_ENCRYPTION_NAMESPACE: Final = PROJECT_PREFIX + "encryption.namespace"  # whose key seals it
 ENGINE_NAME: Final = "kubectl-snapshot"
 
 # --- checkpoint archive layout (checkpointctl lib/metadata.go) ---------------------------------

@@ -14,6 +14,7 @@ from typing import Any
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import PagesFile, chunk_digests, parse_pages_files
+from kubectl_snapshot.core.encryption import EncryptionInfo
 from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.oci import canonical_json, is_digest
 
@@ -191,6 +192,8 @@ class SnapshotConfig:
     freeze_ms: float = 0.0
     pod: PodRecord | None = None
     format_version: int = C.FORMAT_VERSION
+    # encryption at rest (docs/format.md "Encryption"): absent = blobs stored in clear
+    encryption: EncryptionInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -207,7 +210,18 @@ class SnapshotConfig:
         }
         if self.pod is not None:
             d["pod"] = self.pod.to_dict()
+        if self.encryption is not None:
+            d["encryption"] = self.encryption.to_dict()
         return d
+
+    def blob_digests(self) -> list[str]:
+        """Every layer and chunk digest the config names (each distinct once)."""
+        seen = dict.fromkeys(c.layer_digest for c in self.containers)
+        if self.volumes_layer:
+            seen.setdefault(self.volumes_layer, None)
+        for c in self.containers:
+            seen.update(dict.fromkeys(chunk_digests(c.pages)))
+        return list(seen)
 
     def to_bytes(self) -> bytes:
         return canonical_json(self.to_dict())
@@ -270,7 +284,8 @@ def parse_config(body: bytes) -> SnapshotConfig:
             spec=spec if isinstance(spec, dict) else {},
         )
     host = d.get("host") or {}
-    return SnapshotConfig(
+    encryption = EncryptionInfo.from_dict(d["encryption"]) if d.get("encryption") is not None else None
+    config = SnapshotConfig(
         group=_str(d, "group"),
         namespace=_str(d, "namespace"),
         created=_str(d, "created"),
@@ -282,7 +297,11 @@ def parse_config(body: bytes) -> SnapshotConfig:
         freeze_ms=float(d.get("freezeMs") or 0.0),
         pod=pod,
         format_version=int(version),
+        encryption=encryption,
     )
+    if encryption is not None:
+        encryption.check_covers(config.blob_digests())
+    return config
 
 
 # Runtime-spec fields a snapshot never stores: the kubelet has already resolved secretKeyRef values into
@@ -332,7 +351,15 @@ def manifest_annotations(config: SnapshotConfig) -> dict[str, str]:
         ann[C.ANN_CRIU_POD_NAME] = config.pod.name
         ann[C.ANN_CRIU_POD_NAMESPACE] = config.pod.namespace
         ann[C.ANN_CRIU_POD_UID] = config.pod.uid
+    if config.encryption is not None:
+        ann[C.ANN_ENCRYPTION] = config.encryption.scheme
+        ann[C.ANN_ENCRYPTION_NAMESPACE] = config.encryption.namespace
     return ann
+
+
+def layer_media_type(media_type: str, config: SnapshotConfig) -> str:
+    """A layer's media type as stored: with the encrypted suffix when the snapshot is sealed."""
+    return media_type + C.ENCRYPTED_SUFFIX if config.encryption is not None else media_type
 
 
 def check_layers_match(config: SnapshotConfig, layer_digests: Sequence[str]) -> None:

@@ -26,6 +26,7 @@ from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotE
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import KeyProvider
 from shim import hostfacts
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
@@ -33,7 +34,7 @@ from shim.controller.podinfo import check_restore_pod, empty_dir_rel, host_view,
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
-from shim.engine.restore import RestoreLimits, VolumeTarget, stage_artifact
+from shim.engine.restore import RestoreLimits, VolumeTarget, opener_for, stage_artifact
 from shim.engine.staging import StatePaths, check_key
 from shim.metrics import AgentMetrics
 
@@ -94,8 +95,10 @@ class RestoreWorker:
         metrics: AgentMetrics | None = None,
         scheduler: FairScheduler | None = None,
         limits: RestoreLimits | None = None,
+        keys: KeyProvider | None = None,
     ) -> None:
         self.kube = kube
+        self.keys = keys
         self.settings = settings
         self.facts = facts
         self.metrics = metrics or AgentMetrics()
@@ -210,8 +213,8 @@ class RestoreWorker:
             config = artifact.config
             # provenance before anything else is fetched: signed by a key the cluster trusts, exactly
             # this digest, from this namespace or one that granted it (docs/security.md)
-            why = authorize_restore(registry, artifact.reference, config, ns, self._trust(), self._grants)
-            log.info("restore of %s into %s/%s allowed: %s", artifact.reference, ns, name, why)
+            allowed = authorize_restore(registry, artifact.reference, config, ns, self._trust(), self._grants)
+            log.info("restore of %s into %s/%s allowed: %s", artifact.reference, ns, name, allowed.reason)
             problems = hostfacts.preflight_problems(config.host, self.facts)
             if problems:
                 raise FailedPrecondition(
@@ -225,6 +228,10 @@ class RestoreWorker:
                     f"the pod has no container named {', '.join(missing)} that the snapshot holds",
                     hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
                 )
+            # an encrypted snapshot opens only in the namespace it was sealed for (before any download)
+            # (a granted restore into another namespace opens it with the key of the namespace it is bound to)
+            sealed_for_source = config.encryption is not None and config.encryption.namespace == allowed.source_namespace
+            opener = opener_for(config, self.keys, ns, other_namespace_ok=sealed_for_source)
             restore_volume_names(pod, [v.name for v in config.volumes])
             root = host_view(self.settings.kubelet_root)
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
@@ -232,7 +239,13 @@ class RestoreWorker:
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
             self._record_owner(pod)  # for garbage collection once the pod is gone
             stage_artifact(
-                artifact, staged, registry=registry, paths=self.paths, volume_targets=targets, limits=self.limits
+                artifact,
+                staged,
+                registry=registry,
+                paths=self.paths,
+                volume_targets=targets,
+                limits=self.limits,
+                opener=opener,
             )
         except SnapshotError as e:
             for d in staged:

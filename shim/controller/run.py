@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kubectl_snapshot.adapters.keystore import SecretKeyProvider
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
@@ -127,7 +128,9 @@ def run(
         log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)
     queue = WorkQueue("snapshots", on_length=metrics.queue.set)
-    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, metrics=metrics, queue=queue)
+    # encryption at rest is on: namespace keys in one Secret of the agent's namespace (adapters/keystore.py)
+    keys = SecretKeyProvider(kube)
+    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, metrics=metrics, queue=queue, keys=keys)
     # Issue 10: restores run per namespace in turn, two per namespace and four in all, so one
     # namespace cannot starve another and a slow registry holds up one restore, not the next.
     restores = RestoreWorker(
@@ -136,6 +139,7 @@ def run(
         facts=facts,
         metrics=metrics,
         scheduler=FairScheduler(workers=RESTORE_WORKERS, per_key=2, name="restore"),
+        keys=keys,
     )
     informers = node_informers(kube, settings.node, snapshots.consider, restores.consider)
     for inf in informers:

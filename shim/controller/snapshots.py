@@ -26,6 +26,7 @@ from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, No
 from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import KeyProvider, Sealer
 from shim import freezer, guard
 from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event, snapshot_event
@@ -77,8 +78,10 @@ class SnapshotWorker:
         clock: Callable[[], float] = time.monotonic,
         metrics: AgentMetrics | None = None,
         queue: WorkQueue | None = None,
+        keys: KeyProvider | None = None,
     ) -> None:
         self.kube = kube
+        self.keys = keys  # encryption at rest: every snapshot sealed with its namespace's key
         self.settings = settings
         self.facts = facts
         self.clock = clock
@@ -199,6 +202,8 @@ class SnapshotWorker:
                 cluster=trust.cluster if trust is not None else "",
                 node=self.settings.node,
             )
+            # the key first: a key store problem fails the snapshot before anything is frozen
+            sealer = Sealer(self.keys.namespace_key(ns, create=True), ns) if self.keys is not None else None
             report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
             with (
                 self._guard(report) as held,
@@ -216,6 +221,7 @@ class SnapshotWorker:
                     freezer_for=held.freezer_for,
                     memory_of=freezer.task_memory,
                     on_plan=reporter.plan,
+                    sealer=sealer,
                 )
         except SnapshotError as e:
             self._finish_failed(obj, pod, e)

@@ -40,12 +40,14 @@ from kubectl_snapshot.core.model import (
     SnapshotConfig,
     VolumeRecord,
     layer_annotations,
+    layer_media_type,
     manifest_annotations,
     stored_runtime_spec,
 )
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest, sha256_digest
 from kubectl_snapshot.core.provenance import Origin, SigningKey
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import Sealer
 from shim import hostfacts
 from shim.engine.package import (
     PackagedBlob,
@@ -133,6 +135,7 @@ def checkpoint(
     freezer_for: FreezerFor | None = None,
     memory_of: Callable[[int], int] | None = None,
     on_plan: Callable[[freeze_plan.FreezePlan], None] | None = None,
+    sealer: Sealer | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -143,6 +146,8 @@ def checkpoint(
     `memory_of` gives a task's memory (shim.freezer.task_memory): the freeze's expected length and
     deadline follow from it (core/freeze.py), checked against the pod's liveness budgets before
     anything is frozen; a freezer from shim.guard enforces the deadline.
+    `sealer` (core/sealing.py): encrypt every layer and chunk for its namespace (get the namespace key
+    before calling, so that a key problem fails before anything is frozen).
     """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
@@ -220,7 +225,7 @@ def checkpoint(
             cdir = os.path.join(work, name)
             stats = _stats(cdir)
             _write_metadata(cdir, cid, name, info, req)
-            pc = package_container(registry, req.target, cdir, on_raw=on_raw)
+            pc = package_container(registry, req.target, cdir, on_raw=on_raw, sealer=sealer)
             records.append(
                 ContainerRecord(
                     name=name,
@@ -238,7 +243,7 @@ def checkpoint(
             packaged.append(pc)
         volumes_layer: PackagedBlob | None = None
         if volume_tar is not None:
-            volumes_layer = package_volumes(registry, req.target, volume_tar, on_raw=on_raw)
+            volumes_layer = package_volumes(registry, req.target, volume_tar, on_raw=on_raw, sealer=sealer)
         timings["package_ms"] = (clock() - t_pack) * 1000
 
         config = SnapshotConfig(
@@ -255,6 +260,8 @@ def checkpoint(
             freeze_ms=timings["freeze_ms"],
             pod=req.pod,
         )
+        if sealer is not None:
+            config = replace(config, encryption=sealer.info(config.blob_digests()))
         t_up = clock()
         result = _push(req.target, config, records, packaged, volumes_layer, registry)
         if req.signing_key is not None:
@@ -571,7 +578,7 @@ def _push(
     config_desc = Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
     descs = [
         Descriptor(
-            C.CHECKPOINT_LAYER_MEDIA_TYPE,
+            layer_media_type(C.CHECKPOINT_LAYER_MEDIA_TYPE, config),
             pc.layer.digest,
             pc.layer.size,
             layer_annotations(rec, group=config.group, namespace=config.namespace),
@@ -583,7 +590,7 @@ def _push(
     if volumes_layer is not None:
         descs.append(
             Descriptor(
-                C.VOLUMES_LAYER_MEDIA_TYPE,
+                layer_media_type(C.VOLUMES_LAYER_MEDIA_TYPE, config),
                 volumes_layer.digest,
                 volumes_layer.size,
                 {C.ANN_TITLE: "volumes.tar.zst"},
@@ -594,7 +601,8 @@ def _push(
     # Every chunk is a layer too, so that registry garbage collection keeps what the snapshot needs.
     all_pages = [p for rec in records for p in rec.pages]
     sizes = chunk_sizes(all_pages)
-    descs.extend(Descriptor(C.CHUNK_MEDIA_TYPE, d, sizes[d]) for d in chunk_digests(all_pages))
+    chunk_type = layer_media_type(C.CHUNK_MEDIA_TYPE, config)
+    descs.extend(Descriptor(chunk_type, d, sizes[d]) for d in chunk_digests(all_pages))
     if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes):
         sent += len(config_bytes)
     manifest = build_manifest(

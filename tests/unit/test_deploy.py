@@ -22,7 +22,7 @@ import yaml
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.deploy import render
+from kubectl_snapshot.deploy import keys, render
 
 REPO = Path(__file__).resolve().parents[2]
 GEN = REPO / "hack" / "gen-manifests.py"
@@ -118,7 +118,8 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
     # secrets only through a per-namespace RoleBinding that nothing in render() creates
     assert rules(objs[("ClusterRole", K.AGENT_SECRETS_ROLE)]) == {("", "secrets", "get")}
     bound = {o["roleRef"]["name"] for o in objs.values() if o["kind"] in ("ClusterRoleBinding", "RoleBinding")}
-    assert bound == {K.AGENT_NAME}
+    # and the one Secret of encryption keys in the agent's own namespace, by name (tests/unit/test_keystore.py)
+    assert bound == {K.AGENT_NAME, keys.ROLE}
     assert not any("*" in (g, r, v) for g, r, v in rules(role))
     binding = objs[("ClusterRoleBinding", K.AGENT_NAME)]
     assert binding["roleRef"]["name"] == K.AGENT_NAME
@@ -393,3 +394,22 @@ def test_uninstall_cleanup_daemonset_undoes_install_node() -> None:
     assert pod["volumes"] == live["spec"]["template"]["spec"]["volumes"]  # same host paths as the agent
     result = CliRunner().invoke(cli, [*init, "--help"], env={"NODE_NAME": "ks-n1"})
     assert result.exit_code == 0, result.output
+
+
+def test_node_map_may_give_each_node_its_metrics_address() -> None:
+    from kubectl_snapshot.deploy.agent import check_per_node_paths
+
+    ok = check_per_node_paths({"n1": {"kubelet_root": "/var/lib/n1/kubelet", "metrics_bind_address": ":9444"}})
+    assert ok == {"n1": {"kubelet_root": "/var/lib/n1/kubelet", "metrics_bind_address": ":9444"}}
+    for bad in ("9444", ":port", "host:1:2;rm", "x" * 300 + ":1"):
+        with pytest.raises(InvalidArgument, match="HOST:PORT"):
+            check_per_node_paths({"n1": {"metrics_bind_address": bad}})
+
+
+def test_a_node_maps_metrics_address_reaches_the_agents_settings(tmp_path: Path) -> None:
+    from shim.controller.settings import NodeSettings, apply_node_map
+
+    m = tmp_path / "nodes.json"
+    m.write_text('{"n2": {"metrics_bind_address": ":9444"}}')
+    assert apply_node_map(NodeSettings(node="n2"), str(m)).metrics_bind_address == ":9444"
+    assert apply_node_map(NodeSettings(node="n1"), str(m)).metrics_bind_address == ""

@@ -172,3 +172,56 @@ def test_deadlines_are_finite_numbers_within_bounds() -> None:
     for bad in (float("nan"), float("inf"), "12", True, [1]):
         with pytest.raises(guard.GuardError):
             guard._deadline(bad)
+
+
+def test_the_failure_report_is_a_merge_patch_of_the_status_over_https(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """report_failed against a local HTTPS server standing in for the API server (loopback only)."""
+    import http.server
+    import ssl
+
+    from shim.metrics_server import self_signed
+
+    cert, key = self_signed(["127.0.0.1"], str(tmp_path))
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    (sa / "token").write_text("tok-123\n")
+    (sa / "ca.crt").write_text(Path(cert).read_text())
+    seen: list[tuple[str, str, dict[str, str], bytes]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_PATCH(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append((self.command, self.path, dict(self.headers), body))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    monkeypatch.setattr(guard, "SA_DIR", str(sa))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", str(server.server_address[1]))
+    monkeypatch.setenv("NODE_NAME", "ks-n1")
+    try:
+        guard.report_failed({"namespace": "team-a", "name": "web-1", "uid": "u"}, "the agent went away")
+    finally:
+        server.server_close()
+    [(method, path, headers, body)] = seen
+    assert method == "PATCH"
+    assert path == "/apis/kubectl-snapshot.io/v1alpha1/namespaces/team-a/podsnapshots/web-1/status"
+    assert headers["Authorization"] == "Bearer tok-123"
+    assert headers["Content-Type"] == "application/merge-patch+json"
+    status = json.loads(body)["status"]
+    assert status["phase"] == "Failed" and status["stage"] == "failed" and status["node"] == "ks-n1"
+    assert status["reason"] == "Interrupted" and status["message"] == "the agent went away"
+    assert "keeps running" in status["hint"]
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {"Succeeded": "False", "Failed": "True"}

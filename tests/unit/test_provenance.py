@@ -218,14 +218,15 @@ def test_authorize_restore_end_to_end(key: SigningKey) -> None:
     with pytest.raises(PermissionDenied, match="not signed"):
         authorize_restore(reg, ref, cfg, "team-a", policy, lambda ns: [])
     sign_snapshot(reg, ref, Origin(namespace="team-a", pod="web", pod_uid="u1"), key)
-    assert "same namespace" in authorize_restore(reg, ref, cfg, "team-a", policy, lambda ns: [])
+    assert "same namespace" in authorize_restore(reg, ref, cfg, "team-a", policy, lambda ns: []).reason
     asked: list[str] = []
 
     def grants(ns: str) -> list[Grant]:
         asked.append(ns)
         return [Grant("g", "team-a", ("team-b",))]
 
-    assert "snapshotgrant team-a/g" in authorize_restore(reg, ref, cfg, "team-b", policy, grants)
+    granted = authorize_restore(reg, ref, cfg, "team-b", policy, grants)
+    assert "snapshotgrant team-a/g" in granted.reason and granted.source_namespace == "team-a"
     assert asked == ["team-a"]  # grants are read in the snapshot's (signed) namespace
     with pytest.raises(PermissionDenied, match="no SnapshotGrant"):
         authorize_restore(reg, ref, cfg, "team-c", policy, grants)

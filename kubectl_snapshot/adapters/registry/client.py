@@ -353,7 +353,7 @@ class RegistryClient:
         digest: str,
         size: int,
         path: str | None = None,
-        data: bytes | None = None,
+        data: bytes | bytearray | None = None,
         progress: ProgressFn | None = None,
     ) -> bool:
         """Upload a blob from `path` or `data` unless the registry has it. True when uploaded."""
@@ -408,7 +408,7 @@ class RegistryClient:
             raise Internal(f"{what}: the registry answered {resp.status_code} to the final PUT, not 201")
 
     def _push_monolithic(
-        self, ref: Reference, digest: str, size: int, path: str | None, data: bytes | None, prog: Progress
+        self, ref: Reference, digest: str, size: int, path: str | None, data: bytes | bytearray | None, prog: Progress
     ) -> None:
         what = f"push blob {digest} ({size} bytes) to {ref.name}"
         location, _ = self._start_upload(ref, what)
@@ -440,7 +440,7 @@ class RegistryClient:
         return _location(resp, what)
 
     def _push_chunked(
-        self, ref: Reference, digest: str, size: int, path: str | None, data: bytes | None, prog: Progress
+        self, ref: Reference, digest: str, size: int, path: str | None, data: bytes | bytearray | None, prog: Progress
     ) -> None:
         what = f"push blob {digest} ({size} bytes) to {ref.name}"
         location, min_len = self._start_upload(ref, what)
