@@ -230,7 +230,9 @@ class RestoreWorker:
                 )
             # an encrypted snapshot opens only in the namespace it was sealed for (before any download)
             # (a granted restore into another namespace opens it with the key of the namespace it is bound to)
-            sealed_for_source = config.encryption is not None and config.encryption.namespace == allowed.source_namespace
+            sealed_for_source = (
+                config.encryption is not None and config.encryption.namespace == allowed.source_namespace
+            )
             opener = opener_for(config, self.keys, ns, other_namespace_ok=sealed_for_source)
             restore_volume_names(pod, [v.name for v in config.volumes])
             root = host_view(self.settings.kubelet_root)
