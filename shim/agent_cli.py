@@ -1,14 +1,15 @@
-"""kubectl-snapshot-agent: the node engine as a command, usable against any containerd like `ctr`.
+"""ks-agent: the node engine as a command, usable against any containerd like `ctr`.
 
-kubectl-snapshot-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
-kubectl-snapshot-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
-kubectl-snapshot-agent inspect    REF [-o json|yaml]
+ks-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
+ks-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
+ks-agent inspect    REF [-o json|yaml]
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -31,6 +32,21 @@ from shim.engine.staging import StatePaths
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
+
+
+def find_wrapper(argv0: str | None = None, executable: str | None = None) -> str | None:
+    """The runtime wrapper installed with this agent: beside the script that runs us (a venv's bin/,
+    called by its full path), beside the interpreter, and only then on PATH."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    executable = sys.executable if executable is None else executable
+    dirs = [os.path.dirname(os.path.abspath(argv0))] if os.sep in argv0 else []
+    if executable:
+        dirs.append(os.path.dirname(executable))
+    for d in dirs:
+        candidate = os.path.join(d, C.WRAPPER_BINARY_NAME)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which(C.WRAPPER_BINARY_NAME)
 
 
 def containerd_options(fn: F) -> F:
@@ -167,8 +183,8 @@ def checkpoint_cmd(
 )
 @click.option(
     "--runtime-binary",
-    default=lambda: shutil.which(C.WRAPPER_BINARY_NAME) or "",
-    show_default="kubectl-snapshot-runc on PATH",
+    default=lambda: find_wrapper() or "",
+    show_default=f"{C.WRAPPER_BINARY_NAME} beside ks-agent, else on PATH",
     help="The runc-compatible wrapper the new containers run under.",
 )
 @click.option("--runc-root", default="", help="runc state root for the new containers (default: the shim's).")
@@ -199,8 +215,8 @@ def restore_cmd(
     registry = make_registry(source, registry_opts)
     if not runtime_binary:
         raise InvalidArgument(
-            f"{C.WRAPPER_BINARY_NAME} was not found on PATH",
-            hint="pass --runtime-binary /path/to/kubectl-snapshot-runc",
+            f"{C.WRAPPER_BINARY_NAME} was not found beside {sys.argv[0]} nor on PATH",
+            hint=f"pass --runtime-binary /path/to/{C.WRAPPER_BINARY_NAME}",
         )
     with _client(address, namespace) as containerd, Progress("restore") as bar:
         result = restore(
@@ -252,7 +268,7 @@ def inspect_cmd(output: str, ref: str, **registry_opts: Any) -> None:
 
 
 def main() -> None:
-    cli(prog_name="kubectl-snapshot-agent")
+    cli(prog_name="ks-agent")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ ANN_RESTORE_FROM: Final = f"{GROUP}/restore-from"  # REGISTRY/REPO@sha256:...
 ANN_RESTORE_STATUS: Final = f"{GROUP}/restore-status"  # Staged | Failed: <reason>
 ANN_REGISTRY_SECRET: Final = f"{GROUP}/registry-secret"
 LABEL_RESTORED_FROM: Final = f"{GROUP}/restored-from"
+LABEL_POD: Final = f"{GROUP}/pod"  # on a PodSnapshot: its pod's name (`kubectl snapshot list -l ...`)
 GATE_VOLUME: Final = "kubectl-snapshot-gate"
 GATE_CONTAINER: Final = "kubectl-snapshot-gate"
 GATE_MOUNT: Final = "/gate"

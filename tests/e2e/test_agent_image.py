@@ -72,7 +72,7 @@ def wait_done(cluster: Cluster, ns: str, name: str, timeout: float = 180) -> dic
 
 CHECK_IMAGE = """
 set -e
-kubectl-snapshot-agent --version
+ks-agent --version
 python3 -c 'import grpc, kubernetes, zstandard, yaml, pycriu, shim.containerd.client, shim.agent_cli
 print("imports-ok")'
 # the wrapper zipapp with no site-packages at all, as on a node's bare python3
@@ -113,7 +113,7 @@ def test_agent_image_runs_on_each_node(cluster: Cluster, namespace: str, agent_i
 
 
 def test_agent_version_is_the_entrypoint(cluster: Cluster, namespace: str, agent_image: str) -> None:
-    """Entrypoint ["kubectl-snapshot-agent"]: args alone run it (as the DaemonSet's containers do)."""
+    """Entrypoint ["ks-agent"]: args alone run it (as the DaemonSet's containers do)."""
     node = cluster.nodes[0]
     cluster.apply(
         {
