@@ -113,13 +113,28 @@ def apply_overrides(
 ) -> None:
     """kubectl's connection flags on top of what the kubeconfig set."""
     cfg = api.configuration
-    if server:
-        cfg.host = server if "://" in server else f"https://{server}"
-    if token:
-        cfg.api_key = {"authorization": f"Bearer {token}"}
-        cfg.api_key_prefix = {}
-        cfg.refresh_api_key_hook = None  # an exec/oidc plugin of the kubeconfig must not replace it
-        cfg.username = cfg.password = None
+    host = (server if "://" in server else f"https://{server}") if server else None
+
+    def override(c: Any) -> None:
+        if host:
+            c.host = host
+        if token:
+            c.api_key = {"authorization": f"Bearer {token}"}
+            c.api_key_prefix = {}
+            c.username = c.password = None
+
+    override(cfg)
+    if host or token:
+        # the kubeconfig loader's hook re-applies the kubeconfig (host, credentials) before requests
+        # to refresh tokens: keep it (exec plugins) and apply the flags again after it
+        loader_hook = cfg.refresh_api_key_hook
+
+        def refresh(c: Any) -> None:
+            if loader_hook is not None:
+                loader_hook(c)
+            override(c)
+
+        cfg.refresh_api_key_hook = refresh
     if impersonate_groups and not impersonate:
         raise InvalidArgument("--as-group needs --as", hint="name the user to impersonate with --as USER")
     if impersonate:

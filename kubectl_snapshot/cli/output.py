@@ -11,6 +11,7 @@ import click
 import yaml
 
 from kubectl_snapshot.core import jsonpath
+from kubectl_snapshot.core.errors import InvalidArgument
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -28,7 +29,10 @@ class OutputFormat(click.ParamType):  # type: ignore[type-arg,unused-ignore]
             if text.startswith(prefix):
                 if not text[len(prefix) :]:
                     self.fail(f"{prefix} needs a template, e.g. -o 'jsonpath={{.metadata.name}}'", param, ctx)
-                jsonpath.parse(text[len(prefix) :])  # a bad template is a usage error before any call
+                try:
+                    jsonpath.parse(text[len(prefix) :])  # a bad template is a usage error before any call
+                except InvalidArgument as e:
+                    self.fail(e.message, param, ctx)
                 return text
         self.fail(f"{text!r} is not one of {', '.join(FORMATS)}", param, ctx)
 
