@@ -67,8 +67,7 @@ def test_krew_installs_the_archive_and_kubectl_runs_it(
     caveats = yaml.safe_load((release / "snapshot.yaml").read_text())["spec"]["caveats"]
     assert "kubectl_complete-snapshot" in caveats
 
-    listed = kubectl("krew", "list").stdout
-    assert "snapshot" in listed
+    assert (root / "receipts" / "snapshot.yaml").exists()  # `krew list` would need the index (network)
     plugins = kubectl("plugin", "list", check=False).stdout
     assert f"{root}/bin/kubectl-snapshot" in plugins
 
