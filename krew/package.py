@@ -208,7 +208,8 @@ def manifest(version: str, uri: str, sha256: str) -> dict[str, object]:
                 "The plugin needs python3 (3.11 or newer) on PATH.\n"
                 "Install the node agent once per cluster: kubectl snapshot install --agent-image IMAGE\n"
                 "For `kubectl snapshot <TAB>` (kubectl >= 1.26 completion), link the completion helper:\n"
-                f'  ln -sf "${{KREW_ROOT:-$HOME/.krew}}/store/snapshot/{version}/{COMPLETE}" "${{KREW_ROOT:-$HOME/.krew}}/bin/"\n'
+                f'  ln -sf "${{KREW_ROOT:-$HOME/.krew}}/store/snapshot/{version}/{COMPLETE}" \\\n'
+                '     "${KREW_ROOT:-$HOME/.krew}/bin/"\n'
             ),
             "platforms": [
                 {

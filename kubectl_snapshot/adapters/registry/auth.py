@@ -130,7 +130,7 @@ def run_helper(name: str, registry: str, *, timeout: float = HELPER_TIMEOUT_S) -
     except (ValueError, AttributeError) as exc:
         raise PermissionDenied(
             f"credential helper {HELPER_PREFIX}{name} printed no credentials JSON for {registry}",
-            hint="it must print {\"ServerURL\": ..., \"Username\": ..., \"Secret\": ...}",
+            hint='it must print {"ServerURL": ..., "Username": ..., "Secret": ...}',
         ) from exc
     if not isinstance(secret, str) or not secret:
         return None
@@ -215,7 +215,8 @@ class CredentialStore:
             config = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise InvalidArgument(f"{where} is not valid JSON: {exc}", hint="check the file's content") from exc
-        if isinstance(config, dict) and "auths" not in config and all(isinstance(v, dict) for v in config.values()):
+        known = {"auths", "credHelpers", "credsStore"}
+        if isinstance(config, dict) and not known & set(config) and all(isinstance(v, dict) for v in config.values()):
             config = {"auths": config}  # legacy .dockercfg
         return cls._from_config(config, where)
 
