@@ -24,6 +24,7 @@ from kubectl_snapshot.core.reference import Reference
 from shim import freezer
 from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event
+from shim.controller.mounts import previous_repositories
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
 from shim.controller.settings import NodeSettings
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
@@ -133,10 +134,12 @@ class SnapshotWorker:
             containers = running_containers(pod)
             volumes = empty_dirs(pod, self.settings.kubelet_root) if spec.get("includeVolumes", True) else {}
             registry = registry_for(self.kube, ns, spec.get("registrySecret"), insecure=bool(spec.get("insecure")))
+            target = Reference.parse(spec.get("destination", ""))
+            registry.add_mount_sources(previous_repositories(self.kube, ns, str(spec.get("podName") or ""), target))
             req = CheckpointRequest(
                 containers=containers.ids,
                 names=containers.names,
-                target=Reference.parse(spec.get("destination", "")),
+                target=target,
                 volumes=list(volumes.values()),
                 volume_names=list(volumes.keys()),
                 stop=bool(spec.get("stop")),
