@@ -122,6 +122,13 @@ def cli(verbose: bool) -> None:
 )
 @click.option("--no-tcp-established", is_flag=True, help="Do not dump established TCP connections.")
 @click.option("--keep-work", is_flag=True, help="Keep the dump directory (for debugging).")
+@click.option(
+    "--mount-from",
+    "mount_from",
+    multiple=True,
+    help="Another repository of --to's registry (REPO or REGISTRY/REPO) whose blobs the registry may mount "
+    "instead of receiving them again (repeatable).",
+)
 @output_option
 @click.argument("containers", nargs=-1, required=True)
 @handle_errors
@@ -133,6 +140,7 @@ def checkpoint_cmd(
     volumes: tuple[str, ...],
     no_tcp_established: bool,
     keep_work: bool,
+    mount_from: tuple[str, ...],
     output: str,
     containers: tuple[str, ...],
     **registry_opts: Any,
@@ -140,6 +148,10 @@ def checkpoint_cmd(
     """Freeze CONTAINER... together, dump them with CRIU and push one snapshot to --to."""
     target = Reference.parse(to)
     registry = make_registry(target, registry_opts)
+    sources = [
+        Reference.parse(m if m.startswith(target.registry + "/") else f"{target.registry}/{m}") for m in mount_from
+    ]
+    registry.add_mount_sources(sources)
     with _client(address, namespace) as containerd, Progress("checkpoint") as bar:
         result = checkpoint(
             CheckpointRequest(
@@ -163,6 +175,7 @@ def checkpoint_cmd(
         "tag": str(result.tagged),
         "size": result.size,
         "uploaded": result.uploaded,
+        "mounted": len(registry.mounted),
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
         "frozenBy": result.frozen_by,
         "containers": [c.name for c in result.config.containers],

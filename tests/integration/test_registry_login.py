@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -88,6 +89,14 @@ def test_identity_token_from_a_creds_store(
     assert log.read_text().splitlines() == [f"get {server.host}"]
 
 
+def settled(read: Callable[[], list[tuple[str, str, int]]]) -> list[tuple[str, str, int]]:
+    """The proxy records a request once it relayed the answer: give it a moment to catch up."""
+    deadline = time.monotonic() + 5
+    while not read() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return read()
+
+
 def test_cross_repository_mount_sends_no_bytes(registry: RegistryServer) -> None:
     base = f"mount-{uuid.uuid4().hex[:8]}"
     src = Reference.parse(registry.ref(f"{base}/previous", "v1"))
@@ -105,7 +114,7 @@ def test_cross_repository_mount_sends_no_bytes(registry: RegistryServer) -> None
         assert uploaded is False and sum(sent) == 0
         assert pusher.mounted == [(digest, f"{base}/previous", f"{base}/moved")]
         assert proxy.body_bytes == 0  # not one byte of the blob went over the wire
-        mounts = [r for r in proxy.requests if r[0] == "POST"]
+        mounts = settled(lambda: [r for r in proxy.requests if r[0] == "POST"])
         assert len(mounts) == 1 and "mount=" in mounts[0][1] and mounts[0][2] == 201
         assert not [r for r in proxy.requests if r[0] in ("PATCH", "PUT")]
         # a blob the source does not have: 202, the session is dropped and the blob uploaded
