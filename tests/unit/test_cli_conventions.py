@@ -398,3 +398,41 @@ def test_installed_agent_restore_finds_the_wrapper_without_path() -> None:
     )
     assert "was not found" not in proc.stderr and "ks-runc" not in proc.stderr, proc.stderr
     assert proc.returncode != 0
+
+
+# --- progress ------------------------------------------------------------------------------------------
+
+PROGRESS = (
+    "from kubectl_snapshot.cli.watch_progress import RemoteProgress\n"
+    "from kubectl_snapshot.core.podspec import SnapshotStatus\n"
+    "with RemoteProgress('snapshot web') as bar:\n"
+    "    bar.snapshot(SnapshotStatus('Running', 'ks-n1', 'upload', 512, 1024, '', ''))\n"
+)
+
+
+def test_progress_bars_only_on_a_terminal() -> None:
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    piped = subprocess.run([sys.executable, "-c", PROGRESS], capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert piped.returncode == 0 and piped.stderr == ""  # a pipe (CI, scripts): nothing
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # a terminal 160 columns wide
+    proc = subprocess.Popen([sys.executable, "-c", PROGRESS], stdout=subprocess.DEVNULL, stderr=slave, cwd=REPO)
+    os.close(slave)
+    out = b""
+    try:
+        while True:
+            try:
+                piece = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not piece:
+                break
+            out += piece
+    finally:
+        os.close(master)
+        proc.wait(timeout=60)
+    assert proc.returncode == 0 and b"snapshot web on ks-n1: upload" in out
