@@ -35,8 +35,9 @@ from kubectl_snapshot.cli.params import ENV_REPOSITORY, Duration, common_options
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.core.podspec import destination, parse_pod_arg, snapshot_status
+from kubectl_snapshot.core.podspec import destination, parse_pod_arg
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.status import read as snapshot_status
 
 DEFAULT_COMMAND = "pod"
 DRY_RUN = ("none", "client", "server")
@@ -375,16 +376,16 @@ def _watch_list(
     already printed are skipped."""
     import datetime
 
-    from kubectl_snapshot.core.errors import FailedPrecondition
+    from kubectl_snapshot.core.errors import Expired
 
     resource_version: str | None = None
     while True:
         try:
             for etype, obj in kube.watch_snapshots(ns, 300, label_selector=selector, resource_version=resource_version):
-                if etype == "BOOKMARK":
-                    continue
                 resource_version = _version(obj)[1] or resource_version
-                if (etype != "DELETED" and _version(obj) in seen) or not obj.get("metadata"):
+                if etype == "BOOKMARK" or not obj.get("metadata"):
+                    continue  # a bookmark only moves the resourceVersion on
+                if etype != "DELETED" and _version(obj) in seen:
                     continue
                 seen.add(_version(obj))
                 if output in ("json", "yaml") or output.startswith("jsonpath"):
@@ -398,9 +399,7 @@ def _watch_list(
                     if etype == "DELETED":
                         row["phase"] = "Deleted"
                     click.echo(_table([row], with_ns, wide=output == "wide", header=False))
-        except FailedPrecondition as e:
-            if not e.retryable:
-                raise
+        except Expired:
             resource_version = None  # 410 Gone: the version is too old; start over (seen skips repeats)
 
 

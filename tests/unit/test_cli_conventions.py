@@ -404,7 +404,7 @@ def test_installed_agent_restore_finds_the_wrapper_without_path() -> None:
 
 PROGRESS = (
     "from kubectl_snapshot.cli.watch_progress import RemoteProgress\n"
-    "from kubectl_snapshot.core.podspec import SnapshotStatus\n"
+    "from kubectl_snapshot.core.status import SnapshotStatus\n"
     "with RemoteProgress('snapshot web') as bar:\n"
     "    bar.snapshot(SnapshotStatus('Running', 'ks-n1', 'upload', 512, 1024, '', ''))\n"
 )
