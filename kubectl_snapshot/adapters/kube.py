@@ -107,6 +107,12 @@ def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
     return Internal(f"{what}: unexpected answer {e.status} from the API server: {msg}")
 
 
+def kubeconfig_contexts(kubeconfig: str | None = None) -> list[str]:
+    """The context names of a kubeconfig ($KUBECONFIG, else ~/.kube/config), for completion."""
+    contexts, _current = k8s_config.list_kube_config_contexts(kubeconfig)
+    return [str(c["name"]) for c in contexts if c.get("name")]
+
+
 def apply_overrides(
     api: k8s_client.ApiClient,
     *,

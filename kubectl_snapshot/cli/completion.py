@@ -90,14 +90,13 @@ def nodes(ctx: click.Context, _param: click.Parameter | None, incomplete: str) -
 
 def contexts(ctx: click.Context, _param: click.Parameter | None, incomplete: str) -> list[CompletionItem]:
     try:
-        from kubernetes import config as k8s_config
-
+        from kubectl_snapshot.adapters.kube import kubeconfig_contexts
         from kubectl_snapshot.cli.params import kube_opts
 
-        found, _current = k8s_config.list_kube_config_contexts(kube_opts(ctx).kubeconfig)
+        names = kubeconfig_contexts(kube_opts(ctx).kubeconfig)
     except Exception:
         return []
-    return [CompletionItem(str(c["name"])) for c in found if str(c.get("name", "")).startswith(incomplete)]
+    return [CompletionItem(n) for n in names if n.startswith(incomplete)]
 
 
 def candidates(cli: click.Command, args: list[str]) -> tuple[list[tuple[str, str]], int]:
