@@ -123,7 +123,10 @@ def _item_range(lines: list[str], i: int) -> tuple[int, int]:
 
 
 def _dump(obj: dict[str, Any]) -> list[str]:
-    return yaml.safe_dump(obj, sort_keys=False, width=10_000).splitlines()
+    """The object's YAML lines; a literal `{{` or `}}` in it (a CEL or Go template in some field) is
+    escaped as a raw string so that Helm prints it unchanged."""
+    text = yaml.safe_dump(obj, sort_keys=False, width=10_000)
+    return re.sub(r"\{\{|\}\}", lambda m: "{{`" + m.group(0) + "`}}", text).splitlines()
 
 
 def _q(text: str) -> str:

@@ -96,3 +96,21 @@ def test_helm_template_equals_install_with_settings(helm: str) -> None:
     assert got != by_key(render(DEFAULT_IMAGE))
     no_port = helm_template(helm, "apiServer=https://api.example")
     assert no_port == by_key(render(DEFAULT_IMAGE, api_server="https://api.example"))
+
+
+def test_literal_template_delimiters_survive(helm: str, tmp_path: Path) -> None:
+    """Whatever render() gains later (e.g. a policy with a `{{ }}` in a message) comes out of helm unchanged."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_chart", REPO / "hack" / "gen-chart.py")
+    assert spec and spec.loader
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    obj = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "data": {"t": "a {{ .b }} c}} {d}"}}
+    chart = tmp_path / "c"
+    (chart / "templates").mkdir(parents=True)
+    (chart / "Chart.yaml").write_text("apiVersion: v2\nname: c\nversion: 0.1.0\n")
+    (chart / "templates" / "x.yaml").write_text(gen.template(obj, obj))
+    proc = subprocess.run([helm, "template", "r", str(chart)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout) == obj
