@@ -48,6 +48,8 @@ SETTINGS: dict[str, tuple[str, str, Any]] = {
     "restartCommand": ("restart_command", "ks-sentinel-restart", ""),
     "apiServer": ("api_server", "https://ks-sentinel-apihost:59999", ""),
 }
+# boolean settings: value name -> (render() keyword, default); their lines choose with `if`
+FLAGS: dict[str, tuple[str, bool]] = {"hostNetwork": ("host_network", False)}
 OPTIONAL = {"restartCommand": ("ks-sentinel-restart",), "apiServer": ("ks-sentinel-apihost", "59999")}
 _API_HOST = '(regexReplaceAll ":[0-9]+$" (urlParse .Values.apiServer).host "")'
 _API_PORT = '(default "443" (regexFind "[0-9]+$" (regexFind ":[0-9]+$" (urlParse .Values.apiServer).host)))'
@@ -133,25 +135,32 @@ def _q(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def template(obj: dict[str, Any], digest_obj: dict[str, Any]) -> str:
-    """`obj` rendered with a tagged sentinel image, `digest_obj` with the same pinned by digest: lines
-    that differ otherwise (the pull policy) choose by the image's form, as render() does."""
-    lines = _dump(obj)
-    pinned = _dump(digest_obj)
-    if len(pinned) == len(lines):
-        for i, (a, b) in enumerate(zip(lines, pinned, strict=True)):
+def template(obj: dict[str, Any], variants: list[tuple[str, dict[str, Any]]] | None = None) -> str:
+    """`obj` rendered with the sentinels; each variant is (a Helm condition, the object rendered with that
+    condition true): lines that differ become `{{ if COND }}THEIRS{{ else }}OURS{{ end }}` (the image pinned
+    by digest changes the pull policy, hostNetwork the DNS policy). A variant that adds or removes lines
+    stops the generator: extend it (tests/unit/test_helm_chart.py would fail otherwise)."""
+    base = _dump(obj)
+    lines = list(base)
+    for cond, variant in variants or []:
+        other = _dump(variant)
+        if len(other) != len(base):
+            raise SystemExit(f"error: {obj['kind']} {obj['metadata']['name']}: {cond} changes the object's shape")
+        for i, (a, b) in enumerate(zip(base, other, strict=True)):
+            if a != b and lines[i] != a:
+                raise SystemExit(f"error: {obj['kind']} {obj['metadata']['name']}: two settings change line {a!r}")
             if a != b and not _SENTINEL.search(a):
                 ma, mb = _LINE.match(a), _LINE.match(b)
                 assert ma is not None and mb is not None and ma.group("lead") == mb.group("lead"), (a, b)
-                va, vb = str(yaml.safe_load(ma.group("scalar"))), str(yaml.safe_load(mb.group("scalar")))
                 lines[i] = (
                     ma.group("lead")
-                    + '{{ if contains "@sha256:" .Values.image }}'
-                    + "{{ "
-                    + _q(vb)
-                    + " }}{{ else }}{{ "
-                    + _q(va)
-                    + " }}{{ end }}"
+                    + "{{ if "
+                    + cond
+                    + " }}"
+                    + mb.group("scalar")
+                    + "{{ else }}"
+                    + ma.group("scalar")
+                    + "{{ end }}"
                 )
     wraps: dict[tuple[int, int], str] = {}
     for i, line in enumerate(lines):
@@ -185,6 +194,11 @@ def values_yaml() -> str:
     ]
     for name, (_kw, _sentinel, default) in SETTINGS.items():
         lines.append(f"{name}: {yaml.safe_dump(default, default_style=None).splitlines()[0]}")
+    lines.append(
+        "#   hostNetwork: the agent in the nodes' network namespace (when the registry is reachable from nodes alone)"
+    )
+    for name, (_kw, flag_default) in FLAGS.items():
+        lines.append(f"{name}: {'true' if flag_default else 'false'}")
     return "\n".join(lines) + "\n"
 
 
@@ -193,6 +207,7 @@ def chart_files() -> dict[str, str]:
     image = kwargs.pop("image")
     objects = render(image, **kwargs)
     pinned = render(image + "@sha256:" + "0" * 64, **kwargs)
+    flagged = {name: render(image, **kwargs, **{kw: True}) for name, (kw, _default) in FLAGS.items()}
     files = {
         "Chart.yaml": HEADER
         + yaml.safe_dump(
@@ -212,7 +227,9 @@ def chart_files() -> dict[str, str]:
     }
     for i, obj in enumerate(objects):
         name = re.sub(r"[^a-z0-9-]+", "-", f"{obj['kind']}-{obj['metadata']['name']}".lower())
-        files[f"templates/{i:02d}-{name}.yaml"] = HEADER + template(obj, pinned[i])
+        variants = [('contains "@sha256:" .Values.image', pinned[i])]
+        variants += [(f".Values.{flag}", objs[i]) for flag, objs in flagged.items()]
+        files[f"templates/{i:02d}-{name}.yaml"] = HEADER + template(obj, variants)
     return files
 
 

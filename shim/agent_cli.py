@@ -7,6 +7,7 @@ ks-agent inspect    REF [-o json|yaml]
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -25,7 +26,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
-from shim import freezer
+from shim import freezer, guard
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
@@ -129,6 +130,12 @@ def cli(verbose: bool) -> None:
     help="Another repository of --to's registry (REPO or REGISTRY/REPO) whose blobs the registry may mount "
     "instead of receiving them again (repeatable).",
 )
+@click.option(
+    "--guard-socket",
+    envvar=guard.ENV_SOCKET,
+    default="",
+    help="A running freeze guard's socket (default: a private guard that outlives this process).",
+)
 @output_option
 @click.argument("containers", nargs=-1, required=True)
 @handle_errors
@@ -141,18 +148,23 @@ def checkpoint_cmd(
     no_tcp_established: bool,
     keep_work: bool,
     mount_from: tuple[str, ...],
+    guard_socket: str,
     output: str,
     containers: tuple[str, ...],
     **registry_opts: Any,
 ) -> None:
-    """Freeze CONTAINER... together, dump them with CRIU and push one snapshot to --to."""
+    """Freeze CONTAINER... together, dump them with CRIU and push one snapshot to --to.
+
+    The freeze is held through a freeze guard (shim/guard.py): if this process is killed or hangs past
+    the freeze's deadline, the guard thaws the containers within moments."""
     target = Reference.parse(to)
     registry = make_registry(target, registry_opts)
     sources = [
         Reference.parse(m if m.startswith(target.registry + "/") else f"{target.registry}/{m}") for m in mount_from
     ]
     registry.add_mount_sources(sources)
-    with _client(address, namespace) as containerd, Progress("checkpoint") as bar:
+    held = contextlib.nullcontext(guard.GuardClient(guard_socket)) if guard_socket else guard.private_guard()
+    with held as guard_client, _client(address, namespace) as containerd, Progress("checkpoint") as bar:
         result = checkpoint(
             CheckpointRequest(
                 containers=containers,
@@ -166,7 +178,8 @@ def checkpoint_cmd(
             containerd=containerd,
             registry=registry,
             paths=StatePaths.from_env(),
-            freezer_for=freezer.lookup,
+            freezer_for=guard_client.freezer_for,
+            memory_of=freezer.task_memory,
             on_phase=bar.phase,
             on_bytes=bar.advance,
         )
@@ -322,6 +335,12 @@ def node_options(fn: F) -> F:
             help="The runc-specific CRIU configuration file on the host (written by install-node where safe).",
         ),
         click.option(
+            "--guard-socket",
+            envvar="KUBECTL_SNAPSHOT_GUARD_SOCKET",
+            default=d.guard_socket,
+            help="The freeze guard's socket (the guard container of the agent's pod); default: a private guard.",
+        ),
+        click.option(
             "--node-config",
             "--node-map",
             "node_map",
@@ -348,6 +367,7 @@ def _node_settings(kw: dict[str, Any]) -> Any:
         restart_command=kw.pop("restart_command"),
         criu_path=kw.pop("criu_path"),
         criu_config=kw.pop("criu_config"),
+        guard_socket=kw.pop("guard_socket", ""),
     )
     return apply_node_map(s, kw.pop("node_map"))
 

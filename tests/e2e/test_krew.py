@@ -87,9 +87,6 @@ def test_krew_installs_the_archive_and_kubectl_runs_it(
     ns_comp = kubectl("__complete", "snapshot", "list", "-n", namespace[:-1]).stdout.splitlines()
     assert namespace in ns_comp, ns_comp
 
-    removed = kubectl("krew", "uninstall", "snapshot")
-    assert removed.returncode == 0 and not (root / "bin" / "kubectl-snapshot").exists()
-
 
 def test_pip_installed_node_tools_are_not_kubectl_plugins(cluster: Cluster) -> None:
     venv_bin = Path(sys.executable).parent

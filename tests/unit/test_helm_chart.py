@@ -47,7 +47,8 @@ def by_key(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any
 
 
 def helm_template(helm: str, *sets: str) -> dict[tuple[str, str], dict[str, Any]]:
-    args = [a for s in sets for a in ("--set-string", s)]
+    """`--set-string` for each NAME=VALUE, `--set` for the booleans."""
+    args = [a for s in sets for a in ("--set" if s.endswith(("=true", "=false")) else "--set-string", s)]
     proc = subprocess.run(
         [helm, "template", "ks", str(CHART), *args], capture_output=True, text=True, timeout=120, cwd="/"
     )
@@ -81,6 +82,7 @@ def test_helm_template_equals_install_with_settings(helm: str) -> None:
         "containerdDropinDir=/etc/k0s/containerd.d",
         "restartCommand=systemctl restart containerd # {node}",
         "apiServer=https://10.1.2.3:6443",
+        "hostNetwork=true",
     )
     want = render(
         "registry.example/ks/agent@sha256:" + "c" * 64,
@@ -90,6 +92,7 @@ def test_helm_template_equals_install_with_settings(helm: str) -> None:
         containerd_dropin_dir="/etc/k0s/containerd.d",
         restart_command="systemctl restart containerd # {node}",
         api_server="https://10.1.2.3:6443",
+        host_network=True,
     )
     assert got == by_key(want)
     # and it differs from the defaults where it should (the comparison can fail)
@@ -110,7 +113,7 @@ def test_literal_template_delimiters_survive(helm: str, tmp_path: Path) -> None:
     chart = tmp_path / "c"
     (chart / "templates").mkdir(parents=True)
     (chart / "Chart.yaml").write_text("apiVersion: v2\nname: c\nversion: 0.1.0\n")
-    (chart / "templates" / "x.yaml").write_text(gen.template(obj, obj))
+    (chart / "templates" / "x.yaml").write_text(gen.template(obj))
     proc = subprocess.run([helm, "template", "r", str(chart)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load(proc.stdout) == obj
