@@ -12,7 +12,7 @@ together from parts this machine can make (Containerfile is the same recipe for 
    the project's .venv (what the tests ran with), Debian's pycriu copied in (it is not on PyPI), the
    entry points, bytecode (unchecked-hash: reproducible, never rewritten at start), and the runtime
    wrapper zipapp at /opt/kubectl-snapshot-runc.pyz (hack/build-wrapper-pyz.py);
-3. config ``Entrypoint ["kubectl-snapshot-agent"]``, PATH with the venv's bin; layers zstd-compressed.
+3. config ``Entrypoint ["ks-agent"]``, PATH with the venv's bin; layers zstd-compressed.
 
 Layers are reproducible (sorted entries, mtime 0), and the whole image is cached by a key over the
 recipe, the base, the pinned requirements and the project's sources: nothing is rebuilt unless one
@@ -308,7 +308,7 @@ def build_image() -> Path:
                 "os": "linux",
                 "created": "1970-01-01T00:00:00Z",
                 "config": {
-                    "Entrypoint": ["kubectl-snapshot-agent"],
+                    "Entrypoint": ["ks-agent"],
                     "Env": [f"PATH={PATH}", "PYTHONDONTWRITEBYTECODE=1", "LANG=C.UTF-8"],
                     "Labels": {"org.opencontainers.image.title": "kubectl-snapshot-agent"},
                 },

@@ -1,8 +1,8 @@
-"""kubectl-snapshot-agent: the node engine as a command, usable against any containerd like `ctr`.
+"""ks-agent: the node engine as a command, usable against any containerd like `ctr`.
 
-kubectl-snapshot-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
-kubectl-snapshot-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
-kubectl-snapshot-agent inspect    REF [-o json|yaml]
+ks-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
+ks-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
+ks-agent inspect    REF [-o json|yaml]
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -34,6 +35,21 @@ from shim.engine.staging import StatePaths
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
+
+
+def find_wrapper(argv0: str | None = None, executable: str | None = None) -> str | None:
+    """The runtime wrapper installed with this agent: beside the script that runs us (a venv's bin/,
+    called by its full path), beside the interpreter, and only then on PATH."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    executable = sys.executable if executable is None else executable
+    dirs = [os.path.dirname(os.path.abspath(argv0))] if os.sep in argv0 else []
+    if executable:
+        dirs.append(os.path.dirname(executable))
+    for d in dirs:
+        candidate = os.path.join(d, C.WRAPPER_BINARY_NAME)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which(C.WRAPPER_BINARY_NAME)
 
 
 def containerd_options(fn: F) -> F:
@@ -130,6 +146,13 @@ def cli(verbose: bool) -> None:
 @click.option("--no-tcp-established", is_flag=True, help="Do not dump established TCP connections.")
 @click.option("--keep-work", is_flag=True, help="Keep the dump directory (for debugging).")
 @click.option(
+    "--mount-from",
+    "mount_from",
+    multiple=True,
+    help="Another repository of --to's registry (REPO or REGISTRY/REPO) whose blobs the registry may mount "
+    "instead of receiving them again (repeatable).",
+)
+@click.option(
     "--guard-socket",
     envvar=guard.ENV_SOCKET,
     default="",
@@ -153,6 +176,7 @@ def checkpoint_cmd(
     volumes: tuple[str, ...],
     no_tcp_established: bool,
     keep_work: bool,
+    mount_from: tuple[str, ...],
     guard_socket: str,
     encrypt: bool,
     key_dir: str | None,
@@ -171,6 +195,10 @@ def checkpoint_cmd(
     if encrypt:
         ns = key_namespace or namespace
         sealer = Sealer(key_provider(key_dir).namespace_key(ns, create=True), ns)
+    sources = [
+        Reference.parse(m if m.startswith(target.registry + "/") else f"{target.registry}/{m}") for m in mount_from
+    ]
+    registry.add_mount_sources(sources)
     held = contextlib.nullcontext(guard.GuardClient(guard_socket)) if guard_socket else guard.private_guard()
     with held as guard_client, _client(address, namespace) as containerd, Progress("checkpoint") as bar:
         result = checkpoint(
@@ -198,6 +226,7 @@ def checkpoint_cmd(
         "encrypted": sealer is not None,
         "size": result.size,
         "uploaded": result.uploaded,
+        "mounted": len(registry.mounted),
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
         "frozenBy": result.frozen_by,
         "containers": [c.name for c in result.config.containers],
@@ -218,8 +247,8 @@ def checkpoint_cmd(
 )
 @click.option(
     "--runtime-binary",
-    default=lambda: shutil.which(C.WRAPPER_BINARY_NAME) or "",
-    show_default="kubectl-snapshot-runc on PATH",
+    default=lambda: find_wrapper() or "",
+    show_default=f"{C.WRAPPER_BINARY_NAME} beside ks-agent, else on PATH",
     help="The runc-compatible wrapper the new containers run under.",
 )
 @click.option("--runc-root", default="", help="runc state root for the new containers (default: the shim's).")
@@ -253,8 +282,8 @@ def restore_cmd(
     registry = make_registry(source, registry_opts)
     if not runtime_binary:
         raise InvalidArgument(
-            f"{C.WRAPPER_BINARY_NAME} was not found on PATH",
-            hint="pass --runtime-binary /path/to/kubectl-snapshot-runc",
+            f"{C.WRAPPER_BINARY_NAME} was not found beside {sys.argv[0]} nor on PATH",
+            hint=f"pass --runtime-binary /path/to/{C.WRAPPER_BINARY_NAME}",
         )
     with _client(address, namespace) as containerd, Progress("restore") as bar:
         result = restore(
@@ -308,7 +337,7 @@ def inspect_cmd(output: str, ref: str, **registry_opts: Any) -> None:
 
 
 def main() -> None:
-    cli(prog_name="kubectl-snapshot-agent")
+    cli(prog_name="ks-agent")
 
 
 if __name__ == "__main__":

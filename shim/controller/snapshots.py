@@ -29,6 +29,7 @@ from kubectl_snapshot.core.sealing import KeyProvider, Sealer
 from shim import freezer, guard
 from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event, snapshot_event
+from shim.controller.mounts import previous_repositories
 from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_containers
 from shim.controller.settings import NodeSettings
 from shim.controller.workqueue import WorkQueue
@@ -182,10 +183,12 @@ class SnapshotWorker:
             root = host_view(self.settings.kubelet_root)
             volumes = empty_dirs(pod, root) if spec.get("includeVolumes", True) else {}
             registry = registry_for(self.kube, ns, spec.get("registrySecret"), insecure=bool(spec.get("insecure")))
+            target = Reference.parse(spec.get("destination", ""))
+            registry.add_mount_sources(previous_repositories(self.kube, ns, str(spec.get("podName") or ""), target))
             req = CheckpointRequest(
                 containers=containers.ids,
                 names=containers.names,
-                target=Reference.parse(spec.get("destination", "")),
+                target=target,
                 volumes=list(volumes.values()),
                 volume_names=list(volumes.keys()),
                 stop=bool(spec.get("stop")),
