@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import time
 from typing import Any
 
@@ -28,9 +29,14 @@ from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
 from shim.engine.restore import stage_artifact
 from shim.engine.staging import StatePaths
+from shim.podrestore import PodRestore
 
 log = logging.getLogger(__name__)
 VOLUME_WAIT_S = 120.0
+# Labels containerd's CRI plugin puts on a pod's containers.
+LABEL_POD_UID = "io.kubernetes.pod.uid"
+LABEL_CONTAINER_NAME = "io.kubernetes.container.name"
+LABEL_CRI_KIND = "io.cri-containerd.kind"
 
 
 def wants_restore(pod: dict[str, Any], node: str) -> bool:
@@ -51,9 +57,11 @@ class RestoreWorker:
         self.facts = facts
         self.paths = StatePaths(settings.state_dir)
         self._seen: set[str] = set()
+        self._failed: set[str] = set()
 
     def consider(self, pod: dict[str, Any]) -> None:
         if not wants_restore(pod, self.settings.node):
+            self.follow(pod)
             return
         uid = pod["metadata"]["uid"]
         if uid in self._seen:
@@ -91,6 +99,8 @@ class RestoreWorker:
                 targets.append(target)
             self._wait_for_dirs([gate, *targets])
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
+            # Before anything is staged: the runtime wrapper restores the pod whole or not at all.
+            PodRestore(self.paths.pod_dir(uid)).record([c.name for c in config.containers])
             stage_artifact(artifact, staged, registry=registry, paths=self.paths, volume_targets=targets)
         except SnapshotError as e:
             for d in staged:
@@ -120,8 +130,60 @@ class RestoreWorker:
                 )
             time.sleep(0.2)
 
+    def follow(self, pod: dict[str, Any]) -> None:
+        """A staged pod of this node: report it failed (once) when the wrapper could not restore it whole."""
+        meta = pod.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        uid = str(meta.get("uid") or "")
+        if (
+            annotations.get(K.ANN_RESTORE_STATUS) != K.RESTORE_STAGED
+            or (pod.get("spec") or {}).get("nodeName") != self.settings.node
+            or uid in self._failed
+        ):
+            return
+        try:
+            state = PodRestore(self.paths.pod_dir(uid))
+        except SnapshotError:
+            return
+        why = state.failed()
+        if why is None:
+            return
+        self._failed.add(uid)
+        stopped = self._stop_containers(uid)
+        err = FailedPrecondition(
+            f"the pod could not be restored whole: {why.strip()}",
+            hint="no container of the pod was started from scratch"
+            + (f" (stopped the restored ones: {', '.join(stopped)})" if stopped else "")
+            + "; delete the pod, fix the cause and restore again",
+        )
+        self._annotate(pod, K.RESTORE_FAILED_PREFIX + err.message)
+        pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, render(err), warning=True)
+
+    def _stop_containers(self, uid: str) -> list[str]:
+        """Kill the pod's running app containers: the wrapper refuses to create them again."""
+        from shim.containerd.client import ContainerdClient  # the agent's adapter; not needed by pure tests
+
+        stopped = []
+        try:
+            with ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as c:
+                for info in c.list_containers():
+                    labels = info.labels
+                    if labels.get(LABEL_POD_UID) != uid or labels.get(LABEL_CRI_KIND) != "container":
+                        continue
+                    task = c.get_task(info.id)
+                    if task is None or task.status not in ("running", "paused", "created"):
+                        continue
+                    with contextlib.suppress(SnapshotError):
+                        c.kill_task(info.id, signal.SIGKILL, all=True)
+                        stopped.append(labels.get(LABEL_CONTAINER_NAME, info.id))
+        except SnapshotError as e:
+            log.warning("could not stop the containers of pod %s: %s", uid, e)
+        return sorted(stopped)
+
     def _fail(self, pod: dict[str, Any], gate: str, err: SnapshotError) -> None:
         message = render(err)
+        with contextlib.suppress(SnapshotError, OSError):
+            PodRestore(self.paths.pod_dir(pod["metadata"]["uid"])).fail(err.message)
         with contextlib.suppress(OSError):
             if os.path.isdir(gate):
                 self._open_gate(gate, K.GATE_FAILED_FILE, message + "\n")
