@@ -21,7 +21,7 @@ from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
-from shim import freezer
+from shim import freezer, unixpeers
 from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
@@ -155,6 +155,7 @@ class SnapshotWorker:
                     before_stop=lambda: self._delete_pod(pod),
                     host=self.facts,
                     freezer_for=freezer.lookup,
+                    unix_links=unixpeers.find_cross_links,
                 )
         except SnapshotError as e:
             self._finish_failed(obj, pod, e)

@@ -193,7 +193,8 @@ def test_unix_stream_socket_between_containers_is_refused_up_front(cluster, name
 
     proc = plugin("snapshot", "pod/usk", "-n", ns, "--to", f"{cluster.registry}/e2e/usk", "--stop", check=False)
     assert proc.returncode == 1
-    assert "Unix stream socket" in proc.stderr and "server" in proc.stderr and "client" in proc.stderr, proc.stderr
+    assert "connected to each other by Unix sockets" in proc.stderr, proc.stderr
+    assert "'server' and 'client' (stream socket, /vol/sock)" in proc.stderr, proc.stderr
     # refused before anything was frozen or stopped: the pod runs on, connection and all
     _, n = _got(cluster, ns, "usk")
     cluster.wait_for("the messages to go on", lambda: _got(cluster, ns, "usk")[1] > n, timeout=30)
