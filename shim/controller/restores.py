@@ -135,6 +135,10 @@ class RestoreWorker:
         meta = pod.get("metadata") or {}
         annotations = meta.get("annotations") or {}
         uid = str(meta.get("uid") or "")
+        if meta.get("deletionTimestamp") and K.ANN_RESTORE_FROM in annotations:
+            with contextlib.suppress(SnapshotError):  # the pod goes: so does its restore state
+                shutil.rmtree(self.paths.pod_dir(uid), ignore_errors=True)
+            return
         if (
             annotations.get(K.ANN_RESTORE_STATUS) != K.RESTORE_STAGED
             or (pod.get("spec") or {}).get("nodeName") != self.settings.node
