@@ -105,6 +105,7 @@ def test_loopback_tcp_between_containers_survives_and_outside_connections_close(
     _running(cluster, ns, "conn")
     cluster.wait_for("the client's messages", lambda: _got(cluster, ns, "conn")[1] >= 10, timeout=60)
     tok, before = _got(cluster, ns, "conn")
+    assert _cat(cluster, ns, "conn", "away", "/tmp/closed") == ""  # connected to the other pod, open
 
     out = plugin("snapshot", "pod/conn", "-n", ns, "--to", f"{cluster.registry}/e2e/conn", "--stop", "-o", "json")
     psnap = json.loads(out.stdout)
