@@ -327,8 +327,14 @@ def _node_settings(kw: dict[str, Any]) -> Any:
 @node_options
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Out-of-cluster use (development).")
 @click.option("--ready-file", default=K.READY_FILE, show_default=True, help="Written once the agent is watching.")
+@click.option(
+    "--metrics-bind-address",
+    default="",
+    help="HOST:PORT to serve Prometheus metrics on, over HTTPS, to scrapers the API server authorises "
+    "(TokenReview + SubjectAccessReview on GET /metrics); empty: no metrics.",
+)
 @handle_errors
-def run_cmd(kubeconfig: str | None, ready_file: str, **kw: Any) -> None:
+def run_cmd(kubeconfig: str | None, ready_file: str, metrics_bind_address: str, **kw: Any) -> None:
     """Run the agent: take PodSnapshots for pods on this node, stage restores for pods created here."""
     import logging
 
@@ -338,7 +344,7 @@ def run_cmd(kubeconfig: str | None, ready_file: str, **kw: Any) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _node_settings(kw)
     kube = KubeClient.from_config(kubeconfig, None) if kubeconfig else KubeClient.in_cluster()
-    run(kube, settings, ready_file=ready_file)
+    run(kube, settings, ready_file=ready_file, metrics_address=metrics_bind_address)
 
 
 @cli.command("install-node")

@@ -33,8 +33,9 @@ from kubectl_snapshot.cli.output import emit, human_bytes, output_option
 from kubectl_snapshot.cli.params import ENV_REPOSITORY, Duration, common_options, kube_opts, repository_default
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.core.podspec import destination, parse_pod_arg, snapshot_status
+from kubectl_snapshot.core.podspec import destination, parse_pod_arg
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.status import read as snapshot_status
 
 DEFAULT_COMMAND = "pod"
 ALIASES = {"snapshot": DEFAULT_COMMAND}  # `kubectl-snapshot snapshot pod/NAME` reads naturally too

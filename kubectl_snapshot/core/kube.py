@@ -18,6 +18,8 @@ PHASE_RUNNING: Final = "Running"
 PHASE_SUCCEEDED: Final = "Succeeded"
 PHASE_FAILED: Final = "Failed"
 TERMINAL_PHASES: Final = (PHASE_SUCCEEDED, PHASE_FAILED)
+# The CRD's selectable field agents watch by: the node whose agent claimed a PodSnapshot ("" = nobody yet).
+SNAPSHOT_NODE_FIELD: Final = "status.node"
 
 # restore
 RUNTIME_CLASS: Final = "kubectl-snapshot"

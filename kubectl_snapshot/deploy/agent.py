@@ -44,6 +44,7 @@ NODE_CONFIG_DIR = "/etc/kubectl-snapshot/nodes"
 NODE_PATH_KEYS = ("containerd_socket", "kubelet_root", "containerd_dropin_dir")
 WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
 READY_FILE = K.READY_FILE
+METRICS_PORT = 9443  # HTTPS, authorised scrapers only (shim/metrics_server.py)
 DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"  # containerd 2.x's default config imports *.toml from here
 
 
@@ -177,6 +178,7 @@ def _path_flags(settings: AgentSettings) -> list[str]:
 def _env(settings: AgentSettings) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         # $(NODE_NAME) is expanded by the kubelet: one state dir per node, even with several per machine.
         {"name": C.ENV_STATE_DIR, "value": f"{settings.state_root}/$(NODE_NAME)"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -206,7 +208,12 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
     install_args = ["install-node", f"--wrapper={WRAPPER_IN_IMAGE}", *_path_flags(settings)]
     if settings.restart_command:
         install_args.append(f"--restart-command={settings.restart_command}")
-    run_args = ["run", *_path_flags(settings), f"--ready-file={READY_FILE}"]
+    run_args = [
+        "run",
+        *_path_flags(settings),
+        f"--ready-file={READY_FILE}",
+        f"--metrics-bind-address=:{METRICS_PORT}",
+    ]
     selector = dict(K.AGENT_LABEL)
     return {
         "apiVersion": "apps/v1",
@@ -237,6 +244,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                                 "periodSeconds": 5,
                             },
                             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+                            "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
                         }
                     ],
                     "volumes": volumes,

@@ -13,7 +13,9 @@ The agent's rules are the whole list of what it calls (docs/kubernetes.md), noth
   cluster-wide because PodSnapshots come from any namespace; ``get`` (no list/watch) means the agent
   can only read a secret whose name it was given. A tighter setup binds a ClusterRole with just this
   rule per namespace (RoleBinding) where snapshots with credentials are allowed (docs/deploy.md);
-- nodes get/patch: the host-facts annotation on its own node.
+- nodes get/patch: the host-facts annotation on its own node;
+- tokenreviews/subjectaccessreviews create: a scraper of the agent's metrics is authenticated and
+  authorised by the API server (bind ``kubectl-snapshot-metrics-reader`` to the scraper's identity).
 
 Users get PodSnapshot rights through the built-in roles by aggregation: creating a PodSnapshot is the
 permission to snapshot a pod of that namespace, so it goes with ``edit``/``admin``; ``view`` can read.
@@ -27,6 +29,7 @@ from kubectl_snapshot.core import kube as K
 
 RBAC = "rbac.authorization.k8s.io/v1"
 EDIT_ROLE = "kubectl-snapshot-edit"
+METRICS_READER_ROLE = "kubectl-snapshot-metrics-reader"
 VIEW_ROLE = "kubectl-snapshot-view"
 _AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
 
@@ -44,6 +47,9 @@ def agent_rules() -> list[dict[str, Any]]:
         _rule("", ["events"], ["create", "patch"]),
         _rule("", ["secrets"], ["get"]),
         _rule("", ["nodes"], ["get", "patch"]),
+        # Who may read /metrics is the API server's call (TokenReview + SubjectAccessReview).
+        _rule("authentication.k8s.io", ["tokenreviews"], ["create"]),
+        _rule("authorization.k8s.io", ["subjectaccessreviews"], ["create"]),
     ]
 
 
@@ -96,5 +102,12 @@ def user_cluster_roles(labels: dict[str, str]) -> list[dict[str, Any]]:
             "kind": "ClusterRole",
             "metadata": {"name": VIEW_ROLE, "labels": view_labels},
             "rules": [_rule(K.GROUP, [K.PLURAL], ["get", "list", "watch"])],
+        },
+        {
+            # Not aggregated: bind it to the identity of the Prometheus that scrapes the agents.
+            "apiVersion": RBAC,
+            "kind": "ClusterRole",
+            "metadata": {"name": METRICS_READER_ROLE, "labels": dict(labels)},
+            "rules": [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
         },
     ]

@@ -29,6 +29,7 @@ from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
 from shim.engine.restore import stage_artifact
 from shim.engine.staging import StatePaths
+from shim.metrics import AgentMetrics
 from shim.podrestore import PodRestore
 
 log = logging.getLogger(__name__)
@@ -51,10 +52,13 @@ def wants_restore(pod: dict[str, Any], node: str) -> bool:
 
 
 class RestoreWorker:
-    def __init__(self, *, kube: Any, settings: NodeSettings, facts: HostFacts) -> None:
+    def __init__(
+        self, *, kube: Any, settings: NodeSettings, facts: HostFacts, metrics: AgentMetrics | None = None
+    ) -> None:
         self.kube = kube
         self.settings = settings
         self.facts = facts
+        self.metrics = metrics or AgentMetrics()
         self.paths = StatePaths(settings.state_dir)
         self._seen: set[str] = set()
         self._failed: set[str] = set()
@@ -67,9 +71,16 @@ class RestoreWorker:
         if uid in self._seen:
             return
         self._seen.add(uid)
-        self.run(pod)
+        started = time.monotonic()
+        with self.metrics.in_progress.labels("restore").track_inprogress():
+            ok = self.run(pod)
+        if ok:
+            self.metrics.restored(time.monotonic() - started)
+        else:
+            self.metrics.restore_failed()
 
-    def run(self, pod: dict[str, Any]) -> None:
+    def run(self, pod: dict[str, Any]) -> bool:
+        """Stage the pod's restore and open its gate; False when it failed (the gate says why)."""
         meta = pod["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         gate = empty_dir_path(self.settings.kubelet_root, uid, K.GATE_VOLUME)
@@ -106,18 +117,19 @@ class RestoreWorker:
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)
             self._fail(pod, gate, e)
-            return
+            return False
         except Exception as e:  # never leave the gate closed forever
             log.exception("restore of %s/%s failed", ns, name)
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)
             self._fail(pod, gate, SnapshotError(f"internal error: {e}"))
-            return
+            return False
         self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
         self._annotate(pod, K.RESTORE_STAGED)
         pod_event(
             self.kube, pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}"
         )
+        return True
 
     def _wait_for_dirs(self, dirs: list[str]) -> None:
         deadline = time.monotonic() + VOLUME_WAIT_S

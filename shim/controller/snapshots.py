@@ -16,18 +16,20 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
-from kubectl_snapshot.cli.errors import render
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import status as S
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from shim import freezer, unixpeers
 from shim.containerd.client import ContainerdClient
-from shim.controller.events import pod_event
+from shim.controller.events import pod_event, snapshot_event
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
 from shim.controller.settings import NodeSettings
+from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
 from shim.engine.staging import StatePaths
+from shim.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 1.0
@@ -53,12 +55,22 @@ def registry_for(kube: Any, namespace: str, secret: str | None, *, insecure: boo
 
 class SnapshotWorker:
     def __init__(
-        self, *, kube: Any, settings: NodeSettings, facts: HostFacts, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        kube: Any,
+        settings: NodeSettings,
+        facts: HostFacts,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: AgentMetrics | None = None,
+        queue: WorkQueue | None = None,
     ) -> None:
         self.kube = kube
         self.settings = settings
         self.facts = facts
         self.clock = clock
+        self.metrics = metrics or AgentMetrics()
+        # Claimed snapshots run one at a time, in claim order; the watch goes on meanwhile.
+        self.queue = queue or WorkQueue.inline()
         self._handled: set[str | None] = set()  # uids this agent process claimed (stale events follow)
 
     # --- claiming ---------------------------------------------------------------------------------
@@ -101,20 +113,26 @@ class SnapshotWorker:
             return
         if not self._claim(obj):
             return
-        self.run(obj, pod)
+        self.queue.submit(lambda: self._run_tracked(obj, pod))
 
-    def _claim(self, obj: dict[str, Any], phase: str = K.PHASE_RUNNING) -> bool:
+    def _run_tracked(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
+        with self.metrics.in_progress.labels("snapshot").track_inprogress():
+            self.run(obj, pod)
+
+    def _claim(self, obj: dict[str, Any]) -> bool:
         meta = obj["metadata"]
+        # Before the patch: the claim's own watch event (another thread) must not look like a restart.
+        self._handled.add(meta.get("uid"))
         try:
             self.kube.patch_snapshot_status(
                 meta["namespace"],
                 meta["name"],
-                {"phase": phase, "node": self.settings.node, "startTime": now(), "stage": "claimed"},
+                S.claimed(node=self.settings.node, now=now(), generation=meta.get("generation")),
                 resource_version=meta.get("resourceVersion"),
             )
         except FailedPrecondition:  # another agent won the race
+            self._handled.discard(meta.get("uid"))
             return False
-        self._handled.add(meta.get("uid"))  # later events still show our Running claim: not a restart
         return True
 
     def _claim_and_fail(self, obj: dict[str, Any], message: str, hint: str) -> None:
@@ -127,7 +145,9 @@ class SnapshotWorker:
     def run(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
         meta, spec = obj["metadata"], obj.get("spec") or {}
         ns, name = meta["namespace"], meta["name"]
-        pod_event(self.kube, pod, K.EVENT_SNAPSHOT_STARTED, f"snapshot {name} started on {self.settings.node}")
+        started = f"snapshot {name} started on {self.settings.node}"
+        snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_STARTED, started)
+        pod_event(self.kube, pod, K.EVENT_SNAPSHOT_STARTED, started)
         reporter = _StatusReporter(self.kube, ns, name, self.clock)
         try:
             containers = running_containers(pod)
@@ -173,46 +193,41 @@ class SnapshotWorker:
 
     def _finish_ok(self, obj: dict[str, Any], pod: dict[str, Any], r: CheckpointResult) -> None:
         meta = obj["metadata"]
-        t = r.timings_ms
-        status = {
-            "phase": K.PHASE_SUCCEEDED,
-            "node": self.settings.node,
-            "stage": "done",
-            "bytesDone": r.size,
-            "bytesTotal": r.size,
-            "timings": {
-                "freezeMs": round(t.get("freeze_ms", 0), 1),
-                "dumpMs": round(t.get("dump_ms", 0), 1),
-                "packageMs": round(t.get("package_ms", 0), 1),
-                "uploadMs": round(t.get("upload_ms", 0), 1),
-                "totalMs": round(t.get("total_ms", 0), 1),
-            },
-            "frozenBy": r.frozen_by,
-            "reference": str(r.reference),
-            "tag": str(r.tagged),
-            "size": r.size,
-            "message": f"pushed {r.reference}",
-            "completionTime": now(),
-            "conditions": [_condition("Succeeded", "True", "Pushed", f"pushed {r.reference}")],
-        }
+        outcome = S.Outcome(
+            reference=str(r.reference),
+            tag=str(r.tagged),
+            size=r.size,
+            frozen_by=r.frozen_by,
+            timings_ms=r.timings_ms,
+        )
+        status = S.succeeded(outcome, node=self.settings.node, now=now(), generation=meta.get("generation"))
         self.kube.patch_snapshot_status(meta["namespace"], meta["name"], status)
-        pod_event(self.kube, pod, K.EVENT_SNAPSHOT_SUCCEEDED, f"snapshot {meta['name']} pushed as {r.reference}")
+        pod_meta = pod["metadata"]
+        self.metrics.saved(
+            pod_meta["namespace"], pod_meta["name"], timings_ms=r.timings_ms, size=r.size, uploaded=r.uploaded
+        )
+        message = f"snapshot {meta['name']} pushed as {r.reference} ({S.human_bytes(r.size)})"
+        snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_SUCCEEDED, message)
+        pod_event(self.kube, pod, K.EVENT_SNAPSHOT_SUCCEEDED, message)
 
     def _finish_failed(self, obj: dict[str, Any], pod: dict[str, Any] | None, err: SnapshotError) -> None:
         meta = obj["metadata"]
-        message = render(err)
-        status = {
-            "phase": K.PHASE_FAILED,
-            "node": self.settings.node,
-            "stage": "failed",
-            "message": message,
-            "completionTime": now(),
-            "conditions": [_condition("Succeeded", "False", type(err).__name__, err.message)],
-        }
+        status = S.failed(
+            node=self.settings.node,
+            now=now(),
+            generation=meta.get("generation"),
+            reason=type(err).__name__,
+            message=err.message,
+            hint=err.hint,
+            details=err.details,
+        )
         try:
             self.kube.patch_snapshot_status(meta["namespace"], meta["name"], status)
         except SnapshotError:
             log.exception("could not record the failure of %s/%s", meta["namespace"], meta["name"])
+        self.metrics.save_failed()
+        message = f"snapshot {meta['name']} failed: {err.message}"
+        snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_FAILED, message, warning=True)
         if pod is not None:
             pod_event(self.kube, pod, K.EVENT_SNAPSHOT_FAILED, message, warning=True)
 
@@ -243,11 +258,7 @@ class _StatusReporter:
         self._last = t
         try:
             self.kube.patch_snapshot_status(
-                self.ns, self.name, {"stage": self.current, "bytesDone": self.done, "bytesTotal": self.total}
+                self.ns, self.name, S.progress(stage=self.current, done=self.done, total=self.total)
             )
         except SnapshotError:
             log.warning("could not update the progress of %s/%s", self.ns, self.name)
-
-
-def _condition(type_: str, status: str, reason: str, message: str) -> dict[str, str]:
-    return {"type": type_, "status": status, "reason": reason, "message": message[:1000], "lastTransitionTime": now()}

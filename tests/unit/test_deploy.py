@@ -66,7 +66,7 @@ def test_crd_schema() -> None:
     assert version["name"] == K.VERSION and version["served"] and version["storage"]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Pod", "Phase", "Node", "Size", "Reference", "Age"]
+    assert columns == ["Pod", "Phase", "Node", "Size", "Reference", "Age", "Stage", "Reason"]
     schema = version["schema"]["openAPIV3Schema"]
     s, st = schema["properties"]["spec"], schema["properties"]["status"]
     assert set(s["required"]) == {"podName", "destination"}
@@ -107,6 +107,8 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
         *(("", "events", v) for v in ("create", "patch")),
         ("", "secrets", "get"),
         *(("", "nodes", v) for v in ("get", "patch")),
+        ("authentication.k8s.io", "tokenreviews", "create"),
+        ("authorization.k8s.io", "subjectaccessreviews", "create"),
     }
     assert rules(role) == expected
     assert not any("*" in (g, r, v) for g, r, v in rules(role))
@@ -123,6 +125,9 @@ def test_user_roles_aggregate_to_builtin_roles() -> None:
     assert edit["metadata"]["labels"][agg + "edit"] == "true" and edit["metadata"]["labels"][agg + "admin"] == "true"
     assert view["metadata"]["labels"][agg + "view"] == "true" and agg + "edit" not in view["metadata"]["labels"]
     assert rules(edit) == {(K.GROUP, "podsnapshots", v) for v in ("create", "get", "list", "watch", "delete")}
+    reader = objs[("ClusterRole", "kubectl-snapshot-metrics-reader")]
+    assert reader["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    assert not any(k.startswith(agg) for k in reader["metadata"]["labels"])  # bound by hand, to the scraper
     assert rules(view) == {(K.GROUP, "podsnapshots", v) for v in ("get", "list", "watch")}
 
 
