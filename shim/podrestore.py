@@ -68,9 +68,14 @@ EXTERNAL_TCP_FILTER = "! src 127.0.0.0/8 and ! src [::1]"
 Runner = Callable[[list[str], str], tuple[int, str]]
 
 
+_SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
 def run_command(argv: list[str], stdin: str) -> tuple[int, str]:
+    # The node's own tools (nsenter, iptables-restore, ss), wherever containerd's PATH points.
+    env = {**os.environ, "PATH": _SYSTEM_PATH + ":" + os.environ.get("PATH", "")}
     try:
-        proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=30, check=False)
+        proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=30, check=False, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
         return 127, str(e)
     return proc.returncode, (proc.stdout + proc.stderr).strip()
