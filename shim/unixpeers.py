@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import socket
 import struct
@@ -25,6 +26,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+log = logging.getLogger(__name__)
 NETLINK_SOCK_DIAG = 4
 SOCK_DIAG_BY_FAMILY = 20
 NLM_F_REQUEST = 0x1
@@ -215,6 +217,12 @@ def find_cross_links(init_pids: Sequence[int]) -> list[CrossLink]:
         if ns in seen_ns:
             continue
         seen_ns.add(ns)
-        for s in sockets_in_netns_of(pid):
+        try:
+            found = sockets_in_netns_of(pid)
+        except (OSError, ValueError) as e:
+            # Not knowing never blocks a snapshot: CRIU still refuses such a socket, later, itself.
+            log.warning("could not list the Unix sockets of pid %d's network namespace: %s", pid, e)
+            return []
+        for s in found:
             sockets[s.ino] = s
     return cross_links(list(sockets.values()), owners)
