@@ -26,11 +26,13 @@ __all__ = ["agent", "cluster", "namespace", "plugin"]
 
 # server and client hold ONE TCP connection over loopback; the client sends "<token> <n>" every 0.2 s
 SERVER = (
-    'nc -l -p 7000 | while read tok n; do echo "$tok $n" > /tmp/got.t; mv /tmp/got.t /tmp/got; done; '
+    # nc's own stdin never ends: busybox nc closes the connection when its stdin does
+    'sleep 1000000 | nc -l -p 7000 | while read tok n; do echo "$tok $n" > /tmp/got.t; mv /tmp/got.t /tmp/got; done; '
     "echo eof > /tmp/eof; sleep 100000"
 )
 CLIENT = (
-    "until grep -q ':1B58 00000000:0000 0A' /proc/net/tcp; do sleep 0.2; done; "
+    "until cat /proc/net/tcp /proc/net/tcp6 | awk '$2 ~ /:1B58$/ && $4 == \"0A\" {f=1} END {exit !f}'; "
+    "do sleep 0.2; done; "
     "tok=$(cat /proc/sys/kernel/random/uuid); n=0; "
     'while true; do n=$((n+1)); echo "$tok $n"; sleep 0.2; done | nc 127.0.0.1 7000; '
     "echo closed > /tmp/closed; sleep 100000"
