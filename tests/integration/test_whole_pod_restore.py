@@ -10,6 +10,7 @@ the container set, then create each container with the CRI annotations under the
 from __future__ import annotations
 
 import copy
+import shutil
 import subprocess
 import time
 import uuid
@@ -172,3 +173,4 @@ def test_loopback_tcp_between_two_containers_of_a_pod_survives(  # type: ignore[
     finally:
         for cid in created:
             b.remove_container(cid)
+        shutil.rmtree(pod.directory, ignore_errors=True)
