@@ -7,6 +7,7 @@ kubectl-snapshot-agent inspect    REF [-o json|yaml]
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
-from shim import freezer
+from shim import freezer, guard
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
@@ -106,6 +107,12 @@ def cli(verbose: bool) -> None:
 )
 @click.option("--no-tcp-established", is_flag=True, help="Do not dump established TCP connections.")
 @click.option("--keep-work", is_flag=True, help="Keep the dump directory (for debugging).")
+@click.option(
+    "--guard-socket",
+    envvar=guard.ENV_SOCKET,
+    default="",
+    help="A running freeze guard's socket (default: a private guard that outlives this process).",
+)
 @output_option
 @click.argument("containers", nargs=-1, required=True)
 @handle_errors
@@ -117,14 +124,19 @@ def checkpoint_cmd(
     volumes: tuple[str, ...],
     no_tcp_established: bool,
     keep_work: bool,
+    guard_socket: str,
     output: str,
     containers: tuple[str, ...],
     **registry_opts: Any,
 ) -> None:
-    """Freeze CONTAINER... together, dump them with CRIU and push one snapshot to --to."""
+    """Freeze CONTAINER... together, dump them with CRIU and push one snapshot to --to.
+
+    The freeze is held through a freeze guard (shim/guard.py): if this process is killed or hangs past
+    the freeze's deadline, the guard thaws the containers within moments."""
     target = Reference.parse(to)
     registry = make_registry(target, registry_opts)
-    with _client(address, namespace) as containerd, Progress("checkpoint") as bar:
+    held = contextlib.nullcontext(guard.GuardClient(guard_socket)) if guard_socket else guard.private_guard()
+    with held as guard_client, _client(address, namespace) as containerd, Progress("checkpoint") as bar:
         result = checkpoint(
             CheckpointRequest(
                 containers=containers,
@@ -138,7 +150,8 @@ def checkpoint_cmd(
             containerd=containerd,
             registry=registry,
             paths=StatePaths.from_env(),
-            freezer_for=freezer.lookup,
+            freezer_for=guard_client.freezer_for,
+            memory_of=freezer.task_memory,
             on_phase=bar.phase,
             on_bytes=bar.advance,
         )
@@ -293,6 +306,12 @@ def node_options(fn: F) -> F:
             help="The runc-specific CRIU configuration file on the host (written by install-node where safe).",
         ),
         click.option(
+            "--guard-socket",
+            envvar="KUBECTL_SNAPSHOT_GUARD_SOCKET",
+            default=d.guard_socket,
+            help="The freeze guard's socket (the guard container of the agent's pod); default: a private guard.",
+        ),
+        click.option(
             "--node-config",
             "--node-map",
             "node_map",
@@ -319,6 +338,7 @@ def _node_settings(kw: dict[str, Any]) -> Any:
         restart_command=kw.pop("restart_command"),
         criu_path=kw.pop("criu_path"),
         criu_config=kw.pop("criu_config"),
+        guard_socket=kw.pop("guard_socket", ""),
     )
     return apply_node_map(s, kw.pop("node_map"))
 

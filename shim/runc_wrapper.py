@@ -238,6 +238,21 @@ def _restore(
 ) -> tuple[int, str]:
     """`runc restore` in place of `create`; returns (exit status, the error written to runc's log)."""
     try:
+        # Issue 10: CRIU takes credentials, capabilities, seccomp, LSM labels, namespaces and
+        # mounts from the images, not from this bundle; refuse images that ask for more.
+        from kubectl_snapshot.adapters.criu_guard import check_images
+
+        check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec)
+    except SnapshotError as e:
+        why = e.message if e.message.startswith("refusing to restore") else f"refusing to restore: {e.message}"
+        msg = f"{why} (hint: {e.hint})" if e.hint else why
+        _log_error(inv, msg)
+        return 1, msg
+    except Exception as e:  # fail closed: an image the check cannot read is never restored
+        msg = f"refusing to restore: checking the CRIU images failed: {type(e).__name__}: {e}"
+        _log_error(inv, msg)
+        return 1, msg
+    try:
         _apply_diff(create.bundle, spec, staged)
     except SnapshotError as e:
         msg = f"applying the snapshot's rootfs diff failed: {e}"

@@ -80,6 +80,27 @@ def _api_message(e: ApiException) -> str:
     return f"{e.status} {e.reason}".strip()
 
 
+_ADMISSION_MARK = "ValidatingAdmissionPolicy 'kubectl-snapshot-"
+_ADMISSION_HINTS = (
+    (K.RESTORE_VERB + " verb", "ask an admin of the namespace for the kubectl-snapshot-restore role (a RoleBinding)"),
+    (
+        K.ANN_ALLOWED_DESTINATIONS,
+        "use a registry/repository the namespace allows, or ask a cluster admin to list yours in the namespace "
+        f"annotation {K.ANN_ALLOWED_DESTINATIONS}",
+    ),
+    (K.ANN_INSECURE_REGISTRIES, "use TLS, or ask a cluster admin to list the registry in " + K.ANN_INSECURE_REGISTRIES),
+    ("cannot get secret", "name a Secret you can read (kubectl auth can-i get secret/NAME), or ask for get on it"),
+)
+
+
+def _admission_hint(msg: str) -> str:
+    """What to do when kubectl-snapshot's admission policies (deploy/admission.py) refused a request."""
+    for needle, hint in _ADMISSION_HINTS:
+        if needle in msg:
+            return hint + "; see docs/security.md"
+    return "kubectl-snapshot's admission policy refused it (the reason is above); see docs/security.md"
+
+
 def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
     """An ApiException as the project's error, keeping the API server's own words."""
     msg = _api_message(e)
@@ -87,6 +108,8 @@ def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
         return PermissionDenied(
             f"{what}: the API server at {server} rejected the credentials ({msg})", hint=_KUBECONFIG_HINT
         )
+    if e.status == 403 and _ADMISSION_MARK in msg:
+        return PermissionDenied(f"{what}: {msg}", hint=_admission_hint(msg))
     if e.status == 403:
         return PermissionDenied(
             f"{what}: {msg}",
@@ -291,12 +314,15 @@ class KubeClient:
         body = None if grace_period_seconds is None else {"gracePeriodSeconds": grace_period_seconds}
         self._call("DELETE", _pods_path(ns, name), what=f"delete pod {ns}/{name}", body=body)
 
-    def patch_pod_annotations(self, ns: str, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
-        """Merge-patch annotations; a None value removes the key."""
+    def patch_pod_annotations(
+        self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
+    ) -> dict[str, Any]:
+        """Merge-patch annotations; a None value removes the key. `status`: through ``pods/status`` (the
+        agent: it has no ``pods patch``, and admission lets it change only its own annotation there)."""
         return dict(
             self._call(
                 "PATCH",
-                _pods_path(ns, name),
+                _pods_path(ns, name) + ("/status" if status else ""),
                 what=f"annotate pod {ns}/{name}",
                 body={"metadata": {"annotations": annotations}},
                 content_type=MERGE_PATCH,

@@ -39,6 +39,7 @@ class SnapshotRequest:
     insecure: bool = False
     stop: bool = False
     include_volumes: bool = True
+    ignore_liveness: bool = False
     now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC))
 
 
@@ -62,6 +63,7 @@ def start_snapshot(req: SnapshotRequest, *, kube: Kube) -> Obj:
         insecure=req.insecure,
         stop=req.stop,
         include_volumes=req.include_volumes,
+        ignore_liveness=req.ignore_liveness,
     )
     try:
         return kube.create_snapshot(req.namespace, body)

@@ -100,6 +100,7 @@ def snapshot_object(
     insecure: bool = False,
     stop: bool = False,
     include_volumes: bool = True,
+    ignore_liveness: bool = False,
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "podName": pod,
@@ -109,6 +110,8 @@ def snapshot_object(
         "stop": stop,
         "includeVolumes": include_volumes,
     }
+    if ignore_liveness:
+        spec["ignoreLiveness"] = True
     if registry_secret:
         spec["registrySecret"] = validate_name(registry_secret, "secret")
     return {

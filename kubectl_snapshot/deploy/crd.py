@@ -65,6 +65,12 @@ def _spec_schema() -> dict[str, Any]:
                 "default": True,
                 "description": "Capture the pod's emptyDir volumes.",
             },
+            "ignoreLiveness": {
+                "type": "boolean",
+                "default": False,
+                "description": "Snapshot even if the pod would stay frozen longer than a liveness probe allows "
+                "(the kubelet may then restart a container).",
+            },
         },
     }
 
@@ -92,6 +98,14 @@ def _status_schema() -> dict[str, Any]:
             "bytesDone": _BYTES,
             "bytesTotal": _BYTES,
             "timings": {"type": "object", "properties": {k: _MS for k in S.TIMING_KEYS}},
+            "expectedFreezeSeconds": {
+                "type": "number",
+                "description": "How long the pod was expected to stay frozen (its memory at a slow dump rate).",
+            },
+            "freezeDeadlineSeconds": {
+                "type": "number",
+                "description": "The freeze guard thaws the pod and fails the snapshot if it is still frozen then.",
+            },
             "frozenBy": {
                 "type": "string",
                 "description": "How the containers were paused: cgroup freezer (written by the agent) or containerd.",

@@ -15,6 +15,7 @@ from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from shim import freezer, hostfacts, metrics_server
 from shim.containerd.client import ContainerdClient
+from shim.controller.fairness import FairScheduler
 from shim.controller.informer import Informer
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
@@ -26,6 +27,7 @@ from shim.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 60  # each watch is re-opened from its last resourceVersion: cheap, so kept short
+RESTORE_WORKERS = 4
 
 
 def node_facts(settings: NodeSettings) -> HostFacts:
@@ -126,7 +128,15 @@ def run(
     publish_facts(kube, settings, facts)
     queue = WorkQueue("snapshots", on_length=metrics.queue.set)
     snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, metrics=metrics, queue=queue)
-    restores = RestoreWorker(kube=kube, settings=settings, facts=facts, metrics=metrics)
+    # Issue 10: restores run per namespace in turn, two per namespace and four in all, so one
+    # namespace cannot starve another and a slow registry holds up one restore, not the next.
+    restores = RestoreWorker(
+        kube=kube,
+        settings=settings,
+        facts=facts,
+        metrics=metrics,
+        scheduler=FairScheduler(workers=RESTORE_WORKERS, per_key=2, name="restore"),
+    )
     informers = node_informers(kube, settings.node, snapshots.consider, restores.consider)
     for inf in informers:
         threading.Thread(target=inf.run, name=inf.name, args=(stop,), daemon=True).start()
@@ -138,3 +148,6 @@ def run(
     log.info("agent ready")
     while not stop.wait(60):
         publish_facts(kube, settings, facts)
+        for path in restores.collect_garbage():
+            log.info("removed staged data of a pod that is gone: %s", path)
+        snapshots.flush_results()

@@ -23,6 +23,7 @@ class NodeSettings:
     restart_command: str = ""
     criu_path: str = "criu"  # as the node's containerd finds it (looked up in the host's mount namespace)
     criu_config: str = "/etc/criu/runc.conf"  # the runc-specific CRIU configuration (shim/criu_config.py)
+    guard_socket: str = ""  # the freeze guard's socket (shim/guard.py); "" = a private guard per snapshot
 
     @property
     def state_dir(self) -> str:

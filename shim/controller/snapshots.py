@@ -9,30 +9,35 @@ pod in namespace B.
 from __future__ import annotations
 
 import base64
+import contextlib
+import json
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SnapshotError
+from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
-from shim import freezer, unixpeers
+from shim import freezer, guard, unixpeers
 from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event, snapshot_event
-from shim.controller.podinfo import empty_dirs, record_pod, running_containers
+from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_containers
 from shim.controller.settings import NodeSettings
 from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
-from shim.engine.staging import StatePaths
+from shim.engine.staging import StatePaths, check_key
 from shim.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 1.0
+RESULT_RETRY_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def now() -> str:
@@ -42,7 +47,15 @@ def now() -> str:
 def registry_for(kube: Any, namespace: str, secret: str | None, *, insecure: bool) -> RegistryClient:
     store = CredentialStore()
     if secret:
-        obj = kube.get_secret(namespace, secret)
+        try:
+            obj = kube.get_secret(namespace, secret)
+        except PermissionDenied as e:
+            raise PermissionDenied(
+                f"the agent may not read secret {namespace}/{secret}: {e.message}",
+                hint=f"an admin of namespace {namespace} lets the agent read its registry Secrets with: kubectl "
+                f"create rolebinding {K.AGENT_SECRETS_ROLE} -n {namespace} --clusterrole={K.AGENT_SECRETS_ROLE} "
+                f"--serviceaccount={K.AGENT_NAMESPACE}:{K.AGENT_NAME}",
+            ) from e
         data = (obj.get("data") or {}).get(".dockerconfigjson")
         if not data:
             raise InvalidArgument(
@@ -86,12 +99,22 @@ class SnapshotWorker:
                 and meta.get("uid") not in self._handled
             ):
                 self._handled.add(meta.get("uid"))
+                if self._write_recorded_result(obj):
+                    return  # it had finished; only its status write had failed (issue 10)
+                stopping = bool(spec.get("stop"))
                 self._finish_failed(
                     obj,
                     None,
                     SnapshotError(
-                        "the agent restarted while this snapshot ran; the pod was thawed and keeps running",
-                        hint="create a new PodSnapshot",
+                        "the agent restarted while this snapshot ran; "
+                        + (
+                            "with stop, the pod may have been stopped after its snapshot was pushed"
+                            if stopping
+                            else "the pod was thawed and keeps running"
+                        ),
+                        hint="check the pod and the registry (kubectl snapshot list) before creating a new PodSnapshot"
+                        if stopping
+                        else "create a new PodSnapshot",
                     ),
                 )
             return
@@ -113,7 +136,8 @@ class SnapshotWorker:
             return
         if not self._claim(obj):
             return
-        self.queue.submit(lambda: self._run_tracked(obj, pod))
+        # in turn per namespace (issue 10): one namespace's snapshots do not starve another's
+        self.queue.submit(lambda: self._run_tracked(obj, pod), key=ns)
 
     def _run_tracked(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
         with self.metrics.in_progress.labels("snapshot").track_inprogress():
@@ -151,7 +175,9 @@ class SnapshotWorker:
         reporter = _StatusReporter(self.kube, ns, name, self.clock)
         try:
             containers = running_containers(pod)
-            volumes = empty_dirs(pod, self.settings.kubelet_root) if spec.get("includeVolumes", True) else {}
+            # through the host's mount namespace: memory-backed emptyDirs are mounts made after the agent started
+            root = host_view(self.settings.kubelet_root)
+            volumes = empty_dirs(pod, root) if spec.get("includeVolumes", True) else {}
             registry = registry_for(self.kube, ns, spec.get("registrySecret"), insecure=bool(spec.get("insecure")))
             req = CheckpointRequest(
                 containers=containers.ids,
@@ -163,8 +189,14 @@ class SnapshotWorker:
                 group=pod["metadata"]["name"],
                 namespace=ns,
                 pod=record_pod(pod, self.settings.node),
+                probe_budgets=probe_budgets(pod),
+                ignore_liveness=bool(spec.get("ignoreLiveness")),
             )
-            with ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
+            report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
+            with (
+                self._guard(report) as held,
+                ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd,
+            ):
                 result = checkpoint(
                     req,
                     containerd=containerd,
@@ -174,7 +206,9 @@ class SnapshotWorker:
                     on_bytes=reporter.bytes,
                     before_stop=lambda: self._delete_pod(pod),
                     host=self.facts,
-                    freezer_for=freezer.lookup,
+                    freezer_for=held.freezer_for,
+                    memory_of=freezer.task_memory,
+                    on_plan=reporter.plan,
                     unix_links=unixpeers.find_cross_links,
                 )
         except SnapshotError as e:
@@ -185,6 +219,16 @@ class SnapshotWorker:
             self._finish_failed(obj, pod, SnapshotError(f"internal error: {e}"))
             return
         self._finish_ok(obj, pod, result)
+
+    @contextlib.contextmanager
+    def _guard(self, report: dict[str, str]) -> Iterator[guard.GuardClient]:
+        """The freeze guard container beside the agent (DaemonSet), else a private one for this snapshot
+        (it survives the agent's process, not a restart of the agent's container)."""
+        if self.settings.guard_socket:
+            yield guard.GuardClient(self.settings.guard_socket, report)
+        else:
+            with guard.private_guard(report) as client:
+                yield client
 
     def _delete_pod(self, pod: dict[str, Any]) -> None:
         """With stop: the pod object goes first, so that the kubelet does not restart what we kill."""
@@ -201,7 +245,14 @@ class SnapshotWorker:
             timings_ms=r.timings_ms,
         )
         status = S.succeeded(outcome, node=self.settings.node, now=now(), generation=meta.get("generation"))
-        self.kube.patch_snapshot_status(meta["namespace"], meta["name"], status)
+        if r.plan is not None:
+            status.update(_plan_status(r.plan))
+        # Issue 10: the pod may already be stopped; a failed status write must never leave the object
+        # Running (an agent restart would then report "thawed, keeps running"). The result is kept on
+        # the node first, the write retried, and a later pass (or the next agent) writes it.
+        self._record_result(meta.get("uid"), status)
+        if self._patch_with_retries(meta["namespace"], meta["name"], status):
+            self._forget_result(meta.get("uid"))
         pod_meta = pod["metadata"]
         self.metrics.saved(
             pod_meta["namespace"], pod_meta["name"], timings_ms=r.timings_ms, size=r.size, uploaded=r.uploaded
@@ -209,6 +260,83 @@ class SnapshotWorker:
         message = f"snapshot {meta['name']} pushed as {r.reference} ({S.human_bytes(r.size)})"
         snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_SUCCEEDED, message)
         pod_event(self.kube, pod, K.EVENT_SNAPSHOT_SUCCEEDED, message)
+
+    # --- results that must reach the API server -------------------------------------------------
+
+    def _results_dir(self) -> str:
+        return os.path.join(self.settings.state_dir, "results")
+
+    def _result_path(self, uid: Any) -> str | None:
+        try:
+            return os.path.join(self._results_dir(), check_key(str(uid), "snapshot uid") + ".json")
+        except SnapshotError:
+            return None
+
+    def _record_result(self, uid: Any, status: dict[str, Any]) -> None:
+        path = self._result_path(uid)
+        if path is None:
+            return
+        try:
+            os.makedirs(self._results_dir(), mode=0o700, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(status, f)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            log.warning("could not keep the result of snapshot %s on the node: %s", uid, e)
+
+    def _forget_result(self, uid: Any) -> None:
+        path = self._result_path(uid)
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def _patch_with_retries(self, ns: str, name: str, status: dict[str, Any]) -> bool:
+        for delay in (*RESULT_RETRY_S, None):
+            try:
+                self.kube.patch_snapshot_status(ns, name, status)
+                return True
+            except NotFound:
+                return True  # the object is gone: nobody is left to tell
+            except SnapshotError as e:
+                if delay is None:
+                    log.error("could not record the result of %s/%s (kept on the node, retried later): %s", ns, name, e)
+                    return False
+                time.sleep(delay)
+        return False
+
+    def _write_recorded_result(self, obj: dict[str, Any]) -> bool:
+        """Write a result kept on the node for `obj`; True if there was one."""
+        meta = obj["metadata"]
+        path = self._result_path(meta.get("uid"))
+        if path is None or not os.path.exists(path):
+            return False
+        try:
+            with open(path) as f:
+                status = json.load(f)
+        except (OSError, ValueError):
+            return False
+        if self._patch_with_retries(meta["namespace"], meta["name"], status):
+            self._forget_result(meta.get("uid"))
+        return True
+
+    def flush_results(self) -> None:
+        """Retry the results whose status write failed (called periodically by the agent's main loop)."""
+        try:
+            names = os.listdir(self._results_dir())
+        except OSError:
+            return
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            uid = name[: -len(".json")]
+            for obj in self._snapshots_with_uid(uid):
+                self._write_recorded_result(obj)
+
+    def _snapshots_with_uid(self, uid: str) -> list[dict[str, Any]]:
+        try:
+            return [o for o in self.kube.list_snapshots(None) if o["metadata"].get("uid") == uid]
+        except SnapshotError:
+            return []
 
     def _finish_failed(self, obj: dict[str, Any], pod: dict[str, Any] | None, err: SnapshotError) -> None:
         meta = obj["metadata"]
@@ -242,6 +370,12 @@ class _StatusReporter:
         self.current = ""
         self._last = 0.0
 
+    def plan(self, plan: FreezePlan) -> None:
+        try:
+            self.kube.patch_snapshot_status(self.ns, self.name, _plan_status(plan))
+        except SnapshotError:
+            log.warning("could not record the freeze plan of %s/%s", self.ns, self.name)
+
     def stage(self, stage: str) -> None:
         self.current = stage
         self._flush(force=True)
@@ -262,3 +396,10 @@ class _StatusReporter:
             )
         except SnapshotError:
             log.warning("could not update the progress of %s/%s", self.ns, self.name)
+
+
+def _plan_status(plan: FreezePlan) -> dict[str, Any]:
+    return {
+        "expectedFreezeSeconds": round(plan.expected_s, 1),
+        "freezeDeadlineSeconds": round(plan.deadline_s, 1),
+    }

@@ -19,6 +19,8 @@ import pytest
 
 from shim.podrestore import FAILED_FILE, LOCK_CHAIN, RELEASED_FILE, PodRestore
 from tests.integration.test_wrapper_pyz import HOST_PYTHON, calls, pyz, run_pyz
+from tests.unit.test_criu_guard import bundle as guard_bundle
+from tests.unit.test_criu_guard import make_images
 
 __all__ = ["pyz"]
 
@@ -41,7 +43,8 @@ def stage(state: Path, names: list[str], staged: list[str]) -> PodRestore:
     pod = PodRestore(str(state / "staged" / "by-pod" / UID))
     pod.record(names)
     for n in staged:
-        (state / "staged" / "by-pod" / UID / n / "checkpoint").mkdir(parents=True)
+        # CRIU images that ask for no more than the bundle (the wrapper checks them first)
+        make_images(state / "staged" / "by-pod" / UID / n / "checkpoint")
     return pod
 
 
@@ -49,9 +52,13 @@ def bundle(tmp_path: Path, name: str, netns: str | None = None) -> Path:
     b = tmp_path / f"bundle-{name}-{time.monotonic_ns()}"
     (b / "rootfs").mkdir(parents=True)
     annotations = {"io.kubernetes.cri.sandbox-uid": UID, "io.kubernetes.cri.container-name": name}
-    spec: dict[str, object] = {"root": {"path": "rootfs"}, "annotations": annotations}
-    if netns:
-        spec["linux"] = {"namespaces": [{"type": "network", "path": netns}]}
+    spec = {**guard_bundle(), "root": {"path": "rootfs"}, "annotations": annotations}
+    # the pod's network namespace: a scratch one, or none (never the host's, which the bundle names)
+    spec["linux"]["namespaces"] = [
+        {"type": "network", "path": netns} if ns["type"] == "network" else ns
+        for ns in spec["linux"]["namespaces"]
+        if ns["type"] != "network" or netns
+    ]
     (b / "config.json").write_text(json.dumps(spec))
     return b
 

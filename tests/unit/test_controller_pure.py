@@ -160,7 +160,7 @@ def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_pa
             self.patches: list[dict[str, str]] = []
             self.events: list[tuple[str, str]] = []
 
-        def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, str]) -> None:
+        def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, str], **kw: object) -> None:
             self.patches.append(ann)
 
         def create_event(self, ns: str, *, involved: object, reason: str, message: str, type: str) -> None:
@@ -190,7 +190,3 @@ def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_pa
     [ann] = kube.patches
     assert ann[K.ANN_RESTORE_STATUS].startswith("Failed: the pod could not be restored whole: container 'db'")
     assert kube.events == [(K.EVENT_RESTORE_FAILED, "Warning")]
-    # deleted: its restore state goes with it
-    pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"  # type: ignore[index]
-    worker.consider(pod)
-    assert not Path(state.directory).exists()

@@ -83,6 +83,10 @@ def test_snapshot_object_matches_the_contract() -> None:
         "stop": True,
         "includeVolumes": False,
     }
+    ignoring = snapshot_object(
+        name="w", namespace="a", pod="web", target=Reference.parse("127.0.0.1:5005/s:t"), ignore_liveness=True
+    )
+    assert ignoring["spec"]["ignoreLiveness"] is True
 
 
 def _pod(phase: str, **status: Any) -> dict[str, Any]:
