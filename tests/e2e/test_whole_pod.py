@@ -39,7 +39,7 @@ CLIENT = (
 )
 # a connection that leaves the pod (to another pod's address): it cannot follow the pod to n2
 AWAY = "while true; do echo x; sleep 0.5; done | nc {ip} 7001; echo closed > /tmp/closed; sleep 100000"
-FAR = "while true; do nc -l -p 7001 > /dev/null; done"
+FAR = "while true; do sleep 1000000 | nc -l -p 7001 > /dev/null; done"
 COUNTER = (
     "tok=$(cat /proc/sys/kernel/random/uuid); i=0; "
     'while true; do i=$((i+1)); echo "$tok $i" > /tmp/count.t; mv /tmp/count.t /tmp/count; sleep 0.2; done'
