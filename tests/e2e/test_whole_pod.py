@@ -26,9 +26,10 @@ __all__ = ["agent", "cluster", "namespace", "plugin"]
 
 # server and client hold ONE TCP connection over loopback; the client sends "<token> <n>" every 0.2 s
 SERVER = (
-    # nc's own stdin never ends: busybox nc closes the connection when its stdin does
-    'sleep 1000000 | nc -l -p 7000 | while read tok n; do echo "$tok $n" > /tmp/got.t; mv /tmp/got.t /tmp/got; done; '
-    "echo eof > /tmp/eof; sleep 100000"
+    # nc's own stdin never ends (busybox nc closes the connection when its stdin does); /tmp/eof is
+    # written as soon as the connection ends
+    'sleep 1000000 | nc -l -p 7000 | { while read tok n; do echo "$tok $n" > /tmp/got.t; mv /tmp/got.t /tmp/got; '
+    "done; echo eof > /tmp/eof; }; sleep 100000"
 )
 CLIENT = (
     "until cat /proc/net/tcp /proc/net/tcp6 | awk '$2 ~ /:1B58$/ && $4 == \"0A\" {f=1} END {exit !f}'; "

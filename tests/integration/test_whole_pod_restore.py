@@ -37,9 +37,10 @@ pytestmark = pytest.mark.integration
 __all__ = ["containerd_a", "containerd_b", "registry"]
 
 SERVER = (
-    # nc's own stdin never ends: busybox nc closes the connection when its stdin does
-    'sleep 1000000 | nc -l -p 7000 | while read tok n; do echo "$tok $n" > /tmp/got.t; mv /tmp/got.t /tmp/got; done; '
-    "echo eof > /tmp/eof; sleep 100000"
+    # nc's own stdin never ends (busybox nc closes the connection when its stdin does); /tmp/eof is
+    # written as soon as the connection ends
+    'sleep 1000000 | nc -l -p 7000 | { while read tok n; do echo "$tok $n" > /tmp/got.t; mv /tmp/got.t /tmp/got; '
+    "done; echo eof > /tmp/eof; }; sleep 100000"
 )
 CLIENT = (
     "until cat /proc/net/tcp /proc/net/tcp6 | awk '$2 ~ /:1B58$/ && $4 == \"0A\" {f=1} END {exit !f}'; "
