@@ -8,9 +8,12 @@ session's install), for each count N: makes exactly N finished PodSnapshots of p
 (status.node is a node that is not in the cluster) across 10 namespaces, restarts the agents, and
 measures from the API server's own metrics (apiserver_request_total, apiserver_response_sizes):
 
-- start-up: the LIST requests the agents made to become ready and the bytes those lists returned;
-- steady state: the agents' LIST and WATCH requests per minute over --window seconds (longer than the
-  agent's watch timeout, so that every watch is re-opened at least once);
+- start-up: the requests the agents made to become ready, and the bytes their PodSnapshot lists
+  returned;
+- steady state: the agents' requests per minute over --window seconds (longer than the agent's watch
+  timeout, so that every watch is re-opened at least once). The agents' requests are told apart from
+  everyone else's (kube-controller-manager lists PodSnapshots too) by a FlowSchema of their own that
+  this script adds for the measurement: API Priority and Fairness counts each flow's requests;
 - memory: the resident size of the agents' `run` processes (read from /proc) once they are ready.
 
 An agent whose cost does not grow with the cluster shows the same figures for every N. The objects and
@@ -39,37 +42,77 @@ from tests.support.cluster import STATE_DIR, Cluster, _load
 SCALE_LABEL = "kubectl-snapshot.io/scale-test"
 NAMESPACES = [f"ks-scale-{i}" for i in range(10)]
 ELSEWHERE = "ks-elsewhere"  # a node name no agent has
-_METRIC = re.compile(r"^(apiserver_request_total|apiserver_response_sizes_sum)\{([^}]*)\} ([0-9.e+]+)$")
+_METRIC = re.compile(
+    r"^(apiserver_flowcontrol_dispatched_requests_total|apiserver_response_sizes_sum)\{([^}]*)\} ([0-9.e+]+)$"
+)
+
+
+FLOW = "kubectl-snapshot-agent-measured"
 
 
 @dataclass(frozen=True)
 class Cost:
     count: int
-    startup_lists: float
+    startup_requests: float
     startup_list_bytes: float
-    steady_lists_per_min: float
-    steady_watches_per_min: float
+    steady_requests_per_min: float
     rss_mib: float
 
 
+def flow_schema() -> dict[str, Any]:
+    """Every request of the agents' service account, in a flow of its own (same priority level)."""
+    return {
+        "apiVersion": "flowcontrol.apiserver.k8s.io/v1",
+        "kind": "FlowSchema",
+        "metadata": {"name": FLOW, "labels": {SCALE_LABEL: "1"}},
+        "spec": {
+            "matchingPrecedence": 500,
+            "priorityLevelConfiguration": {"name": "workload-low"},
+            "distinguisherMethod": {"type": "ByUser"},
+            "rules": [
+                {
+                    "subjects": [
+                        {
+                            "kind": "ServiceAccount",
+                            "serviceAccount": {"name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE},
+                        }
+                    ],
+                    "resourceRules": [
+                        {
+                            "verbs": ["*"],
+                            "apiGroups": ["*"],
+                            "resources": ["*"],
+                            "clusterScope": True,
+                            "namespaces": ["*"],
+                        }
+                    ],
+                    "nonResourceRules": [{"verbs": ["*"], "nonResourceURLs": ["*"]}],
+                }
+            ],
+        },
+    }
+
+
 def agent_metrics(cluster: Cluster) -> dict[str, float]:
-    """Cluster-scope LIST/WATCH of podsnapshots (only agents list across namespaces) from /metrics."""
+    """The agents' requests (their FlowSchema's dispatched requests) and the bytes of cluster-scope
+    PodSnapshot lists (what an agent reads at start-up) from the API server's /metrics."""
     text = cluster.kubectl("get", "--raw", "/metrics", timeout=60).stdout
-    out = {"lists": 0.0, "watches": 0.0, "list_bytes": 0.0}
+    out = {"requests": 0.0, "list_bytes": 0.0}
     for line in text.splitlines():
         m = _METRIC.match(line)
         if not m:
             continue
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
-        if labels.get("resource") != K.PLURAL or labels.get("scope") != "cluster" or labels.get("subresource"):
-            continue
         value = float(m.group(3))
-        if m.group(1) == "apiserver_request_total":
-            if labels.get("verb") == "LIST":
-                out["lists"] += value
-            elif labels.get("verb") == "WATCH":
-                out["watches"] += value
-        elif labels.get("verb") == "LIST":
+        if m.group(1) == "apiserver_flowcontrol_dispatched_requests_total":
+            if labels.get("flow_schema") == FLOW:
+                out["requests"] += value
+        elif (
+            labels.get("resource") == K.PLURAL
+            and labels.get("scope") == "cluster"
+            and not labels.get("subresource")
+            and labels.get("verb") == "LIST"
+        ):
             out["list_bytes"] += value
     return out
 
@@ -146,6 +189,7 @@ def agent_pods(cluster: Cluster, selector: str) -> list[dict[str, Any]]:
 
 def measure(cluster: Cluster, kube: KubeClient, count: int, window_s: float) -> Cost:
     populate(kube, cluster, count)
+    cluster.apply(flow_schema())
     m0 = agent_metrics(cluster)
     restart_agents(cluster)
     time.sleep(3)
@@ -156,28 +200,29 @@ def measure(cluster: Cluster, kube: KubeClient, count: int, window_s: float) -> 
     per_min = 60.0 / window_s
     return Cost(
         count=count,
-        startup_lists=m1["lists"] - m0["lists"],
+        startup_requests=m1["requests"] - m0["requests"],
         startup_list_bytes=m1["list_bytes"] - m0["list_bytes"],
-        steady_lists_per_min=(m2["lists"] - m1["lists"]) * per_min,
-        steady_watches_per_min=(m2["watches"] - m1["watches"]) * per_min,
+        steady_requests_per_min=(m2["requests"] - m1["requests"]) * per_min,
         rss_mib=rss,
     )
 
 
 def cleanup(cluster: Cluster) -> None:
+    cluster.kubectl("delete", "flowschema", FLOW, "--ignore-not-found", check=False)
     for ns in NAMESPACES:
         cluster.kubectl("delete", "namespace", ns, "--wait=false", "--ignore-not-found", check=False)
 
 
 def table(costs: list[Cost]) -> str:
     rows = [
-        "| PodSnapshots elsewhere | start-up LISTs | start-up LIST bytes | LISTs/min | WATCHes/min | agents' RSS |",
-        "|---|---|---|---|---|---|",
+        "| PodSnapshots elsewhere | agents' start-up requests | start-up list bytes | agents' requests/min "
+        "| agents' RSS |",
+        "|---|---|---|---|---|",
     ]
     for c in costs:
         rows.append(
-            f"| {c.count} | {c.startup_lists:.0f} | {c.startup_list_bytes:.0f} | {c.steady_lists_per_min:.1f} "
-            f"| {c.steady_watches_per_min:.1f} | {c.rss_mib:.1f} MiB |"
+            f"| {c.count} | {c.startup_requests:.0f} | {c.startup_list_bytes:.0f} | {c.steady_requests_per_min:.1f} "
+            f"| {c.rss_mib:.1f} MiB |"
         )
     return "\n".join(rows)
 

@@ -364,7 +364,8 @@ def run_cmd(kubeconfig: str | None, ready_file: str, metrics_bind_address: str, 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _node_settings(kw)
     kube = KubeClient.from_config(kubeconfig, None) if kubeconfig else KubeClient.in_cluster()
-    run(kube, settings, ready_file=ready_file, metrics_address=metrics_bind_address)
+    address = settings.metrics_bind_address or metrics_bind_address  # a node map's entry wins
+    run(kube, settings, ready_file=ready_file, metrics_address=address)
 
 
 @cli.command("install-node")

@@ -49,6 +49,8 @@ NODE_CONFIG_MAP = f"{K.AGENT_NAME}-nodes"
 NODE_CONFIG_KEY = "nodes.json"
 NODE_CONFIG_DIR = "/etc/kubectl-snapshot/nodes"
 NODE_PATH_KEYS = ("containerd_socket", "kubelet_root", "containerd_dropin_dir")
+# Not a path: where a node's agent serves its metrics, for several nodes sharing one host network.
+NODE_ADDRESS_KEYS = ("metrics_bind_address",)
 WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
 READY_FILE = K.READY_FILE
 METRICS_PORT = 9443  # HTTPS, authorised scrapers only (shim/metrics_server.py)
@@ -85,13 +87,18 @@ def check_per_node_paths(per_node: Mapping[str, Mapping[str, str]]) -> dict[str,
     for node, paths in sorted(per_node.items()):
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", node):
             raise InvalidArgument(f"per_node_paths: {node!r} is not a node name")
-        unknown = sorted(set(paths) - set(NODE_PATH_KEYS))
+        unknown = sorted(set(paths) - set(NODE_PATH_KEYS) - set(NODE_ADDRESS_KEYS))
         if unknown:
             raise InvalidArgument(
                 f"per_node_paths[{node!r}]: unknown key(s) {', '.join(unknown)}",
-                hint=f"use {', '.join(NODE_PATH_KEYS)}",
+                hint=f"use {', '.join(NODE_PATH_KEYS + NODE_ADDRESS_KEYS)}",
             )
         out[node] = {k: check_path(paths[k], f"per_node_paths[{node!r}].{k}") for k in NODE_PATH_KEYS if k in paths}
+        for k in NODE_ADDRESS_KEYS:
+            if k in paths:
+                if not re.fullmatch(r"[0-9A-Za-z.\[\]:-]{0,253}:[0-9]{1,5}", paths[k]):
+                    raise InvalidArgument(f"per_node_paths[{node!r}].{k}: {paths[k]!r} is not HOST:PORT")
+                out[node][k] = paths[k]
     return out
 
 

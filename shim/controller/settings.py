@@ -23,6 +23,7 @@ class NodeSettings:
     restart_command: str = ""
     criu_path: str = "criu"  # as the node's containerd finds it (looked up in the host's mount namespace)
     criu_config: str = "/etc/criu/runc.conf"  # the runc-specific CRIU configuration (shim/criu_config.py)
+    metrics_bind_address: str = ""  # from a node map only: several nodes sharing one host network
     guard_socket: str = ""  # the freeze guard's socket (shim/guard.py); "" = a private guard per snapshot
 
     @property
@@ -47,6 +48,7 @@ _OVERRIDABLE = (
     "state_root",
     "criu_path",
     "criu_config",
+    "metrics_bind_address",
 )
 _ALIASES = {
     "kubeletRoot": "kubelet_root",
@@ -56,6 +58,7 @@ _ALIASES = {
     "stateRoot": "state_root",
     "criuPath": "criu_path",
     "criuConfig": "criu_config",
+    "metricsBindAddress": "metrics_bind_address",
 }
 
 

@@ -16,7 +16,7 @@ from bench.agent_scale import cleanup, measure
 from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import kube as K
 from tests.e2e.test_snapshot_flows import COUNTER, _final, _psnap, counter_value, pod, running
-from tests.support.agent import agent, plugin
+from tests.support.agent import METRICS_PORT, agent, plugin
 from tests.support.cluster import cluster, namespace
 from tests.support.registry import free_port
 
@@ -74,9 +74,10 @@ def test_agent_cost_does_not_grow_with_podsnapshots_of_other_nodes(cluster, agen
     report = f"10: {few}\n1000: {many}\nagent logs:\n{logs}"
     # Start-up lists only this node's objects: the bytes do not follow the 990 others (~1 KiB each).
     assert many.startup_list_bytes < few.startup_list_bytes + 50_000, report
-    # Steady state: no list at all, and the watches are re-opened (from their resourceVersion).
-    assert few.steady_lists_per_min == 0 and many.steady_lists_per_min == 0, report
-    assert many.steady_watches_per_min > 0, report
+    assert many.startup_requests <= few.startup_requests + 4, report
+    # Steady state: the same few requests a minute (watches re-opened from their resourceVersion, the
+    # node facts), whatever the number of objects elsewhere; a re-list of 1000 objects would show.
+    assert 0 < many.steady_requests_per_min <= few.steady_requests_per_min + 4, report
     assert many.rss_mib < few.rss_mib + 15, report
 
 
@@ -110,7 +111,7 @@ def test_metrics_only_for_scrapers_the_api_server_authorises(cluster, namespace,
         port = free_port()
         forward = subprocess.Popen(
             [str(cluster.kubectl_bin), "--kubeconfig", str(cluster.kubeconfig), "port-forward", "-n",
-             K.AGENT_NAMESPACE, f"pod/{agent_pod['metadata']['name']}", f"{port}:9443"],
+             K.AGENT_NAMESPACE, f"pod/{agent_pod['metadata']['name']}", f"{port}:{METRICS_PORT}"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )  # fmt: skip
         assert forward.stdout is not None

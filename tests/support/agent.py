@@ -114,6 +114,9 @@ class AgentInstall:
         )
 
 
+METRICS_PORT = 9443  # node i of the local cluster serves its metrics on METRICS_PORT + i
+
+
 @pytest.fixture(scope="session")
 def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentInstall]:
     build = subprocess.run(
@@ -133,8 +136,10 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                     "containerd_socket": str(cluster.containerd_socket(node)),
                     "kubelet_root": str(cluster.state_dir / node / "kubelet"),
                     "containerd_dropin_dir": str(cluster.containerd_dropin_dir(node)),
+                    # the nodes share the machine's network (--host-network): a metrics port each
+                    "metrics_bind_address": f":{METRICS_PORT + i}",
                 }
-                for node in cluster.nodes
+                for i, node in enumerate(cluster.nodes)
             }
         )
     )

@@ -368,3 +368,22 @@ def test_uninstall_cleanup_daemonset_undoes_install_node() -> None:
     assert pod["volumes"] == live["spec"]["template"]["spec"]["volumes"]  # same host paths as the agent
     result = CliRunner().invoke(cli, [*init, "--help"], env={"NODE_NAME": "ks-n1"})
     assert result.exit_code == 0, result.output
+
+
+def test_node_map_may_give_each_node_its_metrics_address() -> None:
+    from kubectl_snapshot.deploy.agent import check_per_node_paths
+
+    ok = check_per_node_paths({"n1": {"kubelet_root": "/var/lib/n1/kubelet", "metrics_bind_address": ":9444"}})
+    assert ok == {"n1": {"kubelet_root": "/var/lib/n1/kubelet", "metrics_bind_address": ":9444"}}
+    for bad in ("9444", ":port", "host:1:2;rm", "x" * 300 + ":1"):
+        with pytest.raises(InvalidArgument, match="HOST:PORT"):
+            check_per_node_paths({"n1": {"metrics_bind_address": bad}})
+
+
+def test_a_node_maps_metrics_address_reaches_the_agents_settings(tmp_path: Path) -> None:
+    from shim.controller.settings import NodeSettings, apply_node_map
+
+    m = tmp_path / "nodes.json"
+    m.write_text('{"n2": {"metrics_bind_address": ":9444"}}')
+    assert apply_node_map(NodeSettings(node="n2"), str(m)).metrics_bind_address == ":9444"
+    assert apply_node_map(NodeSettings(node="n1"), str(m)).metrics_bind_address == ""
