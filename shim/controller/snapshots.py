@@ -26,7 +26,7 @@ from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider, Sealer
-from shim import freezer, guard
+from shim import freezer, guard, unixpeers
 from shim.containerd.client import ContainerdClient
 from shim.controller.events import pod_event, snapshot_event
 from shim.controller.mounts import previous_repositories
@@ -218,6 +218,7 @@ class SnapshotWorker:
                     memory_of=freezer.task_memory,
                     on_plan=reporter.plan,
                     sealer=sealer,
+                    unix_links=unixpeers.find_cross_links,
                 )
         except SnapshotError as e:
             self._finish_failed(obj, pod, e)

@@ -147,3 +147,46 @@ def test_install_and_uninstall_node(tmp_path: Path) -> None:
     uninstall(s)
     assert not Path(r.dropin).exists() and not Path(s.wrapper_dir).exists()
     assert (tmp_path / "restarted").exists()
+
+
+def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_path: Path) -> None:
+    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core.model import HostFacts
+    from shim.controller.restores import RestoreWorker
+    from shim.podrestore import PodRestore
+
+    class Kube:
+        def __init__(self) -> None:
+            self.patches: list[dict[str, str]] = []
+            self.events: list[tuple[str, str]] = []
+
+        def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, str], **kw: object) -> None:
+            self.patches.append(ann)
+
+        def create_event(self, ns: str, *, involved: object, reason: str, message: str, type: str) -> None:
+            self.events.append((reason, type))
+
+    kube = Kube()
+    worker = RestoreWorker(kube=kube, settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts())
+    stopped: list[str] = []
+    worker._stop_containers = lambda uid: stopped.append(uid) or ["app"]  # type: ignore[method-assign]
+    pod = {
+        "metadata": {
+            "name": "p",
+            "namespace": "ns",
+            "uid": "u-1",
+            "annotations": {K.ANN_RESTORE_FROM: "r/x@sha256:" + "0" * 64, K.ANN_RESTORE_STATUS: K.RESTORE_STAGED},
+        },
+        "spec": {"nodeName": "ks-n2"},
+    }
+    state = PodRestore(worker.paths.pod_dir("u-1"))
+    state.record(["app", "db"])
+    worker.consider(pod)
+    assert kube.patches == [] and stopped == []  # nothing failed: nothing to report
+    state.fail("container 'db' could not be restored: criu restore failed")
+    worker.consider(pod)
+    worker.consider(pod)  # reported once
+    assert stopped == ["u-1"]
+    [ann] = kube.patches
+    assert ann[K.ANN_RESTORE_STATUS].startswith("Failed: the pod could not be restored whole: container 'db'")
+    assert kube.events == [(K.EVENT_RESTORE_FAILED, "Warning")]
