@@ -23,6 +23,7 @@ from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from shim import freezer
 from shim.containerd.client import ContainerdClient
+from shim.containerd.runc_checkpoint import RuncCheckpointer
 from shim.controller.events import pod_event
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
 from shim.controller.settings import NodeSettings
@@ -144,7 +145,11 @@ class SnapshotWorker:
                 namespace=ns,
                 pod=record_pod(pod, self.settings.node),
             )
-            with ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
+            with ContainerdClient(
+                self.settings.containerd_socket,
+                K.CONTAINERD_K8S_NAMESPACE,
+                checkpointer=RuncCheckpointer(self.settings.criu, self.settings.runc_path),  # the installed CRIU
+            ) as containerd:
                 result = checkpoint(
                     req,
                     containerd=containerd,
