@@ -4,7 +4,7 @@
 No Docker engine and no base image registry exist on the project's machines, so the image is put
 together from parts this machine can make (Containerfile is the same recipe for normal tools):
 
-1. base layer: ``debootstrap --variant=minbase bookworm`` + python3 and ca-certificates, without docs,
+1. base layer: ``debootstrap --variant=minbase bookworm`` + python3, ca-certificates and iproute2, without docs,
    locales, apt lists and logs; cached under /var/cache/kubectl-snapshot/agent-image/ keyed by its
    recipe, so it is built once per machine (a few minutes) and its digest stays the same;
 2. app layer: a venv at /usr/local/lib/kubectl-snapshot/venv (the base's python3 3.11) holding the project's
@@ -58,7 +58,7 @@ RECIPE = "1"
 CACHE = Path(os.environ.get("KUBECTL_SNAPSHOT_CACHE", "/var/cache/kubectl-snapshot")) / "agent-image"
 MIRROR = os.environ.get("KUBECTL_SNAPSHOT_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 SUITE = "bookworm"
-PACKAGES = ("python3", "ca-certificates")
+PACKAGES = ("python3", "ca-certificates", "iproute2")  # ip: CRIU dumping a network namespace (the nftables probe)
 PY = "python3.11"
 VENV = "/usr/local/lib/kubectl-snapshot/venv"  # not under /opt/kubectl-snapshot: the DaemonSet mounts the host's there
 WRAPPER = "/opt/kubectl-snapshot-runc.pyz"
