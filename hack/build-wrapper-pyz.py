@@ -6,7 +6,7 @@ Debian's /usr/bin/python3 (3.11, stdlib only) can be assumed. The wrapper's impo
 Python and stdlib-only (``kubectl_snapshot.adapters.archive`` imports zstandard lazily, only the zstd
 helpers need it), so these files are all it needs:
 
-    kubectl_snapshot/{__init__,core/*,adapters/__init__,adapters/archive}.py
+    kubectl_snapshot/{__init__,core/*,adapters/__init__,adapters/archive,adapters/criu_guard}.py
     shim/{__init__,engine/__init__,engine/staging,rootfs_diff,runc_wrapper}.py
     __main__.py -> shim.runc_wrapper:main
 
@@ -34,6 +34,7 @@ MODULES = (
     "kubectl_snapshot/core/*.py",
     "kubectl_snapshot/adapters/__init__.py",
     "kubectl_snapshot/adapters/archive.py",
+    "kubectl_snapshot/adapters/criu_guard.py",
     "shim/__init__.py",
     "shim/engine/__init__.py",
     "shim/engine/staging.py",

@@ -10,8 +10,9 @@ two never drift.
   set yours with ``kustomize edit set image kubectl-snapshot-agent=REGISTRY/REPO@sha256:...``.
 - ``manifests/overlays/local-cluster``: the two-node cluster of hack/cluster on one machine (per-node
   containerd sockets, kubelet roots and drop-in dirs, API server on 127.0.0.1:6443, image from the
-  local registry). Its patches are JSON 6902 operations computed as the difference between the two
-  render() outputs, and objects only the overlay has are its own resources.
+  local registry, host network because that registry listens on loopback). Its patches are JSON 6902
+  operations computed as the difference between the two render() outputs, and objects only the
+  overlay has are its own resources.
 
 Usage: hack/gen-manifests.py [--check]   (run with the project's venv python)
 """
@@ -40,6 +41,8 @@ FILES = {
     "ServiceAccount": "rbac.yaml",
     "ClusterRole": "rbac.yaml",
     "ClusterRoleBinding": "rbac.yaml",
+    "ValidatingAdmissionPolicy": "admission.yaml",
+    "ValidatingAdmissionPolicyBinding": "admission.yaml",
     "RuntimeClass": "runtimeclass.yaml",
     "ConfigMap": "agent.yaml",
     "DaemonSet": "agent.yaml",
@@ -50,6 +53,7 @@ LOCAL_CLUSTER: dict[str, Any] = {
     "image": "127.0.0.1:5005/kubectl-snapshot/agent:dev",  # hack/build-agent-image.sh pushes it
     "api_server": "https://127.0.0.1:6443",
     "restart_command": "/var/lib/ks-cluster/bin/containerd-restart {node}",
+    "host_network": True,  # the registry listens on the cluster's loopback only
     "per_node_paths": {
         node: {
             "containerd_socket": f"/run/ks-cluster/{node}/containerd.sock",

@@ -7,6 +7,7 @@ kubectl-snapshot-agent inspect    REF [-o json|yaml]
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Callable
@@ -24,7 +25,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
-from shim import freezer
+from shim import freezer, guard
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
@@ -106,6 +107,12 @@ def cli(verbose: bool) -> None:
 )
 @click.option("--no-tcp-established", is_flag=True, help="Do not dump established TCP connections.")
 @click.option("--keep-work", is_flag=True, help="Keep the dump directory (for debugging).")
+@click.option(
+    "--guard-socket",
+    envvar=guard.ENV_SOCKET,
+    default="",
+    help="A running freeze guard's socket (default: a private guard that outlives this process).",
+)
 @output_option
 @click.argument("containers", nargs=-1, required=True)
 @handle_errors
@@ -117,14 +124,19 @@ def checkpoint_cmd(
     volumes: tuple[str, ...],
     no_tcp_established: bool,
     keep_work: bool,
+    guard_socket: str,
     output: str,
     containers: tuple[str, ...],
     **registry_opts: Any,
 ) -> None:
-    """Freeze CONTAINER... together, dump them with CRIU and push one snapshot to --to."""
+    """Freeze CONTAINER... together, dump them with CRIU and push one snapshot to --to.
+
+    The freeze is held through a freeze guard (shim/guard.py): if this process is killed or hangs past
+    the freeze's deadline, the guard thaws the containers within moments."""
     target = Reference.parse(to)
     registry = make_registry(target, registry_opts)
-    with _client(address, namespace) as containerd, Progress("checkpoint") as bar:
+    held = contextlib.nullcontext(guard.GuardClient(guard_socket)) if guard_socket else guard.private_guard()
+    with held as guard_client, _client(address, namespace) as containerd, Progress("checkpoint") as bar:
         result = checkpoint(
             CheckpointRequest(
                 containers=containers,
@@ -138,7 +150,8 @@ def checkpoint_cmd(
             containerd=containerd,
             registry=registry,
             paths=StatePaths.from_env(),
-            freezer_for=freezer.lookup,
+            freezer_for=guard_client.freezer_for,
+            memory_of=freezer.task_memory,
             on_phase=bar.phase,
             on_bytes=bar.advance,
         )
@@ -300,6 +313,12 @@ def node_options(fn: F) -> F:
             help="The runc-specific CRIU configuration file on the host (written by install-node where safe).",
         ),
         click.option(
+            "--guard-socket",
+            envvar="KUBECTL_SNAPSHOT_GUARD_SOCKET",
+            default=d.guard_socket,
+            help="The freeze guard's socket (the guard container of the agent's pod); default: a private guard.",
+        ),
+        click.option(
             "--node-config",
             "--node-map",
             "node_map",
@@ -327,6 +346,7 @@ def _node_settings(kw: dict[str, Any]) -> Any:
         criu_path=kw.pop("criu_path"),
         runc_path=kw.pop("runc_path"),
         criu_config=kw.pop("criu_config"),
+        guard_socket=kw.pop("guard_socket", ""),
     )
     return apply_node_map(s, kw.pop("node_map"))
 
@@ -335,8 +355,14 @@ def _node_settings(kw: dict[str, Any]) -> Any:
 @node_options
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Out-of-cluster use (development).")
 @click.option("--ready-file", default=K.READY_FILE, show_default=True, help="Written once the agent is watching.")
+@click.option(
+    "--metrics-bind-address",
+    default="",
+    help="HOST:PORT to serve Prometheus metrics on, over HTTPS, to scrapers the API server authorises "
+    "(TokenReview + SubjectAccessReview on GET /metrics); empty: no metrics.",
+)
 @handle_errors
-def run_cmd(kubeconfig: str | None, ready_file: str, **kw: Any) -> None:
+def run_cmd(kubeconfig: str | None, ready_file: str, metrics_bind_address: str, **kw: Any) -> None:
     """Run the agent: take PodSnapshots for pods on this node, stage restores for pods created here."""
     import logging
 
@@ -346,7 +372,7 @@ def run_cmd(kubeconfig: str | None, ready_file: str, **kw: Any) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _node_settings(kw)
     kube = KubeClient.from_config(kubeconfig, None) if kubeconfig else KubeClient.in_cluster()
-    run(kube, settings, ready_file=ready_file)
+    run(kube, settings, ready_file=ready_file, metrics_address=metrics_bind_address)
 
 
 @cli.command("install-node")

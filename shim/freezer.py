@@ -44,8 +44,10 @@ class CgroupFreezer:
         with open(self._control) as f:
             return f.read().strip() == "FROZEN"
 
-    def freeze(self, timeout: float = FREEZE_TIMEOUT) -> None:
-        """Freeze and wait until every task of the cgroup is frozen; on timeout thaw and raise."""
+    def freeze(self, timeout: float = FREEZE_TIMEOUT, *, deadline_s: float | None = None) -> None:
+        """Freeze and wait until every task of the cgroup is frozen; on timeout thaw and raise.
+
+        `deadline_s` is not enforced here (nothing outlives this process): shim.guard does that."""
         self._write("1" if self.v2 else "FROZEN")
         deadline = time.monotonic() + timeout
         delay = 0.0002
@@ -116,3 +118,36 @@ def for_task(pid: int, host_pid: int | None) -> CgroupFreezer | None:
         if listed and os.path.exists(control):
             return CgroupFreezer(directory, v2)
     return None
+
+
+def task_memory(pid: int) -> int:
+    """Resident memory of every process in task `pid`'s cgroup (what a dump roughly writes), in bytes.
+
+    The processes are those its freezer's cgroup lists (cgroup v1 and v2 alike); where that cannot be
+    placed, the task alone. Anonymous and shared memory where the kernel tells them apart (RssAnon,
+    RssShmem: file pages are not dumped), else VmRSS.
+    """
+    fz = lookup(pid)
+    pids = [pid]
+    if fz is not None:
+        try:
+            with open(os.path.join(fz.directory, "cgroup.procs")) as f:
+                pids = [int(p) for p in f.read().split()] or [pid]
+        except (OSError, ValueError):
+            pass
+    return sum(_rss(p) for p in pids)
+
+
+def _rss(pid: int) -> int:
+    fields: dict[str, int] = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "RssAnon", "RssShmem") and value.split():
+                    fields[key] = int(value.split()[0]) * 1024
+    except (OSError, ValueError):
+        return 0
+    if "RssAnon" in fields:
+        return fields["RssAnon"] + fields.get("RssShmem", 0)
+    return fields.get("VmRSS", 0)

@@ -261,6 +261,19 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
         staged = find_staged(paths, create.container_id, spec)
         if staged is not None:
             try:
+                # Issue 10: CRIU takes credentials, capabilities, seccomp, LSM labels, namespaces and
+                # mounts from the images, not from this bundle; refuse images that ask for more.
+                from kubectl_snapshot.adapters.criu_guard import check_images
+
+                check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec)
+            except SnapshotError as e:
+                why = e.message if e.message.startswith("refusing to restore") else f"refusing to restore: {e.message}"
+                _log_error(inv, f"{why} (hint: {e.hint})" if e.hint else why)
+                return 1
+            except Exception as e:  # fail closed: an image the check cannot read is never restored
+                _log_error(inv, f"refusing to restore: checking the CRIU images failed: {type(e).__name__}: {e}")
+                return 1
+            try:
                 _apply_diff(create.bundle, spec, staged)
             except SnapshotError as e:
                 _log_error(inv, f"applying the snapshot's rootfs diff failed: {e}")

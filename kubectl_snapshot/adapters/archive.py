@@ -105,8 +105,11 @@ class _CappedTarInfo(tarfile.TarInfo):
 class _Tree:
     """dest opened once; every path below it is reached through O_NOFOLLOW directory fds."""
 
-    def __init__(self, dest: str) -> None:
-        self.fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def __init__(self, dest: str | int) -> None:
+        if isinstance(dest, int):  # an fd the caller opened without following links (adapters/safefs.py)
+            self.fd = os.dup(dest)
+        else:
+            self.fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._cache: tuple[str, int] | None = None
         self.created_dirs: set[str] = set()
 
@@ -215,8 +218,9 @@ def _ns(mtime: float) -> tuple[int, int]:
 
 def safe_extract(
     fileobj: BinaryIO,
-    dest: str,
+    dest: str | int,
     *,
+    only: str | None = None,
     limits: ExtractLimits = ExtractLimits(),  # noqa: B008 (frozen dataclass: safe default)
     allow_absolute_symlinks: bool = False,
     preserve_owner: bool = True,
@@ -237,6 +241,9 @@ def safe_extract(
     replaced by a non-directory is removed with its contents. On refusal nothing has been written
     outside dest; partial content may remain inside: extract into a fresh dir and delete it on error.
     Ownership is restored only when `preserve_owner` and running as root.
+    `dest` may be a directory fd (borrowed, not closed). With `only`, just the members below the
+    top-level directory `only` are extracted, with that prefix removed (one volume of a volumes layer);
+    the others are still checked but skipped, and hard links out of `only` are refused.
     """
     chown = preserve_owner and os.geteuid() == 0
     tree = _Tree(dest)
@@ -254,6 +261,16 @@ def safe_extract(
                 if name in seen:
                     raise _unsafe(name, "duplicate member name")
                 seen.add(name)
+                if only is not None:
+                    stripped = _strip_prefix(name, only)
+                    if stripped is None:
+                        continue
+                    name = stripped
+                    if m.islnk():
+                        target = _strip_prefix(check_member_name(m.linkname), only)
+                        if target is None or target == ".":
+                            raise _unsafe(name, f"hard link to {m.linkname!r}, outside {only!r}")
+                        m.linkname = target
                 if name == ".":
                     if not m.isdir():
                         raise _unsafe(m.name, "non-directory member replacing the destination itself")
@@ -299,6 +316,14 @@ def safe_extract(
     finally:
         tree.close()
     return ExtractReport(members=members, bytes=total)
+
+
+def _strip_prefix(name: str, top: str) -> str | None:
+    if name == top:
+        return "."
+    if name.startswith(top + "/"):
+        return name[len(top) + 1 :]
+    return None
 
 
 def _set_meta_nofollow(pfd: int, leaf: str, m: tarfile.TarInfo, *, chown: bool, mode: bool = True) -> None:
@@ -378,7 +403,7 @@ def _sort_key(name: str) -> bytes:
 
 
 def tar_directory(
-    src: str,
+    src: str | int,
     out: ByteSink,
     *,
     arcname: str = "",
@@ -394,19 +419,39 @@ def tar_directory(
     `follow_symlinks` every file is opened with O_NOFOLLOW below directory fds, so a workload racing
     symlinks in its own tree cannot make us read host files. `on_entry(relpath, lstat, fd)` (fd is
     an open fd for directories and regular files, else None) may return False to leave an entry out
-    (and, for a directory, its contents).
+    (and, for a directory, its contents). `src` may be a directory fd (borrowed, not closed).
     """
-    nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
+    tar_directories([(arcname, src)], out, follow_symlinks=follow_symlinks, on_entry=on_entry)
+
+
+def tar_directories(
+    sources: Iterable[tuple[str, str | int]],
+    out: ByteSink,
+    *,
+    follow_symlinks: bool = False,
+    on_entry: EntryFilter | None = None,
+) -> None:
+    """One tar of several trees, each under its own `arcname` (see tar_directory); hard links are
+    recorded only within one tree, so each tree extracts on its own (one volume per tree)."""
     # Not a `with`: on error the end-of-archive blocks must not be written after a partial member.
     # "w" on a forward-only sink (tarfile's "w|" re-buffers every byte through 10 KiB slices).
     tf = tarfile.TarFile(fileobj=cast(IO[bytes], _TellingWriter(out)), mode="w", format=tarfile.PAX_FORMAT)
     tf.copybufsize = CHUNK  # type: ignore[attr-defined]  # stdlib default: 16 KiB copies
+    for arcname, src in sources:
+        _add_tree(tf, src, arcname, follow_symlinks=follow_symlinks, on_entry=on_entry)
+    tf.close()
+
+
+def _add_tree(
+    tf: tarfile.TarFile, src: str | int, arcname: str, *, follow_symlinks: bool, on_entry: EntryFilter | None
+) -> None:
+    nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
     links: dict[tuple[int, int], str] = {}
     visited: set[tuple[int, int]] = set()  # directory loops are only possible with follow_symlinks
     prefix = arcname.strip("/")
     # Iterative DFS (no recursion limit on deep trees): (dir fd, relative path, remaining sorted names)
     stack: list[tuple[int, str, list[str]]] = []
-    root_fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    root_fd = os.dup(src) if isinstance(src, int) else os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         root_st = os.fstat(root_fd)
         visited.add((root_st.st_dev, root_st.st_ino))
@@ -453,7 +498,6 @@ def tar_directory(
                 tf.addfile(ti)
             elif stat.S_ISFIFO(mode):
                 tf.addfile(_tarinfo(arc, st, tarfile.FIFOTYPE))
-        tf.close()
     finally:
         for dfd, _, _ in stack:
             os.close(dfd)

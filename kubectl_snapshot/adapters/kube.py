@@ -28,6 +28,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import (
+    Expired,
     FailedPrecondition,
     Internal,
     InvalidArgument,
@@ -43,6 +44,7 @@ FIELD_MANAGER = "kubectl-snapshot"
 JSON = "application/json"
 MERGE_PATCH = "application/merge-patch+json"
 APPLY_PATCH = "application/apply-patch+yaml"
+LIST_PAGE = 500  # objects per list page: a large list never sits whole in one response
 _KUBECONFIG_HINT = "check --kubeconfig/--context (or $KUBECONFIG) and that your credentials are still valid"
 
 
@@ -78,6 +80,27 @@ def _api_message(e: ApiException) -> str:
     return f"{e.status} {e.reason}".strip()
 
 
+_ADMISSION_MARK = "ValidatingAdmissionPolicy 'kubectl-snapshot-"
+_ADMISSION_HINTS = (
+    (K.RESTORE_VERB + " verb", "ask an admin of the namespace for the kubectl-snapshot-restore role (a RoleBinding)"),
+    (
+        K.ANN_ALLOWED_DESTINATIONS,
+        "use a registry/repository the namespace allows, or ask a cluster admin to list yours in the namespace "
+        f"annotation {K.ANN_ALLOWED_DESTINATIONS}",
+    ),
+    (K.ANN_INSECURE_REGISTRIES, "use TLS, or ask a cluster admin to list the registry in " + K.ANN_INSECURE_REGISTRIES),
+    ("cannot get secret", "name a Secret you can read (kubectl auth can-i get secret/NAME), or ask for get on it"),
+)
+
+
+def _admission_hint(msg: str) -> str:
+    """What to do when kubectl-snapshot's admission policies (deploy/admission.py) refused a request."""
+    for needle, hint in _ADMISSION_HINTS:
+        if needle in msg:
+            return hint + "; see docs/security.md"
+    return "kubectl-snapshot's admission policy refused it (the reason is above); see docs/security.md"
+
+
 def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
     """An ApiException as the project's error, keeping the API server's own words."""
     msg = _api_message(e)
@@ -85,6 +108,8 @@ def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
         return PermissionDenied(
             f"{what}: the API server at {server} rejected the credentials ({msg})", hint=_KUBECONFIG_HINT
         )
+    if e.status == 403 and _ADMISSION_MARK in msg:
+        return PermissionDenied(f"{what}: {msg}", hint=_admission_hint(msg))
     if e.status == 403:
         return PermissionDenied(
             f"{what}: {msg}",
@@ -94,6 +119,8 @@ def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
         return NotFound(f"{what}: {msg}")
     if e.status == 409:
         return FailedPrecondition(f"{what}: {msg}", retryable=True)
+    if e.status == 410:
+        return Expired(f"{what}: {msg}")
     if e.status in (400, 422):
         return InvalidArgument(f"{what}: {msg}")
     if e.status in (429, 500, 502, 503, 504):
@@ -195,9 +222,25 @@ class KubeClient:
             raise Internal(f"{what}: the API server answered non-JSON: {data[:200]!r}") from e
 
     def _watch(
-        self, path: str, *, what: str, query: Mapping[str, Any], timeout_s: int
+        self,
+        path: str,
+        *,
+        what: str,
+        query: Mapping[str, Any],
+        timeout_s: int,
+        resource_version: str | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
-        q = {**query, "watch": "true", "timeoutSeconds": str(timeout_s), "allowWatchBookmarks": "false"}
+        """(type, object) events. From ``resource_version`` (a list's or the last event's) the watch
+        resumes exactly where it left off and asks for BOOKMARK events, which carry only a newer
+        resourceVersion; without it, it starts with an ADDED event for every existing match. An
+        expired resourceVersion raises Expired: list again."""
+        q = {
+            **query,
+            "watch": "true",
+            "timeoutSeconds": str(timeout_s),
+            "allowWatchBookmarks": "true" if resource_version else "false",
+            "resourceVersion": resource_version,
+        }
         resp = self._call("GET", path, what=what, query=q, timeout=(10, timeout_s + 30), stream=True)
         buf = b""
         try:
@@ -216,6 +259,19 @@ class KubeClient:
         if event is not None:
             yield event
 
+    def _list(self, path: str, *, what: str, query: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
+        """A list read in pages of LIST_PAGE (the API server keeps a consistent snapshot across the
+        pages); returns the items and the resourceVersion to watch from."""
+        items: list[dict[str, Any]] = []
+        cont: str | None = None
+        while True:
+            data = self._call("GET", path, what=what, query={**query, "limit": str(LIST_PAGE), "continue": cont})
+            items.extend(data.get("items") or [])
+            meta = data.get("metadata") or {}
+            cont = meta.get("continue") or None
+            if not cont:
+                return items, str(meta.get("resourceVersion") or "")
+
     # --- pods ----------------------------------------------------------------------------------------
 
     def get_pod(self, ns: str, name: str) -> dict[str, Any]:
@@ -224,19 +280,30 @@ class KubeClient:
     def list_pods(
         self, ns: str | None, *, label_selector: str | None = None, field_selector: str | None = None
     ) -> list[dict[str, Any]]:
+        return self.list_pods_versioned(ns, label_selector=label_selector, field_selector=field_selector)[0]
+
+    def list_pods_versioned(
+        self, ns: str | None, *, label_selector: str | None = None, field_selector: str | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The matching pods and the list's resourceVersion (to watch from), read in pages."""
         q = {"labelSelector": label_selector, "fieldSelector": field_selector}
-        data = self._call("GET", _pods_path(ns), what=f"list pods in {ns or 'all namespaces'}", query=q)
-        return list(data.get("items") or [])
+        return self._list(_pods_path(ns), what=f"list pods in {ns or 'all namespaces'}", query=q)
 
     def watch_pods(
-        self, *, field_selector: str | None, namespace: str | None = None, timeout_s: int = 300
+        self,
+        *,
+        field_selector: str | None,
+        namespace: str | None = None,
+        timeout_s: int = 300,
+        resource_version: str | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
-        """(type, pod) events; starts with ADDED for every existing match, ends after timeout_s."""
+        """(type, pod) events, ending after timeout_s (see _watch for resource_version)."""
         return self._watch(
             _pods_path(namespace),
             what=f"watch pods in {namespace or 'all namespaces'}",
             query={"fieldSelector": field_selector},
             timeout_s=timeout_s,
+            resource_version=resource_version,
         )
 
     def create_pod(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -247,12 +314,15 @@ class KubeClient:
         body = None if grace_period_seconds is None else {"gracePeriodSeconds": grace_period_seconds}
         self._call("DELETE", _pods_path(ns, name), what=f"delete pod {ns}/{name}", body=body)
 
-    def patch_pod_annotations(self, ns: str, name: str, annotations: dict[str, str | None]) -> dict[str, Any]:
-        """Merge-patch annotations; a None value removes the key."""
+    def patch_pod_annotations(
+        self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
+    ) -> dict[str, Any]:
+        """Merge-patch annotations; a None value removes the key. `status`: through ``pods/status`` (the
+        agent: it has no ``pods patch``, and admission lets it change only its own annotation there)."""
         return dict(
             self._call(
                 "PATCH",
-                _pods_path(ns, name),
+                _pods_path(ns, name) + ("/status" if status else ""),
                 what=f"annotate pod {ns}/{name}",
                 body={"metadata": {"annotations": annotations}},
                 content_type=MERGE_PATCH,
@@ -269,18 +339,32 @@ class KubeClient:
         return dict(self._call("POST", _snapshots_path(ns), what=f"create podsnapshot {ns}/{name}", body=body))
 
     def list_snapshots(self, ns: str | None) -> list[dict[str, Any]]:
-        data = self._call("GET", _snapshots_path(ns), what=f"list podsnapshots in {ns or 'all namespaces'}")
-        return list(data.get("items") or [])
+        return self.list_snapshots_versioned(ns)[0]
+
+    def list_snapshots_versioned(
+        self, ns: str | None, *, field_selector: str | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The matching PodSnapshots and the list's resourceVersion (to watch from), read in pages."""
+        what = f"list podsnapshots in {ns or 'all namespaces'}"
+        return self._list(_snapshots_path(ns), what=what, query={"fieldSelector": field_selector})
 
     def delete_snapshot(self, ns: str, name: str) -> None:
         self._call("DELETE", _snapshots_path(ns, name), what=f"delete podsnapshot {ns}/{name}")
 
-    def watch_snapshots(self, namespace: str | None, timeout_s: int = 300) -> Iterator[tuple[str, dict[str, Any]]]:
+    def watch_snapshots(
+        self,
+        namespace: str | None,
+        timeout_s: int = 300,
+        *,
+        field_selector: str | None = None,
+        resource_version: str | None = None,
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
         return self._watch(
             _snapshots_path(namespace),
             what=f"watch podsnapshots in {namespace or 'all namespaces'}",
-            query={},
+            query={"fieldSelector": field_selector},
             timeout_s=timeout_s,
+            resource_version=resource_version,
         )
 
     def watch_snapshot(self, ns: str, name: str, timeout_s: int = 300) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -348,6 +432,31 @@ class KubeClient:
             "count": 1,
         }
         return dict(self._call("POST", f"/api/v1/namespaces/{_q(ns)}/events", what=f"record event {reason}", body=body))
+
+    def token_review(self, token: str) -> dict[str, Any]:
+        """Who a bearer token belongs to (authentication.k8s.io TokenReview)."""
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": token}}
+        return dict(self._call("POST", "/apis/authentication.k8s.io/v1/tokenreviews", what="review a token", body=body))
+
+    def subject_access_review(self, user: Mapping[str, Any], *, path: str, verb: str) -> dict[str, Any]:
+        """Whether `user` (a TokenReview's status.user) may `verb` the non-resource URL `path`."""
+        spec: dict[str, Any] = {
+            "user": user.get("username", ""),
+            "groups": list(user.get("groups") or []),
+            "uid": user.get("uid", ""),
+            "nonResourceAttributes": {"path": path, "verb": verb},
+        }
+        if user.get("extra"):
+            spec["extra"] = dict(user["extra"])
+        body = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": spec}
+        return dict(
+            self._call(
+                "POST",
+                "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                what=f"check whether {spec['user']} may {verb} {path}",
+                body=body,
+            )
+        )
 
     def get_secret(self, ns: str, name: str) -> dict[str, Any]:
         return dict(
@@ -480,7 +589,7 @@ def _parse_event(line: bytes, what: str) -> tuple[str, dict[str, Any]] | None:
     if etype == "ERROR":
         code = int(obj.get("code") or 0)
         if code == 410:
-            raise FailedPrecondition(f"{what}: watch expired ({obj.get('message', '')})", retryable=True)
+            raise Expired(f"{what}: watch expired ({obj.get('message', '')})")
         raise _watch_error(code, str(obj.get("message", "")), what)
     return etype, dict(obj)
 

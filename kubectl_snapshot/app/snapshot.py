@@ -16,15 +16,15 @@ from kubectl_snapshot.app.ports import Kube, Obj
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, Unavailable
 from kubectl_snapshot.core.podspec import (
-    SnapshotStatus,
     check_pod_running,
     destination,
     snapshot_name,
     snapshot_object,
-    snapshot_status,
     timestamp,
 )
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.status import SnapshotStatus
+from kubectl_snapshot.core.status import read as snapshot_status
 
 StatusFn = Callable[[SnapshotStatus], None]
 WATCH_WINDOW_S = 10  # a watch is re-opened this often, so deadlines are checked at least this often
@@ -39,6 +39,7 @@ class SnapshotRequest:
     insecure: bool = False
     stop: bool = False
     include_volumes: bool = True
+    ignore_liveness: bool = False
     now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC))
 
 
@@ -62,6 +63,7 @@ def start_snapshot(req: SnapshotRequest, *, kube: Kube) -> Obj:
         insecure=req.insecure,
         stop=req.stop,
         include_volumes=req.include_volumes,
+        ignore_liveness=req.ignore_liveness,
     )
     try:
         return kube.create_snapshot(req.namespace, body)
@@ -119,21 +121,11 @@ def wait_snapshot(
             last = kube.get_snapshot(namespace, name)  # the watch saw nothing: read it once
     final = snapshot_status(last)
     if final.phase == K.PHASE_FAILED:
-        message, hint = split_message(final.message or "the agent reported a failure without a message")
+        message = final.message or "the agent reported a failure without a message"
         raise FailedPrecondition(
             f"snapshot {namespace}/{name} failed{' on node ' + final.node if final.node else ''}: {message}",
-            hint=hint or f"kubectl describe podsnapshot {name} -n {namespace}; kubectl describe pod -n {namespace}",
+            hint=final.hint
+            or f"kubectl describe podsnapshot {name} -n {namespace}; kubectl describe pod -n {namespace}",
+            details=final.details or None,
         )
     return last
-
-
-def split_message(text: str) -> tuple[str, str | None]:
-    """The agent writes `error: ... hint: ...` into status.message: give back (message, hint)."""
-    text = text.strip()
-    if text.startswith("error: "):
-        text = text[len("error: ") :]
-    for sep in ("\nhint: ", " hint: "):
-        if sep in text:
-            message, hint = text.split(sep, 1)
-            return message.strip(), hint.strip()
-    return text, None

@@ -33,8 +33,9 @@ from kubectl_snapshot.cli.output import emit, human_bytes, output_option
 from kubectl_snapshot.cli.params import ENV_REPOSITORY, Duration, common_options, kube_opts, repository_default
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.core.podspec import destination, parse_pod_arg, snapshot_status
+from kubectl_snapshot.core.podspec import destination, parse_pod_arg
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.status import read as snapshot_status
 
 DEFAULT_COMMAND = "pod"
 ALIASES = {"snapshot": DEFAULT_COMMAND}  # `kubectl-snapshot snapshot pod/NAME` reads naturally too
@@ -94,6 +95,11 @@ def _snapshot_options(fn: Any) -> Any:
         click.option("--registry-secret", help="dockerconfigjson Secret in the namespace, used by the agent to push."),
         click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry."),
         click.option("--no-volumes", is_flag=True, help="Do not capture emptyDir volumes."),
+        click.option(
+            "--ignore-liveness",
+            is_flag=True,
+            help="Snapshot even if the freeze may outlast a liveness probe (a container may be restarted).",
+        ),
     ]
     for o in reversed(opts):
         fn = o(fn)
@@ -144,6 +150,7 @@ def pod_cmd(
     registry_secret: str | None,
     insecure: bool,
     no_volumes: bool,
+    ignore_liveness: bool,
     stop: bool,
     no_wait: bool,
     timeout: float,
@@ -162,6 +169,7 @@ def pod_cmd(
         insecure=insecure,
         stop=stop,
         include_volumes=not no_volumes,
+        ignore_liveness=ignore_liveness,
     )
     created = start_snapshot(req, kube=kube)
     name = created["metadata"]["name"]
@@ -239,6 +247,7 @@ def migrate_cmd(
     registry_secret: str | None,
     insecure: bool,
     no_volumes: bool,
+    ignore_liveness: bool,
     node: str | None,
     name: str | None,
     agent_image: str | None,
@@ -260,6 +269,7 @@ def migrate_cmd(
             insecure=insecure,
             stop=False,
             include_volumes=not no_volumes,
+            ignore_liveness=ignore_liveness,
         ),
         node=node,
         name=name,
@@ -397,6 +407,11 @@ def _install_settings(api_server: str | None, state_dir: str | None, **paths: st
     type=click.Path(dir_okay=False, exists=True),
     help="YAML/JSON {node: {containerd_socket, kubelet_root, containerd_dropin_dir}} for several nodes per machine.",
 )
+@click.option(
+    "--host-network",
+    is_flag=True,
+    help="Run the agent in the nodes' network namespace (only when the registry is reachable from nodes alone).",
+)
 @click.option("--dry-run", is_flag=True, help="Print the manifests instead of applying them.")
 @click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long to wait for the rollout.")
 @output_option
@@ -405,13 +420,17 @@ def install_cmd(
     agent_image: str | None,
     api_server: str | None,
     state_dir: str | None,
+    host_network: bool,
     dry_run: bool,
     timeout: float,
     output: str,
     **paths: str | None,
 ) -> None:
-    """Install the CRD, RBAC, agent DaemonSet and RuntimeClass; wait until the agents run."""
-    objects = install_app.render(agent_image, _install_settings(api_server, state_dir, **paths))
+    """Install the CRD, RBAC, admission policies, agent DaemonSet and RuntimeClass; wait until the agents run."""
+    settings = _install_settings(api_server, state_dir, **paths)
+    if host_network:
+        settings["host_network"] = True
+    objects = install_app.render(agent_image, settings)
     if dry_run:
         _emit_objects(objects, output)
         return

@@ -11,7 +11,8 @@ from types import TracebackType
 
 from tqdm import tqdm
 
-from kubectl_snapshot.core.podspec import RestoreState, SnapshotStatus
+from kubectl_snapshot.core.podspec import RestoreState
+from kubectl_snapshot.core.status import SnapshotStatus
 
 
 class RemoteProgress:

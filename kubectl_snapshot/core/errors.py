@@ -4,6 +4,7 @@
     +-- InvalidArgument           bad input from the user (exit 2 at the CLI)
     +-- NotFound                  unknown pod, container, reference, blob
     +-- FailedPrecondition        the world is not in a state that allows the operation
+    |   +-- Expired               a resourceVersion the API server no longer has (410): list again
     |   +-- DigestMismatch        content does not match its digest: never trusted, never extracted
     |   +-- UnsafeArchive         an archive member would escape its staging dir, or is a device, ...
     +-- PermissionDenied          credentials missing or refused
@@ -60,6 +61,13 @@ class NotFound(SnapshotError):
 
 class FailedPrecondition(SnapshotError):
     category = "failed-precondition"
+
+
+class Expired(FailedPrecondition):
+    """A watch or list resourceVersion the API server no longer has (HTTP 410 Gone): list again."""
+
+    category = "expired"
+    default_retryable = True
 
 
 class DigestMismatch(FailedPrecondition):

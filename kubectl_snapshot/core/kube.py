@@ -18,6 +18,8 @@ PHASE_RUNNING: Final = "Running"
 PHASE_SUCCEEDED: Final = "Succeeded"
 PHASE_FAILED: Final = "Failed"
 TERMINAL_PHASES: Final = (PHASE_SUCCEEDED, PHASE_FAILED)
+# The CRD's selectable field agents watch by: the node whose agent claimed a PodSnapshot ("" = nobody yet).
+SNAPSHOT_NODE_FIELD: Final = "status.node"
 
 # restore
 RUNTIME_CLASS: Final = "kubectl-snapshot"
@@ -25,6 +27,13 @@ ANN_RESTORE_FROM: Final = f"{GROUP}/restore-from"  # REGISTRY/REPO@sha256:...
 ANN_RESTORE_STATUS: Final = f"{GROUP}/restore-status"  # Staged | Failed: <reason>
 ANN_REGISTRY_SECRET: Final = f"{GROUP}/registry-secret"
 LABEL_RESTORED_FROM: Final = f"{GROUP}/restored-from"
+# Who may restore: a verb of its own on podsnapshots, checked at admission (deploy/admission.py).
+RESTORE_VERB: Final = "restore"
+# On Namespaces, written by cluster admins (tenants cannot edit their Namespace object):
+# comma-separated REGISTRY[/REPOSITORY-PREFIX] entries snapshots may be pushed to and restored from,
+# and the registries (host[:port]) that may be reached with `insecure` (plain HTTP).
+ANN_ALLOWED_DESTINATIONS: Final = f"{GROUP}/allowed-destinations"
+ANN_INSECURE_REGISTRIES: Final = f"{GROUP}/insecure-registries"
 GATE_VOLUME: Final = "kubectl-snapshot-gate"
 GATE_CONTAINER: Final = "kubectl-snapshot-gate"
 GATE_MOUNT: Final = "/gate"
@@ -39,6 +48,11 @@ SA_TOKEN_VOLUME_PREFIX: Final = "kube-api-access-"
 AGENT_NAMESPACE: Final = "kubectl-snapshot-system"
 AGENT_NAME: Final = "kubectl-snapshot-agent"
 AGENT_LABEL: Final = {"app.kubernetes.io/name": AGENT_NAME}
+AGENT_USER: Final = f"system:serviceaccount:{AGENT_NAMESPACE}:{AGENT_NAME}"
+# Bound into a namespace (RoleBinding) by its admin where snapshots use registry Secrets.
+AGENT_SECRETS_ROLE: Final = "kubectl-snapshot-agent-registry-secrets"
+# What a pod-bound ServiceAccount token says about the node its pod runs on (user extra).
+NODE_NAME_EXTRA: Final = "authentication.kubernetes.io/node-name"
 ANN_NODE_FACTS: Final = f"{GROUP}/node-facts"  # JSON the agent publishes on its Node (doctor reads it)
 READY_FILE: Final = "/tmp/kubectl-snapshot-agent.ready"
 EMPTY_DIR_PLUGIN_DIR: Final = "kubernetes.io~empty-dir"

@@ -100,6 +100,7 @@ def snapshot_object(
     insecure: bool = False,
     stop: bool = False,
     include_volumes: bool = True,
+    ignore_liveness: bool = False,
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "podName": pod,
@@ -109,6 +110,8 @@ def snapshot_object(
         "stop": stop,
         "includeVolumes": include_volumes,
     }
+    if ignore_liveness:
+        spec["ignoreLiveness"] = True
     if registry_secret:
         spec["registrySecret"] = validate_name(registry_secret, "secret")
     return {
@@ -117,45 +120,6 @@ def snapshot_object(
         "metadata": {"name": validate_name(name, "snapshot"), "namespace": namespace},
         "spec": spec,
     }
-
-
-@dataclass(frozen=True)
-class SnapshotStatus:
-    """What the plugin reads from a PodSnapshot's status while it waits."""
-
-    phase: str
-    node: str
-    stage: str
-    bytes_done: int
-    bytes_total: int
-    reference: str
-    message: str
-
-    @property
-    def claimed(self) -> bool:
-        return bool(self.phase)
-
-    @property
-    def done(self) -> bool:
-        return self.phase in K.TERMINAL_PHASES
-
-
-def snapshot_status(obj: Mapping[str, Any]) -> SnapshotStatus:
-    st = obj.get("status") or {}
-
-    def num(key: str) -> int:
-        v = st.get(key)
-        return int(v) if isinstance(v, int | float) and not isinstance(v, bool) else 0
-
-    return SnapshotStatus(
-        phase=str(st.get("phase") or ""),
-        node=str(st.get("node") or ""),
-        stage=str(st.get("stage") or ""),
-        bytes_done=num("bytesDone"),
-        bytes_total=num("bytesTotal"),
-        reference=str(st.get("reference") or ""),
-        message=str(st.get("message") or ""),
-    )
 
 
 # --- pod checks ------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 from kubectl_snapshot import __version__
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.deploy import agent, crd, rbac
+from kubectl_snapshot.deploy import admission, agent, crd, rbac
 from kubectl_snapshot.deploy.agent import DEFAULT_DROPIN_DIR, AgentSettings
 
 DEFAULT_IMAGE = f"kubectl-snapshot-agent:{__version__}"
@@ -33,6 +33,7 @@ def render(
     containerd_dropin_dir: str | None = None,
     restart_command: str | None = None,
     per_node_paths: Mapping[str, Mapping[str, str]] | None = None,
+    host_network: bool = False,
 ) -> list[dict[str, Any]]:
     """The objects to apply, in apply order (CRD and namespace before what lives in them).
 
@@ -41,7 +42,9 @@ def render(
     are host paths, mounted at the same path in the agent. `restart_command`: run on the host by
     ``install-node`` when the runtime handler was not active yet; ``{node}`` is replaced by the node
     name. `per_node_paths`: ``{node: {containerd_socket, kubelet_root, containerd_dropin_dir}}`` for
-    several nodes on one machine; missing keys fall back to the defaults above.
+    several nodes on one machine; missing keys fall back to the defaults above. `host_network`: run the
+    agent in the node's network namespace, only where the registry is reachable from the nodes alone
+    (the local cluster's registry listens on loopback); nothing else in the agent needs it.
     """
     if not image or any(c.isspace() for c in image):
         raise InvalidArgument(f"image must be an image reference, got {image!r}")
@@ -55,6 +58,7 @@ def render(
         containerd_dropin_dir=agent.check_path(containerd_dropin_dir or DEFAULT_DROPIN_DIR, "containerd_dropin_dir"),
         restart_command=restart_command,
         per_node_paths=agent.check_per_node_paths(per_node_paths or {}),
+        host_network=bool(host_network),
     )
     labels = dict(LABELS)
     objects = [
@@ -63,7 +67,9 @@ def render(
         rbac.service_account(labels),
         rbac.agent_cluster_role(labels),
         rbac.agent_cluster_role_binding(labels),
+        rbac.agent_secrets_role(labels),
         *rbac.user_cluster_roles(labels),
+        *admission.render(labels),
         agent.runtime_class(labels),
     ]
     if settings.per_node_paths:

@@ -4,8 +4,11 @@ Why the DaemonSet looks like this:
 
 - privileged, hostPID: containerd runs CRIU for us, but the agent must see the host's processes and
   mounts (container rootfs upperdirs, /proc/PID of frozen tasks) to capture and stage state;
-- hostNetwork: the agent needs no pod IP and must work where the pod network is down or absent (the
-  local test cluster blackholes the service CIDR, so ``api_server`` sets KUBERNETES_SERVICE_HOST/PORT);
+- no hostNetwork by default: the agent needs nothing of the node's network (its metrics port works on
+  a pod IP; CRIU runs in containerd's process, its network-lock probe in a namespace of its own).
+  ``host_network`` puts it in the node's network namespace only where the registry is reachable from
+  the nodes alone (the local cluster's registry listens on loopback); ``api_server`` sets
+  KUBERNETES_SERVICE_HOST/PORT where the kubernetes Service is not reachable;
 - host directories are mounted at the SAME path inside, because paths cross the boundary: containerd
   (on the host) writes CRIU images into the agent's state dir, the wrapper (on the host) reads staged
   data from it, and the kubelet's pod volume dirs are named by host path. Directories, never socket
@@ -14,6 +17,10 @@ Why the DaemonSet looks like this:
   without systemd, like the project's VMs: "is mounted on / but it is not a shared or slave mount").
   Mounts made on the host after the agent started (memory-backed emptyDirs are tmpfs) are reached
   through the host's mount namespace instead: /proc/1/root/<path> (hostPID);
+- a second container, ``guard``, holds every freeze the agent makes (shim/guard.py): the agent asks it
+  over a Unix socket in an emptyDir both mount, and it thaws a pod as soon as the agent's connection
+  closes (the agent died, or its container restarted) or the freeze's deadline passes (it hangs). Its
+  own container, so nothing that kills or hangs the agent's touches it; privileged for the cgroupfs;
 - one machine may run several nodes (the local cluster): ``per_node_paths`` becomes a ConfigMap the
   agent reads at start, picking its entry by NODE_NAME; the DaemonSet mounts the smallest set of host
   directories that covers every node's paths.
@@ -44,7 +51,10 @@ NODE_CONFIG_DIR = "/etc/kubectl-snapshot/nodes"
 NODE_PATH_KEYS = ("containerd_socket", "kubelet_root", "containerd_dropin_dir")
 WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
 READY_FILE = K.READY_FILE
+METRICS_PORT = 9443  # HTTPS, authorised scrapers only (shim/metrics_server.py)
 DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"  # containerd 2.x's default config imports *.toml from here
+GUARD_DIR = "/run/kubectl-snapshot-guard"  # an emptyDir shared by the agent and guard containers
+GUARD_SOCKET = f"{GUARD_DIR}/guard.sock"
 
 
 @dataclass(frozen=True)
@@ -60,6 +70,7 @@ class AgentSettings:
     containerd_dropin_dir: str
     restart_command: str | None
     per_node_paths: Mapping[str, Mapping[str, str]]
+    host_network: bool = False
 
 
 def check_path(value: str, what: str) -> str:
@@ -177,6 +188,7 @@ def _path_flags(settings: AgentSettings) -> list[str]:
 def _env(settings: AgentSettings) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         # $(NODE_NAME) is expanded by the kubelet: one state dir per node, even with several per machine.
         {"name": C.ENV_STATE_DIR, "value": f"{settings.state_root}/$(NODE_NAME)"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
@@ -206,7 +218,14 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
     install_args = ["install-node", f"--wrapper={WRAPPER_IN_IMAGE}", *_path_flags(settings)]
     if settings.restart_command:
         install_args.append(f"--restart-command={settings.restart_command}")
-    run_args = ["run", *_path_flags(settings), f"--ready-file={READY_FILE}"]
+    run_args = [
+        "run",
+        *_path_flags(settings),
+        f"--ready-file={READY_FILE}",
+        f"--metrics-bind-address=:{METRICS_PORT}",
+        f"--guard-socket={GUARD_SOCKET}",
+    ]
+    guard_mount = {"name": "guard", "mountPath": GUARD_DIR}
     selector = dict(K.AGENT_LABEL)
     return {
         "apiVersion": "apps/v1",
@@ -219,9 +238,9 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                 "metadata": {"labels": labels | selector},
                 "spec": {
                     "serviceAccountName": K.AGENT_NAME,
-                    "hostNetwork": True,
+                    "hostNetwork": settings.host_network,
                     "hostPID": True,
-                    "dnsPolicy": "ClusterFirstWithHostNet",
+                    "dnsPolicy": "ClusterFirstWithHostNet" if settings.host_network else "ClusterFirst",
                     "priorityClassName": "system-node-critical",
                     "tolerations": [{"operator": "Exists"}],
                     # Long enough for an interrupted dump to thaw the pod it froze (never lose the workload).
@@ -237,9 +256,22 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                                 "periodSeconds": 5,
                             },
                             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+                            "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
                         }
+                        | {"volumeMounts": [*volume_mounts, guard_mount]},
+                        {
+                            "name": "guard",
+                            "image": settings.image,
+                            "imagePullPolicy": pull,
+                            "command": ["python3", "-m", "shim.guard"],
+                            "args": [f"--socket={GUARD_SOCKET}", f"--state-dir={GUARD_DIR}/holds"],
+                            "env": [e for e in _env(settings) if e["name"] != C.ENV_STATE_DIR],
+                            "securityContext": {"privileged": True},
+                            "volumeMounts": [guard_mount],
+                            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+                        },
                     ],
-                    "volumes": volumes,
+                    "volumes": [*volumes, {"name": "guard", "emptyDir": {}}],
                 },
             },
         },

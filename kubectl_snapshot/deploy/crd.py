@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import status as S
 
 CRD_NAME = f"{K.PLURAL}.{K.GROUP}"
 
@@ -64,6 +65,12 @@ def _spec_schema() -> dict[str, Any]:
                 "default": True,
                 "description": "Capture the pod's emptyDir volumes.",
             },
+            "ignoreLiveness": {
+                "type": "boolean",
+                "default": False,
+                "description": "Snapshot even if the pod would stay frozen longer than a liveness probe allows "
+                "(the kubelet may then restart a container).",
+            },
         },
     }
 
@@ -87,12 +94,17 @@ def _status_schema() -> dict[str, Any]:
         "properties": {
             "phase": {"type": "string", "enum": [K.PHASE_PENDING, K.PHASE_RUNNING, K.PHASE_SUCCEEDED, K.PHASE_FAILED]},
             "node": _STRING,
-            "stage": {"type": "string", "description": "freeze, dump, package, upload or done."},
+            "stage": {"type": "string", "enum": list(S.STAGES), "description": "Where the snapshot is."},
             "bytesDone": _BYTES,
             "bytesTotal": _BYTES,
-            "timings": {
-                "type": "object",
-                "properties": {k: _MS for k in ("freezeMs", "dumpMs", "packageMs", "uploadMs", "totalMs")},
+            "timings": {"type": "object", "properties": {k: _MS for k in S.TIMING_KEYS}},
+            "expectedFreezeSeconds": {
+                "type": "number",
+                "description": "How long the pod was expected to stay frozen (its memory at a slow dump rate).",
+            },
+            "freezeDeadlineSeconds": {
+                "type": "number",
+                "description": "The freeze guard thaws the pod and fails the snapshot if it is still frozen then.",
             },
             "frozenBy": {
                 "type": "string",
@@ -101,7 +113,12 @@ def _status_schema() -> dict[str, Any]:
             "reference": {"type": "string", "description": "REGISTRY/REPO@sha256:... of the pushed snapshot."},
             "tag": _STRING,
             "size": _BYTES,
-            "message": _STRING,
+            "sizeHuman": {"type": "string", "description": "size for people, e.g. 40.0 KiB."},
+            "reason": {"type": "string", "description": "Why it ended, CamelCase (e.g. Pushed, NotFound, CriuFailed)."},
+            "message": {"type": "string", "description": "What happened (on failure: what failed and why)."},
+            "hint": {"type": "string", "description": "On failure: what to do about it."},
+            "details": {"type": "string", "description": "On failure: more detail, e.g. the tail of CRIU's log."},
+            "observedGeneration": {"type": "integer", "format": "int64"},
             "conditions": {
                 "type": "array",
                 "items": condition,
@@ -119,9 +136,11 @@ def _printer_columns() -> list[dict[str, Any]]:
         {"name": "Pod", "type": "string", "jsonPath": ".spec.podName"},
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {"name": "Node", "type": "string", "jsonPath": ".status.node"},
-        {"name": "Size", "type": "integer", "format": "int64", "jsonPath": ".status.size"},
+        {"name": "Size", "type": "string", "jsonPath": ".status.sizeHuman"},
         {"name": "Reference", "type": "string", "jsonPath": ".status.reference"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {"name": "Stage", "type": "string", "jsonPath": ".status.stage", "priority": 1},
+        {"name": "Reason", "type": "string", "jsonPath": ".status.reason", "priority": 1},
     ]
 
 
@@ -148,6 +167,8 @@ def podsnapshot_crd(labels: dict[str, str]) -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
+                    # Agents watch only what concerns their node: field selectors on status.node.
+                    "selectableFields": [{"jsonPath": f".{K.SNAPSHOT_NODE_FIELD}"}],
                     "additionalPrinterColumns": _printer_columns(),
                     "schema": {
                         "openAPIV3Schema": {

@@ -1,22 +1,29 @@
 """Who may do what: the agent's least-privilege ClusterRole and the aggregated roles for users.
 
-The agent's rules are the whole list of what it calls (docs/kubernetes.md), nothing more:
+The agent's rules are the whole list of what it calls (docs/kubernetes.md), nothing more, and
+docs/security.md says why it keeps each. What RBAC cannot narrow (one node, one annotation) the
+agent-side ValidatingAdmissionPolicies do (deploy/admission.py):
 
 - podsnapshots get/list/watch, podsnapshots/status get/update/patch: claim and report, never edit specs;
-- pods get/list/watch/patch/delete: find the pod, set the restore-status annotation, and for
-  ``spec.stop`` delete the snapshotted pod once its snapshot is pushed (before its frozen containers
-  are killed, so that the kubelet does not restart them). This lets anyone allowed to create a
-  PodSnapshot delete pods of that namespace through ``stop``; grant PodSnapshot create only to those
-  who may delete pods there (the aggregated ``edit``/``admin`` roles already can);
+- pods get/list/watch: find the pod it snapshots or stages a restore for;
+- pods/status patch, never ``pods patch``: the restore-status annotation; admission lets it change
+  only that annotation, and only on pods bound to its own node;
+- pods delete: ``spec.stop`` deletes the snapshotted pod once its snapshot is pushed (before its
+  frozen containers are killed); admission limits it to pods of its own node, and the PodSnapshot
+  policy lets ``stop`` through only for requesters who may delete that pod themselves;
 - events create/patch: SnapshotStarted/Succeeded/Failed, RestoreStaged/Failed on the pod;
-- secrets get: the registrySecret a PodSnapshot or a restored pod names, in its own namespace. It is
-  cluster-wide because PodSnapshots come from any namespace; ``get`` (no list/watch) means the agent
-  can only read a secret whose name it was given. A tighter setup binds a ClusterRole with just this
-  rule per namespace (RoleBinding) where snapshots with credentials are allowed (docs/deploy.md);
-- nodes get/patch: the host-facts annotation on its own node.
+- nodes get/patch: the host-facts annotation; admission: only its own node, only that annotation;
+- no ``secrets`` at all cluster-wide. Registry credentials named by a PodSnapshot or a restore pod
+  are read through ``kubectl-snapshot-agent-registry-secrets`` (secrets get), which a namespace's
+  admin binds in that namespace (RoleBinding) when its snapshots need credentials; admission has
+  already checked that the requester may get the Secret they name.
+- tokenreviews/subjectaccessreviews create: a scraper of the agent's metrics is authenticated and
+  authorised by the API server (bind ``kubectl-snapshot-metrics-reader`` to the scraper's identity).
 
 Users get PodSnapshot rights through the built-in roles by aggregation: creating a PodSnapshot is the
 permission to snapshot a pod of that namespace, so it goes with ``edit``/``admin``; ``view`` can read.
+Restoring is its own verb (``restore`` on podsnapshots, ClusterRole kubectl-snapshot-restore), also
+aggregated to ``edit``/``admin`` and grantable alone with a RoleBinding.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from kubectl_snapshot.core import kube as K
 
 RBAC = "rbac.authorization.k8s.io/v1"
 EDIT_ROLE = "kubectl-snapshot-edit"
+METRICS_READER_ROLE = "kubectl-snapshot-metrics-reader"
 VIEW_ROLE = "kubectl-snapshot-view"
+RESTORE_ROLE = "kubectl-snapshot-restore"
 _AGGREGATE = "rbac.authorization.k8s.io/aggregate-to-"
 
 
@@ -40,11 +49,35 @@ def agent_rules() -> list[dict[str, Any]]:
     return [
         _rule(K.GROUP, [K.PLURAL], ["get", "list", "watch"]),
         _rule(K.GROUP, [f"{K.PLURAL}/status"], ["get", "update", "patch"]),
-        _rule("", ["pods"], ["get", "list", "watch", "patch", "delete"]),
+        _rule("", ["pods"], ["get", "list", "watch", "delete"]),
+        _rule("", ["pods/status"], ["patch"]),
         _rule("", ["events"], ["create", "patch"]),
-        _rule("", ["secrets"], ["get"]),
         _rule("", ["nodes"], ["get", "patch"]),
+        # Who may read /metrics is the API server's call (TokenReview + SubjectAccessReview).
+        _rule("authentication.k8s.io", ["tokenreviews"], ["create"]),
+        _rule("authorization.k8s.io", ["subjectaccessreviews"], ["create"]),
     ]
+
+
+def agent_secrets_role(labels: dict[str, str]) -> dict[str, Any]:
+    """secrets get, bound to the agent per namespace (RoleBinding) by that namespace's admin; never cluster-wide."""
+    return {
+        "apiVersion": RBAC,
+        "kind": "ClusterRole",
+        "metadata": {"name": K.AGENT_SECRETS_ROLE, "labels": dict(labels)},
+        "rules": [_rule("", ["secrets"], ["get"])],
+    }
+
+
+def agent_secrets_binding(namespace: str) -> dict[str, Any]:
+    """The RoleBinding a namespace admin creates so that the agent may read that namespace's registry Secrets."""
+    return {
+        "apiVersion": RBAC,
+        "kind": "RoleBinding",
+        "metadata": {"name": K.AGENT_SECRETS_ROLE, "namespace": namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": K.AGENT_SECRETS_ROLE},
+        "subjects": [{"kind": "ServiceAccount", "name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE}],
+    }
 
 
 def namespace(labels: dict[str, str]) -> dict[str, Any]:
@@ -81,7 +114,7 @@ def agent_cluster_role_binding(labels: dict[str, str]) -> dict[str, Any]:
 
 
 def user_cluster_roles(labels: dict[str, str]) -> list[dict[str, Any]]:
-    """kubectl-snapshot-edit (aggregated to edit and admin) and kubectl-snapshot-view (to view)."""
+    """kubectl-snapshot-edit and -restore (aggregated to edit and admin), kubectl-snapshot-view (to view)."""
     edit_labels = labels | {_AGGREGATE + "edit": "true", _AGGREGATE + "admin": "true"}
     view_labels = labels | {_AGGREGATE + "view": "true"}
     return [
@@ -94,7 +127,20 @@ def user_cluster_roles(labels: dict[str, str]) -> list[dict[str, Any]]:
         {
             "apiVersion": RBAC,
             "kind": "ClusterRole",
+            "metadata": {"name": RESTORE_ROLE, "labels": dict(edit_labels)},
+            "rules": [_rule(K.GROUP, [K.PLURAL], [K.RESTORE_VERB])],
+        },
+        {
+            "apiVersion": RBAC,
+            "kind": "ClusterRole",
             "metadata": {"name": VIEW_ROLE, "labels": view_labels},
             "rules": [_rule(K.GROUP, [K.PLURAL], ["get", "list", "watch"])],
+        },
+        {
+            # Not aggregated: bind it to the identity of the Prometheus that scrapes the agents.
+            "apiVersion": RBAC,
+            "kind": "ClusterRole",
+            "metadata": {"name": METRICS_READER_ROLE, "labels": dict(labels)},
+            "rules": [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
         },
     ]

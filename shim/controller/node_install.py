@@ -118,8 +118,9 @@ def dropin_toml(settings: NodeSettings) -> str:
 
 
 def _write_if_changed(path: str, content: str, mode: int) -> bool:
-    with contextlib.suppress(OSError), open(path) as f:
-        if f.read() == content:
+    # Compared as bytes: what is there may be anything (another version's binary launcher, say).
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        if f.read() == content.encode():
             os.chmod(path, mode)
             return False
     tmp = f"{path}.tmp"

@@ -13,6 +13,8 @@ from typing import Any
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.model import PodRecord
+from kubectl_snapshot.core.podspec import gate_container
+from shim.engine.staging import check_key
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ def running_containers(pod: dict[str, Any]) -> PodContainers:
             f"{where} is {status.get('phase') or 'not running'}, not Running",
             hint="only running pods can be snapshotted",
         )
+    _refuse_unfrozen_neighbours(pod, where)
     by_name = {cs.get("name"): cs for cs in status.get("containerStatuses") or []}
     ids, names = [], []
     for c in spec.get("containers") or []:
@@ -49,6 +52,105 @@ def running_containers(pod: dict[str, Any]) -> PodContainers:
     if not ids:
         raise FailedPrecondition(f"{where} has no containers")
     return PodContainers(ids, names)
+
+
+def _refuse_unfrozen_neighbours(pod: dict[str, Any], where: str) -> None:
+    """Refuse a pod in which something that would not be frozen is running.
+
+    Only the app containers are frozen and dumped; a native sidecar (an init container with
+    ``restartPolicy: Always``) or an ephemeral container shares the pod's volumes (and, with a shared
+    process namespace, the others' /proc/PID/root), so it could change the volumes while they are
+    captured, or race links into them. It would also not come back on restore.
+    """
+    status = pod.get("status", {})
+    running = [
+        f"{kind} {cs.get('name')!r}"
+        for kind, key in (("sidecar", "initContainerStatuses"), ("ephemeral container", "ephemeralContainerStatuses"))
+        for cs in status.get(key) or []
+        if "running" in (cs.get("state") or {})
+    ]
+    if running:
+        raise FailedPrecondition(
+            f"{where} has {', '.join(running)} running, which the snapshot would not freeze",
+            hint="snapshot pods whose running containers are all app containers (no native sidecars, "
+            "no ephemeral debug containers); recreate the pod without them",
+        )
+
+
+def check_restore_pod(pod: dict[str, Any]) -> None:
+    """Refuse a pod that carries the restore annotation but is not shaped as `kubectl snapshot restore`
+    makes it (core/podspec.restore_pod): its only init container is the project's gate, which alone
+    mounts the gate volume, a plain emptyDir. Anything else could run the tenant's code in the gate
+    volume before the agent writes there, or put the gate where the agent does not expect it.
+    """
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    where = f"pod {meta.get('namespace')}/{meta.get('name')}"
+    hint = "create restore pods with `kubectl snapshot restore`; the agent touches no other pod's volumes"
+    expected = gate_container("")
+    inits = spec.get("initContainers") or []
+    gate = inits[0] if len(inits) == 1 else {}
+    # the API server adds the service account token mount to every container: other mounts are fine
+    gate_mounts = [m for m in gate.get("volumeMounts") or [] if m.get("name") == K.GATE_VOLUME]
+    why = ""
+    if len(inits) != 1 or gate.get("name") != expected["name"]:
+        why = f"its only init container must be the project's gate ({K.GATE_CONTAINER})"
+    elif gate.get("command") != expected["command"] or gate.get("args"):
+        why = "the gate container does not run the project's gate command"
+    elif gate.get("restartPolicy"):
+        why = "the gate container is a sidecar"
+    elif [(m.get("mountPath"), m.get("subPath"), m.get("subPathExpr")) for m in gate_mounts] != [
+        (K.GATE_MOUNT, None, None)
+    ]:
+        why = f"the gate container does not mount {K.GATE_VOLUME} (whole) at {K.GATE_MOUNT}"
+    if why:
+        raise FailedPrecondition(
+            f"{where} is not a restore pod: {why} (init containers: {[c.get('name') for c in inits]})", hint=hint
+        )
+    gate_volumes = [v for v in spec.get("volumes") or [] if v.get("name") == K.GATE_VOLUME]
+    if len(gate_volumes) != 1 or set(gate_volumes[0]) != {"name", "emptyDir"}:
+        raise FailedPrecondition(f"{where} is not a restore pod: {K.GATE_VOLUME} is not an emptyDir", hint=hint)
+    others = [
+        c.get("name")
+        for key in ("containers", "ephemeralContainers")
+        for c in spec.get(key) or []
+        if any(m.get("name") == K.GATE_VOLUME for m in c.get("volumeMounts") or [])
+    ]
+    if others:
+        raise FailedPrecondition(
+            f"{where} is not a restore pod: {', '.join(map(str, others))} mount(s) the gate volume", hint=hint
+        )
+    if spec.get("ephemeralContainers"):
+        raise FailedPrecondition(f"{where} has ephemeral containers before its restore was staged", hint=hint)
+
+
+def restore_volume_names(pod: dict[str, Any], names: list[str]) -> None:
+    """Each volume the snapshot restores must be an emptyDir of this pod (never the gate)."""
+    volumes = {v.get("name"): v for v in (pod.get("spec") or {}).get("volumes") or []}
+    for name in names:
+        v = volumes.get(name)
+        if name == K.GATE_VOLUME or v is None or "emptyDir" not in v:
+            raise FailedPrecondition(
+                f"the snapshot restores volume {name!r}, which is not an emptyDir of this pod",
+                hint="create the pod with `kubectl snapshot restore`, which copies the recorded volumes",
+            )
+
+
+def empty_dir_rel(pod_uid: str, volume: str) -> str:
+    """The emptyDir's directory relative to the kubelet's root (opened below it without links)."""
+    check_key(pod_uid, "pod uid")
+    check_key(volume, "volume name")
+    return "/".join(("pods", pod_uid, "volumes", K.EMPTY_DIR_PLUGIN_DIR, volume))
+
+
+def host_view(path: str) -> str:
+    """`path` of the host as the agent reaches it with the mounts made after it started: through the
+    host's mount namespace (/proc/PID/root, hostPID). A memory-backed emptyDir is a tmpfs the kubelet
+    mounts when the pod starts; the agent's own hostPath mount of the kubelet's root does not see it
+    (no mount propagation, see kubectl_snapshot/deploy/agent.py). Outside a container: `path` itself."""
+    from shim.hostfacts import host_pid
+
+    pid = host_pid()
+    return f"/proc/{pid}/root{path}" if pid else path
 
 
 def empty_dir_path(kubelet_root: str, pod_uid: str, volume: str) -> str:

@@ -9,28 +9,52 @@ volume dirs. Only then does the kubelet create the app containers, which the wra
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
+from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.cli.errors import render
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError
+from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.controller.events import pod_event
-from shim.controller.podinfo import empty_dir_path
+from shim.controller.fairness import FairScheduler
+from shim.controller.podinfo import check_restore_pod, empty_dir_rel, host_view, restore_volume_names
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
-from shim.engine.restore import stage_artifact
-from shim.engine.staging import StatePaths
+from shim.engine.restore import RestoreLimits, VolumeTarget, stage_artifact
+from shim.engine.staging import StatePaths, check_key
+from shim.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 VOLUME_WAIT_S = 120.0
+GC_GRACE_S = 600.0  # staged data younger than this is never collected (a restore may be starting)
+DOWNLOAD_GC_S = 6 * 3600.0  # partial downloads older than this belong to no live restore
+WRAPPER_REFUSAL = "refusing to restore"  # how the runtime wrapper's image check starts its message
+POD_FILE = ".pod"  # in staged/by-pod/UID/: the pod's namespace and name (container names never start with ".")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _age(path: str, now: float) -> float:
+    try:
+        return now - os.lstat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def wants_restore(pod: dict[str, Any], node: str) -> bool:
@@ -44,27 +68,137 @@ def wants_restore(pod: dict[str, Any], node: str) -> bool:
     )
 
 
+def wrapper_refusal(pod: dict[str, Any], node: str) -> str:
+    """The runtime wrapper's refusal of a staged pod's CRIU images, as the kubelet reports it in the
+    container's status (CreateContainerError), once: the restore status then says Failed with it."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    if (meta.get("annotations") or {}).get(K.ANN_RESTORE_STATUS) != K.RESTORE_STAGED or spec.get("nodeName") != node:
+        return ""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        message = str(waiting.get("message") or "")
+        if waiting.get("reason") == "CreateContainerError" and WRAPPER_REFUSAL in message:
+            return f"container {cs.get('name')}: {message[message.index(WRAPPER_REFUSAL) :]}"
+    return ""
+
+
 class RestoreWorker:
-    def __init__(self, *, kube: Any, settings: NodeSettings, facts: HostFacts) -> None:
+    def __init__(
+        self,
+        *,
+        kube: Any,
+        settings: NodeSettings,
+        facts: HostFacts,
+        metrics: AgentMetrics | None = None,
+        scheduler: FairScheduler | None = None,
+        limits: RestoreLimits | None = None,
+    ) -> None:
         self.kube = kube
         self.settings = settings
         self.facts = facts
+        self.metrics = metrics or AgentMetrics()
         self.paths = StatePaths(settings.state_dir)
+        self.scheduler = scheduler  # None: run in the caller's thread (tests)
+        self.limits = limits or RestoreLimits()
         self._seen: set[str] = set()
+        self._active: set[str] = set()
+        self._lock = threading.Lock()
 
     def consider(self, pod: dict[str, Any]) -> None:
+        refused = wrapper_refusal(pod, self.settings.node)
+        if refused:
+            self._annotate(pod, K.RESTORE_FAILED_PREFIX + refused)
+            pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, refused, warning=True)
+            return
         if not wants_restore(pod, self.settings.node):
             return
         uid = pod["metadata"]["uid"]
         if uid in self._seen:
             return
         self._seen.add(uid)
-        self.run(pod)
+        if self.scheduler is None:
+            self._run_tracked(pod)
+        else:  # per namespace, in turn: one namespace's restores (or a slow registry) do not hold up others
+            self.scheduler.submit(pod["metadata"]["namespace"], lambda: self._run_tracked(pod))
 
-    def run(self, pod: dict[str, Any]) -> None:
+    def _run_tracked(self, pod: dict[str, Any]) -> None:
+        uid = pod["metadata"]["uid"]
+        with self._lock:
+            self._active.add(uid)
+        try:
+            started = time.monotonic()
+            with self.metrics.in_progress.labels("restore").track_inprogress():
+                ok = self.run(pod)
+            if ok:
+                self.metrics.restored(time.monotonic() - started)
+            else:
+                self.metrics.restore_failed()
+        finally:
+            with self._lock:
+                self._active.discard(uid)
+
+    def collect_garbage(self, *, now: float | None = None) -> list[str]:
+        """Remove staged data of pods that are gone (deleted before their containers were created, say)
+        and downloads a crashed agent left; returns what was removed.
+
+        Each pod's staged dir records the pod's namespace and name (POD_FILE); only dirs older than
+        GC_GRACE_S and not in use are looked at, one GET each, so a steady agent lists nothing."""
+        now = time.time() if now is None else now
+        removed: list[str] = []
+        by_pod = os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod")
+        with self._lock:
+            active = set(self._active)
+        for uid in _listdir(by_pod):
+            path = os.path.join(by_pod, uid)
+            if uid in active or _age(path, now) < GC_GRACE_S or self._pod_still_here(path, uid):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        downloads = self.paths.downloads()
+        for name in _listdir(downloads):
+            path = os.path.join(downloads, name)
+            if _age(path, now) >= DOWNLOAD_GC_S:
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                removed.append(path)
+        return removed
+
+    def _pod_still_here(self, path: str, uid: str) -> bool:
+        """True unless the API server says the pod that owns `path` is gone (errors: keep it)."""
+        try:
+            with open(os.path.join(path, POD_FILE)) as f:
+                owner = json.load(f)
+            ns, name = str(owner["namespace"]), str(owner["name"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False  # not made by this agent's staging (or unreadable): nothing refers to it
+        try:
+            pod = self.kube.get_pod(ns, name)
+        except NotFound:
+            return False
+        except SnapshotError:
+            return True
+        return bool((pod.get("metadata") or {}).get("uid") == uid)
+
+    def _record_owner(self, pod: dict[str, Any]) -> None:
+        meta = pod["metadata"]
+        d = os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod", check_key(meta["uid"], "pod uid"))
+        os.makedirs(d, mode=0o700, exist_ok=True)
+        with open(os.path.join(d, POD_FILE), "w") as f:
+            json.dump({"namespace": meta["namespace"], "name": meta["name"]}, f)
+
+    def run(self, pod: dict[str, Any]) -> bool:
+        """Stage the pod's restore and open its gate; False when it failed (the gate says why)."""
         meta = pod["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
-        gate = empty_dir_path(self.settings.kubelet_root, uid, K.GATE_VOLUME)
+        try:
+            check_restore_pod(pod)
+            gate = empty_dir_rel(uid, K.GATE_VOLUME)
+        except SnapshotError as e:  # not ours to touch: no write into any of its volumes
+            self._fail(pod, None, e)
+            return False
         staged: list[str] = []
         try:
             ref = Reference.parse(meta["annotations"][K.ANN_RESTORE_FROM])
@@ -85,60 +219,79 @@ class RestoreWorker:
                     f"the pod has no container named {', '.join(missing)} that the snapshot holds",
                     hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
                 )
-            targets = []
-            for vol in config.volumes:
-                target = empty_dir_path(self.settings.kubelet_root, uid, vol.name)
-                targets.append(target)
-            self._wait_for_dirs([gate, *targets])
+            restore_volume_names(pod, [v.name for v in config.volumes])
+            root = host_view(self.settings.kubelet_root)
+            targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
+            self._wait_for_dirs(root, [gate, *(t.rel for t in targets)])
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
-            stage_artifact(artifact, staged, registry=registry, paths=self.paths, volume_targets=targets)
+            self._record_owner(pod)  # for garbage collection once the pod is gone
+            stage_artifact(
+                artifact, staged, registry=registry, paths=self.paths, volume_targets=targets, limits=self.limits
+            )
         except SnapshotError as e:
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)
             self._fail(pod, gate, e)
-            return
+            return False
         except Exception as e:  # never leave the gate closed forever
             log.exception("restore of %s/%s failed", ns, name)
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)
             self._fail(pod, gate, SnapshotError(f"internal error: {e}"))
-            return
-        self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
+            return False
+        try:
+            self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
+        except (OSError, SnapshotError) as e:
+            for d in staged:
+                shutil.rmtree(d, ignore_errors=True)
+            err = e if isinstance(e, SnapshotError) else SnapshotError(f"could not open the gate: {e}")
+            self._fail(pod, None, err)
+            return False
         self._annotate(pod, K.RESTORE_STAGED)
         pod_event(
             self.kube, pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}"
         )
+        return True
 
-    def _wait_for_dirs(self, dirs: list[str]) -> None:
+    def _wait_for_dirs(self, root: str, rels: list[str]) -> None:
+        """Wait until the kubelet made each directory (below its root, reached without links)."""
         deadline = time.monotonic() + VOLUME_WAIT_S
-        while not all(os.path.isdir(d) for d in dirs):
+        while True:
+            missing = []
+            for rel in rels:
+                try:
+                    os.close(safefs.open_dir(root, rel))
+                except FileNotFoundError:
+                    missing.append(rel)
+            if not missing:
+                return
             if time.monotonic() > deadline:
-                missing = [d for d in dirs if not os.path.isdir(d)]
                 raise FailedPrecondition(
                     f"the kubelet did not set up the pod's volumes in {VOLUME_WAIT_S:.0f}s: {', '.join(missing)}",
                     hint="the pod needs the emptyDir volumes of the snapshot and the gate volume",
                 )
             time.sleep(0.2)
 
-    def _fail(self, pod: dict[str, Any], gate: str, err: SnapshotError) -> None:
+    def _fail(self, pod: dict[str, Any], gate: str | None, err: SnapshotError) -> None:
         message = render(err)
-        with contextlib.suppress(OSError):
-            if os.path.isdir(gate):
+        if gate is not None:
+            try:
                 self._open_gate(gate, K.GATE_FAILED_FILE, message + "\n")
+            except (OSError, SnapshotError) as e:
+                log.warning("could not write the gate's failure file: %s", e)
         self._annotate(pod, K.RESTORE_FAILED_PREFIX + err.message)
         pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, message, warning=True)
 
-    @staticmethod
-    def _open_gate(gate: str, name: str, content: str) -> None:
-        tmp = os.path.join(gate, f".{name}.tmp")
-        with open(tmp, "w") as f:
-            f.write(content)
-        os.chmod(tmp, 0o644)
-        os.rename(tmp, os.path.join(gate, name))
+    def _open_gate(self, gate: str, name: str, content: str) -> None:
+        """Write the gate file through a link-free fd of the gate volume (its containers can write there)."""
+        with safefs.opened_dir(host_view(self.settings.kubelet_root), gate) as fd:
+            safefs.write_file(fd, name, content.encode(), mode=0o644)
 
     def _annotate(self, pod: dict[str, Any], value: str) -> None:
         meta = pod["metadata"]
         try:
-            self.kube.patch_pod_annotations(meta["namespace"], meta["name"], {K.ANN_RESTORE_STATUS: value[:1000]})
+            self.kube.patch_pod_annotations(
+                meta["namespace"], meta["name"], {K.ANN_RESTORE_STATUS: value[:1000]}, status=True
+            )
         except SnapshotError:
             log.warning("could not annotate %s/%s", meta["namespace"], meta["name"])

@@ -7,24 +7,28 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
-from shim import freezer, hostfacts, nodecheck
+from shim import freezer, hostfacts, metrics_server, nodecheck
 from shim.containerd.client import ContainerdClient
+from shim.controller.fairness import FairScheduler
+from shim.controller.informer import Informer
 from shim.controller.node_install import DROPIN_NAME
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
+from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import recover_interrupted
 from shim.engine.staging import StatePaths
+from shim.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
-WATCH_TIMEOUT_S = 240
-RETRY_S = 2.0
+WATCH_TIMEOUT_S = 60  # each watch is re-opened from its last resourceVersion: cheap, so kept short
+RESTORE_WORKERS = 4
 
 
 def node_facts(settings: NodeSettings) -> HostFacts:
@@ -69,38 +73,55 @@ def _version() -> str:
     return __version__
 
 
-def _loop(
-    name: str,
-    list_fn: Callable[[], Iterable[dict[str, Any]]],
-    watch_fn: Callable[[], Iterator[tuple[str, dict[str, Any]]]],
-    handle: Callable[[dict[str, Any]], None],
-    ready: threading.Event,
-    stop: threading.Event,
-) -> None:
-    """List, then watch, forever; every object is handed to `handle` (which must be idempotent)."""
-    while not stop.is_set():
-        try:
-            for obj in list_fn():
-                _safe(handle, obj, name)
-            ready.set()
-            for kind, obj in watch_fn():
-                if stop.is_set():
-                    return
-                if kind in ("ADDED", "MODIFIED"):
-                    _safe(handle, obj, name)
-        except SnapshotError as e:
-            log.warning("%s watch: %s; retrying", name, e)
-            stop.wait(RETRY_S)
-        except Exception:
-            log.exception("%s watch failed; retrying", name)
-            stop.wait(RETRY_S)
-
-
-def _safe(handle: Callable[[dict[str, Any]], None], obj: dict[str, Any], name: str) -> None:
+def serve_metrics(kube: Any, metrics: AgentMetrics, address: str, node: str) -> None:
+    """HTTPS on HOST:PORT (":9443" = every address) for scrapers the API server authorises; the agent
+    works on without metrics if the port cannot be had (logged)."""
+    host, _, port = address.rpartition(":")
+    names = [n for n in (os.environ.get("POD_IP"), node, "localhost", "127.0.0.1") if n]
     try:
-        handle(obj)
-    except Exception:
-        log.exception("%s: handling %s failed", name, (obj.get("metadata") or {}).get("name"))
+        metrics_server.serve(
+            metrics.registry, metrics_server.Authorizer(kube), host=host or "0.0.0.0", port=int(port), names=names
+        )
+    except (OSError, ValueError) as e:
+        log.error("metrics: cannot serve on %r: %s; the agent runs without metrics", address, e)
+        return
+    log.info("metrics: https://%s%s for authorised scrapers", address, metrics_server.METRICS_PATH)
+
+
+def node_informers(
+    kube: Any, node: str, on_snapshot: Callable[[dict[str, Any]], None], on_pod: Callable[[dict[str, Any]], None]
+) -> list[Informer]:
+    """What this node's agent watches, and nothing more (its cost does not grow with the cluster):
+
+    - PodSnapshots claimed by this node (``status.node=NODE``: to report those a restart interrupted)
+      and those nobody claimed yet (``status.node=``, a CRD selectable field: absent reads as empty);
+      once another node's agent claims one, it leaves this agent's watch;
+    - pods scheduled to this node (restores are staged for them).
+    """
+
+    def snapshots(selector: str) -> Informer:
+        return Informer(
+            name=f"podsnapshots {selector}",
+            list_fn=lambda: kube.list_snapshots_versioned(None, field_selector=selector),
+            watch_fn=lambda rv: kube.watch_snapshots(
+                None, timeout_s=WATCH_TIMEOUT_S, field_selector=selector, resource_version=rv
+            ),
+            handle=on_snapshot,
+        )
+
+    pods = f"spec.nodeName={node}"
+    return [
+        snapshots(f"{K.SNAPSHOT_NODE_FIELD}={node}"),
+        snapshots(f"{K.SNAPSHOT_NODE_FIELD}="),
+        Informer(
+            name="restore pods",
+            list_fn=lambda: kube.list_pods_versioned(None, field_selector=pods),
+            watch_fn=lambda rv: kube.watch_pods(
+                field_selector=pods, namespace=None, timeout_s=WATCH_TIMEOUT_S, resource_version=rv
+            ),
+            handle=on_pod,
+        ),
+    ]
 
 
 def run(
@@ -109,8 +130,12 @@ def run(
     *,
     ready_file: str = K.READY_FILE,
     stop: threading.Event | None = None,
+    metrics_address: str = "",
 ) -> None:
     stop = stop or threading.Event()
+    metrics = AgentMetrics()
+    if metrics_address:
+        serve_metrics(kube, metrics, metrics_address, settings.node)
     facts = node_facts(settings)
     log.info("agent on node %s: %s", settings.node, facts)
     with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
@@ -118,41 +143,21 @@ def run(
     if thawed:
         log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)
-    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts)
-    restores = RestoreWorker(kube=kube, settings=settings, facts=facts)
-    field = f"spec.nodeName={settings.node}"
-    ready_snap, ready_restore = threading.Event(), threading.Event()
-    threads = [
-        threading.Thread(
-            target=_loop,
-            name="snapshots",
-            args=(
-                "podsnapshots",
-                lambda: kube.list_snapshots(None),
-                lambda: kube.watch_snapshots(None, timeout_s=WATCH_TIMEOUT_S),
-                snapshots.consider,
-                ready_snap,
-                stop,
-            ),
-            daemon=True,
-        ),
-        threading.Thread(
-            target=_loop,
-            name="restores",
-            args=(
-                "restore pods",
-                lambda: kube.list_pods(None, field_selector=field),
-                lambda: kube.watch_pods(field_selector=field, namespace=None, timeout_s=WATCH_TIMEOUT_S),
-                restores.consider,
-                ready_restore,
-                stop,
-            ),
-            daemon=True,
-        ),
-    ]
-    for t in threads:
-        t.start()
-    while not (ready_snap.is_set() and ready_restore.is_set()):
+    queue = WorkQueue("snapshots", on_length=metrics.queue.set)
+    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, metrics=metrics, queue=queue)
+    # Issue 10: restores run per namespace in turn, two per namespace and four in all, so one
+    # namespace cannot starve another and a slow registry holds up one restore, not the next.
+    restores = RestoreWorker(
+        kube=kube,
+        settings=settings,
+        facts=facts,
+        metrics=metrics,
+        scheduler=FairScheduler(workers=RESTORE_WORKERS, per_key=2, name="restore"),
+    )
+    informers = node_informers(kube, settings.node, snapshots.consider, restores.consider)
+    for inf in informers:
+        threading.Thread(target=inf.run, name=inf.name, args=(stop,), daemon=True).start()
+    while not all(inf.ready.is_set() for inf in informers):
         if stop.wait(0.2):
             return
     with open(ready_file, "w") as f:
@@ -160,3 +165,6 @@ def run(
     log.info("agent ready")
     while not stop.wait(60):
         publish_facts(kube, settings, facts)
+        for path in restores.collect_garbage():
+            log.info("removed staged data of a pod that is gone: %s", path)
+        snapshots.flush_results()

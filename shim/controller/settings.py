@@ -24,6 +24,7 @@ class NodeSettings:
     criu_path: str = ""  # "": the CRIU install-node puts in the node's own directory (never the host's)
     runc_path: str = ""  # "": the node's runc as containerd's shim finds it (/usr/sbin/runc, ...)
     criu_config: str = "/etc/criu/runc.conf"  # the runc-specific CRIU configuration (shim/criu_config.py)
+    guard_socket: str = ""  # the freeze guard's socket (shim/guard.py); "" = a private guard per snapshot
 
     @property
     def state_dir(self) -> str:

@@ -9,29 +9,36 @@ pod in namespace B.
 from __future__ import annotations
 
 import base64
+import contextlib
+import json
 import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
-from kubectl_snapshot.cli.errors import render
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core import status as S
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SnapshotError
+from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
-from shim import freezer
+from shim import freezer, guard
 from shim.containerd.client import ContainerdClient
 from shim.containerd.runc_checkpoint import RuncCheckpointer
-from shim.controller.events import pod_event
-from shim.controller.podinfo import empty_dirs, record_pod, running_containers
+from shim.controller.events import pod_event, snapshot_event
+from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_containers
 from shim.controller.settings import NodeSettings
+from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
-from shim.engine.staging import StatePaths
+from shim.engine.staging import StatePaths, check_key
+from shim.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 STATUS_INTERVAL_S = 1.0
+RESULT_RETRY_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def now() -> str:
@@ -41,7 +48,15 @@ def now() -> str:
 def registry_for(kube: Any, namespace: str, secret: str | None, *, insecure: bool) -> RegistryClient:
     store = CredentialStore()
     if secret:
-        obj = kube.get_secret(namespace, secret)
+        try:
+            obj = kube.get_secret(namespace, secret)
+        except PermissionDenied as e:
+            raise PermissionDenied(
+                f"the agent may not read secret {namespace}/{secret}: {e.message}",
+                hint=f"an admin of namespace {namespace} lets the agent read its registry Secrets with: kubectl "
+                f"create rolebinding {K.AGENT_SECRETS_ROLE} -n {namespace} --clusterrole={K.AGENT_SECRETS_ROLE} "
+                f"--serviceaccount={K.AGENT_NAMESPACE}:{K.AGENT_NAME}",
+            ) from e
         data = (obj.get("data") or {}).get(".dockerconfigjson")
         if not data:
             raise InvalidArgument(
@@ -54,12 +69,22 @@ def registry_for(kube: Any, namespace: str, secret: str | None, *, insecure: boo
 
 class SnapshotWorker:
     def __init__(
-        self, *, kube: Any, settings: NodeSettings, facts: HostFacts, clock: Callable[[], float] = time.monotonic
+        self,
+        *,
+        kube: Any,
+        settings: NodeSettings,
+        facts: HostFacts,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: AgentMetrics | None = None,
+        queue: WorkQueue | None = None,
     ) -> None:
         self.kube = kube
         self.settings = settings
         self.facts = facts
         self.clock = clock
+        self.metrics = metrics or AgentMetrics()
+        # Claimed snapshots run one at a time, in claim order; the watch goes on meanwhile.
+        self.queue = queue or WorkQueue.inline()
         self._handled: set[str | None] = set()  # uids this agent process claimed (stale events follow)
 
     # --- claiming ---------------------------------------------------------------------------------
@@ -75,12 +100,22 @@ class SnapshotWorker:
                 and meta.get("uid") not in self._handled
             ):
                 self._handled.add(meta.get("uid"))
+                if self._write_recorded_result(obj):
+                    return  # it had finished; only its status write had failed (issue 10)
+                stopping = bool(spec.get("stop"))
                 self._finish_failed(
                     obj,
                     None,
                     SnapshotError(
-                        "the agent restarted while this snapshot ran; the pod was thawed and keeps running",
-                        hint="create a new PodSnapshot",
+                        "the agent restarted while this snapshot ran; "
+                        + (
+                            "with stop, the pod may have been stopped after its snapshot was pushed"
+                            if stopping
+                            else "the pod was thawed and keeps running"
+                        ),
+                        hint="check the pod and the registry (kubectl snapshot list) before creating a new PodSnapshot"
+                        if stopping
+                        else "create a new PodSnapshot",
                     ),
                 )
             return
@@ -102,20 +137,27 @@ class SnapshotWorker:
             return
         if not self._claim(obj):
             return
-        self.run(obj, pod)
+        # in turn per namespace (issue 10): one namespace's snapshots do not starve another's
+        self.queue.submit(lambda: self._run_tracked(obj, pod), key=ns)
 
-    def _claim(self, obj: dict[str, Any], phase: str = K.PHASE_RUNNING) -> bool:
+    def _run_tracked(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
+        with self.metrics.in_progress.labels("snapshot").track_inprogress():
+            self.run(obj, pod)
+
+    def _claim(self, obj: dict[str, Any]) -> bool:
         meta = obj["metadata"]
+        # Before the patch: the claim's own watch event (another thread) must not look like a restart.
+        self._handled.add(meta.get("uid"))
         try:
             self.kube.patch_snapshot_status(
                 meta["namespace"],
                 meta["name"],
-                {"phase": phase, "node": self.settings.node, "startTime": now(), "stage": "claimed"},
+                S.claimed(node=self.settings.node, now=now(), generation=meta.get("generation")),
                 resource_version=meta.get("resourceVersion"),
             )
         except FailedPrecondition:  # another agent won the race
+            self._handled.discard(meta.get("uid"))
             return False
-        self._handled.add(meta.get("uid"))  # later events still show our Running claim: not a restart
         return True
 
     def _claim_and_fail(self, obj: dict[str, Any], message: str, hint: str) -> None:
@@ -128,11 +170,15 @@ class SnapshotWorker:
     def run(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
         meta, spec = obj["metadata"], obj.get("spec") or {}
         ns, name = meta["namespace"], meta["name"]
-        pod_event(self.kube, pod, K.EVENT_SNAPSHOT_STARTED, f"snapshot {name} started on {self.settings.node}")
+        started = f"snapshot {name} started on {self.settings.node}"
+        snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_STARTED, started)
+        pod_event(self.kube, pod, K.EVENT_SNAPSHOT_STARTED, started)
         reporter = _StatusReporter(self.kube, ns, name, self.clock)
         try:
             containers = running_containers(pod)
-            volumes = empty_dirs(pod, self.settings.kubelet_root) if spec.get("includeVolumes", True) else {}
+            # through the host's mount namespace: memory-backed emptyDirs are mounts made after the agent started
+            root = host_view(self.settings.kubelet_root)
+            volumes = empty_dirs(pod, root) if spec.get("includeVolumes", True) else {}
             registry = registry_for(self.kube, ns, spec.get("registrySecret"), insecure=bool(spec.get("insecure")))
             req = CheckpointRequest(
                 containers=containers.ids,
@@ -144,12 +190,17 @@ class SnapshotWorker:
                 group=pod["metadata"]["name"],
                 namespace=ns,
                 pod=record_pod(pod, self.settings.node),
+                probe_budgets=probe_budgets(pod),
+                ignore_liveness=bool(spec.get("ignoreLiveness")),
             )
-            with ContainerdClient(
-                self.settings.containerd_socket,
-                K.CONTAINERD_K8S_NAMESPACE,
-                checkpointer=RuncCheckpointer(self.settings.criu, self.settings.runc_path),  # the installed CRIU
-            ) as containerd:
+            report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
+            checkpointer = RuncCheckpointer(self.settings.criu, self.settings.runc_path)  # the installed CRIU
+            with (
+                self._guard(report) as held,
+                ContainerdClient(
+                    self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE, checkpointer=checkpointer
+                ) as containerd,
+            ):
                 result = checkpoint(
                     req,
                     containerd=containerd,
@@ -159,7 +210,9 @@ class SnapshotWorker:
                     on_bytes=reporter.bytes,
                     before_stop=lambda: self._delete_pod(pod),
                     host=self.facts,
-                    freezer_for=freezer.lookup,
+                    freezer_for=held.freezer_for,
+                    memory_of=freezer.task_memory,
+                    on_plan=reporter.plan,
                 )
         except SnapshotError as e:
             self._finish_failed(obj, pod, e)
@@ -170,6 +223,16 @@ class SnapshotWorker:
             return
         self._finish_ok(obj, pod, result)
 
+    @contextlib.contextmanager
+    def _guard(self, report: dict[str, str]) -> Iterator[guard.GuardClient]:
+        """The freeze guard container beside the agent (DaemonSet), else a private one for this snapshot
+        (it survives the agent's process, not a restart of the agent's container)."""
+        if self.settings.guard_socket:
+            yield guard.GuardClient(self.settings.guard_socket, report)
+        else:
+            with guard.private_guard(report) as client:
+                yield client
+
     def _delete_pod(self, pod: dict[str, Any]) -> None:
         """With stop: the pod object goes first, so that the kubelet does not restart what we kill."""
         meta = pod["metadata"]
@@ -177,46 +240,125 @@ class SnapshotWorker:
 
     def _finish_ok(self, obj: dict[str, Any], pod: dict[str, Any], r: CheckpointResult) -> None:
         meta = obj["metadata"]
-        t = r.timings_ms
-        status = {
-            "phase": K.PHASE_SUCCEEDED,
-            "node": self.settings.node,
-            "stage": "done",
-            "bytesDone": r.size,
-            "bytesTotal": r.size,
-            "timings": {
-                "freezeMs": round(t.get("freeze_ms", 0), 1),
-                "dumpMs": round(t.get("dump_ms", 0), 1),
-                "packageMs": round(t.get("package_ms", 0), 1),
-                "uploadMs": round(t.get("upload_ms", 0), 1),
-                "totalMs": round(t.get("total_ms", 0), 1),
-            },
-            "frozenBy": r.frozen_by,
-            "reference": str(r.reference),
-            "tag": str(r.tagged),
-            "size": r.size,
-            "message": f"pushed {r.reference}",
-            "completionTime": now(),
-            "conditions": [_condition("Succeeded", "True", "Pushed", f"pushed {r.reference}")],
-        }
-        self.kube.patch_snapshot_status(meta["namespace"], meta["name"], status)
-        pod_event(self.kube, pod, K.EVENT_SNAPSHOT_SUCCEEDED, f"snapshot {meta['name']} pushed as {r.reference}")
+        outcome = S.Outcome(
+            reference=str(r.reference),
+            tag=str(r.tagged),
+            size=r.size,
+            frozen_by=r.frozen_by,
+            timings_ms=r.timings_ms,
+        )
+        status = S.succeeded(outcome, node=self.settings.node, now=now(), generation=meta.get("generation"))
+        if r.plan is not None:
+            status.update(_plan_status(r.plan))
+        # Issue 10: the pod may already be stopped; a failed status write must never leave the object
+        # Running (an agent restart would then report "thawed, keeps running"). The result is kept on
+        # the node first, the write retried, and a later pass (or the next agent) writes it.
+        self._record_result(meta.get("uid"), status)
+        if self._patch_with_retries(meta["namespace"], meta["name"], status):
+            self._forget_result(meta.get("uid"))
+        pod_meta = pod["metadata"]
+        self.metrics.saved(
+            pod_meta["namespace"], pod_meta["name"], timings_ms=r.timings_ms, size=r.size, uploaded=r.uploaded
+        )
+        message = f"snapshot {meta['name']} pushed as {r.reference} ({S.human_bytes(r.size)})"
+        snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_SUCCEEDED, message)
+        pod_event(self.kube, pod, K.EVENT_SNAPSHOT_SUCCEEDED, message)
+
+    # --- results that must reach the API server -------------------------------------------------
+
+    def _results_dir(self) -> str:
+        return os.path.join(self.settings.state_dir, "results")
+
+    def _result_path(self, uid: Any) -> str | None:
+        try:
+            return os.path.join(self._results_dir(), check_key(str(uid), "snapshot uid") + ".json")
+        except SnapshotError:
+            return None
+
+    def _record_result(self, uid: Any, status: dict[str, Any]) -> None:
+        path = self._result_path(uid)
+        if path is None:
+            return
+        try:
+            os.makedirs(self._results_dir(), mode=0o700, exist_ok=True)
+            with open(path + ".tmp", "w") as f:
+                json.dump(status, f)
+            os.replace(path + ".tmp", path)
+        except OSError as e:
+            log.warning("could not keep the result of snapshot %s on the node: %s", uid, e)
+
+    def _forget_result(self, uid: Any) -> None:
+        path = self._result_path(uid)
+        if path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    def _patch_with_retries(self, ns: str, name: str, status: dict[str, Any]) -> bool:
+        for delay in (*RESULT_RETRY_S, None):
+            try:
+                self.kube.patch_snapshot_status(ns, name, status)
+                return True
+            except NotFound:
+                return True  # the object is gone: nobody is left to tell
+            except SnapshotError as e:
+                if delay is None:
+                    log.error("could not record the result of %s/%s (kept on the node, retried later): %s", ns, name, e)
+                    return False
+                time.sleep(delay)
+        return False
+
+    def _write_recorded_result(self, obj: dict[str, Any]) -> bool:
+        """Write a result kept on the node for `obj`; True if there was one."""
+        meta = obj["metadata"]
+        path = self._result_path(meta.get("uid"))
+        if path is None or not os.path.exists(path):
+            return False
+        try:
+            with open(path) as f:
+                status = json.load(f)
+        except (OSError, ValueError):
+            return False
+        if self._patch_with_retries(meta["namespace"], meta["name"], status):
+            self._forget_result(meta.get("uid"))
+        return True
+
+    def flush_results(self) -> None:
+        """Retry the results whose status write failed (called periodically by the agent's main loop)."""
+        try:
+            names = os.listdir(self._results_dir())
+        except OSError:
+            return
+        for name in names:
+            if not name.endswith(".json"):
+                continue
+            uid = name[: -len(".json")]
+            for obj in self._snapshots_with_uid(uid):
+                self._write_recorded_result(obj)
+
+    def _snapshots_with_uid(self, uid: str) -> list[dict[str, Any]]:
+        try:
+            return [o for o in self.kube.list_snapshots(None) if o["metadata"].get("uid") == uid]
+        except SnapshotError:
+            return []
 
     def _finish_failed(self, obj: dict[str, Any], pod: dict[str, Any] | None, err: SnapshotError) -> None:
         meta = obj["metadata"]
-        message = render(err)
-        status = {
-            "phase": K.PHASE_FAILED,
-            "node": self.settings.node,
-            "stage": "failed",
-            "message": message,
-            "completionTime": now(),
-            "conditions": [_condition("Succeeded", "False", type(err).__name__, err.message)],
-        }
+        status = S.failed(
+            node=self.settings.node,
+            now=now(),
+            generation=meta.get("generation"),
+            reason=type(err).__name__,
+            message=err.message,
+            hint=err.hint,
+            details=err.details,
+        )
         try:
             self.kube.patch_snapshot_status(meta["namespace"], meta["name"], status)
         except SnapshotError:
             log.exception("could not record the failure of %s/%s", meta["namespace"], meta["name"])
+        self.metrics.save_failed()
+        message = f"snapshot {meta['name']} failed: {err.message}"
+        snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_FAILED, message, warning=True)
         if pod is not None:
             pod_event(self.kube, pod, K.EVENT_SNAPSHOT_FAILED, message, warning=True)
 
@@ -230,6 +372,12 @@ class _StatusReporter:
         self.total = 0
         self.current = ""
         self._last = 0.0
+
+    def plan(self, plan: FreezePlan) -> None:
+        try:
+            self.kube.patch_snapshot_status(self.ns, self.name, _plan_status(plan))
+        except SnapshotError:
+            log.warning("could not record the freeze plan of %s/%s", self.ns, self.name)
 
     def stage(self, stage: str) -> None:
         self.current = stage
@@ -247,11 +395,14 @@ class _StatusReporter:
         self._last = t
         try:
             self.kube.patch_snapshot_status(
-                self.ns, self.name, {"stage": self.current, "bytesDone": self.done, "bytesTotal": self.total}
+                self.ns, self.name, S.progress(stage=self.current, done=self.done, total=self.total)
             )
         except SnapshotError:
             log.warning("could not update the progress of %s/%s", self.ns, self.name)
 
 
-def _condition(type_: str, status: str, reason: str, message: str) -> dict[str, str]:
-    return {"type": type_, "status": status, "reason": reason, "message": message[:1000], "lastTransitionTime": now()}
+def _plan_status(plan: FreezePlan) -> dict[str, Any]:
+    return {
+        "expectedFreezeSeconds": round(plan.expected_s, 1),
+        "freezeDeadlineSeconds": round(plan.deadline_s, 1),
+    }

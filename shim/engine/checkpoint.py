@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import tarfile
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -24,10 +23,13 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from kubectl_snapshot.adapters import safefs
+from kubectl_snapshot.adapters.archive import tar_directories
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError, Unavailable
 from kubectl_snapshot.core.model import (
     ContainerRecord,
     DumpStats,
@@ -39,7 +41,7 @@ from kubectl_snapshot.core.model import (
     layer_annotations,
     manifest_annotations,
 )
-from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
+from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest, sha256_digest
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
 from shim.engine.package import (
@@ -72,6 +74,8 @@ class CheckpointRequest:
     tcp_established: bool = True
     file_locks: bool = True
     keep_work: bool = False
+    probe_budgets: Sequence[freeze_plan.ProbeBudget] = ()  # the pod's liveness budgets (core/freeze.py)
+    ignore_liveness: bool = False  # snapshot even if the freeze may outlast a liveness probe's budget
 
 
 @dataclass
@@ -83,6 +87,7 @@ class CheckpointResult:
     size: int = 0  # compressed bytes of all blobs
     uploaded: int = 0  # bytes actually sent (blobs the registry lacked)
     frozen_by: str = ""  # "cgroup freezer", "containerd" or both: how the containers were paused
+    plan: freeze_plan.FreezePlan | None = None  # expected freeze and deadline
 
 
 def _now_rfc3339() -> str:
@@ -117,6 +122,8 @@ def checkpoint(
     host: HostFacts | None = None,
     before_stop: Callable[[], None] | None = None,
     freezer_for: FreezerFor | None = None,
+    memory_of: Callable[[int], int] | None = None,
+    on_plan: Callable[[freeze_plan.FreezePlan], None] | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -124,6 +131,9 @@ def checkpoint(
     e.g. to delete the pod object so that the kubelet does not restart them. `freezer_for` gives a
     task's cgroup freezer to write directly (shim.freezer; ~0.4 ms instead of a containerd Pause/Resume
     round trip of ~11 ms each way); without it, or where it gives None, containerd pauses.
+    `memory_of` gives a task's memory (shim.freezer.task_memory): the freeze's expected length and
+    deadline follow from it (core/freeze.py), checked against the pod's liveness budgets before
+    anything is frozen; a freezer from shim.guard enforces the deadline.
     """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
@@ -132,6 +142,7 @@ def checkpoint(
     # Preflight before touching the workload: the containers run, the registry answers.
     infos, upperdirs = [], []
     direct: dict[str, Freezer] = {}
+    memory = 0
     for cid in req.containers:
         info = containerd.get_container(cid)
         task = containerd.get_task(cid)
@@ -144,6 +155,8 @@ def checkpoint(
         fz = freezer_for(task.pid) if freezer_for is not None else None
         if fz is not None:
             direct[cid] = fz
+        if memory_of is not None:
+            memory += memory_of(task.pid)
         infos.append(info)
         upperdirs.append(_upperdir(containerd, info))
     registry.ping(req.target)
@@ -153,6 +166,11 @@ def checkpoint(
         host = hostfacts.gather(containerd_version=version)
     if not host.criu_version:
         raise FailedPrecondition("CRIU is not installed on this node", hint="run hack/install-node-deps.sh")
+    plan = freeze_plan.plan(
+        memory, stop=req.stop, budgets=req.probe_budgets, ignore_liveness=req.ignore_liveness
+    )  # raises when a liveness probe would restart a container before the freeze ends
+    if on_plan is not None:
+        on_plan(plan)
 
     snapshot_id = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
     work = paths.work_dir(snapshot_id)
@@ -168,9 +186,10 @@ def checkpoint(
         t_freeze = clock()
         try:
             for cid in req.containers:
-                _freeze(containerd, direct, cid)
+                _freeze(containerd, direct, cid, plan.deadline_s)
                 frozen.append(cid)
             phase("dump")
+            _test_hold([direct[c] for c in frozen if c in direct])
             _dump_all(containerd, req, names, upperdirs, work)
             volume_tar = _capture_volumes(req, work) if req.volumes else None
             timings["dump_ms"] = (clock() - t_freeze) * 1000
@@ -240,6 +259,20 @@ def checkpoint(
 
     if req.stop:
         phase("stop")
+        thawed_early = [cid for cid in frozen if cid in direct and not _still_frozen(direct[cid])]
+        if thawed_early:  # the freeze guard's deadline passed during the upload: the pod ran on since
+            _resume_all(containerd, frozen, direct)
+            raise FailedPrecondition(
+                f"the pod was thawed before it could be stopped (container {thawed_early[0]!r} passed the freeze's "
+                f"deadline during the upload): it keeps running, and {result.reference} is older than its state",
+                hint="snapshot it again; a large pod on a slow registry link may need a faster destination",
+            )
+        # the registry really has the snapshot, while the pod can still go on
+        try:
+            verify_pushed(registry, result.reference)
+        except BaseException:
+            _resume_all(containerd, frozen, direct)
+            raise
         if before_stop is not None:
             try:
                 before_stop()
@@ -258,7 +291,54 @@ def checkpoint(
     timings["total_ms"] = (clock() - t0) * 1000
     result.timings_ms = timings
     result.frozen_by = " + ".join(frozen_by)
+    result.plan = plan
     return result
+
+
+def verify_pushed(registry: Registry, reference: Reference) -> None:
+    """Before --stop deletes anything: the manifest resolves by its digest and the registry has every
+    blob it names (config, layers, chunks). A registry or proxy that acknowledged an upload it did not
+    keep is caught here, while the pod still runs."""
+    body, _media_type, digest = registry.get_manifest(reference)
+    if digest != reference.digest:
+        raise Unavailable(
+            f"the registry returned manifest {digest} for {reference}",
+            hint="the registry does not serve what was pushed; the pod was not stopped",
+        )
+    manifest = parse_manifest(body)
+    missing = [d.digest for d in (manifest.config, *manifest.layers) if not registry.blob_exists(reference, d.digest)]
+    if missing:
+        raise Unavailable(
+            f"the registry lacks {len(missing)} of the {1 + len(manifest.layers)} blobs of {reference} "
+            f"right after the push (first: {missing[0]}); the pod was not stopped and keeps running",
+            hint="check the registry's storage (or a proxy in front of it), then snapshot again",
+            retryable=True,
+        )
+
+
+def _still_frozen(fz: Freezer) -> bool:
+    try:
+        return fz.frozen()
+    except OSError:
+        return False
+
+
+ENV_TEST_FROZEN_HOLD_S = "KUBECTL_SNAPSHOT_TEST_FROZEN_HOLD_S"
+
+
+def _test_hold(freezers: Sequence[Freezer]) -> None:
+    """Tests only (tests/e2e/test_freeze_guard.py sets it on the agent DaemonSet while it runs): stay
+    frozen up to this many seconds before dumping, so that a test can kill or stop the agent while a pod
+    is frozen; ends early once something else (the freeze guard, at the deadline) thawed the pod."""
+    value = os.environ.get(ENV_TEST_FROZEN_HOLD_S, "")
+    if not value:
+        return
+    end = time.monotonic() + min(float(value), 600.0)
+    while time.monotonic() < end:
+        with contextlib.suppress(OSError):
+            if freezers and not all(fz.frozen() for fz in freezers):
+                return
+        time.sleep(0.1)
 
 
 FROZEN_FILE = "frozen-containers.json"
@@ -366,10 +446,19 @@ def _volume_names(req: CheckpointRequest) -> list[str]:
 
 
 def _capture_volumes(req: CheckpointRequest, work: str) -> str:
+    """One tar of the volumes, every entry read through O_NOFOLLOW directory fds (adapters/safefs):
+    a link the workload planted in its volume is recorded as a link, never followed to a host file."""
     path = os.path.join(work, "volumes.tar")
-    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
-        for name, src in zip(_volume_names(req), req.volumes, strict=True):
-            tar.add(src, arcname=name, recursive=True)
+    fds: list[int] = []
+    try:
+        for src in req.volumes:
+            parent, leaf = os.path.split(os.path.normpath(src))
+            fds.append(safefs.open_dir(parent or "/", leaf))
+        with open(path, "wb") as out:
+            tar_directories(list(zip(_volume_names(req), fds, strict=True)), out)
+    finally:
+        for fd in fds:
+            os.close(fd)
     return path
 
 
@@ -409,12 +498,14 @@ def _write_metadata(cdir: str, cid: str, name: str, info: Any, req: CheckpointRe
         json.dump({"tcpEstablished": req.tcp_established, "fileLocks": req.file_locks}, f)
 
 
-def _freeze(containerd: Containerd, direct: dict[str, Freezer], cid: str) -> None:
-    """Freeze through the cgroup freezer where placed, else (or if that fails) through containerd."""
+def _freeze(containerd: Containerd, direct: dict[str, Freezer], cid: str, deadline_s: float) -> None:
+    """Freeze through the cgroup freezer where placed, else (or if that fails) through containerd.
+
+    A guarded freezer that the guard refuses raises a SnapshotError: no unguarded fallback then."""
     fz = direct.get(cid)
     if fz is not None:
         try:
-            fz.freeze()
+            fz.freeze(deadline_s=deadline_s)
             return
         except OSError:  # TimeoutError included: freeze() thawed it again; containerd takes over
             del direct[cid]

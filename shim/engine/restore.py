@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.adapters.archive import open_zstd_reader, safe_extract
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import (
@@ -33,6 +34,7 @@ from kubectl_snapshot.core.errors import (
 from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.safepath import ExtractLimits
 from shim import hostfacts
 from shim.engine.artifact import Artifact, load_artifact
 from shim.engine.package import progress_counter
@@ -63,29 +65,100 @@ class RestoreResult:
     timings_ms: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class RestoreLimits:
+    """What one restore may take on a node (issue 10, item 5), checked before the first download."""
+
+    max_bytes: int = 64 << 30  # downloaded + written by one restore, as the artifact declares them
+    reserve_bytes: int = 1 << 30  # free space the staging filesystem keeps after the restore
+
+
+@dataclass(frozen=True)
+class SpacePlan:
+    download_bytes: int  # compressed layers and chunks, as declared (each chunk use counts)
+    written_bytes: int  # what lands on the staging filesystem: downloads, page files, memory in layers
+
+
+def plan_space(artifact: Artifact) -> SpacePlan:
+    """The bytes a restore of `artifact` declares it needs; refuses page files beyond the recorded memory.
+
+    A page file rebuilt from chunks is exactly as long as its chunks (core/chunks.check_tiling), so a
+    small chunk reused many times makes a large file: the sum must stay within the memory the snapshot
+    recorded for the container, which is also what the restore is sized by.
+    """
+    config = artifact.config
+    layers = {d.digest: d for d in artifact.manifest.layers}
+    wanted = _wanted_layers(artifact)
+    download = sum(d.size for d in wanted)
+    written = download  # layers are downloaded to files; chunks are verified in memory, then written
+    for rec in config.containers:
+        pages = sum(p.size for p in rec.pages)
+        if pages > rec.stats.memory_bytes:
+            raise FailedPrecondition(
+                f"container {rec.name!r}: its chunks rebuild {pages} bytes of pages, more than the "
+                f"{rec.stats.memory_bytes} bytes of memory the snapshot recorded (chunks reused beyond it)",
+                hint="the snapshot is corrupted or was crafted; do not restore it",
+            )
+        download += sum(c.size for p in rec.pages for c in p.chunks)
+        # pages stored as chunks are written once; otherwise the memory is inside the (compressed) layer
+        written += pages if rec.pages else max(rec.stats.memory_bytes, layers[rec.layer_digest].size)
+    return SpacePlan(download, written)
+
+
+def check_space(plan: SpacePlan, directory: str, limits: RestoreLimits) -> int:
+    """Refuse a restore over the limits or the free space of `directory`'s filesystem; returns what
+    the extraction may still write (the cap given to safe_extract for what sizes cannot declare)."""
+    if plan.written_bytes > limits.max_bytes:
+        raise FailedPrecondition(
+            f"the snapshot declares {plan.written_bytes} bytes to download and write, over this node's "
+            f"limit of {limits.max_bytes} bytes for one restore",
+            hint="restore it on a node configured for larger restores, or take a smaller snapshot",
+        )
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if plan.written_bytes + limits.reserve_bytes > free:
+        raise FailedPrecondition(
+            f"not enough space to stage the snapshot: it needs {plan.written_bytes} bytes (plus "
+            f"{limits.reserve_bytes} kept free) and {directory} has {free} bytes free",
+            hint="free space on the node's staging filesystem or restore on another node (--node)",
+            retryable=True,
+        )
+    return max(0, min(ExtractLimits().max_total_bytes, free - limits.reserve_bytes))
+
+
+def _wanted_layers(artifact: Artifact) -> list[Descriptor]:
+    config = artifact.config
+    layers = {d.digest: d for d in artifact.manifest.layers}
+    wanted: list[Descriptor] = [layers[c.layer_digest] for c in config.containers]
+    if config.volumes_layer:
+        wanted.append(layers[config.volumes_layer])
+    return wanted
+
+
 def stage_artifact(
     artifact: Artifact,
     staged_dirs: Sequence[str],
     *,
     registry: Registry,
     paths: StatePaths,
-    volume_targets: Sequence[str] = (),
+    volume_targets: Sequence[str | VolumeTarget] = (),
     on_bytes: BytesFn | None = None,
+    limits: RestoreLimits | None = None,
 ) -> None:
     """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets.
 
     Format v2 page files are then rebuilt from their chunks by parallel workers, each chunk verified
-    against its digest before it is written (shim/engine/stream.py).
+    against its digest before it is written (shim/engine/stream.py). Nothing is downloaded before the
+    declared sizes passed `limits` and the staging filesystem's free space (plan_space, check_space).
     """
     config = artifact.config
-    layers = {d.digest: d for d in artifact.manifest.layers}
-    wanted: list[Descriptor] = [layers[c.layer_digest] for c in config.containers]
-    if config.volumes_layer:
-        wanted.append(layers[config.volumes_layer])
-    total = sum(d.size for d in wanted) + sum(c.size for rec in config.containers for p in rec.pages for c in p.chunks)
-    count = progress_counter(on_bytes, total)
+    wanted = _wanted_layers(artifact)
     downloads = paths.downloads()
     os.makedirs(downloads, mode=0o700, exist_ok=True)
+    plan = plan_space(artifact)
+    extract_cap = check_space(plan, downloads, limits or RestoreLimits())
+    extract_limits = ExtractLimits(max_total_bytes=extract_cap, max_member_bytes=extract_cap)
+    count = progress_counter(on_bytes, plan.download_bytes)
     blobs: dict[str, str] = {}
     try:
         # 1. every blob downloaded and verified ...
@@ -105,17 +178,12 @@ def stage_artifact(
                 )
         # 2. ... before anything is extracted
         for record, target in zip(config.containers, staged_dirs, strict=True):
-            _extract_fresh(blobs[record.layer_digest], target)
+            _extract_fresh(blobs[record.layer_digest], target, extract_limits)
             if record.pages:
                 _fetch_pages(registry, artifact.reference, record, target, count)
         if config.volumes_layer:
-            tmp = os.path.join(downloads, f"volumes.{os.getpid()}")
-            _extract_fresh(blobs[config.volumes_layer], tmp)
-            try:
-                for vol, target in zip(config.volumes, volume_targets, strict=True):
-                    _move_contents(os.path.join(tmp, vol.name), target)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
+            for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
+                _extract_volume(blobs[config.volumes_layer], vol.name, vtarget)
     except BaseException:
         for target in staged_dirs:
             shutil.rmtree(target, ignore_errors=True)
@@ -148,27 +216,36 @@ def _fetch_pages(
         raise
 
 
-def _extract_fresh(blob_path: str, target: str) -> None:
+def _extract_fresh(blob_path: str, target: str, limits: ExtractLimits | None = None) -> None:
     shutil.rmtree(target, ignore_errors=True)
     os.makedirs(target, mode=0o700)
     with open(blob_path, "rb") as f, open_zstd_reader(f) as reader:
-        safe_extract(reader, target)
+        safe_extract(reader, target, limits=limits or ExtractLimits())
 
 
-def _move_contents(src: str, dest: str) -> None:
-    os.makedirs(dest, exist_ok=True)
-    if not os.path.isdir(src):
-        return
-    for entry in os.listdir(src):
-        target = os.path.join(dest, entry)
-        if os.path.lexists(target):
-            if os.path.isdir(target) and not os.path.islink(target):
-                shutil.rmtree(target)
-            else:
-                os.unlink(target)
-        # A rename when both sides are on one mount; a copy (links kept as links) across mounts, e.g.
-        # between two hostPath volumes of the agent's pod.
-        shutil.move(os.path.join(src, entry), target, copy_function=shutil.copy2)
+@dataclass(frozen=True)
+class VolumeTarget:
+    """A pod volume directory: `root` is a trusted host dir (the kubelet's root, followed as set up);
+    `rel` below it is opened without following any link (adapters/safefs.py), since the pod's
+    containers can write there."""
+
+    root: str
+    rel: str
+
+
+def _extract_volume(blob_path: str, name: str, target: str | VolumeTarget) -> None:
+    """Extract volume `name` of the volumes layer straight into the target directory's fd.
+
+    Every write below it goes through O_NOFOLLOW directory fds (safe_extract), so links the pod's
+    containers may plant in their volume (a racing ephemeral container, say) are replaced, never
+    followed; entries already there are replaced by the snapshot's.
+    """
+    if isinstance(target, str):
+        os.makedirs(target, exist_ok=True)
+        parent, leaf = os.path.split(os.path.normpath(target))
+        target = VolumeTarget(parent or "/", leaf)
+    with safefs.opened_dir(target.root, target.rel) as fd, open(blob_path, "rb") as f, open_zstd_reader(f) as reader:
+        safe_extract(reader, fd, only=name, overwrite=True)
 
 
 def restore(

@@ -146,12 +146,18 @@ def installed(cluster: Cluster) -> Iterator[list[dict[str, Any]]]:
             }
             for n in cluster.nodes
         },
+        host_network=True,  # the cluster's registry listens on loopback only
     )
     cluster.apply([o for o in objs if o["kind"] not in ("DaemonSet", "ConfigMap")])
     cluster.kubectl(
         "wait", "--for=condition=Established", f"crd/{K.PLURAL}.{K.GROUP}", "--timeout=60s"
     )  # fmt: skip
-    yield objs
+    try:
+        yield objs
+    finally:  # admission policies are cluster-wide: leave none behind for the next session
+        for o in objs:
+            if o["kind"].startswith("ValidatingAdmissionPolicy"):
+                cluster.kubectl("delete", o["kind"].lower(), o["metadata"]["name"], "--ignore-not-found", check=False)
 
 
 def test_daemonset_passes_server_side_validation(cluster: Cluster, installed: list[dict[str, Any]]) -> None:
@@ -212,19 +218,22 @@ def test_agent_rbac_on_the_real_authorizer(cluster: Cluster, installed: list[dic
     allowed = [
         ("watch", K.PLURAL),
         ("patch", f"{K.PLURAL}/status"),
-        ("patch", "pods"),
-        ("delete", "pods"),  # spec.stop: the pod goes once its snapshot is pushed
+        ("patch", "pods/status"),  # the restore-status annotation (admission: own node, that annotation)
+        ("delete", "pods"),  # spec.stop: the pod goes once its snapshot is pushed (admission: own node)
         ("create", "events"),
-        ("get", "secrets"),
-        ("patch", "nodes"),
+        ("patch", "nodes"),  # admission: its own node, the host-facts annotation
     ]
     denied = [
         ("create", K.PLURAL),
         ("update", K.PLURAL),
+        ("get", "secrets"),  # only through a namespace's RoleBinding (tests/e2e/test_tenant_admission.py)
         ("list", "secrets"),
+        ("patch", "pods"),
+        ("update", "pods"),
         ("create", "pods"),
         ("create", "pods/exec"),
         ("delete", "nodes"),
+        ("patch", "nodes/status"),
     ]
     for verb, resource in allowed:
         assert can_i(cluster, AGENT_SA, verb, resource), (verb, resource)
@@ -286,16 +295,23 @@ print("agent-env-ok", node)
 """
 
 
+@pytest.mark.parametrize("host_network", [True, False], ids=["host-network", "pod-network"])
 def test_agent_pod_spec_reaches_api_server_and_containerd(
-    cluster: Cluster, agent_image: str, installed: list[dict[str, Any]]
+    cluster: Cluster, agent_image: str, installed: list[dict[str, Any]], host_network: bool
 ) -> None:
-    """The DaemonSet's pod spec (hostNetwork, API server override, mounts, node config, service account)
-    on each node, with a probe script instead of `run`: in-cluster config, the agent's RBAC, its node's
-    containerd socket and kubelet root through the per-node ConfigMap."""
+    """The DaemonSet's pod spec (API server override, mounts, node config, service account) on each
+    node, with a probe script instead of `run`: in-cluster config, the agent's RBAC, its node's
+    containerd socket and kubelet root through the per-node ConfigMap. Also without hostNetwork (the
+    default) and without the override: the kubernetes Service; only this cluster's loopback registry
+    needs the host network."""
     [cm] = [o for o in installed if o["kind"] == "ConfigMap"]
     [ds] = [o for o in installed if o["kind"] == "DaemonSet"]
+    if not host_network:
+        per_node = json.loads(cm["data"]["nodes.json"])
+        [ds] = [o for o in render("unused", per_node_paths=per_node) if o["kind"] == "DaemonSet"]
+        assert not ds["spec"]["template"]["spec"]["hostNetwork"]
     cluster.apply(cm)
-    suffix = uuid.uuid4().hex[:6]
+    suffix = uuid.uuid4().hex[:6] + ("" if host_network else "-podnet")
     pods = []
     for node in cluster.nodes:
         spec = json.loads(json.dumps(ds["spec"]["template"]["spec"]))

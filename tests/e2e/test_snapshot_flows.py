@@ -189,10 +189,11 @@ def test_agent_refuses_a_pod_of_another_namespace(cluster, namespace, agent):  #
     try:
         cluster.apply(pod("victim", other, cluster.busybox_image, {"c": "sleep 3600"}, node=cluster.nodes[0]))
         running(cluster, other, "victim")
-        cluster.apply(_psnap(namespace, "steal", "victim", f"{cluster.registry}/e2e/steal:v1", podNamespace=other))
-        obj = _final(cluster, namespace, "steal")
-        assert obj["status"]["phase"] == "Failed"
-        assert "refused" in obj["status"]["message"]
+        steal = _psnap(namespace, "steal", "victim", f"{cluster.registry}/e2e/steal:v1", podNamespace=other)
+        # refused at admission now (deploy/admission.py), even for the cluster admin; the agent refuses too
+        proc = cluster.kubectl("create", "-f", "-", input=json.dumps(steal), check=False)
+        assert proc.returncode != 0 and "spec.podNamespace must be empty or" in proc.stderr, proc.stderr
+        assert cluster.kubectl("get", "podsnapshot", "steal", "-n", namespace, check=False).returncode != 0
         with pytest.raises(NotFound):
             RegistryClient().get_manifest(Reference.parse(f"{cluster.registry}/e2e/steal:v1"))
     finally:

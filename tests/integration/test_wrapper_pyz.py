@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.unit.test_criu_guard import bundle as guard_bundle
+from tests.unit.test_criu_guard import make_images
+
 REPO = Path(__file__).resolve().parents[2]
 HOST_PYTHON = Path("/usr/bin/python3")
 BUILD = REPO / "hack" / "build-wrapper-pyz.py"
@@ -109,14 +112,17 @@ def test_create_with_staged_data_applies_diff_and_restores(pyz: Path, tmp_path: 
     state = tmp_path / "state"
     uid, name = "0b6b1c9e-pod-uid", "main"
     staged = state / "staged" / "by-pod" / uid / name
-    (staged / "checkpoint").mkdir(parents=True)
+    # CRIU images that grant no more than the bundle below (the wrapper checks them first, with pycriu
+    # found beside the host's python3: Debian's python3-pycriu)
+    make_images(staged / "checkpoint")
     (staged / "rootfs-diff.tar").write_bytes(_diff_tar({"etc/written-at-runtime": b"from the snapshot\n"}))
     (staged / "deleted.files").write_text(json.dumps(["/etc/gone"]))
     bundle = tmp_path / "bundle"
     (bundle / "rootfs" / "etc").mkdir(parents=True)
     (bundle / "rootfs" / "etc" / "gone").write_text("deleted in the snapshot")
     annotations = {"io.kubernetes.cri.sandbox-uid": uid, "io.kubernetes.cri.container-name": name}
-    (bundle / "config.json").write_text(json.dumps({"root": {"path": "rootfs"}, "annotations": annotations}))
+    config = {**guard_bundle(), "root": {"path": "rootfs"}, "annotations": annotations}
+    (bundle / "config.json").write_text(json.dumps(config))
 
     proc = run_pyz(pyz, runc, state, "create", "--bundle", str(bundle), "--pid-file", str(tmp_path / "pid"), "c1")
     assert proc.returncode == 0, proc.stderr
@@ -130,3 +136,20 @@ def test_create_with_staged_data_applies_diff_and_restores(pyz: Path, tmp_path: 
     assert proc.returncode == 0, proc.stderr
     assert len(calls(log)) == 1
     assert os.listdir(state / "restored") == []
+
+
+def test_create_with_edited_images_is_refused_on_the_bare_host_python(pyz: Path, tmp_path: Path) -> None:
+    """The image check runs in the zipapp too (pycriu and protobuf from Debian, beside python3)."""
+    from tests.unit.test_criu_guard import ALL, creds
+
+    runc, log = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    make_images(state / "staged" / "by-id" / "c1" / "checkpoint", creds_by_tid={1: creds(caps=list(ALL))})
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    (bundle / "config.json").write_text(json.dumps({**guard_bundle(caps=[]), "root": {"path": "rootfs"}}))
+    wlog = tmp_path / "wrapper.log"
+    proc = run_pyz(pyz, runc, state, "--log", str(wlog), "create", "--bundle", str(bundle), "c1")
+    assert proc.returncode == 1, proc.stderr
+    assert calls(log) == []  # runc restore never ran
+    assert "CAP_SYS_ADMIN" in json.loads(wlog.read_text().splitlines()[-1])["msg"]

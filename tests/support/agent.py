@@ -165,6 +165,7 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         "--api-server", f"https://{cluster.api_host}:{cluster.api_port}",
         "--node-config", str(node_config),
         "--restart-command", f"{HACK / 'containerd-restart.sh'} {{node}}",
+        "--host-network",  # the cluster's registry listens on loopback only
         "--timeout", "5m",
     )  # fmt: skip
     installed = AgentInstall(cluster, image)

@@ -76,6 +76,7 @@ class FakeContainerd:
 class FakeRegistry:
     fail_push: bool = False
     down: bool = False
+    loses: list[str] = field(default_factory=list)
     blobs: dict[str, bytes] = field(default_factory=dict)
     manifests: dict[str, bytes] = field(default_factory=dict)
 
@@ -112,7 +113,18 @@ class FakeRegistry:
         self.manifests[ref.tag or ""] = manifest
         import hashlib
 
-        return "sha256:" + hashlib.sha256(manifest).hexdigest()
+        digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
+        self.manifests[digest] = manifest
+        for lost in self.loses:  # a registry (or proxy) that acknowledged uploads it did not keep
+            self.blobs.pop(lost, None)
+        return digest
+
+    def get_manifest(self, ref: Reference, *, max_size: int = 0) -> tuple[bytes, str, str]:
+        body = self.manifests[ref.digest or ref.tag or ""]
+        return body, "application/vnd.oci.image.manifest.v1+json", ref.digest or ""
+
+    def blob_exists(self, ref: Reference, digest: str) -> bool:
+        return digest in self.blobs
 
 
 def run(cd: FakeContainerd, reg: FakeRegistry, tmp_path: Path, **kw: Any) -> Any:
@@ -160,6 +172,27 @@ def test_stop_keeps_frozen_until_pushed_then_kills(tmp_path: Path) -> None:
     assert names.index("kill") < names.index("resume")  # killed while frozen, then thawed to die
 
 
+def test_stop_checks_every_blob_is_in_the_registry_before_deleting_anything(tmp_path: Path) -> None:
+    """Issue 10 item 6: an upload the registry acknowledged but lost never costs the pod."""
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry()
+    run(cd, reg, tmp_path)  # learn the layer digests of this (deterministic) snapshot
+    layer = parse_manifest(reg.manifests["v1"]).layers[-1].digest
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry(loses=[layer])
+    deleted: list[str] = []
+    req = CheckpointRequest(containers=["a", "b"], target=TARGET, stop=True)
+    with pytest.raises(Unavailable, match="not stopped and keeps running") as e:
+        checkpoint(
+            req,
+            containerd=cd,
+            registry=reg,
+            paths=StatePaths(str(tmp_path)),
+            host=HOST,
+            before_stop=lambda: deleted.append("pod"),
+        )
+    assert layer in e.value.message
+    assert deleted == [] and cd.killed == set() and cd.paused == set()
+
+
 def test_registry_down_is_found_before_freezing(tmp_path: Path) -> None:
     cd, reg = FakeContainerd({"a"}), FakeRegistry(down=True)
     with pytest.raises(Unavailable):
@@ -196,7 +229,7 @@ class FakeFreezer:
     def __init__(self, cid: str, log: list[tuple[str, str]], cd: FakeContainerd, fail: bool = False) -> None:
         self.cid, self.log, self.cd, self.fail, self.is_frozen = cid, log, cd, fail, False
 
-    def freeze(self) -> None:
+    def freeze(self, *, deadline_s: float | None = None) -> None:
         if self.fail:
             raise OSError("EACCES")
         self.log.append(("freeze", self.cid))
@@ -256,3 +289,100 @@ def test_recover_goes_on_when_a_cgroup_is_gone(tmp_path: Path) -> None:
     order = iter(["a", "b"])
     assert recover_interrupted(cd, paths, lambda _pid: freezers[next(order)]) == ["b"]
     assert not b.is_frozen and not work.exists()
+
+
+def test_liveness_preflight_refuses_before_anything_is_frozen(tmp_path: Path) -> None:
+    from kubectl_snapshot.core.freeze import ProbeBudget
+
+    cd, reg = FakeContainerd({"a"}), FakeRegistry()
+    log: list[tuple[str, str]] = []
+    req = CheckpointRequest(containers=["a"], target=TARGET, probe_budgets=[ProbeBudget("a", "liveness", 3.0)])
+    with pytest.raises(FailedPrecondition, match="liveness probe of container 'a'"):
+        checkpoint(
+            req,
+            containerd=cd,
+            registry=reg,
+            paths=StatePaths(str(tmp_path)),
+            host=HOST,
+            freezer_for=lambda _pid: FakeFreezer("a", log, cd),
+            memory_of=lambda _pid: 1024 * 1024 * 1024,
+        )
+    assert log == [] and ("pause", "a") not in cd.calls and cd.paused == set()
+
+
+def test_the_deadline_from_the_pods_memory_reaches_the_freezer(tmp_path: Path) -> None:
+    from kubectl_snapshot.core.freeze import FreezePlan, ProbeBudget
+
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry()
+    deadlines: list[float | None] = []
+    plans: list[FreezePlan] = []
+
+    class Recording(FakeFreezer):
+        def freeze(self, *, deadline_s: float | None = None) -> None:
+            deadlines.append(deadline_s)
+            super().freeze()
+
+    order = iter(["a", "b"])
+    req = CheckpointRequest(
+        containers=["a", "b"],
+        target=TARGET,
+        probe_budgets=[ProbeBudget("b", "liveness", 500.0)],
+    )
+    result = checkpoint(
+        req,
+        containerd=cd,
+        registry=reg,
+        paths=StatePaths(str(tmp_path)),
+        host=HOST,
+        freezer_for=lambda _pid: Recording(next(order), [], cd),
+        memory_of=lambda _pid: 512 * 1024 * 1024,  # 1 GiB for the pod: 5 + 16 s expected
+        on_plan=plans.append,
+    )
+    assert deadlines == [42.0, 42.0]
+    assert result.plan == plans[0] and plans[0].expected_s == 21.0 and plans[0].memory_bytes == 1024**3
+
+
+def test_a_guard_that_thaws_early_fails_the_snapshot_and_pushes_nothing(tmp_path: Path) -> None:
+    from shim.guard import GuardError
+
+    cd, reg = FakeContainerd({"a"}), FakeRegistry()
+
+    class Expired(FakeFreezer):
+        def thaw(self) -> None:
+            super().thaw()
+            raise GuardError("the pod stayed frozen past its deadline")
+
+    req = CheckpointRequest(containers=["a"], target=TARGET)
+    with pytest.raises(GuardError, match="deadline"):
+        checkpoint(
+            req,
+            containerd=cd,
+            registry=reg,
+            paths=StatePaths(str(tmp_path)),
+            host=HOST,
+            freezer_for=lambda _pid: Expired("a", [], cd),
+        )
+    assert cd.paused == set() and not reg.manifests
+
+
+def test_with_stop_a_pod_thawed_during_the_upload_is_not_killed(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a"}), FakeRegistry()
+    fz = FakeFreezer("a", [], cd)
+
+    def expire(_: Any) -> None:  # the guard's deadline passes while the artifact is uploaded
+        fz.thaw()
+
+    req = CheckpointRequest(containers=["a"], target=TARGET, stop=True)
+    killed: list[str] = []
+    with pytest.raises(FailedPrecondition, match="thawed before it could be stopped"):
+        checkpoint(
+            req,
+            containerd=cd,
+            registry=reg,
+            paths=StatePaths(str(tmp_path)),
+            host=HOST,
+            freezer_for=lambda _pid: fz,
+            on_phase=lambda p: expire(p) if p == "upload" else None,
+            before_stop=lambda: killed.append("pod deleted"),
+        )
+    assert killed == [] and cd.killed == set() and not fz.is_frozen

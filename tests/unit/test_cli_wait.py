@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.app.snapshot import split_message, wait_snapshot
+from kubectl_snapshot.app.snapshot import wait_snapshot
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, Unavailable
 
 
@@ -52,11 +52,13 @@ def test_unclaimed_snapshot_points_to_doctor() -> None:
     assert 60 < w.now <= 80
 
 
-def test_failed_snapshot_carries_the_agents_hint() -> None:
-    w = ScriptedWatch([[("ADDED", _obj(phase="Failed", node="n1", message="error: CRIU failed\nhint: see dump.log"))]])
+def test_failed_snapshot_carries_the_agents_hint_and_details() -> None:
+    failed = _obj(phase="Failed", node="n1", message="CRIU failed", hint="see dump.log", details="log tail")
+    w = ScriptedWatch([[("ADDED", failed)]])
     with pytest.raises(FailedPrecondition) as e:
         wait_snapshot("a", "s", kube=w, clock=w.clock)  # type: ignore[arg-type]
     assert e.value.message == "snapshot a/s failed on node n1: CRIU failed" and e.value.hint == "see dump.log"
+    assert e.value.details == "log tail"
 
 
 def test_deleted_while_waiting_and_overall_timeout() -> None:
@@ -66,8 +68,3 @@ def test_deleted_while_waiting_and_overall_timeout() -> None:
     w = ScriptedWatch([[("ADDED", _obj(phase="Running", stage="upload"))]] * 100)
     with pytest.raises(Unavailable, match="did not finish within 30s"):
         wait_snapshot("a", "s", kube=w, clock=w.clock, timeout_s=30)  # type: ignore[arg-type]
-
-
-def test_split_message() -> None:
-    assert split_message("error: x failed hint: do y") == ("x failed", "do y")
-    assert split_message("plain") == ("plain", None)

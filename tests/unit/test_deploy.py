@@ -66,13 +66,16 @@ def test_crd_schema() -> None:
     assert version["name"] == K.VERSION and version["served"] and version["storage"]
     assert version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Pod", "Phase", "Node", "Size", "Reference", "Age"]
+    assert columns == ["Pod", "Phase", "Node", "Size", "Reference", "Age", "Stage", "Reason"]
     schema = version["schema"]["openAPIV3Schema"]
     s, st = schema["properties"]["spec"], schema["properties"]["status"]
     assert set(s["required"]) == {"podName", "destination"}
     assert set(s["properties"]) == {
         "podName", "podNamespace", "destination", "registrySecret", "insecure", "stop", "includeVolumes",
+        "ignoreLiveness",
     }  # fmt: skip
+    assert s["properties"]["ignoreLiveness"]["default"] is False
+    assert {"expectedFreezeSeconds", "freezeDeadlineSeconds"} <= set(st["properties"])
     assert s["properties"]["includeVolumes"]["default"] is True and s["properties"]["stop"]["default"] is False
     assert st["properties"]["phase"]["enum"] == [K.PHASE_PENDING, K.PHASE_RUNNING, K.PHASE_SUCCEEDED, K.PHASE_FAILED]
     assert {"bytesDone", "bytesTotal", "timings", "reference", "tag", "size", "message", "conditions"} <= set(
@@ -103,12 +106,18 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
     expected = {
         *((K.GROUP, "podsnapshots", v) for v in ("get", "list", "watch")),
         *((K.GROUP, "podsnapshots/status", v) for v in ("get", "update", "patch")),
-        *(("", "pods", v) for v in ("get", "list", "watch", "patch", "delete")),
+        *(("", "pods", v) for v in ("get", "list", "watch", "delete")),
+        ("", "pods/status", "patch"),
         *(("", "events", v) for v in ("create", "patch")),
-        ("", "secrets", "get"),
         *(("", "nodes", v) for v in ("get", "patch")),
+        ("authentication.k8s.io", "tokenreviews", "create"),
+        ("authorization.k8s.io", "subjectaccessreviews", "create"),
     }
     assert rules(role) == expected
+    # secrets only through a per-namespace RoleBinding that nothing in render() creates
+    assert rules(objs[("ClusterRole", K.AGENT_SECRETS_ROLE)]) == {("", "secrets", "get")}
+    bound = {o["roleRef"]["name"] for o in objs.values() if o["kind"] in ("ClusterRoleBinding", "RoleBinding")}
+    assert bound == {K.AGENT_NAME}
     assert not any("*" in (g, r, v) for g, r, v in rules(role))
     binding = objs[("ClusterRoleBinding", K.AGENT_NAME)]
     assert binding["roleRef"]["name"] == K.AGENT_NAME
@@ -123,7 +132,18 @@ def test_user_roles_aggregate_to_builtin_roles() -> None:
     assert edit["metadata"]["labels"][agg + "edit"] == "true" and edit["metadata"]["labels"][agg + "admin"] == "true"
     assert view["metadata"]["labels"][agg + "view"] == "true" and agg + "edit" not in view["metadata"]["labels"]
     assert rules(edit) == {(K.GROUP, "podsnapshots", v) for v in ("create", "get", "list", "watch", "delete")}
+    reader = objs[("ClusterRole", "kubectl-snapshot-metrics-reader")]
+    assert reader["rules"] == [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]
+    assert not any(k.startswith(agg) for k in reader["metadata"]["labels"])  # bound by hand, to the scraper
     assert rules(view) == {(K.GROUP, "podsnapshots", v) for v in ("get", "list", "watch")}
+    restore = objs[("ClusterRole", "kubectl-snapshot-restore")]
+    assert rules(restore) == {(K.GROUP, "podsnapshots", K.RESTORE_VERB)}
+    assert restore["metadata"]["labels"][agg + "edit"] == "true" and agg + "view" not in restore["metadata"]["labels"]
+
+
+def node_side(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The containers that run the agent's command line (every one but the freeze guard)."""
+    return [c for c in spec["containers"] + spec["initContainers"] if c["name"] != "guard"]
 
 
 def mounts(spec: dict[str, Any], container: str = "agent") -> dict[str, dict[str, Any]]:
@@ -134,8 +154,10 @@ def mounts(spec: dict[str, Any], container: str = "agent") -> dict[str, dict[str
 
 def test_daemonset_defaults() -> None:
     spec = pod_spec(render("reg.example/agent:1"))
-    assert spec["hostNetwork"] and spec["hostPID"]
-    for c in spec["containers"] + spec["initContainers"]:
+    assert spec["hostPID"] and not spec["hostNetwork"] and spec["dnsPolicy"] == "ClusterFirst"
+    host = pod_spec(render("reg.example/agent:1", host_network=True))
+    assert host["hostNetwork"] and host["dnsPolicy"] == "ClusterFirstWithHostNet"
+    for c in node_side(spec):
         assert c["securityContext"] == {"privileged": True}
         assert c["imagePullPolicy"] == "Always"  # a tag can move; digests use IfNotPresent
         env = {e["name"]: e for e in c["env"]}
@@ -146,7 +168,7 @@ def test_daemonset_defaults() -> None:
         # containerd refuses HostToContainer when the host's / is a private mount (hosts without systemd)
         assert all("mountPropagation" not in vm for vm in c["volumeMounts"])
         # host paths at the same path inside; directories, never the socket file (containerd restarts)
-        assert {p: v["hostPath"]["path"] for p, v in m.items()} == {
+        assert {p: v["hostPath"]["path"] for p, v in m.items() if "hostPath" in v} == {
             "/var/lib/kubectl-snapshot": "/var/lib/kubectl-snapshot",
             "/opt/kubectl-snapshot": "/opt/kubectl-snapshot",
             "/var/lib/kubelet": "/var/lib/kubelet",
@@ -158,8 +180,15 @@ def test_daemonset_defaults() -> None:
     [init] = spec["initContainers"]
     assert init["args"][0] == "install-node" and "--wrapper=/opt/kubectl-snapshot-runc.pyz" in init["args"]
     assert not any(a.startswith("--restart-command") for a in init["args"])
-    [agent] = spec["containers"]
+    [agent, guard] = spec["containers"]
     assert agent["args"][0] == "run" and f"--ready-file={K.READY_FILE}" in agent["args"]
+    # the freeze guard: its own container of the same image, sharing only the socket's emptyDir
+    assert guard["name"] == "guard" and guard["image"] == agent["image"]
+    assert guard["command"] == ["python3", "-m", "shim.guard"] and guard["securityContext"] == {"privileged": True}
+    [socket_arg] = [a for a in agent["args"] if a.startswith("--guard-socket=")]
+    assert f"--socket={socket_arg.split('=', 1)[1]}" in guard["args"]
+    assert mounts(spec, "guard") == {"/run/kubectl-snapshot-guard": {"name": "guard", "emptyDir": {}}}
+    assert mounts(spec)["/run/kubectl-snapshot-guard"] == {"name": "guard", "emptyDir": {}}
     assert agent["readinessProbe"]["exec"]["command"] == ["test", "-f", K.READY_FILE]
     assert not any(a.startswith("--node-config") for a in agent["args"])
     for c in (init, agent):
@@ -184,6 +213,7 @@ def test_daemonset_for_two_nodes_on_one_machine() -> None:
         "/run/ks-cluster",
         "/var/lib/ks-cluster",
         "/etc/kubectl-snapshot/nodes",
+        "/run/kubectl-snapshot-guard",
     }
     assert m["/etc/kubectl-snapshot/nodes"] == {"name": "node-config", "configMap": {"name": cm["metadata"]["name"]}}
     for node_paths in LOCAL_NODES.values():
@@ -192,6 +222,8 @@ def test_daemonset_for_two_nodes_on_one_machine() -> None:
     for c in spec["containers"] + spec["initContainers"]:
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["KUBERNETES_SERVICE_HOST"] == "127.0.0.1" and env["KUBERNETES_SERVICE_PORT"] == "6443"
+        assert c["imagePullPolicy"] == "IfNotPresent"
+    for c in node_side(spec):
         assert "--node-config=/etc/kubectl-snapshot/nodes/nodes.json" in c["args"]
         assert c["imagePullPolicy"] == "IfNotPresent"
     assert "--restart-command=restart-containerd {node}" in spec["initContainers"][0]["args"]
@@ -302,11 +334,15 @@ def test_agent_cli_accepts_the_rendered_command_lines(per_node: dict[str, Any] |
     from click.testing import CliRunner
 
     from shim.agent_cli import cli
+    from shim.guard import parser as guard_parser
 
     spec = pod_spec(render("img", restart_command="restart {node}", per_node_paths=per_node))
-    for c in spec["initContainers"] + spec["containers"]:
+    for c in node_side(spec):
         result = CliRunner().invoke(cli, [*c["args"], "--help"], env={"NODE_NAME": "ks-n1"})
         assert result.exit_code == 0, (c["name"], result.output)
+    [guard] = [c for c in spec["containers"] if c["name"] == "guard"]
+    args = guard_parser().parse_args(guard["args"])  # argparse exits on an unknown option
+    assert args.socket == "/run/kubectl-snapshot-guard/guard.sock" and not args.once
 
 
 def test_uninstall_cleanup_daemonset_undoes_install_node() -> None:

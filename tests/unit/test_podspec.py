@@ -20,7 +20,6 @@ from kubectl_snapshot.core.podspec import (
     restored_name,
     snapshot_name,
     snapshot_object,
-    snapshot_status,
 )
 from kubectl_snapshot.core.reference import Reference
 
@@ -84,13 +83,10 @@ def test_snapshot_object_matches_the_contract() -> None:
         "stop": True,
         "includeVolumes": False,
     }
-
-
-def test_snapshot_status_tolerates_missing_and_bad_fields() -> None:
-    st = snapshot_status({})
-    assert not st.claimed and not st.done and st.bytes_done == 0
-    st = snapshot_status({"status": {"phase": "Succeeded", "bytesDone": "x", "bytesTotal": 10, "node": "n1"}})
-    assert st.done and st.bytes_done == 0 and st.bytes_total == 10 and st.node == "n1"
+    ignoring = snapshot_object(
+        name="w", namespace="a", pod="web", target=Reference.parse("127.0.0.1:5005/s:t"), ignore_liveness=True
+    )
+    assert ignoring["spec"]["ignoreLiveness"] is True
 
 
 def _pod(phase: str, **status: Any) -> dict[str, Any]:

@@ -1,0 +1,419 @@
+"""Refuse CRIU images that grant more than the container's bundle (issue 10, item 2).
+
+CRIU restores credentials, capabilities, seccomp, no_new_privs, LSM labels, namespaces and mounts from
+its images, not from the OCI bundle that runc was given. The images come from a snapshot, which a
+tenant can edit; the bundle (config.json) is what containerd wrote from the new pod's spec, which
+admission and Pod Security checked. So before ``runc restore`` the runtime wrapper decodes just the
+images that carry those (``pstree``, ``core-*``, ``inventory``, ``mountpoints-*``, ``seccomp``) and
+refuses any of them that asks for more than the bundle grants:
+
+- uids/gids (real, effective, saved, fs) and supplementary groups outside the bundle's
+  ``process.user`` (any id only where the bundle runs as root with CAP_SETUID / CAP_SETGID, which
+  could reach them anyway);
+- capabilities a process of the bundle could never hold: effective and permitted beyond the bundle's
+  permitted, inheritable beyond its inheritable + permitted, ambient beyond its ambient + permitted,
+  bounding beyond its bounding;
+- no seccomp filter where the bundle has a profile, or a filter chain of allow-everything programs;
+- no_new_privs off where the bundle sets ``noNewPrivileges``;
+- an AppArmor/SELinux label other than the bundle's, or an AppArmor policy blob of any kind;
+- a task in namespaces other than the container's root task, a user namespace the bundle does not
+  create; mounts at places the bundle does not mount, of filesystem types runc does not create.
+
+Limitation (documented in docs/security.md): a seccomp filter is compared with the bundle's profile
+only by presence, mode and "not allow-all"; the BPF that runc would compile from the profile is not
+reproduced here, so a crafted filter that still denies something is not detected.
+
+Only the standard library and pycriu (+ protobuf) are imported: the wrapper runs this on every
+restore create, never on ordinary containers.
+"""
+
+from __future__ import annotations
+
+import base64
+import glob
+import os
+import posixpath
+import struct
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kubectl_snapshot.core.errors import PermissionDenied
+
+MAX_IMAGE_BYTES = 64 << 20
+# linux/capability.h, in bit order
+_CAP_NAMES = (
+    "CAP_CHOWN CAP_DAC_OVERRIDE CAP_DAC_READ_SEARCH CAP_FOWNER CAP_FSETID CAP_KILL CAP_SETGID CAP_SETUID "
+    "CAP_SETPCAP CAP_LINUX_IMMUTABLE CAP_NET_BIND_SERVICE CAP_NET_BROADCAST CAP_NET_ADMIN CAP_NET_RAW "
+    "CAP_IPC_LOCK CAP_IPC_OWNER CAP_SYS_MODULE CAP_SYS_RAWIO CAP_SYS_CHROOT CAP_SYS_PTRACE CAP_SYS_PACCT "
+    "CAP_SYS_ADMIN CAP_SYS_BOOT CAP_SYS_NICE CAP_SYS_RESOURCE CAP_SYS_TIME CAP_SYS_TTY_CONFIG CAP_MKNOD "
+    "CAP_LEASE CAP_AUDIT_WRITE CAP_AUDIT_CONTROL CAP_SETFCAP CAP_MAC_OVERRIDE CAP_MAC_ADMIN CAP_SYSLOG "
+    "CAP_WAKE_ALARM CAP_BLOCK_SUSPEND CAP_AUDIT_READ CAP_PERFMON CAP_BPF CAP_CHECKPOINT_RESTORE"
+)
+CAPABILITIES = tuple(_CAP_NAMES.split())
+_CAP_BIT = {name: i for i, name in enumerate(CAPABILITIES)}
+CAP_SETGID, CAP_SETUID = 1 << _CAP_BIT["CAP_SETGID"], 1 << _CAP_BIT["CAP_SETUID"]
+MS_RDONLY = 1
+# mnt.proto `fstype`: what runc itself mounts in a container; anything else (AUTO = any kernel
+# filesystem by name, e.g. a block device's ext4) must be one of the bundle's own (external) mounts.
+_FSTYPES_RUNC_MAKES = {
+    1: "proc",
+    2: "sysfs",
+    5: "tmpfs",
+    6: "devpts",
+    12: "cgroup",
+    14: "mqueue",
+    17: "overlay",
+    23: "cgroup2",
+}
+_NS_FIELDS = (
+    "pid_ns_id",
+    "net_ns_id",
+    "ipc_ns_id",
+    "uts_ns_id",
+    "mnt_ns_id",
+    "user_ns_id",
+    "cgroup_ns_id",
+    "time_ns_id",
+)
+SECCOMP_RET_ACTION_FULL = 0xFFFF0000
+SECCOMP_RET_ALLOW = 0x7FFF0000
+_BPF_RET = 0x06
+_HINT = (
+    "the snapshot's CRIU images ask for more than the new container's spec grants (edited images, or a pod "
+    "spec with fewer privileges than the snapshotted one); restore it with the original pod's security "
+    "context, or take a new snapshot"
+)
+
+
+class ImageGrantsMore(PermissionDenied):
+    """The staged CRIU images grant more than the container's bundle."""
+
+
+@dataclass(frozen=True)
+class BundleGrant:
+    """What config.json lets the container's processes have."""
+
+    uid: int
+    gids: frozenset[int]  # the primary gid and additionalGids
+    bounding: int
+    effective: int
+    permitted: int
+    inheritable: int
+    ambient: int
+    seccomp: bool
+    no_new_privs: bool
+    apparmor: str
+    selinux: str
+    user_namespace: bool
+    mounts: Mapping[str, Mapping[str, Any]]  # destination -> the bundle's mount
+    masked: frozenset[str]
+    readonly: frozenset[str]
+
+
+def _mask(names: Iterable[Any]) -> int:
+    out = 0
+    for n in names or ():
+        bit = _CAP_BIT.get(str(n).upper())
+        if bit is not None:
+            out |= 1 << bit
+    return out
+
+
+def _norm(path: str) -> str:
+    return posixpath.normpath("/" + str(path).lstrip(".").lstrip("/"))
+
+
+def bundle_grant(spec: Mapping[str, Any]) -> BundleGrant:
+    process = spec.get("process") or {}
+    user = process.get("user") or {}
+    caps = process.get("capabilities") or {}
+    linux = spec.get("linux") or {}
+    gid = int(user.get("gid") or 0)
+    return BundleGrant(
+        uid=int(user.get("uid") or 0),
+        gids=frozenset([gid, *(int(g) for g in user.get("additionalGids") or ())]),
+        bounding=_mask(caps.get("bounding") or ()),
+        effective=_mask(caps.get("effective") or ()),
+        permitted=_mask(caps.get("permitted") or ()),
+        inheritable=_mask(caps.get("inheritable") or ()),
+        ambient=_mask(caps.get("ambient") or ()),
+        seccomp=bool(linux.get("seccomp")),
+        no_new_privs=bool(process.get("noNewPrivileges")),
+        apparmor=str(process.get("apparmorProfile") or ""),
+        selinux=str(process.get("selinuxLabel") or ""),
+        user_namespace=any(ns.get("type") == "user" for ns in linux.get("namespaces") or ()),
+        mounts={_norm(m.get("destination", "")): m for m in spec.get("mounts") or () if m.get("destination")},
+        masked=frozenset(_norm(p) for p in linux.get("maskedPaths") or ()),
+        readonly=frozenset(_norm(p) for p in linux.get("readonlyPaths") or ()),
+    )
+
+
+def _caps(words: Sequence[int] | None) -> int:
+    out = 0
+    for i, w in enumerate(words or ()):
+        out |= (int(w) & 0xFFFFFFFF) << (32 * i)
+    return out
+
+
+_WORST_FIRST = ("CAP_SYS_ADMIN", "CAP_SYS_MODULE", "CAP_SYS_PTRACE", "CAP_SYS_RAWIO", "CAP_NET_ADMIN", "CAP_BPF")
+
+
+def _names(mask: int) -> str:
+    """`CAP_SYS_ADMIN,CAP_SYS_PTRACE,... (0x...)`: the most dangerous named first."""
+    bits = [i for i in range(mask.bit_length()) if mask >> i & 1]
+    names = [CAPABILITIES[i] if i < len(CAPABILITIES) else f"cap#{i}" for i in bits]
+    names.sort(key=lambda n: (_WORST_FIRST.index(n) if n in _WORST_FIRST else len(_WORST_FIRST), n))
+    shown = ",".join(names[:6]) + (f",+{len(names) - 6} more" if len(names) > 6 else "")
+    return f"{shown} (0x{mask:x})"
+
+
+# --- the decisions, over decoded image entries (pure; unit-tested with edited images) ------------
+
+
+def creds_problems(
+    where: str, creds: Mapping[str, Any] | None, grant: BundleGrant, *, lsms: frozenset[str]
+) -> list[str]:
+    if not creds:
+        return [f"{where}: no credentials in the image"]
+    out: list[str] = []
+    root_setuid = grant.uid == 0 and grant.permitted & CAP_SETUID
+    root_setgid = grant.uid == 0 and grant.permitted & CAP_SETGID
+    if not root_setuid:
+        uids = {k: creds.get(k) for k in ("uid", "euid", "suid", "fsuid")}
+        bad = {k: v for k, v in uids.items() if v != grant.uid}
+        if bad:
+            out.append(f"{where}: uids {bad} but the container runs as uid {grant.uid}")
+    if not root_setgid:
+        gids = {k: creds.get(k) for k in ("gid", "egid", "sgid", "fsgid")}
+        bad = {k: v for k, v in gids.items() if v not in grant.gids}
+        if bad:
+            out.append(f"{where}: gids {bad} outside the container's groups {sorted(grant.gids)}")
+        extra = sorted(set(int(g) for g in creds.get("groups") or ()) - grant.gids)
+        if extra:
+            out.append(f"{where}: supplementary groups {extra} outside the container's groups {sorted(grant.gids)}")
+    limits = {
+        "cap_eff": ("effective", grant.permitted | grant.effective),
+        "cap_prm": ("permitted", grant.permitted),
+        "cap_inh": ("inheritable", grant.inheritable | grant.permitted),
+        "cap_amb": ("ambient", grant.ambient | grant.permitted),
+        "cap_bnd": ("bounding", grant.bounding),
+    }
+    for key, (label, allowed) in limits.items():
+        extra_caps = _caps(creds.get(key)) & ~allowed
+        if extra_caps:
+            out.append(f"{where}: {label} capabilities {_names(extra_caps)} beyond the container's")
+    if grant.no_new_privs and not creds.get("no_new_privs"):
+        out.append(f"{where}: no_new_privs is off but the container sets noNewPrivileges")
+    if creds.get("apparmor_data"):
+        out.append(f"{where}: carries an AppArmor policy to load into the kernel")
+    label = str(creds.get("lsm_profile") or "")
+    want = grant.apparmor if "apparmor" in lsms else grant.selinux if "selinux" in lsms else ""
+    have = label.split(" (", 1)[0] if "apparmor" in lsms else label
+    if label and want and have != want:
+        out.append(f"{where}: LSM label {label!r}, the container's is {want!r}")
+    elif label and not want and lsms & {"apparmor", "selinux"} and have not in ("unconfined", ""):
+        out.append(f"{where}: LSM label {label!r} but the container sets none")
+    elif want and not label and lsms & {"apparmor", "selinux"}:
+        out.append(f"{where}: no LSM label, the container's is {want!r}")
+    return out
+
+
+def _allow_all(filter_b64: Any) -> bool:
+    """True when a classic-BPF program can only ever return SECCOMP_RET_ALLOW."""
+    try:
+        prog = base64.b64decode(filter_b64) if isinstance(filter_b64, str) else bytes(filter_b64)
+    except (ValueError, TypeError):
+        return False
+    rets = []
+    for i in range(0, len(prog) - len(prog) % 8, 8):
+        code, _jt, _jf, k = struct.unpack_from("<HBBI", prog, i)
+        if code & 0x07 == _BPF_RET:
+            if code & 0x18 != 0x00:  # RET A / RET X: computed, not provably allow
+                return False
+            rets.append(k & SECCOMP_RET_ACTION_FULL)
+    return bool(rets) and all(r == SECCOMP_RET_ALLOW for r in rets)
+
+
+def seccomp_problems(
+    where: str, thread_core: Mapping[str, Any], filters: Sequence[Mapping[str, Any]], grant: BundleGrant
+) -> list[str]:
+    if not grant.seccomp:
+        return []
+    mode = thread_core.get("seccomp_mode") or "disabled"
+    if mode in ("disabled", 0):
+        return [f"{where}: no seccomp filter, but the container has a seccomp profile"]
+    if mode in ("strict", 1):
+        return []  # strict mode allows less than any profile
+    index = thread_core.get("seccomp_filter")
+    chain = []
+    seen: set[int] = set()
+    while isinstance(index, int) and 0 < index <= len(filters) and index not in seen:
+        seen.add(index)
+        f = filters[index - 1]
+        chain.append(f)
+        index = f.get("prev")
+    if not chain:
+        return [f"{where}: seccomp filter mode without a filter in the image"]
+    if all(_allow_all(f.get("filter")) for f in chain):
+        return [f"{where}: its seccomp filter allows every system call, the container's profile does not"]
+    return []
+
+
+def namespace_problems(tasks: Mapping[int, Mapping[str, Any]], root_ids: Mapping[str, Any] | None) -> list[str]:
+    out = []
+    for pid, ids in sorted(tasks.items()):
+        ref = root_ids or {}
+        diff = [f[: -len("_ns_id")] for f in _NS_FIELDS if f in ids and f in ref and ids[f] != ref[f]]
+        if diff:
+            out.append(f"task {pid}: in {', '.join(diff)} namespace(s) other than the container's own")
+    return out
+
+
+def mount_problems(mounts: Sequence[Mapping[str, Any]], grant: BundleGrant) -> list[str]:
+    out = []
+    cgroup_roots = [d for d, m in grant.mounts.items() if m.get("type") in ("cgroup", "cgroup2")]
+    allowed = {"/", *grant.mounts, *grant.masked, *grant.readonly}
+    for m in mounts:
+        point = _norm(str(m.get("mountpoint", "")))
+        external = bool(m.get("ext_mount") or m.get("ext_key"))
+        below_cgroup = any(point.startswith(r.rstrip("/") + "/") for r in cgroup_roots)
+        if point not in allowed and not below_cgroup:
+            out.append(f"mount at {point}: the container's spec mounts nothing there")
+            continue
+        fstype = m.get("fstype")
+        if not external and fstype not in _FSTYPES_RUNC_MAKES and point != "/":
+            name = m.get("fsname") or f"fstype {fstype}"
+            out.append(f"mount at {point}: {name} filesystem, which runc does not create for a container")
+        bundle_mount = grant.mounts.get(point) or {}
+        # runc leaves the tmpfs that holds cgroup v1 hierarchies writable (the hierarchies are ro)
+        wants_ro = point in grant.readonly or (
+            "ro" in (bundle_mount.get("options") or ()) and bundle_mount.get("type") not in ("cgroup", "cgroup2")
+        )
+        if wants_ro and not (int(m.get("flags") or 0) | int(m.get("sb_flags") or 0)) & MS_RDONLY:
+            out.append(f"mount at {point}: read-write, the container's spec mounts it read-only")
+    return out
+
+
+# --- reading the images --------------------------------------------------------------------------
+
+
+def _load(images: Any, path: str) -> list[dict[str, Any]]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise ImageGrantsMore(f"cannot open CRIU image {os.path.basename(path)}: {e.strerror}", hint=_HINT) from e
+    with os.fdopen(fd, "rb") as f:
+        if os.fstat(f.fileno()).st_size > MAX_IMAGE_BYTES:
+            raise ImageGrantsMore(f"CRIU image {os.path.basename(path)} is too large", hint=_HINT)
+        try:
+            entries = images.load(f)["entries"]
+        except Exception as e:  # pycriu raises many kinds on bad input
+            raise ImageGrantsMore(
+                f"cannot decode CRIU image {os.path.basename(path)}: {type(e).__name__}: {e}", hint=_HINT
+            ) from e
+    if not isinstance(entries, list):
+        raise ImageGrantsMore(f"CRIU image {os.path.basename(path)} has no entries", hint=_HINT)
+    return entries
+
+
+def host_lsms() -> frozenset[str]:
+    """The major LSMs active on this host (what CRIU would apply a label for)."""
+    try:
+        with open("/sys/kernel/security/lsm") as f:
+            active = set(f.read().strip().split(","))
+    except OSError:
+        active = set()
+        try:
+            with open("/sys/module/apparmor/parameters/enabled") as f:
+                if f.read().strip() == "Y":
+                    active.add("apparmor")
+        except OSError:
+            pass
+        if os.path.exists("/sys/fs/selinux/enforce"):
+            active.add("selinux")
+    return frozenset(active & {"apparmor", "selinux"})
+
+
+# Where the wrapper (run by containerd as `python3 -I -S`, no site-packages) finds pycriu and protobuf
+# when they are not on its own path: an explicit directory, else Debian's python3-pycriu.
+PYCRIU_PATH_ENV = "KUBECTL_SNAPSHOT_PYCRIU_PATH"
+_PYCRIU_FALLBACK = "/usr/lib/python3/dist-packages"
+
+
+def pycriu_images() -> Any:
+    """pycriu.images, imported only on restore (ordinary creates never load it); fails closed."""
+    try:
+        import pycriu.images as images
+
+        return images
+    except ImportError:
+        pass
+    for extra in (os.environ.get(PYCRIU_PATH_ENV), _PYCRIU_FALLBACK):
+        if extra and os.path.isdir(os.path.join(extra, "pycriu")) and extra not in sys.path:
+            sys.path.append(extra)  # appended: nothing already importable is shadowed
+            try:
+                import pycriu.images as images
+
+                return images
+            except ImportError:
+                continue
+    raise ImageGrantsMore(
+        "cannot check the snapshot's CRIU images: pycriu (and protobuf) cannot be imported",
+        hint=f"install python3-pycriu on the node, or set {PYCRIU_PATH_ENV} to a directory holding pycriu "
+        "and google/protobuf; a restore is never run unchecked",
+    )
+
+
+def image_problems(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[str] | None = None) -> list[str]:
+    """Everything in the CRIU images of `image_dir` that grants more than the bundle `spec`."""
+    images = pycriu_images()
+    grant = bundle_grant(spec)
+    lsms = host_lsms() if lsms is None else lsms
+    problems: list[str] = []
+    pstree = _load(images, os.path.join(image_dir, "pstree.img"))
+    if not pstree:
+        return ["pstree.img lists no process"]
+    filters: list[Mapping[str, Any]] = []
+    seccomp_img = os.path.join(image_dir, "seccomp.img")
+    if os.path.lexists(seccomp_img):
+        for e in _load(images, seccomp_img):
+            filters.extend(e.get("seccomp_filters") or ())
+    task_ids: dict[int, Mapping[str, Any]] = {}
+    for entry in pstree:
+        pid = int(entry.get("pid") or 0)
+        for tid in entry.get("threads") or [pid]:
+            where = f"process {pid}" + (f" thread {tid}" if tid != pid else "")
+            core = _load(images, os.path.join(image_dir, f"core-{int(tid)}.img"))
+            if not core:
+                problems.append(f"{where}: empty core image")
+                continue
+            tc = core[0].get("thread_core") or {}
+            problems += creds_problems(where, tc.get("creds"), grant, lsms=lsms)
+            problems += seccomp_problems(where, tc, filters, grant)
+            if tid == pid:
+                task_ids[pid] = core[0].get("ids") or {}
+    inventory = os.path.join(image_dir, "inventory.img")
+    root_ids = None
+    if os.path.lexists(inventory):
+        inv = _load(images, inventory)
+        root_ids = (inv[0].get("root_ids") if inv else None) or None
+    if root_ids is None and pstree:
+        root_ids = task_ids.get(int(pstree[0].get("pid") or 0))
+    problems += namespace_problems(task_ids, root_ids)
+    if not grant.user_namespace and glob.glob(os.path.join(glob.escape(image_dir), "userns-*.img")):
+        problems.append("the images hold a user namespace (uid maps); the container's spec creates none")
+    for path in sorted(glob.glob(os.path.join(glob.escape(image_dir), "mountpoints-*.img"))):
+        problems += mount_problems(_load(images, path), grant)
+    return problems
+
+
+def check_images(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[str] | None = None) -> None:
+    """Raise ImageGrantsMore listing (the first few of) what the images grant beyond the bundle."""
+    problems = image_problems(image_dir, spec, lsms=lsms)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise ImageGrantsMore(
+            f"refusing to restore: the CRIU images grant more than the container's spec: {shown}", hint=_HINT
+        )

@@ -1,0 +1,362 @@
+"""Who may snapshot and restore what, decided by the API server: ValidatingAdmissionPolicies.
+
+The node agent is root on every node and acts on what tenants write (PodSnapshots, restore
+annotations). So the decisions that matter are taken at admission, in-tree, with the requester's own
+identity (CEL ``authorizer``), before the agent ever sees the object:
+
+- ``kubectl-snapshot-podsnapshots`` (PodSnapshot CREATE): the destination is an explicit
+  ``REGISTRY/REPOSITORY[:TAG]`` on the namespace's allow-list; ``insecure`` only to a registry the
+  namespace's insecure list names; the requester can ``get`` the registrySecret it names (so the
+  agent never reads a Secret for someone who cannot), can ``create`` pods in the namespace, and, for
+  ``stop``, can ``delete`` that pod (the agent deletes it for them).
+- ``kubectl-snapshot-restore`` (Pod CREATE/UPDATE carrying the restore annotations): restoring needs
+  the ``restore`` verb on podsnapshots in that namespace (its own permission, not implied by create
+  pods), the source must be on the allow-list and pinned by digest, the requester can ``get`` the
+  Secret it names; the annotations are set at creation and cannot be added or changed later.
+- ``kubectl-snapshot-agent-nodes`` / ``kubectl-snapshot-agent-pods``: the agent's ServiceAccount
+  writes only to its own node and its own node's pods. Its tokens are bound to its pod, so they
+  carry ``authentication.kubernetes.io/node-name`` (user extra); a token from another node, or one
+  without a node, is refused. On Nodes it may change only the host-facts annotation; on pods only the
+  restore-status annotation (through ``pods/status``), and delete only pods of its node (``stop``).
+
+The allow-lists are annotations on the Namespace (``kubectl-snapshot.io/allowed-destinations``,
+``kubectl-snapshot.io/insecure-registries``). Why there: a Namespace object is cluster-scoped, so
+only cluster admins can write it (the ``admin`` role of a namespace cannot), it needs no extra
+object or CRD, and CEL reads it as ``namespaceObject`` without a paramKind lookup. A ConfigMap in the
+namespace would not do: tenants with ``edit`` write ConfigMaps. Whoever may ``update`` the Namespace
+could change the list anyway, so the list does not bind them (cluster admins keep working without
+annotating every namespace); everyone else is held to it. An absent annotation allows nothing.
+
+Every validation answers 403 (reason Forbidden) with a message saying what to ask for; the plugin
+adds a hint (adapters/kube.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubectl_snapshot.core import kube as K
+
+API = "admissionregistration.k8s.io/v1"
+SNAPSHOT_POLICY = "kubectl-snapshot-podsnapshots"
+RESTORE_POLICY = "kubectl-snapshot-restore"
+AGENT_NODES_POLICY = "kubectl-snapshot-agent-nodes"
+AGENT_PODS_POLICY = "kubectl-snapshot-agent-pods"
+POLICIES = (SNAPSHOT_POLICY, RESTORE_POLICY, AGENT_NODES_POLICY, AGENT_PODS_POLICY)
+
+# Reference grammar (core/reference.py), in RE2 for CEL's matches(). The registry must be explicit
+# (a dot, a port or localhost), lowercase, so that the allow-list compares what the agent contacts.
+_LABEL = r"[a-z0-9]([a-z0-9-]*[a-z0-9])?"
+REGISTRY_RE = rf"(localhost|{_LABEL}(\.{_LABEL})+|{_LABEL}(\.{_LABEL})*:[0-9]{{1,5}}|\[[0-9a-f:.]+\](:[0-9]{{1,5}})?)"
+_COMPONENT = r"[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*"
+REPOSITORY_RE = rf"{REGISTRY_RE}(/{_COMPONENT})+"
+DESTINATION_RE = rf"^{REPOSITORY_RE}(:[A-Za-z0-9_][A-Za-z0-9_.-]{{0,127}})?$"
+SOURCE_RE = rf"^{REPOSITORY_RE}@sha256:[a-f0-9]{{64}}$"
+
+
+def _quote(text: str) -> str:
+    """A CEL single-quoted string literal (our constants: no quote or backslash in them)."""
+    assert "'" not in text and "\\" not in text, text
+    return f"'{text}'"
+
+
+def _ann(obj: str, key: str) -> str:
+    """The annotation's value on `obj` (``object``/``oldObject``/``namespaceObject``), '' when absent."""
+    k = _quote(key)
+    anns = f"{obj}.metadata.annotations"
+    return f"has({anns}) && {k} in {anns} ? {anns}[{k}] : ''"
+
+
+def _ns_list(key: str) -> str:
+    """A comma-separated Namespace annotation as a list of trimmed, non-empty entries."""
+    return f"({_ann('namespaceObject', key)}).split(',').map(e, e.trim()).filter(e, e != '')"
+
+
+def _raw(text: str) -> str:
+    """A CEL raw string literal (backslashes kept as they are: regular expressions)."""
+    assert "'" not in text, text
+    return f"r'{text}'"
+
+
+def _can(verb: str, resource: str, *, group: str = "", name: str | None = None, namespaced: bool = True) -> str:
+    """CEL asking the authorizer whether the requester may `verb` `resource` (in the request's namespace)."""
+    expr = f"authorizer.group({_quote(group)}).resource({_quote(resource)})"
+    if namespaced:
+        expr += ".namespace(request.namespace)"
+    if name is not None:
+        expr += f".name({name})"
+    return f"{expr}.check({_quote(verb)}).allowed()"
+
+
+def _deny(expression: str, message_expression: str) -> dict[str, Any]:
+    return {"expression": expression, "messageExpression": message_expression, "reason": "Forbidden"}
+
+
+# Variables shared by the two tenant policies; `ref` and `repo` are defined by each.
+_NS_VARIABLES = [
+    {"name": "registry", "expression": "variables.repo.split('/')[0]"},
+    {"name": "allowed", "expression": _ns_list(K.ANN_ALLOWED_DESTINATIONS)},
+    {"name": "insecureRegistries", "expression": _ns_list(K.ANN_INSECURE_REGISTRIES)},
+    # whoever may edit the Namespace may edit its lists: they are not bound by them
+    {"name": "nsAdmin", "expression": _can("update", "namespaces", name="request.namespace", namespaced=False)},
+    {
+        "name": "listed",
+        "expression": "variables.allowed.exists(e, variables.repo == e || variables.repo.startsWith(e + '/'))",
+    },
+]
+
+_NOT_LISTED = (
+    "' is not allowed in namespace ' + request.namespace + ': its annotation "
+    + K.ANN_ALLOWED_DESTINATIONS
+    + " lists ' + (size(variables.allowed) == 0 ? 'nothing' : variables.allowed.join(', '))"
+    + " + '; ask a cluster admin to add it'"
+)
+
+
+def _policy(name: str, labels: dict[str, str], spec: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "apiVersion": API,
+        "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name, "labels": dict(labels)},
+        "spec": {"failurePolicy": "Fail", **spec},
+    }
+
+
+def _binding(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": API,
+        "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name, "labels": dict(labels)},
+        "spec": {"policyName": name, "validationActions": ["Deny"]},
+    }
+
+
+def snapshot_policy(labels: dict[str, str]) -> dict[str, Any]:
+    secret = "object.spec.registrySecret"
+    return _policy(
+        SNAPSHOT_POLICY,
+        labels,
+        {
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": [K.GROUP],
+                        "apiVersions": ["*"],
+                        "operations": ["CREATE"],
+                        "resources": [K.PLURAL],
+                    }
+                ]
+            },
+            "variables": [
+                {"name": "ref", "expression": "object.spec.destination"},
+                {
+                    "name": "repo",
+                    "expression": "variables.ref.lastIndexOf(':') > variables.ref.lastIndexOf('/')"
+                    " ? variables.ref.substring(0, variables.ref.lastIndexOf(':')) : variables.ref",
+                },
+                *_NS_VARIABLES,
+            ],
+            "validations": [
+                _deny(
+                    f"variables.ref.matches({_raw(DESTINATION_RE)})",
+                    "'spec.destination ' + variables.ref + ' must be REGISTRY/REPOSITORY[:TAG] with an explicit,"
+                    " lowercase registry host (a dot, a port or localhost)'",
+                ),
+                _deny(
+                    "!has(object.spec.podNamespace) || object.spec.podNamespace == ''"
+                    " || object.spec.podNamespace == request.namespace",
+                    "'spec.podNamespace must be empty or ' + request.namespace",
+                ),
+                _deny("variables.nsAdmin || variables.listed", "'destination ' + variables.repo + " + _NOT_LISTED),
+                _deny(
+                    "!has(object.spec.insecure) || !object.spec.insecure || variables.nsAdmin"
+                    " || variables.registry in variables.insecureRegistries",
+                    "'insecure (plain HTTP) to ' + variables.registry + ' is not allowed in namespace ' + "
+                    f"request.namespace + ': its annotation {K.ANN_INSECURE_REGISTRIES} lists ' + "
+                    "(size(variables.insecureRegistries) == 0 ? 'nothing' : variables.insecureRegistries.join(', '))",
+                ),
+                _deny(
+                    f"!has({secret}) || {secret} == '' || " + _can("get", "secrets", name=secret),
+                    f"'you cannot get secret ' + {secret} + ' in namespace ' + request.namespace"
+                    " + ', so the agent will not use it for you'",
+                ),
+                _deny(
+                    _can("create", "pods"),
+                    "'snapshotting needs permission to create pods in namespace ' + request.namespace",
+                ),
+                _deny(
+                    "!has(object.spec.stop) || !object.spec.stop || "
+                    + _can("delete", "pods", name="object.spec.podName"),
+                    "'stop deletes pod ' + object.spec.podName + ': you need permission to delete it'",
+                ),
+            ],
+        },
+    )
+
+
+def restore_policy(labels: dict[str, str]) -> dict[str, Any]:
+    keys = f"[{_quote(K.ANN_RESTORE_FROM)}, {_quote(K.ANN_REGISTRY_SECRET)}]"
+    carries = "has({o}.metadata.annotations) && " + keys + ".exists(k, k in {o}.metadata.annotations)"
+    create = "request.operation != 'CREATE' || "
+    return _policy(
+        RESTORE_POLICY,
+        labels,
+        {
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE", "UPDATE"],
+                        "resources": ["pods", "pods/status"],
+                    }
+                ]
+            },
+            "matchConditions": [
+                {
+                    "name": "carries-restore-annotations",
+                    "expression": f"({carries.format(o='object')})"
+                    f" || (request.operation == 'UPDATE' && {carries.format(o='oldObject')})",
+                }
+            ],
+            "variables": [
+                {"name": "ref", "expression": _ann("object", K.ANN_RESTORE_FROM)},
+                {"name": "secret", "expression": _ann("object", K.ANN_REGISTRY_SECRET)},
+                {"name": "repo", "expression": "variables.ref.split('@')[0]"},
+                *_NS_VARIABLES,
+            ],
+            "validations": [
+                _deny(
+                    "request.operation != 'UPDATE' || ("
+                    f"variables.ref == ({_ann('oldObject', K.ANN_RESTORE_FROM)}) && "
+                    f"variables.secret == ({_ann('oldObject', K.ANN_REGISTRY_SECRET)}))",
+                    f"'the annotations {K.ANN_RESTORE_FROM} and {K.ANN_REGISTRY_SECRET} are set when a pod is"
+                    " created and cannot be added or changed later'",
+                ),
+                _deny(
+                    create + f"variables.ref == '' || variables.ref.matches({_raw(SOURCE_RE)})",
+                    f"'{K.ANN_RESTORE_FROM} ' + variables.ref + ' must be REGISTRY/REPOSITORY@sha256:DIGEST"
+                    " with an explicit, lowercase registry host'",
+                ),
+                _deny(
+                    create + "variables.ref == '' || " + _can(K.RESTORE_VERB, K.PLURAL, group=K.GROUP),
+                    f"'restoring into a pod needs the {K.RESTORE_VERB} verb on {K.PLURAL}.{K.GROUP} in namespace '"
+                    " + request.namespace + ' (ClusterRole kubectl-snapshot-restore, aggregated to edit and admin)'",
+                ),
+                _deny(
+                    create + "variables.ref == '' || variables.nsAdmin || variables.listed",
+                    "'restore source ' + variables.repo + " + _NOT_LISTED,
+                ),
+                _deny(
+                    create + "variables.secret == '' || " + _can("get", "secrets", name="variables.secret"),
+                    "'you cannot get secret ' + variables.secret + ' in namespace ' + request.namespace"
+                    " + ', so the agent will not use it for you'",
+                ),
+            ],
+        },
+    )
+
+
+_AGENT_VARIABLES = [
+    {
+        "name": "nodes",
+        "expression": f"has(request.userInfo.extra) && {_quote(K.NODE_NAME_EXTRA)} in request.userInfo.extra"
+        f" ? request.userInfo.extra[{_quote(K.NODE_NAME_EXTRA)}] : []",
+    },
+    {"name": "node", "expression": "size(variables.nodes) == 1 ? variables.nodes[0] : ''"},
+]
+_AGENT_ONLY = [{"name": "the-agent", "expression": f"request.userInfo.username == {_quote(K.AGENT_USER)}"}]
+_NOT_BOUND = (
+    "'the agent writes only to its own node; this token is bound to ' "
+    "+ (variables.node == '' ? 'no node' : 'node ' + variables.node)"
+)
+
+
+def _only_annotation_changes(key: str) -> str:
+    """CEL: labels equal, and every annotation but `key` kept with the same value (none added/removed)."""
+    k = _quote(key)
+    new, old = "object.metadata", "oldObject.metadata"
+    return (
+        f"(has({new}.labels) ? {new}.labels : {{}}) == (has({old}.labels) ? {old}.labels : {{}})"
+        f" && (!has({new}.annotations) || {new}.annotations.all(a, a == {k} || "
+        f"(has({old}.annotations) && a in {old}.annotations && {old}.annotations[a] == {new}.annotations[a])))"
+        f" && (!has({old}.annotations) || {old}.annotations.all(a, a == {k} || "
+        f"(has({new}.annotations) && a in {new}.annotations)))"
+    )
+
+
+def agent_nodes_policy(labels: dict[str, str]) -> dict[str, Any]:
+    return _policy(
+        AGENT_NODES_POLICY,
+        labels,
+        {
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE", "UPDATE", "DELETE"],
+                        "resources": ["nodes", "nodes/status"],
+                    }
+                ]
+            },
+            "matchConditions": _AGENT_ONLY,
+            "variables": _AGENT_VARIABLES,
+            "validations": [
+                _deny(
+                    "request.operation == 'UPDATE' && variables.node != '' && request.name == variables.node",
+                    _NOT_BOUND + " + ', not ' + request.operation + ' node ' + request.name",
+                ),
+                _deny(
+                    "request.operation != 'UPDATE' || (object.spec == oldObject.spec && "
+                    + _only_annotation_changes(K.ANN_NODE_FACTS)
+                    + ")",
+                    f"'the agent may change only the {K.ANN_NODE_FACTS} annotation of its node'",
+                ),
+            ],
+        },
+    )
+
+
+def agent_pods_policy(labels: dict[str, str]) -> dict[str, Any]:
+    update = "request.operation != 'UPDATE' || "
+    return _policy(
+        AGENT_PODS_POLICY,
+        labels,
+        {
+            "matchConstraints": {
+                "resourceRules": [
+                    {
+                        "apiGroups": [""],
+                        "apiVersions": ["v1"],
+                        "operations": ["CREATE", "UPDATE", "DELETE"],
+                        "resources": ["pods", "pods/status"],
+                    }
+                ]
+            },
+            "matchConditions": _AGENT_ONLY,
+            "variables": _AGENT_VARIABLES,
+            "validations": [
+                _deny(
+                    "request.operation != 'CREATE' && variables.node != ''"
+                    " && has(oldObject.spec.nodeName) && oldObject.spec.nodeName == variables.node",
+                    _NOT_BOUND + " + ', not to pod ' + request.namespace + '/' + request.name"
+                    " + (request.operation == 'CREATE' || !has(oldObject.spec.nodeName) ? ''"
+                    " : ' on node ' + oldObject.spec.nodeName)",
+                ),
+                _deny(
+                    update
+                    + "(request.subResource == 'status' && "
+                    + _only_annotation_changes(K.ANN_RESTORE_STATUS)
+                    + ")",
+                    f"'the agent may change only the {K.ANN_RESTORE_STATUS} annotation of a pod (through pods/status)'",
+                ),
+            ],
+        },
+    )
+
+
+def render(labels: dict[str, str]) -> list[dict[str, Any]]:
+    """The policies and their bindings (apply after the CRD: the podsnapshot policy names its group)."""
+    policies = [snapshot_policy(labels), restore_policy(labels), agent_nodes_policy(labels), agent_pods_policy(labels)]
+    return [*policies, *(_binding(p["metadata"]["name"], labels) for p in policies)]

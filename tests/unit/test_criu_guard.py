@@ -1,0 +1,344 @@
+"""The runtime wrapper's check of CRIU images against the new container's bundle (issue 10, item 2).
+
+Images are written with pycriu from entries shaped like a real runc container dump (the mount list
+is the one CRIU 4.2.1 wrote for a busybox container under runc on these machines; the integration
+round trips in tests/integration/test_agent_roundtrip.py pass through the same check with real
+images). Each test edits one field, as a tenant editing a snapshot would.
+
+Non-root: on these VMs CRIU cannot dump a process running under another uid (PLATFORM.md: prlimit of
+another uid's task needs CAP_SYS_RESOURCE, missing from the machine's bounding set), so every
+non-root case below (runAsUser 1000, groups, dropped capabilities of a non-root user) is covered with
+images edited here, not with a real dump.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("pycriu")
+import pycriu.images as images
+
+from kubectl_snapshot.adapters import criu_guard
+from kubectl_snapshot.adapters.criu_guard import ImageGrantsMore, check_images, image_problems
+
+ALL = criu_guard.CAPABILITIES
+DEFAULT_CAPS = [
+    "CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FSETID", "CAP_FOWNER", "CAP_MKNOD", "CAP_NET_RAW", "CAP_SETGID",
+    "CAP_SETUID", "CAP_SETFCAP", "CAP_SETPCAP", "CAP_NET_BIND_SERVICE", "CAP_SYS_CHROOT", "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+]  # fmt: skip
+
+
+def words(names: list[str]) -> list[int]:
+    mask = 0
+    for n in names:
+        mask |= 1 << ALL.index(n)
+    return [mask & 0xFFFFFFFF, mask >> 32]
+
+
+def bpf(*insns: tuple[int, int]) -> str:
+    return base64.b64encode(b"".join(struct.pack("<HBBI", code, 0, 0, k) for code, k in insns)).decode()
+
+
+ALLOW_ALL = bpf((0x06, 0x7FFF0000))
+# ld [nr]; jeq #165 (mount) -> kill, else allow: a (tiny) real profile
+PROFILE = bpf((0x20, 0), (0x15, 165), (0x06, 0x7FFF0000), (0x06, 0x80000000))
+
+
+def spec(**process: Any) -> dict[str, Any]:
+    caps = process.pop("caps", DEFAULT_CAPS)
+    base: dict[str, Any] = {
+        "process": {
+            "user": {"uid": 0, "gid": 0},
+            "capabilities": {k: list(caps) for k in ("bounding", "effective", "permitted")},
+            "noNewPrivileges": False,
+        },
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "options": ["nosuid"]},
+            {"destination": "/dev", "type": "tmpfs"},
+            {"destination": "/sys", "type": "sysfs", "options": ["ro"]},
+            {"destination": "/sys/fs/cgroup", "type": "cgroup", "options": ["ro"]},
+            {"destination": "/etc/hosts", "type": "bind", "source": "/var/lib/x/hosts", "options": ["rbind"]},
+        ],
+        "linux": {
+            "namespaces": [{"type": "pid"}, {"type": "mount"}, {"type": "network", "path": "/proc/1/ns/net"}],
+            "readonlyPaths": ["/proc/sys"],
+            "maskedPaths": ["/proc/kcore"],
+        },
+    }
+    base["process"].update(process)
+    return base
+
+
+def creds(uid: int = 0, gid: int = 0, caps: list[str] = DEFAULT_CAPS, **extra: Any) -> dict[str, Any]:
+    c: dict[str, Any] = {
+        **{k: uid for k in ("uid", "euid", "suid", "fsuid")},
+        **{k: gid for k in ("gid", "egid", "sgid", "fsgid")},
+        "cap_inh": [0, 0],
+        "cap_prm": words(caps),
+        "cap_eff": words(caps),
+        "cap_bnd": words(caps),
+        "secbits": 0,
+    }
+    c.update(extra)
+    return c
+
+
+IDS = {"vm_id": 1, "files_id": 1, "fs_id": 1, "sighand_id": 1, "pid_ns_id": 10, "net_ns_id": 11, "mnt_ns_id": 12}
+MOUNTS = [
+    {"mountpoint": "/", "fstype": 17, "flags": 0x200000},
+    {"mountpoint": "/proc", "fstype": 1, "flags": 0x20000E},
+    {"mountpoint": "/dev", "fstype": 5, "flags": 0x1000002},
+    {"mountpoint": "/sys", "fstype": 2, "flags": 0x20000F},
+    {"mountpoint": "/sys/fs/cgroup", "fstype": 5, "flags": 0x20000E},
+    {"mountpoint": "/sys/fs/cgroup/memory", "fstype": 12, "flags": 0x20000F, "ext_key": "/sys/fs/cgroup/memory"},
+    {"mountpoint": "/proc/sys", "fstype": 1, "flags": 0x20000F},
+    {"mountpoint": "/proc/kcore", "fstype": 5, "flags": 0x1000002, "ext_key": "/dev/null"},
+    {"mountpoint": "/etc/hosts", "fstype": 16, "fsname": "ext4", "flags": 0, "ext_key": "/etc/hosts"},
+]
+
+
+def write(path: Path, magic: str, entries: list[dict[str, Any]]) -> None:
+    with open(path, "wb") as f:
+        images.dump({"magic": magic, "entries": entries}, f)
+
+
+def make_images(
+    d: Path,
+    *,
+    creds_by_tid: dict[int, dict[str, Any]] | None = None,
+    threads: dict[int, list[int]] | None = None,
+    ids: dict[int, dict[str, int]] | None = None,
+    seccomp: tuple[str, int] | None = ("filter", 1),
+    filters: list[dict[str, Any]] | None = None,
+    mounts: list[dict[str, Any]] | None = None,
+) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    threads = threads or {1: [1]}
+    pstree = [
+        {"pid": pid, "ppid": 0 if pid == 1 else 1, "pgid": 1, "sid": 1, "threads": t} for pid, t in threads.items()
+    ]
+    write(d / "pstree.img", "PSTREE", pstree)
+    for pid, tids in threads.items():
+        for tid in tids:
+            tc: dict[str, Any] = {"futex_rla": 0, "futex_rla_len": 0, "creds": (creds_by_tid or {}).get(tid, creds())}
+            if seccomp is not None:
+                tc["seccomp_mode"], tc["seccomp_filter"] = seccomp
+            core: dict[str, Any] = {"mtype": "X86_64", "thread_core": tc}
+            if tid == pid:
+                core["tc"] = {
+                    "task_state": 1,
+                    "exit_code": 0,
+                    "personality": 0,
+                    "flags": 0,
+                    "blk_sigset": 0,
+                    "comm": "sh",
+                }
+                core["ids"] = (ids or {}).get(pid, IDS)
+            write(d / f"core-{tid}.img", "CORE", [core])
+    write(d / "inventory.img", "INVENTORY", [{"img_version": 2, "root_ids": IDS, "lsmtype": "NO_LSM"}])
+    write(d / "seccomp.img", "SECCOMP", [{"seccomp_filters": filters or [{"filter": PROFILE, "prev": 0}]}])
+    full = []
+    for i, m in enumerate(mounts if mounts is not None else MOUNTS):
+        full.append(
+            {"mnt_id": i + 1, "root_dev": "0:1", "parent_mnt_id": 0, "root": "/", "source": "x", "options": ""}
+            | {"flags": 0}
+            | m
+        )
+    write(d / "mountpoints-12.img", "MNTS", full)
+    return d
+
+
+SECCOMP_SPEC = {"defaultAction": "SCMP_ACT_ERRNO", "syscalls": []}
+
+
+def bundle(**kw: Any) -> dict[str, Any]:
+    s = spec(**kw)
+    s["linux"]["seccomp"] = SECCOMP_SPEC
+    return s
+
+
+NO_LSM: frozenset[str] = frozenset()
+
+
+def problems(d: Path, s: dict[str, Any], lsms: frozenset[str] = NO_LSM) -> list[str]:
+    return image_problems(str(d), s, lsms=lsms)
+
+
+def test_an_image_that_matches_its_bundle_passes(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img")
+    assert problems(d, bundle()) == []
+    check_images(str(d), bundle(), lsms=NO_LSM)
+
+
+def test_dropping_privileges_inside_the_container_is_fine(tmp_path: Path) -> None:
+    """A root container whose worker switched to uid 33 and dropped capabilities (nginx-like)."""
+    d = make_images(tmp_path / "img", threads={1: [1], 2: [2]}, creds_by_tid={2: creds(33, 33, caps=[])})
+    assert problems(d, bundle()) == []
+
+
+# --- uids and gids (non-root: edited images, see the module docstring) --------------------------
+
+
+def test_root_in_the_image_for_a_non_root_bundle_is_refused(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img", creds_by_tid={1: creds(0, 0, caps=[])})
+    out = problems(d, bundle(user={"uid": 1000, "gid": 1000}, caps=[]))
+    assert any("uids" in p and "uid 1000" in p for p in out), out
+    assert any("gids" in p for p in out), out
+
+
+def test_one_saved_uid_is_enough_to_refuse(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img", creds_by_tid={1: creds(1000, 1000, caps=[], suid=0)})
+    assert problems(d, bundle(user={"uid": 1000, "gid": 1000}, caps=[])) == [
+        "process 1: uids {'suid': 0} but the container runs as uid 1000"
+    ]
+
+
+def test_supplementary_groups_outside_the_bundle_are_refused(tmp_path: Path) -> None:
+    ok = make_images(tmp_path / "ok", creds_by_tid={1: creds(1000, 1000, caps=[], groups=[1000, 2000])})
+    s = bundle(user={"uid": 1000, "gid": 1000, "additionalGids": [2000]}, caps=[])
+    assert problems(ok, s) == []
+    bad = make_images(tmp_path / "bad", creds_by_tid={1: creds(1000, 1000, caps=[], groups=[0, 6])})
+    assert any("supplementary groups [0, 6]" in p for p in problems(bad, s))
+
+
+def test_root_without_setuid_cannot_become_another_uid(tmp_path: Path) -> None:
+    no_setuid = [c for c in DEFAULT_CAPS if c not in ("CAP_SETUID", "CAP_SETGID")]
+    d = make_images(tmp_path / "img", creds_by_tid={1: creds(0, 0, caps=no_setuid, euid=5)})
+    assert any("uids" in p for p in problems(d, bundle(caps=no_setuid)))
+
+
+def test_a_thread_is_checked_too(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img", threads={1: [1, 7]}, creds_by_tid={7: creds(caps=list(ALL))})
+    out = problems(d, bundle())
+    assert out and all(p.startswith("process 1 thread 7:") for p in out), out
+
+
+# --- capabilities ------------------------------------------------------------------------------
+
+
+SETS = [("cap_eff", "effective"), ("cap_prm", "permitted"), ("cap_bnd", "bounding"), ("cap_inh", "inheritable")]
+
+
+@pytest.mark.parametrize(("field", "label"), [*SETS, ("cap_amb", "ambient")])
+def test_each_capability_set_beyond_the_bundle_is_refused(tmp_path: Path, field: str, label: str) -> None:
+    c = creds()
+    c[field] = words([*DEFAULT_CAPS, "CAP_SYS_ADMIN"])
+    d = make_images(tmp_path / "img", creds_by_tid={1: c})
+    out = problems(d, bundle())
+    assert any(f"{label} capabilities CAP_SYS_ADMIN (0x200000) beyond" in p for p in out), out
+
+
+def test_the_issues_image_every_capability_from_an_all_dropped_pod(tmp_path: Path) -> None:
+    """CapEff 000001fffeffffff restored into a pod that dropped ALL and ran RuntimeDefault seccomp."""
+    every = [c for c in ALL if c != "CAP_SYS_RESOURCE"]  # 0x1fffeffffff
+    c = creds(caps=every)
+    d = make_images(tmp_path / "img", creds_by_tid={1: c}, seccomp=None)
+    with pytest.raises(ImageGrantsMore) as e:
+        check_images(str(d), bundle(caps=[]), lsms=NO_LSM)
+    assert "CAP_SYS_ADMIN" in e.value.message and "no seccomp filter" in e.value.message
+    assert e.value.hint
+
+
+def test_unknown_capability_bits_are_refused(tmp_path: Path) -> None:
+    c = creds()
+    c["cap_bnd"] = [words(DEFAULT_CAPS)[0], 1 << 20]  # bit 52: no such capability yet
+    d = make_images(tmp_path / "img", creds_by_tid={1: c})
+    assert any("cap#52" in p for p in problems(d, bundle()))
+
+
+# --- seccomp, no_new_privs, LSM ------------------------------------------------------------------
+
+
+def test_no_seccomp_filter_where_the_bundle_has_one_is_refused(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img", seccomp=("disabled", 0))
+    assert problems(d, bundle()) == ["process 1: no seccomp filter, but the container has a seccomp profile"]
+    assert problems(d, spec()) == []  # an unconfined bundle: nothing to compare
+
+
+def test_an_allow_everything_filter_is_refused(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img", filters=[{"filter": ALLOW_ALL, "prev": 0}])
+    assert any("allows every system call" in p for p in problems(d, bundle()))
+
+
+def test_a_filter_index_pointing_nowhere_is_refused(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img", seccomp=("filter", 9))
+    assert any("without a filter" in p for p in problems(d, bundle()))
+
+
+def test_no_new_privs_off_is_refused_where_the_bundle_sets_it(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img")
+    assert any("no_new_privs" in p for p in problems(d, bundle(noNewPrivileges=True)))
+    on = make_images(tmp_path / "on", creds_by_tid={1: creds(no_new_privs=1)})
+    assert problems(on, bundle(noNewPrivileges=True)) == []
+
+
+def test_apparmor_label_and_policy_blob(tmp_path: Path) -> None:
+    aa = frozenset({"apparmor"})
+    s = bundle(apparmorProfile="cri-containerd.apparmor.d")
+    ok = make_images(tmp_path / "ok", creds_by_tid={1: creds(lsm_profile="cri-containerd.apparmor.d (enforce)")})
+    assert problems(ok, s, aa) == []
+    other = make_images(tmp_path / "other", creds_by_tid={1: creds(lsm_profile="unconfined")})
+    assert any("LSM label 'unconfined'" in p for p in problems(other, s, aa))
+    none = make_images(tmp_path / "none")
+    assert any("no LSM label" in p for p in problems(none, s, aa))
+    blob = make_images(
+        tmp_path / "blob", creds_by_tid={1: creds(apparmor_data=base64.b64encode(b"profile x {}").decode())}
+    )
+    assert any("AppArmor policy" in p for p in problems(blob, s, aa))
+
+
+def test_selinux_label(tmp_path: Path) -> None:
+    se = frozenset({"selinux"})
+    s = bundle(selinuxLabel="system_u:system_r:container_t:s0:c1,c2")
+    other = make_images(tmp_path / "img", creds_by_tid={1: creds(lsm_profile="system_u:system_r:spc_t:s0")})
+    assert any("spc_t" in p for p in problems(other, s, se))
+
+
+# --- namespaces and mounts -------------------------------------------------------------------------
+
+
+def test_a_task_in_a_namespace_of_its_own_is_refused(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img", threads={1: [1], 2: [2]}, ids={2: {**IDS, "net_ns_id": 99}})
+    assert problems(d, bundle()) == ["task 2: in net namespace(s) other than the container's own"]
+
+
+def test_a_user_namespace_image_is_refused_without_one_in_the_bundle(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img")
+    (d / "userns-13.img").write_bytes(b"")
+    assert any("user namespace" in p for p in problems(d, bundle()))
+
+
+@pytest.mark.parametrize(
+    ("mount", "what"),
+    [
+        ({"mountpoint": "/host", "fstype": 16, "fsname": "ext4", "source": "/dev/sda1"}, "mounts nothing there"),
+        ({"mountpoint": "/dev", "fstype": 16, "fsname": "ext4"}, "ext4 filesystem"),
+        ({"mountpoint": "/proc", "fstype": 4}, "fstype 4"),
+        ({"mountpoint": "/sys", "fstype": 2, "flags": 0x20000E}, "read-write"),
+        ({"mountpoint": "/proc/sys", "fstype": 1, "flags": 0}, "read-write"),
+    ],
+    ids=["new-mountpoint", "block-fs-over-dev", "binfmt-misc", "rw-sys", "rw-readonly-path"],
+)
+def test_mounts_the_bundle_does_not_make_are_refused(tmp_path: Path, mount: dict[str, Any], what: str) -> None:
+    mounts = [m for m in copy.deepcopy(MOUNTS) if m["mountpoint"] != mount["mountpoint"]] + [mount]
+    d = make_images(tmp_path / "img", mounts=mounts)
+    out = problems(d, bundle())
+    assert any(what in p for p in out), out
+
+
+def test_corrupt_images_are_refused_not_skipped(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img")
+    (d / "core-1.img").write_bytes(b"\x00" * 12)
+    with pytest.raises(ImageGrantsMore, match="cannot decode"):
+        check_images(str(d), bundle(), lsms=NO_LSM)
+    (d / "core-1.img").unlink()
+    (d / "core-1.img").symlink_to(d / "pstree.img")
+    with pytest.raises(ImageGrantsMore, match="cannot open"):
+        check_images(str(d), bundle(), lsms=NO_LSM)

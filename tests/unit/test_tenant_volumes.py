@@ -1,0 +1,344 @@
+"""Issue 10 item 1: what the agent refuses to touch in a pod's volumes, on the real filesystem.
+
+The restore worker runs against a fake of the Kubernetes port and a kubelet root in tmp_path; the
+registry it asks is 127.0.0.1:1 (nothing listens: the fetch fails at once, which is the path that
+wrote the registry's message through the tenant's symlink before the fix). The e2e version with the
+real agent is tests/e2e/test_tenant_attacks.py.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.adapters.archive import safe_extract, tar_directories
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import FailedPrecondition, UnsafeArchive
+from kubectl_snapshot.core.model import HostFacts, PodRecord
+from kubectl_snapshot.core.podspec import restore_pod
+from kubectl_snapshot.core.reference import Reference
+from shim.controller.podinfo import check_restore_pod, empty_dir_rel, restore_volume_names, running_containers
+from shim.controller.restores import RestoreWorker
+from shim.controller.settings import NodeSettings
+from tests.support.tarcraft import craft_tar, dir_, hard, reg
+
+DIGEST = "sha256:" + "1" * 64
+
+
+def good_pod() -> dict[str, Any]:
+    record = PodRecord(
+        name="app",
+        namespace="a",
+        uid="old",
+        node="n0",
+        spec={
+            "containers": [{"name": "c", "image": "r/busybox@sha256:" + "2" * 64}],
+            "volumes": [{"name": "data", "emptyDir": {}}],
+        },
+    )
+    pod = restore_pod(record, reference=Reference.parse(f"127.0.0.1:1/x@{DIGEST}"), namespace="a", gate_image="g:1")
+    pod["metadata"]["uid"] = "0b8f6c2e-1111-2222-3333-444455556666"
+    pod["spec"]["nodeName"] = "n1"
+    # what the API server adds when it defaults the pod
+    pod["spec"]["initContainers"][0].update(imagePullPolicy="IfNotPresent", terminationMessagePath="/dev/x")
+    pod["spec"]["initContainers"][0]["volumeMounts"].append(
+        {"name": "kube-api-access-x1", "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount", "readOnly": True}
+    )
+    return pod
+
+
+def test_a_pod_made_by_restore_passes() -> None:
+    check_restore_pod(good_pod())
+
+
+def _mutations() -> list[Any]:
+    def no_gate(p: dict[str, Any]) -> None:
+        p["spec"].pop("initContainers")
+
+    def tenant_init_first(p: dict[str, Any]) -> None:
+        p["spec"]["initContainers"].insert(0, {"name": "plant", "image": "busybox", "command": ["ln", "-s"]})
+
+    def tenant_init_after(p: dict[str, Any]) -> None:
+        p["spec"]["initContainers"].append({"name": "later", "image": "busybox"})
+
+    def other_command(p: dict[str, Any]) -> None:
+        p["spec"]["initContainers"][0]["command"] = ["sh", "-c", "ln -s /etc/shadow /gate/failed"]
+
+    def extra_args(p: dict[str, Any]) -> None:
+        p["spec"]["initContainers"][0]["args"] = ["x"]
+
+    def gate_as_sidecar(p: dict[str, Any]) -> None:
+        p["spec"]["initContainers"][0]["restartPolicy"] = "Always"
+
+    def gate_mounted_elsewhere(p: dict[str, Any]) -> None:
+        p["spec"]["initContainers"][0]["volumeMounts"] = [{"name": K.GATE_VOLUME, "mountPath": "/elsewhere"}]
+
+    def gate_subpath(p: dict[str, Any]) -> None:
+        p["spec"]["initContainers"][0]["volumeMounts"][0]["subPath"] = "x"
+
+    def gate_hostpath(p: dict[str, Any]) -> None:
+        for v in p["spec"]["volumes"]:
+            if v["name"] == K.GATE_VOLUME:
+                v.pop("emptyDir")
+                v["hostPath"] = {"path": "/var/lib/kubectl-snapshot"}
+
+    def gate_twice(p: dict[str, Any]) -> None:
+        p["spec"]["volumes"].append({"name": K.GATE_VOLUME, "emptyDir": {}})
+
+    def app_mounts_gate(p: dict[str, Any]) -> None:
+        p["spec"]["containers"][0]["volumeMounts"] = [{"name": K.GATE_VOLUME, "mountPath": "/g"}]
+
+    def ephemeral(p: dict[str, Any]) -> None:
+        p["spec"]["ephemeralContainers"] = [{"name": "dbg", "image": "busybox"}]
+
+    return [
+        no_gate,
+        tenant_init_first,
+        tenant_init_after,
+        other_command,
+        extra_args,
+        gate_as_sidecar,
+        gate_mounted_elsewhere,
+        gate_subpath,
+        gate_hostpath,
+        gate_twice,
+        app_mounts_gate,
+        ephemeral,
+    ]
+
+
+@pytest.mark.parametrize("mutate", _mutations(), ids=lambda f: f.__name__)
+def test_pods_that_only_look_like_a_restore_are_refused(mutate: Any) -> None:
+    pod = good_pod()
+    mutate(pod)
+    with pytest.raises(FailedPrecondition, match=r"restore pod|ephemeral"):
+        check_restore_pod(pod)
+
+
+def test_restored_volumes_must_be_emptydirs_of_the_pod() -> None:
+    pod = good_pod()
+    restore_volume_names(pod, ["data"])
+    for bad in (K.GATE_VOLUME, "nope", "../../etc"):
+        with pytest.raises(FailedPrecondition, match="not an emptyDir"):
+            restore_volume_names(pod, [bad])
+    pod["spec"]["volumes"].append({"name": "cfg", "configMap": {"name": "x"}})
+    with pytest.raises(FailedPrecondition):
+        restore_volume_names(pod, ["cfg"])
+
+
+def test_empty_dir_rel_refuses_odd_names() -> None:
+    assert empty_dir_rel("u-1", "data") == "pods/u-1/volumes/kubernetes.io~empty-dir/data"
+    for uid, vol in (("..", "data"), ("u", ".."), ("u", "a/b"), ("u/../..", "x")):
+        with pytest.raises(Exception, match="invalid"):
+            empty_dir_rel(uid, vol)
+
+
+# --- snapshot side: nothing unfrozen beside the dumped containers ---------------------------------
+
+
+def running_pod() -> dict[str, Any]:
+    return {
+        "metadata": {"name": "p", "namespace": "a", "uid": "u"},
+        "spec": {"containers": [{"name": "app"}]},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [{"name": "app", "containerID": "containerd://abc", "state": {"running": {}}}],
+        },
+    }
+
+
+def test_plain_pod_is_snapshotted() -> None:
+    assert running_containers(running_pod()).ids == ["abc"]
+
+
+@pytest.mark.parametrize(
+    ("key", "what"), [("initContainerStatuses", "sidecar"), ("ephemeralContainerStatuses", "ephemeral container")]
+)
+def test_running_sidecars_and_ephemeral_containers_are_refused(key: str, what: str) -> None:
+    pod = running_pod()
+    pod["status"][key] = [{"name": "x", "state": {"running": {}}}]
+    with pytest.raises(FailedPrecondition, match=f"{what} 'x' running"):
+        running_containers(pod)
+    pod["status"][key] = [{"name": "x", "state": {"terminated": {"exitCode": 0}}}]
+    assert running_containers(pod).ids == ["abc"]  # finished init containers are fine
+
+
+# --- the restore worker against planted links -----------------------------------------------------
+
+
+@dataclass
+class FakeKube:
+    annotations: list[dict[str, str]] = field(default_factory=list)
+    events: list[tuple[str, str]] = field(default_factory=list)
+
+    def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, str], *, status: bool = False) -> None:
+        self.annotations.append(ann)
+
+    def create_event(self, ns: str, *, involved: dict[str, Any], reason: str, message: str, type: str) -> None:
+        self.events.append((reason, message))
+
+
+def worker(tmp_path: Path) -> tuple[RestoreWorker, FakeKube, Path]:
+    kube = FakeKube()
+    kubelet = tmp_path / "kubelet"
+    settings = NodeSettings(node="n1", state_root=str(tmp_path / "state"), kubelet_root=str(kubelet))
+    facts = HostFacts()
+    return RestoreWorker(kube=kube, settings=settings, facts=facts), kube, kubelet
+
+
+def volume_dir(kubelet: Path, pod: dict[str, Any], name: str) -> Path:
+    d = kubelet / empty_dir_rel(pod["metadata"]["uid"], name)
+    d.mkdir(parents=True)
+    return d
+
+
+def test_gate_symlinks_planted_by_the_pod_are_not_followed(tmp_path: Path) -> None:
+    w, kube, kubelet = worker(tmp_path)
+    victim = tmp_path / "state" / "wrapper"
+    victim.parent.mkdir(parents=True)
+    victim.write_text("#!/bin/sh\nexec runc\n")
+    pod = good_pod()
+    gate = volume_dir(kubelet, pod, K.GATE_VOLUME)
+    volume_dir(kubelet, pod, "data")
+    (gate / "failed").symlink_to(victim)
+    (gate / ".failed.tmp").symlink_to(victim)
+    w.run(pod)
+    assert victim.read_text() == "#!/bin/sh\nexec runc\n"
+    assert not (gate / "failed").is_symlink() and "127.0.0.1:1" in (gate / "failed").read_text()
+    assert kube.annotations[-1][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_FAILED_PREFIX)
+
+
+def test_a_pod_that_is_not_a_restore_pod_gets_no_write_at_all(tmp_path: Path) -> None:
+    w, kube, kubelet = worker(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    pod = good_pod()
+    pod["spec"]["initContainers"].insert(0, {"name": "plant", "image": "busybox"})
+    gate = volume_dir(kubelet, pod, K.GATE_VOLUME)
+    (gate / "failed").symlink_to(victim)
+    w.run(pod)
+    assert victim.read_text() == "keep"
+    assert (gate / "failed").is_symlink() and sorted(os.listdir(gate)) == ["failed"]
+    assert "not a restore pod" in kube.annotations[-1][K.ANN_RESTORE_STATUS]
+    assert kube.events[-1][0] == K.EVENT_RESTORE_FAILED
+
+
+def test_a_gate_volume_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    w, kube, kubelet = worker(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    pod = good_pod()
+    volume_dir(kubelet, pod, "data")
+    (kubelet / empty_dir_rel(pod["metadata"]["uid"], K.GATE_VOLUME)).symlink_to(elsewhere)
+    w.run(pod)
+    assert os.listdir(elsewhere) == []
+    assert kube.annotations[-1][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_FAILED_PREFIX)
+
+
+# --- volume contents: extraction into, and capture from, a tenant-writable dir --------------------
+
+
+def test_volume_extraction_replaces_planted_links_and_takes_only_its_volume(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "f").write_text("keep")
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / "file").symlink_to(victim / "f")  # planted by a racing container
+    (vol / "dir").symlink_to(victim)
+    data = craft_tar(
+        [
+            dir_("data"),
+            reg("data/file", b"from the snapshot"),
+            dir_("data/dir"),
+            reg("data/dir/inner", b"x"),
+            hard("data/dir/h", "data/file"),
+            dir_("other"),
+            reg("other/secret", b"not for this volume"),
+        ]
+    )
+    fd = os.open(vol, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        safe_extract(io.BytesIO(data), fd, only="data", overwrite=True)
+    finally:
+        os.close(fd)
+    assert (victim / "f").read_text() == "keep" and os.listdir(victim) == ["f"]
+    assert (vol / "file").read_text() == "from the snapshot" and not (vol / "file").is_symlink()
+    assert (vol / "dir").is_dir() and not (vol / "dir").is_symlink()
+    assert sorted(os.listdir(vol)) == ["dir", "file"]
+
+
+def test_hard_link_out_of_the_volume_is_refused(tmp_path: Path) -> None:
+    data = craft_tar([dir_("a"), reg("a/f", b"1"), dir_("b"), hard("b/h", "a/f")])
+    (tmp_path / "b").mkdir()
+    with pytest.raises(UnsafeArchive, match="outside"):
+        safe_extract(io.BytesIO(data), str(tmp_path / "b"), only="b", overwrite=True)
+
+
+def test_volume_capture_records_links_as_links(tmp_path: Path) -> None:
+    secret = tmp_path / "host-secret"
+    secret.write_text("root only")
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / "leak").symlink_to(secret)
+    (vol / "dirleak").symlink_to(tmp_path)
+    (vol / "ok").write_text("mine")
+    out = io.BytesIO()
+    fd = os.open(vol, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        tar_directories([("v", fd)], out)
+    finally:
+        os.close(fd)
+    import tarfile
+
+    with tarfile.open(fileobj=io.BytesIO(out.getvalue())) as tf:
+        members = {m.name: m for m in tf.getmembers()}
+        assert members["v/leak"].issym() and members["v/dirleak"].issym()
+        assert sorted(members) == ["v", "v/dirleak", "v/leak", "v/ok"]
+        assert b"root only" not in out.getvalue()
+
+
+def test_checkpoint_volume_capture_refuses_a_volume_that_is_a_link(tmp_path: Path) -> None:
+    from kubectl_snapshot.adapters.safefs import UnsafePath
+    from shim.engine.checkpoint import CheckpointRequest, _capture_volumes
+
+    (tmp_path / "real").mkdir()
+    (tmp_path / "vol").symlink_to(tmp_path / "real")
+    req = CheckpointRequest(
+        containers=["c"], target=Reference.parse("127.0.0.1:1/x:v"), volumes=[str(tmp_path / "vol")]
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(UnsafePath):
+        _capture_volumes(req, str(work))
+
+
+def test_the_wrappers_refusal_becomes_the_restore_status(tmp_path: Path) -> None:
+    """Item 2: the image check's reason, reported by the kubelet, ends up in the restore status too."""
+    w, kube, _ = worker(tmp_path)
+    pod = good_pod()
+    pod["metadata"]["annotations"][K.ANN_RESTORE_STATUS] = K.RESTORE_STAGED
+    message = (
+        "failed to create containerd task: failed to create shim task: OCI runtime create failed: "
+        "refusing to restore: the CRIU images grant more than the container's spec: process 1: effective "
+        "capabilities CAP_SYS_ADMIN (0x200000) beyond the container's"
+    )
+    pod["status"] = {
+        "containerStatuses": [
+            {"name": "c", "state": {"waiting": {"reason": "CreateContainerError", "message": message}}}
+        ]
+    }
+    w.consider(pod)
+    status = kube.annotations[-1][K.ANN_RESTORE_STATUS]
+    assert status.startswith(K.RESTORE_FAILED_PREFIX + "container c: refusing to restore") and "CAP_SYS_ADMIN" in status
+    assert kube.events[-1][0] == K.EVENT_RESTORE_FAILED
+    # other create errors are the kubelet's business
+    pod["status"]["containerStatuses"][0]["state"]["waiting"]["message"] = "image not found"
+    n = len(kube.annotations)
+    w.consider(pod)
+    assert len(kube.annotations) == n
