@@ -243,7 +243,15 @@ def test_restore_onto_a_node_that_cannot(cluster, namespace, agent: AgentInstall
     ref = json.loads(out.stdout)["status"]["reference"]
     with agent.node_override(n2, criuPath="/nonexistent/criu"):
         proc = plugin("restore", ref, "-n", namespace, "--name", "pre2", "--node", n2, "--timeout", "120s", check=False)
+        agent_pod = agent.agent_pod(n2)
+        logs = (
+            ""
+            if agent_pod is None
+            else cluster.kubectl(
+                "logs", "-n", "kubectl-snapshot-system", agent_pod["metadata"]["name"], "--all-containers", check=False
+            ).stdout[-3000:]
+        )
     assert proc.returncode == 1
-    assert "CRIU is not installed" in proc.stderr, proc.stderr
+    assert "CRIU is not installed" in proc.stderr, proc.stderr + "\nagent on n2:\n" + logs
     assert running(cluster, namespace, "pre")  # the original is untouched
     time.sleep(0)
