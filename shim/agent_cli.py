@@ -370,7 +370,14 @@ def node_options(fn: F) -> F:
             help="A directory containerd imports config drop-ins from.",
         ),
         click.option("--restart-command", default="", help="Host shell command that restarts containerd."),
-        click.option("--criu-path", default=d.criu_path, show_default=True, help="CRIU as the node's runc finds it."),
+        click.option(
+            "--criu-path",
+            default=d.criu_path,
+            help="CRIU runc is handed (default: the one install-node puts in the node's directory).",
+        ),
+        click.option(
+            "--runc-path", default=d.runc_path, help="The node's runc (default: the shim's, found on the host)."
+        ),
         click.option(
             "--criu-config",
             default=d.criu_config,
@@ -409,6 +416,7 @@ def _node_settings(kw: dict[str, Any]) -> Any:
         containerd_dropin_dir=kw.pop("containerd_dropin_dir"),
         restart_command=kw.pop("restart_command"),
         criu_path=kw.pop("criu_path"),
+        runc_path=kw.pop("runc_path"),
         criu_config=kw.pop("criu_config"),
         guard_socket=kw.pop("guard_socket", ""),
     )
@@ -450,12 +458,19 @@ def run_cmd(kubeconfig: str | None, ready_file: str, metrics_bind_address: str, 
     show_default=True,
     help="The runtime hook zipapp to install.",
 )
+@click.option(
+    "--bundle",
+    default="/usr/local/lib/kubectl-snapshot/node-bundle",
+    show_default=True,
+    help="The node bundle (CRIU, the hook's Python, their loader and libraries) to install.",
+)
 @handle_errors
-def install_node_cmd(wrapper_pyz: str, **kw: Any) -> None:
-    """Install the runtime hook and the containerd drop-in on this node (DaemonSet init container)."""
+def install_node_cmd(wrapper_pyz: str, bundle: str, **kw: Any) -> None:
+    """Install the node bundle, the runtime hook and the containerd drop-in on this node (init container)."""
     from shim.controller.node_install import install
 
-    r = install(_node_settings(kw), wrapper_pyz=wrapper_pyz)
+    r = install(_node_settings(kw), wrapper_pyz=wrapper_pyz, bundle=bundle)
+    click.echo(f"node bundle {r.bundle}; CRIU {r.criu}")
     click.echo(
         f"runtime hook {r.launcher}; drop-in {r.dropin} ({'changed' if r.changed else 'unchanged'}"
         f"{', containerd restarted' if r.restarted else ''})"

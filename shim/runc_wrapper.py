@@ -7,9 +7,11 @@ RuntimeClass) exactly like runc. For a container with staged snapshot data in th
   ``runc restore --detach --image-path <staged>/checkpoint --work-path <staged> ...`` instead;
 - ``start``: does nothing (the restored process is already running);
 
-and passes every other call, unchanged, to the real runc (``exec``, so signals and exit codes are
-runc's own). Staged data is found only by a key derived here: the container id, or the pod uid +
-container name that containerd's CRI plugin writes into the bundle's config.json annotations.
+and passes every other call to the real runc (``exec``, so signals and exit codes are runc's own).
+Every runc it runs is handed the node's installed CRIU (``--criu $KUBECTL_SNAPSHOT_CRIU``, set by the
+launcher that install-node writes), so a CRIU of the host, present or not, is never used.
+Staged data is found only by a key derived here: the container id, or the pod uid + container name
+that containerd's CRI plugin writes into the bundle's config.json annotations.
 """
 
 from __future__ import annotations
@@ -101,6 +103,23 @@ def parse_create(args: Sequence[str]) -> CreateArgs:
     return CreateArgs(positional[0], bundle, values.get("--pid-file"), values.get("--console-socket"), flags)
 
 
+def with_criu(global_args: Sequence[str]) -> list[str]:
+    """runc's global options with ``--criu`` set to the installed CRIU (when the launcher names one)."""
+    criu = os.environ.get("KUBECTL_SNAPSHOT_CRIU")
+    out = list(global_args)
+    if not criu:
+        return out
+    i = 0
+    while i < len(out):
+        if out[i] == "--criu":
+            del out[i : i + 2]
+        elif out[i].startswith("--criu="):
+            del out[i]
+        else:
+            i += 1
+    return ["--criu", criu, *out]
+
+
 def real_runc() -> str:
     env = os.environ.get("KUBECTL_SNAPSHOT_RUNC")
     if env:
@@ -142,7 +161,7 @@ def restore_command(runc: str, inv: Invocation, create: CreateArgs, staged: str)
     options: dict[str, bool] = {}
     with contextlib.suppress(OSError, ValueError), open(os.path.join(staged, C.DUMP_OPTIONS_FILE)) as f:
         options = json.load(f)
-    cmd = [runc, *inv.global_args, "restore", "--detach"]
+    cmd = [runc, *with_criu(inv.global_args), "restore", "--detach"]
     cmd += ["--image-path", os.path.join(staged, C.CHECKPOINT_DIRECTORY), "--work-path", staged]
     cmd += ["--bundle", create.bundle]
     if create.pid_file:
@@ -367,7 +386,7 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
                 os.unlink(marker)
                 if inv.command == "start":
                     return 0  # the restored process is already running
-    os.execv(runc, [runc, *argv])
+    os.execv(runc, [runc, *with_criu(inv.global_args), *argv[len(inv.global_args) :]])
 
 
 def main() -> None:

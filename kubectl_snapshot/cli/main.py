@@ -646,6 +646,21 @@ def _doctor_text(d: dict[str, Any]) -> str:
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["", *("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)]
+    for n in d["nodes"]:
+        criu, hook = n.get("criu") or {}, n.get("hook") or {}
+        if not criu and not hook:
+            continue
+        lines += [
+            "",
+            f"{n['node']}:",
+            f"  CRIU          {criu.get('path', '?')} ({criu.get('version', '?')}; {criu.get('from', '?')})",
+            f"  runtime hook  {hook.get('path', '?')} (python {hook.get('python', '?')}; {hook.get('from', '?')})",
+            f"  criu check    {str(n.get('criuCheck', '?')).splitlines()[-1] if n.get('criuCheck') else '?'}",
+            f"  cgroup        {n.get('cgroup', '?')}",
+            f"  containerd    config {n.get('containerdConfig', '?')}; imports the drop-in: "
+            f"{str(n.get('importsDropin', '?')).lower()}; restart pending: {str(n.get('restartPending', '?')).lower()}",
+            *(f"  BLOCKED       {b}" for b in n.get("blockers") or []),
+        ]
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider, Sealer
 from shim import freezer, guard, unixpeers
 from shim.containerd.client import ContainerdClient
+from shim.containerd.runc_checkpoint import RuncCheckpointer
 from shim.controller.events import pod_event, snapshot_event
 from shim.controller.mounts import previous_repositories
 from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_containers
@@ -201,9 +202,12 @@ class SnapshotWorker:
             # the key first: a key store problem fails the snapshot before anything is frozen
             sealer = Sealer(self.keys.namespace_key(ns, create=True), ns) if self.keys is not None else None
             report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
+            checkpointer = RuncCheckpointer(self.settings.criu, self.settings.runc_path)  # the installed CRIU
             with (
                 self._guard(report) as held,
-                ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd,
+                ContainerdClient(
+                    self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE, checkpointer=checkpointer
+                ) as containerd,
             ):
                 result = checkpoint(
                     req,

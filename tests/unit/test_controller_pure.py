@@ -10,10 +10,11 @@ import pytest
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition
-from shim.controller.node_install import dropin_toml, install, launcher_script, uninstall
+from shim.controller.node_install import dropin_toml, install, uninstall
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
 from shim.controller.restores import wants_restore
 from shim.controller.settings import NodeSettings, apply_node_map
+from tests.support.bundle import fake_bundle
 
 POD: dict[str, Any] = {
     "metadata": {
@@ -133,16 +134,17 @@ def test_install_and_uninstall_node(tmp_path: Path) -> None:
     )
     pyz = tmp_path / "w.pyz"
     pyz.write_bytes(b"PK")
-    r = install(s, wrapper_pyz=str(pyz))
+    bundle = fake_bundle(tmp_path / "bundle")
+    r = install(s, wrapper_pyz=str(pyz), bundle=str(bundle))
     assert r.changed and r.restarted and (tmp_path / "restarted").exists()
     # this node's "CRIU" cannot run the nftables probe: no configuration is written
     assert r.criu_config is not None and r.criu_config.state == "unsupported"
     assert not Path(s.criu_config).exists()
-    assert Path(s.wrapper_launcher).read_text() == launcher_script(s)
+    assert Path(s.wrapper_launcher).read_bytes() == (bundle / "launcher").read_bytes()
     assert f"BinaryName = '{s.wrapper_launcher}'" in dropin_toml(s)
     assert Path(r.dropin).read_text() == dropin_toml(s)
     (tmp_path / "restarted").unlink()
-    again = install(s, wrapper_pyz=str(pyz))
+    again = install(s, wrapper_pyz=str(pyz), bundle=str(bundle))
     assert not again.changed and not again.restarted and not (tmp_path / "restarted").exists()
     uninstall(s)
     assert not Path(r.dropin).exists() and not Path(s.wrapper_dir).exists()
