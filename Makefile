@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup deps cluster-deps cosign venv lint typecheck check-generated protos unit integration e2e test demo demo-node bench clean
+.PHONY: setup deps cluster-deps go-tools cosign venv lint typecheck check-generated protos chart unit integration e2e test demo demo-node bench clean
 
 deps:
 	hack/install-node-deps.sh
@@ -23,6 +23,11 @@ cosign:
 venv:
 	hack/setup-venv.sh
 
+# krew (and its manifest validator) and helm, built from the Go module proxy, cached by version
+go-tools: deps
+	hack/build-go-tool.sh krew
+	hack/build-go-tool.sh helm
+
 setup: deps venv
 
 lint: venv
@@ -39,13 +44,16 @@ protos: venv
 check-generated: venv
 	hack/check-generated.sh
 
+chart: venv
+	$(PY) hack/gen-chart.py
+
 unit: venv
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
 integration: setup cosign
 	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
 
-test: setup cluster-deps cosign lint typecheck check-generated
+test: setup cluster-deps go-tools cosign lint typecheck check-generated
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
 
 demo: setup cluster-deps

@@ -53,8 +53,8 @@ from tests.support.registry import RegistryServer
 from tests.support.signing import signing_env
 
 BIN = Path(sys.executable).parent
-AGENT = str(BIN / "kubectl-snapshot-agent")
-WRAPPER = str(BIN / "kubectl-snapshot-runc")
+AGENT = str(BIN / "ks-agent")
+WRAPPER = str(BIN / "ks-runc")
 CTR = "/usr/local/bin/ctr"
 CRIU = shutil.which("criu") or "/usr/sbin/criu"
 HOST_PY = "/usr/bin/python3"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The local node demo: a registry and two containerd "nodes" on this machine, a counter container on
-node A snapshotted with kubectl-snapshot-agent, killed, and restored on node B where it counts on.
+node A snapshotted with ks-agent, killed, and restored on node B where it counts on.
 
 Run through `make demo` (which installs what it needs first). Everything stays on loopback."""
 
@@ -65,7 +65,7 @@ def main() -> None:
 
         say("snapshot it (freeze, CRIU dump, push to the registry, sign) and stop it")
         keys = write_key(work / "keys", "demo")  # the cluster's agents hold one made by `install`
-        agent = str(BIN / "kubectl-snapshot-agent")
+        agent = str(BIN / "ks-agent")
         ref = run(
             agent,
             "checkpoint",
@@ -98,7 +98,7 @@ def main() -> None:
             "-n",
             "demo",
             "--runtime-binary",
-            str(BIN / "kubectl-snapshot-runc"),
+            str(BIN / "ks-runc"),
             "--runc-root",
             node_b.runc_root,
             ref,

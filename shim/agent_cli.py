@@ -1,8 +1,8 @@
-"""kubectl-snapshot-agent: the node engine as a command, usable against any containerd like `ctr`.
+"""ks-agent: the node engine as a command, usable against any containerd like `ctr`.
 
-kubectl-snapshot-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
-kubectl-snapshot-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
-kubectl-snapshot-agent inspect    REF [-o json|yaml]
+ks-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
+ks-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
+ks-agent inspect    REF [-o json|yaml]
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -35,6 +36,21 @@ from shim.engine.staging import StatePaths
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
+
+
+def find_wrapper(argv0: str | None = None, executable: str | None = None) -> str | None:
+    """The runtime wrapper installed with this agent: beside the script that runs us (a venv's bin/,
+    called by its full path), beside the interpreter, and only then on PATH."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    executable = sys.executable if executable is None else executable
+    dirs = [os.path.dirname(os.path.abspath(argv0))] if os.sep in argv0 else []
+    if executable:
+        dirs.append(os.path.dirname(executable))
+    for d in dirs:
+        candidate = os.path.join(d, C.WRAPPER_BINARY_NAME)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which(C.WRAPPER_BINARY_NAME)
 
 
 def containerd_options(fn: F) -> F:
@@ -131,6 +147,13 @@ def cli(verbose: bool) -> None:
 @click.option("--no-tcp-established", is_flag=True, help="Do not dump established TCP connections.")
 @click.option("--keep-work", is_flag=True, help="Keep the dump directory (for debugging).")
 @click.option(
+    "--mount-from",
+    "mount_from",
+    multiple=True,
+    help="Another repository of --to's registry (REPO or REGISTRY/REPO) whose blobs the registry may mount "
+    "instead of receiving them again (repeatable).",
+)
+@click.option(
     "--guard-socket",
     envvar=guard.ENV_SOCKET,
     default="",
@@ -161,6 +184,7 @@ def checkpoint_cmd(
     volumes: tuple[str, ...],
     no_tcp_established: bool,
     keep_work: bool,
+    mount_from: tuple[str, ...],
     guard_socket: str,
     encrypt: bool,
     key_dir: str | None,
@@ -180,6 +204,10 @@ def checkpoint_cmd(
     if encrypt:
         ns = key_namespace or namespace
         sealer = Sealer(key_provider(key_dir).namespace_key(ns, create=True), ns)
+    sources = [
+        Reference.parse(m if m.startswith(target.registry + "/") else f"{target.registry}/{m}") for m in mount_from
+    ]
+    registry.add_mount_sources(sources)
     held = contextlib.nullcontext(guard.GuardClient(guard_socket)) if guard_socket else guard.private_guard()
     with held as guard_client, _client(address, namespace) as containerd, Progress("checkpoint") as bar:
         result = checkpoint(
@@ -209,6 +237,7 @@ def checkpoint_cmd(
         "encrypted": sealer is not None,
         "size": result.size,
         "uploaded": result.uploaded,
+        "mounted": len(registry.mounted),
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
         "frozenBy": result.frozen_by,
         "containers": [c.name for c in result.config.containers],
@@ -230,8 +259,8 @@ def checkpoint_cmd(
 )
 @click.option(
     "--runtime-binary",
-    default=lambda: shutil.which(C.WRAPPER_BINARY_NAME) or "",
-    show_default="kubectl-snapshot-runc on PATH",
+    default=lambda: find_wrapper() or "",
+    show_default=f"{C.WRAPPER_BINARY_NAME} beside ks-agent, else on PATH",
     help="The runc-compatible wrapper the new containers run under.",
 )
 @click.option("--runc-root", default="", help="runc state root for the new containers (default: the shim's).")
@@ -280,8 +309,8 @@ def restore_cmd(
     registry = make_registry(source, registry_opts)
     if not runtime_binary:
         raise InvalidArgument(
-            f"{C.WRAPPER_BINARY_NAME} was not found on PATH",
-            hint="pass --runtime-binary /path/to/kubectl-snapshot-runc",
+            f"{C.WRAPPER_BINARY_NAME} was not found beside {sys.argv[0]} nor on PATH",
+            hint=f"pass --runtime-binary /path/to/{C.WRAPPER_BINARY_NAME}",
         )
     with _client(address, namespace) as containerd, Progress("restore") as bar:
         result = restore(
@@ -347,7 +376,7 @@ def inspect_cmd(output: str, ref: str, trusted_keys: tuple[str, ...], **registry
 
 
 def main() -> None:
-    cli(prog_name="kubectl-snapshot-agent")
+    cli(prog_name="ks-agent")
 
 
 if __name__ == "__main__":
@@ -380,7 +409,14 @@ def node_options(fn: F) -> F:
             help="A directory containerd imports config drop-ins from.",
         ),
         click.option("--restart-command", default="", help="Host shell command that restarts containerd."),
-        click.option("--criu-path", default=d.criu_path, show_default=True, help="CRIU as the node's runc finds it."),
+        click.option(
+            "--criu-path",
+            default=d.criu_path,
+            help="CRIU runc is handed (default: the one install-node puts in the node's directory).",
+        ),
+        click.option(
+            "--runc-path", default=d.runc_path, help="The node's runc (default: the shim's, found on the host)."
+        ),
         click.option(
             "--criu-config",
             default=d.criu_config,
@@ -419,6 +455,7 @@ def _node_settings(kw: dict[str, Any]) -> Any:
         containerd_dropin_dir=kw.pop("containerd_dropin_dir"),
         restart_command=kw.pop("restart_command"),
         criu_path=kw.pop("criu_path"),
+        runc_path=kw.pop("runc_path"),
         criu_config=kw.pop("criu_config"),
         guard_socket=kw.pop("guard_socket", ""),
     )
@@ -460,12 +497,19 @@ def run_cmd(kubeconfig: str | None, ready_file: str, metrics_bind_address: str, 
     show_default=True,
     help="The runtime hook zipapp to install.",
 )
+@click.option(
+    "--bundle",
+    default="/usr/local/lib/kubectl-snapshot/node-bundle",
+    show_default=True,
+    help="The node bundle (CRIU, the hook's Python, their loader and libraries) to install.",
+)
 @handle_errors
-def install_node_cmd(wrapper_pyz: str, **kw: Any) -> None:
-    """Install the runtime hook and the containerd drop-in on this node (DaemonSet init container)."""
+def install_node_cmd(wrapper_pyz: str, bundle: str, **kw: Any) -> None:
+    """Install the node bundle, the runtime hook and the containerd drop-in on this node (init container)."""
     from shim.controller.node_install import install
 
-    r = install(_node_settings(kw), wrapper_pyz=wrapper_pyz)
+    r = install(_node_settings(kw), wrapper_pyz=wrapper_pyz, bundle=bundle)
+    click.echo(f"node bundle {r.bundle}; CRIU {r.criu}")
     click.echo(
         f"runtime hook {r.launcher}; drop-in {r.dropin} ({'changed' if r.changed else 'unchanged'}"
         f"{', containerd restarted' if r.restarted else ''})"

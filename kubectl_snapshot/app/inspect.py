@@ -1,5 +1,5 @@
 """What a snapshot holds, as data and as text: shared by `kubectl snapshot inspect` and
-`kubectl-snapshot-agent inspect` so both print the same thing."""
+`ks-agent inspect` so both print the same thing."""
 
 from __future__ import annotations
 

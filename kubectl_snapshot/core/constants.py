@@ -82,7 +82,7 @@ CONTAINERD_LEASE_HEADER: Final = "containerd-lease"
 RUNC_RUNTIME: Final = "io.containerd.runc.v2"
 RUNC_OPTIONS_TYPE: Final = "containerd.runc.v1.Options"
 RUNC_CHECKPOINT_OPTIONS_TYPE: Final = "containerd.runc.v1.CheckpointOptions"
-WRAPPER_BINARY_NAME: Final = "kubectl-snapshot-runc"
+WRAPPER_BINARY_NAME: Final = "ks-runc"
 
 # --- node paths (overridable by flags/env) ---------------------------------------------------
 DEFAULT_STATE_DIR: Final = "/var/lib/kubectl-snapshot"

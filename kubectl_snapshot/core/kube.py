@@ -27,6 +27,7 @@ ANN_RESTORE_FROM: Final = f"{GROUP}/restore-from"  # REGISTRY/REPO@sha256:...
 ANN_RESTORE_STATUS: Final = f"{GROUP}/restore-status"  # Staged | Failed: <reason>
 ANN_REGISTRY_SECRET: Final = f"{GROUP}/registry-secret"
 LABEL_RESTORED_FROM: Final = f"{GROUP}/restored-from"
+LABEL_POD: Final = f"{GROUP}/pod"  # on a PodSnapshot: its pod's name (`kubectl snapshot list -l ...`)
 # Who may restore: a verb of its own on podsnapshots, checked at admission (deploy/admission.py).
 RESTORE_VERB: Final = "restore"
 # On Namespaces, written by cluster admins (tenants cannot edit their Namespace object):

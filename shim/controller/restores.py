@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 from typing import Any
@@ -37,9 +38,14 @@ from shim.engine.artifact import load_artifact
 from shim.engine.restore import RestoreLimits, VolumeTarget, opener_for, stage_artifact
 from shim.engine.staging import StatePaths, check_key
 from shim.metrics import AgentMetrics
+from shim.podrestore import PodRestore
 
 log = logging.getLogger(__name__)
 VOLUME_WAIT_S = 120.0
+# Labels containerd's CRI plugin puts on a pod's containers.
+LABEL_POD_UID = "io.kubernetes.pod.uid"
+LABEL_CONTAINER_NAME = "io.kubernetes.container.name"
+LABEL_CRI_KIND = "io.cri-containerd.kind"
 GC_GRACE_S = 600.0  # staged data younger than this is never collected (a restore may be starting)
 DOWNLOAD_GC_S = 6 * 3600.0  # partial downloads older than this belong to no live restore
 WRAPPER_REFUSAL = "refusing to restore"  # how the runtime wrapper's image check starts its message
@@ -106,10 +112,13 @@ class RestoreWorker:
         self.scheduler = scheduler  # None: run in the caller's thread (tests)
         self.limits = limits or RestoreLimits()
         self._seen: set[str] = set()
+        self._failed: set[str] = set()
         self._active: set[str] = set()
         self._lock = threading.Lock()
 
     def consider(self, pod: dict[str, Any]) -> None:
+        if self.follow(pod):  # not restored whole: reported with the wrapper's reason (it includes refusals)
+            return
         refused = wrapper_refusal(pod, self.settings.node)
         if refused:
             self._annotate(pod, K.RESTORE_FAILED_PREFIX + refused)
@@ -239,6 +248,8 @@ class RestoreWorker:
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
             self._wait_for_dirs(root, [gate, *(t.rel for t in targets)])
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
+            # Before anything is staged: the runtime wrapper restores the pod whole or not at all.
+            PodRestore(self.paths.pod_dir(uid)).record([c.name for c in config.containers])
             self._record_owner(pod)  # for garbage collection once the pod is gone
             stage_artifact(
                 artifact,
@@ -302,8 +313,63 @@ class RestoreWorker:
                 )
             time.sleep(0.2)
 
+    def follow(self, pod: dict[str, Any]) -> bool:
+        """A staged pod of this node: report it failed (once) when the wrapper could not restore it
+        whole; True when it did (now or before). Its state dir goes with the staged data (collect_garbage)."""
+        meta = pod.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        uid = str(meta.get("uid") or "")
+        if uid in self._failed:
+            return True
+        if (
+            annotations.get(K.ANN_RESTORE_STATUS) != K.RESTORE_STAGED
+            or (pod.get("spec") or {}).get("nodeName") != self.settings.node
+        ):
+            return False
+        try:
+            state = PodRestore(self.paths.pod_dir(uid))
+        except SnapshotError:
+            return False
+        why = state.failed()
+        if why is None:
+            return False
+        self._failed.add(uid)
+        stopped = self._stop_containers(uid)
+        err = FailedPrecondition(
+            f"the pod could not be restored whole: {why.strip()}",
+            hint="no container of the pod was started from scratch"
+            + (f" (stopped the restored ones: {', '.join(stopped)})" if stopped else "")
+            + "; delete the pod, fix the cause and restore again",
+        )
+        self._annotate(pod, K.RESTORE_FAILED_PREFIX + err.message)
+        pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, render(err), warning=True)
+        return True
+
+    def _stop_containers(self, uid: str) -> list[str]:
+        """Kill the pod's running app containers: the wrapper refuses to create them again."""
+        from shim.containerd.client import ContainerdClient  # the agent's adapter; not needed by pure tests
+
+        stopped = []
+        try:
+            with ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as c:
+                for info in c.list_containers():
+                    labels = info.labels
+                    if labels.get(LABEL_POD_UID) != uid or labels.get(LABEL_CRI_KIND) != "container":
+                        continue
+                    task = c.get_task(info.id)
+                    if task is None or task.status not in ("running", "paused", "created"):
+                        continue
+                    with contextlib.suppress(SnapshotError):
+                        c.kill_task(info.id, signal.SIGKILL, all=True)
+                        stopped.append(labels.get(LABEL_CONTAINER_NAME, info.id))
+        except SnapshotError as e:
+            log.warning("could not stop the containers of pod %s: %s", uid, e)
+        return sorted(stopped)
+
     def _fail(self, pod: dict[str, Any], gate: str | None, err: SnapshotError) -> None:
         message = render(err)
+        with contextlib.suppress(SnapshotError, OSError):
+            PodRestore(self.paths.pod_dir(pod["metadata"]["uid"])).fail(err.message)
         if gate is not None:
             try:
                 self._open_gate(gate, K.GATE_FAILED_FILE, message + "\n")

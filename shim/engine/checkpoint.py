@@ -63,6 +63,7 @@ from shim.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]  # (new bytes, total bytes)
+UnixLinksFn = Callable[[list[int]], Sequence[Any]]  # init pids -> shim.unixpeers.CrossLink list
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,7 @@ def checkpoint(
     memory_of: Callable[[int], int] | None = None,
     on_plan: Callable[[freeze_plan.FreezePlan], None] | None = None,
     sealer: Sealer | None = None,
+    unix_links: UnixLinksFn | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -148,13 +150,15 @@ def checkpoint(
     anything is frozen; a freezer from shim.guard enforces the deadline.
     `sealer` (core/sealing.py): encrypt every layer and chunk for its namespace (get the namespace key
     before calling, so that a key problem fails before anything is frozen).
+    `unix_links` finds Unix socket connections between the containers (shim.unixpeers), which CRIU
+    cannot dump one container at a time: the snapshot is refused before anything is frozen.
     """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
     t0 = clock()
 
     # Preflight before touching the workload: the containers run, the registry answers.
-    infos, upperdirs = [], []
+    infos, upperdirs, pids = [], [], []
     direct: dict[str, Freezer] = {}
     memory = 0
     for cid in req.containers:
@@ -172,7 +176,10 @@ def checkpoint(
         if memory_of is not None:
             memory += memory_of(task.pid)
         infos.append(info)
+        pids.append(task.pid)
         upperdirs.append(_upperdir(containerd, info))
+    if unix_links is not None:
+        _refuse_unix_links(unix_links(pids), names)
     registry.ping(req.target)
     image_digests = [_image_digest(containerd, info.image) for info in infos]
     if host is None:
@@ -373,6 +380,22 @@ def _origin(req: CheckpointRequest, config: SnapshotConfig) -> Origin:
         node=req.node or (pod.node if pod is not None else ""),
         created=config.created,
         format_version=config.format_version,
+    )
+
+
+def _refuse_unix_links(links: Sequence[Any], names: Sequence[str]) -> None:
+    """Refuse a group whose containers are connected by Unix sockets (see shim/unixpeers.py)."""
+    if not links:
+        return
+    described = "; ".join(
+        f"{names[link.a]!r} and {names[link.b]!r} ({link.kind} socket{', ' + link.name if link.name else ''})"
+        for link in links
+    )
+    raise FailedPrecondition(
+        f"containers of the pod are connected to each other by Unix sockets, which cannot be snapshotted: {described}",
+        hint="CRIU dumps each container on its own and cannot restore one end of a Unix socket connection "
+        "whose other end is in another container; connect such containers over TCP on 127.0.0.1 "
+        "(restored on both ends), or reconnect on demand",
     )
 
 

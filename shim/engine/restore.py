@@ -55,7 +55,7 @@ DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin
 class RestoreRequest:
     source: Reference
     new_ids: Sequence[str]  # one per snapshotted container, in order
-    runtime_binary: str  # the runc-compatible wrapper (kubectl-snapshot-runc)
+    runtime_binary: str  # the runc-compatible wrapper (ks-runc, or kubectl-snapshot-runc on nodes)
     volumes: Sequence[str] = ()  # host dirs that receive the volume contents, one per snapshotted volume
     runc_root: str = ""
     log_dir: str = "/var/log/kubectl-snapshot"
@@ -349,7 +349,7 @@ def restore(
     if not os.access(req.runtime_binary, os.X_OK):
         raise FailedPrecondition(
             f"the runtime wrapper {req.runtime_binary!r} is not executable",
-            hint="install kubectl-snapshot on this node (it provides kubectl-snapshot-runc)",
+            hint="install kubectl-snapshot on this node (it provides ks-runc)",
         )
 
     phase("resolve")

@@ -1,5 +1,5 @@
 """The node engine end to end on real components: two containerd instances, runc, CRIU 4.2.1 and a
-registry. Everything goes through `kubectl-snapshot-agent`, the command a user runs."""
+registry. Everything goes through `ks-agent`, the command a user runs."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ from tests.support.signing import signing_env
 
 pytestmark = pytest.mark.integration
 
-AGENT = str(Path(sys.executable).with_name("kubectl-snapshot-agent"))
-WRAPPER = str(Path(sys.executable).with_name("kubectl-snapshot-runc"))
+AGENT = str(Path(sys.executable).with_name("ks-agent"))
+WRAPPER = str(Path(sys.executable).with_name("ks-runc"))
 COUNTER = (
     "tok=$(cat /proc/sys/kernel/random/uuid); i=0; "
     'while true; do i=$((i+1)); echo "$tok $i" > /tmp/count; echo $i; usleep 50000; done'
@@ -44,7 +44,7 @@ def agent(
         full_env.pop("KUBECTL_SNAPSHOT_SIGNING_KEY")
     proc = subprocess.run([AGENT, *args], capture_output=True, text=True, timeout=timeout, check=False, env=full_env)
     if check and proc.returncode != 0:
-        pytest.fail(f"kubectl-snapshot-agent {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        pytest.fail(f"ks-agent {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
 
 

@@ -1,6 +1,6 @@
 """Snapshot signing keys for tests, as files the node-level agent CLI and cosign read.
 
-``signing_env()`` gives the environment that makes `kubectl-snapshot-agent checkpoint` sign with the
+``signing_env()`` gives the environment that makes `ks-agent checkpoint` sign with the
 session's key and `restore`/`inspect` trust it (KUBECTL_SNAPSHOT_SIGNING_KEY / _TRUSTED_KEYS).
 """
 

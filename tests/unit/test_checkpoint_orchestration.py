@@ -333,6 +333,27 @@ def test_unsigned_without_a_key(tmp_path: Path) -> None:
     assert result.signed_by == "" and not any(tag.endswith(".sig") for tag in reg.manifests)
 
 
+def test_containers_connected_by_unix_sockets_are_refused_before_freezing(tmp_path: Path) -> None:
+    from shim.unixpeers import CrossLink
+
+    cd = FakeContainerd({"a", "b"})
+    seen: list[list[int]] = []
+
+    def links(pids: list[int]) -> list[CrossLink]:
+        seen.append(pids)
+        return [CrossLink(0, 1, "stream", "/vol/sock")]
+
+    req = CheckpointRequest(containers=["a", "b"], target=TARGET, names=["server", "client"])
+    paths = StatePaths(str(tmp_path))
+    with pytest.raises(FailedPrecondition, match=r"'server' and 'client' \(stream socket, /vol/sock\)") as e:
+        checkpoint(req, containerd=cd, registry=FakeRegistry(), paths=paths, host=HOST, unix_links=links)
+    assert "TCP on 127.0.0.1" in (e.value.hint or "")
+    assert seen == [[1, 1]] and cd.calls == []  # nothing was frozen
+    # no connection between them: the snapshot goes ahead
+    checkpoint(req, containerd=cd, registry=FakeRegistry(), paths=paths, host=HOST, unix_links=lambda p: [])
+    assert ("checkpoint", "a") in cd.calls
+
+
 def test_liveness_preflight_refuses_before_anything_is_frozen(tmp_path: Path) -> None:
     from kubectl_snapshot.core.freeze import ProbeBudget
 
