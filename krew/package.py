@@ -4,9 +4,10 @@
 Why a zipapp with vendored pure-Python dependencies: krew installs a file and puts it on PATH; the
 user's machine has a python3 but none of our packages. Everything the plugin imports (click,
 kubernetes and its closure, requests, pyyaml, tqdm) has a pure-Python form, so one platform-independent
-file serves Linux and macOS. Node-only dependencies (grpcio, protobuf, zstandard, prometheus-client,
-cryptography) and the asyncio client's aiohttp are left out; compiled extension files are dropped
-(pyyaml and charset-normalizer fall back to their pure-Python modules).
+file serves Linux and macOS. Node-only dependencies (grpcio, protobuf, zstandard, prometheus-client),
+cryptography (compiled; the plugin asks for it where it signs or verifies) and the asyncio client's
+aiohttp are left out; compiled extension files are dropped (pyyaml and charset-normalizer fall
+back to their pure-Python modules).
 
 The dependency files are copied from the installed distributions of the Python running this script
 (the project venv), so the build is offline and reproducible: sorted entries, fixed timestamps, and
@@ -52,8 +53,9 @@ EXCLUDED = {
     "grpcio-tools",
     "google-auth",
     "prometheus-client",  # the node agent only
-    "cryptography",  # the node agent only (its metrics certificate, encryption at rest); compiled
+    "cryptography",  # compiled: the agent (metrics certificate, encryption, signatures); the plugin asks for it
     "cffi",
+    "pycparser",
 }
 DROP_SUFFIXES = (".so", ".pyd", ".dylib", ".pyc", ".pyi")
 EPOCH = (1980, 1, 1, 0, 0, 0)

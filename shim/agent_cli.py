@@ -20,6 +20,7 @@ from kubectl_snapshot.adapters.keystore import FileKeyProvider
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
 from kubectl_snapshot.app.artifact import load_artifact
 from kubectl_snapshot.app.inspect import inspect_data, inspect_text
+from kubectl_snapshot.app.provenance import load_signing_key, load_trust, provenance_of
 from kubectl_snapshot.cli.errors import handle_errors
 from kubectl_snapshot.cli.output import emit, output_option
 from kubectl_snapshot.cli.progress import Progress
@@ -164,6 +165,13 @@ def cli(verbose: bool) -> None:
     show_default=True,
     help="Seal every layer and chunk with AES-256-GCM under the namespace's key (docs/format.md).",
 )
+@click.option(
+    "--signing-key",
+    envvar="KUBECTL_SNAPSHOT_SIGNING_KEY",
+    type=click.Path(exists=True),
+    help="ECDSA P-256 PEM key (or a dir with signing.key) that signs the snapshot, cosign-style. "
+    "Without it the snapshot is unsigned, and restores refuse it unless told to trust unverified ones.",
+)
 @key_options
 @output_option
 @click.argument("containers", nargs=-1, required=True)
@@ -181,6 +189,7 @@ def checkpoint_cmd(
     encrypt: bool,
     key_dir: str | None,
     key_namespace: str | None,
+    signing_key: str | None,
     output: str,
     containers: tuple[str, ...],
     **registry_opts: Any,
@@ -210,6 +219,8 @@ def checkpoint_cmd(
                 namespace=namespace,
                 tcp_established=not no_tcp_established,
                 keep_work=keep_work,
+                signing_key=load_signing_key(signing_key) if signing_key else None,
+                node=os.uname().nodename,
             ),
             containerd=containerd,
             registry=registry,
@@ -231,6 +242,7 @@ def checkpoint_cmd(
         "frozenBy": result.frozen_by,
         "containers": [c.name for c in result.config.containers],
         "stopped": stop,
+        "signedBy": result.signed_by,
     }
     emit(data, output, lambda d: d["reference"])
 
@@ -259,6 +271,19 @@ def checkpoint_cmd(
     help="Where container stdout/stderr go.",
 )
 @key_options
+@click.option(
+    "--trusted-key",
+    "trusted_keys",
+    multiple=True,
+    envvar="KUBECTL_SNAPSHOT_TRUSTED_KEYS",
+    type=click.Path(exists=True),
+    help="Public key PEM (or a dir of *.pub, e.g. the trust ConfigMap) whose signatures are trusted (repeatable).",
+)
+@click.option(
+    "--allow-unverified",
+    is_flag=True,
+    help="Restore even without a signature from a trusted key (you vouch for the snapshot yourself).",
+)
 @output_option
 @click.argument("ref")
 @click.argument("names", nargs=-1, required=True)
@@ -272,6 +297,8 @@ def restore_cmd(
     log_dir: str,
     key_dir: str | None,
     key_namespace: str | None,
+    trusted_keys: tuple[str, ...],
+    allow_unverified: bool,
     output: str,
     ref: str,
     names: tuple[str, ...],
@@ -294,6 +321,7 @@ def restore_cmd(
                 volumes=[os.path.abspath(v) for v in volumes],
                 runc_root=runc_root,
                 log_dir=log_dir,
+                trust=load_trust(list(trusted_keys), allow_unverified=allow_unverified),
             ),
             containerd=containerd,
             registry=registry,
@@ -307,6 +335,7 @@ def restore_cmd(
     data = {
         "reference": str(result.reference),
         "containers": [{"name": cid, "pid": pid} for cid, pid in result.containers],
+        "provenance": result.provenance,
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
     }
     emit(data, output, lambda d: "\n".join(f"{c['name']}\trunning (pid {c['pid']})" for c in d["containers"]))
@@ -326,14 +355,24 @@ def recover_cmd(address: str, namespace: str) -> None:
 
 @cli.command("inspect")
 @registry_options
+@click.option(
+    "--trusted-key",
+    "trusted_keys",
+    multiple=True,
+    envvar="KUBECTL_SNAPSHOT_TRUSTED_KEYS",
+    type=click.Path(exists=True),
+    help="Public key PEM (or a dir of *.pub) to verify the signature with (repeatable).",
+)
 @output_option
 @click.argument("ref")
 @handle_errors
-def inspect_cmd(output: str, ref: str, **registry_opts: Any) -> None:
-    """Show what a snapshot holds: containers, process trees, memory, host facts."""
+def inspect_cmd(output: str, ref: str, trusted_keys: tuple[str, ...], **registry_opts: Any) -> None:
+    """Show what a snapshot holds: containers, process trees, memory, host facts, signature."""
     source = Reference.parse(ref)
-    artifact = load_artifact(make_registry(source, registry_opts), source)
-    emit(inspect_data(artifact), output, inspect_text)
+    registry = make_registry(source, registry_opts)
+    artifact = load_artifact(registry, source)
+    prov = provenance_of(registry, artifact.reference, load_trust(list(trusted_keys)))
+    emit(inspect_data(artifact, prov), output, inspect_text)
 
 
 def main() -> None:

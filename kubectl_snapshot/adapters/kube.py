@@ -511,6 +511,11 @@ class KubeClient:
         }
         return dict(self._call("POST", f"/api/v1/namespaces/{_q(ns)}/events", what=f"record event {reason}", body=body))
 
+    def list_snapshot_grants(self, ns: str) -> list[dict[str, Any]]:
+        """The SnapshotGrants of one namespace (what its snapshots may be restored into)."""
+        path = f"/apis/{K.GROUP}/{K.VERSION}/namespaces/{_q(ns)}/{K.GRANT_PLURAL}"
+        return list(self._call("GET", path, what=f"list snapshotgrants in {ns}").get("items") or [])
+
     def token_review(self, token: str) -> dict[str, Any]:
         """Who a bearer token belongs to (authentication.k8s.io TokenReview)."""
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": token}}

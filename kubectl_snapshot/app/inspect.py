@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from kubectl_snapshot.app.artifact import Artifact
+from kubectl_snapshot.app.provenance import Provenance
 
 
 def human_bytes(n: float) -> str:
@@ -16,7 +17,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def inspect_data(artifact: Artifact) -> dict[str, Any]:
+def inspect_data(artifact: Artifact, provenance: Provenance | None = None) -> dict[str, Any]:
     cfg, ref = artifact.config, artifact.reference
     sizes = {layer.digest: layer.size for layer in artifact.manifest.layers}
     data: dict[str, Any] = {
@@ -40,7 +41,10 @@ def inspect_data(artifact: Artifact) -> dict[str, Any]:
         ],
         "volumes": [v.to_dict() for v in cfg.volumes],
         "size": sum(sizes.values()) + artifact.manifest.config.size,
+        "formatVersion": cfg.format_version,
     }
+    if provenance is not None:
+        data["provenance"] = provenance.to_dict()
     if cfg.pod is not None:
         data["pod"] = {"name": cfg.pod.name, "namespace": cfg.pod.namespace, "uid": cfg.pod.uid, "node": cfg.pod.node}
     enc = cfg.encryption
@@ -83,4 +87,18 @@ def inspect_text(d: dict[str, Any]) -> str:
             lines.append(f"    pid {p['pid']:<6} ppid {p['ppid']:<6} {p['comm']}")
     for v in d["volumes"]:
         lines.append(f"Volume:     {v['name']} (from {v['source']})")
+    lines += provenance_text(d.get("provenance"))
     return "\n".join(lines)
+
+
+def provenance_text(p: dict[str, Any] | None) -> list[str]:
+    if p is None:
+        return []
+    if not p["verified"]:
+        return [f"Signature:  NOT VERIFIED: {p['reason']}"]
+    o = p["origin"]
+    return [
+        f"Signature:  verified: {p['reason']}",
+        f"Origin:     cluster {o['cluster'] or '-'}, namespace {o['namespace']}, pod {o['pod'] or '-'} "
+        f"(uid {o['podUID'] or '-'}) on node {o['node'] or '-'}, at {o['created']}, format v{o['formatVersion']}",
+    ]

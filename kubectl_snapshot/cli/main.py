@@ -26,6 +26,7 @@ from kubectl_snapshot.app.inspect import inspect_data, inspect_text
 from kubectl_snapshot.app.listing import list_objects, snapshot_row
 from kubectl_snapshot.app.migrate import MigrateRequest, migrate
 from kubectl_snapshot.app.ports import ArtifactStore, Kube
+from kubectl_snapshot.app.provenance import load_trust, merge_trust, provenance_of, trust_from_data
 from kubectl_snapshot.app.restore import RestoreRequest, build_restore, create_restore_pod, resolve_source, wait_running
 from kubectl_snapshot.app.snapshot import SnapshotRequest, snapshot_body, start_snapshot, wait_snapshot
 from kubectl_snapshot.cli import completion
@@ -36,6 +37,7 @@ from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.podspec import destination, parse_pod_arg
+from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.status import read as snapshot_status
 
@@ -157,6 +159,32 @@ def _require_to(to: str | None) -> str:
     return to
 
 
+MEMORY_NOTICE = (
+    "note: a snapshot holds the pod's memory, and so every secret the pod has read (tokens, passwords, "
+    "keys). It is protected by who can read the repository, by the agents' signature (a restore verifies "
+    "it and refuses another namespace unless that namespace granted it), and it stores no environment "
+    "variables outside memory. Treat read access to the repository like access to the pod. "
+    "(Shown once; docs/security.md, Provenance.)"
+)
+
+
+def memory_notice() -> None:
+    """Say once per user, plainly, what a snapshot holds; a stamp file remembers it was said."""
+    import os
+
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    stamp = os.path.join(base, "kubectl-snapshot", "memory-notice-shown")
+    if os.path.exists(stamp):
+        return
+    click.echo(MEMORY_NOTICE, err=True)
+    try:
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write("shown\n")
+    except OSError:
+        pass  # read-only home: said again next time, which is better than never
+
+
 # --- commands ------------------------------------------------------------------------------------------
 
 
@@ -219,6 +247,7 @@ def pod_cmd(
         emit(body, output, lambda _d: f"podsnapshot/{name} created ({dry_run} dry run)", name=_snapshot_name)
         return
     created = start_snapshot(req, kube=kube)
+    memory_notice()
     name = created["metadata"]["name"]
     if no_wait:
         emit(created, output, lambda _d: f"podsnapshot/{name} created", name=_snapshot_name)
@@ -439,19 +468,49 @@ def _table(rows: list[dict[str, Any]], with_ns: bool, *, wide: bool = False, hea
 @cli.command("inspect")
 @common_options
 @click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
+@click.option(
+    "--key",
+    "keys",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="Public key (PEM) to verify the signature with, besides the cluster's trusted keys. Repeatable.",
+)
 @output_option
 @click.argument("source", metavar="REF|SNAPSHOT", shell_complete=completion.snapshots)
 @handle_errors
-def inspect_cmd(source: str, insecure: bool, output: str) -> None:
-    """Show what a snapshot holds: containers, process trees, memory, host facts."""
+def inspect_cmd(source: str, insecure: bool, keys: tuple[str, ...], output: str) -> None:
+    """Show what a snapshot holds: containers, process trees, memory, host facts, who signed it and
+    whether that verifies (with the cluster's trusted keys, when the cluster is reachable, and --key)."""
+    kube: Kube | None = None
     if "/" in source:  # a reference needs no cluster
-        ref = Reference.parse(source)
-        artifact = load_artifact(artifact_store(ref, insecure), ref)
+        ref, ins = Reference.parse(source), insecure
     else:
         kube = kube_client()
         src = resolve_source(source, namespace=namespace_of(kube), kube=kube, insecure=insecure)
-        artifact = load_artifact(artifact_store(src.reference, src.insecure), src.reference)
-    emit(inspect_data(artifact), output, inspect_text)
+        ref, ins = src.reference, src.insecure
+    store = artifact_store(ref, ins)
+    artifact = load_artifact(store, ref)
+    policy = merge_trust([load_trust(list(keys)), _cluster_trust(kube)])
+    emit(inspect_data(artifact, provenance_of(store, artifact.reference, policy)), output, inspect_text)
+
+
+def _cluster_trust(kube: Kube | None) -> TrustPolicy:
+    """The cluster's trusted keys, if the cluster can be asked (inspect of a REF works without one)."""
+    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core.errors import SnapshotError
+
+    try:
+        kube = kube or kube_client()
+        cm = kube.get_object(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": K.TRUST_CONFIG_MAP, "namespace": K.AGENT_NAMESPACE},
+            }
+        )
+    except (SnapshotError, OSError):
+        return TrustPolicy()
+    return trust_from_data((cm or {}).get("data") or {})
 
 
 @cli.command("delete")
@@ -540,6 +599,24 @@ def _install_settings(api_server: str | None, state_dir: str | None, **paths: st
     is_flag=True,
     help="Run the agent in the nodes' network namespace (only when the registry is reachable from nodes alone).",
 )
+@click.option(
+    "--rotate-signing-key",
+    is_flag=True,
+    help="Make a new snapshot signing key; the old public key stays trusted, so older snapshots still restore.",
+)
+@click.option(
+    "--trust-key",
+    "trust_keys",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="Also trust snapshots signed with this public key (PEM; e.g. another cluster's). Repeatable.",
+)
+@click.option(
+    "--allow-unverified-snapshots/--refuse-unverified-snapshots",
+    "allow_unverified",
+    default=None,
+    help="Whether restores accept snapshots no trusted key signed (default: refuse; kept across installs).",
+)
 @_dry_run_option
 @click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long to wait for the rollout.")
 @output_option
@@ -549,12 +626,19 @@ def install_cmd(
     api_server: str | None,
     state_dir: str | None,
     host_network: bool,
+    rotate_signing_key: bool,
+    trust_keys: tuple[str, ...],
+    allow_unverified: bool | None,
     dry_run: str,
     timeout: float,
     output: str,
     **paths: str | None,
 ) -> None:
-    """Install the CRD, RBAC, admission policies, agent DaemonSet and RuntimeClass; wait until the agents run."""
+    """Install the CRD, RBAC, admission policies, agent DaemonSet and RuntimeClass; wait until the agents run.
+
+    Also makes the agents' snapshot signing key (Secret kubectl-snapshot-signing-key, once; see
+    --rotate-signing-key) and the trust ConfigMap kubectl-snapshot-trust (public keys, policy).
+    """
     settings = _install_settings(api_server, state_dir, **paths)
     if host_network:
         settings["host_network"] = True
@@ -566,6 +650,14 @@ def install_cmd(
         _emit_objects(kube_client().apply(objects, dry_run=True), output)
         return
     kube = kube_client()
+    pems = []
+    for path in trust_keys:
+        with open(path, "rb") as f:
+            pems.append(f.read())
+    signing, _key_id = install_app.signing_objects(
+        kube, rotate=rotate_signing_key, trust_keys=pems, allow_unverified=allow_unverified
+    )
+    objects = objects[:-1] + signing + objects[-1:]  # before the DaemonSet, after its namespace
     with RemoteProgress("install") as bar:
         install_app.install(objects, kube=kube, timeout_s=timeout, on_step=lambda what, _d, _t: bar.step(what))
     emit({"installed": [f"{o['kind']}/{o['metadata']['name']}" for o in objects]}, output, lambda _d: "installed")

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Final
 
-FORMAT_VERSION: Final = 2  # v2 = v1 + memory pages as content-addressed chunks (docs/format.md)
-SUPPORTED_FORMAT_VERSIONS: Final = (1, 2)  # readers accept both; writers write FORMAT_VERSION
+# v2 = v1 + memory pages as content-addressed chunks; v3 = v2 + a cosign signature beside it and no
+# process.env in the recorded runtime specs (docs/format.md)
+FORMAT_VERSION: Final = 3
+SUPPORTED_FORMAT_VERSIONS: Final = (1, 2, 3)  # readers accept all; writers write FORMAT_VERSION
 
 # --- OCI media types --------------------------------------------------------------------------
 OCI_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"

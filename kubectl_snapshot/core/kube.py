@@ -45,6 +45,15 @@ RESTORE_FAILED_PREFIX: Final = "Failed: "
 DROPPED_LABELS: Final = ("pod-template-hash", "controller-revision-hash")
 SA_TOKEN_VOLUME_PREFIX: Final = "kube-api-access-"
 
+# provenance (docs/security.md): the agents' signing key, what the cluster trusts, namespace grants
+GRANT_KIND: Final = "SnapshotGrant"
+GRANT_PLURAL: Final = "snapshotgrants"
+GRANT_SINGULAR: Final = "snapshotgrant"
+SIGNING_KEY_SECRET: Final = "kubectl-snapshot-signing-key"  # in AGENT_NAMESPACE; signing.key (PEM)
+TRUST_CONFIG_MAP: Final = "kubectl-snapshot-trust"  # in AGENT_NAMESPACE; *.pub, cluster-id, policy
+SIGNING_KEY_DIR: Final = "/etc/kubectl-snapshot/signing"  # where the agent mounts the Secret
+TRUST_DIR: Final = "/etc/kubectl-snapshot/trust"  # where the agent mounts the ConfigMap
+
 # the agent
 AGENT_NAMESPACE: Final = "kubectl-snapshot-system"
 AGENT_NAME: Final = "kubectl-snapshot-agent"

@@ -1,4 +1,4 @@
-"""The snapshot config: the JSON document every artifact carries as its OCI config blob (format v1).
+"""The snapshot config: the JSON document every artifact carries as its OCI config blob (formats v1-v3).
 
 It says what was snapshotted (a group of containers, optionally a Kubernetes pod), how each container was
 run (its recorded runtime spec and image), which layer holds which container, what the volumes were, and
@@ -104,7 +104,7 @@ class ContainerRecord:
     image: str  # image name as the runtime knew it
     image_digest: str  # digest of the image's manifest (or index) at snapshot time
     layer_digest: str  # digest of the checkpoint layer in the artifact
-    spec: Mapping[str, Any]  # the OCI runtime spec it ran with (informational for pods)
+    spec: Mapping[str, Any]  # the OCI runtime spec it ran with, as stored_runtime_spec keeps it
     tcp_established: bool = True
     file_locks: bool = True
     stats: DumpStats = field(default_factory=DumpStats)
@@ -254,6 +254,8 @@ def parse_config(body: bytes) -> SnapshotConfig:
         ContainerRecord.from_dict(c if isinstance(c, dict) else {}, f"container {i}")
         for i, c in enumerate(raw_containers)
     )
+    if version >= 3 and any("env" in (c.spec.get("process") or {}) for c in containers):
+        raise _bad("a format v3 snapshot config records a process environment (v3 never stores one)")
     if version < 2 and any(c.pages for c in containers):
         raise _bad("a format v1 snapshot config lists page chunks (a v2 feature)")
     names = [c.name for c in containers]
@@ -300,6 +302,22 @@ def parse_config(body: bytes) -> SnapshotConfig:
     if encryption is not None:
         encryption.check_covers(config.blob_digests())
     return config
+
+
+# Runtime-spec fields a snapshot never stores: the kubelet has already resolved secretKeyRef values into
+# process.env, so anyone who can read the repository would read those secrets. A restore does not need
+# them (CRIU restores the process, its environment included, from memory; a pod's new runtime spec
+# comes from its new pod).
+DROPPED_PROCESS_FIELDS = ("env",)
+
+
+def stored_runtime_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The runtime spec as a snapshot records it (format v3): without the process environment."""
+    out = dict(spec)
+    process = out.get("process")
+    if isinstance(process, dict):
+        out["process"] = {k: v for k, v in process.items() if k not in DROPPED_PROCESS_FIELDS}
+    return out
 
 
 def layer_annotations(record: ContainerRecord, *, group: str, namespace: str) -> dict[str, str]:

@@ -63,12 +63,14 @@ def render(
     labels = dict(LABELS)
     objects = [
         crd.podsnapshot_crd(labels),
+        crd.snapshotgrant_crd(labels),
         rbac.namespace(labels),
         rbac.service_account(labels),
         rbac.agent_cluster_role(labels),
         rbac.agent_cluster_role_binding(labels),
         rbac.agent_secrets_role(labels),
         *rbac.user_cluster_roles(labels),
+        rbac.grant_cluster_role(labels),
         keys.key_role(labels),
         keys.key_role_binding(labels),
         *admission.render(labels),

@@ -19,11 +19,13 @@ import time
 from typing import Any
 
 from kubectl_snapshot.adapters import safefs
+from kubectl_snapshot.app.provenance import authorize_restore, load_trust
 from kubectl_snapshot.cli.errors import render
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
+from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider
 from shim import hostfacts
@@ -218,6 +220,10 @@ class RestoreWorker:
             registry = registry_for(self.kube, ns, secret, insecure=False)
             artifact = load_artifact(registry, ref)
             config = artifact.config
+            # provenance before anything else is fetched: signed by a key the cluster trusts, exactly
+            # this digest, from this namespace or one that granted it (docs/security.md)
+            allowed = authorize_restore(registry, artifact.reference, config, ns, self._trust(), self._grants)
+            log.info("restore of %s into %s/%s allowed: %s", artifact.reference, ns, name, allowed.reason)
             problems = hostfacts.preflight_problems(config.host, self.facts)
             if problems:
                 raise FailedPrecondition(
@@ -232,7 +238,11 @@ class RestoreWorker:
                     hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
                 )
             # an encrypted snapshot opens only in the namespace it was sealed for (before any download)
-            opener = opener_for(config, self.keys, ns)
+            # (a granted restore into another namespace opens it with the key of the namespace it is bound to)
+            sealed_for_source = (
+                config.encryption is not None and config.encryption.namespace == allowed.source_namespace
+            )
+            opener = opener_for(config, self.keys, ns, other_namespace_ok=sealed_for_source)
             restore_volume_names(pod, [v.name for v in config.volumes])
             root = host_view(self.settings.kubelet_root)
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
@@ -274,6 +284,15 @@ class RestoreWorker:
             self.kube, pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}"
         )
         return True
+
+    def _trust(self) -> TrustPolicy:
+        """Read per restore: a rotated key or a changed policy applies as soon as its file lands."""
+        if not os.path.isdir(self.settings.trust_dir):
+            return TrustPolicy()  # nothing trusted: every restore is refused with the reason
+        return load_trust([self.settings.trust_dir])
+
+    def _grants(self, namespace: str) -> list[Grant]:
+        return [g for g in map(parse_grant, self.kube.list_snapshot_grants(namespace)) if g is not None]
 
     def _wait_for_dirs(self, root: str, rels: list[str]) -> None:
         """Wait until the kubelet made each directory (below its root, reached without links)."""

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 
 
@@ -26,6 +27,8 @@ class NodeSettings:
     criu_config: str = "/etc/criu/runc.conf"  # the runc-specific CRIU configuration (shim/criu_config.py)
     metrics_bind_address: str = ""  # from a node map only: several nodes sharing one host network
     guard_socket: str = ""  # the freeze guard's socket (shim/guard.py); "" = a private guard per snapshot
+    signing_key_dir: str = K.SIGNING_KEY_DIR  # the mounted signing-key Secret (signs every snapshot)
+    trust_dir: str = K.TRUST_DIR  # the mounted trust ConfigMap (public keys, cluster id, policy)
 
     @property
     def state_dir(self) -> str:

@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
+from kubectl_snapshot.app.provenance import load_signing_key, load_trust
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SnapshotError
@@ -186,6 +187,9 @@ class SnapshotWorker:
             registry = registry_for(self.kube, ns, spec.get("registrySecret"), insecure=bool(spec.get("insecure")))
             target = Reference.parse(spec.get("destination", ""))
             registry.add_mount_sources(previous_repositories(self.kube, ns, str(spec.get("podName") or ""), target))
+            # read per snapshot: a rotated key (the Secret's mounted file) is used as soon as it lands
+            signing_key = load_signing_key(self.settings.signing_key_dir)
+            trust = load_trust([self.settings.trust_dir]) if os.path.isdir(self.settings.trust_dir) else None
             req = CheckpointRequest(
                 containers=containers.ids,
                 names=containers.names,
@@ -198,6 +202,9 @@ class SnapshotWorker:
                 pod=record_pod(pod, self.settings.node),
                 probe_budgets=probe_budgets(pod),
                 ignore_liveness=bool(spec.get("ignoreLiveness")),
+                signing_key=signing_key,
+                cluster=trust.cluster if trust is not None else "",
+                node=self.settings.node,
             )
             # the key first: a key store problem fails the snapshot before anything is frozen
             sealer = Sealer(self.keys.namespace_key(ns, create=True), ns) if self.keys is not None else None

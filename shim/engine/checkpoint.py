@@ -26,6 +26,7 @@ from typing import Any
 from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.adapters.archive import tar_directories
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
+from kubectl_snapshot.app.provenance import sign_snapshot
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
@@ -41,8 +42,10 @@ from kubectl_snapshot.core.model import (
     layer_annotations,
     layer_media_type,
     manifest_annotations,
+    stored_runtime_spec,
 )
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest, sha256_digest
+from kubectl_snapshot.core.provenance import Origin, SigningKey
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
 from shim import hostfacts
@@ -79,6 +82,11 @@ class CheckpointRequest:
     keep_work: bool = False
     probe_budgets: Sequence[freeze_plan.ProbeBudget] = ()  # the pod's liveness budgets (core/freeze.py)
     ignore_liveness: bool = False  # snapshot even if the freeze may outlast a liveness probe's budget
+    # provenance (format v3): the agent's key signs the pushed manifest digest with the origin below;
+    # without a key the snapshot is unsigned (restores then refuse it unless a policy trusts those)
+    signing_key: SigningKey | None = None
+    cluster: str = ""  # the cluster's identity (uid of kube-system), from the agent's trust settings
+    node: str = ""
 
 
 @dataclass
@@ -91,6 +99,7 @@ class CheckpointResult:
     uploaded: int = 0  # bytes actually sent (blobs the registry lacked)
     frozen_by: str = ""  # "cgroup freezer", "containerd" or both: how the containers were paused
     plan: freeze_plan.FreezePlan | None = None  # expected freeze and deadline
+    signed_by: str = ""  # id of the key that signed it ("" when unsigned)
 
 
 def _now_rfc3339() -> str:
@@ -231,7 +240,7 @@ def checkpoint(
                     image=info.image,
                     image_digest=image_digest,
                     layer_digest=pc.layer.digest,
-                    spec=info.spec,
+                    spec=stored_runtime_spec(info.spec),
                     tcp_established=req.tcp_established,
                     file_locks=req.file_locks,
                     stats=stats,
@@ -262,6 +271,9 @@ def checkpoint(
             config = replace(config, encryption=sealer.info(config.blob_digests()))
         t_up = clock()
         result = _push(req.target, config, records, packaged, volumes_layer, registry)
+        if req.signing_key is not None:
+            sign_snapshot(registry, result.reference, _origin(req, config), req.signing_key)
+            result.signed_by = req.signing_key.public.id
         timings["upload_ms"] = (clock() - t_up) * 1000
     except BaseException:
         if frozen:
@@ -356,6 +368,19 @@ def _test_hold(freezers: Sequence[Freezer]) -> None:
 
 
 FROZEN_FILE = "frozen-containers.json"
+
+
+def _origin(req: CheckpointRequest, config: SnapshotConfig) -> Origin:
+    pod = config.pod
+    return Origin(
+        cluster=req.cluster,
+        namespace=pod.namespace if pod is not None else config.namespace,
+        pod=pod.name if pod is not None else config.group,
+        pod_uid=pod.uid if pod is not None else "",
+        node=req.node or (pod.node if pod is not None else ""),
+        created=config.created,
+        format_version=config.format_version,
+    )
 
 
 def _refuse_unix_links(links: Sequence[Any], names: Sequence[str]) -> None:
@@ -512,7 +537,7 @@ def _stats(cdir: str) -> DumpStats:
 
 def _write_metadata(cdir: str, cid: str, name: str, info: Any, req: CheckpointRequest) -> None:
     with open(os.path.join(cdir, C.SPEC_DUMP_FILE), "w") as f:
-        json.dump(info.spec, f)
+        json.dump(stored_runtime_spec(info.spec), f)  # no process.env: it holds resolved secrets
     with open(os.path.join(cdir, C.CONFIG_DUMP_FILE), "w") as f:
         json.dump(
             {

@@ -21,6 +21,7 @@ from typing import Any
 
 from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.adapters.archive import open_zstd_reader, safe_extract
+from kubectl_snapshot.app.provenance import verify_for_restore
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import (
     CriuFailed,
@@ -34,6 +35,7 @@ from kubectl_snapshot.core.errors import (
 )
 from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor
+from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, Opener
@@ -46,6 +48,7 @@ from shim.engine.stream import fetch_chunks
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]
+DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,7 @@ class RestoreRequest:
     runc_root: str = ""
     log_dir: str = "/var/log/kubectl-snapshot"
     snapshotter: str = "overlayfs"
+    trust: TrustPolicy = field(default_factory=TrustPolicy)  # default trusts nothing: all refused
 
 
 @dataclass
@@ -65,6 +69,7 @@ class RestoreResult:
     containers: list[tuple[str, int]]  # (new id, pid)
     config: SnapshotConfig
     timings_ms: dict[str, float] = field(default_factory=dict)
+    provenance: str = ""  # why it was trusted
 
 
 @dataclass(frozen=True)
@@ -350,6 +355,11 @@ def restore(
     phase("resolve")
     artifact = load_artifact(registry, req.source)
     config = artifact.config
+    # Provenance first: a signature by a trusted key of exactly this digest, agreeing with the config.
+    # A node-level restore is an operator's (root) action: no namespace binding here (see restores.py).
+    pod_uid = config.pod.uid if config.pod is not None else ""
+    origin_ns = config.pod.namespace if config.pod is not None else config.namespace
+    verdict = verify_for_restore(registry, artifact.reference, origin_ns, pod_uid, req.trust)
     if len(req.new_ids) != len(config.containers):
         raise InvalidArgument(
             f"the snapshot has {len(config.containers)} container(s) "
@@ -404,7 +414,7 @@ def restore(
             shutil.rmtree(sdir, ignore_errors=True)
     timings["restore_ms"] = (clock() - t_run) * 1000
     timings["total_ms"] = (clock() - t0) * 1000
-    return RestoreResult(artifact.reference, results, config, timings)
+    return RestoreResult(artifact.reference, results, config, timings, verdict.reason)
 
 
 def _check_image(containerd: Any, rec: ContainerRecord) -> str:
@@ -428,6 +438,11 @@ def restored_spec(
 ) -> dict[str, Any]:
     """The recorded runtime spec, adapted to the new container: cgroup path, volume bind mounts."""
     spec: dict[str, Any] = copy.deepcopy(dict(rec.spec))
+    # Format v3 stores no environment (the restored process has its own, from memory); processes
+    # exec'd into the container later get a plain PATH.
+    process = spec.setdefault("process", {})
+    if isinstance(process, dict):
+        process.setdefault("env", [DEFAULT_PATH_ENV])
     linux = spec.setdefault("linux", {})
     linux["cgroupsPath"] = f"/{namespace}/{new_id}"
     remap = {v.source: t for v, t in zip(config.volumes, volume_targets, strict=True)}
