@@ -50,10 +50,11 @@ from kubectl_snapshot.core.reference import Reference
 from tests.support.containerd import ContainerdDaemon, node_criu_config
 from tests.support.images import python_image, python_tarball
 from tests.support.registry import RegistryServer
+from tests.support.signing import signing_env
 
 BIN = Path(sys.executable).parent
-AGENT = str(BIN / "kubectl-snapshot-agent")
-WRAPPER = str(BIN / "kubectl-snapshot-runc")
+AGENT = str(BIN / "ks-agent")
+WRAPPER = str(BIN / "ks-runc")
 CTR = "/usr/local/bin/ctr"
 CRIU = shutil.which("criu") or "/usr/sbin/criu"
 HOST_PY = "/usr/bin/python3"
@@ -213,6 +214,7 @@ def agent_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[floa
 
 
 def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, kind: str, runs: int) -> dict[str, Any]:
+    os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
     restores_internal: list[float] = []
     out: dict[str, Any] = {}

@@ -4,15 +4,20 @@
 No Docker engine and no base image registry exist on the project's machines, so the image is put
 together from parts this machine can make (Containerfile is the same recipe for normal tools):
 
-1. base layer: ``debootstrap --variant=minbase bookworm`` + python3 and ca-certificates, without docs,
+1. base layer: ``debootstrap --variant=minbase bookworm`` + python3, ca-certificates and iproute2, without docs,
    locales, apt lists and logs; cached under /var/cache/kubectl-snapshot/agent-image/ keyed by its
    recipe, so it is built once per machine (a few minutes) and its digest stays the same;
 2. app layer: a venv at /usr/local/lib/kubectl-snapshot/venv (the base's python3 3.11) holding the project's
    wheel and its runtime dependencies as cp311 manylinux wheels from PyPI, pinned to the versions of
    the project's .venv (what the tests ran with), Debian's pycriu copied in (it is not on PyPI), the
    entry points, bytecode (unchecked-hash: reproducible, never rewritten at start), and the runtime
-   wrapper zipapp at /opt/kubectl-snapshot-runc.pyz (hack/build-wrapper-pyz.py);
-3. config ``Entrypoint ["kubectl-snapshot-agent"]``, PATH with the venv's bin; layers zstd-compressed.
+   wrapper zipapp at /opt/kubectl-snapshot-runc.pyz (hack/build-wrapper-pyz.py), and the node bundle at
+   /usr/local/lib/kubectl-snapshot/node-bundle (hack/node_bundle.py: CRIU 4.2.1 and a Python with their
+   own dynamic loader and libraries, the hook zipapp, the static launcher built from hack/launcher),
+   which `install-node` copies to each node so that nothing of the host's userland is used there;
+   CRIU and Python come from this machine (CRIU 4.2.1 from Debian sid, as hack/install-node-deps.sh
+   installs it), the launcher is built with the Go toolchain (CGO_ENABLED=0, static);
+3. config ``Entrypoint ["ks-agent"]``, PATH with the venv's bin; layers zstd-compressed.
 
 Layers are reproducible (sorted entries, mtime 0), and the whole image is cached by a key over the
 recipe, the base, the pinned requirements and the project's sources: nothing is rebuilt unless one
@@ -53,7 +58,7 @@ RECIPE = "1"
 CACHE = Path(os.environ.get("KUBECTL_SNAPSHOT_CACHE", "/var/cache/kubectl-snapshot")) / "agent-image"
 MIRROR = os.environ.get("KUBECTL_SNAPSHOT_DEBIAN_MIRROR", "http://deb.debian.org/debian")
 SUITE = "bookworm"
-PACKAGES = ("python3", "ca-certificates")
+PACKAGES = ("python3", "ca-certificates", "iproute2")  # ip: CRIU dumping a network namespace (the nftables probe)
 PY = "python3.11"
 VENV = "/usr/local/lib/kubectl-snapshot/venv"  # not under /opt/kubectl-snapshot: the DaemonSet mounts the host's there
 WRAPPER = "/opt/kubectl-snapshot-runc.pyz"
@@ -73,7 +78,18 @@ DROP = (
     "var/log",
     "debootstrap",
 )
-SOURCES = ("kubectl_snapshot", "shim", "pyproject.toml", "hack/build-wrapper-pyz.py", "hack/agent_image.py")
+SOURCES = (
+    "kubectl_snapshot",
+    "shim",
+    "pyproject.toml",
+    "hack/build-wrapper-pyz.py",
+    "hack/agent_image.py",
+    "hack/node_bundle.py",
+    "hack/launcher",
+)
+NODE_BUNDLE = "/usr/local/lib/kubectl-snapshot/node-bundle"
+# What the node bundle is made of on this machine (hack/node_bundle.py takes them from /): in the cache key.
+BUNDLE_INPUTS = ("/usr/sbin/criu", "/usr/bin/python3", "/lib/x86_64-linux-gnu/libc.so.6")
 
 
 def log(msg: str) -> None:
@@ -214,6 +230,24 @@ def source_hash() -> str:
     return h.hexdigest()
 
 
+def bundle_inputs_hash() -> str:
+    h = hashlib.sha256()
+    for p in BUNDLE_INPUTS:
+        path = Path(p).resolve()
+        h.update(str(path).encode() + b"\0" + (path.read_bytes() if path.is_file() else b"missing") + b"\0")
+    return h.hexdigest()
+
+
+def build_launcher(out: Path) -> None:
+    """The static launcher (hack/launcher): no libc, no interpreter, runs on any Linux host as it is."""
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local"}
+    run(
+        go, "build", "-trimpath", "-ldflags", "-s -w -buildid=", "-o", str(out), ".",
+        cwd=str(REPO / "hack" / "launcher"), env=env,
+    )  # fmt: skip
+
+
 def _entry_points() -> dict[str, str]:
     return dict(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
 
@@ -256,6 +290,14 @@ def build_app_tree(root: Path, wheel_dir: Path) -> None:
     wrapper = root / WRAPPER.lstrip("/")
     host_python = "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
     run(host_python, str(REPO / "hack" / "build-wrapper-pyz.py"), str(wrapper))
+    with tempfile.TemporaryDirectory() as tmp:
+        launcher = Path(tmp, "launcher")
+        build_launcher(launcher)
+        log("node bundle: CRIU, python and their loader and libraries from this machine")
+        run(
+            host_python, str(REPO / "hack" / "node_bundle.py"), str(root / NODE_BUNDLE.lstrip("/")),
+            "--launcher", str(launcher), "--pyz", str(wrapper),
+        )  # fmt: skip
 
 
 # --- image -------------------------------------------------------------------------------------
@@ -286,7 +328,8 @@ def build_image() -> Path:
     base, base_diff = base_layer()
     reqs, pins = requirements()
     wheel_dir = wheels(reqs, pins)
-    key = "image-" + sha256_hex(json.dumps([RECIPE, base_diff, reqs, pins, source_hash()]).encode())[:16]
+    inputs = [RECIPE, base_diff, reqs, pins, source_hash(), bundle_inputs_hash()]
+    key = "image-" + sha256_hex(json.dumps(inputs).encode())[:16]
     layout = CACHE / key
     with locked(key):
         if (layout / "index.json").exists():
@@ -308,14 +351,17 @@ def build_image() -> Path:
                 "os": "linux",
                 "created": "1970-01-01T00:00:00Z",
                 "config": {
-                    "Entrypoint": ["kubectl-snapshot-agent"],
+                    "Entrypoint": ["ks-agent"],
                     "Env": [f"PATH={PATH}", "PYTHONDONTWRITEBYTECODE=1", "LANG=C.UTF-8"],
                     "Labels": {"org.opencontainers.image.title": "kubectl-snapshot-agent"},
                 },
                 "rootfs": {"type": "layers", "diff_ids": [base_diff, app_diff]},
                 "history": [
                     {"created": "1970-01-01T00:00:00Z", "created_by": f"debootstrap {SUITE} {' '.join(PACKAGES)}"},
-                    {"created": "1970-01-01T00:00:00Z", "created_by": "hack/agent_image.py: venv, wrapper"},
+                    {
+                        "created": "1970-01-01T00:00:00Z",
+                        "created_by": "hack/agent_image.py: venv, wrapper, node bundle",
+                    },
                 ],
             }
             cfg = _put(blobs, json.dumps(config, sort_keys=True).encode(), CONFIG_TYPE)

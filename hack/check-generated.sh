@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Fail if the committed containerd stubs (shim/containerd/api) differ from what hack/gen-protos.sh
-# generates from shim/containerd/protos now. Run in CI; fix with hack/gen-protos.sh and commit.
+# generates from shim/containerd/protos now, or charts/ from what hack/gen-chart.py writes. Run in CI; fix with hack/gen-protos.sh and commit.
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -16,4 +16,8 @@ if ! diff -r -x __pycache__ "$tmp/shim/containerd/api" "$repo/shim/containerd/ap
   exit 1
 fi
 rm -f "$tmp.diff"
+# the Helm chart is rendered from kubectl_snapshot.deploy.render() (hack/gen-chart.py)
+py="$repo/.venv/bin/python"
+[ -x "$py" ] || py=python3
+"$py" "$repo/hack/gen-chart.py" --check
 echo "generated code is up to date" >&2

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The demo (`make demo` runs it after setup): the local two-node cluster, the agent installed, a counter
 # pod snapshotted on one node and restored on the other. `hack/demo.sh --node` runs the Kubernetes-free
-# variant (two containerd instances and kubectl-snapshot-agent).
+# variant (two containerd instances and ks-agent).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = "--node" ]; then

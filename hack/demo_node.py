@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The local node demo: a registry and two containerd "nodes" on this machine, a counter container on
-node A snapshotted with kubectl-snapshot-agent, killed, and restored on node B where it counts on.
+node A snapshotted with ks-agent, killed, and restored on node B where it counts on.
 
 Run through `make demo` (which installs what it needs first). Everything stays on loopback."""
 
@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.support.containerd import ContainerdDaemon
 from tests.support.images import busybox_image
 from tests.support.registry import RegistryServer
+from tests.support.signing import write_key
 
 BIN = Path(sys.executable).parent
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/count; echo count $i; sleep 1; done"
@@ -62,11 +63,14 @@ def main() -> None:
         time.sleep(4)
         print(f"counter on node A is at {count(node_a, 'counter')}")
 
-        say("snapshot it (freeze, CRIU dump, push to the registry) and stop it")
-        agent = str(BIN / "kubectl-snapshot-agent")
+        say("snapshot it (freeze, CRIU dump, push to the registry, sign) and stop it")
+        keys = write_key(work / "keys", "demo")  # the cluster's agents hold one made by `install`
+        agent = str(BIN / "ks-agent")
         ref = run(
             agent,
             "checkpoint",
+            "--signing-key",
+            str(keys.private),
             "-a",
             node_a.address,
             "-n",
@@ -81,18 +85,20 @@ def main() -> None:
         print("the original is gone from node A")
 
         say("what the snapshot holds")
-        run(agent, "inspect", ref)
+        run(agent, "inspect", "--trusted-key", str(keys.public), ref)
 
         say("restore it on node B")
         run(
             agent,
             "restore",
+            "--trusted-key",
+            str(keys.public),
             "-a",
             node_b.address,
             "-n",
             "demo",
             "--runtime-binary",
-            str(BIN / "kubectl-snapshot-runc"),
+            str(BIN / "ks-runc"),
             "--runc-root",
             node_b.runc_root,
             ref,

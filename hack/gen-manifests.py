@@ -41,6 +41,8 @@ FILES = {
     "ServiceAccount": "rbac.yaml",
     "ClusterRole": "rbac.yaml",
     "ClusterRoleBinding": "rbac.yaml",
+    "Role": "rbac.yaml",
+    "RoleBinding": "rbac.yaml",
     "ValidatingAdmissionPolicy": "admission.yaml",
     "ValidatingAdmissionPolicyBinding": "admission.yaml",
     "RuntimeClass": "runtimeclass.yaml",

@@ -4,9 +4,10 @@
 Why a zipapp with vendored pure-Python dependencies: krew installs a file and puts it on PATH; the
 user's machine has a python3 but none of our packages. Everything the plugin imports (click,
 kubernetes and its closure, requests, pyyaml, tqdm) has a pure-Python form, so one platform-independent
-file serves Linux and macOS. Node-only dependencies (grpcio, protobuf, zstandard, prometheus-client,
-cryptography) and the asyncio client's aiohttp are left out; compiled extension files are dropped
-(pyyaml and charset-normalizer fall back to their pure-Python modules).
+file serves Linux and macOS. Node-only dependencies (grpcio, protobuf, zstandard, prometheus-client),
+cryptography (compiled; the plugin asks for it where it signs or verifies) and the asyncio client's
+aiohttp are left out; compiled extension files are dropped (pyyaml and charset-normalizer fall
+back to their pure-Python modules).
 
 The dependency files are copied from the installed distributions of the Python running this script
 (the project venv), so the build is offline and reproducible: sorted entries, fixed timestamps, and
@@ -36,6 +37,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 PROJECT = "kubectl-snapshot"
 BIN = "kubectl-snapshot"
+COMPLETE = "kubectl_complete-snapshot"
+# kubectl (>= 1.26) runs kubectl_complete-snapshot from PATH for TAB after `kubectl snapshot`; krew links
+# only `bin`, so the caveats tell how to link this one too. It asks the plugin through kubectl itself.
+COMPLETE_SCRIPT = b"""#!/bin/sh
+# kubectl's plugin completion for `kubectl snapshot` (see `kubectl snapshot completion --help`)
+exec kubectl snapshot __complete "$@"
+"""
 PLUGIN = "snapshot"
 EXCLUDED = {
     "grpcio",
@@ -45,7 +53,9 @@ EXCLUDED = {
     "grpcio-tools",
     "google-auth",
     "prometheus-client",  # the node agent only
-    "cryptography",  # the node agent only (its metrics certificate); compiled
+    "cryptography",  # compiled: the agent (metrics certificate, encryption, signatures); the plugin asks for it
+    "cffi",
+    "pycparser",
 }
 DROP_SUFFIXES = (".so", ".pyd", ".dylib", ".pyc", ".pyi")
 EPOCH = (1980, 1, 1, 0, 0, 0)
@@ -174,15 +184,15 @@ def build_zipapp(out: Path) -> list[str]:
 
 
 def build_archive(zipapp: Path, out: Path) -> None:
-    """A reproducible tar.gz holding the zipapp (and the license when the repository has one)."""
-    members = [(BIN, zipapp, 0o755)]
+    """A reproducible tar.gz holding the zipapp, the completion helper and the license."""
     license_file = REPO / "LICENSE"
-    if license_file.exists():
-        members.append(("LICENSE", license_file, 0o644))
+    if not license_file.exists():
+        raise SystemExit(f"error: {license_file} is missing (krew-index requires a license in the archive)")
+    members = [(BIN, zipapp.read_bytes(), 0o755), (COMPLETE, COMPLETE_SCRIPT, 0o755)]
+    members.append(("LICENSE", license_file.read_bytes(), 0o644))
     raw = io.BytesIO()
     with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, path, mode in members:
-            data = path.read_bytes()
+        for name, data, mode in members:
             info = tarfile.TarInfo(name)
             info.size, info.mode, info.mtime, info.uname, info.gname = len(data), mode, 0, "root", "root"
             tar.addfile(info, io.BytesIO(data))
@@ -190,8 +200,8 @@ def build_archive(zipapp: Path, out: Path) -> None:
         gz.write(raw.getvalue())
 
 
-def manifest(version: str, uri: str, sha256: str, has_license: bool) -> dict[str, object]:
-    files = [{"from": BIN, "to": "."}] + ([{"from": "LICENSE", "to": "."}] if has_license else [])
+def manifest(version: str, uri: str, sha256: str) -> dict[str, object]:
+    files = [{"from": BIN, "to": "."}, {"from": COMPLETE, "to": "."}, {"from": "LICENSE", "to": "."}]
     return {
         "apiVersion": "krew.googlecontainertools.github.com/v1alpha2",
         "kind": "Plugin",
@@ -209,6 +219,9 @@ def manifest(version: str, uri: str, sha256: str, has_license: bool) -> dict[str
             "caveats": (
                 "The plugin needs python3 (3.11 or newer) on PATH.\n"
                 "Install the node agent once per cluster: kubectl snapshot install --agent-image IMAGE\n"
+                "For `kubectl snapshot <TAB>` (kubectl >= 1.26 completion), link the completion helper:\n"
+                f'  ln -sf "${{KREW_ROOT:-$HOME/.krew}}/store/snapshot/{version}/{COMPLETE}" \\\n'
+                '     "${KREW_ROOT:-$HOME/.krew}/bin/"\n'
             ),
             "platforms": [
                 {
@@ -238,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     build_archive(zipapp, archive)
     sha = hashlib.sha256(archive.read_bytes()).hexdigest()
     uri = f"{args.uri_base.rstrip('/')}/{args.version}/{archive.name}"
-    doc = manifest(args.version, uri, sha, (REPO / "LICENSE").exists())
+    doc = manifest(args.version, uri, sha)
     (args.out / f"{PLUGIN}.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     print(f"{archive} sha256:{sha} ({len(deps)} vendored distributions: {', '.join(deps)})")
     return 0

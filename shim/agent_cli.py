@@ -1,8 +1,8 @@
-"""kubectl-snapshot-agent: the node engine as a command, usable against any containerd like `ctr`.
+"""ks-agent: the node engine as a command, usable against any containerd like `ctr`.
 
-kubectl-snapshot-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
-kubectl-snapshot-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
-kubectl-snapshot-agent inspect    REF [-o json|yaml]
+ks-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
+ks-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
+ks-agent inspect    REF [-o json|yaml]
 """
 
 from __future__ import annotations
@@ -10,14 +10,17 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
+from kubectl_snapshot.adapters.keystore import FileKeyProvider
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
 from kubectl_snapshot.app.artifact import load_artifact
 from kubectl_snapshot.app.inspect import inspect_data, inspect_text
+from kubectl_snapshot.app.provenance import load_signing_key, load_trust, provenance_of
 from kubectl_snapshot.cli.errors import handle_errors
 from kubectl_snapshot.cli.output import emit, output_option
 from kubectl_snapshot.cli.progress import Progress
@@ -25,6 +28,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import Sealer
 from shim import freezer, guard
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
@@ -32,6 +36,21 @@ from shim.engine.staging import StatePaths
 
 F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
+
+
+def find_wrapper(argv0: str | None = None, executable: str | None = None) -> str | None:
+    """The runtime wrapper installed with this agent: beside the script that runs us (a venv's bin/,
+    called by its full path), beside the interpreter, and only then on PATH."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    executable = sys.executable if executable is None else executable
+    dirs = [os.path.dirname(os.path.abspath(argv0))] if os.sep in argv0 else []
+    if executable:
+        dirs.append(os.path.dirname(executable))
+    for d in dirs:
+        candidate = os.path.join(d, C.WRAPPER_BINARY_NAME)
+        if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return shutil.which(C.WRAPPER_BINARY_NAME)
 
 
 def containerd_options(fn: F) -> F:
@@ -68,6 +87,26 @@ def registry_options(fn: F) -> F:
         help="docker config.json with credentials (default: $DOCKER_CONFIG/config.json, ~/.docker/config.json).",
     )(fn)
     return fn
+
+
+def key_options(fn: F) -> F:
+    fn = click.option(
+        "--key-namespace",
+        default=None,
+        help="Whose key seals/opens the snapshot (default: the containerd --namespace).",
+    )(fn)
+    fn = click.option(
+        "--key-dir",
+        type=click.Path(file_okay=False),
+        default=None,
+        show_default="$KUBECTL_SNAPSHOT_STATE_DIR/keys",
+        help="Directory of the namespace keys (one 0600 file per namespace, created on first use).",
+    )(fn)
+    return fn
+
+
+def key_provider(key_dir: str | None) -> FileKeyProvider:
+    return FileKeyProvider(key_dir or os.path.join(StatePaths.from_env().root, "keys"))
 
 
 def make_registry(ref: Reference, opts: dict[str, Any]) -> RegistryClient:
@@ -108,11 +147,32 @@ def cli(verbose: bool) -> None:
 @click.option("--no-tcp-established", is_flag=True, help="Do not dump established TCP connections.")
 @click.option("--keep-work", is_flag=True, help="Keep the dump directory (for debugging).")
 @click.option(
+    "--mount-from",
+    "mount_from",
+    multiple=True,
+    help="Another repository of --to's registry (REPO or REGISTRY/REPO) whose blobs the registry may mount "
+    "instead of receiving them again (repeatable).",
+)
+@click.option(
     "--guard-socket",
     envvar=guard.ENV_SOCKET,
     default="",
     help="A running freeze guard's socket (default: a private guard that outlives this process).",
 )
+@click.option(
+    "--encrypt/--no-encrypt",
+    default=False,
+    show_default=True,
+    help="Seal every layer and chunk with AES-256-GCM under the namespace's key (docs/format.md).",
+)
+@click.option(
+    "--signing-key",
+    envvar="KUBECTL_SNAPSHOT_SIGNING_KEY",
+    type=click.Path(exists=True),
+    help="ECDSA P-256 PEM key (or a dir with signing.key) that signs the snapshot, cosign-style. "
+    "Without it the snapshot is unsigned, and restores refuse it unless told to trust unverified ones.",
+)
+@key_options
 @output_option
 @click.argument("containers", nargs=-1, required=True)
 @handle_errors
@@ -124,7 +184,12 @@ def checkpoint_cmd(
     volumes: tuple[str, ...],
     no_tcp_established: bool,
     keep_work: bool,
+    mount_from: tuple[str, ...],
     guard_socket: str,
+    encrypt: bool,
+    key_dir: str | None,
+    key_namespace: str | None,
+    signing_key: str | None,
     output: str,
     containers: tuple[str, ...],
     **registry_opts: Any,
@@ -135,6 +200,14 @@ def checkpoint_cmd(
     the freeze's deadline, the guard thaws the containers within moments."""
     target = Reference.parse(to)
     registry = make_registry(target, registry_opts)
+    sealer = None
+    if encrypt:
+        ns = key_namespace or namespace
+        sealer = Sealer(key_provider(key_dir).namespace_key(ns, create=True), ns)
+    sources = [
+        Reference.parse(m if m.startswith(target.registry + "/") else f"{target.registry}/{m}") for m in mount_from
+    ]
+    registry.add_mount_sources(sources)
     held = contextlib.nullcontext(guard.GuardClient(guard_socket)) if guard_socket else guard.private_guard()
     with held as guard_client, _client(address, namespace) as containerd, Progress("checkpoint") as bar:
         result = checkpoint(
@@ -146,6 +219,8 @@ def checkpoint_cmd(
                 namespace=namespace,
                 tcp_established=not no_tcp_established,
                 keep_work=keep_work,
+                signing_key=load_signing_key(signing_key) if signing_key else None,
+                node=os.uname().nodename,
             ),
             containerd=containerd,
             registry=registry,
@@ -154,16 +229,20 @@ def checkpoint_cmd(
             memory_of=freezer.task_memory,
             on_phase=bar.phase,
             on_bytes=bar.advance,
+            sealer=sealer,
         )
     data = {
         "reference": str(result.reference),
         "tag": str(result.tagged),
+        "encrypted": sealer is not None,
         "size": result.size,
         "uploaded": result.uploaded,
+        "mounted": len(registry.mounted),
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
         "frozenBy": result.frozen_by,
         "containers": [c.name for c in result.config.containers],
         "stopped": stop,
+        "signedBy": result.signed_by,
     }
     emit(data, output, lambda d: d["reference"])
 
@@ -180,8 +259,8 @@ def checkpoint_cmd(
 )
 @click.option(
     "--runtime-binary",
-    default=lambda: shutil.which(C.WRAPPER_BINARY_NAME) or "",
-    show_default="kubectl-snapshot-runc on PATH",
+    default=lambda: find_wrapper() or "",
+    show_default=f"{C.WRAPPER_BINARY_NAME} beside ks-agent, else on PATH",
     help="The runc-compatible wrapper the new containers run under.",
 )
 @click.option("--runc-root", default="", help="runc state root for the new containers (default: the shim's).")
@@ -190,6 +269,20 @@ def checkpoint_cmd(
     default="/var/log/kubectl-snapshot",
     show_default=True,
     help="Where container stdout/stderr go.",
+)
+@key_options
+@click.option(
+    "--trusted-key",
+    "trusted_keys",
+    multiple=True,
+    envvar="KUBECTL_SNAPSHOT_TRUSTED_KEYS",
+    type=click.Path(exists=True),
+    help="Public key PEM (or a dir of *.pub, e.g. the trust ConfigMap) whose signatures are trusted (repeatable).",
+)
+@click.option(
+    "--allow-unverified",
+    is_flag=True,
+    help="Restore even without a signature from a trusted key (you vouch for the snapshot yourself).",
 )
 @output_option
 @click.argument("ref")
@@ -202,6 +295,10 @@ def restore_cmd(
     runtime_binary: str,
     runc_root: str,
     log_dir: str,
+    key_dir: str | None,
+    key_namespace: str | None,
+    trusted_keys: tuple[str, ...],
+    allow_unverified: bool,
     output: str,
     ref: str,
     names: tuple[str, ...],
@@ -212,8 +309,8 @@ def restore_cmd(
     registry = make_registry(source, registry_opts)
     if not runtime_binary:
         raise InvalidArgument(
-            f"{C.WRAPPER_BINARY_NAME} was not found on PATH",
-            hint="pass --runtime-binary /path/to/kubectl-snapshot-runc",
+            f"{C.WRAPPER_BINARY_NAME} was not found beside {sys.argv[0]} nor on PATH",
+            hint=f"pass --runtime-binary /path/to/{C.WRAPPER_BINARY_NAME}",
         )
     with _client(address, namespace) as containerd, Progress("restore") as bar:
         result = restore(
@@ -224,6 +321,7 @@ def restore_cmd(
                 volumes=[os.path.abspath(v) for v in volumes],
                 runc_root=runc_root,
                 log_dir=log_dir,
+                trust=load_trust(list(trusted_keys), allow_unverified=allow_unverified),
             ),
             containerd=containerd,
             registry=registry,
@@ -231,10 +329,13 @@ def restore_cmd(
             namespace=namespace,
             on_phase=bar.phase,
             on_bytes=bar.advance,
+            keys=key_provider(key_dir),
+            key_namespace=key_namespace,
         )
     data = {
         "reference": str(result.reference),
         "containers": [{"name": cid, "pid": pid} for cid, pid in result.containers],
+        "provenance": result.provenance,
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
     }
     emit(data, output, lambda d: "\n".join(f"{c['name']}\trunning (pid {c['pid']})" for c in d["containers"]))
@@ -254,18 +355,28 @@ def recover_cmd(address: str, namespace: str) -> None:
 
 @cli.command("inspect")
 @registry_options
+@click.option(
+    "--trusted-key",
+    "trusted_keys",
+    multiple=True,
+    envvar="KUBECTL_SNAPSHOT_TRUSTED_KEYS",
+    type=click.Path(exists=True),
+    help="Public key PEM (or a dir of *.pub) to verify the signature with (repeatable).",
+)
 @output_option
 @click.argument("ref")
 @handle_errors
-def inspect_cmd(output: str, ref: str, **registry_opts: Any) -> None:
-    """Show what a snapshot holds: containers, process trees, memory, host facts."""
+def inspect_cmd(output: str, ref: str, trusted_keys: tuple[str, ...], **registry_opts: Any) -> None:
+    """Show what a snapshot holds: containers, process trees, memory, host facts, signature."""
     source = Reference.parse(ref)
-    artifact = load_artifact(make_registry(source, registry_opts), source)
-    emit(inspect_data(artifact), output, inspect_text)
+    registry = make_registry(source, registry_opts)
+    artifact = load_artifact(registry, source)
+    prov = provenance_of(registry, artifact.reference, load_trust(list(trusted_keys)))
+    emit(inspect_data(artifact, prov), output, inspect_text)
 
 
 def main() -> None:
-    cli(prog_name="kubectl-snapshot-agent")
+    cli(prog_name="ks-agent")
 
 
 if __name__ == "__main__":
@@ -298,7 +409,14 @@ def node_options(fn: F) -> F:
             help="A directory containerd imports config drop-ins from.",
         ),
         click.option("--restart-command", default="", help="Host shell command that restarts containerd."),
-        click.option("--criu-path", default=d.criu_path, show_default=True, help="CRIU as the node's runc finds it."),
+        click.option(
+            "--criu-path",
+            default=d.criu_path,
+            help="CRIU runc is handed (default: the one install-node puts in the node's directory).",
+        ),
+        click.option(
+            "--runc-path", default=d.runc_path, help="The node's runc (default: the shim's, found on the host)."
+        ),
         click.option(
             "--criu-config",
             default=d.criu_config,
@@ -337,6 +455,7 @@ def _node_settings(kw: dict[str, Any]) -> Any:
         containerd_dropin_dir=kw.pop("containerd_dropin_dir"),
         restart_command=kw.pop("restart_command"),
         criu_path=kw.pop("criu_path"),
+        runc_path=kw.pop("runc_path"),
         criu_config=kw.pop("criu_config"),
         guard_socket=kw.pop("guard_socket", ""),
     )
@@ -378,12 +497,19 @@ def run_cmd(kubeconfig: str | None, ready_file: str, metrics_bind_address: str, 
     show_default=True,
     help="The runtime hook zipapp to install.",
 )
+@click.option(
+    "--bundle",
+    default="/usr/local/lib/kubectl-snapshot/node-bundle",
+    show_default=True,
+    help="The node bundle (CRIU, the hook's Python, their loader and libraries) to install.",
+)
 @handle_errors
-def install_node_cmd(wrapper_pyz: str, **kw: Any) -> None:
-    """Install the runtime hook and the containerd drop-in on this node (DaemonSet init container)."""
+def install_node_cmd(wrapper_pyz: str, bundle: str, **kw: Any) -> None:
+    """Install the node bundle, the runtime hook and the containerd drop-in on this node (init container)."""
     from shim.controller.node_install import install
 
-    r = install(_node_settings(kw), wrapper_pyz=wrapper_pyz)
+    r = install(_node_settings(kw), wrapper_pyz=wrapper_pyz, bundle=bundle)
+    click.echo(f"node bundle {r.bundle}; CRIU {r.criu}")
     click.echo(
         f"runtime hook {r.launcher}; drop-in {r.dropin} ({'changed' if r.changed else 'unchanged'}"
         f"{', containerd restarted' if r.restarted else ''})"

@@ -18,7 +18,7 @@ finds some (it was killed while holding) thaws them first.
 
 Where the guard runs: in the agent's DaemonSet, as its own container of the agent's pod (same image,
 its own process tree and restart: nothing that kills or hangs the agent container touches it), on a
-socket in an emptyDir both containers mount. The standalone ``kubectl-snapshot-agent checkpoint``
+socket in an emptyDir both containers mount. The standalone ``ks-agent checkpoint``
 starts a private guard per run instead: a child in its own session that outlives a killed CLI and
 exits once its last hold ended.
 

@@ -7,9 +7,11 @@ RuntimeClass) exactly like runc. For a container with staged snapshot data in th
   ``runc restore --detach --image-path <staged>/checkpoint --work-path <staged> ...`` instead;
 - ``start``: does nothing (the restored process is already running);
 
-and passes every other call, unchanged, to the real runc (``exec``, so signals and exit codes are
-runc's own). Staged data is found only by a key derived here: the container id, or the pod uid +
-container name that containerd's CRI plugin writes into the bundle's config.json annotations.
+and passes every other call to the real runc (``exec``, so signals and exit codes are runc's own).
+Every runc it runs is handed the node's installed CRIU (``--criu $KUBECTL_SNAPSHOT_CRIU``, set by the
+launcher that install-node writes), so a CRIU of the host, present or not, is never used.
+Staged data is found only by a key derived here: the container id, or the pod uid + container name
+that containerd's CRI plugin writes into the bundle's config.json annotations.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, log_tail
 from shim.engine.staging import StatePaths
+from shim.podrestore import PodRestore, netns_of
 
 _GLOBAL_WITH_VALUE = {"--log", "--log-format", "--root", "--criu", "--rootless"}
 _CREATE_WITH_VALUE = {"--bundle", "-b", "--console-socket", "--pid-file", "--preserve-fds"}
@@ -100,6 +103,23 @@ def parse_create(args: Sequence[str]) -> CreateArgs:
     return CreateArgs(positional[0], bundle, values.get("--pid-file"), values.get("--console-socket"), flags)
 
 
+def with_criu(global_args: Sequence[str]) -> list[str]:
+    """runc's global options with ``--criu`` set to the installed CRIU (when the launcher names one)."""
+    criu = os.environ.get("KUBECTL_SNAPSHOT_CRIU")
+    out = list(global_args)
+    if not criu:
+        return out
+    i = 0
+    while i < len(out):
+        if out[i] == "--criu":
+            del out[i : i + 2]
+        elif out[i].startswith("--criu="):
+            del out[i]
+        else:
+            i += 1
+    return ["--criu", criu, *out]
+
+
 def real_runc() -> str:
     env = os.environ.get("KUBECTL_SNAPSHOT_RUNC")
     if env:
@@ -141,7 +161,7 @@ def restore_command(runc: str, inv: Invocation, create: CreateArgs, staged: str)
     options: dict[str, bool] = {}
     with contextlib.suppress(OSError, ValueError), open(os.path.join(staged, C.DUMP_OPTIONS_FILE)) as f:
         options = json.load(f)
-    cmd = [runc, *inv.global_args, "restore", "--detach"]
+    cmd = [runc, *with_criu(inv.global_args), "restore", "--detach"]
     cmd += ["--image-path", os.path.join(staged, C.CHECKPOINT_DIRECTORY), "--work-path", staged]
     cmd += ["--bundle", create.bundle]
     if create.pid_file:
@@ -232,6 +252,117 @@ def _log_error(inv: Invocation, message: str) -> None:
             f.write(json.dumps(line) + "\n")
 
 
+def _restore(
+    inv: Invocation, runc: str, paths: StatePaths, create: CreateArgs, spec: dict[str, Any], staged: str
+) -> tuple[int, str]:
+    """`runc restore` in place of `create`; returns (exit status, the error written to runc's log)."""
+    try:
+        # Issue 10: CRIU takes credentials, capabilities, seccomp, LSM labels, namespaces and
+        # mounts from the images, not from this bundle; refuse images that ask for more.
+        from kubectl_snapshot.adapters.criu_guard import check_images
+
+        check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec)
+    except SnapshotError as e:
+        why = e.message if e.message.startswith("refusing to restore") else f"refusing to restore: {e.message}"
+        msg = f"{why} (hint: {e.hint})" if e.hint else why
+        _log_error(inv, msg)
+        return 1, msg
+    except Exception as e:  # fail closed: an image the check cannot read is never restored
+        msg = f"refusing to restore: checking the CRIU images failed: {type(e).__name__}: {e}"
+        _log_error(inv, msg)
+        return 1, msg
+    try:
+        _apply_diff(create.bundle, spec, staged)
+    except SnapshotError as e:
+        msg = f"applying the snapshot's rootfs diff failed: {e}"
+        _log_error(inv, msg)
+        return 1, msg
+    log_offset = _log_size(inv)
+    proc = subprocess.run(restore_command(runc, inv, create, staged), check=False)
+    if proc.returncode != 0:
+        tail = ""
+        with (
+            contextlib.suppress(OSError),
+            open(os.path.join(staged, C.RESTORE_LOG_FILE), errors="replace") as f,
+        ):
+            tail = log_tail(f.read(), 10)
+        if tail:
+            msg = f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}"
+        else:  # runc failed before CRIU started (a bind mount's source is gone, say)
+            why = _runc_errors_since(inv, log_offset) or "no error message in runc's log"
+            msg = f"runc restore failed before CRIU ran (exit {proc.returncode}): {why}"
+        _log_error(inv, msg)
+        return proc.returncode, msg
+    _loopback_up(create, spec)
+    marker = paths.restored_marker(create.container_id)
+    os.makedirs(os.path.dirname(marker), exist_ok=True)
+    with open(marker, "w") as f:
+        f.write(staged)
+    # Used once: a later re-create of this container (a restart) starts it afresh.
+    shutil.rmtree(staged, ignore_errors=True)
+    return 0, ""
+
+
+def _restored_pod(paths: StatePaths, spec: dict[str, Any]) -> tuple[PodRestore, str, str] | None:
+    """(the pod's restore state, pod uid, container name) when this container belongs to a restored pod."""
+    annotations = spec.get("annotations") or {}
+    uid, name = annotations.get(ANN_SANDBOX_UID), annotations.get(ANN_CONTAINER_NAME)
+    if annotations.get(ANN_CONTAINER_TYPE, "container") != "container" or not uid or not name:
+        return None
+    try:
+        directory = paths.pod_dir(uid)
+    except SnapshotError:
+        return None
+    pod = PodRestore(directory)
+    if not os.path.isdir(directory) or pod.containers() is None:
+        return None
+    return pod, uid, name
+
+
+def _create_in_restored_pod(
+    inv: Invocation,
+    runc: str,
+    paths: StatePaths,
+    create: CreateArgs,
+    spec: dict[str, Any],
+    staged: str | None,
+    pod: PodRestore,
+    uid: str,
+    name: str,
+) -> int | None:
+    """All or nothing, one network lock for the whole pod (shim/podrestore.py)."""
+    with pod.mutex():
+        why = pod.refusal(name, staged is not None)
+        if why is not None:
+            _log_error(inv, why)
+            return 1
+        if staged is None:
+            return None  # not restored: an ordinary create
+        netns = netns_of(spec)
+        try:
+            if netns:
+                pod.lock(netns)
+        except OSError as e:
+            pod.fail(str(e))
+            _log_error(inv, f"{e}; the pod's containers are not restored")
+            return 1
+        rc, msg = _restore(inv, runc, paths, create, spec, staged)
+        if rc != 0:
+            pod.fail(f"container {name!r} could not be restored: {msg}")
+            return rc
+
+        def pending(n: str) -> bool:
+            with contextlib.suppress(SnapshotError):
+                return os.path.isdir(os.path.join(paths.staged_by_pod(uid, n), C.CHECKPOINT_DIRECTORY))
+            return False
+
+        if not pod.remaining(pending):
+            warning = pod.release()
+            if warning:
+                print(f"kubectl-snapshot-runc: {warning}", file=sys.stderr)
+        return 0
+
+
 def run(argv: Sequence[str]) -> int:  # returns only for create/start of a restore
     inv = parse_invocation(argv)
     runc = real_runc()
@@ -240,48 +371,13 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
         create = parse_create(inv.args)
         spec = bundle_spec(create.bundle)
         staged = find_staged(paths, create.container_id, spec)
-        if staged is not None:
-            try:
-                # Issue 10: CRIU takes credentials, capabilities, seccomp, LSM labels, namespaces and
-                # mounts from the images, not from this bundle; refuse images that ask for more.
-                from kubectl_snapshot.adapters.criu_guard import check_images
-
-                check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec)
-            except SnapshotError as e:
-                why = e.message if e.message.startswith("refusing to restore") else f"refusing to restore: {e.message}"
-                _log_error(inv, f"{why} (hint: {e.hint})" if e.hint else why)
-                return 1
-            except Exception as e:  # fail closed: an image the check cannot read is never restored
-                _log_error(inv, f"refusing to restore: checking the CRIU images failed: {type(e).__name__}: {e}")
-                return 1
-            try:
-                _apply_diff(create.bundle, spec, staged)
-            except SnapshotError as e:
-                _log_error(inv, f"applying the snapshot's rootfs diff failed: {e}")
-                return 1
-            log_offset = _log_size(inv)
-            proc = subprocess.run(restore_command(runc, inv, create, staged), check=False)
-            if proc.returncode != 0:
-                tail = ""
-                with (
-                    contextlib.suppress(OSError),
-                    open(os.path.join(staged, C.RESTORE_LOG_FILE), errors="replace") as f,
-                ):
-                    tail = log_tail(f.read(), 10)
-                if tail:
-                    _log_error(inv, f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}")
-                else:  # runc failed before CRIU started (a bind mount's source is gone, say)
-                    why = _runc_errors_since(inv, log_offset) or "no error message in runc's log"
-                    _log_error(inv, f"runc restore failed before CRIU ran (exit {proc.returncode}): {why}")
-                return proc.returncode
-            _loopback_up(create, spec)
-            marker = paths.restored_marker(create.container_id)
-            os.makedirs(os.path.dirname(marker), exist_ok=True)
-            with open(marker, "w") as f:
-                f.write(staged)
-            # Used once: a later re-create of this container (a restart) starts it afresh.
-            shutil.rmtree(staged, ignore_errors=True)
-            return 0
+        pod = _restored_pod(paths, spec)
+        if pod is not None:
+            rc = _create_in_restored_pod(inv, runc, paths, create, spec, staged, *pod)
+            if rc is not None:
+                return rc
+        elif staged is not None:
+            return _restore(inv, runc, paths, create, spec, staged)[0]
     elif inv.command in ("start", "delete") and inv.args:
         cid = inv.args[-1]
         with contextlib.suppress(SnapshotError):
@@ -290,7 +386,7 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
                 os.unlink(marker)
                 if inv.command == "start":
                     return 0  # the restored process is already running
-    os.execv(runc, [runc, *argv])
+    os.execv(runc, [runc, *with_criu(inv.global_args), *argv[len(inv.global_args) :]])
 
 
 def main() -> None:

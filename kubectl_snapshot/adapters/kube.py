@@ -130,6 +130,56 @@ def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
     return Internal(f"{what}: unexpected answer {e.status} from the API server: {msg}")
 
 
+def kubeconfig_contexts(kubeconfig: str | None = None) -> list[str]:
+    """The context names of a kubeconfig ($KUBECONFIG, else ~/.kube/config), for completion."""
+    contexts, _current = k8s_config.list_kube_config_contexts(kubeconfig)
+    return [str(c["name"]) for c in contexts if c.get("name")]
+
+
+def apply_overrides(
+    api: k8s_client.ApiClient,
+    *,
+    server: str | None = None,
+    token: str | None = None,
+    impersonate: str | None = None,
+    impersonate_groups: tuple[str, ...] = (),
+) -> None:
+    """kubectl's connection flags on top of what the kubeconfig set."""
+    cfg = api.configuration
+    host = (server if "://" in server else f"https://{server}") if server else None
+
+    def override(c: Any) -> None:
+        if host:
+            c.host = host
+        if token:
+            c.api_key = {"authorization": f"Bearer {token}"}
+            c.api_key_prefix = {}
+            c.username = c.password = None
+
+    override(cfg)
+    if host or token:
+        # the kubeconfig loader's hook re-applies the kubeconfig (host, credentials) before requests
+        # to refresh tokens: keep it (exec plugins) and apply the flags again after it
+        loader_hook = cfg.refresh_api_key_hook
+
+        def refresh(c: Any) -> None:
+            if loader_hook is not None:
+                loader_hook(c)
+            override(c)
+
+        cfg.refresh_api_key_hook = refresh
+    if impersonate_groups and not impersonate:
+        raise InvalidArgument("--as-group needs --as", hint="name the user to impersonate with --as USER")
+    if impersonate:
+        api.set_default_header("Impersonate-User", impersonate)
+    if len(impersonate_groups) > 1:
+        # the API server wants one Impersonate-Group header per group, and the kubernetes client sends a
+        # dict of headers (one value each): refuse rather than impersonate fewer groups than asked
+        raise InvalidArgument("only one --as-group can be given to kubectl-snapshot", hint="impersonate a single group")
+    if impersonate_groups:
+        api.set_default_header("Impersonate-Group", impersonate_groups[0])
+
+
 class KubeClient:
     """A thin, dict-in/dict-out client for the calls the plugin and the agent make."""
 
@@ -142,23 +192,44 @@ class KubeClient:
     # --- construction --------------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, kubeconfig: str | None = None, context: str | None = None) -> KubeClient:
-        """Load a kubeconfig like kubectl does ($KUBECONFIG, else ~/.kube/config; --context)."""
+    def from_config(
+        cls,
+        kubeconfig: str | None = None,
+        context: str | None = None,
+        *,
+        server: str | None = None,
+        token: str | None = None,
+        impersonate: str | None = None,
+        impersonate_groups: tuple[str, ...] = (),
+    ) -> KubeClient:
+        """Load a kubeconfig like kubectl does ($KUBECONFIG, else ~/.kube/config; --context), then apply
+        kubectl's overrides: --server, --token (replaces the kubeconfig's user credentials for bearer
+        auth), --as/--as-group (Impersonate-* headers). With --server and no kubeconfig, none is needed."""
         where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        chosen: dict[str, Any] | None = None
         try:
-            contexts, current = k8s_config.list_kube_config_contexts(kubeconfig)
+            try:
+                contexts, current = k8s_config.list_kube_config_contexts(kubeconfig)
+            except ConfigException:
+                if not server or kubeconfig or context:
+                    raise
+                contexts, current = [], None  # kubectl --server URL --token T: no kubeconfig needed
             chosen = current
             if context:
                 chosen = next((c for c in contexts if c.get("name") == context), None)
                 if chosen is None:
                     names = ", ".join(str(c.get("name")) for c in contexts) or "none"
                     raise InvalidArgument(f"context {context!r} is not in {where}", hint=f"contexts there: {names}")
-            api = k8s_config.new_client_from_config(config_file=kubeconfig, context=context, persist_config=False)
+            if contexts:
+                api = k8s_config.new_client_from_config(config_file=kubeconfig, context=context, persist_config=False)
+            else:
+                api = k8s_client.ApiClient(configuration=k8s_client.Configuration())
         except (ConfigException, OSError, TypeError, ValueError) as e:
             raise FailedPrecondition(
                 f"cannot load kubeconfig {where}: {e}",
-                hint="pass --kubeconfig PATH or set $KUBECONFIG to a valid kubeconfig",
+                hint="pass --kubeconfig PATH or set $KUBECONFIG to a valid kubeconfig (or --server and --token)",
             ) from e
+        apply_overrides(api, server=server, token=token, impersonate=impersonate, impersonate_groups=impersonate_groups)
         ns = str(((chosen or {}).get("context") or {}).get("namespace") or "default")
         return cls(api, namespace=ns)
 
@@ -306,9 +377,10 @@ class KubeClient:
             resource_version=resource_version,
         )
 
-    def create_pod(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    def create_pod(self, ns: str, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        """Create a pod; with dry_run the API server admits it (defaulting, admission, quota) but stores nothing."""
         name = body.get("metadata", {}).get("name", "?")
-        return dict(self._call("POST", _pods_path(ns), what=f"create pod {ns}/{name}", body=body))
+        return dict(self._call("POST", _pods_path(ns), what=f"create pod {ns}/{name}", body=body, query=_dry(dry_run)))
 
     def delete_pod(self, ns: str, name: str, *, grace_period_seconds: int | None = None) -> None:
         body = None if grace_period_seconds is None else {"gracePeriodSeconds": grace_period_seconds}
@@ -334,22 +406,27 @@ class KubeClient:
     def get_snapshot(self, ns: str, name: str) -> dict[str, Any]:
         return dict(self._call("GET", _snapshots_path(ns, name), what=f"get podsnapshot {ns}/{name}"))
 
-    def create_snapshot(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    def create_snapshot(self, ns: str, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
         name = body.get("metadata", {}).get("name", "?")
-        return dict(self._call("POST", _snapshots_path(ns), what=f"create podsnapshot {ns}/{name}", body=body))
+        return dict(
+            self._call(
+                "POST", _snapshots_path(ns), what=f"create podsnapshot {ns}/{name}", body=body, query=_dry(dry_run)
+            )
+        )
 
-    def list_snapshots(self, ns: str | None) -> list[dict[str, Any]]:
-        return self.list_snapshots_versioned(ns)[0]
+    def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+        return self.list_snapshots_versioned(ns, label_selector=label_selector)[0]
 
     def list_snapshots_versioned(
-        self, ns: str | None, *, field_selector: str | None = None
+        self, ns: str | None, *, field_selector: str | None = None, label_selector: str | None = None
     ) -> tuple[list[dict[str, Any]], str]:
         """The matching PodSnapshots and the list's resourceVersion (to watch from), read in pages."""
         what = f"list podsnapshots in {ns or 'all namespaces'}"
-        return self._list(_snapshots_path(ns), what=what, query={"fieldSelector": field_selector})
+        q = {"fieldSelector": field_selector, "labelSelector": label_selector or None}
+        return self._list(_snapshots_path(ns), what=what, query=q)
 
-    def delete_snapshot(self, ns: str, name: str) -> None:
-        self._call("DELETE", _snapshots_path(ns, name), what=f"delete podsnapshot {ns}/{name}")
+    def delete_snapshot(self, ns: str, name: str, *, dry_run: bool = False) -> None:
+        self._call("DELETE", _snapshots_path(ns, name), what=f"delete podsnapshot {ns}/{name}", query=_dry(dry_run))
 
     def watch_snapshots(
         self,
@@ -357,12 +434,13 @@ class KubeClient:
         timeout_s: int = 300,
         *,
         field_selector: str | None = None,
+        label_selector: str | None = None,
         resource_version: str | None = None,
     ) -> Iterator[tuple[str, dict[str, Any]]]:
         return self._watch(
             _snapshots_path(namespace),
             what=f"watch podsnapshots in {namespace or 'all namespaces'}",
-            query={"fieldSelector": field_selector},
+            query={"fieldSelector": field_selector, "labelSelector": label_selector or None},
             timeout_s=timeout_s,
             resource_version=resource_version,
         )
@@ -433,6 +511,11 @@ class KubeClient:
         }
         return dict(self._call("POST", f"/api/v1/namespaces/{_q(ns)}/events", what=f"record event {reason}", body=body))
 
+    def list_snapshot_grants(self, ns: str) -> list[dict[str, Any]]:
+        """The SnapshotGrants of one namespace (what its snapshots may be restored into)."""
+        path = f"/apis/{K.GROUP}/{K.VERSION}/namespaces/{_q(ns)}/{K.GRANT_PLURAL}"
+        return list(self._call("GET", path, what=f"list snapshotgrants in {ns}").get("items") or [])
+
     def token_review(self, token: str) -> dict[str, Any]:
         """Who a bearer token belongs to (authentication.k8s.io TokenReview)."""
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": token}}
@@ -463,8 +546,25 @@ class KubeClient:
             self._call("GET", f"/api/v1/namespaces/{_q(ns)}/secrets/{_q(name)}", what=f"get secret {ns}/{name}")
         )
 
+    def create_secret(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = (body.get("metadata") or {}).get("name", "")
+        return dict(
+            self._call("POST", f"/api/v1/namespaces/{_q(ns)}/secrets", what=f"create secret {ns}/{name}", body=body)
+        )
+
+    def replace_secret(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """PUT (with body.metadata.resourceVersion: a conflict raises FailedPrecondition, retryable)."""
+        return dict(
+            self._call(
+                "PUT", f"/api/v1/namespaces/{_q(ns)}/secrets/{_q(name)}", what=f"update secret {ns}/{name}", body=body
+            )
+        )
+
     def get_node(self, name: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/api/v1/nodes/{_q(name)}", what=f"get node {name}"))
+
+    def list_namespaces(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", "/api/v1/namespaces", what="list namespaces").get("items") or [])
 
     def list_nodes(self) -> list[dict[str, Any]]:
         return list(self._call("GET", "/api/v1/nodes", what="list nodes").get("items") or [])
@@ -530,8 +630,10 @@ class KubeClient:
         path = f"{base}/{plural}"
         return path if collection else f"{path}/{_q(str(meta.get('name', '')))}"
 
-    def apply(self, objects: list[dict[str, Any]]) -> None:
-        """Server-side apply each object in order (field manager kubectl-snapshot, conflicts forced)."""
+    def apply(self, objects: list[dict[str, Any]], *, dry_run: bool = False) -> list[dict[str, Any]]:
+        """Server-side apply each object in order (field manager kubectl-snapshot, conflicts forced);
+        returns the objects as the API server has (or, with dry_run, would have) them."""
+        applied: list[dict[str, Any]] = []
         for obj in objects:
             if (
                 obj.get("kind") == "CustomResourceDefinition"
@@ -539,16 +641,21 @@ class KubeClient:
             ):
                 # a CRD applied just before may add kinds: rediscover lazily
                 self._resources.pop((str(obj.get("apiVersion")), str(obj.get("kind"))), None)
-            self._call(
-                "PATCH",
-                self._object_path(obj),
-                what=f"apply {_describe(obj)}",
-                body=obj,
-                content_type=APPLY_PATCH,
-                query={"fieldManager": FIELD_MANAGER, "force": "true"},
+            applied.append(
+                dict(
+                    self._call(
+                        "PATCH",
+                        self._object_path(obj),
+                        what=f"apply {_describe(obj)}",
+                        body=obj,
+                        content_type=APPLY_PATCH,
+                        query={"fieldManager": FIELD_MANAGER, "force": "true", **_dry(dry_run)},
+                    )
+                )
             )
+        return applied
 
-    def delete_objects(self, objects: list[dict[str, Any]]) -> None:
+    def delete_objects(self, objects: list[dict[str, Any]], *, dry_run: bool = False) -> None:
         """Delete each object in the given order; absent objects (or kinds) are skipped."""
         for obj in objects:
             try:
@@ -556,10 +663,15 @@ class KubeClient:
                     "DELETE",
                     self._object_path(obj),
                     what=f"delete {_describe(obj)}",
-                    query={"propagationPolicy": "Background"},
+                    query={"propagationPolicy": "Background", **_dry(dry_run)},
                 )
             except NotFound:
                 continue
+
+
+def _dry(dry_run: bool) -> dict[str, str]:
+    """The API server's dry run (`kubectl --dry-run=server`): admission runs, nothing is persisted."""
+    return {"dryRun": "All"} if dry_run else {}
 
 
 def _describe(obj: Mapping[str, Any]) -> str:

@@ -36,7 +36,7 @@ def load_artifact(registry: ManifestReader, ref: Reference) -> Artifact:
     if manifest.artifact_type != C.ARTIFACT_TYPE or manifest.config.media_type != C.CONFIG_MEDIA_TYPE:
         raise FailedPrecondition(
             f"{ref} is not a kubectl-snapshot snapshot (artifactType {manifest.artifact_type!r})",
-            hint="name a reference that `kubectl snapshot` or `kubectl-snapshot-agent checkpoint` printed",
+            hint="name a reference that `kubectl snapshot` or `ks-agent checkpoint` printed",
         )
     if manifest.config.size > MAX_CONFIG_BYTES:
         raise FailedPrecondition(f"snapshot config of {ref} is too large ({manifest.config.size} bytes)")

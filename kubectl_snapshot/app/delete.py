@@ -22,9 +22,18 @@ class Deleted:
 
 
 def delete_snapshots(
-    names: list[str], *, namespace: str, kube: Kube, stores: StoreFactory | None = None, insecure: bool = False
+    names: list[str],
+    *,
+    namespace: str,
+    kube: Kube,
+    stores: StoreFactory | None = None,
+    insecure: bool = False,
+    dry_run: str = "none",
 ) -> list[Deleted]:
-    """Delete each PodSnapshot (and its manifest when `stores` is given), in order; stops at the first error."""
+    """Delete each PodSnapshot (and its manifest when `stores` is given), in order; stops at the first error.
+
+    dry_run "client" only checks that each exists; "server" also has the API server admit the deletes
+    (RBAC, admission); neither touches the registry."""
     done: list[Deleted] = []
     for name in names:
         validate_name(name, "snapshot")
@@ -37,6 +46,11 @@ def delete_snapshots(
             ) from e
         deleted_ref = ""
         ref_text = str((obj.get("status") or {}).get("reference") or "")
+        if dry_run != "none":
+            if dry_run == "server":
+                kube.delete_snapshot(namespace, name, dry_run=True)
+            done.append(Deleted(name=name, reference=ref_text if stores is not None else ""))
+            continue
         if stores is not None and ref_text:
             ref = Reference.parse(ref_text)
             if ref.digest:

@@ -2,7 +2,11 @@
 
 Per node: the agent pod and its readiness, and the facts the agent publishes in the node annotation
 `kubectl-snapshot.io/node-facts` (CRIU, containerd, runc, kernel, runtime handler); "unknown" when the
-agent has not published them. Cluster: the CRD, the agent DaemonSet and the RuntimeClass.
+agent has not published them. The agent also publishes (shim/nodecheck.py) which CRIU and runtime
+hook are in use and where they came from, `criu check` with that CRIU, the cgroup version, whether
+containerd's config imports the drop-in directory and whether a containerd restart is pending; what
+blocks a node is listed per node and makes the report not ok. Cluster: the CRD, the agent DaemonSet
+and the RuntimeClass.
 """
 
 from __future__ import annotations
@@ -27,7 +31,38 @@ def node_facts(node: Obj) -> dict[str, Any]:
         facts = {}
     if not isinstance(facts, dict):
         facts = {}
-    return {k: facts[k] if k in facts and facts[k] not in (None, "") else UNKNOWN for k in FACT_KEYS}
+    out: dict[str, Any] = {k: facts[k] if k in facts and facts[k] not in (None, "") else UNKNOWN for k in FACT_KEYS}
+    status = facts.get("node")
+    status = status if isinstance(status, dict) else {}
+    criu, hook = _dict(status.get("criu")), _dict(status.get("hook"))
+    containerd = _dict(status.get("containerd"))
+    out["criu"] = {
+        "path": str(criu.get("path") or UNKNOWN),
+        "version": str(criu.get("version") or out["criuVersion"]),
+        "from": str(criu.get("from") or UNKNOWN),
+    }
+    out["hook"] = {
+        "path": str(hook.get("path") or UNKNOWN),
+        "python": str(hook.get("python") or UNKNOWN),
+        "from": str(hook.get("from") or UNKNOWN),
+    }
+    check = _dict(status.get("criuCheck"))
+    out["criuCheck"] = (
+        UNKNOWN if not check else "ok" if check.get("ok") else str(check.get("detail") or "failed")[-300:]
+    )
+    out["cgroup"] = str(status.get("cgroup") or facts.get("cgroupVersion") or UNKNOWN)
+    out["containerdConfig"] = str(containerd.get("config") or UNKNOWN)
+    out["importsDropin"] = containerd.get("importsDropin", UNKNOWN) if containerd else UNKNOWN
+    out["restartPending"] = containerd.get("restartPending", UNKNOWN) if containerd else UNKNOWN
+    blockers = status.get("blockers")
+    out["blockers"] = [str(b) for b in blockers] if isinstance(blockers, list) else []
+    if not status:
+        out["blockers"].append("the agent has not published node status (an older agent, or not running)")
+    return out
+
+
+def _dict(v: Any) -> dict[str, Any]:
+    return v if isinstance(v, dict) else {}
 
 
 def _pod_ready(pod: Obj) -> bool:
@@ -91,7 +126,11 @@ def doctor(*, kube: Kube) -> dict[str, Any]:
                 **node_facts(node),
             }
         )
-    ok = all(c["ok"] for c in checks) and not agents_error and all(n["agentReady"] is True for n in nodes)
+    ok = (
+        all(c["ok"] for c in checks)
+        and not agents_error
+        and all(n["agentReady"] is True and not n["blockers"] for n in nodes)
+    )
     result: dict[str, Any] = {"ok": ok, "checks": checks, "nodes": nodes}
     if agents_error:
         result["error"] = agents_error

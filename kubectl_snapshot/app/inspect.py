@@ -1,11 +1,12 @@
 """What a snapshot holds, as data and as text: shared by `kubectl snapshot inspect` and
-`kubectl-snapshot-agent inspect` so both print the same thing."""
+`ks-agent inspect` so both print the same thing."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from kubectl_snapshot.app.artifact import Artifact
+from kubectl_snapshot.app.provenance import Provenance
 
 
 def human_bytes(n: float) -> str:
@@ -16,7 +17,7 @@ def human_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def inspect_data(artifact: Artifact) -> dict[str, Any]:
+def inspect_data(artifact: Artifact, provenance: Provenance | None = None) -> dict[str, Any]:
     cfg, ref = artifact.config, artifact.reference
     sizes = {layer.digest: layer.size for layer in artifact.manifest.layers}
     data: dict[str, Any] = {
@@ -40,9 +41,16 @@ def inspect_data(artifact: Artifact) -> dict[str, Any]:
         ],
         "volumes": [v.to_dict() for v in cfg.volumes],
         "size": sum(sizes.values()) + artifact.manifest.config.size,
+        "formatVersion": cfg.format_version,
     }
+    if provenance is not None:
+        data["provenance"] = provenance.to_dict()
     if cfg.pod is not None:
         data["pod"] = {"name": cfg.pod.name, "namespace": cfg.pod.namespace, "uid": cfg.pod.uid, "node": cfg.pod.node}
+    enc = cfg.encryption
+    data["encryption"] = (
+        {"scheme": enc.scheme, "namespace": enc.namespace, "keyId": enc.key_id} if enc is not None else None
+    )
     return data
 
 
@@ -56,6 +64,12 @@ def inspect_text(d: dict[str, Any]) -> str:
     if d.get("pod"):
         p = d["pod"]
         lines.append(f"Pod:        {p['namespace']}/{p['name']} on node {p['node'] or '-'} (uid {p['uid'] or '-'})")
+    enc = d.get("encryption")
+    lines.append(
+        f"Encrypted:  {enc['scheme']} with the key of namespace {enc['namespace']} ({enc['keyId']})"
+        if enc
+        else "Encrypted:  no: memory, rootfs diff and volumes are stored in clear"
+    )
     lines += [
         f"Size:       {human_bytes(d['size'])}; frozen for {d['freezeMs']:.0f} ms; "
         f"{'stopped' if d['stopped'] else 'left running'} after the snapshot",
@@ -73,4 +87,18 @@ def inspect_text(d: dict[str, Any]) -> str:
             lines.append(f"    pid {p['pid']:<6} ppid {p['ppid']:<6} {p['comm']}")
     for v in d["volumes"]:
         lines.append(f"Volume:     {v['name']} (from {v['source']})")
+    lines += provenance_text(d.get("provenance"))
     return "\n".join(lines)
+
+
+def provenance_text(p: dict[str, Any] | None) -> list[str]:
+    if p is None:
+        return []
+    if not p["verified"]:
+        return [f"Signature:  NOT VERIFIED: {p['reason']}"]
+    o = p["origin"]
+    return [
+        f"Signature:  verified: {p['reason']}",
+        f"Origin:     cluster {o['cluster'] or '-'}, namespace {o['namespace']}, pod {o['pod'] or '-'} "
+        f"(uid {o['podUID'] or '-'}) on node {o['node'] or '-'}, at {o['created']}, format v{o['formatVersion']}",
+    ]

@@ -4,14 +4,22 @@ then wait until the CRD is Established and the DaemonSet rolled out; remove them
 
 from __future__ import annotations
 
+import base64
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj
+from kubectl_snapshot.app.provenance import (
+    SIGNING_KEY_FILE,
+    TRUST_ALLOW_UNVERIFIED_FILE,
+    TRUST_CLUSTER_FILE,
+    TRUST_KEY_SUFFIX,
+)
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
+from kubectl_snapshot.core.provenance import PublicKey, SigningKey
 
 StepFn = Callable[[str, int, int], None]  # (what, done, total)
 
@@ -140,3 +148,53 @@ def _rolled_out(ds: Obj | None) -> bool:
     updated = int(st.get("updatedNumberScheduled") or 0)
     available = int(st.get("numberAvailable") or 0)
     return desired > 0 and available >= desired and (strategy != "RollingUpdate" or updated >= desired)
+
+
+def signing_objects(
+    kube: Kube,
+    *,
+    rotate: bool = False,
+    trust_keys: Sequence[bytes] = (),
+    allow_unverified: bool | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> tuple[list[Obj], str]:
+    """The agents' signing-key Secret and the trust ConfigMap to apply; and the signing key's id.
+
+    The key is made once (ECDSA P-256) and kept across installs; `rotate` makes a new one. Every public
+    key ever used stays trusted (`<key id>.pub` in the ConfigMap), so snapshots signed before a rotation
+    still restore; an administrator removes one from the ConfigMap to stop trusting it. `trust_keys`
+    adds other clusters' public keys (PEM); `allow_unverified` (None: keep) is the policy for snapshots
+    no trusted key signed. The private key never leaves the cluster: only the Secret holds it.
+    """
+    labels = dict(labels or {"app.kubernetes.io/part-of": "kubectl-snapshot"})
+    secret_ref: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": K.SIGNING_KEY_SECRET, "namespace": K.AGENT_NAMESPACE},
+    }
+    cm_ref: dict[str, Any] = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": K.TRUST_CONFIG_MAP, "namespace": K.AGENT_NAMESPACE},
+    }
+    live_secret = kube.get_object(secret_ref)
+    live_cm = kube.get_object(cm_ref) or {}
+    pem = base64.b64decode(((live_secret or {}).get("data") or {}).get(SIGNING_KEY_FILE, "") or b"")
+    key = SigningKey.generate() if rotate or not pem else SigningKey.from_pem(pem, where="the signing-key Secret")
+    data = {k: v for k, v in (live_cm.get("data") or {}).items() if isinstance(v, str)}
+    for extra in [key.public.to_pem(), *trust_keys]:
+        pub = PublicKey.from_pem(extra)
+        data[f"{pub.id}{TRUST_KEY_SUFFIX}"] = pub.to_pem().decode()
+    kube_system = kube.get_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system"}})
+    data[TRUST_CLUSTER_FILE] = str(((kube_system or {}).get("metadata") or {}).get("uid") or "")
+    if allow_unverified is not None:
+        data[TRUST_ALLOW_UNVERIFIED_FILE] = "true" if allow_unverified else "false"
+    data.setdefault(TRUST_ALLOW_UNVERIFIED_FILE, "false")
+    secret = {
+        **secret_ref,
+        "metadata": {**secret_ref["metadata"], "labels": labels},
+        "type": "Opaque",
+        "data": {SIGNING_KEY_FILE: base64.b64encode(key.to_pem()).decode()},
+    }
+    cm = {**cm_ref, "metadata": {**cm_ref["metadata"], "labels": labels}, "data": data}
+    return [secret, cm], key.public.id

@@ -8,11 +8,28 @@ from typing import Any
 from kubectl_snapshot.app.ports import Kube, Obj
 
 
-def list_rows(*, kube: Kube, namespace: str | None, now: datetime.datetime | None = None) -> list[dict[str, Any]]:
-    items = kube.list_snapshots(namespace)
+def list_rows(
+    *,
+    kube: Kube,
+    namespace: str | None,
+    label_selector: str | None = None,
+    now: datetime.datetime | None = None,
+) -> list[dict[str, Any]]:
+    return [row for _obj, row in list_objects(kube=kube, namespace=namespace, label_selector=label_selector, now=now)]
+
+
+def list_objects(
+    *,
+    kube: Kube,
+    namespace: str | None,
+    label_selector: str | None = None,
+    now: datetime.datetime | None = None,
+) -> list[tuple[Obj, dict[str, Any]]]:
+    """(object, row) for each PodSnapshot, sorted by namespace, creation time and name."""
+    items = kube.list_snapshots(namespace, label_selector=label_selector)
     now = now or datetime.datetime.now(datetime.UTC)
-    rows = [snapshot_row(obj, now) for obj in items]
-    return sorted(rows, key=lambda r: (r["namespace"], r["created"], r["name"]))
+    pairs = [(obj, snapshot_row(obj, now)) for obj in items]
+    return sorted(pairs, key=lambda p: (p[1]["namespace"], p[1]["created"], p[1]["name"]))
 
 
 def snapshot_row(obj: Obj, now: datetime.datetime) -> dict[str, Any]:
@@ -29,6 +46,8 @@ def snapshot_row(obj: Obj, now: datetime.datetime) -> dict[str, Any]:
         "created": created,
         "age": age(created, now),
         "message": str(status.get("message") or ""),
+        "stage": str(status.get("stage") or ""),
+        "destination": str(spec.get("destination") or ""),
     }
 
 

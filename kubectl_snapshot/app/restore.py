@@ -96,7 +96,7 @@ def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> t
     if artifact.config.pod is None:
         raise FailedPrecondition(
             f"{artifact.reference} is a snapshot of containers, not of a Kubernetes pod",
-            hint="restore it on a node with: kubectl-snapshot-agent restore",
+            hint="restore it on a node with: ks-agent restore",
         )
     if req.node:
         kube.get_node(req.node)  # NotFound names the node
@@ -139,10 +139,11 @@ def check_agent_on(node: str, *, kube: Kube) -> None:
         )
 
 
-def create_restore_pod(body: Obj, *, kube: Kube) -> Obj:
+def create_restore_pod(body: Obj, *, kube: Kube, dry_run: bool = False) -> Obj:
+    """Create the restore pod; with dry_run the API server only admits it (`--dry-run=server`)."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     try:
-        return kube.create_pod(ns, body)
+        return kube.create_pod(ns, body, dry_run=dry_run)
     except FailedPrecondition as e:  # 409: the name is taken
         raise FailedPrecondition(
             f"pod {ns}/{name} already exists", hint="choose another name with --name, or delete that pod"

@@ -43,8 +43,8 @@ class SnapshotRequest:
     now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC))
 
 
-def start_snapshot(req: SnapshotRequest, *, kube: Kube) -> Obj:
-    """Check the pod exists and runs, then create its PodSnapshot; returns the created object."""
+def snapshot_body(req: SnapshotRequest, *, kube: Kube) -> Obj:
+    """Check the pod exists and runs; the PodSnapshot to create for it."""
     target: Reference = destination(req.repository, timestamp(req.now))
     try:
         pod = kube.get_pod(req.namespace, req.pod)
@@ -54,7 +54,7 @@ def start_snapshot(req: SnapshotRequest, *, kube: Kube) -> Obj:
             hint=f"list the pods with: kubectl get pods -n {req.namespace}",
         ) from e
     check_pod_running(pod)
-    body = snapshot_object(
+    return snapshot_object(
         name=snapshot_name(req.pod, req.now),
         namespace=req.namespace,
         pod=req.pod,
@@ -65,8 +65,14 @@ def start_snapshot(req: SnapshotRequest, *, kube: Kube) -> Obj:
         include_volumes=req.include_volumes,
         ignore_liveness=req.ignore_liveness,
     )
+
+
+def start_snapshot(req: SnapshotRequest, *, kube: Kube, dry_run: bool = False) -> Obj:
+    """Check the pod exists and runs, then create its PodSnapshot; returns the created object (with
+    dry_run, the object as the API server would have created it: `--dry-run=server`)."""
+    body = snapshot_body(req, kube=kube)
     try:
-        return kube.create_snapshot(req.namespace, body)
+        return kube.create_snapshot(req.namespace, body, dry_run=dry_run)
     except NotFound as e:
         raise FailedPrecondition(
             f"the PodSnapshot resource is not installed in this cluster ({e.message})",

@@ -23,21 +23,26 @@ from kubectl_snapshot.app import install as install_app
 from kubectl_snapshot.app.artifact import load_artifact
 from kubectl_snapshot.app.delete import delete_snapshots
 from kubectl_snapshot.app.inspect import inspect_data, inspect_text
-from kubectl_snapshot.app.listing import list_rows
+from kubectl_snapshot.app.listing import list_objects, snapshot_row
 from kubectl_snapshot.app.migrate import MigrateRequest, migrate
 from kubectl_snapshot.app.ports import ArtifactStore, Kube
+from kubectl_snapshot.app.provenance import load_trust, merge_trust, provenance_of, trust_from_data
 from kubectl_snapshot.app.restore import RestoreRequest, build_restore, create_restore_pod, resolve_source, wait_running
-from kubectl_snapshot.app.snapshot import SnapshotRequest, start_snapshot, wait_snapshot
+from kubectl_snapshot.app.snapshot import SnapshotRequest, snapshot_body, start_snapshot, wait_snapshot
+from kubectl_snapshot.cli import completion
 from kubectl_snapshot.cli.errors import handle_errors
 from kubectl_snapshot.cli.output import emit, human_bytes, output_option
 from kubectl_snapshot.cli.params import ENV_REPOSITORY, Duration, common_options, kube_opts, repository_default
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
+from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.podspec import destination, parse_pod_arg
+from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.status import read as snapshot_status
 
 DEFAULT_COMMAND = "pod"
+DRY_RUN = ("none", "client", "server")
 ALIASES = {"snapshot": DEFAULT_COMMAND}  # `kubectl-snapshot snapshot pod/NAME` reads naturally too
 
 
@@ -53,6 +58,13 @@ class PluginGroup(click.Group):
             return DEFAULT_COMMAND, self.get_command(ctx, DEFAULT_COMMAND), args
         return super().resolve_command(ctx, args)
 
+    def shell_complete(self, ctx: click.Context, incomplete: str) -> list[Any]:
+        """Subcommands, and `pod/NAME` for the default command."""
+        items = [i for i in super().shell_complete(ctx, incomplete) if not str(i.value).startswith("__")]
+        if incomplete.startswith("pod/") or (incomplete and "pod/".startswith(incomplete)):
+            items += completion.pods(ctx, None, incomplete)
+        return items
+
 
 # --- wiring --------------------------------------------------------------------------------------------
 
@@ -61,7 +73,14 @@ def kube_client() -> Kube:
     from kubectl_snapshot.adapters.kube import KubeClient
 
     opts = kube_opts(click.get_current_context())
-    return KubeClient.from_config(opts.kubeconfig, opts.context)
+    return KubeClient.from_config(
+        opts.kubeconfig,
+        opts.context,
+        server=opts.server,
+        token=opts.token,
+        impersonate=opts.impersonate,
+        impersonate_groups=opts.impersonate_groups,
+    )
 
 
 def namespace_of(kube: Kube) -> str:
@@ -81,6 +100,29 @@ def _wait_options(fn: Any) -> Any:
     )(fn)
     fn = click.option("--no-wait", is_flag=True, help="Return once the object is created.")(fn)
     return fn
+
+
+def _dry_run_option(fn: Any) -> Any:
+    return click.option(
+        "--dry-run",
+        type=click.Choice(DRY_RUN),
+        default="none",
+        show_default=True,
+        help="client: only print what would be sent; server: the API server admits it but persists nothing.",
+    )(fn)
+
+
+def _selector_option(fn: Any) -> Any:
+    return click.option(
+        "-l",
+        "--selector",
+        help="Label selector (e.g. -l kubectl-snapshot.io/pod=web,tier!=db), as kubectl takes it.",
+    )(fn)
+
+
+def _snapshot_name(d: dict[str, Any]) -> str:
+    """`-o name`, as kubectl prints it: kind.group/name."""
+    return f"{K.SINGULAR}.{K.GROUP}/{d['metadata']['name']}"
 
 
 def _snapshot_options(fn: Any) -> Any:
@@ -117,6 +159,32 @@ def _require_to(to: str | None) -> str:
     return to
 
 
+MEMORY_NOTICE = (
+    "note: a snapshot holds the pod's memory, and so every secret the pod has read (tokens, passwords, "
+    "keys). It is protected by who can read the repository, by the agents' signature (a restore verifies "
+    "it and refuses another namespace unless that namespace granted it), and it stores no environment "
+    "variables outside memory. Treat read access to the repository like access to the pod. "
+    "(Shown once; docs/security.md, Provenance.)"
+)
+
+
+def memory_notice() -> None:
+    """Say once per user, plainly, what a snapshot holds; a stamp file remembers it was said."""
+    import os
+
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    stamp = os.path.join(base, "kubectl-snapshot", "memory-notice-shown")
+    if os.path.exists(stamp):
+        return
+    click.echo(MEMORY_NOTICE, err=True)
+    try:
+        os.makedirs(os.path.dirname(stamp), exist_ok=True)
+        with open(stamp, "w") as f:
+            f.write("shown\n")
+    except OSError:
+        pass  # read-only home: said again next time, which is better than never
+
+
 # --- commands ------------------------------------------------------------------------------------------
 
 
@@ -141,8 +209,9 @@ def cli() -> None:
 @_snapshot_options
 @click.option("--stop", is_flag=True, help="Stop the pod's containers once the snapshot is pushed.")
 @_wait_options
+@_dry_run_option
 @output_option
-@click.argument("target", metavar="pod/NAME")
+@click.argument("target", metavar="pod/NAME", shell_complete=completion.pods)
 @handle_errors
 def pod_cmd(
     target: str,
@@ -154,6 +223,7 @@ def pod_cmd(
     stop: bool,
     no_wait: bool,
     timeout: float,
+    dry_run: str,
     output: str,
 ) -> None:
     """Snapshot a running pod: `kubectl snapshot pod/NAME --to REGISTRY/REPO[:TAG]`."""
@@ -171,27 +241,33 @@ def pod_cmd(
         include_volumes=not no_volumes,
         ignore_liveness=ignore_liveness,
     )
+    if dry_run != "none":
+        body = snapshot_body(req, kube=kube) if dry_run == "client" else start_snapshot(req, kube=kube, dry_run=True)
+        name = body["metadata"]["name"]
+        emit(body, output, lambda _d: f"podsnapshot/{name} created ({dry_run} dry run)", name=_snapshot_name)
+        return
     created = start_snapshot(req, kube=kube)
+    memory_notice()
     name = created["metadata"]["name"]
     if no_wait:
-        emit(created, output, lambda _d: f"podsnapshot/{name} created")
+        emit(created, output, lambda _d: f"podsnapshot/{name} created", name=_snapshot_name)
         return
     with RemoteProgress(f"snapshot {pod}") as bar:
         final = wait_snapshot(ns, name, kube=kube, timeout_s=timeout, on_status=bar.snapshot)
-    emit(final, output, lambda d: snapshot_status(d).reference)
+    emit(final, output, lambda d: snapshot_status(d).reference, name=_snapshot_name)
 
 
 @cli.command("restore")
 @common_options
 @click.option("--name", help="Name of the new pod (default: <original>-restored).")
-@click.option("--node", help="Run it on this node (default: the scheduler picks).")
+@click.option("--node", shell_complete=completion.nodes, help="Run it on this node (default: the scheduler picks).")
 @click.option("--registry-secret", help="dockerconfigjson Secret the agent pulls with.")
 @click.option("--agent-image", help="Image of the gate init container (default: the agent DaemonSet's image).")
 @click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
-@click.option("--dry-run", is_flag=True, help="Print the Pod instead of creating it.")
+@_dry_run_option
 @_wait_options
 @output_option
-@click.argument("source", metavar="REF|SNAPSHOT")
+@click.argument("source", metavar="REF|SNAPSHOT", shell_complete=completion.snapshots)
 @handle_errors
 def restore_cmd(
     source: str,
@@ -200,7 +276,7 @@ def restore_cmd(
     registry_secret: str | None,
     agent_image: str | None,
     insecure: bool,
-    dry_run: bool,
+    dry_run: str,
     no_wait: bool,
     timeout: float,
     output: str,
@@ -218,28 +294,31 @@ def restore_cmd(
         insecure=insecure,
     )
     body, _artifact = build_restore(req, kube=kube, stores=artifact_store)
-    if dry_run:
-        emit(body, "json" if output == "json" else "yaml", str)
+    pod_ref = lambda d: f"pod/{d['metadata']['name']}"  # noqa: E731
+    if dry_run != "none":
+        if dry_run == "server":
+            body = create_restore_pod(body, kube=kube, dry_run=True)
+        emit(body, "yaml" if output in ("text", "wide") else output, str, name=pod_ref)
         return
     created = create_restore_pod(body, kube=kube)
     pod_name = created["metadata"]["name"]
     if no_wait:
-        emit(created, output, lambda _d: f"pod/{pod_name}")
+        emit(created, output, pod_ref, name=pod_ref)
         return
     with RemoteProgress(f"restore {pod_name}") as bar:
         running = wait_running(ns, pod_name, kube=kube, timeout_s=timeout, on_state=bar.restore)
-    emit(running, output, lambda _d: f"pod/{pod_name}")
+    emit(running, output, pod_ref, name=pod_ref)
 
 
 @cli.command("migrate")
 @common_options
 @_snapshot_options
-@click.option("--node", help="Target node (default: another Ready node).")
+@click.option("--node", shell_complete=completion.nodes, help="Target node (default: another Ready node).")
 @click.option("--name", help="Name of the new pod (default: <original>-restored).")
 @click.option("--agent-image", help="Image of the gate init container (default: the agent DaemonSet's image).")
 @click.option("--timeout", type=Duration(), default="10m", show_default=True, help="Per step (snapshot, restore) wait.")
 @output_option
-@click.argument("target", metavar="pod/NAME")
+@click.argument("target", metavar="pod/NAME", shell_complete=completion.pods)
 @handle_errors
 def migrate_cmd(
     target: str,
@@ -296,72 +375,180 @@ def _migrated_text(d: dict[str, Any]) -> str:
 @cli.command("list")
 @common_options
 @click.option("-A", "--all-namespaces", is_flag=True, help="List PodSnapshots in every namespace.")
+@_selector_option
+@click.option("-w", "--watch", is_flag=True, help="After listing, print each PodSnapshot again as it changes.")
 @output_option
 @handle_errors
-def list_cmd(all_namespaces: bool, output: str) -> None:
-    """List PodSnapshots."""
+def list_cmd(all_namespaces: bool, selector: str | None, watch: bool, output: str) -> None:
+    """List PodSnapshots (like `kubectl get podsnapshots`, with -A, -l, -w and -o as kubectl has them)."""
     kube = kube_client()
-    rows = list_rows(kube=kube, namespace=None if all_namespaces else namespace_of(kube))
-    emit(rows, output, lambda r: _table(r, all_namespaces))
+    ns = None if all_namespaces else namespace_of(kube)
+    pairs = list_objects(kube=kube, namespace=ns, label_selector=selector)
+    structured = output in ("json", "yaml") or output.startswith("jsonpath")
+    if structured:
+        emit({"apiVersion": "v1", "kind": "List", "items": [o for o, _ in pairs], "metadata": {}}, output, str)
+    elif output == "name":
+        if pairs:
+            click.echo("\n".join(_snapshot_name(o) for o, _ in pairs))
+    else:
+        wide = output == "wide"
+        rows = [r for _, r in pairs]
+        if rows or not watch:
+            click.echo(_table(rows, all_namespaces, wide=wide))
+        else:
+            click.echo(_header(all_namespaces, wide))
+    if watch:
+        _watch_list(kube, ns, selector, output, all_namespaces, seen={_version(o) for o, _ in pairs})
 
 
-def _table(rows: list[dict[str, Any]], with_ns: bool) -> str:
+def _version(obj: dict[str, Any]) -> tuple[str, str]:
+    meta = obj.get("metadata") or {}
+    return str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
+
+
+def _watch_list(
+    kube: Kube, ns: str | None, selector: str | None, output: str, with_ns: bool, *, seen: set[tuple[str, str]]
+) -> None:
+    """kubectl get -w: one line (or document) per change, until interrupted. Each watch is resumed from
+    the last resourceVersion seen; when that expired (410 Gone) the watch starts over and versions
+    already printed are skipped."""
+    import datetime
+
+    from kubectl_snapshot.core.errors import Expired
+
+    resource_version: str | None = None
+    while True:
+        try:
+            for etype, obj in kube.watch_snapshots(ns, 300, label_selector=selector, resource_version=resource_version):
+                resource_version = _version(obj)[1] or resource_version
+                if etype == "BOOKMARK" or not obj.get("metadata"):
+                    continue  # a bookmark only moves the resourceVersion on
+                if etype != "DELETED" and _version(obj) in seen:
+                    continue
+                seen.add(_version(obj))
+                if output in ("json", "yaml") or output.startswith("jsonpath"):
+                    emit(obj, output, str)
+                    if output == "yaml":
+                        click.echo("---")
+                elif output == "name":
+                    click.echo(_snapshot_name(obj))
+                else:
+                    row = snapshot_row(obj, datetime.datetime.now(datetime.UTC))
+                    if etype == "DELETED":
+                        row["phase"] = "Deleted"
+                    click.echo(_table([row], with_ns, wide=output == "wide", header=False))
+        except Expired:
+            resource_version = None  # 410 Gone: the version is too old; start over (seen skips repeats)
+
+
+def _columns(with_ns: bool, wide: bool) -> list[str]:
+    head = (["NAMESPACE"] if with_ns else []) + ["NAME", "POD", "PHASE", "NODE", "SIZE", "REFERENCE", "AGE"]
+    return head + (["STAGE", "DESTINATION", "MESSAGE"] if wide else [])
+
+
+def _header(with_ns: bool, wide: bool) -> str:
+    return "   ".join(_columns(with_ns, wide))
+
+
+def _table(rows: list[dict[str, Any]], with_ns: bool, *, wide: bool = False, header: bool = True) -> str:
     if not rows:
         return "No PodSnapshots found."
-    head = (["NAMESPACE"] if with_ns else []) + ["NAME", "POD", "PHASE", "NODE", "SIZE", "REFERENCE", "AGE"]
-    lines = [head]
+    head = _columns(with_ns, wide)
+    lines = [head] if header else []
     for r in rows:
         size = human_bytes(r["size"]) if r["size"] else "-"
         cells = [r["name"], r["pod"], r["phase"], r["node"] or "-", size, r["reference"] or "-", r["age"]]
+        if wide:
+            cells += [r["stage"] or "-", r["destination"] or "-", (r["message"] or "-").replace("\n", " ")[:120]]
         lines.append(([r["namespace"]] if with_ns else []) + cells)
-    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    widths = [max(len(line[i]) for line in [head, *lines]) for i in range(len(head))]
     return "\n".join("   ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines)
 
 
 @cli.command("inspect")
 @common_options
 @click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
+@click.option(
+    "--key",
+    "keys",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="Public key (PEM) to verify the signature with, besides the cluster's trusted keys. Repeatable.",
+)
 @output_option
-@click.argument("source", metavar="REF|SNAPSHOT")
+@click.argument("source", metavar="REF|SNAPSHOT", shell_complete=completion.snapshots)
 @handle_errors
-def inspect_cmd(source: str, insecure: bool, output: str) -> None:
-    """Show what a snapshot holds: containers, process trees, memory, host facts."""
+def inspect_cmd(source: str, insecure: bool, keys: tuple[str, ...], output: str) -> None:
+    """Show what a snapshot holds: containers, process trees, memory, host facts, who signed it and
+    whether that verifies (with the cluster's trusted keys, when the cluster is reachable, and --key)."""
+    kube: Kube | None = None
     if "/" in source:  # a reference needs no cluster
-        ref = Reference.parse(source)
-        artifact = load_artifact(artifact_store(ref, insecure), ref)
+        ref, ins = Reference.parse(source), insecure
     else:
         kube = kube_client()
         src = resolve_source(source, namespace=namespace_of(kube), kube=kube, insecure=insecure)
-        artifact = load_artifact(artifact_store(src.reference, src.insecure), src.reference)
-    emit(inspect_data(artifact), output, inspect_text)
+        ref, ins = src.reference, src.insecure
+    store = artifact_store(ref, ins)
+    artifact = load_artifact(store, ref)
+    policy = merge_trust([load_trust(list(keys)), _cluster_trust(kube)])
+    emit(inspect_data(artifact, provenance_of(store, artifact.reference, policy)), output, inspect_text)
+
+
+def _cluster_trust(kube: Kube | None) -> TrustPolicy:
+    """The cluster's trusted keys, if the cluster can be asked (inspect of a REF works without one)."""
+    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core.errors import SnapshotError
+
+    try:
+        kube = kube or kube_client()
+        cm = kube.get_object(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": K.TRUST_CONFIG_MAP, "namespace": K.AGENT_NAMESPACE},
+            }
+        )
+    except (SnapshotError, OSError):
+        return TrustPolicy()
+    return trust_from_data((cm or {}).get("data") or {})
 
 
 @cli.command("delete")
 @common_options
 @click.option("--registry", is_flag=True, help="Also delete the snapshot's manifest from the registry.")
 @click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
+@_selector_option
+@_dry_run_option
 @output_option
-@click.argument("names", nargs=-1, required=True, metavar="SNAPSHOT...")
+@click.argument("names", nargs=-1, metavar="SNAPSHOT...", shell_complete=completion.snapshots)
 @handle_errors
-def delete_cmd(names: tuple[str, ...], registry: bool, insecure: bool, output: str) -> None:
-    """Delete PodSnapshots (and with --registry their manifests)."""
+def delete_cmd(
+    names: tuple[str, ...], registry: bool, insecure: bool, selector: str | None, dry_run: str, output: str
+) -> None:
+    """Delete PodSnapshots by name or -l selector (and with --registry their manifests)."""
+    if not names and not selector:
+        raise click.UsageError("name the PodSnapshots to delete, or select them with -l/--selector")
+    if names and selector:
+        raise click.UsageError("name PodSnapshots or give -l/--selector, not both")
     kube = kube_client()
+    ns = namespace_of(kube)
+    if selector:
+        names = tuple(r["name"] for _, r in list_objects(kube=kube, namespace=ns, label_selector=selector))
     done = delete_snapshots(
         list(names),
-        namespace=namespace_of(kube),
+        namespace=ns,
         kube=kube,
         stores=artifact_store if registry else None,
         insecure=insecure,
+        dry_run=dry_run,
     )
+    suffix = "" if dry_run == "none" else f" ({dry_run} dry run)"
     data = [{"name": d.name, "deletedFromRegistry": d.reference} for d in done]
     emit(
         data,
         output,
-        lambda rows: "\n".join(
-            f"podsnapshot/{r['name']} deleted"
-            + (f" (and {r['deletedFromRegistry']})" if r["deletedFromRegistry"] else "")
-            for r in rows
-        ),
+        lambda rows: "\n".join(_deleted_line(r) + suffix for r in rows) or "No PodSnapshots found.",
+        name=lambda rows: "\n".join(f"{K.SINGULAR}.{K.GROUP}/{r['name']}" for r in rows),
     )
 
 
@@ -412,7 +599,25 @@ def _install_settings(api_server: str | None, state_dir: str | None, **paths: st
     is_flag=True,
     help="Run the agent in the nodes' network namespace (only when the registry is reachable from nodes alone).",
 )
-@click.option("--dry-run", is_flag=True, help="Print the manifests instead of applying them.")
+@click.option(
+    "--rotate-signing-key",
+    is_flag=True,
+    help="Make a new snapshot signing key; the old public key stays trusted, so older snapshots still restore.",
+)
+@click.option(
+    "--trust-key",
+    "trust_keys",
+    multiple=True,
+    type=click.Path(dir_okay=False, exists=True),
+    help="Also trust snapshots signed with this public key (PEM; e.g. another cluster's). Repeatable.",
+)
+@click.option(
+    "--allow-unverified-snapshots/--refuse-unverified-snapshots",
+    "allow_unverified",
+    default=None,
+    help="Whether restores accept snapshots no trusted key signed (default: refuse; kept across installs).",
+)
+@_dry_run_option
 @click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long to wait for the rollout.")
 @output_option
 @handle_errors
@@ -421,20 +626,38 @@ def install_cmd(
     api_server: str | None,
     state_dir: str | None,
     host_network: bool,
-    dry_run: bool,
+    rotate_signing_key: bool,
+    trust_keys: tuple[str, ...],
+    allow_unverified: bool | None,
+    dry_run: str,
     timeout: float,
     output: str,
     **paths: str | None,
 ) -> None:
-    """Install the CRD, RBAC, admission policies, agent DaemonSet and RuntimeClass; wait until the agents run."""
+    """Install the CRD, RBAC, admission policies, agent DaemonSet and RuntimeClass; wait until the agents run.
+
+    Also makes the agents' snapshot signing key (Secret kubectl-snapshot-signing-key, once; see
+    --rotate-signing-key) and the trust ConfigMap kubectl-snapshot-trust (public keys, policy).
+    """
     settings = _install_settings(api_server, state_dir, **paths)
     if host_network:
         settings["host_network"] = True
     objects = install_app.render(agent_image, settings)
-    if dry_run:
+    if dry_run == "client":
         _emit_objects(objects, output)
         return
+    if dry_run == "server":  # every object through the API server's validation and admission, none stored
+        _emit_objects(kube_client().apply(objects, dry_run=True), output)
+        return
     kube = kube_client()
+    pems = []
+    for path in trust_keys:
+        with open(path, "rb") as f:
+            pems.append(f.read())
+    signing, _key_id = install_app.signing_objects(
+        kube, rotate=rotate_signing_key, trust_keys=pems, allow_unverified=allow_unverified
+    )
+    objects = objects[:-1] + signing + objects[-1:]  # before the DaemonSet, after its namespace
     with RemoteProgress("install") as bar:
         install_app.install(objects, kube=kube, timeout_s=timeout, on_step=lambda what, _d, _t: bar.step(what))
     emit({"installed": [f"{o['kind']}/{o['metadata']['name']}" for o in objects]}, output, lambda _d: "installed")
@@ -442,28 +665,45 @@ def install_cmd(
 
 @cli.command("uninstall")
 @common_options
-@click.option("--dry-run", is_flag=True, help="Print what would be deleted.")
+@_dry_run_option
 @click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long node clean-up may take.")
 @output_option
 @handle_errors
-def uninstall_cmd(dry_run: bool, timeout: float, output: str) -> None:
+def uninstall_cmd(dry_run: str, timeout: float, output: str) -> None:
     """Remove the runtime hook from every node, then what `install` created (PodSnapshots go with the CRD)."""
     objects = install_app.render(None, {})
     names = [f"{o['kind']}/{o['metadata']['name']}" for o in reversed(objects)]
-    if not dry_run:
+    if dry_run == "server":
+        kube_client().delete_objects(list(reversed(objects)), dry_run=True)
+    elif dry_run == "none":
         with RemoteProgress("uninstall") as bar:
             install_app.uninstall(
                 objects, kube=kube_client(), timeout_s=timeout, on_step=lambda what, _d, _t: bar.step(what)
             )
-    verb = "would be deleted" if dry_run else "deleted"
-    emit({"deleted": names, "dryRun": dry_run}, output, lambda d: "\n".join(f"{n} {verb}" for n in d["deleted"]))
+    verb = "deleted" if dry_run == "none" else f"deleted ({dry_run} dry run)"
+    emit(
+        {"deleted": names, "dryRun": dry_run != "none"},
+        output,
+        lambda d: "\n".join(f"{n} {verb}" for n in d["deleted"]),
+        name=lambda d: "\n".join(d["deleted"]),
+    )
 
 
 def _emit_objects(objects: list[dict[str, Any]], output: str) -> None:
-    if output == "json":
-        emit({"apiVersion": "v1", "kind": "List", "items": objects}, "json", str)
-    else:
+    if output in ("text", "wide", "yaml"):
         click.echo(yaml.safe_dump_all(objects, sort_keys=False).rstrip())
+    else:
+        emit(
+            {"apiVersion": "v1", "kind": "List", "items": objects},
+            output,
+            str,
+            name=lambda d: "\n".join(_kind_name(o) for o in d["items"]),
+        )
+
+
+def _kind_name(obj: dict[str, Any]) -> str:
+    group = str(obj.get("apiVersion", "")).rpartition("/")[0]
+    return f"{str(obj.get('kind', '')).lower()}{'.' + group if group else ''}/{obj['metadata']['name']}"
 
 
 @cli.command("doctor")
@@ -498,16 +738,68 @@ def _doctor_text(d: dict[str, Any]) -> str:
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["", *("   ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)]
+    for n in d["nodes"]:
+        criu, hook = n.get("criu") or {}, n.get("hook") or {}
+        if not criu and not hook:
+            continue
+        lines += [
+            "",
+            f"{n['node']}:",
+            f"  CRIU          {criu.get('path', '?')} ({criu.get('version', '?')}; {criu.get('from', '?')})",
+            f"  runtime hook  {hook.get('path', '?')} (python {hook.get('python', '?')}; {hook.get('from', '?')})",
+            f"  criu check    {str(n.get('criuCheck', '?')).splitlines()[-1] if n.get('criuCheck') else '?'}",
+            f"  cgroup        {n.get('cgroup', '?')}",
+            f"  containerd    config {n.get('containerdConfig', '?')}; imports the drop-in: "
+            f"{str(n.get('importsDropin', '?')).lower()}; restart pending: {str(n.get('restartPending', '?')).lower()}",
+            *(f"  BLOCKED       {b}" for b in n.get("blockers") or []),
+        ]
     return "\n".join(lines)
+
+
+@cli.command("completion")
+@click.argument("shell", type=click.Choice(completion.SHELLS))
+def completion_cmd(shell: str) -> None:
+    """Print a completion script for the kubectl-snapshot command (bash, zsh or fish).
+
+    \b
+    With kubectl >= 1.26 `kubectl snapshot <TAB>` completes through kubectl's own completion
+    (`source <(kubectl completion bash)`) once kubectl_complete-snapshot is on PATH (pip installs it;
+    from krew: ln -s ~/.krew/store/snapshot/*/kubectl_complete-snapshot ~/.krew/bin/).
+    For the kubectl-snapshot command itself:
+      bash:  source <(kubectl snapshot completion bash)
+      zsh:   source <(kubectl snapshot completion zsh)
+      fish:  kubectl snapshot completion fish | source
+    """
+    click.echo(completion.source(cli, shell))
 
 
 # --- entry point ---------------------------------------------------------------------------------------
 
 
+def kubectl_args(argv: list[str]) -> list[str]:
+    """kubectl's spellings click does not parse by itself: a bare `--dry-run` means `--dry-run=client`
+    (kubectl never takes the next word as its value)."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            return out + argv[i:]
+        out.append("--dry-run=client" if arg == "--dry-run" else arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the plugin; usage errors print `error:`/`hint:` and exit 2."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["__complete"]:  # kubectl_complete-snapshot in the krew archive runs this
+        completion.main(args[1:])
+        return
     try:
-        cli.main(args=argv, prog_name="kubectl snapshot", standalone_mode=False)
+        cli.main(
+            args=kubectl_args(args),
+            prog_name="kubectl snapshot",
+            standalone_mode=False,
+            complete_var=completion.COMPLETE_VAR,
+        )
     except click.exceptions.NoArgsIsHelpError as e:
         click.echo(e.ctx.get_help() if e.ctx else "", err=True)
         sys.exit(2)

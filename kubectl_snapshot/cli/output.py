@@ -1,4 +1,5 @@
-"""Machine-readable output: `-o json|yaml`, defined once."""
+"""Output formats, defined once, spelled as kubectl spells them: `-o wide|name|json|yaml|jsonpath=TEMPLATE`
+(and `text`, the default human form)."""
 
 from __future__ import annotations
 
@@ -9,27 +10,73 @@ from typing import Any, TypeVar
 import click
 import yaml
 
+from kubectl_snapshot.core import jsonpath
+from kubectl_snapshot.core.errors import InvalidArgument
+
 F = TypeVar("F", bound=Callable[..., Any])
 
-FORMATS = ("text", "json", "yaml")
+FORMATS = ("text", "wide", "name", "json", "yaml", "jsonpath=TEMPLATE")
+
+
+class OutputFormat(click.ParamType):  # type: ignore[type-arg,unused-ignore]
+    name = "format"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        if text in ("text", "wide", "name", "json", "yaml"):
+            return text
+        for prefix in ("jsonpath=", "jsonpath-as-json="):
+            if text.startswith(prefix):
+                if not text[len(prefix) :]:
+                    self.fail(f"{prefix} needs a template, e.g. -o 'jsonpath={{.metadata.name}}'", param, ctx)
+                try:
+                    jsonpath.parse(text[len(prefix) :])  # a bad template is a usage error before any call
+                except InvalidArgument as e:
+                    self.fail(e.message, param, ctx)
+                return text
+        self.fail(f"{text!r} is not one of {', '.join(FORMATS)}", param, ctx)
+
+    def shell_complete(self, ctx: click.Context, param: click.Parameter, incomplete: str) -> list[Any]:
+        from click.shell_completion import CompletionItem
+
+        values = ("text", "wide", "name", "json", "yaml", "jsonpath=")
+        return [CompletionItem(v) for v in values if v.startswith(incomplete)]
 
 
 def output_option(fn: F) -> F:
     return click.option(
         "-o",
         "--output",
-        type=click.Choice(FORMATS),
+        type=OutputFormat(),
         default="text",
         show_default=True,
-        help="Output format.",
+        help="Output format: text, wide, name, json, yaml, jsonpath=TEMPLATE (kubectl's JSONPath).",
     )(fn)
 
 
-def emit(data: Any, fmt: str, text: Callable[[Any], str]) -> None:
+def emit(
+    data: Any,
+    fmt: str,
+    text: Callable[[Any], str],
+    *,
+    wide: Callable[[Any], str] | None = None,
+    name: Callable[[Any], str] | None = None,
+) -> None:
+    """Print `data` in `fmt`; `text` makes the human form, `wide` the wider one, `name` the `-o name` one
+    (kind.group/name lines). Commands without a name form print their text for `-o name`."""
     if fmt == "json":
         click.echo(json.dumps(data, indent=2, sort_keys=False))
     elif fmt == "yaml":
         click.echo(yaml.safe_dump(data, sort_keys=False).rstrip())
+    elif fmt.startswith("jsonpath="):
+        click.echo(jsonpath.render(fmt[len("jsonpath=") :], data), nl=False)
+    elif fmt.startswith("jsonpath-as-json="):
+        results = jsonpath.values(fmt[len("jsonpath-as-json=") :], data)
+        click.echo(json.dumps(results, indent=4))
+    elif fmt == "wide":
+        click.echo((wide or text)(data))
+    elif fmt == "name":
+        click.echo((name or text)(data))
     else:
         click.echo(text(data))
 

@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import click
 
+from kubectl_snapshot.cli import completion
+
 F = TypeVar("F", bound=Callable[..., Any])
 ENV_REPOSITORY = "KUBECTL_SNAPSHOT_REPOSITORY"
 _DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s?)?$")
@@ -25,6 +27,10 @@ class KubeOpts:
     context: str | None = None
     namespace: str | None = None
     verbose: bool = False
+    server: str | None = None
+    token: str | None = None
+    impersonate: str | None = None
+    impersonate_groups: tuple[str, ...] = ()
 
 
 def kube_opts(ctx: click.Context) -> KubeOpts:
@@ -36,8 +42,8 @@ def kube_opts(ctx: click.Context) -> KubeOpts:
 
 def _store(field: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
     def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
-        if value not in (None, False):
-            setattr(kube_opts(ctx), field, value)
+        if value not in (None, False, ()):
+            setattr(kube_opts(ctx), field, tuple(value) if isinstance(value, list | tuple) else value)
             if field == "verbose":  # cli.errors.handle_errors reads it from the root's params
                 ctx.find_root().params["verbose"] = True
         return value
@@ -46,7 +52,8 @@ def _store(field: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
 
 
 def common_options(fn: F) -> F:
-    """--kubeconfig/--context/-n/-v on a command (and on the group): the last one given wins."""
+    """--kubeconfig/--context/-n/-s/--token/--as/--as-group/-v on a command (and on the group), as kubectl
+    spells them: the last one given wins."""
     options = [
         click.option(
             "--kubeconfig",
@@ -55,13 +62,48 @@ def common_options(fn: F) -> F:
             callback=_store("kubeconfig"),
             help="Path to the kubeconfig (default: $KUBECONFIG, ~/.kube/config).",
         ),
-        click.option("--context", expose_value=False, callback=_store("context"), help="kubeconfig context to use."),
+        click.option(
+            "--context",
+            expose_value=False,
+            callback=_store("context"),
+            shell_complete=completion.contexts,
+            help="kubeconfig context to use.",
+        ),
         click.option(
             "-n",
             "--namespace",
             expose_value=False,
             callback=_store("namespace"),
+            shell_complete=completion.namespaces,
             help="Namespace (default: the context's namespace, else default).",
+        ),
+        click.option(
+            "-s",
+            "--server",
+            expose_value=False,
+            callback=_store("server"),
+            help="The address and port of the Kubernetes API server (overrides the kubeconfig's).",
+        ),
+        click.option(
+            "--token",
+            expose_value=False,
+            callback=_store("token"),
+            help="Bearer token for authentication to the API server.",
+        ),
+        click.option(
+            "--as",
+            "impersonate",
+            expose_value=False,
+            callback=_store("impersonate"),
+            help="User to impersonate for the operation (e.g. jane, system:serviceaccount:NS:NAME).",
+        ),
+        click.option(
+            "--as-group",
+            "impersonate_groups",
+            multiple=True,
+            expose_value=False,
+            callback=_store("impersonate_groups"),
+            help="Group to impersonate for the operation (one).",
         ),
         click.option(
             "-v",

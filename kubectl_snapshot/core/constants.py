@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Final
 
-FORMAT_VERSION: Final = 2  # v2 = v1 + memory pages as content-addressed chunks (docs/format.md)
-SUPPORTED_FORMAT_VERSIONS: Final = (1, 2)  # readers accept both; writers write FORMAT_VERSION
+# v2 = v1 + memory pages as content-addressed chunks; v3 = v2 + a cosign signature beside it and no
+# process.env in the recorded runtime specs (docs/format.md)
+FORMAT_VERSION: Final = 3
+SUPPORTED_FORMAT_VERSIONS: Final = (1, 2, 3)  # readers accept all; writers write FORMAT_VERSION
 
 # --- OCI media types --------------------------------------------------------------------------
 OCI_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
@@ -27,6 +29,9 @@ CHECKPOINT_LAYER_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.checkpoin
 VOLUMES_LAYER_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.volumes.v1.tar+zstd"
 # Format v2: one zstd frame holding a byte range of a CRIU pages-N.img (content-addressed chunk).
 CHUNK_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.chunk.v1+zstd"
+# Encryption at rest (core/sealing.py): a sealed layer or chunk has its clear media type + this suffix
+# (ocicrypt's convention), and the manifest says the scheme in ANN_ENCRYPTION.
+ENCRYPTED_SUFFIX: Final = "+encrypted"
 
 # --- annotations ------------------------------------------------------------------------------
 ANN_CREATED: Final = "org.opencontainers.image.created"
@@ -55,6 +60,8 @@ PROJECT_PREFIX: Final = "io.github.kubectl-snapshot."
 ANN_FORMAT_VERSION: Final = PROJECT_PREFIX + "format.version"
 ANN_GROUP_NAME: Final = PROJECT_PREFIX + "group.name"
 ANN_CONTAINER_COUNT: Final = PROJECT_PREFIX + "containers"
+ANN_ENCRYPTION: Final = PROJECT_PREFIX + "encryption"  # the sealing scheme; absent: stored in clear
+ANN_ENCRYPTION_NAMESPACE: Final = PROJECT_PREFIX + "encryption.namespace"  # whose key seals it
 ENGINE_NAME: Final = "kubectl-snapshot"
 
 # --- checkpoint archive layout (checkpointctl lib/metadata.go) ---------------------------------
@@ -75,7 +82,7 @@ CONTAINERD_LEASE_HEADER: Final = "containerd-lease"
 RUNC_RUNTIME: Final = "io.containerd.runc.v2"
 RUNC_OPTIONS_TYPE: Final = "containerd.runc.v1.Options"
 RUNC_CHECKPOINT_OPTIONS_TYPE: Final = "containerd.runc.v1.CheckpointOptions"
-WRAPPER_BINARY_NAME: Final = "kubectl-snapshot-runc"
+WRAPPER_BINARY_NAME: Final = "ks-runc"
 
 # --- node paths (overridable by flags/env) ---------------------------------------------------
 DEFAULT_STATE_DIR: Final = "/var/lib/kubectl-snapshot"

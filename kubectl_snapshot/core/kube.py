@@ -27,6 +27,7 @@ ANN_RESTORE_FROM: Final = f"{GROUP}/restore-from"  # REGISTRY/REPO@sha256:...
 ANN_RESTORE_STATUS: Final = f"{GROUP}/restore-status"  # Staged | Failed: <reason>
 ANN_REGISTRY_SECRET: Final = f"{GROUP}/registry-secret"
 LABEL_RESTORED_FROM: Final = f"{GROUP}/restored-from"
+LABEL_POD: Final = f"{GROUP}/pod"  # on a PodSnapshot: its pod's name (`kubectl snapshot list -l ...`)
 # Who may restore: a verb of its own on podsnapshots, checked at admission (deploy/admission.py).
 RESTORE_VERB: Final = "restore"
 # On Namespaces, written by cluster admins (tenants cannot edit their Namespace object):
@@ -43,6 +44,15 @@ RESTORE_STAGED: Final = "Staged"
 RESTORE_FAILED_PREFIX: Final = "Failed: "
 DROPPED_LABELS: Final = ("pod-template-hash", "controller-revision-hash")
 SA_TOKEN_VOLUME_PREFIX: Final = "kube-api-access-"
+
+# provenance (docs/security.md): the agents' signing key, what the cluster trusts, namespace grants
+GRANT_KIND: Final = "SnapshotGrant"
+GRANT_PLURAL: Final = "snapshotgrants"
+GRANT_SINGULAR: Final = "snapshotgrant"
+SIGNING_KEY_SECRET: Final = "kubectl-snapshot-signing-key"  # in AGENT_NAMESPACE; signing.key (PEM)
+TRUST_CONFIG_MAP: Final = "kubectl-snapshot-trust"  # in AGENT_NAMESPACE; *.pub, cluster-id, policy
+SIGNING_KEY_DIR: Final = "/etc/kubectl-snapshot/signing"  # where the agent mounts the Secret
+TRUST_DIR: Final = "/etc/kubectl-snapshot/trust"  # where the agent mounts the ConfigMap
 
 # the agent
 AGENT_NAMESPACE: Final = "kubectl-snapshot-system"

@@ -1,4 +1,4 @@
-"""The snapshot config: the JSON document every artifact carries as its OCI config blob (format v1).
+"""The snapshot config: the JSON document every artifact carries as its OCI config blob (formats v1-v3).
 
 It says what was snapshotted (a group of containers, optionally a Kubernetes pod), how each container was
 run (its recorded runtime spec and image), which layer holds which container, what the volumes were, and
@@ -14,6 +14,7 @@ from typing import Any
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import PagesFile, chunk_digests, parse_pages_files
+from kubectl_snapshot.core.encryption import EncryptionInfo
 from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.oci import canonical_json, is_digest
 
@@ -103,7 +104,7 @@ class ContainerRecord:
     image: str  # image name as the runtime knew it
     image_digest: str  # digest of the image's manifest (or index) at snapshot time
     layer_digest: str  # digest of the checkpoint layer in the artifact
-    spec: Mapping[str, Any]  # the OCI runtime spec it ran with (informational for pods)
+    spec: Mapping[str, Any]  # the OCI runtime spec it ran with, as stored_runtime_spec keeps it
     tcp_established: bool = True
     file_locks: bool = True
     stats: DumpStats = field(default_factory=DumpStats)
@@ -191,6 +192,8 @@ class SnapshotConfig:
     freeze_ms: float = 0.0
     pod: PodRecord | None = None
     format_version: int = C.FORMAT_VERSION
+    # encryption at rest (docs/format.md "Encryption"): absent = blobs stored in clear
+    encryption: EncryptionInfo | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -207,7 +210,18 @@ class SnapshotConfig:
         }
         if self.pod is not None:
             d["pod"] = self.pod.to_dict()
+        if self.encryption is not None:
+            d["encryption"] = self.encryption.to_dict()
         return d
+
+    def blob_digests(self) -> list[str]:
+        """Every layer and chunk digest the config names (each distinct once)."""
+        seen = dict.fromkeys(c.layer_digest for c in self.containers)
+        if self.volumes_layer:
+            seen.setdefault(self.volumes_layer, None)
+        for c in self.containers:
+            seen.update(dict.fromkeys(chunk_digests(c.pages)))
+        return list(seen)
 
     def to_bytes(self) -> bytes:
         return canonical_json(self.to_dict())
@@ -240,6 +254,8 @@ def parse_config(body: bytes) -> SnapshotConfig:
         ContainerRecord.from_dict(c if isinstance(c, dict) else {}, f"container {i}")
         for i, c in enumerate(raw_containers)
     )
+    if version >= 3 and any("env" in (c.spec.get("process") or {}) for c in containers):
+        raise _bad("a format v3 snapshot config records a process environment (v3 never stores one)")
     if version < 2 and any(c.pages for c in containers):
         raise _bad("a format v1 snapshot config lists page chunks (a v2 feature)")
     names = [c.name for c in containers]
@@ -268,7 +284,8 @@ def parse_config(body: bytes) -> SnapshotConfig:
             spec=spec if isinstance(spec, dict) else {},
         )
     host = d.get("host") or {}
-    return SnapshotConfig(
+    encryption = EncryptionInfo.from_dict(d["encryption"]) if d.get("encryption") is not None else None
+    config = SnapshotConfig(
         group=_str(d, "group"),
         namespace=_str(d, "namespace"),
         created=_str(d, "created"),
@@ -280,7 +297,27 @@ def parse_config(body: bytes) -> SnapshotConfig:
         freeze_ms=float(d.get("freezeMs") or 0.0),
         pod=pod,
         format_version=int(version),
+        encryption=encryption,
     )
+    if encryption is not None:
+        encryption.check_covers(config.blob_digests())
+    return config
+
+
+# Runtime-spec fields a snapshot never stores: the kubelet has already resolved secretKeyRef values into
+# process.env, so anyone who can read the repository would read those secrets. A restore does not need
+# them (CRIU restores the process, its environment included, from memory; a pod's new runtime spec
+# comes from its new pod).
+DROPPED_PROCESS_FIELDS = ("env",)
+
+
+def stored_runtime_spec(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """The runtime spec as a snapshot records it (format v3): without the process environment."""
+    out = dict(spec)
+    process = out.get("process")
+    if isinstance(process, dict):
+        out["process"] = {k: v for k, v in process.items() if k not in DROPPED_PROCESS_FIELDS}
+    return out
 
 
 def layer_annotations(record: ContainerRecord, *, group: str, namespace: str) -> dict[str, str]:
@@ -314,7 +351,15 @@ def manifest_annotations(config: SnapshotConfig) -> dict[str, str]:
         ann[C.ANN_CRIU_POD_NAME] = config.pod.name
         ann[C.ANN_CRIU_POD_NAMESPACE] = config.pod.namespace
         ann[C.ANN_CRIU_POD_UID] = config.pod.uid
+    if config.encryption is not None:
+        ann[C.ANN_ENCRYPTION] = config.encryption.scheme
+        ann[C.ANN_ENCRYPTION_NAMESPACE] = config.encryption.namespace
     return ann
+
+
+def layer_media_type(media_type: str, config: SnapshotConfig) -> str:
+    """A layer's media type as stored: with the encrypted suffix when the snapshot is sealed."""
+    return media_type + C.ENCRYPTED_SUFFIX if config.encryption is not None else media_type
 
 
 def check_layers_match(config: SnapshotConfig, layer_digests: Sequence[str]) -> None:

@@ -117,7 +117,11 @@ def snapshot_object(
     return {
         "apiVersion": K.API_VERSION,
         "kind": K.KIND,
-        "metadata": {"name": validate_name(name, "snapshot"), "namespace": namespace},
+        "metadata": {
+            "name": validate_name(name, "snapshot"),
+            "namespace": namespace,
+            **({"labels": {K.LABEL_POD: pod}} if len(pod) <= 63 else {}),  # a label value has 63 chars at most
+        },
         "spec": spec,
     }
 
@@ -174,7 +178,7 @@ def restore_pod(
     if not record.spec.get("containers"):
         raise FailedPrecondition(
             f"the snapshot {reference} records no pod spec",
-            hint="it was not taken from a Kubernetes pod; restore it on a node with kubectl-snapshot-agent restore",
+            hint="it was not taken from a Kubernetes pod; restore it on a node with ks-agent restore",
         )
     pod_name = validate_name(name or restored_name(record.name or "pod"), "pod")
     spec = copy.deepcopy(dict(record.spec))

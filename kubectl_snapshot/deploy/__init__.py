@@ -13,7 +13,7 @@ from typing import Any
 from kubectl_snapshot import __version__
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.deploy import admission, agent, crd, rbac
+from kubectl_snapshot.deploy import admission, agent, crd, keys, rbac
 from kubectl_snapshot.deploy.agent import DEFAULT_DROPIN_DIR, AgentSettings
 
 DEFAULT_IMAGE = f"kubectl-snapshot-agent:{__version__}"
@@ -63,12 +63,16 @@ def render(
     labels = dict(LABELS)
     objects = [
         crd.podsnapshot_crd(labels),
+        crd.snapshotgrant_crd(labels),
         rbac.namespace(labels),
         rbac.service_account(labels),
         rbac.agent_cluster_role(labels),
         rbac.agent_cluster_role_binding(labels),
         rbac.agent_secrets_role(labels),
         *rbac.user_cluster_roles(labels),
+        rbac.grant_cluster_role(labels),
+        keys.key_role(labels),
+        keys.key_role_binding(labels),
         *admission.render(labels),
         agent.runtime_class(labels),
     ]

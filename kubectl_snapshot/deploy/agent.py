@@ -265,7 +265,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
                             "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
                         }
-                        | {"volumeMounts": [*volume_mounts, guard_mount]},
+                        | {"volumeMounts": [*volume_mounts, guard_mount, *provenance_mounts()]},
                         {
                             "name": "guard",
                             "image": settings.image,
@@ -278,11 +278,33 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                             "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
                         },
                     ],
-                    "volumes": [*volumes, {"name": "guard", "emptyDir": {}}],
+                    "volumes": [*volumes, {"name": "guard", "emptyDir": {}}, *provenance_volumes()],
                 },
             },
         },
     }
+
+
+def provenance_volumes() -> list[dict[str, Any]]:
+    """The signing key (Secret) and what the cluster trusts (ConfigMap): made by `kubectl snapshot install`,
+    never part of the generated manifests (a private key does not belong in a repository). Optional, so
+    an agent applied without them still starts; it then refuses to snapshot (no key) and to restore
+    (nothing trusted), each with a hint."""
+    return [
+        {
+            "name": "signing-key",
+            "secret": {"secretName": K.SIGNING_KEY_SECRET, "optional": True, "defaultMode": 0o400},
+        },
+        {"name": "trust", "configMap": {"name": K.TRUST_CONFIG_MAP, "optional": True}},
+    ]
+
+
+def provenance_mounts() -> list[dict[str, Any]]:
+    """Into the agent container only (not install-node, not the guard)."""
+    return [
+        {"name": "signing-key", "mountPath": K.SIGNING_KEY_DIR, "readOnly": True},
+        {"name": "trust", "mountPath": K.TRUST_DIR, "readOnly": True},
+    ]
 
 
 CLEANUP_NAME = "kubectl-snapshot-uninstall"
@@ -311,6 +333,8 @@ def cleanup_daemonset(live: Mapping[str, Any]) -> dict[str, Any]:
     for c in pod.get("containers") or []:
         c.pop("args", None)
         c.pop("readinessProbe", None)
-        c.pop("ports", None)  # host network: the agent's metrics port would keep a new agent pod off the node
+        # no ports: on a host network they are host ports, which the agent's pods still hold while
+        # this runs (its pods would stay Pending, and uninstall would time out leaving it behind)
+        c.pop("ports", None)
         c["command"] = ["sleep", "3600"]
     return ds

@@ -188,3 +188,72 @@ def podsnapshot_crd(labels: dict[str, str]) -> dict[str, Any]:
             ],
         },
     }
+
+
+GRANT_CRD_NAME = f"{K.GRANT_PLURAL}.{K.GROUP}"
+
+
+def snapshotgrant_crd(labels: dict[str, str]) -> dict[str, Any]:
+    """SnapshotGrant: in a source namespace, lets its snapshots be restored into other namespaces.
+
+    Namespaced, so only those allowed to write it in the source namespace (the aggregated `admin`
+    role) can give that namespace's snapshots away; the agent reads it before staging a restore
+    whose target namespace is not the snapshot's own (docs/security.md, Provenance)."""
+    names: dict[str, Any] = {
+        "kind": K.GRANT_KIND,
+        "listKind": f"{K.GRANT_KIND}List",
+        "plural": K.GRANT_PLURAL,
+        "singular": K.GRANT_SINGULAR,
+        "categories": ["kubectl-snapshot"],
+    }
+    spec_schema = {
+        "type": "object",
+        "required": ["targetNamespaces"],
+        "properties": {
+            "targetNamespaces": {
+                "type": "array",
+                "description": "Namespaces this namespace's snapshots may be restored into.",
+                "items": {"type": "string", "maxLength": 63},
+                "maxItems": 256,
+            },
+            "repositories": {
+                "type": "array",
+                "description": "Only snapshots from these REGISTRY/REPO (prefixes); empty: any.",
+                "items": {"type": "string", "maxLength": 512},
+                "maxItems": 64,
+            },
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": GRANT_CRD_NAME, "labels": dict(labels)},
+        "spec": {
+            "group": K.GROUP,
+            "scope": "Namespaced",
+            "names": names,
+            "versions": [
+                {
+                    "name": K.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "additionalPrinterColumns": [
+                        {"name": "Targets", "type": "string", "jsonPath": ".spec.targetNamespaces"},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "Lets this namespace's snapshots be restored into other namespaces.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": _STRING,
+                                "kind": _STRING,
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema,
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }

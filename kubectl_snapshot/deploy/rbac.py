@@ -56,6 +56,7 @@ def agent_rules() -> list[dict[str, Any]]:
         # Who may read /metrics is the API server's call (TokenReview + SubjectAccessReview).
         _rule("authentication.k8s.io", ["tokenreviews"], ["create"]),
         _rule("authorization.k8s.io", ["subjectaccessreviews"], ["create"]),
+        _rule(K.GROUP, [K.GRANT_PLURAL], ["get", "list"]),  # provenance: may A's snapshot go to B?
     ]
 
 
@@ -144,3 +145,16 @@ def user_cluster_roles(labels: dict[str, str]) -> list[dict[str, Any]]:
             "rules": [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
         },
     ]
+
+
+GRANT_ROLE = "kubectl-snapshot-grant"
+
+
+def grant_cluster_role(labels: dict[str, str]) -> dict[str, Any]:
+    """SnapshotGrants give a namespace's snapshots (its pods' memory) away: `admin` only, by aggregation."""
+    return {
+        "apiVersion": RBAC,
+        "kind": "ClusterRole",
+        "metadata": {"name": GRANT_ROLE, "labels": labels | {_AGGREGATE + "admin": "true"}},
+        "rules": [_rule(K.GROUP, [K.GRANT_PLURAL], ["create", "get", "list", "watch", "update", "patch", "delete"])],
+    }

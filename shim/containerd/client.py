@@ -20,6 +20,7 @@ import datetime as dt
 import json
 import os
 import secrets
+import subprocess
 import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -60,6 +61,7 @@ from shim.containerd.model import (
     TaskInfo,
     TaskStatus,
 )
+from shim.containerd.runc_checkpoint import CheckpointArgs, RuncCheckpointer
 from shim.containerd.spec import default_spec
 
 __all__ = [
@@ -177,10 +179,13 @@ class ContainerdClient:
     calls that wait for something (``wait_task``, ``checkpoint_task``) take their own.
     """
 
-    def __init__(self, address: str, namespace: str, *, timeout: float = 30.0) -> None:
+    def __init__(
+        self, address: str, namespace: str, *, timeout: float = 30.0, checkpointer: RuncCheckpointer | None = None
+    ) -> None:
         self.address = address.removeprefix("unix://")
         self.namespace = namespace
         self.timeout = timeout
+        self.checkpointer = checkpointer  # set: runc checkpoint with the installed CRIU (runc_checkpoint.py)
         self._lease: str | None = None
         self._channel = grpc.insecure_channel(
             "unix://" + self.address,
@@ -393,6 +398,10 @@ class ContainerdClient:
         With `exit` the task stops after the dump, else it keeps running. A CRIU failure raises
         CriuFailed whose details are the tail of dump.log.
         """
+        if self.checkpointer is not None:
+            args = CheckpointArgs(image_path, work_path, exit, open_tcp, file_locks, external_unix_sockets, terminal)
+            self._checkpoint_with_runc(cid, args, timeout or max(self.timeout, 600.0))
+            return
         opts = oci_pb2.CheckpointOptions(
             exit=exit,
             open_tcp=open_tcp,
@@ -415,6 +424,27 @@ class ContainerdClient:
                 hint=f"see the CRIU log in {work_path}/{c.DUMP_LOG_FILE}; `criu check` tells what this kernel supports",
                 details=_read_dump_log(work_path),
             ) from None
+
+    def _checkpoint_with_runc(self, cid: str, args: CheckpointArgs, timeout: float) -> None:
+        assert self.checkpointer is not None
+        what = f"checkpoint container {cid!r}"
+        task = self.get_task(cid)
+        if task is None:
+            raise NotFound(f"{what}: the container has no task")
+        if task.status not in ("running", "paused"):
+            raise FailedPrecondition(f"{what}: its task is {task.status}, not running")
+        argv = self.checkpointer.command(cid, self.namespace, self.get_container(cid), args)
+        try:
+            rc, err = self.checkpointer.run(argv, timeout)
+        except subprocess.TimeoutExpired:
+            rc, err = -1, f"runc checkpoint did not finish within {timeout:.0f}s"
+        if rc != 0:
+            raise CriuFailed(
+                f"{what}: CRIU dump failed: {err[-500:] or f'runc exited with {rc}'}",
+                hint=f"see the CRIU log in {args.work_path}/{c.DUMP_LOG_FILE}; "
+                f"`{self.checkpointer.criu} check` tells what this kernel supports",
+                details=_read_dump_log(args.work_path),
+            )
 
     def kill_task(self, cid: str, signal: int = 15, *, all: bool = False) -> None:
         self._call(

@@ -1,21 +1,37 @@
-"""Install (and remove) the runtime hook on this node: the wrapper, its launcher, the containerd drop-in.
+"""Install (and remove) what kubectl-snapshot runs on this node: the node bundle, launchers, the drop-in.
 
-Run by the DaemonSet's init container. The wrapper runs on the host (containerd's runc shim execs
-it), so it is a zipapp of pure-Python modules run by the host's python3; the launcher pins the
-node's state dir. The drop-in registers the runtime handler `kubectl-snapshot` (selected by the
-RuntimeClass of the same name); containerd reads drop-ins at start, so a changed drop-in is followed
-by the configured restart command, run in the host's namespaces. The node's runc CRIU configuration
-(shim/criu_config.py) is written too, where it is safe and this node's CRIU supports it.
+Run by the DaemonSet's init container. Nothing of the host's userland is used on the host's side:
+the agent image carries a node bundle (hack/node_bundle.py: the image's dynamic loader and libraries,
+CRIU 4.2.1, a Python interpreter with its stdlib, the runtime hook zipapp and a static launcher), and
+this step copies it under the node's own directory:
+
+    /opt/kubectl-snapshot/NODE/bundle-<digest>/     the bundle (verified against its bundle.json)
+    /opt/kubectl-snapshot/NODE/kubectl-snapshot-runc   static launcher: the bundle's loader runs its
+                                                    python on the hook (`BinaryName` of the handler)
+    /opt/kubectl-snapshot/NODE/criu                 static launcher: the bundle's loader runs its CRIU
+    /opt/kubectl-snapshot/NODE/*.launch             what each launcher execs (JSON)
+    /opt/kubectl-snapshot/NODE/install.json         what is installed, where it came from
+
+runc is handed that CRIU explicitly (`runc --criu`): by the hook for everything containerd runs under
+the handler (restores), and by the agent for checkpoints (shim/containerd/runc_checkpoint.py), so a
+host CRIU, present or not, is never used. The drop-in registers the runtime handler `kubectl-snapshot`
+(selected by the RuntimeClass of the same name); containerd reads drop-ins at start, so a changed
+drop-in is followed by the configured restart command, run in the host's namespaces. The node's runc
+CRIU configuration (shim/criu_config.py) is written too, where it is safe and the installed CRIU
+supports it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
-import shlex
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
+from typing import Any
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
@@ -25,7 +41,9 @@ from shim.hostfacts import host_pid
 
 DROPIN_NAME = "kubectl-snapshot.toml"
 PYZ_NAME = "kubectl-snapshot-runc.pyz"
-HOST_PYTHON = "/usr/bin/python3"
+BUNDLE_DIR = "/usr/local/lib/kubectl-snapshot/node-bundle"  # in the agent image (hack/agent_image.py)
+INSTALL_FACTS = "install.json"
+CRIU_LAUNCHES = "criu.launches"  # the CRIU launcher's record of every run (time, args, parent)
 
 
 @dataclass(frozen=True)
@@ -35,23 +53,61 @@ class InstallResult:
     changed: bool
     restarted: bool
     criu_config: criu_config.ConfigResult | None = None
+    bundle: str = ""
+    criu: str = ""
 
 
-def launcher_script(settings: NodeSettings) -> str:
-    pyz = os.path.join(settings.wrapper_dir, PYZ_NAME)
-    return (
-        "#!/bin/sh\n"
-        "# kubectl-snapshot runtime hook for node " + settings.node + " (installed by the agent DaemonSet)\n"
-        f"KUBECTL_SNAPSHOT_STATE_DIR={shlex.quote(settings.state_dir)}\n"
-        "export KUBECTL_SNAPSHOT_STATE_DIR\n"
-        f'exec {HOST_PYTHON} -I {shlex.quote(pyz)} "$@"\n'
-    )
+@dataclass(frozen=True)
+class Bundle:
+    """An installed (or to be installed) node bundle: its directory and its bundle.json."""
+
+    path: str
+    meta: dict[str, Any]
+
+    @classmethod
+    def load(cls, path: str) -> Bundle:
+        try:
+            with open(os.path.join(path, "bundle.json")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError) as e:
+            raise InvalidArgument(
+                f"node bundle {path} is missing or unreadable: {e}",
+                hint="the agent image ships it (hack/agent_image.py); pass --bundle DIR for another one",
+            ) from None
+        if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict) or "loader" not in meta:
+            raise InvalidArgument(f"node bundle {path}: bundle.json lacks files/loader")
+        return cls(path, meta)
+
+    def file(self, rel: str) -> str:
+        return os.path.join(self.path, rel)
+
+    def part(self, name: str) -> dict[str, Any]:
+        value = self.meta.get(name)
+        return value if isinstance(value, dict) else {}
+
+
+def launch_configs(settings: NodeSettings, bundle: Bundle) -> dict[str, dict[str, Any]]:
+    """{launcher path: its .launch content}: the hook's python and CRIU, each through the bundle's loader."""
+    loader = [bundle.file(bundle.meta["loader"]), "--library-path", bundle.file("lib")]
+    python = bundle.file(bundle.part("python").get("path", "libexec/python3"))
+    criu = bundle.file(bundle.part("criu").get("path", "libexec/criu"))
+    return {
+        settings.wrapper_launcher: {
+            "argv": [*loader, "--argv0", python, python, "-I", "-S", "-B", bundle.file(PYZ_NAME)],
+            "env": {"KUBECTL_SNAPSHOT_STATE_DIR": settings.state_dir, "KUBECTL_SNAPSHOT_CRIU": settings.criu},
+        },
+        os.path.join(settings.wrapper_dir, "criu"): {
+            "argv": [*loader, "--argv0", "criu", criu],
+            "env": {},
+            "log": os.path.join(settings.wrapper_dir, CRIU_LAUNCHES),
+        },
+    }
 
 
 def dropin_toml(settings: NodeSettings) -> str:
     table = f"plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{K.RUNTIME_CLASS}"
     return (
-        "# written by kubectl-snapshot-agent install-node; removed by uninstall-node\n"
+        "# written by ks-agent install-node; removed by uninstall-node\n"
         "version = 3\n"
         f"[{table}]\n"
         "  runtime_type = 'io.containerd.runc.v2'\n"
@@ -75,17 +131,99 @@ def _write_if_changed(path: str, content: str, mode: int) -> bool:
     return True
 
 
-def install(settings: NodeSettings, *, wrapper_pyz: str) -> InstallResult:
-    if not os.path.isfile(wrapper_pyz):
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _copy_bundle(src: Bundle, wrapper_pyz: str | None, settings: NodeSettings) -> Bundle:
+    """Copy the bundle (and the hook zipapp) into the node's directory, verified; an identical copy is reused."""
+    pyz_hash = _sha256(wrapper_pyz) if wrapper_pyz else src.meta["files"].get(PYZ_NAME, "")
+    key = hashlib.sha256(f"{src.meta.get('digest', '')}:{pyz_hash}".encode()).hexdigest()[:16]
+    dest = os.path.join(settings.wrapper_dir, f"bundle-{key}")
+    if os.path.exists(os.path.join(dest, ".complete")):
+        return Bundle.load(dest)
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    files: dict[str, str] = dict(src.meta["files"])
+    for rel, digest in sorted(files.items()):
+        if os.path.isabs(rel) or ".." in rel.split("/"):
+            raise InvalidArgument(f"node bundle {src.path}: bad file name {rel!r} in bundle.json")
+        target = os.path.join(tmp, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copy2(src.file(rel), target)
+        if rel == PYZ_NAME and wrapper_pyz:
+            shutil.copyfile(wrapper_pyz, target)
+            files[rel] = digest = pyz_hash
+        if _sha256(target) != digest:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise FailedPrecondition(
+                f"node bundle file {rel} does not match its digest in bundle.json",
+                hint="the agent image is damaged: rebuild it (hack/build-agent-image.sh)",
+            )
+    meta = {**src.meta, "files": files}
+    with open(os.path.join(tmp, "bundle.json"), "w") as f:
+        json.dump(meta, f, indent=1, sort_keys=True)
+    with open(os.path.join(tmp, ".complete"), "w") as f:
+        f.write(key + "\n")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.rename(tmp, dest)
+    return Bundle(dest, meta)
+
+
+def _install_file(src: str, dest: str, mode: int) -> None:
+    """Replace `dest` by a copy of `src` atomically (containerd may exec the old one right now)."""
+    with contextlib.suppress(OSError):
+        if _sha256(src) == _sha256(dest):
+            os.chmod(dest, mode)
+            return
+    tmp = f"{dest}.tmp-{os.getpid()}"
+    shutil.copyfile(src, tmp)
+    os.chmod(tmp, mode)
+    os.rename(tmp, dest)
+
+
+def current_bundle(settings: NodeSettings) -> str:
+    """The installed bundle directory on this node ("" when none)."""
+    try:
+        with open(os.path.join(settings.wrapper_dir, INSTALL_FACTS)) as f:
+            return str(json.load(f).get("bundle") or "")
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def install(settings: NodeSettings, *, wrapper_pyz: str | None = None, bundle: str = BUNDLE_DIR) -> InstallResult:
+    if wrapper_pyz is not None and not os.path.isfile(wrapper_pyz):
         raise InvalidArgument(f"wrapper zipapp {wrapper_pyz} not found", hint="the agent image ships it")
+    source = Bundle.load(bundle)
     os.makedirs(settings.wrapper_dir, exist_ok=True)
     os.makedirs(settings.state_dir, mode=0o700, exist_ok=True)
-    pyz_target = os.path.join(settings.wrapper_dir, PYZ_NAME)
-    tmp = pyz_target + ".tmp"
-    shutil.copyfile(wrapper_pyz, tmp)
-    os.chmod(tmp, 0o755)
-    os.rename(tmp, pyz_target)
-    _write_if_changed(settings.wrapper_launcher, launcher_script(settings), 0o755)
+    installed = _copy_bundle(source, wrapper_pyz, settings)
+    for launcher, config in launch_configs(settings, installed).items():
+        _write_if_changed(f"{launcher}.launch", json.dumps(config, indent=1, sort_keys=True) + "\n", 0o644)
+        _install_file(installed.file("launcher"), launcher, 0o755)
+    facts = {
+        "bundle": installed.path,
+        "digest": installed.meta.get("digest", ""),
+        "criu": {**installed.part("criu"), "launcher": settings.criu},
+        "python": installed.part("python"),
+        "libc": installed.meta.get("libc", ""),
+        "hook": {"launcher": settings.wrapper_launcher, "zipapp": installed.file(PYZ_NAME)},
+        "from": "agent image " + os.environ.get("KUBECTL_SNAPSHOT_IMAGE", "(unknown)"),
+        "installed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    _write_if_changed(os.path.join(settings.wrapper_dir, INSTALL_FACTS), json.dumps(facts, indent=1) + "\n", 0o644)
+    for entry in os.listdir(settings.wrapper_dir):  # older bundles, and the zipapp of the python3 launcher era
+        path = os.path.join(settings.wrapper_dir, entry)
+        if (entry.startswith("bundle-") and path != installed.path) or entry == PYZ_NAME:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
     os.makedirs(settings.containerd_dropin_dir, exist_ok=True)
     dropin = os.path.join(settings.containerd_dropin_dir, DROPIN_NAME)
     changed = _write_if_changed(dropin, dropin_toml(settings), 0o644)
@@ -93,8 +231,9 @@ def install(settings: NodeSettings, *, wrapper_pyz: str) -> InstallResult:
     if changed and settings.restart_command:
         _run_on_host(settings.restart_command.replace("{node}", settings.node))
         restarted = True
-    conf = criu_config.ensure(_host_path(settings.criu_config), run=_capture_on_host, criu=settings.criu_path)
-    return InstallResult(settings.wrapper_launcher, dropin, changed, restarted, conf)
+    # The probe runs the installed CRIU here (same path inside the agent's container): no host shell.
+    conf = criu_config.ensure(_host_path(settings.criu_config), criu=settings.criu)
+    return InstallResult(settings.wrapper_launcher, dropin, changed, restarted, conf, installed.path, settings.criu)
 
 
 def uninstall(settings: NodeSettings) -> None:
@@ -117,12 +256,6 @@ def _host_path(path: str) -> str:
 def _in_host_mounts(pid: int | None) -> list[str]:
     """The command prefix that enters the host's mount namespace (nothing when not in a container)."""
     return ["nsenter", "-t", str(pid), "-m", "--"] if pid else []
-
-
-def _capture_on_host(command: str) -> tuple[int, str]:
-    argv = [*_in_host_mounts(host_pid()), "sh", "-c", command]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
-    return proc.returncode, (proc.stdout + proc.stderr).strip()
 
 
 def _run_on_host(command: str) -> None:

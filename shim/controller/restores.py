@@ -13,17 +13,21 @@ import json
 import logging
 import os
 import shutil
+import signal
 import threading
 import time
 from typing import Any
 
 from kubectl_snapshot.adapters import safefs
+from kubectl_snapshot.app.provenance import authorize_restore, load_trust
 from kubectl_snapshot.cli.errors import render
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError
 from kubectl_snapshot.core.model import HostFacts
+from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import KeyProvider
 from shim import hostfacts
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
@@ -31,12 +35,17 @@ from shim.controller.podinfo import check_restore_pod, empty_dir_rel, host_view,
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.artifact import load_artifact
-from shim.engine.restore import RestoreLimits, VolumeTarget, stage_artifact
+from shim.engine.restore import RestoreLimits, VolumeTarget, opener_for, stage_artifact
 from shim.engine.staging import StatePaths, check_key
 from shim.metrics import AgentMetrics
+from shim.podrestore import PodRestore
 
 log = logging.getLogger(__name__)
 VOLUME_WAIT_S = 120.0
+# Labels containerd's CRI plugin puts on a pod's containers.
+LABEL_POD_UID = "io.kubernetes.pod.uid"
+LABEL_CONTAINER_NAME = "io.kubernetes.container.name"
+LABEL_CRI_KIND = "io.cri-containerd.kind"
 GC_GRACE_S = 600.0  # staged data younger than this is never collected (a restore may be starting)
 DOWNLOAD_GC_S = 6 * 3600.0  # partial downloads older than this belong to no live restore
 WRAPPER_REFUSAL = "refusing to restore"  # how the runtime wrapper's image check starts its message
@@ -92,8 +101,10 @@ class RestoreWorker:
         metrics: AgentMetrics | None = None,
         scheduler: FairScheduler | None = None,
         limits: RestoreLimits | None = None,
+        keys: KeyProvider | None = None,
     ) -> None:
         self.kube = kube
+        self.keys = keys
         self.settings = settings
         self.facts = facts
         self.metrics = metrics or AgentMetrics()
@@ -101,10 +112,13 @@ class RestoreWorker:
         self.scheduler = scheduler  # None: run in the caller's thread (tests)
         self.limits = limits or RestoreLimits()
         self._seen: set[str] = set()
+        self._failed: set[str] = set()
         self._active: set[str] = set()
         self._lock = threading.Lock()
 
     def consider(self, pod: dict[str, Any]) -> None:
+        if self.follow(pod):  # not restored whole: reported with the wrapper's reason (it includes refusals)
+            return
         refused = wrapper_refusal(pod, self.settings.node)
         if refused:
             self._annotate(pod, K.RESTORE_FAILED_PREFIX + refused)
@@ -206,6 +220,10 @@ class RestoreWorker:
             registry = registry_for(self.kube, ns, secret, insecure=False)
             artifact = load_artifact(registry, ref)
             config = artifact.config
+            # provenance before anything else is fetched: signed by a key the cluster trusts, exactly
+            # this digest, from this namespace or one that granted it (docs/security.md)
+            allowed = authorize_restore(registry, artifact.reference, config, ns, self._trust(), self._grants)
+            log.info("restore of %s into %s/%s allowed: %s", artifact.reference, ns, name, allowed.reason)
             problems = hostfacts.preflight_problems(config.host, self.facts)
             if problems:
                 raise FailedPrecondition(
@@ -219,14 +237,28 @@ class RestoreWorker:
                     f"the pod has no container named {', '.join(missing)} that the snapshot holds",
                     hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
                 )
+            # an encrypted snapshot opens only in the namespace it was sealed for (before any download)
+            # (a granted restore into another namespace opens it with the key of the namespace it is bound to)
+            sealed_for_source = (
+                config.encryption is not None and config.encryption.namespace == allowed.source_namespace
+            )
+            opener = opener_for(config, self.keys, ns, other_namespace_ok=sealed_for_source)
             restore_volume_names(pod, [v.name for v in config.volumes])
             root = host_view(self.settings.kubelet_root)
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
             self._wait_for_dirs(root, [gate, *(t.rel for t in targets)])
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
+            # Before anything is staged: the runtime wrapper restores the pod whole or not at all.
+            PodRestore(self.paths.pod_dir(uid)).record([c.name for c in config.containers])
             self._record_owner(pod)  # for garbage collection once the pod is gone
             stage_artifact(
-                artifact, staged, registry=registry, paths=self.paths, volume_targets=targets, limits=self.limits
+                artifact,
+                staged,
+                registry=registry,
+                paths=self.paths,
+                volume_targets=targets,
+                limits=self.limits,
+                opener=opener,
             )
         except SnapshotError as e:
             for d in staged:
@@ -253,6 +285,15 @@ class RestoreWorker:
         )
         return True
 
+    def _trust(self) -> TrustPolicy:
+        """Read per restore: a rotated key or a changed policy applies as soon as its file lands."""
+        if not os.path.isdir(self.settings.trust_dir):
+            return TrustPolicy()  # nothing trusted: every restore is refused with the reason
+        return load_trust([self.settings.trust_dir])
+
+    def _grants(self, namespace: str) -> list[Grant]:
+        return [g for g in map(parse_grant, self.kube.list_snapshot_grants(namespace)) if g is not None]
+
     def _wait_for_dirs(self, root: str, rels: list[str]) -> None:
         """Wait until the kubelet made each directory (below its root, reached without links)."""
         deadline = time.monotonic() + VOLUME_WAIT_S
@@ -272,8 +313,63 @@ class RestoreWorker:
                 )
             time.sleep(0.2)
 
+    def follow(self, pod: dict[str, Any]) -> bool:
+        """A staged pod of this node: report it failed (once) when the wrapper could not restore it
+        whole; True when it did (now or before). Its state dir goes with the staged data (collect_garbage)."""
+        meta = pod.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        uid = str(meta.get("uid") or "")
+        if uid in self._failed:
+            return True
+        if (
+            annotations.get(K.ANN_RESTORE_STATUS) != K.RESTORE_STAGED
+            or (pod.get("spec") or {}).get("nodeName") != self.settings.node
+        ):
+            return False
+        try:
+            state = PodRestore(self.paths.pod_dir(uid))
+        except SnapshotError:
+            return False
+        why = state.failed()
+        if why is None:
+            return False
+        self._failed.add(uid)
+        stopped = self._stop_containers(uid)
+        err = FailedPrecondition(
+            f"the pod could not be restored whole: {why.strip()}",
+            hint="no container of the pod was started from scratch"
+            + (f" (stopped the restored ones: {', '.join(stopped)})" if stopped else "")
+            + "; delete the pod, fix the cause and restore again",
+        )
+        self._annotate(pod, K.RESTORE_FAILED_PREFIX + err.message)
+        pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, render(err), warning=True)
+        return True
+
+    def _stop_containers(self, uid: str) -> list[str]:
+        """Kill the pod's running app containers: the wrapper refuses to create them again."""
+        from shim.containerd.client import ContainerdClient  # the agent's adapter; not needed by pure tests
+
+        stopped = []
+        try:
+            with ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as c:
+                for info in c.list_containers():
+                    labels = info.labels
+                    if labels.get(LABEL_POD_UID) != uid or labels.get(LABEL_CRI_KIND) != "container":
+                        continue
+                    task = c.get_task(info.id)
+                    if task is None or task.status not in ("running", "paused", "created"):
+                        continue
+                    with contextlib.suppress(SnapshotError):
+                        c.kill_task(info.id, signal.SIGKILL, all=True)
+                        stopped.append(labels.get(LABEL_CONTAINER_NAME, info.id))
+        except SnapshotError as e:
+            log.warning("could not stop the containers of pod %s: %s", uid, e)
+        return sorted(stopped)
+
     def _fail(self, pod: dict[str, Any], gate: str | None, err: SnapshotError) -> None:
         message = render(err)
+        with contextlib.suppress(SnapshotError, OSError):
+            PodRestore(self.paths.pod_dir(pod["metadata"]["uid"])).fail(err.message)
         if gate is not None:
             try:
                 self._open_gate(gate, K.GATE_FAILED_FILE, message + "\n")

@@ -10,13 +10,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kubectl_snapshot.adapters.keystore import SecretKeyProvider
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
-from shim import freezer, hostfacts, metrics_server
+from shim import freezer, hostfacts, metrics_server, nodecheck
 from shim.containerd.client import ContainerdClient
 from shim.controller.fairness import FairScheduler
 from shim.controller.informer import Informer
+from shim.controller.node_install import DROPIN_NAME
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
@@ -33,7 +35,7 @@ RESTORE_WORKERS = 4
 def node_facts(settings: NodeSettings) -> HostFacts:
     with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as c:
         version, _ = c.version()
-    probe = hostfacts.HostProbe.host_from_container(criu=settings.criu_path)
+    probe = hostfacts.HostProbe.host_from_container(criu=settings.criu)  # the installed CRIU, never the host's
     return hostfacts.gather(containerd_version=version, probe=probe)
 
 
@@ -41,6 +43,7 @@ def publish_facts(kube: Any, settings: NodeSettings, facts: HostFacts) -> None:
     data = {
         **facts.to_dict(),
         "runtimeHandler": os.path.exists(settings.wrapper_launcher),
+        "node": node_status(settings, facts),
         "agentVersion": _version(),
         "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -48,6 +51,21 @@ def publish_facts(kube: Any, settings: NodeSettings, facts: HostFacts) -> None:
         kube.patch_node_annotations(settings.node, {K.ANN_NODE_FACTS: json.dumps(data, sort_keys=True)})
     except SnapshotError as e:
         log.warning("could not publish node facts: %s", e)
+
+
+def node_status(settings: NodeSettings, facts: HostFacts) -> dict[str, Any]:
+    try:
+        return nodecheck.node_status(
+            wrapper_dir=settings.wrapper_dir,
+            criu=settings.criu,
+            socket=settings.containerd_socket,
+            dropin_file=os.path.join(settings.containerd_dropin_dir, DROPIN_NAME),
+            containerd_version=facts.containerd_version,
+            cgroup=facts.cgroup_version,
+        )
+    except Exception as e:  # facts are best effort: never keep the agent from running
+        log.exception("node status failed")
+        return {"error": str(e)}
 
 
 def _version() -> str:
@@ -127,7 +145,9 @@ def run(
         log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)
     queue = WorkQueue("snapshots", on_length=metrics.queue.set)
-    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, metrics=metrics, queue=queue)
+    # encryption at rest is on: namespace keys in one Secret of the agent's namespace (adapters/keystore.py)
+    keys = SecretKeyProvider(kube)
+    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, metrics=metrics, queue=queue, keys=keys)
     # Issue 10: restores run per namespace in turn, two per namespace and four in all, so one
     # namespace cannot starve another and a slow registry holds up one restore, not the next.
     restores = RestoreWorker(
@@ -136,6 +156,7 @@ def run(
         facts=facts,
         metrics=metrics,
         scheduler=FairScheduler(workers=RESTORE_WORKERS, per_key=2, name="restore"),
+        keys=keys,
     )
     informers = node_informers(kube, settings.node, snapshots.consider, restores.consider)
     for inf in informers:

@@ -9,6 +9,7 @@ from typing import Any
 
 import yaml
 
+from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 
 
@@ -21,10 +22,13 @@ class NodeSettings:
     containerd_socket: str = "/run/containerd/containerd.sock"
     containerd_dropin_dir: str = "/etc/containerd/conf.d"
     restart_command: str = ""
-    criu_path: str = "criu"  # as the node's containerd finds it (looked up in the host's mount namespace)
+    criu_path: str = ""  # "": the CRIU install-node puts in the node's own directory (never the host's)
+    runc_path: str = ""  # "": the node's runc as containerd's shim finds it (/usr/sbin/runc, ...)
     criu_config: str = "/etc/criu/runc.conf"  # the runc-specific CRIU configuration (shim/criu_config.py)
     metrics_bind_address: str = ""  # from a node map only: several nodes sharing one host network
     guard_socket: str = ""  # the freeze guard's socket (shim/guard.py); "" = a private guard per snapshot
+    signing_key_dir: str = K.SIGNING_KEY_DIR  # the mounted signing-key Secret (signs every snapshot)
+    trust_dir: str = K.TRUST_DIR  # the mounted trust ConfigMap (public keys, cluster id, policy)
 
     @property
     def state_dir(self) -> str:
@@ -39,6 +43,11 @@ class NodeSettings:
     def wrapper_launcher(self) -> str:
         return os.path.join(self.wrapper_dir, "kubectl-snapshot-runc")
 
+    @property
+    def criu(self) -> str:
+        """The CRIU runc is handed (`runc --criu`) for every checkpoint and restore on this node."""
+        return self.criu_path or os.path.join(self.wrapper_dir, "criu")
+
 
 _OVERRIDABLE = (
     "kubelet_root",
@@ -47,6 +56,7 @@ _OVERRIDABLE = (
     "restart_command",
     "state_root",
     "criu_path",
+    "runc_path",
     "criu_config",
     "metrics_bind_address",
 )
@@ -57,6 +67,7 @@ _ALIASES = {
     "restartCommand": "restart_command",
     "stateRoot": "state_root",
     "criuPath": "criu_path",
+    "runcPath": "runc_path",
     "criuConfig": "criu_config",
     "metricsBindAddress": "metrics_bind_address",
 }

@@ -19,15 +19,19 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
+from kubectl_snapshot.app.provenance import load_signing_key, load_trust
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SnapshotError
 from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
-from shim import freezer, guard
+from kubectl_snapshot.core.sealing import KeyProvider, Sealer
+from shim import freezer, guard, unixpeers
 from shim.containerd.client import ContainerdClient
+from shim.containerd.runc_checkpoint import RuncCheckpointer
 from shim.controller.events import pod_event, snapshot_event
+from shim.controller.mounts import previous_repositories
 from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_containers
 from shim.controller.settings import NodeSettings
 from shim.controller.workqueue import WorkQueue
@@ -76,8 +80,10 @@ class SnapshotWorker:
         clock: Callable[[], float] = time.monotonic,
         metrics: AgentMetrics | None = None,
         queue: WorkQueue | None = None,
+        keys: KeyProvider | None = None,
     ) -> None:
         self.kube = kube
+        self.keys = keys  # encryption at rest: every snapshot sealed with its namespace's key
         self.settings = settings
         self.facts = facts
         self.clock = clock
@@ -179,10 +185,15 @@ class SnapshotWorker:
             root = host_view(self.settings.kubelet_root)
             volumes = empty_dirs(pod, root) if spec.get("includeVolumes", True) else {}
             registry = registry_for(self.kube, ns, spec.get("registrySecret"), insecure=bool(spec.get("insecure")))
+            target = Reference.parse(spec.get("destination", ""))
+            registry.add_mount_sources(previous_repositories(self.kube, ns, str(spec.get("podName") or ""), target))
+            # read per snapshot: a rotated key (the Secret's mounted file) is used as soon as it lands
+            signing_key = load_signing_key(self.settings.signing_key_dir)
+            trust = load_trust([self.settings.trust_dir]) if os.path.isdir(self.settings.trust_dir) else None
             req = CheckpointRequest(
                 containers=containers.ids,
                 names=containers.names,
-                target=Reference.parse(spec.get("destination", "")),
+                target=target,
                 volumes=list(volumes.values()),
                 volume_names=list(volumes.keys()),
                 stop=bool(spec.get("stop")),
@@ -191,11 +202,19 @@ class SnapshotWorker:
                 pod=record_pod(pod, self.settings.node),
                 probe_budgets=probe_budgets(pod),
                 ignore_liveness=bool(spec.get("ignoreLiveness")),
+                signing_key=signing_key,
+                cluster=trust.cluster if trust is not None else "",
+                node=self.settings.node,
             )
+            # the key first: a key store problem fails the snapshot before anything is frozen
+            sealer = Sealer(self.keys.namespace_key(ns, create=True), ns) if self.keys is not None else None
             report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
+            checkpointer = RuncCheckpointer(self.settings.criu, self.settings.runc_path)  # the installed CRIU
             with (
                 self._guard(report) as held,
-                ContainerdClient(self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd,
+                ContainerdClient(
+                    self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE, checkpointer=checkpointer
+                ) as containerd,
             ):
                 result = checkpoint(
                     req,
@@ -209,6 +228,8 @@ class SnapshotWorker:
                     freezer_for=held.freezer_for,
                     memory_of=freezer.task_memory,
                     on_plan=reporter.plan,
+                    sealer=sealer,
+                    unix_links=unixpeers.find_cross_links,
                 )
         except SnapshotError as e:
             self._finish_failed(obj, pod, e)

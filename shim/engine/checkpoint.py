@@ -26,6 +26,7 @@ from typing import Any
 from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.adapters.archive import tar_directories
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
+from kubectl_snapshot.app.provenance import sign_snapshot
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
@@ -39,10 +40,14 @@ from kubectl_snapshot.core.model import (
     SnapshotConfig,
     VolumeRecord,
     layer_annotations,
+    layer_media_type,
     manifest_annotations,
+    stored_runtime_spec,
 )
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest, sha256_digest
+from kubectl_snapshot.core.provenance import Origin, SigningKey
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import Sealer
 from shim import hostfacts
 from shim.engine.package import (
     PackagedBlob,
@@ -58,6 +63,7 @@ from shim.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]  # (new bytes, total bytes)
+UnixLinksFn = Callable[[list[int]], Sequence[Any]]  # init pids -> shim.unixpeers.CrossLink list
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,11 @@ class CheckpointRequest:
     keep_work: bool = False
     probe_budgets: Sequence[freeze_plan.ProbeBudget] = ()  # the pod's liveness budgets (core/freeze.py)
     ignore_liveness: bool = False  # snapshot even if the freeze may outlast a liveness probe's budget
+    # provenance (format v3): the agent's key signs the pushed manifest digest with the origin below;
+    # without a key the snapshot is unsigned (restores then refuse it unless a policy trusts those)
+    signing_key: SigningKey | None = None
+    cluster: str = ""  # the cluster's identity (uid of kube-system), from the agent's trust settings
+    node: str = ""
 
 
 @dataclass
@@ -88,6 +99,7 @@ class CheckpointResult:
     uploaded: int = 0  # bytes actually sent (blobs the registry lacked)
     frozen_by: str = ""  # "cgroup freezer", "containerd" or both: how the containers were paused
     plan: freeze_plan.FreezePlan | None = None  # expected freeze and deadline
+    signed_by: str = ""  # id of the key that signed it ("" when unsigned)
 
 
 def _now_rfc3339() -> str:
@@ -124,6 +136,8 @@ def checkpoint(
     freezer_for: FreezerFor | None = None,
     memory_of: Callable[[int], int] | None = None,
     on_plan: Callable[[freeze_plan.FreezePlan], None] | None = None,
+    sealer: Sealer | None = None,
+    unix_links: UnixLinksFn | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -134,13 +148,17 @@ def checkpoint(
     `memory_of` gives a task's memory (shim.freezer.task_memory): the freeze's expected length and
     deadline follow from it (core/freeze.py), checked against the pod's liveness budgets before
     anything is frozen; a freezer from shim.guard enforces the deadline.
+    `sealer` (core/sealing.py): encrypt every layer and chunk for its namespace (get the namespace key
+    before calling, so that a key problem fails before anything is frozen).
+    `unix_links` finds Unix socket connections between the containers (shim.unixpeers), which CRIU
+    cannot dump one container at a time: the snapshot is refused before anything is frozen.
     """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
     t0 = clock()
 
     # Preflight before touching the workload: the containers run, the registry answers.
-    infos, upperdirs = [], []
+    infos, upperdirs, pids = [], [], []
     direct: dict[str, Freezer] = {}
     memory = 0
     for cid in req.containers:
@@ -158,7 +176,10 @@ def checkpoint(
         if memory_of is not None:
             memory += memory_of(task.pid)
         infos.append(info)
+        pids.append(task.pid)
         upperdirs.append(_upperdir(containerd, info))
+    if unix_links is not None:
+        _refuse_unix_links(unix_links(pids), names)
     registry.ping(req.target)
     image_digests = [_image_digest(containerd, info.image) for info in infos]
     if host is None:
@@ -211,7 +232,7 @@ def checkpoint(
             cdir = os.path.join(work, name)
             stats = _stats(cdir)
             _write_metadata(cdir, cid, name, info, req)
-            pc = package_container(registry, req.target, cdir, on_raw=on_raw)
+            pc = package_container(registry, req.target, cdir, on_raw=on_raw, sealer=sealer)
             records.append(
                 ContainerRecord(
                     name=name,
@@ -219,7 +240,7 @@ def checkpoint(
                     image=info.image,
                     image_digest=image_digest,
                     layer_digest=pc.layer.digest,
-                    spec=info.spec,
+                    spec=stored_runtime_spec(info.spec),
                     tcp_established=req.tcp_established,
                     file_locks=req.file_locks,
                     stats=stats,
@@ -229,7 +250,7 @@ def checkpoint(
             packaged.append(pc)
         volumes_layer: PackagedBlob | None = None
         if volume_tar is not None:
-            volumes_layer = package_volumes(registry, req.target, volume_tar, on_raw=on_raw)
+            volumes_layer = package_volumes(registry, req.target, volume_tar, on_raw=on_raw, sealer=sealer)
         timings["package_ms"] = (clock() - t_pack) * 1000
 
         config = SnapshotConfig(
@@ -246,8 +267,13 @@ def checkpoint(
             freeze_ms=timings["freeze_ms"],
             pod=req.pod,
         )
+        if sealer is not None:
+            config = replace(config, encryption=sealer.info(config.blob_digests()))
         t_up = clock()
         result = _push(req.target, config, records, packaged, volumes_layer, registry)
+        if req.signing_key is not None:
+            sign_snapshot(registry, result.reference, _origin(req, config), req.signing_key)
+            result.signed_by = req.signing_key.public.id
         timings["upload_ms"] = (clock() - t_up) * 1000
     except BaseException:
         if frozen:
@@ -342,6 +368,35 @@ def _test_hold(freezers: Sequence[Freezer]) -> None:
 
 
 FROZEN_FILE = "frozen-containers.json"
+
+
+def _origin(req: CheckpointRequest, config: SnapshotConfig) -> Origin:
+    pod = config.pod
+    return Origin(
+        cluster=req.cluster,
+        namespace=pod.namespace if pod is not None else config.namespace,
+        pod=pod.name if pod is not None else config.group,
+        pod_uid=pod.uid if pod is not None else "",
+        node=req.node or (pod.node if pod is not None else ""),
+        created=config.created,
+        format_version=config.format_version,
+    )
+
+
+def _refuse_unix_links(links: Sequence[Any], names: Sequence[str]) -> None:
+    """Refuse a group whose containers are connected by Unix sockets (see shim/unixpeers.py)."""
+    if not links:
+        return
+    described = "; ".join(
+        f"{names[link.a]!r} and {names[link.b]!r} ({link.kind} socket{', ' + link.name if link.name else ''})"
+        for link in links
+    )
+    raise FailedPrecondition(
+        f"containers of the pod are connected to each other by Unix sockets, which cannot be snapshotted: {described}",
+        hint="CRIU dumps each container on its own and cannot restore one end of a Unix socket connection "
+        "whose other end is in another container; connect such containers over TCP on 127.0.0.1 "
+        "(restored on both ends), or reconnect on demand",
+    )
 
 
 def recover_interrupted(containerd: Containerd, paths: StatePaths, freezer_for: FreezerFor | None = None) -> list[str]:
@@ -482,7 +537,7 @@ def _stats(cdir: str) -> DumpStats:
 
 def _write_metadata(cdir: str, cid: str, name: str, info: Any, req: CheckpointRequest) -> None:
     with open(os.path.join(cdir, C.SPEC_DUMP_FILE), "w") as f:
-        json.dump(info.spec, f)
+        json.dump(stored_runtime_spec(info.spec), f)  # no process.env: it holds resolved secrets
     with open(os.path.join(cdir, C.CONFIG_DUMP_FILE), "w") as f:
         json.dump(
             {
@@ -546,7 +601,7 @@ def _push(
     config_desc = Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
     descs = [
         Descriptor(
-            C.CHECKPOINT_LAYER_MEDIA_TYPE,
+            layer_media_type(C.CHECKPOINT_LAYER_MEDIA_TYPE, config),
             pc.layer.digest,
             pc.layer.size,
             layer_annotations(rec, group=config.group, namespace=config.namespace),
@@ -558,7 +613,7 @@ def _push(
     if volumes_layer is not None:
         descs.append(
             Descriptor(
-                C.VOLUMES_LAYER_MEDIA_TYPE,
+                layer_media_type(C.VOLUMES_LAYER_MEDIA_TYPE, config),
                 volumes_layer.digest,
                 volumes_layer.size,
                 {C.ANN_TITLE: "volumes.tar.zst"},
@@ -569,7 +624,8 @@ def _push(
     # Every chunk is a layer too, so that registry garbage collection keeps what the snapshot needs.
     all_pages = [p for rec in records for p in rec.pages]
     sizes = chunk_sizes(all_pages)
-    descs.extend(Descriptor(C.CHUNK_MEDIA_TYPE, d, sizes[d]) for d in chunk_digests(all_pages))
+    chunk_type = layer_media_type(C.CHUNK_MEDIA_TYPE, config)
+    descs.extend(Descriptor(chunk_type, d, sizes[d]) for d in chunk_digests(all_pages))
     if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes):
         sent += len(config_bytes)
     manifest = build_manifest(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import PagesFile
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import Sealer
 from shim.engine.chunks import plan_checkpoint
 from shim.engine.ports import Registry
 from shim.engine.stream import push_chunks, push_file_stream, push_tar_stream
@@ -67,13 +68,15 @@ def tree_bytes(path: str) -> int:
 
 
 def package_container(
-    registry: Registry, ref: Reference, cdir: str, *, on_raw: CountFn | None = None
+    registry: Registry, ref: Reference, cdir: str, *, on_raw: CountFn | None = None, sealer: Sealer | None = None
 ) -> PackagedContainer:
-    """Upload the container dump in `cdir` (checkpointctl layout): page chunks first, then the layer."""
+    """Upload the container dump in `cdir` (checkpointctl layout): page chunks first, then the layer.
+
+    With `sealer` every blob is encrypted before it is hashed and sent (core/sealing.py)."""
     plans = plan_checkpoint(os.path.join(cdir, C.CHECKPOINT_DIRECTORY))
-    chunks = push_chunks(registry, ref, plans, on_raw=on_raw)
+    chunks = push_chunks(registry, ref, plans, on_raw=on_raw, sealer=sealer)
     exclude = [f"{C.CHECKPOINT_DIRECTORY}/{p.name}" for p in plans]
-    digest, size = push_tar_stream(registry, ref, cdir, exclude=exclude, on_raw=on_raw)
+    digest, size = push_tar_stream(registry, ref, cdir, exclude=exclude, on_raw=on_raw, sealer=sealer)
     return PackagedContainer(
         layer=PackagedBlob(digest, size),
         pages=chunks.files,
@@ -83,8 +86,8 @@ def package_container(
 
 
 def package_volumes(
-    registry: Registry, ref: Reference, tar_path: str, *, on_raw: CountFn | None = None
+    registry: Registry, ref: Reference, tar_path: str, *, on_raw: CountFn | None = None, sealer: Sealer | None = None
 ) -> PackagedBlob:
     """Upload the volumes tar captured while frozen as one zstd layer (streamed, not staged)."""
-    digest, size = push_file_stream(registry, ref, tar_path, on_raw=on_raw)
+    digest, size = push_file_stream(registry, ref, tar_path, on_raw=on_raw, sealer=sealer)
     return PackagedBlob(digest, size)

@@ -81,7 +81,7 @@ class Registry(Protocol):
         digest: str,
         size: int,
         path: str | None = None,
-        data: bytes | None = None,
+        data: bytes | bytearray | None = None,
         progress: ProgressFn | None = None,
     ) -> bool: ...
     def push_blob_stream(

@@ -15,26 +15,30 @@ import errno
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.adapters.archive import open_zstd_reader, safe_extract
+from kubectl_snapshot.app.provenance import verify_for_restore
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import (
     CriuFailed,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     SnapshotError,
     UnsafeArchive,
     log_tail,
 )
 from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor
+from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
+from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, Opener
 from shim import hostfacts
 from shim.engine.artifact import Artifact, load_artifact
 from shim.engine.package import progress_counter
@@ -44,17 +48,19 @@ from shim.engine.stream import fetch_chunks
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]
+DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass(frozen=True)
 class RestoreRequest:
     source: Reference
     new_ids: Sequence[str]  # one per snapshotted container, in order
-    runtime_binary: str  # the runc-compatible wrapper (kubectl-snapshot-runc)
+    runtime_binary: str  # the runc-compatible wrapper (ks-runc, or kubectl-snapshot-runc on nodes)
     volumes: Sequence[str] = ()  # host dirs that receive the volume contents, one per snapshotted volume
     runc_root: str = ""
     log_dir: str = "/var/log/kubectl-snapshot"
     snapshotter: str = "overlayfs"
+    trust: TrustPolicy = field(default_factory=TrustPolicy)  # default trusts nothing: all refused
 
 
 @dataclass
@@ -63,6 +69,7 @@ class RestoreResult:
     containers: list[tuple[str, int]]  # (new id, pid)
     config: SnapshotConfig
     timings_ms: dict[str, float] = field(default_factory=dict)
+    provenance: str = ""  # why it was trusted
 
 
 @dataclass(frozen=True)
@@ -143,6 +150,7 @@ def stage_artifact(
     paths: StatePaths,
     volume_targets: Sequence[str | VolumeTarget] = (),
     on_bytes: BytesFn | None = None,
+    opener: Opener | None = None,
     limits: RestoreLimits | None = None,
 ) -> None:
     """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets.
@@ -150,8 +158,17 @@ def stage_artifact(
     Format v2 page files are then rebuilt from their chunks by parallel workers, each chunk verified
     against its digest before it is written (shim/engine/stream.py). Nothing is downloaded before the
     declared sizes passed `limits` and the staging filesystem's free space (plan_space, check_space).
+    An encrypted snapshot needs its `opener` (`opener_for`): each blob is decrypted after its digest is
+    verified, every segment authenticated before its bytes reach the extraction.
     """
     config = artifact.config
+    if (config.encryption is None) != (opener is None):
+        raise FailedPrecondition(
+            "the snapshot is encrypted but no key was given"
+            if opener is None
+            else "a key was given for a snapshot stored in clear",
+            hint="internal: get the opener with opener_for(config, ...)",
+        )
     wanted = _wanted_layers(artifact)
     downloads = paths.downloads()
     os.makedirs(downloads, mode=0o700, exist_ok=True)
@@ -178,12 +195,12 @@ def stage_artifact(
                 )
         # 2. ... before anything is extracted
         for record, target in zip(config.containers, staged_dirs, strict=True):
-            _extract_fresh(blobs[record.layer_digest], target, extract_limits)
+            _extract_fresh(blobs[record.layer_digest], target, extract_limits, opener, record.layer_digest)
             if record.pages:
-                _fetch_pages(registry, artifact.reference, record, target, count)
+                _fetch_pages(registry, artifact.reference, record, target, count, opener)
         if config.volumes_layer:
             for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
-                _extract_volume(blobs[config.volumes_layer], vol.name, vtarget)
+                _extract_volume(blobs[config.volumes_layer], vol.name, vtarget, opener, config.volumes_layer)
     except BaseException:
         for target in staged_dirs:
             shutil.rmtree(target, ignore_errors=True)
@@ -194,14 +211,52 @@ def stage_artifact(
                 os.unlink(path)
 
 
+def opener_for(
+    config: SnapshotConfig, keys: KeyProvider | None, namespace: str, *, other_namespace_ok: bool = False
+) -> Opener | None:
+    """How to open an encrypted snapshot restored into `namespace` (None: it is stored in clear).
+
+    A snapshot sealed for another namespace is refused unless the caller has established that this
+    restore is allowed there (`other_namespace_ok`, e.g. a grant verified with the signature); the
+    key used is always the one of the namespace that sealed it, which the wrapped keys are bound to.
+    """
+    enc = config.encryption
+    if enc is None:
+        return None
+    if enc.namespace != namespace and not other_namespace_ok:
+        raise PermissionDenied(
+            f"the snapshot is encrypted for namespace {enc.namespace!r} and cannot be restored into {namespace!r}",
+            hint=f"restore it into {enc.namespace!r}, or have that namespace grant the restore",
+        )
+    if keys is None:
+        raise FailedPrecondition(
+            f"the snapshot is encrypted for namespace {enc.namespace!r} and no key store is configured",
+            hint="restore it with the agent that holds the namespace keys (--key-dir for the standalone agent)",
+        )
+    try:
+        key = keys.namespace_key(enc.namespace, create=False, key_id=enc.key_id)
+    except NotFound as e:
+        raise FailedPrecondition(
+            f"the snapshot is encrypted with key {enc.key_id} of namespace {enc.namespace!r}, "
+            f"which this cluster does not have: {e.message}",
+            hint="restore it in the cluster that took it, or restore the key from a backup of the key Secret",
+        ) from None
+    return Opener(enc, key)
+
+
 def _fetch_pages(
-    registry: Registry, ref: Reference, record: ContainerRecord, target: str, count: Callable[[int], None] | None
+    registry: Registry,
+    ref: Reference,
+    record: ContainerRecord,
+    target: str,
+    count: Callable[[int], None] | None,
+    opener: Opener | None = None,
 ) -> None:
     cp = os.path.join(target, C.CHECKPOINT_DIRECTORY)
     with contextlib.suppress(FileExistsError):
         os.mkdir(cp, 0o700)
     try:
-        fetch_chunks(registry, ref, record.pages, cp, on_bytes=count)
+        fetch_chunks(registry, ref, record.pages, cp, on_bytes=count, opener=opener)
     except NotADirectoryError as e:
         raise UnsafeArchive(
             f"container {record.name!r}: {C.CHECKPOINT_DIRECTORY}/ in its layer is not a directory",
@@ -216,11 +271,25 @@ def _fetch_pages(
         raise
 
 
-def _extract_fresh(blob_path: str, target: str, limits: ExtractLimits | None = None) -> None:
+def _extract_fresh(
+    blob_path: str, target: str, limits: ExtractLimits | None = None, opener: Opener | None = None, digest: str = ""
+) -> None:
     shutil.rmtree(target, ignore_errors=True)
     os.makedirs(target, mode=0o700)
-    with open(blob_path, "rb") as f, open_zstd_reader(f) as reader:
+    with open(blob_path, "rb") as f, _opened(f, opener, digest) as source, open_zstd_reader(source) as reader:
         safe_extract(reader, target, limits=limits or ExtractLimits())
+
+
+@contextlib.contextmanager
+def _opened(f: Any, opener: Opener | None, digest: str) -> Iterator[Any]:
+    """The layer's plaintext stream: the file itself, or decrypted segment by segment (each authenticated
+    before a byte of it is returned); a failed authentication names the layer."""
+    try:
+        yield f if opener is None else opener.reader(digest, f)
+    except DecryptionFailed as e:
+        if digest in e.message:
+            raise
+        raise DecryptionFailed(f"layer {digest}: {e.message}", hint=e.hint) from None
 
 
 @dataclass(frozen=True)
@@ -233,7 +302,9 @@ class VolumeTarget:
     rel: str
 
 
-def _extract_volume(blob_path: str, name: str, target: str | VolumeTarget) -> None:
+def _extract_volume(
+    blob_path: str, name: str, target: str | VolumeTarget, opener: Opener | None = None, digest: str = ""
+) -> None:
     """Extract volume `name` of the volumes layer straight into the target directory's fd.
 
     Every write below it goes through O_NOFOLLOW directory fds (safe_extract), so links the pod's
@@ -244,7 +315,12 @@ def _extract_volume(blob_path: str, name: str, target: str | VolumeTarget) -> No
         os.makedirs(target, exist_ok=True)
         parent, leaf = os.path.split(os.path.normpath(target))
         target = VolumeTarget(parent or "/", leaf)
-    with safefs.opened_dir(target.root, target.rel) as fd, open(blob_path, "rb") as f, open_zstd_reader(f) as reader:
+    with (
+        safefs.opened_dir(target.root, target.rel) as fd,
+        open(blob_path, "rb") as f,
+        _opened(f, opener, digest) as source,
+        open_zstd_reader(source) as reader,
+    ):
         safe_extract(reader, fd, only=name, overwrite=True)
 
 
@@ -258,7 +334,11 @@ def restore(
     on_phase: PhaseFn | None = None,
     on_bytes: BytesFn | None = None,
     clock: Callable[[], float] = time.monotonic,
+    keys: KeyProvider | None = None,
+    key_namespace: str | None = None,
 ) -> RestoreResult:
+    """Restore `req.source` as new containers; an encrypted snapshot opens only with the key of
+    `key_namespace` (default: the containerd `namespace`) from `keys`."""
     phase = on_phase or (lambda _p: None)
     t0 = clock()
     timings: dict[str, float] = {}
@@ -269,12 +349,17 @@ def restore(
     if not os.access(req.runtime_binary, os.X_OK):
         raise FailedPrecondition(
             f"the runtime wrapper {req.runtime_binary!r} is not executable",
-            hint="install kubectl-snapshot on this node (it provides kubectl-snapshot-runc)",
+            hint="install kubectl-snapshot on this node (it provides ks-runc)",
         )
 
     phase("resolve")
     artifact = load_artifact(registry, req.source)
     config = artifact.config
+    # Provenance first: a signature by a trusted key of exactly this digest, agreeing with the config.
+    # A node-level restore is an operator's (root) action: no namespace binding here (see restores.py).
+    pod_uid = config.pod.uid if config.pod is not None else ""
+    origin_ns = config.pod.namespace if config.pod is not None else config.namespace
+    verdict = verify_for_restore(registry, artifact.reference, origin_ns, pod_uid, req.trust)
     if len(req.new_ids) != len(config.containers):
         raise InvalidArgument(
             f"the snapshot has {len(config.containers)} container(s) "
@@ -299,12 +384,15 @@ def restore(
             continue
         raise FailedPrecondition(f"a container named {cid!r} already exists", hint="choose another name")
     chain_ids = [_check_image(containerd, rec) for rec in config.containers]
+    opener = opener_for(config, keys, key_namespace if key_namespace is not None else namespace)
 
     timings["resolve_ms"] = (clock() - t0) * 1000
     phase("download")
     t_dl = clock()
     staged = [paths.staged_by_id(cid) for cid in req.new_ids]
-    stage_artifact(artifact, staged, registry=registry, paths=paths, volume_targets=req.volumes, on_bytes=on_bytes)
+    stage_artifact(
+        artifact, staged, registry=registry, paths=paths, volume_targets=req.volumes, on_bytes=on_bytes, opener=opener
+    )
     timings["download_ms"] = (clock() - t_dl) * 1000
 
     phase("restore")
@@ -326,7 +414,7 @@ def restore(
             shutil.rmtree(sdir, ignore_errors=True)
     timings["restore_ms"] = (clock() - t_run) * 1000
     timings["total_ms"] = (clock() - t0) * 1000
-    return RestoreResult(artifact.reference, results, config, timings)
+    return RestoreResult(artifact.reference, results, config, timings, verdict.reason)
 
 
 def _check_image(containerd: Any, rec: ContainerRecord) -> str:
@@ -350,6 +438,11 @@ def restored_spec(
 ) -> dict[str, Any]:
     """The recorded runtime spec, adapted to the new container: cgroup path, volume bind mounts."""
     spec: dict[str, Any] = copy.deepcopy(dict(rec.spec))
+    # Format v3 stores no environment (the restored process has its own, from memory); processes
+    # exec'd into the container later get a plain PATH.
+    process = spec.setdefault("process", {})
+    if isinstance(process, dict):
+        process.setdefault("env", [DEFAULT_PATH_ENV])
     linux = spec.setdefault("linux", {})
     linux["cgroupsPath"] = f"/{namespace}/{new_id}"
     remap = {v.source: t for v, t in zip(config.volumes, volume_targets, strict=True)}

@@ -49,6 +49,10 @@ class StatePaths:
             check_key(container_name, "container name"),
         )
 
+    def pod_dir(self, pod_uid: str) -> str:
+        """A restored pod's own state (shim.podrestore), beside its containers' staged dirs."""
+        return os.path.join(self.root, C.STAGING_SUBDIR, "by-pod", check_key(pod_uid, "pod uid"))
+
     def restored_marker(self, container_id: str) -> str:
         return os.path.join(self.root, "restored", check_key(container_id, "container id"))
 

@@ -32,6 +32,7 @@ from kubectl_snapshot.core.chunks import Chunk, PagesFile
 from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
 from kubectl_snapshot.core.oci import sha256_digest
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import Opener, Sealer
 from shim.engine.chunks import PagesPlan
 from shim.engine.ports import Registry
 
@@ -104,8 +105,13 @@ def push_chunks(
     *,
     workers: int | None = None,
     on_raw: CountFn | None = None,
+    sealer: Sealer | None = None,
 ) -> PushedChunks:
-    """Compress, hash and upload every planned chunk (in parallel); returns the chunk records."""
+    """Compress, hash and upload every planned chunk (in parallel); returns the chunk records.
+
+    With `sealer` each compressed chunk is sealed (convergent key: the same content in the same
+    namespace gives the same blob, so the registry still has it) and the digest is the ciphertext's.
+    """
     uploaded, stored = _Counter(), _Counter()
     fds = {p.name: os.open(p.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) for p in plans}
     try:
@@ -115,8 +121,12 @@ def push_chunks(
             raw = os.pread(fds[name], length, offset)
             if len(raw) != length:
                 raise OSError(f"{name} shrank while it was being packaged")
-            blob = _compressor().compress(raw)
-            digest = sha256_digest(blob)
+            packed = _compressor().compress(raw)
+            blob: bytes | bytearray = packed
+            if sealer is not None:
+                blob, digest = sealer.seal_chunk(packed)
+            else:
+                digest = sha256_digest(packed)
             if registry.push_blob(ref, digest=digest, size=len(blob), data=blob):
                 uploaded.add(len(blob))
             stored.add(len(blob))
@@ -156,6 +166,7 @@ def push_tar_stream(
     *,
     exclude: Iterable[str] = (),
     on_raw: CountFn | None = None,
+    sealer: Sealer | None = None,
 ) -> tuple[str, int]:
     """tar `src` (minus the relative paths in `exclude`) -> zstd -> sha256 -> upload, as one stream.
 
@@ -172,11 +183,23 @@ def push_tar_stream(
                 on_entry=(lambda path, _st, _fd: path not in skip) if skip else None,
             )
 
-    return registry.push_blob_stream(ref, iter_produced(produce))
+    return _push_produced(registry, ref, produce, sealer)
+
+
+def _push_produced(
+    registry: Registry, ref: Reference, produce: Callable[[BinaryIO], None], sealer: Sealer | None
+) -> tuple[str, int]:
+    """Upload what `produce` writes, sealed segment by segment under a fresh data key with `sealer`."""
+    if sealer is None:
+        return registry.push_blob_stream(ref, iter_produced(produce))
+    dek = sealer.stream_key()
+    digest, size = registry.push_blob_stream(ref, sealer.seal_stream(iter_produced(produce), dek))
+    sealer.record(digest, dek)
+    return digest, size
 
 
 def push_file_stream(
-    registry: Registry, ref: Reference, path: str, *, on_raw: CountFn | None = None
+    registry: Registry, ref: Reference, path: str, *, on_raw: CountFn | None = None, sealer: Sealer | None = None
 ) -> tuple[str, int]:
     """zstd -> sha256 -> upload of an existing (tar) file, as one stream."""
 
@@ -187,7 +210,7 @@ def push_file_stream(
                 if on_raw is not None:
                     on_raw(len(piece))
 
-    return registry.push_blob_stream(ref, iter_produced(produce))
+    return _push_produced(registry, ref, produce, sealer)
 
 
 def fetch_chunks(
@@ -198,13 +221,15 @@ def fetch_chunks(
     *,
     workers: int | None = None,
     on_bytes: CountFn | None = None,
+    opener: Opener | None = None,
 ) -> int:
     """Recreate each page file in `checkpoint_dir` (an existing directory, not a symlink) from its
     chunks; returns the compressed bytes downloaded.
 
     Each chunk is downloaded whole (a few MiB at most), verified against its digest and size by the
-    registry client, decompressed and checked to be exactly its recorded length, and only then
-    written. A file that already exists is refused (the layer must not also carry it).
+    registry client, decrypted (`opener`: every segment authenticated) and decompressed and checked to
+    be exactly its recorded length, and only then written. A file that already exists is refused (the
+    layer must not also carry it).
     """
     dfd = os.open(checkpoint_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     fds: dict[str, int] = {}
@@ -230,8 +255,9 @@ def fetch_chunks(
             name, c = job
             buf = io.BytesIO()
             registry.fetch_blob(ref, c.digest, buf, expected_size=c.size, max_size=c.size)
+            blob = buf.getvalue() if opener is None else opener.open_chunk(c.digest, buf.getbuffer())
             try:
-                raw = zstandard.ZstdDecompressor().decompress(buf.getvalue(), max_output_size=c.length)
+                raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=c.length)
             except zstandard.ZstdError as e:
                 raise DigestMismatch(f"chunk {c.digest} of {name} does not decompress: {e}", hint=_HINT) from e
             if len(raw) != c.length:

@@ -72,7 +72,7 @@ def wait_done(cluster: Cluster, ns: str, name: str, timeout: float = 180) -> dic
 
 CHECK_IMAGE = """
 set -e
-kubectl-snapshot-agent --version
+ks-agent --version
 python3 -c 'import grpc, kubernetes, zstandard, yaml, pycriu, shim.containerd.client, shim.agent_cli
 print("imports-ok")'
 # the wrapper zipapp with no site-packages at all, as on a node's bare python3
@@ -113,7 +113,7 @@ def test_agent_image_runs_on_each_node(cluster: Cluster, namespace: str, agent_i
 
 
 def test_agent_version_is_the_entrypoint(cluster: Cluster, namespace: str, agent_image: str) -> None:
-    """Entrypoint ["kubectl-snapshot-agent"]: args alone run it (as the DaemonSet's containers do)."""
+    """Entrypoint ["ks-agent"]: args alone run it (as the DaemonSet's containers do)."""
     node = cluster.nodes[0]
     cluster.apply(
         {
@@ -184,12 +184,20 @@ def test_crd_and_kubectl_get(cluster: Cluster, namespace: str, installed: list[d
     assert obj["spec"]["includeVolumes"] is True and obj["spec"]["stop"] is False  # schema defaults
 
     # status through the subresource, shown by the printer columns
-    status = {"status": {"phase": K.PHASE_SUCCEEDED, "node": "ks-n1", "size": 4096, "reference": "r@sha256:x"}}
+    status = {
+        "status": {
+            "phase": K.PHASE_SUCCEEDED,
+            "node": "ks-n1",
+            "size": 4096,
+            "sizeHuman": "4.0 KiB",  # what the agent writes beside size (core/status.py)
+            "reference": "r@sha256:x",
+        }
+    }
     cluster.kubectl(
         "patch", K.PLURAL, "snap-1", "-n", namespace, "--subresource=status", "--type=merge", "-p", json.dumps(status)
     )
     row = cluster.kubectl("get", K.PLURAL, "snap-1", "-n", namespace, "--no-headers").stdout.split()
-    assert row[:6] == ["snap-1", "counter", "Succeeded", "ks-n1", "4096", "r@sha256:x"], row
+    assert row[:7] == ["snap-1", "counter", "Succeeded", "ks-n1", "4.0", "KiB", "r@sha256:x"], row
 
     # the spec is immutable; bad objects are refused at the door
     changed = cluster.kubectl(

@@ -69,7 +69,7 @@ def make_podsnapshot(cluster: Cluster, ns: str, name: str, ref: Reference) -> No
         {
             "apiVersion": "kubectl-snapshot.io/v1alpha1",
             "kind": "PodSnapshot",
-            "metadata": {"name": name, "namespace": ns},
+            "metadata": {"name": name, "namespace": ns, "labels": {"kubectl-snapshot.io/pod": "web"}},  # as created
             "spec": {"podName": "web", "destination": f"{ref.registry}/{ref.repository}:v1"},
         }
     )
@@ -98,9 +98,21 @@ def test_list_inspect_restore_dry_run_and_delete(
     assert table[1].split()[:6] == ["web-1", "web", "Succeeded", "ks-n1", "4.0", "KiB"]
     assert str(ref.digest) in table[1]
     everywhere = json.loads(ks_plugin("list", "-A", "-o", "json", check=True).stdout)
-    assert {"namespace": namespace, "name": "web-1"}.items() <= next(
-        r for r in everywhere if r["name"] == "web-1"
-    ).items()
+    assert everywhere["kind"] == "List"  # as `kubectl get -o json` prints it
+    mine = next(o for o in everywhere["items"] if o["metadata"]["name"] == "web-1")
+    assert mine["metadata"]["namespace"] == namespace and mine["status"]["reference"] == f"{ref.name}@{ref.digest}"
+    jp = ks_plugin("list", "-n", namespace, "-o", "jsonpath={.items[*].status.phase}", check=True).stdout
+    assert jp == "Succeeded"
+    wide = ks_plugin("list", "-n", namespace, "-o", "wide", check=True).stdout.splitlines()
+    assert wide[0].split()[-3:] == ["STAGE", "DESTINATION", "MESSAGE"]
+    by_label = ks_plugin("list", "-n", namespace, "-l", "kubectl-snapshot.io/pod=web", "-o", "name", check=True)
+    assert by_label.stdout.split() == ["podsnapshot.kubectl-snapshot.io/web-1"]
+    assert ks_plugin("list", "-n", namespace, "-l", "kubectl-snapshot.io/pod=db", check=True).stdout.strip() == (
+        "No PodSnapshots found."
+    )
+    server_dry = ks_plugin("delete", "web-1", "-n", namespace, "--dry-run=server", check=True).stdout
+    assert "deleted (server dry run)" in server_dry
+    assert cluster.get_json("podsnapshots", "-n", namespace)["items"]  # still there
 
     by_name = ks_plugin("inspect", "web-1", "-n", namespace, check=True).stdout
     assert f"Reference:  {ref.name}@{ref.digest}" in by_name and "Pod:        team-a/web on node ks-n1" in by_name

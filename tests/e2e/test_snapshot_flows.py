@@ -14,7 +14,7 @@ import pytest
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.reference import Reference
-from tests.support.agent import AgentInstall, agent, plugin
+from tests.support.agent import AgentInstall, agent, assert_installed_criu_ran, criu_launches, plugin
 from tests.support.cluster import Cluster, cluster, namespace
 
 pytestmark = pytest.mark.e2e
@@ -86,6 +86,7 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     running(cluster, namespace, "counter")
     cluster.wait_for("the counter to reach 10", lambda: counter_value(cluster, namespace, "counter")[1] >= 10)
     tok, before = counter_value(cluster, namespace, "counter")
+    launched = {n: len(criu_launches(n)) for n in (n1, n2)}
 
     out = plugin("snapshot", "pod/counter", "-n", namespace, "--to", f"{cluster.registry}/e2e/counter", "-o", "json")
     psnap = json.loads(out.stdout)
@@ -96,6 +97,8 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     assert psnap["status"]["node"] == n1
     # the agent (a container with hostPID) froze the pod's container through the host's cgroupfs itself
     assert psnap["status"]["frozenBy"] == "cgroup freezer", psnap["status"]
+    # the dump ran the CRIU that install-node put in the node's directory (runc --criu), not the host's
+    assert_installed_criu_ran(n1, "checkpoint", launched[n1])
     listed = cluster.get_json("podsnapshots", "-n", namespace)["items"]
     assert [x["metadata"]["name"] for x in listed] == [psnap["metadata"]["name"]]
 
@@ -108,6 +111,7 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     assert after >= before
     cluster.wait_for("the restored counter to go on", lambda: counter_value(cluster, namespace, "counter2")[1] > after)
     assert restored["metadata"]["annotations"]["kubectl-snapshot.io/restore-from"].endswith(ref.split("@")[1])
+    assert_installed_criu_ran(n2, "restore", launched[n2])  # through the runtime hook, with the installed CRIU
 
 
 def test_two_containers_sharing_an_empty_dir(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
@@ -239,7 +243,15 @@ def test_restore_onto_a_node_that_cannot(cluster, namespace, agent: AgentInstall
     ref = json.loads(out.stdout)["status"]["reference"]
     with agent.node_override(n2, criuPath="/nonexistent/criu"):
         proc = plugin("restore", ref, "-n", namespace, "--name", "pre2", "--node", n2, "--timeout", "120s", check=False)
+        agent_pod = agent.agent_pod(n2)
+        logs = (
+            ""
+            if agent_pod is None
+            else cluster.kubectl(
+                "logs", "-n", "kubectl-snapshot-system", agent_pod["metadata"]["name"], "--all-containers", check=False
+            ).stdout[-3000:]
+        )
     assert proc.returncode == 1
-    assert "CRIU is not installed" in proc.stderr, proc.stderr
+    assert "CRIU is not installed" in proc.stderr, proc.stderr + "\nagent on n2:\n" + logs
     assert running(cluster, namespace, "pre")  # the original is untouched
     time.sleep(0)

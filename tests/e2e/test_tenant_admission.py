@@ -25,7 +25,7 @@ import yaml
 from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import PermissionDenied
-from kubectl_snapshot.deploy import admission, rbac
+from kubectl_snapshot.deploy import admission, keys, rbac
 from tests.e2e.test_plugin_errors import _sa_kubeconfig
 from tests.support.agent import AgentInstall, agent
 from tests.support.cluster import Cluster, cluster, namespace
@@ -251,8 +251,13 @@ def test_agent_rbac_has_no_cluster_wide_secrets_or_pod_patch(cluster: Cluster, a
             ("nodes", "update"), ("nodes", "delete"), ("nodes/proxy", "get"), ("nodes/status", "patch"),
         ):  # fmt: skip
             assert not _grants(rules, resource, verb), (b["metadata"]["name"], resource, verb)
-    # the only namespaced grants are the per-namespace registry-Secret bindings, each get on secrets only
+    # the only namespaced grants are the per-namespace registry-Secret bindings, each get on secrets only,
+    # and (encryption at rest) the one key Secret in the agent's own namespace, by name
     for b in rbs:
+        if b["roleRef"]["name"] == keys.ROLE:
+            assert b["metadata"]["namespace"] == K.AGENT_NAMESPACE and b["roleRef"]["kind"] == "Role"
+            assert _rules(cluster, b["roleRef"], K.AGENT_NAMESPACE) == keys.key_role({})["rules"]
+            continue
         assert b["roleRef"] == {
             "apiGroup": "rbac.authorization.k8s.io",
             "kind": "ClusterRole",

@@ -71,6 +71,7 @@ def test_symlink_in_the_pods_own_gate_volume_reaches_no_host_file(  # type: igno
     registry, handler = held_registry
     node = cluster.nodes[0]
     victim = STATE_ROOT / node / f"e2e-victim-{secrets.token_hex(4)}"
+    victim.parent.mkdir(parents=True, exist_ok=True)
     victim.write_text("host file the tenant must not write\n")
     try:
         plant = f"ln -s {victim} /gate/.failed.tmp && ln -s {victim} /gate/failed && ls -l /gate"
@@ -140,7 +141,8 @@ def test_memory_backed_empty_dir_is_captured_and_restored(cluster: Cluster, name
     assert psnap["status"]["phase"] == "Succeeded", psnap
     plugin("restore", psnap["status"]["reference"], "-n", namespace, "--name", "mem2", "--node", n2)
     restored = running(cluster, namespace, "mem2")
-    assert restored["spec"]["volumes"][0]["emptyDir"]["medium"] == "Memory"
+    vol = next(v for v in restored["spec"]["volumes"] if v["name"] == "vol")
+    assert vol["emptyDir"]["medium"] == "Memory"
     seq = int(read(cluster, namespace, "mem2", "writer", "/vol/seq"))
     assert seq > 200  # the tmpfs came back with its contents
     mine = int(read(cluster, namespace, "mem2", "writer", "/tmp/mine"))

@@ -1,10 +1,11 @@
 """The node engine end to end on real components: two containerd instances, runc, CRIU 4.2.1 and a
-registry. Everything goes through `kubectl-snapshot-agent`, the command a user runs."""
+registry. Everything goes through `ks-agent`, the command a user runs."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -22,21 +23,28 @@ from shim.containerd.client import ContainerdClient
 from tests.support.containerd import ContainerdDaemon, containerd_a, containerd_b
 from tests.support.images import busybox_image, python_image
 from tests.support.registry import RegistryServer, registry
+from tests.support.signing import signing_env
 
 pytestmark = pytest.mark.integration
 
-AGENT = str(Path(sys.executable).with_name("kubectl-snapshot-agent"))
-WRAPPER = str(Path(sys.executable).with_name("kubectl-snapshot-runc"))
+AGENT = str(Path(sys.executable).with_name("ks-agent"))
+WRAPPER = str(Path(sys.executable).with_name("ks-runc"))
 COUNTER = (
     "tok=$(cat /proc/sys/kernel/random/uuid); i=0; "
     'while true; do i=$((i+1)); echo "$tok $i" > /tmp/count; echo $i; usleep 50000; done'
 )
 
 
-def agent(*args: str, check: bool = True, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run([AGENT, *args], capture_output=True, text=True, timeout=timeout, check=False)
+def agent(
+    *args: str, check: bool = True, timeout: float = 300, env: dict[str, str] | None = None, sign: bool = True
+) -> subprocess.CompletedProcess[str]:
+    """The node-level agent CLI, signing with and trusting the session's key (tests.support.signing)."""
+    full_env = {**os.environ, **signing_env(), **(env or {})}
+    if not sign:
+        full_env.pop("KUBECTL_SNAPSHOT_SIGNING_KEY")
+    proc = subprocess.run([AGENT, *args], capture_output=True, text=True, timeout=timeout, check=False, env=full_env)
     if check and proc.returncode != 0:
-        pytest.fail(f"kubectl-snapshot-agent {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+        pytest.fail(f"ks-agent {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc
 
 
@@ -146,6 +154,7 @@ def test_counter_continues_on_a_second_containerd(containerd_a, containerd_b, re
     restored = agent(*restore_on(containerd_b), "-o", "json", ref, new)
     info = json.loads(restored.stdout)
     assert info["containers"][0]["name"] == new
+    assert info["provenance"].startswith("signed by trusted key ")  # verified before any layer was fetched
     assert b.get_task(new).status == "running"
     tok_after, v_after = read_counter(b, new)
     # same process memory (the token was generated once, at the first start) and the count went on

@@ -115,6 +115,22 @@ class AgentInstall:
 
 
 METRICS_PORT = 9443  # node i of the local cluster serves its metrics on METRICS_PORT + i
+OPT_ROOT = Path("/opt/kubectl-snapshot")  # install-node's directory per node (the cluster shares this machine)
+
+
+def criu_launches(node: str) -> list[dict[str, Any]]:
+    """The installed CRIU launcher's record on a node: one JSON line per run (args, parent's argv)."""
+    path = OPT_ROOT / node / "criu.launches"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def assert_installed_criu_ran(node: str, operation: str, since: int) -> None:
+    """runc ran the CRIU install-node put on `node` (runc --criu /opt/kubectl-snapshot/NODE/criu) for `operation`."""
+    runs = [r for r in criu_launches(node)[since:] if r["args"][:1] == ["swrk"]]  # runc's runs (not criu check)
+    parents = [" ".join(r["parent"]) for r in runs]
+    assert any(f" {operation} " in p for p in parents), (node, operation, parents)
+    installed = f"--criu {OPT_ROOT / node / 'criu'}"
+    assert all(p.startswith(("/usr/sbin/runc", "runc")) and installed in p for p in parents), parents
 
 
 @pytest.fixture(scope="session")
@@ -163,6 +179,10 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     assert foreign or criu_config.is_ours(conf.read_text() if conf.exists() else None)
     try:
         yield installed
+        # every CRIU that ran during the session was the installed one, handed to runc with --criu
+        for node in cluster.nodes:
+            for run in (r for r in criu_launches(node) if r["args"][:1] == ["swrk"]):  # CRIU that runc ran
+                assert f"--criu {OPT_ROOT / node / 'criu'}" in " ".join(run["parent"]), (node, run)
     finally:
         _plugin(cluster, "uninstall", check=False)
     # uninstall is the inverse of install, on the nodes too: no runtime hook, no containerd drop-in

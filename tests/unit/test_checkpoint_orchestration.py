@@ -12,10 +12,19 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import zstandard
 
 from kubectl_snapshot.core.errors import CriuFailed, FailedPrecondition, NotFound, Unavailable
 from kubectl_snapshot.core.model import HostFacts, parse_config
 from kubectl_snapshot.core.oci import parse_manifest
+from kubectl_snapshot.core.provenance import (
+    ANN_COSIGN_SIGNATURE,
+    SignatureCandidate,
+    SigningKey,
+    TrustPolicy,
+    evaluate,
+    signature_tag,
+)
 from kubectl_snapshot.core.reference import Reference
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.staging import StatePaths
@@ -38,7 +47,14 @@ class FakeContainerd:
     def get_container(self, cid: str) -> Any:
         if cid not in self.running:
             raise NotFound(f"container {cid} not found")
-        return SimpleNamespace(id=cid, image="img", spec={"a": 1}, snapshotter="overlayfs", snapshot_key=cid, labels={})
+        return SimpleNamespace(
+            id=cid,
+            image="img",
+            spec={"process": {"args": ["app"], "env": ["TOKEN=s3cret"]}},
+            snapshotter="overlayfs",
+            snapshot_key=cid,
+            labels={},
+        )
 
     def get_task(self, cid: str) -> Any:
         return SimpleNamespace(pid=1, status="paused" if cid in self.paused else "running")
@@ -289,6 +305,53 @@ def test_recover_goes_on_when_a_cgroup_is_gone(tmp_path: Path) -> None:
     order = iter(["a", "b"])
     assert recover_interrupted(cd, paths, lambda _pid: freezers[next(order)]) == ["b"]
     assert not b.is_frozen and not work.exists()
+
+
+def test_pushed_snapshot_is_signed_and_holds_no_environment(tmp_path: Path) -> None:
+    """The config never records process.env (resolved secrets); the agent's key signs the digest + origin."""
+    key = SigningKey.generate()
+    cd, reg = FakeContainerd({"a"}), FakeRegistry()
+    result = run(cd, reg, tmp_path, containers=["a"], signing_key=key, cluster="c1", node="n1", namespace="k8s.io")
+    assert result.signed_by == key.public.id
+    manifest = parse_manifest(reg.manifests["v1"])
+    assert b"s3cret" not in reg.blobs[manifest.config.digest]
+    layer_tar = zstandard.ZstdDecompressor().decompressobj().decompress(reg.blobs[manifest.layers[0].digest])
+    assert b"spec.dump" in layer_tar and b"s3cret" not in layer_tar  # nor in the layer's spec.dump
+    sig = parse_manifest(reg.manifests[signature_tag(manifest.digest)])
+    layer = sig.layers[0]
+    cand = SignatureCandidate(reg.blobs[layer.digest], layer.annotations[ANN_COSIGN_SIGNATURE])
+    verdict = evaluate([cand], manifest.digest, TrustPolicy((key.public,)))
+    assert verdict.verified and verdict.claim is not None
+    assert (verdict.claim.origin.cluster, verdict.claim.origin.node) == ("c1", "n1")
+    assert verdict.claim.origin.namespace == "k8s.io" and verdict.claim.origin.format_version == 3
+    assert sig.config.digest in reg.blobs  # the registry needs the config blob before the manifest
+
+
+def test_unsigned_without_a_key(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a"}), FakeRegistry()
+    result = run(cd, reg, tmp_path, containers=["a"])
+    assert result.signed_by == "" and not any(tag.endswith(".sig") for tag in reg.manifests)
+
+
+def test_containers_connected_by_unix_sockets_are_refused_before_freezing(tmp_path: Path) -> None:
+    from shim.unixpeers import CrossLink
+
+    cd = FakeContainerd({"a", "b"})
+    seen: list[list[int]] = []
+
+    def links(pids: list[int]) -> list[CrossLink]:
+        seen.append(pids)
+        return [CrossLink(0, 1, "stream", "/vol/sock")]
+
+    req = CheckpointRequest(containers=["a", "b"], target=TARGET, names=["server", "client"])
+    paths = StatePaths(str(tmp_path))
+    with pytest.raises(FailedPrecondition, match=r"'server' and 'client' \(stream socket, /vol/sock\)") as e:
+        checkpoint(req, containerd=cd, registry=FakeRegistry(), paths=paths, host=HOST, unix_links=links)
+    assert "TCP on 127.0.0.1" in (e.value.hint or "")
+    assert seen == [[1, 1]] and cd.calls == []  # nothing was frozen
+    # no connection between them: the snapshot goes ahead
+    checkpoint(req, containerd=cd, registry=FakeRegistry(), paths=paths, host=HOST, unix_links=lambda p: [])
+    assert ("checkpoint", "a") in cd.calls
 
 
 def test_liveness_preflight_refuses_before_anything_is_frozen(tmp_path: Path) -> None:

@@ -10,10 +10,11 @@ import pytest
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition
-from shim.controller.node_install import dropin_toml, install, launcher_script, uninstall
+from shim.controller.node_install import dropin_toml, install, uninstall
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
 from shim.controller.restores import wants_restore
 from shim.controller.settings import NodeSettings, apply_node_map
+from tests.support.bundle import fake_bundle
 
 POD: dict[str, Any] = {
     "metadata": {
@@ -133,17 +134,61 @@ def test_install_and_uninstall_node(tmp_path: Path) -> None:
     )
     pyz = tmp_path / "w.pyz"
     pyz.write_bytes(b"PK")
-    r = install(s, wrapper_pyz=str(pyz))
+    bundle = fake_bundle(tmp_path / "bundle")
+    r = install(s, wrapper_pyz=str(pyz), bundle=str(bundle))
     assert r.changed and r.restarted and (tmp_path / "restarted").exists()
     # this node's "CRIU" cannot run the nftables probe: no configuration is written
     assert r.criu_config is not None and r.criu_config.state == "unsupported"
     assert not Path(s.criu_config).exists()
-    assert Path(s.wrapper_launcher).read_text() == launcher_script(s)
+    assert Path(s.wrapper_launcher).read_bytes() == (bundle / "launcher").read_bytes()
     assert f"BinaryName = '{s.wrapper_launcher}'" in dropin_toml(s)
     assert Path(r.dropin).read_text() == dropin_toml(s)
     (tmp_path / "restarted").unlink()
-    again = install(s, wrapper_pyz=str(pyz))
+    again = install(s, wrapper_pyz=str(pyz), bundle=str(bundle))
     assert not again.changed and not again.restarted and not (tmp_path / "restarted").exists()
     uninstall(s)
     assert not Path(r.dropin).exists() and not Path(s.wrapper_dir).exists()
     assert (tmp_path / "restarted").exists()
+
+
+def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_path: Path) -> None:
+    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core.model import HostFacts
+    from shim.controller.restores import RestoreWorker
+    from shim.podrestore import PodRestore
+
+    class Kube:
+        def __init__(self) -> None:
+            self.patches: list[dict[str, str]] = []
+            self.events: list[tuple[str, str]] = []
+
+        def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, str], **kw: object) -> None:
+            self.patches.append(ann)
+
+        def create_event(self, ns: str, *, involved: object, reason: str, message: str, type: str) -> None:
+            self.events.append((reason, type))
+
+    kube = Kube()
+    worker = RestoreWorker(kube=kube, settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts())
+    stopped: list[str] = []
+    worker._stop_containers = lambda uid: stopped.append(uid) or ["app"]  # type: ignore[method-assign]
+    pod = {
+        "metadata": {
+            "name": "p",
+            "namespace": "ns",
+            "uid": "u-1",
+            "annotations": {K.ANN_RESTORE_FROM: "r/x@sha256:" + "0" * 64, K.ANN_RESTORE_STATUS: K.RESTORE_STAGED},
+        },
+        "spec": {"nodeName": "ks-n2"},
+    }
+    state = PodRestore(worker.paths.pod_dir("u-1"))
+    state.record(["app", "db"])
+    worker.consider(pod)
+    assert kube.patches == [] and stopped == []  # nothing failed: nothing to report
+    state.fail("container 'db' could not be restored: criu restore failed")
+    worker.consider(pod)
+    worker.consider(pod)  # reported once
+    assert stopped == ["u-1"]
+    [ann] = kube.patches
+    assert ann[K.ANN_RESTORE_STATUS].startswith("Failed: the pod could not be restored whole: container 'db'")
+    assert kube.events == [(K.EVENT_RESTORE_FAILED, "Warning")]

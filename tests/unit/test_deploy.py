@@ -22,7 +22,7 @@ import yaml
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.deploy import render
+from kubectl_snapshot.deploy import keys, render
 
 REPO = Path(__file__).resolve().parents[2]
 GEN = REPO / "hack" / "gen-manifests.py"
@@ -48,7 +48,7 @@ def pod_spec(objs: list[dict[str, Any]]) -> dict[str, Any]:
 def test_apply_order_and_names() -> None:
     objs = render("reg.example/agent@sha256:" + "a" * 64)
     kinds = [o["kind"] for o in objs]
-    assert kinds[0] == "CustomResourceDefinition" and kinds[1] == "Namespace" and kinds[-1] == "DaemonSet"
+    assert kinds[:2] == ["CustomResourceDefinition"] * 2 and kinds[2] == "Namespace" and kinds[-1] == "DaemonSet"
     assert kinds.index("ServiceAccount") < kinds.index("ClusterRoleBinding") < kinds.index("DaemonSet")
     assert "ConfigMap" not in kinds  # only with per_node_paths
     for o in objs:
@@ -112,12 +112,14 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
         *(("", "nodes", v) for v in ("get", "patch")),
         ("authentication.k8s.io", "tokenreviews", "create"),
         ("authorization.k8s.io", "subjectaccessreviews", "create"),
+        *((K.GROUP, "snapshotgrants", v) for v in ("get", "list")),  # may A's snapshot go to B?
     }
     assert rules(role) == expected
     # secrets only through a per-namespace RoleBinding that nothing in render() creates
     assert rules(objs[("ClusterRole", K.AGENT_SECRETS_ROLE)]) == {("", "secrets", "get")}
     bound = {o["roleRef"]["name"] for o in objs.values() if o["kind"] in ("ClusterRoleBinding", "RoleBinding")}
-    assert bound == {K.AGENT_NAME}
+    # and the one Secret of encryption keys in the agent's own namespace, by name (tests/unit/test_keystore.py)
+    assert bound == {K.AGENT_NAME, keys.ROLE}
     assert not any("*" in (g, r, v) for g, r, v in rules(role))
     binding = objs[("ClusterRoleBinding", K.AGENT_NAME)]
     assert binding["roleRef"]["name"] == K.AGENT_NAME
@@ -146,6 +148,26 @@ def node_side(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [c for c in spec["containers"] + spec["initContainers"] if c["name"] != "guard"]
 
 
+def test_provenance_mounts_and_grants() -> None:
+    """The agent reads its signing key and the trust settings from objects install makes (not manifests)."""
+    objs = render("img")
+    assert not any(o["kind"] == "Secret" for o in objs)  # a private key never lands in manifests/
+    m = mounts(pod_spec(objs))
+    assert m[K.SIGNING_KEY_DIR]["secret"] == {
+        "secretName": K.SIGNING_KEY_SECRET,
+        "optional": True,
+        "defaultMode": 0o400,
+    }
+    assert m[K.TRUST_DIR]["configMap"] == {"name": K.TRUST_CONFIG_MAP, "optional": True}
+    assert K.SIGNING_KEY_DIR not in mounts(pod_spec(objs), "install-node")
+    grant = by_kind(objs)[("ClusterRole", "kubectl-snapshot-grant")]
+    labels = grant["metadata"]["labels"]
+    assert labels["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
+    assert "rbac.authorization.k8s.io/aggregate-to-edit" not in labels  # giving memory away is an admin's call
+    crd = by_kind(objs)[("CustomResourceDefinition", f"snapshotgrants.{K.GROUP}")]
+    assert crd["spec"]["scope"] == "Namespaced" and crd["spec"]["names"]["kind"] == "SnapshotGrant"
+
+
 def mounts(spec: dict[str, Any], container: str = "agent") -> dict[str, dict[str, Any]]:
     [c] = [c for c in spec["containers"] + spec["initContainers"] if c["name"] == container]
     vols = {v["name"]: v for v in spec["volumes"]}
@@ -164,7 +186,7 @@ def test_daemonset_defaults() -> None:
         assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
         assert env["KUBECTL_SNAPSHOT_STATE_DIR"]["value"] == "/var/lib/kubectl-snapshot/$(NODE_NAME)"
         assert "KUBERNETES_SERVICE_HOST" not in env
-        m = mounts(spec, c["name"])
+        m = {p: v for p, v in mounts(spec, c["name"]).items() if "hostPath" in v}
         # containerd refuses HostToContainer when the host's / is a private mount (hosts without systemd)
         assert all("mountPropagation" not in vm for vm in c["volumeMounts"])
         # host paths at the same path inside; directories, never the socket file (containerd restarts)
@@ -214,6 +236,8 @@ def test_daemonset_for_two_nodes_on_one_machine() -> None:
         "/var/lib/ks-cluster",
         "/etc/kubectl-snapshot/nodes",
         "/run/kubectl-snapshot-guard",
+        K.SIGNING_KEY_DIR,
+        K.TRUST_DIR,
     }
     assert m["/etc/kubectl-snapshot/nodes"] == {"name": "node-config", "configMap": {"name": cm["metadata"]["name"]}}
     for node_paths in LOCAL_NODES.values():
@@ -365,7 +389,8 @@ def test_uninstall_cleanup_daemonset_undoes_install_node() -> None:
     init = pod["initContainers"][0]["args"]
     assert init[0] == "uninstall-node" and not any(a.startswith("--wrapper") for a in init)
     assert pod["containers"][0]["command"] == ["sleep", "3600"] and "readinessProbe" not in pod["containers"][0]
-    assert all("ports" not in c for c in pod["containers"])  # hostNetwork: no port clash with a new agent
+    assert any(c.get("ports") for c in live["spec"]["template"]["spec"]["containers"])
+    assert not any(c.get("ports") for c in pod["containers"])  # host ports the agent holds: never scheduled
     assert pod["volumes"] == live["spec"]["template"]["spec"]["volumes"]  # same host paths as the agent
     result = CliRunner().invoke(cli, [*init, "--help"], env={"NODE_NAME": "ks-n1"})
     assert result.exit_code == 0, result.output

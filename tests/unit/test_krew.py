@@ -59,7 +59,10 @@ def test_manifest_names_the_archive_by_sha256(release: Path) -> None:
         members = {m.name: m for m in tar.getmembers()}
         for f in platform["files"]:  # every file krew copies is in the archive
             assert f["from"] in members and f["to"] == "."
-        assert set(members) <= {"kubectl-snapshot", "LICENSE"}
+        assert set(members) == {"kubectl-snapshot", "kubectl_complete-snapshot", "LICENSE"}
+        assert members["kubectl_complete-snapshot"].mode & 0o111
+        lic = tar.extractfile(members["LICENSE"])
+        assert lic is not None and lic.read() == (REPO / "LICENSE").read_bytes()
         binary = members["kubectl-snapshot"]
         assert binary.isfile() and binary.mode & 0o111 and binary.mtime == 0
         extracted = tar.extractfile(binary)
@@ -115,3 +118,45 @@ def test_zipapp_runs_on_a_bare_python(release: Path, tmp_path: Path) -> None:
     runtime = run("list")
     assert runtime.returncode == 1 and "error: cannot load kubeconfig" in runtime.stderr
     assert "Traceback" not in runtime.stderr
+
+
+def test_license_is_apache_2_as_pyproject_says() -> None:
+    text = (REPO / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    assert 'license = "Apache-2.0"' in (REPO / "pyproject.toml").read_text()
+
+
+def _krew_tools() -> Path:
+    """krew and its validate-krew-manifest, built from the Go module proxy (hack/build-go-tool.sh, cached)."""
+    proc = subprocess.run(
+        [str(REPO / "hack" / "build-go-tool.sh"), "krew"], capture_output=True, text=True, timeout=900
+    )
+    if proc.returncode != 0:
+        pytest.skip(f"cannot build krew from the Go module proxy: {proc.stderr[-500:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+def test_manifest_passes_krews_own_validator(release: Path, tmp_path: Path) -> None:
+    """krew-index's CI runs validate-krew-manifest: structure, name = file name, semantic version,
+    platform selectors that match a supported platform and do not overlap. Its install step downloads
+    the uri, which this machine cannot reach: tests/e2e/test_krew.py installs the archive with krew."""
+    tools = _krew_tools()
+    proc = subprocess.run(
+        [str(tools / "validate-krew-manifest"), "-manifest", str(release / "snapshot.yaml"), "-skip-install"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "structural validation OK" in proc.stderr and "no overlapping spec.platform[].selector" in proc.stderr
+    # the validator does reject what krew-index rejects (a test that can fail)
+    bad = yaml.safe_load((release / "snapshot.yaml").read_text())
+    bad["spec"]["version"] = "0.1.0"  # no leading v
+    (tmp_path / "snapshot.yaml").write_text(yaml.safe_dump(bad))
+    refused = subprocess.run(
+        [str(tools / "validate-krew-manifest"), "-manifest", str(tmp_path / "snapshot.yaml"), "-skip-install"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0 and "version" in refused.stderr

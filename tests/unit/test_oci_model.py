@@ -18,6 +18,7 @@ from kubectl_snapshot.core.model import (
     check_layers_match,
     manifest_annotations,
     parse_config,
+    stored_runtime_spec,
 )
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest, sha256_digest
 
@@ -126,3 +127,21 @@ def test_layers_named_by_the_config_must_be_in_the_manifest() -> None:
         check_layers_match(cfg, [D2])
     with pytest.raises(FailedPrecondition, match="volumes layer"):
         check_layers_match(cfg, [D1])
+
+
+def test_stored_spec_drops_the_environment() -> None:
+    """process.env holds the values the kubelet resolved from secretKeyRef: never stored (format v3)."""
+    spec = {"process": {"args": ["app"], "env": ["DB_PASSWORD=hunter2"], "cwd": "/"}, "root": {"path": "rootfs"}}
+    stored = stored_runtime_spec(spec)
+    assert stored == {"process": {"args": ["app"], "cwd": "/"}, "root": {"path": "rootfs"}}
+    assert spec["process"]["env"] == ["DB_PASSWORD=hunter2"]  # the caller's spec is untouched
+
+
+def test_v3_config_with_an_environment_is_refused_and_v2_still_reads() -> None:
+    d = json.loads(config().to_bytes())
+    assert d["formatVersion"] == 3
+    d["containers"][0]["spec"]["process"]["env"] = ["A=1"]
+    with pytest.raises(FailedPrecondition, match="environment"):
+        parse_config(json.dumps(d).encode())
+    d["formatVersion"] = 2  # older snapshots recorded it; they are still read
+    assert parse_config(json.dumps(d).encode()).format_version == 2

@@ -73,7 +73,11 @@ def test_snapshot_object_matches_the_contract() -> None:
         include_volumes=False,
     )
     assert obj["apiVersion"] == "kubectl-snapshot.io/v1alpha1" and obj["kind"] == "PodSnapshot"
-    assert obj["metadata"] == {"name": "web-20261129-160005", "namespace": "team-a"}
+    assert obj["metadata"] == {
+        "name": "web-20261129-160005",
+        "namespace": "team-a",
+        "labels": {"kubectl-snapshot.io/pod": "web"},
+    }
     assert obj["spec"] == {
         "podName": "web",
         "podNamespace": "team-a",

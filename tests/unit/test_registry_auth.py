@@ -17,7 +17,7 @@ from kubectl_snapshot.adapters.registry.auth import (
 )
 from kubectl_snapshot.adapters.registry.transport import RetryPolicy
 from kubectl_snapshot.adapters.registry.upload import Progress
-from kubectl_snapshot.core.errors import InvalidArgument
+from kubectl_snapshot.core.errors import InvalidArgument, PermissionDenied
 
 
 def b64(text: str) -> str:
@@ -33,7 +33,6 @@ def test_docker_config_entries(tmp_path: Path) -> None:
             "tok.example": {"auth": b64("<token>:refresh2")},
             "empty.example": {},
         },
-        "credsStore": "desktop",
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
@@ -121,3 +120,84 @@ def test_progress_never_double_counts_after_restart() -> None:
     progress.add(8)
     assert seen == [10, 5, 5]
     assert sum(seen) == 20
+
+
+# --- docker credential helpers -------------------------------------------------------------------------
+
+
+def write_helper(bin_dir: Path, name: str, answers: dict[str, str], log: Path) -> None:
+    """A docker-credential-NAME that logs what it was asked and answers from a table (like a keychain)."""
+    bin_dir.mkdir(exist_ok=True)
+    exe = bin_dir / f"docker-credential-{name}"
+    exe.write_text(
+        "#!/usr/bin/env python3\n"
+        "import json, sys\n"
+        f"answers = {answers!r}\n"
+        "server = sys.stdin.read().strip()\n"
+        f"open({str(log)!r}, 'a').write(sys.argv[1] + ' ' + server + '\\n')\n"
+        "if server not in answers:\n"
+        "    print('credentials not found in native keychain'); sys.exit(1)\n"
+        "if answers[server] == 'BROKEN':\n"
+        "    print('keychain is locked', file=sys.stderr); sys.exit(3)\n"
+        "user, _, secret = answers[server].partition(':')\n"
+        "print(json.dumps({'ServerURL': server, 'Username': user, 'Secret': secret}))\n"
+    )
+    exe.chmod(0o755)
+
+
+def test_credential_helpers_as_docker_runs_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = tmp_path / "helper.log"
+    bins = tmp_path / "bin"
+    write_helper(bins, "ecr-login", {"123.dkr.ecr.example:443": "AWS:ecr-pass"}, log)
+    write_helper(
+        bins,
+        "store",
+        {"https://index.docker.io/v1/": "hub:hub-pass", "acr.example": "<token>:refresh-tok", "bad.example": "BROKEN"},
+        log,
+    )
+    monkeypatch.setenv("PATH", f"{bins}:/usr/bin:/bin")
+    config = {
+        "auths": {"plain.example": {"auth": b64("p:q")}, "acr.example": {}},
+        "credHelpers": {"123.dkr.ecr.example:443": "ecr-login", "missing.example": "nothere"},
+        "credsStore": "store",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    store = CredentialStore.from_docker_config(str(tmp_path / "config.json"))
+    # credHelpers[registry] first
+    assert store.lookup("123.dkr.ecr.example:443") == Credentials("AWS", "ecr-pass")
+    # credsStore for the rest; Docker Hub is asked by its legacy URL; <token> is an identity token
+    assert store.lookup("docker.io") == Credentials("hub", "hub-pass")
+    assert store.lookup("acr.example") == Credentials(identity_token="refresh-tok")
+    # the store has nothing: the auths entry, else anonymous
+    assert store.lookup("plain.example") == Credentials("p", "q")
+    assert store.lookup("anon.example") is None
+    # each registry asked once, with `get`
+    store.lookup("docker.io")
+    asked = log.read_text().splitlines()
+    assert asked.count("get https://index.docker.io/v1/") == 1 and "get 123.dkr.ecr.example:443" in asked
+    with pytest.raises(PermissionDenied) as failed:
+        store.lookup("bad.example")
+    assert "keychain is locked" in failed.value.message and "docker-credential-store" in failed.value.message
+    with pytest.raises(PermissionDenied) as missing:
+        store.lookup("missing.example")
+    assert "docker-credential-nothere" in missing.value.message and missing.value.hint
+    # flags beat helpers
+    assert store.with_explicit("docker.io", "flag", "pw").lookup("docker.io") == Credentials("flag", "pw")
+
+
+def test_stale_creds_store_falls_back_to_auths(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    config = {"auths": {"r.example": {"auth": b64("a:b")}}, "credsStore": "desktop"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    store = CredentialStore.from_docker_config(str(tmp_path / "config.json"))
+    assert store.lookup("r.example") == Credentials("a", "b") and store.lookup("o.example") is None
+
+
+def test_secrets_never_run_helpers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A dockerconfigjson Secret is tenant data: the agent (root) must not run a program it names."""
+    log = tmp_path / "helper.log"
+    write_helper(tmp_path / "bin", "evil", {"r.example": "x:y"}, log)
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    secret = json.dumps({"auths": {}, "credsStore": "evil", "credHelpers": {"r.example": "evil"}}).encode()
+    assert CredentialStore.from_dockerconfigjson(secret).lookup("r.example") is None
+    assert not log.exists()

@@ -4,7 +4,10 @@ Why not oras-py: it reads whole blobs into memory, has no progress hook, ignores
 and fails against Basic-auth registries (reference/ecosystem.md). This client streams every
 blob from/to disk, verifies every digest it reads, and maps every failure to the project's errors.
 
-Uploads: HEAD first (skip what the registry has), monolithic POST+PUT up to ``monolithic_max``,
+Uploads: HEAD first (skip what the registry has), then a cross-repository mount from the repositories
+named with ``add_mount_sources`` (same registry: ``POST /v2/NAME/blobs/uploads/?mount=DIGEST&from=REPO``,
+201 = the registry linked its copy, no byte sent; 202 = it does not have it there, so upload), then
+monolithic POST+PUT up to ``monolithic_max``,
 chunked POST+PATCH...+PUT above. A failed upload of a re-readable source is restarted from the
 beginning (simplest correct behaviour across registries); a failed stream upload raises.
 """
@@ -84,6 +87,8 @@ class RegistryClient:
         session: requests.Session | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
+        self._mount_sources: dict[str, list[str]] = {}
+        self.mounted: list[tuple[str, str, str]] = []  # (digest, from repository, to repository)
         if chunk_size <= 0 or monolithic_max < 0 or retries < 0:
             raise InvalidArgument("chunk_size must be > 0, monolithic_max and retries >= 0")
         self.chunk_size = chunk_size
@@ -353,7 +358,7 @@ class RegistryClient:
         digest: str,
         size: int,
         path: str | None = None,
-        data: bytes | None = None,
+        data: bytes | bytearray | None = None,
         progress: ProgressFn | None = None,
     ) -> bool:
         """Upload a blob from `path` or `data` unless the registry has it. True when uploaded."""
@@ -364,6 +369,8 @@ class RegistryClient:
         if actual != size:
             raise InvalidArgument(f"push blob {digest}: the source has {actual} bytes, not {size}")
         if self.blob_exists(ref, digest):
+            return False
+        if self._mount(ref, digest):
             return False
         prog = Progress(progress)
         attempt = 0
@@ -381,6 +388,34 @@ class RegistryClient:
                 prog.restart()
                 self._sleep(self.retry.delay(attempt, None))
                 attempt += 1
+
+    def add_mount_sources(self, sources: Iterable[Reference]) -> None:
+        """Repositories whose blobs a push to another repository of the same registry may mount instead
+        of uploading (e.g. where this pod's previous snapshot went)."""
+        for src in sources:
+            repos = self._mount_sources.setdefault(src.registry, [])
+            if src.repository not in repos:
+                repos.append(src.repository)
+
+    def _mount(self, ref: Reference, digest: str) -> bool:
+        """Try each mount source of ref's registry; True once one was mounted (201)."""
+        for source in self._mount_sources.get(ref.registry, []):
+            if source == ref.repository:
+                continue
+            what = f"mount blob {digest} from {ref.registry}/{source} into {ref.name}"
+            url = self._path(ref, "blobs/uploads/") + "?" + urlencode({"mount": digest, "from": source})
+            try:
+                resp = self._req("POST", ref, url, what=what, headers={"Content-Length": "0"})
+            except SnapshotError as exc:  # e.g. no pull access to the source: upload instead
+                log.info("%s: %s; uploading instead", what, exc)
+                continue
+            resp.close()
+            if resp.status_code == 201:
+                self.mounted.append((digest, source, ref.repository))
+                return True
+            if resp.status_code == 202 and resp.headers.get("Location"):
+                self._cancel(ref, _location(resp, what))  # an upload session we do not need: free it
+        return False
 
     def _start_upload(self, ref: Reference, what: str) -> tuple[str, int]:
         resp = self._req("POST", ref, self._path(ref, "blobs/uploads/"), what=what, headers={"Content-Length": "0"})
@@ -408,7 +443,7 @@ class RegistryClient:
             raise Internal(f"{what}: the registry answered {resp.status_code} to the final PUT, not 201")
 
     def _push_monolithic(
-        self, ref: Reference, digest: str, size: int, path: str | None, data: bytes | None, prog: Progress
+        self, ref: Reference, digest: str, size: int, path: str | None, data: bytes | bytearray | None, prog: Progress
     ) -> None:
         what = f"push blob {digest} ({size} bytes) to {ref.name}"
         location, _ = self._start_upload(ref, what)
@@ -440,7 +475,7 @@ class RegistryClient:
         return _location(resp, what)
 
     def _push_chunked(
-        self, ref: Reference, digest: str, size: int, path: str | None, data: bytes | None, prog: Progress
+        self, ref: Reference, digest: str, size: int, path: str | None, data: bytes | bytearray | None, prog: Progress
     ) -> None:
         what = f"push blob {digest} ({size} bytes) to {ref.name}"
         location, min_len = self._start_upload(ref, what)

@@ -39,7 +39,7 @@ class Window:
         self,
         *,
         path: str | None = None,
-        data: bytes | memoryview | None = None,
+        data: bytes | bytearray | memoryview | None = None,
         offset: int = 0,
         length: int,
         progress: Progress | None = None,

@@ -1,0 +1,3 @@
+module kubectl-snapshot/launcher
+
+go 1.22

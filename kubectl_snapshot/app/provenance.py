@@ -1,0 +1,233 @@
+"""Sign a pushed snapshot and verify one, with the signatures where cosign keeps them.
+
+Shared by the agent (signs after push, verifies before it downloads any layer) and the plugin
+(`inspect` shows the verdict). The rules are in `core.provenance`; this module only moves bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.model import SnapshotConfig
+from kubectl_snapshot.core.oci import parse_manifest
+from kubectl_snapshot.core.provenance import (
+    ANN_COSIGN_SIGNATURE,
+    MAX_PAYLOAD_BYTES,
+    MAX_SIGNATURES,
+    SIMPLE_SIGNING_MEDIA_TYPE,
+    Grant,
+    Origin,
+    PublicKey,
+    SignatureCandidate,
+    SigningKey,
+    TrustPolicy,
+    Verdict,
+    check_claim_matches,
+    check_namespace,
+    evaluate,
+    require_trusted,
+    signature_manifest,
+    signature_tag,
+    simple_signing_payload,
+)
+from kubectl_snapshot.core.reference import Reference
+
+# Files of the trust ConfigMap / directory (the agent mounts the ConfigMap; node-level use points at a dir)
+TRUST_CLUSTER_FILE = "cluster-id"
+TRUST_ALLOW_UNVERIFIED_FILE = "allow-unverified-snapshots"
+TRUST_KEY_SUFFIX = ".pub"
+SIGNING_KEY_FILE = "signing.key"  # in the signing-key Secret (PKCS#8 PEM)
+
+
+class SignatureReader(Protocol):
+    def get_manifest(self, ref: Reference, *, max_size: int = ...) -> tuple[bytes, str, str]: ...
+    def read_blob(self, ref: Reference, digest: str, *, max_size: int = ...) -> bytes: ...
+
+
+class SignatureWriter(Protocol):
+    def push_blob(
+        self, ref: Reference, *, digest: str, size: int, path: str | None = None, data: bytes | None = None
+    ) -> bool: ...
+    def push_manifest(self, ref: Reference, manifest: bytes, media_type: str) -> str: ...
+
+
+def sign_snapshot(registry: SignatureWriter, ref: Reference, origin: Origin, key: SigningKey) -> Reference:
+    """Push the `.sig` image for ref (pinned by digest); returns the signature's tag reference."""
+    if not ref.digest:
+        raise InvalidArgument(f"{ref}: only a snapshot pinned by digest can be signed")
+    payload = simple_signing_payload(ref.name, ref.digest, origin, key.public.id)
+    sig = signature_manifest([(payload, key.sign(payload))])
+    tag = Reference(ref.registry, ref.repository, tag=signature_tag(ref.digest))
+    registry.push_blob(tag, digest=sig.manifest.layers[0].digest, size=len(payload), data=payload)
+    registry.push_blob(tag, digest=sig.manifest.config.digest, size=len(sig.config), data=sig.config)
+    registry.push_manifest(tag, sig.manifest.to_bytes(), C.OCI_MANIFEST)
+    return tag
+
+
+def read_signatures(registry: SignatureReader, ref: Reference) -> list[SignatureCandidate]:
+    """The simple-signing layers of ref's `.sig` manifest (none: unsigned). Payloads digest-verified."""
+    if not ref.digest:
+        raise InvalidArgument(f"{ref}: signatures are looked up by digest")
+    tag = Reference(ref.registry, ref.repository, tag=signature_tag(ref.digest))
+    try:
+        body, _mt, _d = registry.get_manifest(tag, max_size=256 << 10)
+    except NotFound:
+        return []
+    manifest = parse_manifest(body)
+    out = []
+    for layer in manifest.layers[:MAX_SIGNATURES]:
+        sig = layer.annotations.get(ANN_COSIGN_SIGNATURE)
+        if layer.media_type != SIMPLE_SIGNING_MEDIA_TYPE or not sig or layer.size > MAX_PAYLOAD_BYTES:
+            continue
+        payload = registry.read_blob(tag, layer.digest, max_size=MAX_PAYLOAD_BYTES)
+        out.append(SignatureCandidate(payload, sig))
+    return out
+
+
+def verify_snapshot(registry: SignatureReader, ref: Reference, policy: TrustPolicy) -> Verdict:
+    """Whether a trusted key signed exactly ref's digest (never raises for an untrusted signature)."""
+    return evaluate(read_signatures(registry, ref), ref.digest or "", policy)
+
+
+# --- keys on disk (the agent's mounted Secret and ConfigMap, or a node operator's files) -------------
+
+
+def load_signing_key(path: str) -> SigningKey:
+    """The signing key in `path` (a file, or a directory holding signing.key)."""
+    file = os.path.join(path, SIGNING_KEY_FILE) if os.path.isdir(path) else path
+    try:
+        with open(file, "rb") as f:
+            return SigningKey.from_pem(f.read(), where=file)
+    except FileNotFoundError:
+        raise FailedPrecondition(
+            f"no snapshot signing key at {file}",
+            hint="kubectl snapshot install creates it (Secret kubectl-snapshot-signing-key)",
+        ) from None
+
+
+def load_trust(paths: list[str], *, allow_unverified: bool = False) -> TrustPolicy:
+    """Trusted public keys from PEM files, or directories of `*.pub` (+ the ConfigMap's settings)."""
+    policies = []
+    for p in paths:
+        if os.path.isdir(p):
+            policies.append(trust_from_data(_read_dir(p), where=p))
+        elif os.path.exists(p):
+            with open(p, "rb") as f:
+                policies.append(TrustPolicy((PublicKey.from_pem(f.read(), where=p),)))
+        else:
+            raise FailedPrecondition(f"trusted key {p} does not exist")
+    return merge_trust(policies, allow_unverified=allow_unverified)
+
+
+def trust_from_data(data: Mapping[str, str], *, where: str = "the trust ConfigMap") -> TrustPolicy:
+    """The trust ConfigMap's data (or its mounted files): `<id>.pub` keys, cluster-id, the policy."""
+    keys = [
+        PublicKey.from_pem(data[name].encode(), where=f"{where}: {name}")
+        for name in sorted(data)
+        if name.endswith(TRUST_KEY_SUFFIX)
+    ]
+    return TrustPolicy(
+        tuple(keys),
+        allow_unverified=data.get(TRUST_ALLOW_UNVERIFIED_FILE, "").strip().lower() == "true",
+        cluster=data.get(TRUST_CLUSTER_FILE, "").strip(),
+    )
+
+
+def merge_trust(policies: Iterable[TrustPolicy], *, allow_unverified: bool = False) -> TrustPolicy:
+    keys: dict[str, PublicKey] = {}
+    cluster = ""
+    for pol in policies:
+        keys.update((k.id, k) for k in pol.keys)
+        cluster = cluster or pol.cluster
+        allow_unverified = allow_unverified or pol.allow_unverified
+    return TrustPolicy(tuple(keys.values()), allow_unverified=allow_unverified, cluster=cluster)
+
+
+def _read_dir(path: str) -> Mapping[str, str]:
+    out: dict[str, str] = {}
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if name.startswith(".") or not os.path.isfile(full):
+            continue  # a mounted ConfigMap's ..data links
+        try:
+            with open(full) as f:
+                out[name] = f.read(MAX_PAYLOAD_BYTES)
+        except (OSError, UnicodeDecodeError) as e:
+            raise FailedPrecondition(f"cannot read trust setting {full}: {e}") from e
+    return out
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What `inspect` shows."""
+
+    verdict: Verdict
+    error: str = ""  # when the signatures could not be read at all
+
+    def to_dict(self) -> dict[str, object]:
+        v = self.verdict
+        d: dict[str, object] = {"verified": v.verified, "reason": self.error or v.reason}
+        if v.claim is not None:
+            o = v.claim.origin
+            d["keyId"] = v.key_id
+            d["origin"] = {
+                "cluster": o.cluster,
+                "namespace": o.namespace,
+                "pod": o.pod,
+                "podUID": o.pod_uid,
+                "node": o.node,
+                "created": o.created,
+                "formatVersion": o.format_version,
+            }
+        return d
+
+
+def provenance_of(registry: SignatureReader, ref: Reference, policy: TrustPolicy) -> Provenance:
+    try:
+        return Provenance(verify_snapshot(registry, ref, policy))
+    except SnapshotError as e:
+        return Provenance(Verdict(False, e.message), error=f"signatures unreadable: {e.message}")
+
+
+def verify_for_restore(registry: SignatureReader, ref: Reference, config_namespace: str, pod_uid: str,
+                       policy: TrustPolicy) -> Verdict:  # fmt: skip
+    """Before any layer is downloaded: a trusted signature of exactly this digest whose signed origin
+    is the one the config states; or, where an administrator's policy allows it, an unverified one."""
+    verdict = verify_snapshot(registry, ref, policy)
+    require_trusted(verdict, policy, str(ref))
+    if verdict.claim is not None:
+        check_claim_matches(verdict.claim, namespace=config_namespace, pod_uid=pod_uid, what=str(ref))
+    return verdict
+
+
+@dataclass(frozen=True)
+class Authorized:
+    source_namespace: str  # the namespace the snapshot is bound to (signed, or as its config states)
+    reason: str  # why the restore is allowed, for the log
+
+
+def authorize_restore(
+    registry: SignatureReader,
+    ref: Reference,
+    config: SnapshotConfig,
+    target_namespace: str,
+    policy: TrustPolicy,
+    grants_of: Callable[[str], Iterable[Grant]],
+) -> Authorized:
+    """Signature, origin and namespace binding, in that order, before any layer is downloaded.
+
+    The source namespace is the signed one (the config must agree); a snapshot only a policy lets
+    through (unverified) is bound to the namespace its config states. Raises PermissionDenied.
+    """
+    pod = config.pod
+    config_ns = pod.namespace if pod is not None else config.namespace
+    verdict = verify_for_restore(registry, ref, config_ns, pod.uid if pod is not None else "", policy)
+    source = verdict.claim.origin.namespace if verdict.claim is not None else config_ns
+    grants = [] if source == target_namespace else list(grants_of(source))
+    allowed = check_namespace(source, target_namespace, ref.name, grants)
+    return Authorized(source, f"{verdict.reason}; {allowed}")

@@ -1,0 +1,433 @@
+"""Provenance: who made a snapshot, where, and whether that claim verifies (cosign's format).
+
+A snapshot is signed by the agent that took it with an ECDSA P-256 key the agents hold. The
+signature is stored the way cosign stores one, so that `cosign verify --key` accepts it:
+
+* the payload is a "simple signing" JSON document naming the manifest digest
+  (``critical.image.docker-manifest-digest``) plus our origin claims in ``optional``;
+* the signature is ECDSA over SHA-256 of the payload bytes, DER-encoded, base64 in the layer
+  annotation ``dev.cosignproject.cosign/signature``;
+* the payload is the one layer (media type ``application/vnd.dev.cosign.simplesigning.v1+json``) of
+  an OCI image manifest tagged ``sha256-<hex>.sig`` in the snapshot's repository (works on
+  registries without the referrers API).
+
+Everything read back is untrusted: the payload is parsed only after its signature verified with a
+trusted key, and then must name exactly the digest being restored (no replay onto another digest)
+and agree with the snapshot config it vouches for. Pure: cryptography computes, nothing does I/O.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+try:  # the node agent always has it; the krew zipapp (pure Python, one file for every OS) may not
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    HAVE_CRYPTOGRAPHY = True
+except ImportError:  # pragma: no cover - exercised by the krew zipapp test
+    HAVE_CRYPTOGRAPHY = False
+
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from kubectl_snapshot.core.oci import Descriptor, Manifest, canonical_json, is_digest, sha256_digest
+
+SIMPLE_SIGNING_MEDIA_TYPE: Final = "application/vnd.dev.cosign.simplesigning.v1+json"
+ANN_COSIGN_SIGNATURE: Final = "dev.cosignproject.cosign/signature"
+COSIGN_TYPE: Final = "cosign container image signature"
+OCI_IMAGE_CONFIG: Final = "application/vnd.oci.image.config.v1+json"
+MAX_PAYLOAD_BYTES: Final = 64 << 10
+MAX_SIGNATURES: Final = 16  # layers of one .sig manifest looked at (re-signing appends)
+
+# keys of the payload's "optional" object (flat strings, so `cosign verify -a namespace=NS` works)
+OPT_CLUSTER: Final = "io.kubectl-snapshot.cluster"
+OPT_NAMESPACE: Final = "io.kubectl-snapshot.namespace"
+OPT_POD: Final = "io.kubectl-snapshot.pod"
+OPT_POD_UID: Final = "io.kubectl-snapshot.pod-uid"
+OPT_NODE: Final = "io.kubectl-snapshot.node"
+OPT_CREATED: Final = "io.kubectl-snapshot.created"
+OPT_FORMAT: Final = "io.kubectl-snapshot.format-version"
+OPT_KEY_ID: Final = "io.kubectl-snapshot.key-id"
+
+_UNTRUSTED_HINT = (
+    "restore only snapshots this cluster's agents signed; an administrator can trust another key "
+    "(kubectl snapshot install --trust-key PUB.pem) or, knowingly, unverified snapshots "
+    "(kubectl snapshot install --allow-unverified-snapshots)"
+)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a snapshot was taken, as the signing agent states it."""
+
+    cluster: str = ""  # the cluster's identity (uid of its kube-system namespace)
+    namespace: str = ""  # Kubernetes namespace (or containerd namespace for node-level snapshots)
+    pod: str = ""
+    pod_uid: str = ""
+    node: str = ""
+    created: str = ""  # RFC 3339
+    format_version: int = 0
+
+    def to_optional(self, key_id: str) -> dict[str, str]:
+        return {
+            OPT_CLUSTER: self.cluster,
+            OPT_NAMESPACE: self.namespace,
+            OPT_POD: self.pod,
+            OPT_POD_UID: self.pod_uid,
+            OPT_NODE: self.node,
+            OPT_CREATED: self.created,
+            OPT_FORMAT: str(self.format_version),
+            OPT_KEY_ID: key_id,
+        }
+
+    @classmethod
+    def from_optional(cls, d: Mapping[str, Any]) -> Origin:
+        def s(key: str) -> str:
+            v = d.get(key, "")
+            return v if isinstance(v, str) else ""
+
+        fv = s(OPT_FORMAT)
+        return cls(
+            cluster=s(OPT_CLUSTER),
+            namespace=s(OPT_NAMESPACE),
+            pod=s(OPT_POD),
+            pod_uid=s(OPT_POD_UID),
+            node=s(OPT_NODE),
+            created=s(OPT_CREATED),
+            format_version=int(fv) if fv.isdigit() and len(fv) < 6 else 0,
+        )
+
+
+# --- keys ------------------------------------------------------------------------------------------
+
+
+def _need_cryptography() -> None:
+    if not HAVE_CRYPTOGRAPHY:
+        raise FailedPrecondition(
+            "signing and verifying snapshots needs the Python package 'cryptography', which is not installed",
+            hint="pip install cryptography (the krew build of the plugin cannot bundle it), "
+            "or install kubectl-snapshot with pip",
+        )
+
+
+def key_id(public: ec.EllipticCurvePublicKey) -> str:
+    """A short, stable name for a public key: sha256 of its DER SubjectPublicKeyInfo, 16 hex digits."""
+    der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return hashlib.sha256(der).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class PublicKey:
+    key: ec.EllipticCurvePublicKey
+    id: str
+
+    @classmethod
+    def from_pem(cls, pem: bytes, *, where: str = "public key") -> PublicKey:
+        _need_cryptography()
+        try:
+            key = serialization.load_pem_public_key(pem)
+        except (ValueError, TypeError) as e:
+            raise InvalidArgument(f"{where} is not a PEM public key: {e}") from e
+        if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
+            raise InvalidArgument(f"{where} is not an ECDSA P-256 public key", hint="snapshot keys are ECDSA P-256")
+        return cls(key, key_id(key))
+
+    def to_pem(self) -> bytes:
+        return self.key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+    def verifies(self, payload: bytes, signature: bytes) -> bool:
+        try:
+            self.key.verify(signature, payload, ec.ECDSA(hashes.SHA256()))
+        except InvalidSignature:
+            return False
+        return True
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    key: ec.EllipticCurvePrivateKey
+
+    @classmethod
+    def generate(cls) -> SigningKey:
+        _need_cryptography()
+        return cls(ec.generate_private_key(ec.SECP256R1()))
+
+    @classmethod
+    def from_pem(cls, pem: bytes, *, where: str = "signing key") -> SigningKey:
+        _need_cryptography()
+        try:
+            key = serialization.load_pem_private_key(pem, password=None)
+        except (ValueError, TypeError) as e:
+            raise InvalidArgument(f"{where} is not an unencrypted PEM private key: {e}") from e
+        if not isinstance(key, ec.EllipticCurvePrivateKey) or not isinstance(key.curve, ec.SECP256R1):
+            raise InvalidArgument(f"{where} is not an ECDSA P-256 private key")
+        return cls(key)
+
+    def to_pem(self) -> bytes:
+        return self.key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+
+    @property
+    def public(self) -> PublicKey:
+        pub = self.key.public_key()
+        return PublicKey(pub, key_id(pub))
+
+    def sign(self, payload: bytes) -> bytes:
+        """DER-encoded ECDSA-SHA256 signature (what cosign stores, base64, in the annotation)."""
+        return self.key.sign(payload, ec.ECDSA(hashes.SHA256()))
+
+
+# --- the signed document ---------------------------------------------------------------------------
+
+
+def signature_tag(digest: str) -> str:
+    """cosign's tag for the signatures of `digest`: sha256:abc... -> sha256-abc....sig"""
+    if not is_digest(digest):
+        raise InvalidArgument(f"not a sha256 digest: {digest!r}")
+    return digest.replace(":", "-") + ".sig"
+
+
+def simple_signing_payload(docker_reference: str, digest: str, origin: Origin, key: str) -> bytes:
+    return canonical_json(
+        {
+            "critical": {
+                "identity": {"docker-reference": docker_reference},
+                "image": {"docker-manifest-digest": digest},
+                "type": COSIGN_TYPE,
+            },
+            "optional": origin.to_optional(key),
+        }
+    )
+
+
+@dataclass(frozen=True)
+class SignatureManifest:
+    manifest: Manifest
+    config: bytes
+    payload: bytes
+
+
+def signature_manifest(payloads: Sequence[tuple[bytes, bytes]]) -> SignatureManifest:
+    """The `.sig` image: one simple-signing layer per (payload, DER signature), cosign's layout."""
+    layers = [
+        Descriptor(
+            SIMPLE_SIGNING_MEDIA_TYPE,
+            sha256_digest(payload),
+            len(payload),
+            {ANN_COSIGN_SIGNATURE: base64.b64encode(sig).decode()},
+        )
+        for payload, sig in payloads
+    ]
+    # the config an image tool expects: the uncompressed payloads are their own diff ids
+    config = canonical_json(
+        {
+            "architecture": "",
+            "config": {},
+            "created": "0001-01-01T00:00:00Z",
+            "history": [{"created": "0001-01-01T00:00:00Z"}],
+            "os": "",
+            "rootfs": {"type": "layers", "diff_ids": [d.digest for d in layers]},
+        }
+    )
+    manifest = Manifest(Descriptor(OCI_IMAGE_CONFIG, sha256_digest(config), len(config)), tuple(layers))
+    return SignatureManifest(manifest, config, payloads[0][0] if payloads else b"")
+
+
+@dataclass(frozen=True)
+class SignatureCandidate:
+    """One layer of a `.sig` manifest, as read from the registry (not yet trusted)."""
+
+    payload: bytes
+    signature_b64: str
+
+
+@dataclass(frozen=True)
+class Claim:
+    docker_reference: str
+    digest: str
+    origin: Origin
+    key_id: str
+
+
+def parse_payload(body: bytes) -> Claim:
+    try:
+        d = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise FailedPrecondition(f"the signed payload is not JSON: {e}") from e
+    crit = d.get("critical") if isinstance(d, dict) else None
+    if not isinstance(crit, dict) or crit.get("type") != COSIGN_TYPE:
+        raise FailedPrecondition("the signed payload is not a cosign container image signature")
+    image = crit.get("image") if isinstance(crit.get("image"), dict) else {}
+    identity = crit.get("identity") if isinstance(crit.get("identity"), dict) else {}
+    digest = image.get("docker-manifest-digest") if isinstance(image, dict) else None
+    if not isinstance(digest, str) or not is_digest(digest):
+        raise FailedPrecondition("the signed payload names no valid manifest digest")
+    opt = d.get("optional") if isinstance(d.get("optional"), dict) else {}
+    ref = identity.get("docker-reference") if isinstance(identity, dict) else ""
+    kid = opt.get(OPT_KEY_ID, "")
+    return Claim(
+        docker_reference=ref if isinstance(ref, str) else "",
+        digest=digest,
+        origin=Origin.from_optional(opt),
+        key_id=kid if isinstance(kid, str) else "",
+    )
+
+
+# --- trust -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrustPolicy:
+    """What the cluster (or a node-level operator) trusts: public keys, and whether to accept snapshots
+    that no trusted key signed (an administrator's explicit choice; off by default)."""
+
+    keys: tuple[PublicKey, ...] = ()
+    allow_unverified: bool = False
+    cluster: str = ""  # this cluster's identity, for display ("signed here" vs elsewhere)
+
+    def key(self, kid: str) -> PublicKey | None:
+        return next((k for k in self.keys if k.id == kid), None)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    verified: bool
+    reason: str  # why it verified or why not, one line
+    claim: Claim | None = None
+    key_id: str = ""
+    problems: tuple[str, ...] = field(default_factory=tuple)  # per rejected signature
+
+
+def evaluate(candidates: Iterable[SignatureCandidate], digest: str, policy: TrustPolicy) -> Verdict:
+    """The first signature that verifies with a trusted key and names `digest`, or why none does."""
+    problems: list[str] = []
+    for i, cand in enumerate(list(candidates)[:MAX_SIGNATURES]):
+        where = f"signature {i + 1}"
+        try:
+            sig = base64.b64decode(cand.signature_b64, validate=True)
+        except (binascii.Error, ValueError):
+            problems.append(f"{where}: the signature is not base64")
+            continue
+        signer = None
+        for k in policy.keys:
+            if k.verifies(cand.payload, sig):
+                signer = k
+                break
+        if signer is None:
+            claimed = _claimed_key(cand.payload)
+            if claimed and policy.key(claimed) is None:
+                problems.append(f"{where}: signed by key {claimed}, which this cluster does not trust")
+            elif claimed:
+                problems.append(f"{where}: does not verify with trusted key {claimed} (tampered signature or payload)")
+            else:
+                problems.append(f"{where}: does not verify with any trusted key")
+            continue
+        try:
+            claim = parse_payload(cand.payload)
+        except FailedPrecondition as e:
+            problems.append(f"{where}: {e.message}")
+            continue
+        if claim.digest != digest:
+            problems.append(
+                f"{where}: is a valid signature of {claim.digest}, not of {digest} (a signature replayed onto "
+                "another snapshot)"
+            )
+            continue
+        return Verdict(True, f"signed by trusted key {signer.id}", claim, signer.id)
+    if not problems:
+        return Verdict(False, "the snapshot is not signed")
+    return Verdict(False, "no signature verifies: " + "; ".join(problems), problems=tuple(problems))
+
+
+def _claimed_key(payload: bytes) -> str:
+    """The key id an (unverified) payload names, only to explain a failure."""
+    try:
+        opt = json.loads(payload).get("optional") or {}
+        kid = opt.get(OPT_KEY_ID, "")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return ""
+    return kid[:64] if isinstance(kid, str) else ""
+
+
+def require_trusted(verdict: Verdict, policy: TrustPolicy, what: str) -> None:
+    """Refuse a snapshot without a trusted signature, unless the policy trusts unverified ones."""
+    if verdict.verified or policy.allow_unverified:
+        return
+    raise PermissionDenied(f"refusing to restore {what}: {verdict.reason}", hint=_UNTRUSTED_HINT)
+
+
+def check_claim_matches(claim: Claim, *, namespace: str, pod_uid: str, what: str) -> None:
+    """The signed origin must be the one the snapshot config states (a config cannot move namespaces)."""
+    if claim.origin.namespace != namespace:
+        raise PermissionDenied(
+            f"refusing to restore {what}: it is signed as taken in namespace {claim.origin.namespace!r} "
+            f"but its config says {namespace!r}",
+            hint="the snapshot was altered after it was signed; do not restore it",
+        )
+    if pod_uid and claim.origin.pod_uid and claim.origin.pod_uid != pod_uid:
+        raise PermissionDenied(
+            f"refusing to restore {what}: it is signed for pod uid {claim.origin.pod_uid} but its config says "
+            f"{pod_uid}",
+            hint="the snapshot was altered after it was signed; do not restore it",
+        )
+
+
+# --- namespace binding -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A SnapshotGrant in the source namespace: snapshots of that namespace may be restored into
+    `target_namespaces` (optionally only those from `repositories`)."""
+
+    name: str
+    namespace: str
+    target_namespaces: tuple[str, ...]
+    repositories: tuple[str, ...] = ()  # REGISTRY/REPO prefixes; empty: any
+
+    def allows(self, target: str, repository: str) -> bool:
+        if target not in self.target_namespaces:
+            return False
+        return not self.repositories or any(
+            repository == r or repository.startswith(r.rstrip("/") + "/") for r in self.repositories
+        )
+
+
+def parse_grant(obj: Mapping[str, Any]) -> Grant | None:
+    """A SnapshotGrant object (as the API server returns it); None when it is malformed."""
+    meta = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    if not isinstance(meta, dict) or not isinstance(spec, dict):
+        return None
+    targets = spec.get("targetNamespaces")
+    repos = spec.get("repositories") or []
+    if not isinstance(targets, list) or not isinstance(repos, list):
+        return None
+    return Grant(
+        name=str(meta.get("name", "")),
+        namespace=str(meta.get("namespace", "")),
+        target_namespaces=tuple(t for t in targets if isinstance(t, str) and t),
+        repositories=tuple(r for r in repos if isinstance(r, str) and r),
+    )
+
+
+def check_namespace(source: str, target: str, repository: str, grants: Iterable[Grant]) -> str:
+    """Allow a restore into `target` of a snapshot taken in `source`; returns why it is allowed."""
+    if source == target:
+        return f"same namespace ({target})"
+    for g in grants:
+        if g.namespace == source and g.allows(target, repository):
+            return f"granted by snapshotgrant {source}/{g.name}"
+    raise PermissionDenied(
+        f"refusing to restore a snapshot of namespace {source!r} into namespace {target!r}: "
+        f"no SnapshotGrant in {source!r} grants {target!r}",
+        hint=f"someone allowed to in {source!r} can grant it: a SnapshotGrant there whose spec.targetNamespaces "
+        f"lists {target!r} (docs/kubernetes.md)",
+    )

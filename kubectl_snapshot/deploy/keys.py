@@ -1,0 +1,40 @@
+"""The agent's access to the namespace-key Secret (encryption at rest, adapters/keystore.py).
+
+A Role in the agent's own namespace, not a ClusterRole: the agent reads and updates exactly one Secret,
+``kubectl-snapshot-keys``, by name (`resourceNames`). `create` cannot be limited by name in RBAC; it is
+granted in the agent's namespace only, where nothing else reads Secrets the agent would write. The
+Secret itself is not part of the manifests: the agent creates it on first use, so that re-applying
+the manifests can never replace (and so destroy) the keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.deploy.rbac import RBAC
+
+KEY_SECRET = "kubectl-snapshot-keys"  # = adapters.keystore.KEY_SECRET (deploy must not import adapters)
+ROLE = "kubectl-snapshot-agent-keys"
+
+
+def key_role(labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": RBAC,
+        "kind": "Role",
+        "metadata": {"name": ROLE, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)},
+        "rules": [
+            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [KEY_SECRET], "verbs": ["get", "update"]},
+            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
+        ],
+    }
+
+
+def key_role_binding(labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": RBAC,
+        "kind": "RoleBinding",
+        "metadata": {"name": ROLE, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROLE},
+        "subjects": [{"kind": "ServiceAccount", "name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE}],
+    }

@@ -1,0 +1,93 @@
+"""Checkpoint a containerd task with the node's runc, handing it the installed CRIU (`runc --criu`).
+
+containerd's Tasks.Checkpoint has the runc shim run ``runc checkpoint`` with whatever ``criu`` is on
+containerd's PATH: containerd v2's runc options have no CRIU path (``CriuPath`` is gone from
+containerd-shim-runc-v2's ``NewRunc``), and pods that are snapshotted run under the node's default
+runtime, not the kubectl-snapshot handler. So the agent runs the same command the shim would
+(go-runc's ``Checkpoint``: same runc binary, same ``--root``, same options) itself, in the host's
+mount namespace, with ``--criu`` naming the CRIU that install-node put in the node's directory. A
+host CRIU, present or not, is never used. The task stays the shim's: with ``--leave-running`` (what
+the project uses) nothing changes for containerd; without it CRIU ends the task and the shim, its
+parent, reaps it as after any exit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kubectl_snapshot.core.errors import FailedPrecondition
+from shim.containerd.model import ContainerInfo
+from shim.hostfacts import host_pid
+
+SHIM_RUNC_ROOT = "/run/containerd/runc"  # containerd-shim-runc-v2 process.RuncRoot (joined with the namespace)
+RUNC_CANDIDATES = ("/usr/sbin/runc", "/usr/bin/runc", "/usr/local/sbin/runc", "/usr/local/bin/runc", "/bin/runc")
+
+
+@dataclass(frozen=True)
+class CheckpointArgs:
+    image_path: str
+    work_path: str
+    exit: bool = False
+    open_tcp: bool = True
+    file_locks: bool = False
+    external_unix_sockets: bool = False
+    terminal: bool = False
+
+
+@dataclass(frozen=True)
+class RuncCheckpointer:
+    """How this node checkpoints: the installed CRIU, and optionally a runc path (default: the shim's)."""
+
+    criu: str
+    runc: str = ""
+
+    def host_prefix(self) -> list[str]:
+        """Enter the host's mount and cgroup namespaces (where the shim's runc runs) from a container."""
+        pid = host_pid()
+        return ["nsenter", "-t", str(pid), "-m", "-C", "--"] if pid else []
+
+    def runc_binary(self, info: ContainerInfo) -> str:
+        """The runc the shim runs for this container: its BinaryName, else the node's runc."""
+        if info.runc_options and info.runc_options.binary_name:
+            return info.runc_options.binary_name
+        if self.runc:
+            return self.runc
+        pid = host_pid()
+        root = f"/proc/{pid}/root" if pid else ""
+        for candidate in RUNC_CANDIDATES:
+            if os.access(root + candidate, os.X_OK):
+                return candidate
+        raise FailedPrecondition(
+            "runc was not found on this node",
+            hint="set runcPath for this node in the agent's node map (the runc containerd's shim runs)",
+        )
+
+    def command(self, cid: str, namespace: str, info: ContainerInfo, a: CheckpointArgs) -> list[str]:
+        """go-runc's Runc.Checkpoint argv as containerd-shim-runc-v2 builds it, plus ``--criu``."""
+        opts = info.runc_options
+        root = os.path.join((opts.root if opts and opts.root else SHIM_RUNC_ROOT), namespace)
+        cmd = [self.runc_binary(info), "--root", root, "--criu", self.criu]
+        if opts and opts.systemd_cgroup:
+            cmd.append("--systemd-cgroup")
+        cmd += ["checkpoint", "--image-path", a.image_path, "--work-path", a.work_path]
+        if a.open_tcp:
+            cmd.append("--tcp-established")
+        if a.external_unix_sockets:
+            cmd.append("--ext-unix-sk")
+        if a.terminal:
+            cmd.append("--shell-job")
+        if a.file_locks:
+            cmd.append("--file-locks")
+        if not a.exit:
+            cmd.append("--leave-running")
+        return [*cmd, cid]
+
+    def run(self, argv: Sequence[str], timeout: float) -> tuple[int, str]:
+        """Run runc (on the host); (exit status, its stderr)."""
+        proc = subprocess.run(
+            [*self.host_prefix(), *argv], capture_output=True, text=True, timeout=timeout, check=False
+        )
+        return proc.returncode, proc.stderr.strip()

@@ -1,0 +1,62 @@
+"""Provenance on the real cluster: a snapshot is signed by the agent that took it, restored into
+another namespace only once a SnapshotGrant in its own namespace allows it, and `inspect` shows
+who signed it and where it came from."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from kubectl_snapshot.core import kube as K
+from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
+from tests.support.agent import agent, plugin
+from tests.support.cluster import cluster, namespace
+
+pytestmark = pytest.mark.e2e
+
+
+def test_cross_namespace_restore_is_refused_until_granted(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    n1, n2 = cluster.nodes[:2]
+    other = f"e2e-other-{uuid.uuid4().hex[:6]}"
+    cluster.kubectl("create", "namespace", other)
+    cluster.wait_for(
+        f"serviceaccount default in {other}",
+        lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", other, check=False).returncode == 0,
+        timeout=60,
+    )
+    try:
+        cluster.apply(pod("secretive", namespace, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+        running(cluster, namespace, "secretive")
+        tok, _ = counter_value(cluster, namespace, "secretive")
+        out = plugin("snapshot", "pod/secretive", "-n", namespace, "--to", f"{cluster.registry}/e2e/prov", "-o", "json")
+        ref = json.loads(out.stdout)["status"]["reference"]
+
+        # signed by the cluster's key, with its origin
+        info = json.loads(plugin("inspect", ref, "-o", "json").stdout)["provenance"]
+        assert info["verified"], info
+        assert info["origin"]["namespace"] == namespace and info["origin"]["pod"] == "secretive"
+        assert info["origin"]["node"] == n1 and info["origin"]["cluster"]
+
+        # another namespace with only read access to the repository: refused by the agent, nothing runs
+        proc = plugin("restore", ref, "-n", other, "--name", "thief", "--node", n2, "--timeout", "120s", check=False)
+        assert proc.returncode == 1
+        assert f"no SnapshotGrant in '{namespace}' grants '{other}'" in proc.stderr, proc.stderr
+        thief = cluster.get_json("pod", "thief", "-n", other)
+        assert thief["metadata"]["annotations"][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_FAILED_PREFIX)
+
+        # the source namespace grants it: the same restore works, with the same process memory
+        cluster.apply(
+            {
+                "apiVersion": K.API_VERSION,
+                "kind": K.GRANT_KIND,
+                "metadata": {"name": "to-other", "namespace": namespace},
+                "spec": {"targetNamespaces": [other]},
+            }
+        )
+        plugin("restore", ref, "-n", other, "--name", "granted", "--node", n2)
+        running(cluster, other, "granted")
+        assert counter_value(cluster, other, "granted")[0] == tok
+    finally:
+        cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)

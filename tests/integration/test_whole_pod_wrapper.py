@@ -1,0 +1,199 @@
+"""The runtime wrapper (the real zipapp on the host's Python) restores a pod whole or not at all, and
+holds the pod's network locked from its first container's restore to its last one's.
+
+runc is a fake that records its argv (restore of container id ``fail-*`` exits 1, as a CRIU failure
+would); the network namespace is a real one made here (``unshare -n``), locked with the host's real
+iptables, so that what the lock does to traffic is checked for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from shim.podrestore import FAILED_FILE, LOCK_CHAIN, RELEASED_FILE, PodRestore
+from tests.integration.test_wrapper_pyz import HOST_PYTHON, calls, pyz, run_pyz
+from tests.unit.test_criu_guard import bundle as guard_bundle
+from tests.unit.test_criu_guard import make_images
+
+__all__ = ["pyz"]
+
+pytestmark = pytest.mark.skipif(not HOST_PYTHON.exists(), reason="/usr/bin/python3 (the host's Python) is missing")
+UID = "7d1f3a52-whole-pod"
+
+
+def fake_runc(tmp_path: Path) -> tuple[Path, Path]:
+    log = tmp_path / "runc-calls.jsonl"
+    runc = tmp_path / "runc"
+    runc.write_text(
+        f"#!{HOST_PYTHON}\nimport json, sys\nopen({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "sys.exit(1 if sys.argv[1] == 'restore' and sys.argv[-1].startswith('fail-') else 0)\n"
+    )
+    runc.chmod(0o755)
+    return runc, log
+
+
+def stage(state: Path, names: list[str], staged: list[str]) -> PodRestore:
+    pod = PodRestore(str(state / "staged" / "by-pod" / UID))
+    pod.record(names)
+    for n in staged:
+        # CRIU images that ask for no more than the bundle (the wrapper checks them first)
+        make_images(state / "staged" / "by-pod" / UID / n / "checkpoint")
+    return pod
+
+
+def bundle(tmp_path: Path, name: str, netns: str | None = None) -> Path:
+    b = tmp_path / f"bundle-{name}-{time.monotonic_ns()}"
+    (b / "rootfs").mkdir(parents=True)
+    annotations = {"io.kubernetes.cri.sandbox-uid": UID, "io.kubernetes.cri.container-name": name}
+    spec = {**guard_bundle(), "root": {"path": "rootfs"}, "annotations": annotations}
+    # the pod's network namespace: a scratch one, or none (never the host's, which the bundle names)
+    spec["linux"]["namespaces"] = [
+        {"type": "network", "path": netns} if ns["type"] == "network" else ns
+        for ns in spec["linux"]["namespaces"]
+        if ns["type"] != "network" or netns
+    ]
+    (b / "config.json").write_text(json.dumps(spec))
+    return b
+
+
+def create(pyz: Path, runc: Path, state: Path, b: Path, cid: str) -> subprocess.CompletedProcess[str]:
+    return run_pyz(pyz, runc, state, "create", "--bundle", str(b), "--pid-file", str(b / "pid"), cid)
+
+
+def test_one_container_failing_fails_the_pod_and_nothing_starts_fresh(pyz: Path, tmp_path: Path) -> None:
+    runc, log = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    pod = stage(state, ["app", "cache"], ["app", "cache"])
+
+    assert create(pyz, runc, state, bundle(tmp_path, "app"), "ok-app").returncode == 0
+    proc = create(pyz, runc, state, bundle(tmp_path, "cache"), "fail-cache")
+    assert proc.returncode == 1
+    assert "container 'cache' could not be restored" in (pod.failed() or "")
+    # the kubelet creates both again (a restart): refused, with the reason, and runc never runs `create`
+    for name, cid in (("app", "ok-app-1"), ("cache", "ok-cache-1")):
+        proc = create(pyz, runc, state, bundle(tmp_path, name), cid)
+        assert proc.returncode == 1
+        assert "not started from scratch" in proc.stderr and "could not be restored" in proc.stderr
+    assert [c[0] for c in calls(log)] == ["restore", "restore"]
+    # a container the snapshot does not hold (not restored) is created as usual
+    assert create(pyz, runc, state, bundle(tmp_path, "extra"), "ok-extra").returncode == 0
+    assert calls(log)[-1][0] == "create"
+
+
+def test_a_restored_container_that_dies_at_once_is_not_recreated(pyz: Path, tmp_path: Path) -> None:
+    runc, log = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    pod = stage(state, ["app"], ["app"])
+    assert create(pyz, runc, state, bundle(tmp_path, "app"), "ok-app").returncode == 0
+    assert (Path(pod.directory) / RELEASED_FILE).exists()
+    # its process exited before the kubelet's `start`; the kubelet creates the container again
+    proc = create(pyz, runc, state, bundle(tmp_path, "app"), "ok-app-1")
+    assert proc.returncode == 1 and "stopped right after it was restored" in proc.stderr
+    assert (Path(pod.directory) / FAILED_FILE).exists()
+    assert [c[0] for c in calls(log)] == ["restore"]
+
+
+@pytest.fixture
+def netns() -> Iterator[str]:
+    """A scratch network namespace (with lo up) held by a sleeping process."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root (a network namespace, iptables)")
+    proc = subprocess.Popen(["unshare", "-n", "sh", "-c", "ip link set lo up && exec sleep 300"])
+    path = f"/proc/{proc.pid}/ns/net"
+    deadline = time.monotonic() + 5
+    while os.readlink(path) == os.readlink("/proc/self/ns/net") or _netns_sh(path, "ip -o link show lo").find("UP") < 0:
+        assert time.monotonic() < deadline, "the namespace did not come up"
+        time.sleep(0.05)
+    try:
+        yield path
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _netns_sh(netns: str, script: str) -> str:
+    r = subprocess.run(["nsenter", f"--net={netns}", "sh", "-c", script], capture_output=True, text=True, timeout=30)
+    return r.stdout + r.stderr
+
+
+PROBE = (
+    "import socket, sys\n"
+    "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+    "try:\n"
+    "    socket.create_connection(s.getsockname(), timeout=1); print('open')\n"
+    "except OSError as e:\n"
+    "    print('blocked', e)\n"
+)
+
+
+def test_the_pod_network_is_locked_from_the_first_restore_to_the_last(pyz: Path, tmp_path: Path, netns: str) -> None:
+    runc, _ = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    pod = stage(state, ["server", "client"], ["server", "client"])
+    python = str(HOST_PYTHON)
+    assert _netns_sh(netns, f'{python} -c "{PROBE}"').startswith("open")
+
+    assert create(pyz, runc, state, bundle(tmp_path, "server", netns), "ok-server").returncode == 0
+    # between the two restores: nothing moves in the pod's network, not even over loopback
+    assert LOCK_CHAIN in _netns_sh(netns, "iptables -S")
+    assert _netns_sh(netns, f'{python} -c "{PROBE}"').startswith("blocked")
+    assert _netns_sh(netns, "cat /proc/sys/net/ipv4/ip_nonlocal_bind").strip() == "1"
+
+    assert create(pyz, runc, state, bundle(tmp_path, "client", netns), "ok-client").returncode == 0
+    assert LOCK_CHAIN not in _netns_sh(netns, "iptables -S")
+    assert _netns_sh(netns, f'{python} -c "{PROBE}"').startswith("open")
+    assert _netns_sh(netns, "cat /proc/sys/net/ipv4/ip_nonlocal_bind").strip() == "0"
+    assert (Path(pod.directory) / RELEASED_FILE).exists() and pod.failed() is None
+
+
+ABORT_PROBE = """
+import socket, subprocess, sys, time
+srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen()
+inner = socket.create_connection(srv.getsockname()); peer, _ = srv.accept()
+# a connection from an address that the restored pod no longer has (a scratch one in this namespace)
+subprocess.run(['ip', 'addr', 'add', '10.250.0.9/32', 'dev', 'lo'], check=True)
+srv2 = socket.socket(); srv2.bind(('10.250.0.9', 0)); srv2.listen()
+away = socket.create_connection(srv2.getsockname()); far, _ = srv2.accept()
+subprocess.run(['ip', 'addr', 'del', '10.250.0.9/32', 'dev', 'lo'], check=True)
+print('ready', flush=True)
+sys.stdin.readline()
+try:
+    away.send(b'x'); away.recv(1); print('away open')
+except OSError as e:
+    print('away closed', e.errno)
+inner.settimeout(2); inner.send(b'y'); print('inner', peer.recv(1))
+"""
+
+
+def test_connections_from_the_old_pod_address_are_aborted_loopback_ones_kept(
+    pyz: Path, tmp_path: Path, netns: str
+) -> None:
+    runc, _ = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    stage(state, ["app"], ["app"])
+    script = tmp_path / "probe.py"
+    script.write_text(ABORT_PROBE)
+    probe = subprocess.Popen(
+        ["nsenter", f"--net={netns}", str(HOST_PYTHON), str(script)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert probe.stdout is not None and probe.stdin is not None
+        assert probe.stdout.readline().strip() == "ready"
+        assert create(pyz, runc, state, bundle(tmp_path, "app", netns), "ok-app").returncode == 0
+        probe.stdin.write("go\n")
+        probe.stdin.flush()
+        out = probe.communicate(timeout=30)[0]
+    finally:
+        probe.kill()
+    assert "away closed" in out, out  # at once (ECONNABORTED), no hang
+    assert "inner b'y'" in out, out

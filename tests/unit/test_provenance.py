@@ -1,0 +1,235 @@
+"""Signature verification and namespace binding (real ECDSA P-256 via `cryptography`, no fakes)."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import pytest
+
+from kubectl_snapshot.app.provenance import authorize_restore, sign_snapshot
+from kubectl_snapshot.core.errors import NotFound, PermissionDenied
+from kubectl_snapshot.core.model import ContainerRecord, HostFacts, PodRecord, SnapshotConfig
+from kubectl_snapshot.core.oci import sha256_digest
+from kubectl_snapshot.core.provenance import (
+    ANN_COSIGN_SIGNATURE,
+    COSIGN_TYPE,
+    OPT_NAMESPACE,
+    SIMPLE_SIGNING_MEDIA_TYPE,
+    Grant,
+    Origin,
+    PublicKey,
+    SignatureCandidate,
+    SigningKey,
+    TrustPolicy,
+    check_claim_matches,
+    check_namespace,
+    evaluate,
+    parse_grant,
+    require_trusted,
+    signature_manifest,
+    signature_tag,
+    simple_signing_payload,
+)
+from kubectl_snapshot.core.reference import Reference
+
+DIGEST = "sha256:" + "a" * 64
+OTHER = "sha256:" + "b" * 64
+ORIGIN = Origin(
+    cluster="c-uid", namespace="team-a", pod="web", pod_uid="u1", node="n1", created="2026-11-30T18:00:00Z",
+    format_version=3,
+)  # fmt: skip
+
+
+def signed(key: SigningKey, digest: str = DIGEST, origin: Origin = ORIGIN) -> SignatureCandidate:
+    payload = simple_signing_payload("127.0.0.1:5000/snaps", digest, origin, key.public.id)
+    return SignatureCandidate(payload, base64.b64encode(key.sign(payload)).decode())
+
+
+@pytest.fixture(scope="module")
+def key() -> SigningKey:
+    return SigningKey.generate()
+
+
+def test_payload_is_cosign_simple_signing(key: SigningKey) -> None:
+    d = json.loads(signed(key).payload)
+    assert d["critical"] == {
+        "identity": {"docker-reference": "127.0.0.1:5000/snaps"},
+        "image": {"docker-manifest-digest": DIGEST},
+        "type": COSIGN_TYPE,
+    }
+    assert d["optional"][OPT_NAMESPACE] == "team-a"
+    assert all(isinstance(v, str) for v in d["optional"].values())  # cosign verify -a k=v matches strings
+
+
+def test_signature_manifest_layout(key: SigningKey) -> None:
+    cand = signed(key)
+    sig = signature_manifest([(cand.payload, base64.b64decode(cand.signature_b64))])
+    layer = sig.manifest.layers[0]
+    assert layer.media_type == SIMPLE_SIGNING_MEDIA_TYPE
+    assert layer.annotations[ANN_COSIGN_SIGNATURE] == cand.signature_b64
+    assert json.loads(sig.config)["rootfs"]["diff_ids"] == [layer.digest]
+    assert signature_tag(DIGEST) == "sha256-" + "a" * 64 + ".sig"
+
+
+def test_valid_signature_verifies(key: SigningKey) -> None:
+    v = evaluate([signed(key)], DIGEST, TrustPolicy((key.public,)))
+    assert v.verified and v.key_id == key.public.id
+    assert v.claim is not None and v.claim.origin == ORIGIN
+
+
+def test_rotated_key_still_verifies_old_snapshots(key: SigningKey) -> None:
+    new = SigningKey.generate()
+    policy = TrustPolicy((new.public, key.public))
+    assert evaluate([signed(key)], DIGEST, policy).verified
+    assert evaluate([signed(new)], DIGEST, policy).verified
+
+
+def test_unsigned_refused() -> None:
+    policy = TrustPolicy((SigningKey.generate().public,))
+    v = evaluate([], DIGEST, policy)
+    assert not v.verified and v.reason == "the snapshot is not signed"
+    with pytest.raises(PermissionDenied, match="not signed"):
+        require_trusted(v, policy, "x")
+
+
+def test_wrong_key_refused(key: SigningKey) -> None:
+    stranger = SigningKey.generate()
+    policy = TrustPolicy((key.public,))
+    v = evaluate([signed(stranger)], DIGEST, policy)
+    assert not v.verified
+    assert f"signed by key {stranger.public.id}, which this cluster does not trust" in v.reason
+    with pytest.raises(PermissionDenied, match="does not trust"):
+        require_trusted(v, policy, "x")
+
+
+def test_tampered_payload_refused(key: SigningKey) -> None:
+    cand = signed(key)
+    forged = cand.payload.replace(b"team-a", b"team-b")
+    v = evaluate([SignatureCandidate(forged, cand.signature_b64)], DIGEST, TrustPolicy((key.public,)))
+    assert not v.verified and "tampered" in v.reason
+
+
+def test_tampered_signature_refused(key: SigningKey) -> None:
+    cand = signed(key)
+    raw = bytearray(base64.b64decode(cand.signature_b64))
+    raw[-1] ^= 1
+    bad = SignatureCandidate(cand.payload, base64.b64encode(bytes(raw)).decode())
+    v = evaluate([bad], DIGEST, TrustPolicy((key.public,)))
+    assert not v.verified and "tampered" in v.reason
+    v = evaluate([SignatureCandidate(cand.payload, "not base64!")], DIGEST, TrustPolicy((key.public,)))
+    assert not v.verified and "not base64" in v.reason
+
+
+def test_replayed_signature_refused(key: SigningKey) -> None:
+    """A valid signature of another snapshot copied onto this digest's .sig tag."""
+    v = evaluate([signed(key, digest=OTHER)], DIGEST, TrustPolicy((key.public,)))
+    assert not v.verified and "replayed" in v.reason and OTHER in v.reason
+
+
+def test_one_good_signature_among_bad_ones(key: SigningKey) -> None:
+    v = evaluate([signed(SigningKey.generate()), signed(key)], DIGEST, TrustPolicy((key.public,)))
+    assert v.verified
+
+
+def test_admin_policy_may_trust_unverified(key: SigningKey) -> None:
+    policy = TrustPolicy((key.public,), allow_unverified=True)
+    require_trusted(evaluate([], DIGEST, policy), policy, "x")  # no raise
+
+
+def test_claim_must_match_config(key: SigningKey) -> None:
+    claim = evaluate([signed(key)], DIGEST, TrustPolicy((key.public,))).claim
+    assert claim is not None
+    check_claim_matches(claim, namespace="team-a", pod_uid="u1", what="x")
+    with pytest.raises(PermissionDenied, match="signed as taken in namespace 'team-a'"):
+        check_claim_matches(claim, namespace="team-b", pod_uid="u1", what="x")
+    with pytest.raises(PermissionDenied, match="pod uid"):
+        check_claim_matches(claim, namespace="team-a", pod_uid="u2", what="x")
+
+
+def test_keys_round_trip_pem(key: SigningKey) -> None:
+    again = SigningKey.from_pem(key.to_pem())
+    assert again.public.id == key.public.id
+    assert PublicKey.from_pem(key.public.to_pem()).id == key.public.id
+
+
+def test_namespace_binding() -> None:
+    repo = "127.0.0.1:5000/snaps"
+    assert check_namespace("a", "a", repo, []) == "same namespace (a)"
+    with pytest.raises(PermissionDenied, match="no SnapshotGrant in 'a' grants 'b'"):
+        check_namespace("a", "b", repo, [])
+    grant = parse_grant({"metadata": {"name": "g", "namespace": "a"}, "spec": {"targetNamespaces": ["b"]}})
+    assert grant is not None
+    assert "snapshotgrant a/g" in check_namespace("a", "b", repo, [grant])
+    # a grant only counts in the source namespace, and only for the namespaces it lists
+    elsewhere = Grant("g", "b", ("b",))
+    with pytest.raises(PermissionDenied):
+        check_namespace("a", "b", repo, [elsewhere])
+    with pytest.raises(PermissionDenied):
+        check_namespace("a", "c", repo, [grant])
+    # repository-scoped grant
+    scoped = Grant("g", "a", ("b",), ("127.0.0.1:5000/other",))
+    with pytest.raises(PermissionDenied):
+        check_namespace("a", "b", repo, [scoped])
+    assert parse_grant({"metadata": {}, "spec": {"targetNamespaces": "b"}}) is None
+
+
+# --- the whole check as the agent runs it, against an in-memory registry ------------------------------
+
+
+class MemoryRegistry:
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+        self.tags: dict[str, bytes] = {}
+
+    def push_blob(
+        self, ref: Reference, *, digest: str, size: int, path: str | None = None, data: bytes | None = None
+    ) -> bool:
+        self.blobs[digest] = data or b""
+        return True
+
+    def push_manifest(self, ref: Reference, manifest: bytes, media_type: str) -> str:
+        self.tags[ref.tag or ""] = manifest
+        return sha256_digest(manifest)
+
+    def get_manifest(self, ref: Reference, *, max_size: int = 0) -> tuple[bytes, str, str]:
+        if (ref.tag or "") not in self.tags:
+            raise NotFound(f"{ref} not found")
+        body = self.tags[ref.tag or ""]
+        return body, "application/vnd.oci.image.manifest.v1+json", sha256_digest(body)
+
+    def read_blob(self, ref: Reference, digest: str, *, max_size: int = 0) -> bytes:
+        return self.blobs[digest]
+
+
+def pod_config(namespace: str, uid: str = "u1") -> SnapshotConfig:
+    rec = ContainerRecord(name="c", id="c", image="i", image_digest="", layer_digest=DIGEST, spec={})
+    return SnapshotConfig(
+        group="web", namespace=namespace, created="t", containers=(rec,), host=HostFacts(),
+        pod=PodRecord(name="web", namespace=namespace, uid=uid),
+    )  # fmt: skip
+
+
+def test_authorize_restore_end_to_end(key: SigningKey) -> None:
+    reg = MemoryRegistry()
+    ref = Reference("127.0.0.1:5000", "snaps", digest=DIGEST)
+    policy = TrustPolicy((key.public,))
+    cfg = pod_config("team-a")
+    with pytest.raises(PermissionDenied, match="not signed"):
+        authorize_restore(reg, ref, cfg, "team-a", policy, lambda ns: [])
+    sign_snapshot(reg, ref, Origin(namespace="team-a", pod="web", pod_uid="u1"), key)
+    assert "same namespace" in authorize_restore(reg, ref, cfg, "team-a", policy, lambda ns: []).reason
+    asked: list[str] = []
+
+    def grants(ns: str) -> list[Grant]:
+        asked.append(ns)
+        return [Grant("g", "team-a", ("team-b",))]
+
+    granted = authorize_restore(reg, ref, cfg, "team-b", policy, grants)
+    assert "snapshotgrant team-a/g" in granted.reason and granted.source_namespace == "team-a"
+    assert asked == ["team-a"]  # grants are read in the snapshot's (signed) namespace
+    with pytest.raises(PermissionDenied, match="no SnapshotGrant"):
+        authorize_restore(reg, ref, cfg, "team-c", policy, grants)
+    # a config edited to claim the target namespace no longer matches its signature
+    with pytest.raises(PermissionDenied, match="signed as taken in namespace 'team-a'"):
+        authorize_restore(reg, ref, pod_config("team-c"), "team-c", policy, lambda ns: [])
