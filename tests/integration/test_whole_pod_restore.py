@@ -94,6 +94,8 @@ def pod_spec(spec: dict[str, Any], *, cid: str, namespace: str, netns: str, uid:
         {"type": "network", "path": netns} if ns["type"] == "network" else ns for ns in s["linux"]["namespaces"]
     ]
     s["annotations"] = {ANN_SANDBOX_UID: uid, ANN_CONTAINER_NAME: name, ANN_CONTAINER_TYPE: "container"}
+    # the snapshot stores no environment (it may hold secrets); the kubelet's spec has one
+    s["process"].setdefault("env", ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"])
     return s
 
 
