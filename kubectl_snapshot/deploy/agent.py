@@ -311,5 +311,8 @@ def cleanup_daemonset(live: Mapping[str, Any]) -> dict[str, Any]:
     for c in pod.get("containers") or []:
         c.pop("args", None)
         c.pop("readinessProbe", None)
+        # with hostNetwork a declared port is a host port: the agent's metrics port would keep these pods
+        # Pending beside the agent's own (uninstall then timed out after 5 minutes, or left them behind)
+        c.pop("ports", None)
         c["command"] = ["sleep", "3600"]
     return ds

@@ -366,6 +366,9 @@ def test_uninstall_cleanup_daemonset_undoes_install_node() -> None:
     init = pod["initContainers"][0]["args"]
     assert init[0] == "uninstall-node" and not any(a.startswith("--wrapper") for a in init)
     assert pod["containers"][0]["command"] == ["sleep", "3600"] and "readinessProbe" not in pod["containers"][0]
+    # no host port beside the running agent's (hostNetwork): the cleanup pods must schedule next to it
+    assert any(c.get("ports") for c in live["spec"]["template"]["spec"]["containers"])
+    assert not any(c.get("ports") for c in pod["containers"])
     assert pod["volumes"] == live["spec"]["template"]["spec"]["volumes"]  # same host paths as the agent
     result = CliRunner().invoke(cli, [*init, "--help"], env={"NODE_NAME": "ks-n1"})
     assert result.exit_code == 0, result.output
