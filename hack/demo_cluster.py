@@ -71,17 +71,23 @@ def main() -> None:
             "containerd_socket": f"{env.get('KS_CLUSTER_RUN', '/run/ks-cluster')}/{n}/containerd.sock",
             "kubelet_root": str(state / n / "kubelet"),
             "containerd_dropin_dir": str(state / n / "containerd.d"),
+            # the nodes share this machine's network (--host-network): a metrics port each
+            "metrics_bind_address": f":{9443 + i}",
         }
-        for n in nodes
+        for i, n in enumerate(nodes)
     }))  # fmt: skip
+    # --host-network: the local registry listens on this machine's loopback only
     run("kubectl-snapshot", "install", "--agent-image", image,
         "--api-server", f"https://{env['KS_API_HOST']}:{env['KS_API_PORT']}", "--node-config", str(node_config),
-        "--restart-command", f"{REPO / 'hack' / 'cluster' / 'containerd-restart.sh'} {{node}}", env=env)  # fmt: skip
+        "--restart-command", f"{REPO / 'hack' / 'cluster' / 'containerd-restart.sh'} {{node}}",
+        "--host-network", env=env)  # fmt: skip
     run("kubectl-snapshot", "doctor", env=env)
 
     say(f"a counter pod on {n1}")
     kubectl("delete", "namespace", NS, "--ignore-not-found", "--wait=true", show=False)
     kubectl("create", "namespace", NS, show=False)
+    # what a namespace's admin allows its snapshots to be pushed to and restored from (admission checks it)
+    kubectl("annotate", "namespace", NS, f"kubectl-snapshot.io/allowed-destinations={registry}/demo", show=False)
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
