@@ -187,10 +187,24 @@ def agent_pods(cluster: Cluster, selector: str) -> list[dict[str, Any]]:
     return list(json.loads(out)["items"])
 
 
+def settled(cluster: Cluster, quiet_s: float = 5.0, timeout_s: float = 300.0) -> dict[str, float]:
+    """The metrics once the agents are done with the objects just made (each one they saw before it was
+    marked finished costs them a look at its pod): no agent request for `quiet_s`."""
+    last = agent_metrics(cluster)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        now = agent_metrics(cluster)
+        if now["requests"] == last["requests"]:
+            return now
+        last = now
+    return last
+
+
 def measure(cluster: Cluster, kube: KubeClient, count: int, window_s: float) -> Cost:
     populate(kube, cluster, count)
     cluster.apply(flow_schema())
-    m0 = agent_metrics(cluster)
+    m0 = settled(cluster)
     restart_agents(cluster)
     time.sleep(3)
     m1 = agent_metrics(cluster)
