@@ -7,14 +7,7 @@ from typing import Any
 
 from kubectl_snapshot.app.artifact import Artifact
 from kubectl_snapshot.app.provenance import Provenance
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
+from kubectl_snapshot.core.status import human_bytes
 
 
 def inspect_data(artifact: Artifact, provenance: Provenance | None = None) -> dict[str, Any]:

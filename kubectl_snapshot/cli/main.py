@@ -31,7 +31,7 @@ from kubectl_snapshot.app.restore import RestoreRequest, build_restore, create_r
 from kubectl_snapshot.app.snapshot import SnapshotRequest, snapshot_body, start_snapshot, wait_snapshot
 from kubectl_snapshot.cli import completion
 from kubectl_snapshot.cli.errors import handle_errors
-from kubectl_snapshot.cli.output import emit, human_bytes, output_option
+from kubectl_snapshot.cli.output import emit, output_option
 from kubectl_snapshot.cli.params import ENV_REPOSITORY, Duration, common_options, kube_opts, repository_default
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.core import kube as K
@@ -39,6 +39,7 @@ from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.podspec import destination, parse_pod_arg
 from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.status import human_bytes
 from kubectl_snapshot.core.status import read as snapshot_status
 
 DEFAULT_COMMAND = "pod"

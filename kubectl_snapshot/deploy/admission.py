@@ -113,6 +113,15 @@ _NOT_LISTED = (
 )
 
 
+def _match(groups: list[str], versions: list[str], operations: list[str], resources: list[str]) -> dict[str, Any]:
+    """matchConstraints for one resource rule."""
+    return {
+        "resourceRules": [
+            {"apiGroups": groups, "apiVersions": versions, "operations": operations, "resources": resources}
+        ]
+    }
+
+
 def _policy(name: str, labels: dict[str, str], spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": API,
@@ -137,16 +146,7 @@ def snapshot_policy(labels: dict[str, str]) -> dict[str, Any]:
         SNAPSHOT_POLICY,
         labels,
         {
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": [K.GROUP],
-                        "apiVersions": ["*"],
-                        "operations": ["CREATE"],
-                        "resources": [K.PLURAL],
-                    }
-                ]
-            },
+            "matchConstraints": _match([K.GROUP], ["*"], ["CREATE"], [K.PLURAL]),
             "variables": [
                 {"name": "ref", "expression": "object.spec.destination"},
                 {
@@ -202,16 +202,7 @@ def restore_policy(labels: dict[str, str]) -> dict[str, Any]:
         RESTORE_POLICY,
         labels,
         {
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": [""],
-                        "apiVersions": ["v1"],
-                        "operations": ["CREATE", "UPDATE"],
-                        "resources": ["pods", "pods/status"],
-                    }
-                ]
-            },
+            "matchConstraints": _match([""], ["v1"], ["CREATE", "UPDATE"], ["pods", "pods/status"]),
             "matchConditions": [
                 {
                     "name": "carries-restore-annotations",
@@ -290,16 +281,7 @@ def agent_nodes_policy(labels: dict[str, str]) -> dict[str, Any]:
         AGENT_NODES_POLICY,
         labels,
         {
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": [""],
-                        "apiVersions": ["v1"],
-                        "operations": ["CREATE", "UPDATE", "DELETE"],
-                        "resources": ["nodes", "nodes/status"],
-                    }
-                ]
-            },
+            "matchConstraints": _match([""], ["v1"], ["CREATE", "UPDATE", "DELETE"], ["nodes", "nodes/status"]),
             "matchConditions": _AGENT_ONLY,
             "variables": _AGENT_VARIABLES,
             "validations": [
@@ -324,16 +306,7 @@ def agent_pods_policy(labels: dict[str, str]) -> dict[str, Any]:
         AGENT_PODS_POLICY,
         labels,
         {
-            "matchConstraints": {
-                "resourceRules": [
-                    {
-                        "apiGroups": [""],
-                        "apiVersions": ["v1"],
-                        "operations": ["CREATE", "UPDATE", "DELETE"],
-                        "resources": ["pods", "pods/status"],
-                    }
-                ]
-            },
+            "matchConstraints": _match([""], ["v1"], ["CREATE", "UPDATE", "DELETE"], ["pods", "pods/status"]),
             "matchConditions": _AGENT_ONLY,
             "variables": _AGENT_VARIABLES,
             "validations": [
