@@ -28,6 +28,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import (
+    AlreadyExists,
     Expired,
     FailedPrecondition,
     Internal,
@@ -67,17 +68,26 @@ def _pods_path(ns: str | None, name: str | None = None) -> str:
     return f"{path}/{_q(name)}" if name else path
 
 
-def _api_message(e: ApiException) -> str:
+def _api_status(e: ApiException) -> dict[str, Any]:
+    """The API server's Status object in the error's body, or {}."""
     body: Any = e.body
     if isinstance(body, bytes):
         body = body.decode("utf-8", "replace")
     try:
         status = json.loads(body) if body else {}
     except ValueError:
-        status = {}
-    if isinstance(status, dict) and status.get("message"):
-        return str(status["message"])
-    return f"{e.status} {e.reason}".strip()
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def _api_message(e: ApiException) -> str:
+    message = _api_status(e).get("message")
+    return str(message) if message else f"{e.status} {e.reason}".strip()
+
+
+def _api_reason(e: ApiException) -> str:
+    """The Status object's `reason` (AlreadyExists, Conflict, ...), or ''."""
+    return str(_api_status(e).get("reason") or "")
 
 
 _ADMISSION_MARK = "ValidatingAdmissionPolicy 'kubectl-snapshot-"
@@ -117,6 +127,8 @@ def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
         )
     if e.status == 404:
         return NotFound(f"{what}: {msg}")
+    if e.status == 409 and _api_reason(e) == "AlreadyExists":
+        return AlreadyExists(f"{what}: {msg}")
     if e.status == 409:
         return FailedPrecondition(f"{what}: {msg}", retryable=True)
     if e.status == 410:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from kubectl_snapshot.app.ports import Kube, Obj
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, Unavailable
+from kubectl_snapshot.core.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from kubectl_snapshot.core.podspec import (
     check_pod_running,
     destination,
@@ -27,6 +27,7 @@ from kubectl_snapshot.core.status import SnapshotStatus
 from kubectl_snapshot.core.status import read as snapshot_status
 
 StatusFn = Callable[[SnapshotStatus], None]
+NAME_ATTEMPTS = 5  # names tried for one second (`<pod>-<stamp>`, then `-2` ... `-5`)
 WATCH_WINDOW_S = 10  # a watch is re-opened this often, so deadlines are checked at least this often
 
 
@@ -43,9 +44,10 @@ class SnapshotRequest:
     now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC))
 
 
-def snapshot_body(req: SnapshotRequest, *, kube: Kube) -> Obj:
-    """Check the pod exists and runs; the PodSnapshot to create for it."""
-    target: Reference = destination(req.repository, timestamp(req.now))
+def snapshot_body(req: SnapshotRequest, *, kube: Kube, attempt: int = 1) -> Obj:
+    """Check the pod exists and runs; the PodSnapshot to create for it (`attempt` > 1: the name, and
+    the default tag, carry `-N` because an earlier snapshot of the pod took that second's name)."""
+    target: Reference = destination(req.repository, timestamp(req.now, attempt))
     try:
         pod = kube.get_pod(req.namespace, req.pod)
     except NotFound as e:
@@ -55,7 +57,7 @@ def snapshot_body(req: SnapshotRequest, *, kube: Kube) -> Obj:
         ) from e
     check_pod_running(pod)
     return snapshot_object(
-        name=snapshot_name(req.pod, req.now),
+        name=snapshot_name(req.pod, req.now, attempt),
         namespace=req.namespace,
         pod=req.pod,
         target=target,
@@ -70,14 +72,21 @@ def snapshot_body(req: SnapshotRequest, *, kube: Kube) -> Obj:
 def start_snapshot(req: SnapshotRequest, *, kube: Kube, dry_run: bool = False) -> Obj:
     """Check the pod exists and runs, then create its PodSnapshot; returns the created object (with
     dry_run, the object as the API server would have created it: `--dry-run=server`)."""
-    body = snapshot_body(req, kube=kube)
-    try:
-        return kube.create_snapshot(req.namespace, body, dry_run=dry_run)
-    except NotFound as e:
-        raise FailedPrecondition(
-            f"the PodSnapshot resource is not installed in this cluster ({e.message})",
-            hint="install kubectl-snapshot first: kubectl snapshot install",
-        ) from e
+    for attempt in range(1, NAME_ATTEMPTS + 1):
+        body = snapshot_body(req, kube=kube, attempt=attempt)
+        try:
+            return kube.create_snapshot(req.namespace, body, dry_run=dry_run)
+        except AlreadyExists as e:
+            if attempt == NAME_ATTEMPTS:
+                raise AlreadyExists(
+                    e.message, hint="snapshots of this pod are being made faster than one a second; retry"
+                ) from e
+        except NotFound as e:
+            raise FailedPrecondition(
+                f"the PodSnapshot resource is not installed in this cluster ({e.message})",
+                hint="install kubectl-snapshot first: kubectl snapshot install",
+            ) from e
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def wait_snapshot(

@@ -63,6 +63,12 @@ class FailedPrecondition(SnapshotError):
     category = "failed-precondition"
 
 
+class AlreadyExists(FailedPrecondition):
+    """The object to create exists already (HTTP 409, reason AlreadyExists)."""
+
+    category = "already-exists"
+
+
 class Expired(FailedPrecondition):
     """A watch or list resourceVersion the API server no longer has (HTTP 410 Gone): list again."""
 

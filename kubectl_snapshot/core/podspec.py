@@ -60,14 +60,16 @@ def validate_name(name: str, what: str) -> str:
     return name
 
 
-def timestamp(now: datetime.datetime) -> str:
-    """`yyyymmdd-hhmmss` in UTC: the suffix of snapshot names and the default tag."""
-    return now.astimezone(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+def timestamp(now: datetime.datetime, attempt: int = 1) -> str:
+    """`yyyymmdd-hhmmss` in UTC: the suffix of snapshot names and the default tag; `-N` is added for
+    the Nth attempt (N >= 2) when a snapshot of the same pod was already made in that second."""
+    stamp = now.astimezone(datetime.UTC).strftime("%Y%m%d-%H%M%S")
+    return stamp if attempt <= 1 else f"{stamp}-{attempt}"
 
 
-def snapshot_name(pod: str, now: datetime.datetime) -> str:
-    """`<pod>-<yyyymmdd-hhmmss>`, the pod part shortened so the whole stays a valid name."""
-    suffix = "-" + timestamp(now)
+def snapshot_name(pod: str, now: datetime.datetime, attempt: int = 1) -> str:
+    """`<pod>-<yyyymmdd-hhmmss>[-N]`, the pod part shortened so the whole stays a valid name."""
+    suffix = "-" + timestamp(now, attempt)
     return pod[: MAX_NAME - len(suffix)].rstrip("-.") + suffix
 
 
