@@ -21,6 +21,28 @@ TERMINAL_PHASES: Final = (PHASE_SUCCEEDED, PHASE_FAILED)
 # The CRD's selectable field agents watch by: the node whose agent claimed a PodSnapshot ("" = nobody yet).
 SNAPSHOT_NODE_FIELD: Final = "status.node"
 
+# SnapshotPolicy (autosave): saves of the selected pods every interval, retention, resume (docs/kubernetes.md)
+POLICY_KIND: Final = "SnapshotPolicy"
+POLICY_PLURAL: Final = "snapshotpolicies"
+POLICY_SINGULAR: Final = "snapshotpolicy"
+POLICY_SHORT_NAME: Final = "spol"
+POLICY_MIN_INTERVAL_S: Final = 10
+# The workload kinds a policy may name (spec.workload.kind); "Pod" is a bare pod.
+WORKLOAD_KINDS: Final = ("StatefulSet", "Deployment", "ReplicaSet", "Job", "Pod")
+# Labels on every PodSnapshot, written by the agent from the pod it snapshots (a tenant's own labels
+# with these keys are overwritten at claim time): which pod, which workload, which policy made it.
+LABEL_POD_UID: Final = f"{GROUP}/pod-uid"
+LABEL_POLICY: Final = f"{GROUP}/policy"  # only on saves a SnapshotPolicy made
+LABEL_WORKLOAD_KIND: Final = f"{GROUP}/workload-kind"  # StatefulSet | Deployment | ReplicaSet | Job | Pod
+LABEL_WORKLOAD_NAME: Final = f"{GROUP}/workload-name"
+LABEL_COMPLETION_INDEX: Final = f"{GROUP}/completion-index"  # indexed Jobs: the pod's completion index
+# On a PodSnapshot: the uid of the pod that resumed from it (claimed atomically, resourceVersion-checked).
+ANN_CLAIMED_BY: Final = f"{GROUP}/claimed-by"
+# On a pod: the SnapshotPolicy under which it resumes from its predecessor's last save (set at admission).
+ANN_RESUME_POLICY: Final = f"{GROUP}/resume-policy"
+# On a pod: RFC 3339 time of its last good save (schedulers and preemption may prefer fresh saves).
+ANN_LAST_SAVE: Final = f"{GROUP}/last-save"
+
 # restore
 RUNTIME_CLASS: Final = "kubectl-snapshot"
 ANN_RESTORE_FROM: Final = f"{GROUP}/restore-from"  # REGISTRY/REPO@sha256:...

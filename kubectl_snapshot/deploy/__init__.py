@@ -64,6 +64,7 @@ def render(
     objects = [
         crd.podsnapshot_crd(labels),
         crd.snapshotgrant_crd(labels),
+        crd.snapshotpolicy_crd(labels),
         rbac.namespace(labels),
         rbac.service_account(labels),
         rbac.agent_cluster_role(labels),

@@ -257,3 +257,177 @@ def snapshotgrant_crd(labels: dict[str, str]) -> dict[str, Any]:
             ],
         },
     }
+
+
+POLICY_CRD_NAME = f"{K.POLICY_PLURAL}.{K.GROUP}"
+_DURATION: dict[str, Any] = {
+    "type": "string",
+    "maxLength": 32,
+    "pattern": r"^([0-9]+(h|m|s))+$",
+}
+
+
+def _policy_spec_schema() -> dict[str, Any]:
+    return {
+        "type": "object",
+        "description": "Which pods to save, how often, where, how many saves to keep, and whether new pods of "
+        "the workload resume from them.",
+        "required": ["selector", "interval", "destination"],
+        "properties": {
+            "selector": {
+                "type": "object",
+                "description": "Pods in this namespace whose labels include all of matchLabels.",
+                "required": ["matchLabels"],
+                "properties": {
+                    "matchLabels": {
+                        "type": "object",
+                        "minProperties": 1,
+                        "maxProperties": 32,
+                        "additionalProperties": {"type": "string", "maxLength": 63},
+                    }
+                },
+            },
+            "workload": {
+                "type": "object",
+                "description": "Optional: only pods owned by this workload (a Deployment's pods through its "
+                "ReplicaSets).",
+                "required": ["kind", "name"],
+                "properties": {
+                    "kind": {"type": "string", "enum": list(K.WORKLOAD_KINDS)},
+                    "name": {"type": "string", "minLength": 1, "maxLength": 253},
+                },
+            },
+            "interval": {
+                **_DURATION,
+                "description": f"How often each selected pod is saved (Go-style duration: 30s, 5m, 1h30m; at "
+                f"least {K.POLICY_MIN_INTERVAL_S}s).",
+                "x-kubernetes-validations": [
+                    {
+                        "rule": f"duration(self) >= duration('{K.POLICY_MIN_INTERVAL_S}s')",
+                        "message": f"interval must be at least {K.POLICY_MIN_INTERVAL_S}s",
+                    }
+                ],
+            },
+            "destination": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": 1024,
+                "description": "REGISTRY/REPO the saves are pushed to (tags are made per save).",
+            },
+            "registrySecret": {
+                "type": "string",
+                "maxLength": 253,
+                "description": "A kubernetes.io/dockerconfigjson Secret in this namespace with push and pull "
+                "credentials.",
+            },
+            "insecure": {"type": "boolean", "default": False, "description": "Plain HTTP to the registry."},
+            "includeVolumes": {"type": "boolean", "default": True, "description": "Save emptyDir volumes."},
+            "retention": {
+                "type": "object",
+                "description": "Saves beyond these (per pod) are deleted with their registry manifests.",
+                "properties": {
+                    "keepLast": {
+                        "type": "integer",
+                        "minimum": 1,
+                        "maximum": 1000,
+                        "default": 3,
+                        "description": "Keep the last N good saves of each pod.",
+                    },
+                    "maxAge": {**_DURATION, "description": "Also delete saves older than this (except the last)."},
+                },
+            },
+            "resume": {
+                "type": "boolean",
+                "default": True,
+                "description": "New pods of the workload resume from their predecessor's last good save.",
+            },
+            "suspend": {"type": "boolean", "default": False, "description": "Pause the schedule."},
+        },
+    }
+
+
+def _policy_status_schema() -> dict[str, Any]:
+    pod = {
+        "type": "object",
+        "required": ["name"],
+        "properties": {
+            "name": _STRING,
+            "uid": _STRING,
+            "node": _STRING,
+            "lastSaveTime": _TIME,
+            "lastSnapshot": {"type": "string", "description": "The PodSnapshot of the last good save."},
+            "lastReference": _STRING,
+            "lastSize": _BYTES,
+            "lastResult": {"type": "string", "enum": [K.PHASE_SUCCEEDED, K.PHASE_FAILED]},
+            "lastMessage": _STRING,
+            "consecutiveFailures": {"type": "integer", "minimum": 0},
+            "nextSaveTime": _TIME,
+        },
+    }
+    return {
+        "type": "object",
+        "description": "Written by the agents (each its own pods' entries, by server-side apply).",
+        "properties": {
+            "observedGeneration": {"type": "integer", "format": "int64"},
+            "pods": {
+                "type": "array",
+                "items": pod,
+                "x-kubernetes-list-type": "map",
+                "x-kubernetes-list-map-keys": ["name"],
+            },
+            "conditions": _status_schema()["properties"]["conditions"],
+        },
+    }
+
+
+def snapshotpolicy_crd(labels: dict[str, str]) -> dict[str, Any]:
+    """SnapshotPolicy: autosave of the selected pods, with retention and resume (docs/kubernetes.md)."""
+    names: dict[str, Any] = {
+        "kind": K.POLICY_KIND,
+        "listKind": f"{K.POLICY_KIND}List",
+        "plural": K.POLICY_PLURAL,
+        "singular": K.POLICY_SINGULAR,
+        "shortNames": [K.POLICY_SHORT_NAME],
+        "categories": ["kubectl-snapshot"],
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": POLICY_CRD_NAME, "labels": dict(labels)},
+        "spec": {
+            "group": K.GROUP,
+            "scope": "Namespaced",
+            "names": names,
+            "versions": [
+                {
+                    "name": K.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        {"name": "Interval", "type": "string", "jsonPath": ".spec.interval"},
+                        {"name": "Keep", "type": "integer", "jsonPath": ".spec.retention.keepLast"},
+                        {"name": "Destination", "type": "string", "jsonPath": ".spec.destination"},
+                        {"name": "Suspend", "type": "boolean", "jsonPath": ".spec.suspend"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                        {"name": "Selector", "type": "string", "jsonPath": ".spec.selector.matchLabels", "priority": 1},
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "Saves the selected pods every interval; keeps the last N per pod; "
+                            "new pods of the workload resume from the last good save.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": _STRING,
+                                "kind": _STRING,
+                                "metadata": {"type": "object"},
+                                "spec": _policy_spec_schema(),
+                                "status": _policy_status_schema(),
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }

@@ -48,7 +48,7 @@ def pod_spec(objs: list[dict[str, Any]]) -> dict[str, Any]:
 def test_apply_order_and_names() -> None:
     objs = render("reg.example/agent@sha256:" + "a" * 64)
     kinds = [o["kind"] for o in objs]
-    assert kinds[:2] == ["CustomResourceDefinition"] * 2 and kinds[2] == "Namespace" and kinds[-1] == "DaemonSet"
+    assert kinds[:3] == ["CustomResourceDefinition"] * 3 and kinds[3] == "Namespace" and kinds[-1] == "DaemonSet"
     assert kinds.index("ServiceAccount") < kinds.index("ClusterRoleBinding") < kinds.index("DaemonSet")
     assert "ConfigMap" not in kinds  # only with per_node_paths
     for o in objs:
@@ -413,3 +413,17 @@ def test_a_node_maps_metrics_address_reaches_the_agents_settings(tmp_path: Path)
     m.write_text('{"n2": {"metrics_bind_address": ":9444"}}')
     assert apply_node_map(NodeSettings(node="n2"), str(m)).metrics_bind_address == ":9444"
     assert apply_node_map(NodeSettings(node="n1"), str(m)).metrics_bind_address == ""
+
+
+def test_snapshotpolicy_crd_schema_is_the_contract() -> None:
+    crd = by_kind(render("reg.example/agent:1"))[("CustomResourceDefinition", f"{K.POLICY_PLURAL}.{K.GROUP}")]
+    version = crd["spec"]["versions"][0]
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert set(spec["required"]) == {"selector", "interval", "destination"}
+    assert spec["properties"]["workload"]["properties"]["kind"]["enum"] == list(K.WORKLOAD_KINDS)
+    interval = spec["properties"]["interval"]
+    assert f"duration('{K.POLICY_MIN_INTERVAL_S}s')" in interval["x-kubernetes-validations"][0]["rule"]
+    pods = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["pods"]
+    # each agent owns its own pods' entries (server-side apply merges them by name)
+    assert pods["x-kubernetes-list-type"] == "map" and pods["x-kubernetes-list-map-keys"] == ["name"]
+    assert version["subresources"] == {"status": {}} and crd["spec"]["names"]["shortNames"] == [K.POLICY_SHORT_NAME]
