@@ -20,10 +20,9 @@ from typing import Any
 
 from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.app.provenance import authorize_restore, load_trust
-from kubectl_snapshot.cli.errors import render
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError
+from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError, render
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
