@@ -20,7 +20,6 @@ import yaml
 
 from kubectl_snapshot.app import doctor as doctor_app
 from kubectl_snapshot.app import install as install_app
-from kubectl_snapshot.app.artifact import load_artifact
 from kubectl_snapshot.app.delete import delete_snapshots
 from kubectl_snapshot.app.inspect import inspect_data, inspect_text
 from kubectl_snapshot.app.listing import list_objects, snapshot_row
@@ -35,6 +34,7 @@ from kubectl_snapshot.cli.output import emit, output_option
 from kubectl_snapshot.cli.params import ENV_REPOSITORY, Duration, common_options, kube_opts, repository_default
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.podspec import destination, parse_pod_arg
 from kubectl_snapshot.core.provenance import TrustPolicy

@@ -23,6 +23,7 @@ from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.adapters.archive import open_zstd_reader, safe_extract
 from kubectl_snapshot.app.provenance import verify_for_restore
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.artifact import Artifact, load_artifact
 from kubectl_snapshot.core.errors import (
     CriuFailed,
     FailedPrecondition,
@@ -40,7 +41,6 @@ from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, Opener
 from shim import hostfacts
-from shim.engine.artifact import Artifact, load_artifact
 from shim.engine.package import progress_counter
 from shim.engine.ports import Registry
 from shim.engine.staging import StatePaths, check_key
