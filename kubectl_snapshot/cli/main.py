@@ -18,6 +18,7 @@ from typing import Any
 import click
 import yaml
 
+from kubectl_snapshot.adapters.signatures import load_trust, merge_trust, provenance_of, trust_from_data
 from kubectl_snapshot.app import doctor as doctor_app
 from kubectl_snapshot.app import install as install_app
 from kubectl_snapshot.app.delete import delete_snapshots
@@ -25,7 +26,6 @@ from kubectl_snapshot.app.inspect import inspect_data, inspect_text
 from kubectl_snapshot.app.listing import list_objects, snapshot_row
 from kubectl_snapshot.app.migrate import MigrateRequest, migrate
 from kubectl_snapshot.app.ports import ArtifactStore, Kube
-from kubectl_snapshot.app.provenance import load_trust, merge_trust, provenance_of, trust_from_data
 from kubectl_snapshot.app.restore import RestoreRequest, build_restore, create_restore_pod, resolve_source, wait_running
 from kubectl_snapshot.app.snapshot import SnapshotRequest, snapshot_body, start_snapshot, wait_snapshot
 from kubectl_snapshot.cli import completion

@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from kubectl_snapshot.adapters import safefs
-from kubectl_snapshot.app.provenance import authorize_restore, load_trust
+from kubectl_snapshot.adapters.signatures import authorize_restore, load_trust
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.artifact import load_artifact

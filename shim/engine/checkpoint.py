@@ -26,7 +26,7 @@ from typing import Any
 from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.adapters.archive import tar_directories
 from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
-from kubectl_snapshot.app.provenance import sign_snapshot
+from kubectl_snapshot.adapters.signatures import sign_snapshot
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes

@@ -21,7 +21,7 @@ from typing import Any
 
 from kubectl_snapshot.adapters import safefs
 from kubectl_snapshot.adapters.archive import open_zstd_reader, safe_extract
-from kubectl_snapshot.app.provenance import verify_for_restore
+from kubectl_snapshot.adapters.signatures import verify_for_restore
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.artifact import Artifact, load_artifact
 from kubectl_snapshot.core.errors import (
