@@ -3,11 +3,11 @@
 
 Why a zipapp: containerd runs the wrapper on the HOST (runc shim option ``BinaryName``), where only
 Debian's /usr/bin/python3 (3.11, stdlib only) can be assumed. The wrapper's import closure is pure
-Python and stdlib-only (``kubectl_snapshot.adapters.archive`` imports zstandard lazily, only the zstd
+Python and stdlib-only (``shim.archive`` imports zstandard lazily, only the zstd
 helpers need it), so these files are all it needs:
 
-    kubectl_snapshot/{__init__,core/*,adapters/__init__,adapters/archive,adapters/criu_guard}.py
-    shim/{__init__,engine/__init__,engine/staging,podrestore,rootfs_diff,runc_wrapper}.py
+    kubectl_snapshot/{__init__,core/*}.py
+    shim/{__init__,archive,criu_guard,engine/__init__,engine/staging,podrestore,rootfs_diff,runc_wrapper}.py
     __main__.py -> shim.runc_wrapper:main
 
 The archive is reproducible (sorted entries, fixed timestamps), so its digest only changes with the
@@ -32,10 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 MODULES = (
     "kubectl_snapshot/__init__.py",
     "kubectl_snapshot/core/*.py",
-    "kubectl_snapshot/adapters/__init__.py",
-    "kubectl_snapshot/adapters/archive.py",
-    "kubectl_snapshot/adapters/criu_guard.py",
     "shim/__init__.py",
+    "shim/archive.py",
+    "shim/criu_guard.py",
     "shim/engine/__init__.py",
     "shim/engine/staging.py",
     "shim/podrestore.py",

@@ -27,12 +27,12 @@ from typing import BinaryIO, TypeVar
 
 import zstandard
 
-from kubectl_snapshot.adapters.archive import iter_produced, open_zstd_writer, tar_directory
 from kubectl_snapshot.core.chunks import Chunk, PagesFile
 from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
 from kubectl_snapshot.core.oci import sha256_digest
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener, Sealer
+from shim.archive import iter_produced, open_zstd_writer, tar_directory
 from shim.engine.chunks import PagesPlan
 from shim.engine.ports import Registry
 

@@ -19,7 +19,9 @@ from typing import BinaryIO
 import pytest
 import zstandard
 
-from kubectl_snapshot.adapters.archive import (
+from kubectl_snapshot.core.errors import UnsafeArchive
+from kubectl_snapshot.core.safepath import ExtractLimits
+from shim.archive import (
     HashingWriter,
     compress_to,
     iter_produced,
@@ -28,8 +30,6 @@ from kubectl_snapshot.adapters.archive import (
     safe_extract,
     tar_directory,
 )
-from kubectl_snapshot.core.errors import UnsafeArchive
-from kubectl_snapshot.core.safepath import ExtractLimits
 from tests.support.tarcraft import Entry, craft_tar, dev, dir_, hard, reg, sym
 
 ROOT = os.geteuid() == 0

@@ -106,7 +106,7 @@ class _Tree:
     """dest opened once; every path below it is reached through O_NOFOLLOW directory fds."""
 
     def __init__(self, dest: str | int) -> None:
-        if isinstance(dest, int):  # an fd the caller opened without following links (adapters/safefs.py)
+        if isinstance(dest, int):  # an fd the caller opened without following links (shim/safefs.py)
             self.fd = os.dup(dest)
         else:
             self.fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
