@@ -3,8 +3,8 @@
 
 Why a zipapp: containerd runs the wrapper on the HOST (runc shim option ``BinaryName``), where only
 Debian's /usr/bin/python3 (3.11, stdlib only) can be assumed. The wrapper's import closure is pure
-Python and stdlib-only (``shim.archive`` imports zstandard lazily, only the zstd
-helpers need it), so these files are all it needs:
+Python and stdlib-only (the import-linter contract "the runtime wrapper stays light" checks it; zstd
+streams are shim/zstdio.py, which it never imports), so these files are all it needs:
 
     kubectl_snapshot/{__init__,core/*}.py
     shim/{__init__,archive,criu_guard,engine/__init__,engine/staging,podrestore,rootfs_diff,runc_wrapper}.py

@@ -39,11 +39,12 @@ from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, Opener
 from shim import hostfacts, safefs
-from shim.archive import open_zstd_reader, safe_extract
+from shim.archive import safe_extract
 from shim.engine.package import progress_counter
 from shim.engine.ports import Registry
 from shim.engine.staging import StatePaths, check_key
 from shim.engine.stream import fetch_chunks
+from shim.zstdio import open_zstd_reader
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]
