@@ -3,12 +3,10 @@
 
 Why a zipapp: containerd runs the wrapper on the HOST (runc shim option ``BinaryName``), where only
 Debian's /usr/bin/python3 (3.11, stdlib only) can be assumed. The wrapper's import closure is pure
-Python and stdlib-only (the import-linter contract "the runtime wrapper stays light" checks it; zstd
-streams are shim/zstdio.py, which it never imports), so these files are all it needs:
-
-    kubectl_snapshot/{__init__,core/*}.py
-    shim/{__init__,archive,criu_guard,engine/__init__,engine/staging,podrestore,rootfs_diff,runc_wrapper}.py
-    __main__.py -> shim.runc_wrapper:main
+Python and stdlib-only (the import-linter contract "the runtime wrapper stays light" in pyproject.toml
+checks it), so the zipapp holds exactly that closure: the modules of this repository that
+shim/runc_wrapper.py imports, directly or not (every import statement counts, lazy ones included),
+with their packages' ``__init__.py``, plus ``__main__.py -> shim.runc_wrapper:main``.
 
 The archive is reproducible (sorted entries, fixed timestamps), so its digest only changes with the
 sources. Each module also gets a legacy ``.pyc`` beside it (unchecked-hash, compiled by the Python
@@ -20,6 +18,7 @@ Usage: hack/build-wrapper-pyz.py OUT.pyz   (run it with the host's /usr/bin/pyth
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import io
 import py_compile
@@ -29,18 +28,8 @@ import zipfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = (
-    "kubectl_snapshot/__init__.py",
-    "kubectl_snapshot/core/*.py",
-    "shim/__init__.py",
-    "shim/archive.py",
-    "shim/criu_guard.py",
-    "shim/engine/__init__.py",
-    "shim/engine/staging.py",
-    "shim/podrestore.py",
-    "shim/rootfs_diff.py",
-    "shim/runc_wrapper.py",
-)
+ENTRY = "shim.runc_wrapper"
+PACKAGES = ("kubectl_snapshot", "shim")  # imports of anything else are the stdlib's (or pycriu, on restore)
 MAIN = (
     '"""kubectl-snapshot-runc: runc-compatible runtime that restores staged snapshots on create."""\n'
     "from shim.runc_wrapper import main\n\nmain()\n"
@@ -49,14 +38,46 @@ SHEBANG = b"#!/usr/bin/python3 -I -S\n"
 EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
-def sources() -> list[Path]:
-    """The wrapper's files, relative to the repository, sorted."""
+def _module_file(name: str) -> Path | None:
+    """The file of module `name` in this repository, or None (`from pkg import Name` names no module)."""
+    base = REPO.joinpath(*name.split("."))
+    for path in (base / "__init__.py", base.with_suffix(".py")):
+        if path.is_file():
+            return path
+    return None
+
+
+def _imported(path: Path) -> set[str]:
+    """The names this module's import statements could load from PACKAGES (absolute imports only)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {n for n in names if n.split(".", 1)[0] in PACKAGES}
+
+
+def sources(entry: str = ENTRY) -> list[Path]:
+    """The wrapper's files (its import closure in this repository), relative to the repository, sorted."""
     found: set[Path] = set()
-    for pattern in MODULES:
-        matches = sorted(REPO.glob(pattern))
-        if not matches:
-            raise SystemExit(f"error: {pattern} not found under {REPO}")
-        found.update(p.relative_to(REPO) for p in matches)
+    seen: set[str] = set()
+    todo = [entry]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        parts = name.split(".")
+        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # its packages' __init__.py
+        path = _module_file(name)
+        if path is None:
+            continue
+        found.add(path.relative_to(REPO))
+        todo.extend(_imported(path))
+    if Path(*entry.split(".")).with_suffix(".py") not in found:
+        raise SystemExit(f"error: {entry} not found under {REPO}")
     return sorted(found)
 
 
