@@ -18,7 +18,6 @@ Usage: hack/build-wrapper-pyz.py OUT.pyz   (run it with the host's /usr/bin/pyth
 
 from __future__ import annotations
 
-import ast
 import importlib.util
 import io
 import py_compile
@@ -27,9 +26,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from import_closure import closure
+
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = "shim.runc_wrapper"
-PACKAGES = ("kubectl_snapshot", "shim")  # imports of anything else are the stdlib's (or pycriu, on restore)
 MAIN = (
     '"""kubectl-snapshot-runc: runc-compatible runtime that restores staged snapshots on create."""\n'
     "from shim.runc_wrapper import main\n\nmain()\n"
@@ -38,47 +39,9 @@ SHEBANG = b"#!/usr/bin/python3 -I -S\n"
 EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
-def _module_file(name: str) -> Path | None:
-    """The file of module `name` in this repository, or None (`from pkg import Name` names no module)."""
-    base = REPO.joinpath(*name.split("."))
-    for path in (base / "__init__.py", base.with_suffix(".py")):
-        if path.is_file():
-            return path
-    return None
-
-
-def _imported(path: Path) -> set[str]:
-    """The names this module's import statements could load from PACKAGES (absolute imports only)."""
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_bytes(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return {n for n in names if n.split(".", 1)[0] in PACKAGES}
-
-
-def sources(entry: str = ENTRY) -> list[Path]:
+def sources() -> list[Path]:
     """The wrapper's files (its import closure in this repository), relative to the repository, sorted."""
-    found: set[Path] = set()
-    seen: set[str] = set()
-    todo = [entry]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        seen.add(name)
-        parts = name.split(".")
-        todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))  # its packages' __init__.py
-        path = _module_file(name)
-        if path is None:
-            continue
-        found.add(path.relative_to(REPO))
-        todo.extend(_imported(path))
-    if Path(*entry.split(".")).with_suffix(".py") not in found:
-        raise SystemExit(f"error: {entry} not found under {REPO}")
-    return sorted(found)
+    return closure([ENTRY], REPO)
 
 
 def _compiled(rel: Path, source: bytes) -> bytes | None:
