@@ -83,6 +83,7 @@ SOURCES = (
     "shim",
     "pyproject.toml",
     "hack/build-wrapper-pyz.py",
+    "hack/import_closure.py",
     "hack/agent_image.py",
     "hack/node_bundle.py",
     "hack/launcher",

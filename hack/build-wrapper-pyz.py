@@ -3,12 +3,10 @@
 
 Why a zipapp: containerd runs the wrapper on the HOST (runc shim option ``BinaryName``), where only
 Debian's /usr/bin/python3 (3.11, stdlib only) can be assumed. The wrapper's import closure is pure
-Python and stdlib-only (``kubectl_snapshot.adapters.archive`` imports zstandard lazily, only the zstd
-helpers need it), so these files are all it needs:
-
-    kubectl_snapshot/{__init__,core/*,adapters/__init__,adapters/archive,adapters/criu_guard}.py
-    shim/{__init__,engine/__init__,engine/staging,podrestore,rootfs_diff,runc_wrapper}.py
-    __main__.py -> shim.runc_wrapper:main
+Python and stdlib-only (the import-linter contract "the runtime wrapper stays light" in pyproject.toml
+checks it), so the zipapp holds exactly that closure: the modules of this repository that
+shim/runc_wrapper.py imports, directly or not (every import statement counts, lazy ones included),
+with their packages' ``__init__.py``, plus ``__main__.py -> shim.runc_wrapper:main``.
 
 The archive is reproducible (sorted entries, fixed timestamps), so its digest only changes with the
 sources. Each module also gets a legacy ``.pyc`` beside it (unchecked-hash, compiled by the Python
@@ -28,20 +26,11 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from import_closure import closure
+
 REPO = Path(__file__).resolve().parents[1]
-MODULES = (
-    "kubectl_snapshot/__init__.py",
-    "kubectl_snapshot/core/*.py",
-    "kubectl_snapshot/adapters/__init__.py",
-    "kubectl_snapshot/adapters/archive.py",
-    "kubectl_snapshot/adapters/criu_guard.py",
-    "shim/__init__.py",
-    "shim/engine/__init__.py",
-    "shim/engine/staging.py",
-    "shim/podrestore.py",
-    "shim/rootfs_diff.py",
-    "shim/runc_wrapper.py",
-)
+ENTRY = "shim.runc_wrapper"
 MAIN = (
     '"""kubectl-snapshot-runc: runc-compatible runtime that restores staged snapshots on create."""\n'
     "from shim.runc_wrapper import main\n\nmain()\n"
@@ -51,14 +40,8 @@ EPOCH = (1980, 1, 1, 0, 0, 0)
 
 
 def sources() -> list[Path]:
-    """The wrapper's files, relative to the repository, sorted."""
-    found: set[Path] = set()
-    for pattern in MODULES:
-        matches = sorted(REPO.glob(pattern))
-        if not matches:
-            raise SystemExit(f"error: {pattern} not found under {REPO}")
-        found.update(p.relative_to(REPO) for p in matches)
-    return sorted(found)
+    """The wrapper's files (its import closure in this repository), relative to the repository, sorted."""
+    return closure([ENTRY], REPO)
 
 
 def _compiled(rel: Path, source: bytes) -> bytes | None:

@@ -35,6 +35,10 @@ from pathlib import Path
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "hack"))
+from import_closure import closure as module_closure  # noqa: E402  (hack/import_closure.py)
+
+ENTRY = "kubectl_snapshot.cli.main"  # what __main__.py runs (MAIN below)
 PROJECT = "kubectl-snapshot"
 BIN = "kubectl-snapshot"
 COMPLETE = "kubectl_complete-snapshot"
@@ -70,7 +74,7 @@ if sys.version_info < {MIN_PYTHON!r}:
     )
     sys.exit(1)
 
-from kubectl_snapshot.cli.main import main
+from {ENTRY} import main
 
 main()
 '''
@@ -137,12 +141,16 @@ def dist_files(name: str) -> dict[str, Path]:
 
 
 def project_files() -> dict[str, Path]:
-    base = REPO / "kubectl_snapshot"
-    return {
-        str(p.relative_to(REPO)): p
-        for p in sorted(base.rglob("*"))
-        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(DROP_SUFFIXES)
-    }
+    """The plugin's own files: the modules `kubectl_snapshot.cli.main` imports, directly or not
+    (hack/import_closure.py), and the package's data; nothing of the node side, nor the library
+    modules only the agent uses."""
+    modules = module_closure([ENTRY], REPO)
+    data = [
+        p.relative_to(REPO)
+        for p in (REPO / "kubectl_snapshot").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith((".py", *DROP_SUFFIXES))
+    ]
+    return {rel.as_posix(): REPO / rel for rel in sorted([*modules, *data])}
 
 
 def _add(z: zipfile.ZipFile, arc: str, data: bytes) -> None:

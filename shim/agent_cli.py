@@ -18,14 +18,14 @@ import click
 
 from kubectl_snapshot.adapters.keystore import FileKeyProvider
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
-from kubectl_snapshot.app.artifact import load_artifact
-from kubectl_snapshot.app.inspect import inspect_data, inspect_text
-from kubectl_snapshot.app.provenance import load_signing_key, load_trust, provenance_of
-from kubectl_snapshot.cli.errors import handle_errors
-from kubectl_snapshot.cli.output import emit, output_option
-from kubectl_snapshot.cli.progress import Progress
+from kubectl_snapshot.adapters.signatures import load_signing_key, load_trust, provenance_of
+from kubectl_snapshot.console.errors import handle_errors
+from kubectl_snapshot.console.inspect import inspect_data, inspect_text
+from kubectl_snapshot.console.output import emit, output_option
+from kubectl_snapshot.console.progress import Progress
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer

@@ -26,9 +26,9 @@ import stat
 from collections.abc import Sequence
 from typing import BinaryIO
 
-from kubectl_snapshot.adapters.archive import ByteSink, safe_extract, tar_directory
 from kubectl_snapshot.core.errors import FailedPrecondition, UnsafeArchive
 from kubectl_snapshot.core.safepath import ExtractLimits, check_container_path
+from shim.archive import ByteSink, safe_extract, tar_directory
 
 OPAQUE_XATTRS = ("trusted.overlay.opaque", "user.overlay.opaque")
 _DATA_ELSEWHERE_XATTRS = (

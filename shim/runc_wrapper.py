@@ -259,7 +259,7 @@ def _restore(
     try:
         # Issue 10: CRIU takes credentials, capabilities, seccomp, LSM labels, namespaces and
         # mounts from the images, not from this bundle; refuse images that ask for more.
-        from kubectl_snapshot.adapters.criu_guard import check_images
+        from shim.criu_guard import check_images
 
         check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec)
     except SnapshotError as e:

@@ -1,1 +1,3 @@
-"""Adapters: the only modules that touch grpc, HTTP, kubernetes, the filesystem in bulk or subprocesses."""
+"""Adapters both programs use: the registry (HTTP), the Kubernetes API, encryption keys, signatures and trust.
+
+The node's own adapters (archives, CRIU images, safe file access, the freezer, ...) live in ``shim``."""

@@ -11,15 +11,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj
-from kubectl_snapshot.app.provenance import (
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
+from kubectl_snapshot.core.provenance import (
     SIGNING_KEY_FILE,
     TRUST_ALLOW_UNVERIFIED_FILE,
     TRUST_CLUSTER_FILE,
     TRUST_KEY_SUFFIX,
+    PublicKey,
+    SigningKey,
 )
-from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
-from kubectl_snapshot.core.provenance import PublicKey, SigningKey
 
 StepFn = Callable[[str, int, int], None]  # (what, done, total)
 

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kubectl_snapshot.app.artifact import Artifact, load_artifact
 from kubectl_snapshot.app.ports import Kube, Obj, StoreFactory
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.artifact import Artifact, load_artifact
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from kubectl_snapshot.core.podspec import RestoreState, restore_pod, restore_state, validate_name
 from kubectl_snapshot.core.reference import Reference

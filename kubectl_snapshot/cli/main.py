@@ -18,23 +18,23 @@ from typing import Any
 import click
 import yaml
 
+from kubectl_snapshot.adapters.signatures import load_trust, merge_trust, provenance_of, trust_from_data
 from kubectl_snapshot.app import doctor as doctor_app
 from kubectl_snapshot.app import install as install_app
-from kubectl_snapshot.app.artifact import load_artifact
 from kubectl_snapshot.app.delete import delete_snapshots
-from kubectl_snapshot.app.inspect import inspect_data, inspect_text
 from kubectl_snapshot.app.listing import list_objects, snapshot_row
 from kubectl_snapshot.app.migrate import MigrateRequest, migrate
 from kubectl_snapshot.app.ports import ArtifactStore, Kube
-from kubectl_snapshot.app.provenance import load_trust, merge_trust, provenance_of, trust_from_data
 from kubectl_snapshot.app.restore import RestoreRequest, build_restore, create_restore_pod, resolve_source, wait_running
 from kubectl_snapshot.app.snapshot import SnapshotRequest, snapshot_body, start_snapshot, wait_snapshot
 from kubectl_snapshot.cli import completion
-from kubectl_snapshot.cli.errors import handle_errors
-from kubectl_snapshot.cli.output import emit, output_option
 from kubectl_snapshot.cli.params import ENV_REPOSITORY, Duration, common_options, kube_opts, repository_default
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
+from kubectl_snapshot.console.errors import handle_errors
+from kubectl_snapshot.console.inspect import inspect_data, inspect_text
+from kubectl_snapshot.console.output import emit, output_option
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.podspec import destination, parse_pod_arg
 from kubectl_snapshot.core.provenance import TrustPolicy

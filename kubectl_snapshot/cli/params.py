@@ -44,7 +44,7 @@ def _store(field: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
     def callback(ctx: click.Context, _param: click.Parameter, value: Any) -> Any:
         if value not in (None, False, ()):
             setattr(kube_opts(ctx), field, tuple(value) if isinstance(value, list | tuple) else value)
-            if field == "verbose":  # cli.errors.handle_errors reads it from the root's params
+            if field == "verbose":  # console.errors.handle_errors reads it from the root's params
                 ctx.find_root().params["verbose"] = True
         return value
 

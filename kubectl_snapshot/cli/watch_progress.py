@@ -1,6 +1,6 @@
 """Progress of a remote operation (a PodSnapshot's status, a restore Pod's state) on stderr.
 
-Unlike `cli.progress.Progress` (which counts bytes moved here), the numbers come from the agent as
+Unlike `console.progress.Progress` (which counts bytes moved here), the numbers come from the agent as
 absolute values: bytesDone/bytesTotal and a stage name. Silent when stderr is not a terminal.
 """
 

@@ -101,6 +101,19 @@ class CriuFailed(Internal):
     category = "criu-failed"
 
 
+def render(err: SnapshotError) -> str:
+    """The plain-text form of an error: ``error: <message>``, the details indented, ``hint: <hint>``.
+
+    What both programs print (the plugin and the agent CLI on stderr), and what the agent writes where a
+    person reads it (Events, a restore gate's failure file)."""
+    lines = [f"error: {err.message}"]
+    if err.details:
+        lines.append("  " + err.details.replace("\n", "\n  "))
+    if err.hint:
+        lines.append(f"hint: {err.hint}")
+    return "\n".join(lines)
+
+
 def log_tail(text: str, lines: int = 25) -> str:
     """The last `lines` lines of a log, for error details."""
     return "\n".join(text.rstrip("\n").splitlines()[-lines:])

@@ -55,6 +55,12 @@ OPT_CREATED: Final = "io.kubectl-snapshot.created"
 OPT_FORMAT: Final = "io.kubectl-snapshot.format-version"
 OPT_KEY_ID: Final = "io.kubectl-snapshot.key-id"
 
+# Files of the trust ConfigMap / directory (the agent mounts the ConfigMap; node-level use points at a dir)
+TRUST_CLUSTER_FILE: Final = "cluster-id"
+TRUST_ALLOW_UNVERIFIED_FILE: Final = "allow-unverified-snapshots"
+TRUST_KEY_SUFFIX: Final = ".pub"
+SIGNING_KEY_FILE: Final = "signing.key"  # in the signing-key Secret (PKCS#8 PEM)
+
 _UNTRUSTED_HINT = (
     "restore only snapshots this cluster's agents signed; an administrator can trust another key "
     "(kubectl snapshot install --trust-key PUB.pem) or, knowingly, unverified snapshots "
@@ -431,3 +437,28 @@ def check_namespace(source: str, target: str, repository: str, grants: Iterable[
         hint=f"someone allowed to in {source!r} can grant it: a SnapshotGrant there whose spec.targetNamespaces "
         f"lists {target!r} (docs/kubernetes.md)",
     )
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """What `inspect` shows."""
+
+    verdict: Verdict
+    error: str = ""  # when the signatures could not be read at all
+
+    def to_dict(self) -> dict[str, object]:
+        v = self.verdict
+        d: dict[str, object] = {"verified": v.verified, "reason": self.error or v.reason}
+        if v.claim is not None:
+            o = v.claim.origin
+            d["keyId"] = v.key_id
+            d["origin"] = {
+                "cluster": o.cluster,
+                "namespace": o.namespace,
+                "pod": o.pod,
+                "podUID": o.pod_uid,
+                "node": o.node,
+                "created": o.created,
+                "formatVersion": o.format_version,
+            }
+        return d

@@ -2,7 +2,7 @@
 
 Everything inside a snapshot is attacker-controlled (see docs/security threat model C1-C6): tar member
 names, link targets, and the paths listed in ``deleted.files``. This module decides, without touching
-the filesystem, whether such a name is acceptable; ``adapters/archive.py`` then performs the writes with
+the filesystem, whether such a name is acceptable; ``shim/archive.py`` then performs the writes with
 ``O_NOFOLLOW`` directory walks so that the check cannot be raced.
 """
 

@@ -18,23 +18,21 @@ import threading
 import time
 from typing import Any
 
-from kubectl_snapshot.adapters import safefs
-from kubectl_snapshot.app.provenance import authorize_restore, load_trust
-from kubectl_snapshot.cli.errors import render
+from kubectl_snapshot.adapters.signatures import authorize_restore, load_trust
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError
+from kubectl_snapshot.core.artifact import load_artifact
+from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError, render
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider
-from shim import hostfacts
+from shim import hostfacts, safefs
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
 from shim.controller.podinfo import check_restore_pod, empty_dir_rel, host_view, restore_volume_names
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
-from shim.engine.artifact import load_artifact
 from shim.engine.restore import RestoreLimits, VolumeTarget, opener_for, stage_artifact
 from shim.engine.staging import StatePaths, check_key
 from shim.metrics import AgentMetrics

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
-from kubectl_snapshot.app.provenance import load_signing_key, load_trust
+from kubectl_snapshot.adapters.signatures import load_signing_key, load_trust
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SnapshotError

@@ -23,10 +23,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from kubectl_snapshot.adapters import safefs
-from kubectl_snapshot.adapters.archive import tar_directories
-from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
-from kubectl_snapshot.app.provenance import sign_snapshot
+from kubectl_snapshot.adapters.signatures import sign_snapshot
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
@@ -48,7 +45,9 @@ from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest
 from kubectl_snapshot.core.provenance import Origin, SigningKey
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
-from shim import hostfacts
+from shim import hostfacts, safefs
+from shim.archive import tar_directories
+from shim.criu_images import summarize_checkpoint
 from shim.engine.package import (
     PackagedBlob,
     PackagedContainer,
@@ -501,7 +500,7 @@ def _volume_names(req: CheckpointRequest) -> list[str]:
 
 
 def _capture_volumes(req: CheckpointRequest, work: str) -> str:
-    """One tar of the volumes, every entry read through O_NOFOLLOW directory fds (adapters/safefs):
+    """One tar of the volumes, every entry read through O_NOFOLLOW directory fds (shim/safefs.py):
     a link the workload planted in its volume is recorded as a link, never followed to a host file."""
     path = os.path.join(work, "volumes.tar")
     fds: list[int] = []

@@ -19,10 +19,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubectl_snapshot.adapters import safefs
-from kubectl_snapshot.adapters.archive import open_zstd_reader, safe_extract
-from kubectl_snapshot.app.provenance import verify_for_restore
+from kubectl_snapshot.adapters.signatures import verify_for_restore
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.artifact import Artifact, load_artifact
 from kubectl_snapshot.core.errors import (
     CriuFailed,
     FailedPrecondition,
@@ -39,12 +38,13 @@ from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, Opener
-from shim import hostfacts
-from shim.engine.artifact import Artifact, load_artifact
+from shim import hostfacts, safefs
+from shim.archive import safe_extract
 from shim.engine.package import progress_counter
 from shim.engine.ports import Registry
 from shim.engine.staging import StatePaths, check_key
 from shim.engine.stream import fetch_chunks
+from shim.zstdio import open_zstd_reader
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]
@@ -295,7 +295,7 @@ def _opened(f: Any, opener: Opener | None, digest: str) -> Iterator[Any]:
 @dataclass(frozen=True)
 class VolumeTarget:
     """A pod volume directory: `root` is a trusted host dir (the kubelet's root, followed as set up);
-    `rel` below it is opened without following any link (adapters/safefs.py), since the pod's
+    `rel` below it is opened without following any link (shim/safefs.py), since the pod's
     containers can write there."""
 
     root: str

@@ -27,14 +27,16 @@ from typing import BinaryIO, TypeVar
 
 import zstandard
 
-from kubectl_snapshot.adapters.archive import iter_produced, open_zstd_writer, tar_directory
 from kubectl_snapshot.core.chunks import Chunk, PagesFile
 from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
 from kubectl_snapshot.core.oci import sha256_digest
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener, Sealer
+from shim.archive import tar_directory
 from shim.engine.chunks import PagesPlan
 from shim.engine.ports import Registry
+from shim.pipes import iter_produced
+from shim.zstdio import open_zstd_writer
 
 ZSTD_LEVEL = 1  # the fastest useful level (PLATFORM.md)
 WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # I/O waits overlap with the other workers' CPU

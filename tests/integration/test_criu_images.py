@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kubectl_snapshot.adapters.criu_images import summarize_checkpoint
 from kubectl_snapshot.core.errors import FailedPrecondition
+from shim.criu_images import summarize_checkpoint
 from tests.support.criu_dump import TOUCHED_BYTES, Dumped, criu_dumped
 
 needs_pycriu = pytest.mark.skipif(

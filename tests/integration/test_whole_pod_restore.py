@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.reference import Reference
 from shim.containerd.client import ContainerdClient, RuncOptions
-from shim.engine.artifact import load_artifact
 from shim.engine.restore import stage_artifact
 from shim.engine.staging import StatePaths
 from shim.podrestore import LOCK_CHAIN, RELEASED_FILE, PodRestore

@@ -2,7 +2,7 @@
 
 -I -S leaves out the environment, user site and dist-packages, so only the stdlib and the zipapp
 itself are importable: exactly a node where nothing but python3 is installed. A pass-through call and
-a full restore ``create`` (rootfs diff applied through kubectl_snapshot.adapters.archive, then
+a full restore ``create`` (rootfs diff applied through shim.archive, then
 ``runc restore`` of a fake runc that records its argv) both have to work there.
 """
 
@@ -67,7 +67,7 @@ def test_zipapp_holds_only_the_wrapper_closure(pyz: Path) -> None:
     with zipfile.ZipFile(pyz) as zf:
         names = {n for n in zf.namelist() if n.endswith(".py")}
     assert "__main__.py" in names and "shim/runc_wrapper.py" in names
-    assert "kubectl_snapshot/adapters/archive.py" in names
+    assert "shim/archive.py" in names
     assert not any(n.startswith(("shim/containerd", "kubectl_snapshot/cli", "shim/agent")) for n in names), names
     assert pyz.read_bytes().startswith(b"#!/usr/bin/python3")
 

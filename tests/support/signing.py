@@ -46,7 +46,7 @@ def sign(ref: str, origin_namespace: str, *, key: KeyFiles | None = None) -> Non
     restore gets past provenance to the check under test. `origin_namespace` must be the namespace its
     config states (config.pod.namespace, or config.namespace for node-level snapshots)."""
     from kubectl_snapshot.adapters.registry import RegistryClient
-    from kubectl_snapshot.app.provenance import sign_snapshot
+    from kubectl_snapshot.adapters.signatures import sign_snapshot
     from kubectl_snapshot.core.provenance import Origin
     from kubectl_snapshot.core.reference import Reference
 

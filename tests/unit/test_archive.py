@@ -19,17 +19,11 @@ from typing import BinaryIO
 import pytest
 import zstandard
 
-from kubectl_snapshot.adapters.archive import (
-    HashingWriter,
-    compress_to,
-    iter_produced,
-    open_zstd_reader,
-    open_zstd_writer,
-    safe_extract,
-    tar_directory,
-)
 from kubectl_snapshot.core.errors import UnsafeArchive
 from kubectl_snapshot.core.safepath import ExtractLimits
+from shim.archive import safe_extract, tar_directory
+from shim.pipes import HashingWriter, iter_produced
+from shim.zstdio import compress_to, open_zstd_reader, open_zstd_writer
 from tests.support.tarcraft import Entry, craft_tar, dev, dir_, hard, reg, sym
 
 ROOT = os.geteuid() == 0

@@ -24,8 +24,8 @@ import pytest
 pytest.importorskip("pycriu")
 import pycriu.images as images
 
-from kubectl_snapshot.adapters import criu_guard
-from kubectl_snapshot.adapters.criu_guard import ImageGrantsMore, check_images, image_problems
+from shim import criu_guard
+from shim.criu_guard import ImageGrantsMore, check_images, image_problems
 
 ALL = criu_guard.CAPABILITIES
 DEFAULT_CAPS = [

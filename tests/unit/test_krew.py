@@ -88,6 +88,22 @@ def test_zipapp_is_pure_python_and_leaves_node_dependencies_out(release: Path) -
     assert not [n for n in names if ".." in n.split("/") or n.startswith("/")]
 
 
+def test_zipapp_carries_only_what_the_plugin_imports() -> None:
+    """The zipapp's own files are the plugin's import closure: no node side, no node-only adapter."""
+    files = set(_package_module().project_files())
+    assert {
+        "kubectl_snapshot/cli/main.py",
+        "kubectl_snapshot/core/status.py",
+        "kubectl_snapshot/deploy/agent.py",
+    } <= files
+    assert not [f for f in files if f.startswith("shim/")]
+    node_only = {"archive.py", "criu_images.py", "criu_guard.py", "safefs.py", "zstdio.py", "pipes.py"}
+    assert not [f for f in files if f.rsplit("/", 1)[-1] in node_only]
+    # the agent's access to the namespace keys is library code the plugin never loads
+    assert "kubectl_snapshot/adapters/keystore.py" not in files
+    assert (REPO / "kubectl_snapshot/adapters/keystore.py").is_file()  # (so the line above can fail)
+
+
 def _bare_python() -> str:
     py = shutil.which("python3", path="/usr/bin:/bin")
     if py is None:

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kubectl_snapshot.app.provenance import authorize_restore, sign_snapshot
+from kubectl_snapshot.adapters.signatures import authorize_restore, sign_snapshot
 from kubectl_snapshot.core.errors import NotFound, PermissionDenied
 from kubectl_snapshot.core.model import ContainerRecord, HostFacts, PodRecord, SnapshotConfig
 from kubectl_snapshot.core.oci import sha256_digest

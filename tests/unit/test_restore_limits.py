@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kubectl_snapshot.core.artifact import Artifact
 from kubectl_snapshot.core.chunks import Chunk, PagesFile
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, Unavailable
 from kubectl_snapshot.core.model import ContainerRecord, DumpStats, HostFacts, SnapshotConfig
@@ -22,7 +23,6 @@ from kubectl_snapshot.core.reference import Reference
 from shim.controller.fairness import FairScheduler
 from shim.controller.restores import DOWNLOAD_GC_S, GC_GRACE_S, RestoreWorker
 from shim.controller.settings import NodeSettings
-from shim.engine.artifact import Artifact
 from shim.engine.restore import RestoreLimits, plan_space, stage_artifact
 from shim.engine.staging import StatePaths
 

@@ -263,8 +263,8 @@ def test_an_invalid_record_is_refused(mutate) -> None:  # type: ignore[no-untype
 
 
 def test_inspect_says_whether_and_how_a_snapshot_is_encrypted() -> None:
-    from kubectl_snapshot.app.artifact import Artifact
-    from kubectl_snapshot.app.inspect import inspect_data, inspect_text
+    from kubectl_snapshot.console.inspect import inspect_data, inspect_text
+    from kubectl_snapshot.core.artifact import Artifact
     from kubectl_snapshot.core.oci import Descriptor, build_manifest
     from kubectl_snapshot.core.reference import Reference
 

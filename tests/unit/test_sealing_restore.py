@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kubectl_snapshot.adapters.archive import open_zstd_writer, tar_directory
 from kubectl_snapshot.core.oci import sha256_digest
 from kubectl_snapshot.core.sealing import DecryptionFailed, LocalNamespaceKey, Opener, Sealer, new_key
+from shim.archive import tar_directory
 from shim.engine.restore import _extract_fresh, _extract_volume
+from shim.zstdio import open_zstd_writer
 
 SEG = 4096
 

@@ -8,8 +8,8 @@ from typing import Any
 
 from click.testing import CliRunner
 
+from kubectl_snapshot.adapters.signatures import load_signing_key, load_trust, trust_from_data
 from kubectl_snapshot.app.install import signing_objects
-from kubectl_snapshot.app.provenance import load_signing_key, load_trust, trust_from_data
 from kubectl_snapshot.cli import main as cli_main
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.provenance import SigningKey

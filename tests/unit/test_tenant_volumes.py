@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.adapters.archive import safe_extract, tar_directories
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, UnsafeArchive
 from kubectl_snapshot.core.model import HostFacts, PodRecord
 from kubectl_snapshot.core.podspec import restore_pod
 from kubectl_snapshot.core.reference import Reference
+from shim.archive import safe_extract, tar_directories
 from shim.controller.podinfo import check_restore_pod, empty_dir_rel, restore_volume_names, running_containers
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
@@ -304,8 +304,8 @@ def test_volume_capture_records_links_as_links(tmp_path: Path) -> None:
 
 
 def test_checkpoint_volume_capture_refuses_a_volume_that_is_a_link(tmp_path: Path) -> None:
-    from kubectl_snapshot.adapters.safefs import UnsafePath
     from shim.engine.checkpoint import CheckpointRequest, _capture_volumes
+    from shim.safefs import UnsafePath
 
     (tmp_path / "real").mkdir()
     (tmp_path / "vol").symlink_to(tmp_path / "real")

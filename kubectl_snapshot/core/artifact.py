@@ -1,7 +1,7 @@
-"""Read a snapshot artifact from a registry: manifest and config, verified and validated.
+"""A snapshot artifact: its manifest and config, pinned by digest, validated as they are read.
 
-Shared by the plugin (restore, inspect) and the node agent (shim imports it from here: the plugin
-must not import shim). Only manifest + config are read; layers stay in the registry.
+Shared by the plugin (restore, inspect) and the node agent. The registry is a port (`ManifestReader`);
+only manifest + config are read, layers stay in the registry.
 """
 
 from __future__ import annotations

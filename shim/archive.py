@@ -1,4 +1,4 @@
-"""Tar and zstd streams: safe extraction of untrusted snapshots, deterministic packing, hashing.
+"""Tar streams: safe extraction of untrusted snapshots, deterministic packing.
 
 Extraction never trusts the archive (threat model C1-C4, the CPython tarfile CVEs): every member name
 goes through ``core.safepath``; every write happens through directory fds opened component by
@@ -8,40 +8,31 @@ process put on disk; links, devices, special modes and sizes are checked before 
 
 Packing is a push pipeline that never needs a second copy on disk::
 
-    hw = HashingWriter(upload_or_file)              # sha256 + size of the compressed bytes
-    with open_zstd_writer(hw, level=1, threads=-1) as zw:
+    hw = HashingWriter(upload_or_file)              # shim/pipes.py: sha256 + size of the compressed bytes
+    with open_zstd_writer(hw, level=1, threads=-1) as zw:   # shim/zstdio.py
         tar_directory(checkpoint_dir, zw)           # deterministic tar straight into zstd
     blob_digest, blob_size = hw.digest, hw.size
 
-and ``iter_produced(producer)`` turns such a push pipeline into an iterator of chunks for an HTTP
-client that pulls (e.g. ``requests`` chunked upload), with back-pressure.
+Standard library only: the runtime wrapper extracts the plain rootfs-diff tar with it on the host's bare
+python3 (zstd streams are shim/zstdio.py, which the wrapper never imports).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import hashlib
-import io
 import os
-import queue
 import shutil
 import stat
 import sys
 import tarfile
-import threading
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from types import ModuleType
-from typing import IO, Any, BinaryIO, Protocol, Self, cast
+from typing import IO, BinaryIO, Protocol, Self, cast
 
 from kubectl_snapshot.core.errors import UnsafeArchive
 from kubectl_snapshot.core.safepath import ExtractLimits, check_member_name, check_symlink_target
 
 CHUNK = 1 << 20
-# Decoders refuse frames that need a bigger window than this (zstd's own default limit, 128 MiB):
-# bounds decoder memory whatever the stream claims.
-ZSTD_MAX_WINDOW = 1 << 27
 # GNU long names / pax headers are read into memory whole by tarfile: cap them.
 MAX_HEADER_BYTES = 1 << 20
 # tarfile's stream reader copies its leftover buffer on every header read: keep it moderate.
@@ -106,7 +97,7 @@ class _Tree:
     """dest opened once; every path below it is reached through O_NOFOLLOW directory fds."""
 
     def __init__(self, dest: str | int) -> None:
-        if isinstance(dest, int):  # an fd the caller opened without following links (adapters/safefs.py)
+        if isinstance(dest, int):  # an fd the caller opened without following links (shim/safefs.py)
             self.fd = os.dup(dest)
         else:
             self.fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -191,18 +182,6 @@ def _clear_leaf(tree: _Tree, pfd: int, leaf: str, name: str, *, new_is_dir: bool
         raise _unsafe(name, "already exists in the destination")
     os.unlink(leaf, dir_fd=pfd)
     return False
-
-
-def _zstandard() -> ModuleType:
-    """zstandard, imported on first use.
-
-    Why lazily: the runtime wrapper (shim/runc_wrapper.py) imports this module for ``safe_extract`` of
-    the plain rootfs-diff tar and runs with the host's bare /usr/bin/python3, which has no third-party
-    packages. Only the zstd helpers need the C extension.
-    """
-    import zstandard
-
-    return zstandard
 
 
 def _corrupt_input_errors() -> tuple[type[BaseException], ...]:
@@ -562,187 +541,3 @@ def _tarinfo(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
     ti.uname = ti.gname = ""
     ti.mtime = int(st.st_mtime)
     return ti
-
-
-class HashingWriter(io.RawIOBase):
-    """A write-only stream that sha256-hashes and counts what passes through to `raw` (optional).
-
-    Sits at the end of tar -> zstd -> here -> file/upload so the blob digest is known the moment the
-    last byte is written, without reading the blob again. close() does not close `raw`.
-    """
-
-    def __init__(self, raw: ByteSink | None = None) -> None:
-        super().__init__()
-        self._raw = raw
-        self._hash = hashlib.sha256()
-        self.size = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        self._hash.update(view)
-        if self._raw is not None:
-            self._raw.write(bytes(view) if not isinstance(b, bytes) else b)
-        self.size += len(view)
-        return len(view)
-
-    def flush(self) -> None:
-        flush = getattr(self._raw, "flush", None)
-        if flush is not None and not self.closed:
-            flush()
-
-    @property
-    def hexdigest(self) -> str:
-        return self._hash.hexdigest()
-
-    @property
-    def digest(self) -> str:
-        """OCI form: ``sha256:<hex>``."""
-        return "sha256:" + self._hash.hexdigest()
-
-
-def open_zstd_writer(out: ByteSink, *, level: int = 1, threads: int = 0) -> BinaryIO:
-    """A zstd compressing stream into `out`; close it (or use ``with``) to end the frame.
-
-    `threads`: 0 compresses in the caller's thread, -1 uses every CPU, n uses n worker threads
-    (zstd's multi-threaded mode overlaps compression with the producer; level 1 is ~1.4 GB/s per core).
-    Frames carry zstd's content checksum, so corruption is detected by the decoder too, not only
-    by the blob digest. Closing it does not close `out`.
-    """
-    cctx = _zstandard().ZstdCompressor(level=level, threads=threads, write_checksum=True)
-    return cast(BinaryIO, cctx.stream_writer(cast(IO[bytes], out), closefd=False, write_return_read=True))
-
-
-def compress_to(src: IO[bytes] | Iterable[bytes], out: ByteSink, *, level: int = 1, threads: int = 0) -> None:
-    """zstd-compress a reader or an iterable of byte chunks into `out` (one frame, not closed)."""
-    if hasattr(src, "read"):
-        src = cast(IO[bytes], src)
-        cctx = _zstandard().ZstdCompressor(level=level, threads=threads, write_checksum=True)
-        cctx.copy_stream(src, cast(IO[bytes], out), read_size=CHUNK, write_size=CHUNK)
-        return
-    with open_zstd_writer(out, level=level, threads=threads) as zw:
-        for chunk in src:
-            zw.write(chunk)
-
-
-class _ZstdReader(io.RawIOBase):
-    """Decompressing reader whose corrupt-input errors are UnsafeArchive, not zstandard internals."""
-
-    def __init__(self, fileobj: IO[bytes]) -> None:
-        super().__init__()
-        zstd = _zstandard()
-        self._zstd_error: type[BaseException] = zstd.ZstdError
-        dctx = zstd.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
-        self._r = dctx.stream_reader(fileobj, read_size=CHUNK, read_across_frames=True, closefd=False)
-
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        try:
-            return cast(bytes, self._r.read(size))
-        except self._zstd_error as e:
-            raise UnsafeArchive(f"corrupt zstd stream: {e}", hint=_HINT) from e
-
-    def readinto(self, b: Any) -> int:
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
-
-    def close(self) -> None:
-        cast(Any, self._r).close()
-        super().close()
-
-
-def open_zstd_reader(fileobj: IO[bytes]) -> BinaryIO:
-    """Streaming zstd decompression of `fileobj` (all frames), window capped at 128 MiB.
-
-    Feed it to safe_extract; the extraction limits bound the output (decompression bombs).
-    Closing it does not close `fileobj`.
-    """
-    return cast(BinaryIO, _ZstdReader(fileobj))
-
-
-# --- push -> pull adapter -----------------------------------------------------------------------
-
-
-class _Cancelled(Exception):
-    pass
-
-
-class _QueueWriter(io.RawIOBase):
-    def __init__(self, q: queue.Queue[object], chunk_size: int, cancel: threading.Event) -> None:
-        super().__init__()
-        self._q, self._size, self._cancel = q, chunk_size, cancel
-        self._buf = bytearray()
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        self._buf += view
-        while len(self._buf) >= self._size:
-            self._put(bytes(self._buf[: self._size]))
-            del self._buf[: self._size]
-        return len(view)
-
-    def _put(self, item: object) -> None:
-        while True:
-            if self._cancel.is_set():
-                raise _Cancelled()
-            try:
-                self._q.put(item, timeout=0.2)
-                return
-            except queue.Full:
-                continue
-
-    def finish(self) -> None:
-        if self._buf:
-            self._put(bytes(self._buf))
-            self._buf.clear()
-
-
-_DONE = object()
-
-
-def iter_produced(
-    producer: Callable[[BinaryIO], None], *, chunk_size: int = 4 * CHUNK, max_chunks: int = 8
-) -> Generator[bytes, None, None]:
-    """Run `producer(writer)` in a thread and yield what it writes, in `chunk_size` chunks.
-
-    Bounded queue (`max_chunks`) = back-pressure: the producer waits for the consumer, so memory
-    stays at about chunk_size * max_chunks. The producer's exception is re-raised in the consumer;
-    if the consumer stops early (closes the generator), the producer is cancelled.
-    """
-    q: queue.Queue[object] = queue.Queue(maxsize=max_chunks)
-    cancel = threading.Event()
-    writer = _QueueWriter(q, chunk_size, cancel)
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            producer(cast(BinaryIO, writer))
-            writer.finish()
-        except _Cancelled:
-            return
-        except BaseException as e:
-            failure.append(e)
-        with contextlib.suppress(_Cancelled):
-            writer._put(_DONE)
-
-    thread = threading.Thread(target=run, name="iter-produced", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _DONE:
-                break
-            yield cast(bytes, item)
-        if failure:
-            raise failure[0]
-    finally:
-        cancel.set()
-        thread.join()

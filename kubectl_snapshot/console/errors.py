@@ -10,18 +10,9 @@ from typing import Any, TypeVar
 
 import click
 
-from kubectl_snapshot.core.errors import SnapshotError
+from kubectl_snapshot.core.errors import SnapshotError, render
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def render(err: SnapshotError) -> str:
-    lines = [f"error: {err.message}"]
-    if err.details:
-        lines.append("  " + err.details.replace("\n", "\n  "))
-    if err.hint:
-        lines.append(f"hint: {err.hint}")
-    return "\n".join(lines)
 
 
 def handle_errors(fn: F) -> F:

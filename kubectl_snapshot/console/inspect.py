@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubectl_snapshot.app.artifact import Artifact
-from kubectl_snapshot.app.provenance import Provenance
+from kubectl_snapshot.core.artifact import Artifact
+from kubectl_snapshot.core.provenance import Provenance
 from kubectl_snapshot.core.status import human_bytes
 
 

@@ -1,7 +1,8 @@
-"""Sign a pushed snapshot and verify one, with the signatures where cosign keeps them.
+"""Sign a pushed snapshot and verify one, with the signatures where cosign keeps them; keys and trust on disk.
 
 Shared by the agent (signs after push, verifies before it downloads any layer) and the plugin
-(`inspect` shows the verdict). The rules are in `core.provenance`; this module only moves bytes.
+(`inspect` shows the verdict). The rules are in `core.provenance`; this module only moves bytes
+(the registry is a port; key and trust files are read from the paths given).
 """
 
 from __future__ import annotations
@@ -19,9 +20,14 @@ from kubectl_snapshot.core.provenance import (
     ANN_COSIGN_SIGNATURE,
     MAX_PAYLOAD_BYTES,
     MAX_SIGNATURES,
+    SIGNING_KEY_FILE,
     SIMPLE_SIGNING_MEDIA_TYPE,
+    TRUST_ALLOW_UNVERIFIED_FILE,
+    TRUST_CLUSTER_FILE,
+    TRUST_KEY_SUFFIX,
     Grant,
     Origin,
+    Provenance,
     PublicKey,
     SignatureCandidate,
     SigningKey,
@@ -36,12 +42,6 @@ from kubectl_snapshot.core.provenance import (
     simple_signing_payload,
 )
 from kubectl_snapshot.core.reference import Reference
-
-# Files of the trust ConfigMap / directory (the agent mounts the ConfigMap; node-level use points at a dir)
-TRUST_CLUSTER_FILE = "cluster-id"
-TRUST_ALLOW_UNVERIFIED_FILE = "allow-unverified-snapshots"
-TRUST_KEY_SUFFIX = ".pub"
-SIGNING_KEY_FILE = "signing.key"  # in the signing-key Secret (PKCS#8 PEM)
 
 
 class SignatureReader(Protocol):
@@ -160,31 +160,6 @@ def _read_dir(path: str) -> Mapping[str, str]:
         except (OSError, UnicodeDecodeError) as e:
             raise FailedPrecondition(f"cannot read trust setting {full}: {e}") from e
     return out
-
-
-@dataclass(frozen=True)
-class Provenance:
-    """What `inspect` shows."""
-
-    verdict: Verdict
-    error: str = ""  # when the signatures could not be read at all
-
-    def to_dict(self) -> dict[str, object]:
-        v = self.verdict
-        d: dict[str, object] = {"verified": v.verified, "reason": self.error or v.reason}
-        if v.claim is not None:
-            o = v.claim.origin
-            d["keyId"] = v.key_id
-            d["origin"] = {
-                "cluster": o.cluster,
-                "namespace": o.namespace,
-                "pod": o.pod,
-                "podUID": o.pod_uid,
-                "node": o.node,
-                "created": o.created,
-                "formatVersion": o.format_version,
-            }
-        return d
 
 
 def provenance_of(registry: SignatureReader, ref: Reference, policy: TrustPolicy) -> Provenance:
