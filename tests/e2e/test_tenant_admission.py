@@ -373,7 +373,7 @@ def test_agent_writes_only_to_its_own_node(
 
 
 def test_agent_writes_podsnapshot_status_only_for_its_own_node(
-    cluster: Cluster, namespace: str, agent_token: tuple[str, Path, Path]
+    cluster: Cluster, namespace: str, agent: AgentInstall, agent_token: tuple[str, Path, Path]
 ) -> None:
     """The agent's PodSnapshot writes are node-bound too: only the status, claiming its own node, of an
     object no other node claimed (the policy cannot look up the pod; the agent checks that itself)."""
@@ -425,6 +425,23 @@ def test_agent_writes_podsnapshot_status_only_for_its_own_node(
         as_agent.patch_snapshot_status(namespace, theirs, {"message": "e2e"})
     for words in (f"ValidatingAdmissionPolicy '{policy}'", f"bound to node {node}", f"claimed by node {other}"):
         assert words in err.value.message, err.value.message
+
+    # the real agents under the policy: a PodSnapshot of a missing pod is claimed by every agent at
+    # once (resourceVersion: the loser gets a 409 before admission runs), exactly one reports it
+    cluster.apply(psnap("missing") | {"spec": {"podName": "no-such-pod", "destination": f"{cluster.registry}/e2e/x"}})
+
+    def reported() -> bool:
+        st = cluster.get_json(K.SINGULAR, "missing", "-n", namespace).get("status") or {}
+        return st.get("phase") == K.PHASE_FAILED
+
+    cluster.wait_for("an agent to claim and fail the PodSnapshot of a missing pod", reported, 60)
+    st = cluster.get_json(K.SINGULAR, "missing", "-n", namespace)["status"]
+    assert st["node"] in cluster.nodes and "not found" in json.dumps(st), st
+    for n in cluster.nodes:
+        pod = agent.agent_pod(n)
+        assert pod is not None
+        logs = cluster.kubectl("logs", "-n", K.AGENT_NAMESPACE, pod["metadata"]["name"], "--since=5m").stdout
+        assert policy not in logs, logs[-4000:]  # no agent write was refused by the new policy
 
 
 def test_object_count_quota_limits_podsnapshots(tenant: Tenant, cluster: Cluster) -> None:
