@@ -66,12 +66,19 @@ ks_net() { nsenter --net="/run/netns/$KS_NETNS" "$@"; }  # CMD... inside ks-net
 ks_start() {  # NAME CMD...
   local name="$1"; shift
   mkdir -p "$KS_DIR/logs" "$KS_RUN/pids"
-  if [[ "$name" == root-* ]]; then
-    PATH="$KS_PATH" setsid "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null 8>&- &
-  else
-    # nsenter execs the command, so the pid stays the daemon's.
-    PATH="$KS_PATH" setsid nsenter --net="/run/netns/$KS_NETNS" "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null 8>&- &
-  fi
+  local netns=()
+  # nsenter execs the command, so the pid stays the daemon's.
+  [[ "$name" == root-* ]] || netns=(nsenter --net="/run/netns/$KS_NETNS")
+  (
+    # A daemon outlives its caller, so it keeps none of the caller's files: not the cluster lock
+    # (fd 8), and not a lock the caller holds, e.g. `flock /run/ks-e2e.lock hack/cluster-up` passes
+    # the e2e lock as fd 3, which every daemon would otherwise hold until the cluster goes down.
+    for fd in /proc/$BASHPID/fd/*; do
+      fd="${fd##*/}"
+      [ "$fd" -gt 2 ] && eval "exec $fd>&-"
+    done
+    PATH="$KS_PATH" exec setsid "${netns[@]}" "$@"
+  ) >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null &
   echo $! >"$(ks_pidfile "$name")"
 }
 

@@ -13,11 +13,14 @@ identity (CEL ``authorizer``), before the agent ever sees the object:
   the ``restore`` verb on podsnapshots in that namespace (its own permission, not implied by create
   pods), the source must be on the allow-list and pinned by digest, the requester can ``get`` the
   Secret it names; the annotations are set at creation and cannot be added or changed later.
-- ``kubectl-snapshot-agent-nodes`` / ``kubectl-snapshot-agent-pods``: the agent's ServiceAccount
-  writes only to its own node and its own node's pods. Its tokens are bound to its pod, so they
-  carry ``authentication.kubernetes.io/node-name`` (user extra); a token from another node, or one
-  without a node, is refused. On Nodes it may change only the host-facts annotation; on pods only the
-  restore-status annotation (through ``pods/status``), and delete only pods of its node (``stop``).
+- ``kubectl-snapshot-agent-nodes`` / ``kubectl-snapshot-agent-pods`` /
+  ``kubectl-snapshot-agent-podsnapshots``: the agent's ServiceAccount writes only to its own node,
+  its own node's pods and the PodSnapshots it claims for its node. Its tokens are bound to its pod,
+  so they carry ``authentication.kubernetes.io/node-name`` (user extra); a token from another node,
+  or one without a node, is refused. On Nodes it may change only the host-facts annotation; on pods
+  only the restore-status annotation (through ``pods/status``), and delete only pods of its node
+  (``stop``); on PodSnapshots only the status, whose ``node`` must be its own, of objects no other
+  node has claimed (CEL cannot look up the pod, so whether the pod runs there is the agent's check).
 
 The allow-lists are annotations on the Namespace (``kubectl-snapshot.io/allowed-destinations``,
 ``kubectl-snapshot.io/insecure-registries``). Why there: a Namespace object is cluster-scoped, so
@@ -42,7 +45,8 @@ SNAPSHOT_POLICY = "kubectl-snapshot-podsnapshots"
 RESTORE_POLICY = "kubectl-snapshot-restore"
 AGENT_NODES_POLICY = "kubectl-snapshot-agent-nodes"
 AGENT_PODS_POLICY = "kubectl-snapshot-agent-pods"
-POLICIES = (SNAPSHOT_POLICY, RESTORE_POLICY, AGENT_NODES_POLICY, AGENT_PODS_POLICY)
+AGENT_SNAPSHOTS_POLICY = "kubectl-snapshot-agent-podsnapshots"
+POLICIES = (SNAPSHOT_POLICY, RESTORE_POLICY, AGENT_NODES_POLICY, AGENT_PODS_POLICY, AGENT_SNAPSHOTS_POLICY)
 
 # Reference grammar (core/reference.py), in RE2 for CEL's matches(). The registry must be explicit
 # (a dot, a port or localhost), lowercase, so that the allow-list compares what the agent contacts.
@@ -329,7 +333,55 @@ def agent_pods_policy(labels: dict[str, str]) -> dict[str, Any]:
     )
 
 
+def _status_node(obj: str) -> str:
+    """CEL: `obj`'s status.node, '' when unset (or on a CREATE/DELETE, where one side is null)."""
+    return f"request.operation == 'UPDATE' && has({obj}.status) && has({obj}.status.node) ? {obj}.status.node : ''"
+
+
+def agent_snapshots_policy(labels: dict[str, str]) -> dict[str, Any]:
+    """The agent writes a PodSnapshot's status only as the node it claims it for (status.node): an
+    unclaimed object, or one its own node claimed; the status it leaves names its own node."""
+    return _policy(
+        AGENT_SNAPSHOTS_POLICY,
+        labels,
+        {
+            "matchConstraints": _match(
+                [K.GROUP], [K.VERSION], ["CREATE", "UPDATE", "DELETE"], [K.PLURAL, f"{K.PLURAL}/status"]
+            ),
+            "matchConditions": _AGENT_ONLY,
+            "variables": [
+                *_AGENT_VARIABLES,
+                {"name": "claimedBy", "expression": _status_node("oldObject")},
+                {"name": "claims", "expression": _status_node("object")},
+            ],
+            "validations": [
+                _deny(
+                    "request.operation == 'UPDATE' && request.subResource == 'status'",
+                    "'the agent may write only the status of a PodSnapshot, not ' + request.operation"
+                    " + ' ' + request.namespace + '/' + request.name",
+                ),
+                _deny(
+                    "variables.node != '' && variables.claims == variables.node"
+                    " && (variables.claimedBy == '' || variables.claimedBy == variables.node)",
+                    _NOT_BOUND + " + ', not to PodSnapshot ' + request.namespace + '/' + request.name"
+                    " + (variables.claimedBy != '' && variables.claimedBy != variables.node"
+                    " ? ' claimed by node ' + variables.claimedBy : '')"
+                    " + (variables.claims != variables.node"
+                    " ? ' (its status.node would be ' + (variables.claims == '' ? 'unset' : variables.claims) + ')'"
+                    " : '')",
+                ),
+            ],
+        },
+    )
+
+
 def render(labels: dict[str, str]) -> list[dict[str, Any]]:
-    """The policies and their bindings (apply after the CRD: the podsnapshot policy names its group)."""
-    policies = [snapshot_policy(labels), restore_policy(labels), agent_nodes_policy(labels), agent_pods_policy(labels)]
+    """The policies and their bindings (apply after the CRD: the podsnapshot policies name its group)."""
+    policies = [
+        snapshot_policy(labels),
+        restore_policy(labels),
+        agent_nodes_policy(labels),
+        agent_pods_policy(labels),
+        agent_snapshots_policy(labels),
+    ]
     return [*policies, *(_binding(p["metadata"]["name"], labels) for p in policies)]

@@ -372,6 +372,78 @@ def test_agent_writes_only_to_its_own_node(
     denied(deleted, pods_policy, f"on node {other}")
 
 
+def test_agent_writes_podsnapshot_status_only_for_its_own_node(
+    cluster: Cluster, namespace: str, agent: AgentInstall, agent_token: tuple[str, Path, Path]
+) -> None:
+    """The agent's PodSnapshot writes are node-bound too: only the status, claiming its own node, of an
+    object no other node claimed (the policy cannot look up the pod; the agent checks that itself)."""
+    from kubectl_snapshot.core import status as S
+
+    node, bound, unbound = agent_token
+    other = next(n for n in cluster.nodes if n != node)
+    policy = admission.AGENT_SNAPSHOTS_POLICY
+    # a pod no node runs (Pending, no nodeName): no agent claims PodSnapshots of it, so the statuses
+    # below are only the ones this test writes
+    nowhere = _pod(namespace, "nowhere", cluster.busybox_image)
+    nowhere["spec"]["nodeSelector"] = {"kubernetes.io/hostname": "e2e-no-such-node"}
+    free, mine, theirs = (f"{n}-{uuid.uuid4().hex[:6]}" for n in ("free", "mine", "theirs"))
+
+    def psnap(name: str) -> dict[str, Any]:
+        spec = {"podName": "nowhere", "destination": f"{cluster.registry}/e2e/nowhere"}
+        return {"apiVersion": K.API_VERSION, "kind": K.KIND, "metadata": {"name": name, "namespace": namespace},
+                "spec": spec}  # fmt: skip
+
+    cluster.apply([nowhere, psnap(free), psnap(mine), psnap(theirs)])
+
+    def patch(kubeconfig: Path | None, name: str, status: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        args = ["patch", K.SINGULAR, name, "-n", namespace, "--subresource=status", "--type=merge"]
+        args += ["-p", json.dumps({"status": status})]
+        if kubeconfig is None:  # the cluster admin: not the agent, not matched by the policy
+            return cluster.kubectl(*args)
+        return _kubectl_with(cluster, kubeconfig, *args, "--dry-run=server")
+
+    # claimed earlier (finished: no agent acts on a Failed one) by this node and by the other one
+    patch(None, mine, {"phase": K.PHASE_FAILED, "node": node})
+    patch(None, theirs, {"phase": K.PHASE_FAILED, "node": other})
+
+    claim = S.claimed(node=node, now="2026-01-01T00:00:00Z", generation=1)
+    admitted(patch(bound, free, claim))  # control: an unclaimed object, for its own node
+    admitted(patch(bound, mine, {"message": "e2e"}))  # control: its own claim (progress, result)
+    denied(patch(bound, free, {**claim, "node": other}), policy, f"bound to node {node}", f"would be {other}")
+    denied(patch(bound, free, {"message": "e2e"}), policy, f"bound to node {node}", "would be unset")
+    denied(patch(unbound, free, claim), policy, "bound to no node")
+    denied(patch(bound, theirs, {"message": "e2e"}), policy, f"claimed by node {other}")
+    denied(patch(bound, theirs, {"node": node}), policy, f"claimed by node {other}")  # no taking over
+    denied(patch(bound, mine, {"node": other}), policy, f"would be {other}")  # no handing over
+
+    # the agent's own adapter call, stored for real: the claim it makes with the resourceVersion
+    as_agent = KubeClient.from_config(str(bound))
+    rv = cluster.get_json(K.SINGULAR, free, "-n", namespace)["metadata"]["resourceVersion"]
+    done = {**claim, "phase": K.PHASE_FAILED}  # terminal: the real agent leaves it alone
+    assert as_agent.patch_snapshot_status(namespace, free, done, resource_version=rv)["status"]["node"] == node
+    with pytest.raises(PermissionDenied) as err:
+        as_agent.patch_snapshot_status(namespace, theirs, {"message": "e2e"})
+    for words in (f"ValidatingAdmissionPolicy '{policy}'", f"bound to node {node}", f"claimed by node {other}"):
+        assert words in err.value.message, err.value.message
+
+    # the real agents under the policy: a PodSnapshot of a missing pod is claimed by every agent at
+    # once (resourceVersion: the loser gets a 409 before admission runs), exactly one reports it
+    cluster.apply(psnap("missing") | {"spec": {"podName": "no-such-pod", "destination": f"{cluster.registry}/e2e/x"}})
+
+    def reported() -> bool:
+        st = cluster.get_json(K.SINGULAR, "missing", "-n", namespace).get("status") or {}
+        return st.get("phase") == K.PHASE_FAILED
+
+    cluster.wait_for("an agent to claim and fail the PodSnapshot of a missing pod", reported, 60)
+    st = cluster.get_json(K.SINGULAR, "missing", "-n", namespace)["status"]
+    assert st["node"] in cluster.nodes and "not found" in json.dumps(st), st
+    for n in cluster.nodes:
+        pod = agent.agent_pod(n)
+        assert pod is not None
+        logs = cluster.kubectl("logs", "-n", K.AGENT_NAMESPACE, pod["metadata"]["name"], "--since=5m").stdout
+        assert policy not in logs, logs[-4000:]  # no agent write was refused by the new policy
+
+
 def test_object_count_quota_limits_podsnapshots(tenant: Tenant, cluster: Cluster) -> None:
     """Threat E1: an admin caps a namespace's PodSnapshots with Kubernetes' own object-count quota."""
     quota = {

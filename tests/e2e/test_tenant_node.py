@@ -21,8 +21,19 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.reference import Reference
+from shim.criu_guard import CAPABILITIES
 from tests.support.agent import agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace
+from tests.support.tamper import (
+    agent_signing_key,
+    edit_container_layer,
+    edit_core_images,
+    machine_capabilities,
+    namespace_key,
+    replay_signature,
+    resign,
+)
 
 pytestmark = pytest.mark.e2e
 STATE_ROOT = Path("/var/lib/kubectl-snapshot")
@@ -151,53 +162,54 @@ def test_memory_backed_empty_dir_is_captured_and_restored(cluster: Cluster, name
     assert mine >= seq - 1
 
 
-def _edit_core_images(layer: bytes, edit: Any) -> bytes:
-    """A container layer (tar.zst) with `edit(creds)` applied to every core-*.img under checkpoint/."""
-    import io
-    import tarfile
-
-    import pycriu.images as images
-    import zstandard
-
-    raw = zstandard.ZstdDecompressor().decompressobj().decompress(layer)
-    out = io.BytesIO()
-    edited = 0
-    with (
-        tarfile.open(fileobj=io.BytesIO(raw)) as src,
-        tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst,
-    ):
-        for m in src:
-            data = src.extractfile(m).read() if m.isreg() else None  # type: ignore[union-attr]
-            name = m.name.split("/")[-1]
-            if data is not None and name.startswith("core-") and name.endswith(".img"):
-                img = images.load(io.BytesIO(data))
-                for entry in img["entries"]:
-                    edit(entry["thread_core"]["creds"])
-                buf = io.BytesIO()
-                images.dump(img, buf)
-                data = buf.getvalue()
-                m.size = len(data)
-                edited += 1
-            dst.addfile(m, io.BytesIO(data) if data is not None else None)
-    assert edited, "no core image in the layer"
-    return zstandard.ZstdCompressor().compress(out.getvalue())
+def _restore(plugin, ref: Reference, namespace: str, name: str, node: str) -> Any:  # type: ignore[no-untyped-def]
+    return plugin(
+        "restore", f"{ref.registry}/{ref.repository}@{ref.digest}", "-n", namespace, "--name", name,
+        "--node", node, "--timeout", "120s", check=False,
+    )  # fmt: skip
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known: snapshots are sealed by default since the encryption merge and this test edits layers in clear; it must reseal with the namespace key (the image check itself is covered by tests/unit/test_criu_guard.py and test_wrapper_pyz.py)",  # noqa: E501
-)
+def _never_ran_privileged(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
+    """The restore of `name` is marked failed, its container never ran, and no process of the pod on
+    its node holds CAP_SYS_ADMIN (the nodes share this machine's kernel: /proc is theirs)."""
+
+    def failed() -> bool:
+        ann = cluster.get_json("pod", name, "-n", namespace)["metadata"].get("annotations") or {}
+        return str(ann.get(K.ANN_RESTORE_STATUS, "")).startswith(K.RESTORE_FAILED_PREFIX)
+
+    cluster.wait_for(f"the agent to mark the restore of {name} failed", failed, 60)
+    obj = cluster.get_json("pod", name, "-n", namespace)
+    assert not any("running" in (s.get("state") or {}) for s in obj["status"].get("containerStatuses") or []), obj
+    uid = obj["metadata"]["uid"]
+    for proc in Path("/proc").iterdir():
+        try:
+            cgroup = (proc / "cgroup").read_text()
+            status = (proc / "status").read_text()
+        except OSError:
+            continue  # not a process, or gone
+        if uid in cgroup or uid.replace("-", "_") in cgroup:
+            cap_eff = int(next(x for x in status.splitlines() if x.startswith("CapEff:")).split()[1], 16)
+            assert not cap_eff & (1 << CAPABILITIES.index("CAP_SYS_ADMIN")), (proc, status)
+    return obj
+
+
 def test_edited_criu_images_cannot_restore_more_capabilities_than_the_pod_has(  # type: ignore[no-untyped-def]
     cluster: Cluster, namespace, agent, plugin
 ) -> None:
-    """Item 2, the issue's second attack: every capability put into the images of a pod that dropped
-    them all (and ran RuntimeDefault seccomp). The real runtime wrapper refuses before runc restore,
-    and the reason reaches the user through the restore's status and the pod's Events."""
-    import hashlib
+    """Item 2, the issue's second attack, against today's sealed and signed snapshots: every capability
+    this machine has put into the CRIU images of a pod that dropped them all (and ran RuntimeDefault
+    seccomp, no_new_privs), the layer resealed with the namespace's own key (the worst case: the key
+    Secret leaked), pushed under a new tag of the same repository.
 
-    from kubectl_snapshot.adapters.registry import RegistryClient
-    from kubectl_snapshot.core.oci import parse_manifest
-    from kubectl_snapshot.core.reference import Reference
+    1. Without the agent's signing key the attacker can only replay the original signature: the agent
+       refuses before it downloads a layer (provenance).
+    2. With the signing key stolen as well (re-signed here as the agent signs, with the original's
+       signed origin), the artifact passes every check of the agent, and only the runtime wrapper's
+       CRIU image check (shim/criu_guard.py) stands between it and a privileged process: it refuses
+       before `runc restore`, naming the capabilities, in the restore's status and the pod's Events.
+       Without that check the restore goes through (the issue's attack at c436d96: CapEff
+       000001fffeffffff), and both the exit status and the message asserted below fail.
+    """
     from tests.e2e.test_snapshot_flows import COUNTER, pod, running
 
     n1, n2 = cluster.nodes[:2]
@@ -211,59 +223,35 @@ def test_edited_criu_images_cannot_restore_more_capabilities_than_the_pod_has(  
     running(cluster, namespace, "locked")
     out = plugin("snapshot", "pod/locked", "-n", namespace, "--to", f"{cluster.registry}/e2e/locked", "-o", "json")
     ref = Reference.parse(json.loads(out.stdout)["status"]["reference"])
-
-    # the tenant's edit: download, change the credentials in the CRIU images, push as a new artifact
-    reg = RegistryClient()
-    body, _, _ = reg.get_manifest(ref)
-    man = json.loads(body)
-    config = json.loads(reg.read_blob(ref, man["config"]["digest"], max_size=16 << 20))
-    every = [0xFFFFFFFF, 0x1FF]
-    rec = config["containers"][0]
-    old_layer = rec["layer"]
-    layer_desc = next(x for x in man["layers"] if x["digest"] == old_layer)
-    import io
-
-    buf = io.BytesIO()
-    reg.fetch_blob(ref, old_layer, buf)
+    every = machine_capabilities()
 
     def grant_all(creds: dict[str, Any]) -> None:
         for key in ("cap_eff", "cap_prm", "cap_bnd", "cap_inh"):
             creds[key] = list(every)
 
-    new_layer = _edit_core_images(buf.getvalue(), grant_all)
-    new_digest = "sha256:" + hashlib.sha256(new_layer).hexdigest()
-    evil = Reference.parse(f"{cluster.registry}/e2e/locked-evil:v1")
-    reg.push_blob(evil, digest=new_digest, size=len(new_layer), data=new_layer)
-    rec["layer"] = new_digest
-    config_bytes = json.dumps(config).encode()
-    config_digest = "sha256:" + hashlib.sha256(config_bytes).hexdigest()
-    reg.push_blob(evil, digest=config_digest, size=len(config_bytes), data=config_bytes)
-    for layer in man["layers"]:
-        if layer["digest"] != old_layer:  # chunks and volumes: copied unchanged
-            b = io.BytesIO()
-            reg.fetch_blob(ref, layer["digest"], b)
-            reg.push_blob(evil, digest=layer["digest"], size=layer["size"], data=b.getvalue())
-    layer_desc.update(digest=new_digest, size=len(new_layer))
-    man["config"].update(digest=config_digest, size=len(config_bytes))
-    parse_manifest(json.dumps(man).encode())  # still a valid snapshot manifest
-    evil_digest = reg.push_manifest(evil, json.dumps(man).encode(), man["mediaType"])
+    evil = edit_container_layer(
+        ref,
+        Reference.parse(f"{cluster.registry}/e2e/locked:edited"),
+        lambda layer: edit_core_images(layer, grant_all),
+        key=namespace_key(cluster, namespace),
+    )
+    assert evil.digest != ref.digest
 
-    proc = plugin(
-        "restore", f"{evil.registry}/{evil.repository}@{evil_digest}", "-n", namespace, "--name", "locked2",
-        "--node", n2, "--timeout", "120s", check=False,
-    )  # fmt: skip
+    # 1. a tenant: push rights and (worst case) its namespace's key, not the signing key
+    replay_signature(ref, evil)
+    proc = _restore(plugin, evil, namespace, "replayed", n2)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "a signature replayed onto another snapshot" in proc.stderr, proc.stderr
+    _never_ran_privileged(cluster, namespace, "replayed")
+
+    # 2. the signing key stolen too: the artifact is valid in every way the agent can check
+    resign(ref, evil, agent_signing_key(cluster))
+    proc = _restore(plugin, evil, namespace, "locked2", n2)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "grant more than the container's spec" in proc.stderr, proc.stderr
-    assert "CAP_SYS_ADMIN" in proc.stderr
+    assert "capabilities" in proc.stderr and "CAP_SYS_ADMIN" in proc.stderr, proc.stderr
     events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.name=locked2").stdout
     assert "grant more than the container's spec" in events, events
-
-    # nothing of the edited snapshot runs: the container never started
-    def status_failed() -> bool:
-        ann = cluster.get_json("pod", "locked2", "-n", namespace)["metadata"].get("annotations") or {}
-        return str(ann.get(K.ANN_RESTORE_STATUS, "")).startswith(K.RESTORE_FAILED_PREFIX)
-
-    cluster.wait_for("the agent to mark the restore failed", status_failed, 60)
-    obj = cluster.get_json("pod", "locked2", "-n", namespace)
-    assert "refusing to restore" in obj["metadata"]["annotations"][K.ANN_RESTORE_STATUS]
-    assert not any("running" in (s.get("state") or {}) for s in obj["status"].get("containerStatuses") or [])
+    obj = _never_ran_privileged(cluster, namespace, "locked2")
+    status = obj["metadata"]["annotations"][K.ANN_RESTORE_STATUS]
+    assert "refusing to restore" in status and "CAP_SYS_ADMIN" in status, status

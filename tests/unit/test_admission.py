@@ -96,7 +96,9 @@ def test_restore_policy_needs_its_own_verb_and_freezes_the_annotations() -> None
     assert "oldObject" in frozen["expression"] and frozen["expression"].startswith("request.operation != 'UPDATE'")
 
 
-@pytest.mark.parametrize("name", [admission.AGENT_NODES_POLICY, admission.AGENT_PODS_POLICY])
+@pytest.mark.parametrize(
+    "name", [admission.AGENT_NODES_POLICY, admission.AGENT_PODS_POLICY, admission.AGENT_SNAPSHOTS_POLICY]
+)
 def test_agent_policies_bind_writes_to_the_tokens_node(name: str) -> None:
     p = policy(name)
     [cond] = p["spec"]["matchConditions"]
@@ -120,6 +122,25 @@ def test_agent_rbac_and_policies_fit() -> None:
     assert {"pods", "pods/status"} <= set(pods) and "nodes" in nodes
     assert K.ANN_RESTORE_STATUS in expressions(policy(admission.AGENT_PODS_POLICY))
     assert K.ANN_NODE_FACTS in expressions(policy(admission.AGENT_NODES_POLICY))
+    # PodSnapshots: RBAC grants only the status; the policy binds those writes to the token's node
+    assert (f"{K.PLURAL}/status", "patch") in grants and (K.PLURAL, "patch") not in grants
+    assert (K.PLURAL, "update") not in grants
+    snaps = policy(admission.AGENT_SNAPSHOTS_POLICY)["spec"]
+    assert {K.PLURAL, f"{K.PLURAL}/status"} <= set(snaps["matchConstraints"]["resourceRules"][0]["resources"])
+    assert snaps["matchConstraints"]["resourceRules"][0]["apiGroups"] == [K.GROUP]
+
+
+def test_agent_snapshots_policy_binds_the_status_node_both_sides() -> None:
+    """The claim's old and new status.node are compared with the token's node (the CEL itself runs in
+    tests/e2e/test_tenant_admission.py::test_agent_writes_only_to_its_own_node)."""
+    p = policy(admission.AGENT_SNAPSHOTS_POLICY)
+    variables = {v["name"]: v["expression"] for v in p["spec"]["variables"]}
+    assert "oldObject.status.node" in variables["claimedBy"] and "object.status.node" in variables["claims"]
+    assert not variables["claims"].count("oldObject")
+    [bound] = [v for v in p["spec"]["validations"] if "variables.claims" in v["expression"]]
+    assert "variables.claims == variables.node" in bound["expression"]
+    assert "variables.claimedBy == '' || variables.claimedBy == variables.node" in bound["expression"]
+    assert "variables.node != ''" in bound["expression"]  # a token bound to no node writes nothing
 
 
 def re2(pattern: str, text: str) -> bool:
