@@ -7,7 +7,7 @@ Python and stdlib-only (``kubectl_snapshot.adapters.archive`` imports zstandard 
 helpers need it), so these files are all it needs:
 
     kubectl_snapshot/{__init__,core/*,adapters/__init__,adapters/archive,adapters/criu_guard}.py
-    shim/{__init__,engine/__init__,engine/staging,podrestore,rootfs_diff,runc_wrapper}.py
+    shim/{__init__,engine/__init__,engine/staging,oldaddrs,podrestore,rootfs_diff,runc_wrapper}.py
     __main__.py -> shim.runc_wrapper:main
 
 The archive is reproducible (sorted entries, fixed timestamps), so its digest only changes with the
@@ -38,6 +38,7 @@ MODULES = (
     "shim/__init__.py",
     "shim/engine/__init__.py",
     "shim/engine/staging.py",
+    "shim/oldaddrs.py",
     "shim/podrestore.py",
     "shim/rootfs_diff.py",
     "shim/runc_wrapper.py",

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -253,7 +253,13 @@ def _log_error(inv: Invocation, message: str) -> None:
 
 
 def _restore(
-    inv: Invocation, runc: str, paths: StatePaths, create: CreateArgs, spec: dict[str, Any], staged: str
+    inv: Invocation,
+    runc: str,
+    paths: StatePaths,
+    create: CreateArgs,
+    spec: dict[str, Any],
+    staged: str,
+    prepare: Callable[[], None] | None = None,
 ) -> tuple[int, str]:
     """`runc restore` in place of `create`; returns (exit status, the error written to runc's log)."""
     try:
@@ -277,6 +283,13 @@ def _restore(
         msg = f"applying the snapshot's rootfs diff failed: {e}"
         _log_error(inv, msg)
         return 1, msg
+    if prepare is not None:
+        try:
+            prepare()
+        except OSError as e:
+            msg = f"preparing the pod's network for the restore failed: {e}"
+            _log_error(inv, msg)
+            return 1, msg
     log_offset = _log_size(inv)
     proc = subprocess.run(restore_command(runc, inv, create, staged), check=False)
     if proc.returncode != 0:
@@ -301,6 +314,18 @@ def _restore(
     # Used once: a later re-create of this container (a restart) starts it afresh.
     shutil.rmtree(staged, ignore_errors=True)
     return 0, ""
+
+
+def _old_sources(staged: str) -> list[str]:
+    """The old pod addresses this container's connections were made from ([] if the images say none).
+
+    An image that cannot be read is left to the image check in _restore, which refuses it."""
+    from shim.oldaddrs import old_sources
+
+    try:
+        return old_sources(os.path.join(staged, C.CHECKPOINT_DIRECTORY))
+    except SnapshotError:
+        return []
 
 
 def _restored_pod(paths: StatePaths, spec: dict[str, Any]) -> tuple[PodRestore, str, str] | None:
@@ -346,7 +371,12 @@ def _create_in_restored_pod(
             pod.fail(str(e))
             _log_error(inv, f"{e}; the pod's containers are not restored")
             return 1
-        rc, msg = _restore(inv, runc, paths, create, spec, staged)
+
+        def borrow() -> None:  # after the image check: only checked images name addresses
+            if netns:
+                pod.borrow(netns, _old_sources(staged))
+
+        rc, msg = _restore(inv, runc, paths, create, spec, staged, borrow)
         if rc != 0:
             pod.fail(f"container {name!r} could not be restored: {msg}")
             return rc
