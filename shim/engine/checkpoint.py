@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -64,6 +65,7 @@ from shim.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]  # (new bytes, total bytes)
 UnixLinksFn = Callable[[list[int]], Sequence[Any]]  # init pids -> shim.unixpeers.CrossLink list
+NetLockFn = Callable[[list[int]], AbstractContextManager[None]]  # init pids -> shim.dumplock.pod_network_locked
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ def checkpoint(
     on_plan: Callable[[freeze_plan.FreezePlan], None] | None = None,
     sealer: Sealer | None = None,
     unix_links: UnixLinksFn | None = None,
+    net_lock: NetLockFn | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -152,6 +155,8 @@ def checkpoint(
     before calling, so that a key problem fails before anything is frozen).
     `unix_links` finds Unix socket connections between the containers (shim.unixpeers), which CRIU
     cannot dump one container at a time: the snapshot is refused before anything is frozen.
+    `net_lock` holds the network the containers share locked while they are dumped one after the
+    other (shim.dumplock), so that both ends of a connection between them are dumped in agreement.
     """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
@@ -211,7 +216,8 @@ def checkpoint(
                 frozen.append(cid)
             phase("dump")
             _test_hold([direct[c] for c in frozen if c in direct])
-            _dump_all(containerd, req, names, upperdirs, work)
+            with net_lock(pids) if net_lock is not None else contextlib.nullcontext():
+                _dump_all(containerd, req, names, upperdirs, work)
             volume_tar = _capture_volumes(req, work) if req.volumes else None
             timings["dump_ms"] = (clock() - t_freeze) * 1000
         except BaseException:
