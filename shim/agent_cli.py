@@ -350,7 +350,7 @@ def recover_cmd(address: str, namespace: str) -> None:
     from shim.engine.checkpoint import recover_interrupted
 
     with _client(address, namespace) as containerd:
-        thawed = recover_interrupted(containerd, StatePaths.from_env(), freezer.lookup)
+        thawed = recover_interrupted(containerd, StatePaths.from_env(), freezer.lookup, dumplock.release_leftover)
     click.echo("\n".join(f"{cid}\tthawed" for cid in thawed) or "nothing to recover")
 
 

@@ -15,7 +15,9 @@ way as during a whole-pod restore (shim/podrestore.py, its own chain): TCP retra
 held back once the lock is gone, or, after a restore, from the images. Only namespaces that two or
 more of the snapshot's containers share are locked, never the host's or the agent's own. The tools
 (``nsenter``, ``sh``, ``iptables-restore``) are the host's, run in its mount namespace when the agent
-runs in a container (docs/deploy.md, known limits).
+runs in a container (docs/deploy.md, known limits). If the agent dies during the dumps, the freeze
+guard thaws the pod and the lock stays until the agent's next start lifts it (release_leftover, with
+the containers recover_interrupted thaws).
 """
 
 from __future__ import annotations
@@ -87,6 +89,17 @@ def _enter(pid: int, script: str) -> list[str]:
     host = host_pid()
     mount = [f"--mount=/proc/{host}/ns/mnt"] if host else []
     return ["nsenter", *mount, f"--net=/proc/{pid}/ns/net", "--", "sh", "-c", script]
+
+
+def release_leftover(pids: Sequence[int], run: Runner = run_host) -> int:
+    """Lift a lock that a killed agent left (its next start, with the containers it thaws); returns
+    how many namespaces had one. Namespaces without the chain are left as they are."""
+    host = host_pid()
+    released = 0
+    for pid in shared_namespaces(pids, [_netns("self"), _netns(host or 1)]).values():
+        rc, _ = run(_enter(pid, f"iptables -S {LOCK_CHAIN} >/dev/null 2>&1 || exit 3; {unlock_script()}"))
+        released += rc == 0
+    return released
 
 
 @contextlib.contextmanager

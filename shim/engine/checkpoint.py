@@ -405,11 +405,17 @@ def _refuse_unix_links(links: Sequence[Any], names: Sequence[str]) -> None:
     )
 
 
-def recover_interrupted(containerd: Containerd, paths: StatePaths, freezer_for: FreezerFor | None = None) -> list[str]:
+def recover_interrupted(
+    containerd: Containerd,
+    paths: StatePaths,
+    freezer_for: FreezerFor | None = None,
+    net_unlock: Callable[[list[int]], Any] | None = None,
+) -> list[str]:
     """Thaw containers that a killed checkpoint left frozen and drop its work dirs; returns their ids.
 
     A container frozen through its cgroup freezer directly is "running" to containerd (its shim keeps
-    its own state): `freezer_for` finds those.
+    its own state): `freezer_for` finds those. `net_unlock` (shim.dumplock.release_leftover) lifts the
+    dump's network lock from the namespace those containers share, if it was left.
     """
     root = os.path.dirname(paths.work_dir("x"))
     thawed: list[str] = []
@@ -422,9 +428,12 @@ def recover_interrupted(containerd: Containerd, paths: StatePaths, freezer_for: 
                 cids = [str(c) for c in json.load(f)]
         except (OSError, ValueError):
             cids = []
+        pids: list[int] = []
         for cid in cids:
             with contextlib.suppress(SnapshotError, OSError):  # gone, or its cgroup with it: nothing to thaw
                 task = containerd.get_task(cid)
+                if task is not None:
+                    pids.append(task.pid)
                 if task is not None and task.status == "paused":
                     containerd.resume_task(cid)
                     thawed.append(cid)
@@ -433,6 +442,8 @@ def recover_interrupted(containerd: Containerd, paths: StatePaths, freezer_for: 
                 if fz is not None and fz.frozen():
                     fz.thaw()
                     thawed.append(cid)
+        if net_unlock is not None and pids:
+            net_unlock(pids)
         shutil.rmtree(work, ignore_errors=True)
     return thawed
 

@@ -44,3 +44,15 @@ def test_a_lock_that_cannot_be_taken_fails_the_dump_with_a_hint() -> None:
     ):
         pass
     assert "iptables-restore" in (e.value.hint or "")
+
+
+def test_a_lock_left_by_a_killed_agent_is_lifted_where_it_is() -> None:
+    calls: list[list[str]] = []
+
+    def run(argv: list[str]) -> tuple[int, str]:
+        calls.append(argv)
+        return 0, ""
+
+    assert dumplock.release_leftover([100, 101, 200], run=run) == 1
+    assert len(calls) == 1 and "iptables -S " + dumplock.LOCK_CHAIN in calls[0][-1]
+    assert dumplock.release_leftover([100, 101], run=lambda argv: (3, "")) == 0  # no chain there
