@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, log_tail
+from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, criu_first_error, log_tail
 from shim.engine.staging import StatePaths
 from shim.podrestore import PodRestore, netns_of
 
@@ -293,14 +293,17 @@ def _restore(
     log_offset = _log_size(inv)
     proc = subprocess.run(restore_command(runc, inv, create, staged), check=False)
     if proc.returncode != 0:
-        tail = ""
+        tail = first = ""
         with (
             contextlib.suppress(OSError),
             open(os.path.join(staged, C.RESTORE_LOG_FILE), errors="replace") as f,
         ):
-            tail = log_tail(f.read(), 10)
+            text = f.read()
+            tail, first = log_tail(text, 10), criu_first_error(text)
         if tail:
-            msg = f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}"
+            # the tail ends with what follows any failure (cgroupd's "recv req error"): name the cause
+            cause = f"; first error: {first}" if first and first not in tail.splitlines()[-1:] else ""
+            msg = f"criu restore failed (exit {proc.returncode}){cause}; restore.log tail:\n{tail}"
         else:  # runc failed before CRIU started (a bind mount's source is gone, say)
             why = _runc_errors_since(inv, log_offset) or "no error message in runc's log"
             msg = f"runc restore failed before CRIU ran (exit {proc.returncode}): {why}"
