@@ -29,7 +29,7 @@ from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
-from shim import freezer, guard
+from shim import dumplock, freezer, guard
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
@@ -230,6 +230,7 @@ def checkpoint_cmd(
             on_phase=bar.phase,
             on_bytes=bar.advance,
             sealer=sealer,
+            net_lock=dumplock.pod_network_locked,
         )
     data = {
         "reference": str(result.reference),
@@ -349,7 +350,7 @@ def recover_cmd(address: str, namespace: str) -> None:
     from shim.engine.checkpoint import recover_interrupted
 
     with _client(address, namespace) as containerd:
-        thawed = recover_interrupted(containerd, StatePaths.from_env(), freezer.lookup)
+        thawed = recover_interrupted(containerd, StatePaths.from_env(), freezer.lookup, dumplock.release_leftover)
     click.echo("\n".join(f"{cid}\tthawed" for cid in thawed) or "nothing to recover")
 
 

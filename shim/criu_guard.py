@@ -299,7 +299,7 @@ def mount_problems(mounts: Sequence[Mapping[str, Any]], grant: BundleGrant) -> l
 # --- reading the images --------------------------------------------------------------------------
 
 
-def _load(images: Any, path: str) -> list[dict[str, Any]]:
+def load_image(images: Any, path: str) -> list[dict[str, Any]]:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -372,20 +372,20 @@ def image_problems(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[s
     grant = bundle_grant(spec)
     lsms = host_lsms() if lsms is None else lsms
     problems: list[str] = []
-    pstree = _load(images, os.path.join(image_dir, "pstree.img"))
+    pstree = load_image(images, os.path.join(image_dir, "pstree.img"))
     if not pstree:
         return ["pstree.img lists no process"]
     filters: list[Mapping[str, Any]] = []
     seccomp_img = os.path.join(image_dir, "seccomp.img")
     if os.path.lexists(seccomp_img):
-        for e in _load(images, seccomp_img):
+        for e in load_image(images, seccomp_img):
             filters.extend(e.get("seccomp_filters") or ())
     task_ids: dict[int, Mapping[str, Any]] = {}
     for entry in pstree:
         pid = int(entry.get("pid") or 0)
         for tid in entry.get("threads") or [pid]:
             where = f"process {pid}" + (f" thread {tid}" if tid != pid else "")
-            core = _load(images, os.path.join(image_dir, f"core-{int(tid)}.img"))
+            core = load_image(images, os.path.join(image_dir, f"core-{int(tid)}.img"))
             if not core:
                 problems.append(f"{where}: empty core image")
                 continue
@@ -397,7 +397,7 @@ def image_problems(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[s
     inventory = os.path.join(image_dir, "inventory.img")
     root_ids = None
     if os.path.lexists(inventory):
-        inv = _load(images, inventory)
+        inv = load_image(images, inventory)
         root_ids = (inv[0].get("root_ids") if inv else None) or None
     if root_ids is None and pstree:
         root_ids = task_ids.get(int(pstree[0].get("pid") or 0))
@@ -405,7 +405,7 @@ def image_problems(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[s
     if not grant.user_namespace and glob.glob(os.path.join(glob.escape(image_dir), "userns-*.img")):
         problems.append("the images hold a user namespace (uid maps); the container's spec creates none")
     for path in sorted(glob.glob(os.path.join(glob.escape(image_dir), "mountpoints-*.img"))):
-        problems += mount_problems(_load(images, path), grant)
+        problems += mount_problems(load_image(images, path), grant)
     return problems
 
 

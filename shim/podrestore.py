@@ -27,9 +27,13 @@ the agent and the wrapper, never named by the pod):
     the agent reports the failure and stops the containers already restored.
 
 Connections that leave the pod cannot follow it to another node: their local address was the old pod
-IP. CRIU binds them back (``ip_nonlocal_bind`` is on in the namespace while the lock is held) so that
-the restore does not fail, and the wrapper aborts them (``ss -K``, an abort as if a reset had come)
-before the lock is released: the application sees ECONNABORTED/ECONNRESET at once and reconnects.
+IP. CRIU binds them back and reconnects them in repair mode, and the kernel's route lookup for that
+``connect`` refuses a source address that is not local ("Network is unreachable"), so before each
+container is restored the wrapper lends the namespace the old addresses its sockets were bound to
+(``ip addr add ADDR dev lo``, only those not already local, listed in ``.borrowed``) while the lock
+is held. Before the lock is released the wrapper aborts every such connection (``ss -K``, an abort as
+if a reset had come) and takes the borrowed addresses away again: the application sees
+ECONNABORTED/ECONNRESET at once and reconnects.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ CONTAINERS_FILE = ".containers.json"
 NETLOCK_FILE = ".netlock"
 RELEASED_FILE = ".released"
 FAILED_FILE = ".failed"
+BORROWED_FILE = ".borrowed"
 MUTEX_FILE = ".lock"
 # A snapshotted container created again without staged data this soon after the pod's restore ended
 # is a restored process that died at once: refused (the pod failed), not started from its image.
@@ -94,11 +99,29 @@ def lock_script() -> str:
     )
 
 
-def unlock_script() -> str:
-    """Abort connections from the old pod address, then lift the lock (the reverse of lock_script)."""
+def _with_prefix(address: str) -> str:
+    return f"{address}/128" if ":" in address else f"{address}/32"
+
+
+def borrow_script(addresses: list[str]) -> str:
+    """Shell run inside the pod's netns: make each old address local (on lo) unless it already is.
+
+    Prints the addresses it added (only those are taken away again)."""
+    lines = []
+    for a in addresses:
+        q = shlex.quote(_with_prefix(a))
+        nodad = " nodad" if ":" in a else ""
+        lines.append(f'if [ -z "$(ip -o addr show to {q})" ]; then ip addr add {q} dev lo{nodad} && echo {q}; fi')
+    return "set -e; " + "; ".join(lines) if lines else "true"
+
+
+def unlock_script(borrowed: list[str] | None = None) -> str:
+    """Abort connections from the old pod address, give borrowed addresses back, lift the lock."""
     rules = shlex.quote(_UNLOCK_RULES)
+    give_back = "".join(f"ip addr del {shlex.quote(a)} dev lo; " for a in borrowed or [])
     return (
         f"ss -K -tnH state connected {shlex.quote(EXTERNAL_TCP_FILTER)} >/dev/null; "
+        f"{give_back}"
         "echo 0 > /proc/sys/net/ipv4/ip_nonlocal_bind; "
         "if [ -e /proc/sys/net/ipv6/ip_nonlocal_bind ]; then echo 0 > /proc/sys/net/ipv6/ip_nonlocal_bind; fi; "
         f"printf %s {rules} | iptables-restore --noflush; rc=$?; "
@@ -214,6 +237,28 @@ class PodRestore:
             raise OSError(f"locking the pod's network failed (exit {rc}): {out[-500:]}")
         _write(self._p(NETLOCK_FILE), netns)
 
+    def borrowed(self) -> list[str]:
+        text = _read(self._p(BORROWED_FILE))
+        try:
+            names = json.loads(text) if text else []
+        except ValueError:
+            return []
+        return [str(n) for n in names] if isinstance(names, list) else []
+
+    def borrow(self, netns: str, addresses: list[str]) -> None:
+        """Make the old pod addresses of a container's sockets local while the pod is locked."""
+        if not addresses:
+            return
+        rc, out = self.run(["nsenter", f"--net={netns}", "sh", "-c", borrow_script(addresses)], "")
+        added = [line.strip() for line in out.splitlines() if "/" in line and " " not in line.strip()]
+        if added:
+            _write(self._p(BORROWED_FILE), json.dumps(sorted(set(self.borrowed()) | set(added))))
+        if rc != 0:
+            raise OSError(
+                f"adding the old pod addresses {', '.join(addresses)} to the pod's network failed "
+                f"(exit {rc}): {out[-500:]}"
+            )
+
     def remaining(self, staged_exists: Callable[[str], bool]) -> list[str]:
         return [n for n in self.containers() or [] if staged_exists(n)]
 
@@ -222,10 +267,11 @@ class PodRestore:
         netns = _read(self._p(NETLOCK_FILE))
         warning = None
         if netns is not None:
-            rc, out = self.run(["nsenter", f"--net={netns}", "sh", "-c", unlock_script()], "")
+            rc, out = self.run(["nsenter", f"--net={netns}", "sh", "-c", unlock_script(self.borrowed())], "")
             if rc != 0:
                 warning = f"unlocking the pod's network failed (exit {rc}): {out[-500:]}"
         _write(self._p(RELEASED_FILE), f"{self.clock():.3f}")
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._p(NETLOCK_FILE))
+        for name in (NETLOCK_FILE, BORROWED_FILE):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._p(name))
         return warning

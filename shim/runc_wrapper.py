@@ -23,12 +23,12 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, log_tail
+from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, criu_first_error, log_tail
 from shim.engine.staging import StatePaths
 from shim.podrestore import PodRestore, netns_of
 
@@ -253,7 +253,13 @@ def _log_error(inv: Invocation, message: str) -> None:
 
 
 def _restore(
-    inv: Invocation, runc: str, paths: StatePaths, create: CreateArgs, spec: dict[str, Any], staged: str
+    inv: Invocation,
+    runc: str,
+    paths: StatePaths,
+    create: CreateArgs,
+    spec: dict[str, Any],
+    staged: str,
+    prepare: Callable[[], None] | None = None,
 ) -> tuple[int, str]:
     """`runc restore` in place of `create`; returns (exit status, the error written to runc's log)."""
     try:
@@ -277,17 +283,27 @@ def _restore(
         msg = f"applying the snapshot's rootfs diff failed: {e}"
         _log_error(inv, msg)
         return 1, msg
+    if prepare is not None:
+        try:
+            prepare()
+        except OSError as e:
+            msg = f"preparing the pod's network for the restore failed: {e}"
+            _log_error(inv, msg)
+            return 1, msg
     log_offset = _log_size(inv)
     proc = subprocess.run(restore_command(runc, inv, create, staged), check=False)
     if proc.returncode != 0:
-        tail = ""
+        tail = first = ""
         with (
             contextlib.suppress(OSError),
             open(os.path.join(staged, C.RESTORE_LOG_FILE), errors="replace") as f,
         ):
-            tail = log_tail(f.read(), 10)
+            text = f.read()
+            tail, first = log_tail(text, 10), criu_first_error(text)
         if tail:
-            msg = f"criu restore failed (exit {proc.returncode}); restore.log tail:\n{tail}"
+            # the tail ends with what follows any failure (cgroupd's "recv req error"): name the cause
+            cause = f"; first error: {first}" if first and first not in tail.splitlines()[-1:] else ""
+            msg = f"criu restore failed (exit {proc.returncode}){cause}; restore.log tail:\n{tail}"
         else:  # runc failed before CRIU started (a bind mount's source is gone, say)
             why = _runc_errors_since(inv, log_offset) or "no error message in runc's log"
             msg = f"runc restore failed before CRIU ran (exit {proc.returncode}): {why}"
@@ -301,6 +317,18 @@ def _restore(
     # Used once: a later re-create of this container (a restart) starts it afresh.
     shutil.rmtree(staged, ignore_errors=True)
     return 0, ""
+
+
+def _old_sources(staged: str) -> list[str]:
+    """The old pod addresses this container's connections were made from ([] if the images say none).
+
+    An image that cannot be read is left to the image check in _restore, which refuses it."""
+    from shim.oldaddrs import old_sources
+
+    try:
+        return old_sources(os.path.join(staged, C.CHECKPOINT_DIRECTORY))
+    except SnapshotError:
+        return []
 
 
 def _restored_pod(paths: StatePaths, spec: dict[str, Any]) -> tuple[PodRestore, str, str] | None:
@@ -346,7 +374,12 @@ def _create_in_restored_pod(
             pod.fail(str(e))
             _log_error(inv, f"{e}; the pod's containers are not restored")
             return 1
-        rc, msg = _restore(inv, runc, paths, create, spec, staged)
+
+        def borrow() -> None:  # after the image check: only checked images name addresses
+            if netns:
+                pod.borrow(netns, _old_sources(staged))
+
+        rc, msg = _restore(inv, runc, paths, create, spec, staged, borrow)
         if rc != 0:
             pod.fail(f"container {name!r} could not be restored: {msg}")
             return rc

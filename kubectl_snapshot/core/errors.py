@@ -117,3 +117,15 @@ def render(err: SnapshotError) -> str:
 def log_tail(text: str, lines: int = 25) -> str:
     """The last `lines` lines of a log, for error details."""
     return "\n".join(text.rstrip("\n").splitlines()[-lines:])
+
+
+# CRIU errors that follow any failure (or none): never the cause
+_CRIU_AFTERMATH = ("Restoring FAILED", "Dumping FAILED", "cgroupd: recv req error", "exited, status=", "rlimit:")
+
+
+def criu_first_error(text: str) -> str:
+    """The first ``Error (...)`` line of a CRIU log that is not an aftermath of another failure ("")."""
+    for line in text.splitlines():
+        if "Error (" in line and not any(a in line for a in _CRIU_AFTERMATH):
+            return line.strip()
+    return ""

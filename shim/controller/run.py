@@ -14,7 +14,7 @@ from kubectl_snapshot.adapters.keystore import SecretKeyProvider
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
-from shim import freezer, hostfacts, metrics_server, nodecheck
+from shim import dumplock, freezer, hostfacts, metrics_server, nodecheck
 from shim.containerd.client import ContainerdClient
 from shim.controller.fairness import FairScheduler
 from shim.controller.informer import Informer
@@ -140,7 +140,9 @@ def run(
     facts = node_facts(settings)
     log.info("agent on node %s: %s", settings.node, facts)
     with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
-        thawed = recover_interrupted(containerd, StatePaths(settings.state_dir), freezer.lookup)
+        thawed = recover_interrupted(
+            containerd, StatePaths(settings.state_dir), freezer.lookup, dumplock.release_leftover
+        )
     if thawed:
         log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)

@@ -27,7 +27,7 @@ from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider, Sealer
-from shim import freezer, guard, unixpeers
+from shim import dumplock, freezer, guard, unixpeers
 from shim.containerd.client import ContainerdClient
 from shim.containerd.runc_checkpoint import RuncCheckpointer
 from shim.controller.events import pod_event, snapshot_event
@@ -230,6 +230,7 @@ class SnapshotWorker:
                     on_plan=reporter.plan,
                     sealer=sealer,
                     unix_links=unixpeers.find_cross_links,
+                    net_lock=dumplock.pod_network_locked,
                 )
         except SnapshotError as e:
             self._finish_failed(obj, pod, e)

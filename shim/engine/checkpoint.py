@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -63,6 +64,7 @@ from shim.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]  # (new bytes, total bytes)
 UnixLinksFn = Callable[[list[int]], Sequence[Any]]  # init pids -> shim.unixpeers.CrossLink list
+NetLockFn = Callable[[list[int]], AbstractContextManager[None]]  # init pids -> shim.dumplock.pod_network_locked
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ def checkpoint(
     on_plan: Callable[[freeze_plan.FreezePlan], None] | None = None,
     sealer: Sealer | None = None,
     unix_links: UnixLinksFn | None = None,
+    net_lock: NetLockFn | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -151,6 +154,8 @@ def checkpoint(
     before calling, so that a key problem fails before anything is frozen).
     `unix_links` finds Unix socket connections between the containers (shim.unixpeers), which CRIU
     cannot dump one container at a time: the snapshot is refused before anything is frozen.
+    `net_lock` holds the network the containers share locked while they are dumped one after the
+    other (shim.dumplock), so that both ends of a connection between them are dumped in agreement.
     """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
@@ -210,7 +215,8 @@ def checkpoint(
                 frozen.append(cid)
             phase("dump")
             _test_hold([direct[c] for c in frozen if c in direct])
-            _dump_all(containerd, req, names, upperdirs, work)
+            with net_lock(pids) if net_lock is not None else contextlib.nullcontext():
+                _dump_all(containerd, req, names, upperdirs, work)
             volume_tar = _capture_volumes(req, work) if req.volumes else None
             timings["dump_ms"] = (clock() - t_freeze) * 1000
         except BaseException:
@@ -398,11 +404,17 @@ def _refuse_unix_links(links: Sequence[Any], names: Sequence[str]) -> None:
     )
 
 
-def recover_interrupted(containerd: Containerd, paths: StatePaths, freezer_for: FreezerFor | None = None) -> list[str]:
+def recover_interrupted(
+    containerd: Containerd,
+    paths: StatePaths,
+    freezer_for: FreezerFor | None = None,
+    net_unlock: Callable[[list[int]], Any] | None = None,
+) -> list[str]:
     """Thaw containers that a killed checkpoint left frozen and drop its work dirs; returns their ids.
 
     A container frozen through its cgroup freezer directly is "running" to containerd (its shim keeps
-    its own state): `freezer_for` finds those.
+    its own state): `freezer_for` finds those. `net_unlock` (shim.dumplock.release_leftover) lifts the
+    dump's network lock from the namespace those containers share, if it was left.
     """
     root = os.path.dirname(paths.work_dir("x"))
     thawed: list[str] = []
@@ -415,9 +427,12 @@ def recover_interrupted(containerd: Containerd, paths: StatePaths, freezer_for: 
                 cids = [str(c) for c in json.load(f)]
         except (OSError, ValueError):
             cids = []
+        pids: list[int] = []
         for cid in cids:
             with contextlib.suppress(SnapshotError, OSError):  # gone, or its cgroup with it: nothing to thaw
                 task = containerd.get_task(cid)
+                if task is not None:
+                    pids.append(task.pid)
                 if task is not None and task.status == "paused":
                     containerd.resume_task(cid)
                     thawed.append(cid)
@@ -426,6 +441,8 @@ def recover_interrupted(containerd: Containerd, paths: StatePaths, freezer_for: 
                 if fz is not None and fz.frozen():
                     fz.thaw()
                     thawed.append(cid)
+        if net_unlock is not None and pids:
+            net_unlock(pids)
         shutil.rmtree(work, ignore_errors=True)
     return thawed
 

@@ -99,10 +99,6 @@ def pod_spec(spec: dict[str, Any], *, cid: str, namespace: str, netns: str, uid:
     return s
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known: the restored client sends nothing on the merged main (passed on its branch); issue #15 stays open",
-)
 def test_loopback_tcp_between_two_containers_of_a_pod_survives(  # type: ignore[no-untyped-def]
     containerd_a: ContainerdDaemon, containerd_b: ContainerdDaemon, registry, netns, tmp_path: Path
 ):

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from shim.podrestore import FAILED_FILE, LOCK_CHAIN, RELEASED_FILE, PodRestore
 from tests.integration.test_wrapper_pyz import HOST_PYTHON, calls, pyz, run_pyz
 from tests.unit.test_criu_guard import bundle as guard_bundle
-from tests.unit.test_criu_guard import make_images
+from tests.unit.test_criu_guard import make_images, write
 
 __all__ = ["pyz"]
 
@@ -151,6 +153,36 @@ def test_the_pod_network_is_locked_from_the_first_restore_to_the_last(pyz: Path,
     assert _netns_sh(netns, f'{python} -c "{PROBE}"').startswith("open")
     assert _netns_sh(netns, "cat /proc/sys/net/ipv4/ip_nonlocal_bind").strip() == "0"
     assert (Path(pod.directory) / RELEASED_FILE).exists() and pod.failed() is None
+
+
+def _away_socket(src: str) -> dict[str, Any]:
+    """A files.img entry as CRIU 4.2.1 dumps a TCP connection that left the pod (from `src`)."""
+    words = [int.from_bytes(socket.inet_aton(a), "little") for a in (src, "10.244.9.2")]
+    isk = {"id": 13, "ino": 2504802, "family": 2, "type": 1, "proto": 6, "state": 1, "src_port": 36844,
+           "dst_port": 7001, "flags": 2, "backlog": 0, "src_addr": words[:1], "dst_addr": words[1:],
+           "fown": {"uid": 0, "euid": 0, "signum": 0, "pid_type": 0, "pid": 0},
+           "opts": {"so_sndbuf": 69120, "so_rcvbuf": 131072, "so_snd_tmo_sec": 0, "so_snd_tmo_usec": 0,
+                    "so_rcv_tmo_sec": 0, "so_rcv_tmo_usec": 0}}  # fmt: skip
+    return {"type": "INETSK", "id": 13, "isk": isk}
+
+
+def test_the_old_pod_address_is_lent_for_the_restore_and_taken_back(pyz: Path, tmp_path: Path, netns: str) -> None:
+    """CRIU reconnects a connection that left the pod from its old address: the kernel routes that
+    only from a local address, so the wrapper lends it to the namespace while the pod is locked."""
+    runc, _ = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    pod = stage(state, ["away", "app"], ["away", "app"])
+    write(Path(pod.directory) / "away" / "checkpoint" / "files.img", "FILES", [_away_socket("10.250.0.7")])
+    assert _netns_sh(netns, "ip -o addr show to 10.250.0.7/32").strip() == ""
+
+    assert create(pyz, runc, state, bundle(tmp_path, "away", netns), "ok-away").returncode == 0
+    assert "10.250.0.7/32" in _netns_sh(netns, "ip -o addr show dev lo")  # lent, while locked
+    assert LOCK_CHAIN in _netns_sh(netns, "iptables -S")
+
+    assert create(pyz, runc, state, bundle(tmp_path, "app", netns), "ok-app").returncode == 0
+    assert _netns_sh(netns, "ip -o addr show to 10.250.0.7/32").strip() == ""  # taken back
+    assert LOCK_CHAIN not in _netns_sh(netns, "iptables -S")
+    assert pod.failed() is None
 
 
 ABORT_PROBE = """

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.podrestore import GRACE_S, LOCK_CHAIN, PodRestore, lock_script, netns_of, unlock_script
+from shim.podrestore import GRACE_S, LOCK_CHAIN, PodRestore, borrow_script, lock_script, netns_of, unlock_script
 
 
 class Recorder:
@@ -75,3 +75,45 @@ def test_scripts_and_netns() -> None:
     assert netns_of(spec) == "/var/run/netns/x"
     assert netns_of({"linux": {"namespaces": [{"type": "network"}]}}) is None
     assert netns_of({}) is None
+
+
+class Borrower(Recorder):
+    """Answers the borrow script with the addresses it was asked to add (as if none was local yet)."""
+
+    def __call__(self, argv: list[str], stdin: str) -> tuple[int, str]:
+        self.calls.append(argv)
+        script = argv[-1]
+        added = [w for w in script.split() if w.endswith(("/32", "/128"))]
+        return self.rc, "\n".join(dict.fromkeys(added)) if "ip addr add" in script else ""
+
+
+def test_old_addresses_are_borrowed_while_locked_and_given_back_after_the_abort(tmp_path: Path) -> None:
+    rec = Borrower()
+    pod = PodRestore(str(tmp_path / "pod"), run=rec)
+    pod.record(["a", "b"])
+    pod.lock("/var/run/netns/cni-1")
+    pod.borrow("/var/run/netns/cni-1", [])  # nothing to lend: no command
+    assert len(rec.calls) == 1
+    pod.borrow("/var/run/netns/cni-1", ["10.244.0.3"])
+    pod.borrow("/var/run/netns/cni-1", ["fd00::3"])
+    assert pod.borrowed() == ["10.244.0.3/32", "fd00::3/128"]
+    assert "ip addr add 10.244.0.3/32 dev lo" in rec.calls[1][-1] and "nodad" in rec.calls[2][-1]
+    assert pod.release() is None
+    unlock = rec.calls[-1][-1]
+    # connections from the old address are aborted before it goes away, both before the lock is lifted
+    assert unlock.index("ss -K") < unlock.index("ip addr del 10.244.0.3/32 dev lo") < unlock.index("iptables-restore")
+    assert "ip addr del fd00::3/128 dev lo" in unlock
+    assert pod.borrowed() == []
+
+
+def test_an_address_already_local_is_not_borrowed_or_removed() -> None:
+    script = borrow_script(["10.244.1.7"])
+    assert "ip -o addr show to 10.244.1.7/32" in script and script.index("show to") < script.index("addr add")
+    assert "ip addr del" not in unlock_script([])
+
+
+def test_a_failing_borrow_raises_with_the_addresses(tmp_path: Path) -> None:
+    pod = PodRestore(str(tmp_path / "pod"), run=Recorder(rc=2))
+    pod.record(["a"])
+    with pytest.raises(OSError, match=r"old pod addresses 10\.244\.0\.3"):
+        pod.borrow("/proc/1/ns/net", ["10.244.0.3"])
