@@ -539,7 +539,8 @@ class KubeClient:
             "apiVersion": K.API_VERSION,
             "kind": K.POLICY_KIND,
             "metadata": {"name": name, "namespace": ns},
-            "status": {"pods": pods},
+            # none left: own nothing under status (an explicit [] could read as "the list is empty")
+            "status": {"pods": pods} if pods else {},
         }
         return dict(
             self._call(
