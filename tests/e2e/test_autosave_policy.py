@@ -10,6 +10,7 @@ shared registry other tests push to cannot be. The agents run with the host's ne
 from __future__ import annotations
 
 import itertools
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -37,6 +38,30 @@ POLICY = "autosave"
 def blob_bytes(storage: Path) -> int:
     blobs = storage / "docker/registry/v2/blobs"
     return sum(f.stat().st_size for f in blobs.rglob("data") if f.is_file())
+
+
+def diagnose(cluster: Cluster, ns: str) -> str:
+    """What the policy, its saves, the Events and the agents say (for a failure message)."""
+    out = []
+    for args in (
+        ("get", K.POLICY_SINGULAR, POLICY, "-n", ns, "-o", "yaml"),
+        ("get", "podsnapshots", "-n", ns, "-o", "yaml"),
+        ("get", "events", "-n", ns),
+        (
+            "logs",
+            "-n",
+            K.AGENT_NAMESPACE,
+            "-l",
+            "app.kubernetes.io/name=" + K.AGENT_NAME,
+            "--tail",
+            "60",
+            "-c",
+            "agent",
+        ),
+    ):
+        r = cluster.kubectl(*args, check=False)
+        out.append(f"$ kubectl {' '.join(args)}\n{r.stdout[-4000:]}{r.stderr[-1000:]}")
+    return "\n".join(out)
 
 
 def saves(cluster: Cluster, ns: str) -> list[dict[str, Any]]:
@@ -73,7 +98,10 @@ def test_policy_saves_keeps_last_two_and_the_kept_one_restores(cluster, namespac
             seen[o["metadata"]["name"]] = o
         return sum(1 for o in seen.values() if (o.get("status") or {}).get("phase") == K.PHASE_SUCCEEDED) >= 4
 
-    cluster.wait_for("4 good saves of the policy", four_good, timeout=240)
+    try:
+        cluster.wait_for("4 good saves of the policy", four_good, timeout=150)
+    except AssertionError:
+        raise AssertionError(diagnose(cluster, ns)) from None
     cluster.kubectl("patch", K.POLICY_SINGULAR, POLICY, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
 
     def settled() -> bool:
@@ -148,3 +176,56 @@ def test_policy_saves_keeps_last_two_and_the_kept_one_restores(cluster, namespac
     assert saves(cluster, ns) == []
     with pytest.raises(NotFound):
         client.get_manifest(Reference.parse(newest["status"]["reference"]))
+
+
+def test_a_policy_needs_the_restore_verb_too(cluster, namespace, agent):  # type: ignore[no-untyped-def]
+    """A policy saves and restores in its creator's name: create podsnapshots alone is not enough."""
+    ns = namespace
+    repo = f"{cluster.registry}/tenant-ok"
+    cluster.kubectl("annotate", "namespace", ns, f"{K.ANN_ALLOWED_DESTINATIONS}={repo}")
+    rules = [
+        {"apiGroups": [K.GROUP], "resources": [K.PLURAL], "verbs": ["create", "get", "list"]},
+        {"apiGroups": [K.GROUP], "resources": [K.POLICY_PLURAL], "verbs": ["create", "get", "list"]},
+    ]
+    cluster.apply(
+        [
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant", "namespace": ns}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": "tenant", "namespace": ns}, "rules": rules},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": "tenant", "namespace": ns},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant"},
+             "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns}]},
+        ]
+    )  # fmt: skip
+    user = f"system:serviceaccount:{ns}:tenant"
+    body = {
+        "apiVersion": K.API_VERSION,
+        "kind": K.POLICY_KIND,
+        "metadata": {"name": "p", "namespace": ns},
+        "spec": {"selector": {"matchLabels": {"app": "x"}}, "interval": "1m", "destination": f"{repo}/x"},
+    }
+
+    def create(obj: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        return cluster.kubectl(
+            "--as", user, "create", "--dry-run=server", "-f", "-", "-o", "name", input=json.dumps(obj), check=False
+        )
+
+    refused = create(body)
+    assert refused.returncode != 0
+    assert "ValidatingAdmissionPolicy 'kubectl-snapshot-snapshotpolicies'" in refused.stderr, refused.stderr
+    assert "it needs both create and the restore verb" in refused.stderr, refused.stderr
+    # the same user with the restore verb passes; a destination off the namespace's list still does not
+    cluster.apply(
+        [
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": "tenant-restore", "namespace": ns},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                         "name": "kubectl-snapshot-restore"},
+             "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns}]},
+        ]
+    )  # fmt: skip
+    admitted = create(body)
+    assert admitted.returncode == 0, admitted.stderr
+    elsewhere = create({**body, "spec": {**body["spec"], "destination": f"{cluster.registry}/other/x"}})
+    assert elsewhere.returncode != 0 and "is not allowed in namespace" in elsewhere.stderr, elsewhere.stderr
