@@ -4,7 +4,8 @@ registry's own garbage collection then frees the deleted saves' blobs and the ke
 
 The saves go to a private docker-registry (tests/support/registry.py, same binary as the cluster's)
 on another loopback port: garbage collection needs the registry stopped (or read-only), which the
-shared registry other tests push to cannot be. The agents run with the host's network, so they reach it.
+shared registry other tests push to cannot be. The agents run in the cluster's network namespace;
+a relay (hack/cluster/forward.py, as up.sh does for the shared registry) gives them the same address.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import itertools
 import json
 import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +29,43 @@ from kubectl_snapshot.core.reference import Reference
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
 from tests.support.agent import agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace
-from tests.support.registry import RegistryServer, registry_server
+from tests.support.registry import RegistryServer
 
-__all__ = ["agent", "cluster", "namespace", "plugin", "registry_server"]  # fixtures
+__all__ = ["agent", "cluster", "namespace", "plugin"]  # fixtures
 
 pytestmark = pytest.mark.e2e
 
 POLICY = "autosave"
+
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NETNS = "/run/netns/ks-net"  # the cluster's network namespace (hack/cluster/lib.sh: KS_NETNS)
+
+
+@pytest.fixture
+def private_registry(tmp_path: Path) -> Iterator[RegistryServer]:
+    """A docker-registry of this test alone, reachable at the same 127.0.0.1:PORT from the cluster's
+    network namespace (where the agents run) through the cluster's own relay script (as up.sh does)."""
+    server = RegistryServer(tmp_path / "registry")
+    server.start()
+    sock = tmp_path / "registry.sock"
+    forward = str(REPO_ROOT / "hack" / "cluster" / "forward.py")
+    relays = [
+        subprocess.Popen([sys.executable, forward, f"unix:{sock}", f"tcp:{server.host}"]),
+        subprocess.Popen(["nsenter", f"--net={NETNS}", sys.executable, forward, f"tcp:{server.host}", f"unix:{sock}"]),
+    ]
+    try:
+        deadline = time.monotonic() + 20
+        probe = ["nsenter", f"--net={NETNS}", "curl", "-fsS", "-o", "/dev/null", f"{server.url}/v2/"]
+        while subprocess.run(probe, capture_output=True).returncode != 0:
+            assert time.monotonic() < deadline, "the relay into the cluster's network namespace did not come up"
+            time.sleep(0.2)
+        yield server
+    finally:
+        for r in relays:
+            r.terminate()
+            r.wait(timeout=10)
+        server.close()
 
 
 def blob_bytes(storage: Path) -> int:
@@ -71,8 +104,8 @@ def saves(cluster: Cluster, ns: str) -> list[dict[str, Any]]:
     return sorted(items, key=lambda o: o["metadata"]["creationTimestamp"] + o["metadata"]["name"])
 
 
-def test_policy_saves_keeps_last_two_and_the_kept_one_restores(cluster, namespace, agent, plugin, registry):  # type: ignore[no-untyped-def]
-    reg: RegistryServer = registry
+def test_policy_saves_keeps_last_two_and_the_kept_one_restores(cluster, namespace, agent, plugin, private_registry):  # type: ignore[no-untyped-def]
+    reg: RegistryServer = private_registry
     ns, (n1, n2) = namespace, cluster.nodes[:2]
     repo = f"{reg.host}/e2e/autosave-{ns}"
     # the agent creates the saves: the namespace must allow the destination (it is no namespace admin)
