@@ -63,6 +63,16 @@ def _snapshots_path(ns: str | None, name: str | None = None, sub: str | None = N
     return path
 
 
+def _policies_path(ns: str | None, name: str | None = None, sub: str | None = None) -> str:
+    base = f"/apis/{K.GROUP}/{K.VERSION}"
+    path = f"{base}/namespaces/{_q(ns)}/{K.POLICY_PLURAL}" if ns else f"{base}/{K.POLICY_PLURAL}"
+    if name:
+        path += f"/{_q(name)}"
+    if sub:
+        path += f"/{sub}"
+    return path
+
+
 def _pods_path(ns: str | None, name: str | None = None) -> str:
     path = f"/api/v1/namespaces/{_q(ns)}/pods" if ns else "/api/v1/pods"
     return f"{path}/{_q(name)}" if name else path
@@ -483,6 +493,74 @@ class KubeClient:
                 content_type=MERGE_PATCH,
             )
         )
+
+    # --- SnapshotPolicies (autosave) -----------------------------------------------------------------
+
+    def get_policy(self, ns: str, name: str) -> dict[str, Any]:
+        return dict(self._call("GET", _policies_path(ns, name), what=f"get snapshotpolicy {ns}/{name}"))
+
+    def list_policies(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+        return self.list_policies_versioned(ns, label_selector=label_selector)[0]
+
+    def list_policies_versioned(
+        self, ns: str | None, *, label_selector: str | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
+        what = f"list snapshotpolicies in {ns or 'all namespaces'}"
+        return self._list(_policies_path(ns), what=what, query={"labelSelector": label_selector or None})
+
+    def watch_policies(
+        self, namespace: str | None, timeout_s: int = 300, *, resource_version: str | None = None
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        return self._watch(
+            _policies_path(namespace),
+            what=f"watch snapshotpolicies in {namespace or 'all namespaces'}",
+            query={},
+            timeout_s=timeout_s,
+            resource_version=resource_version,
+        )
+
+    def create_policy(self, ns: str, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
+        name = body.get("metadata", {}).get("name", "?")
+        return dict(
+            self._call(
+                "POST", _policies_path(ns), what=f"create snapshotpolicy {ns}/{name}", body=body, query=_dry(dry_run)
+            )
+        )
+
+    def delete_policy(self, ns: str, name: str, *, dry_run: bool = False) -> None:
+        self._call("DELETE", _policies_path(ns, name), what=f"delete snapshotpolicy {ns}/{name}", query=_dry(dry_run))
+
+    def apply_policy_pods(
+        self, ns: str, name: str, pods: list[dict[str, Any]], *, field_manager: str
+    ) -> dict[str, Any]:
+        """Server-side apply status.pods entries as `field_manager` (one per node): the entries this
+        manager applied before and leaves out now are removed; other managers' entries stay."""
+        body = {
+            "apiVersion": K.API_VERSION,
+            "kind": K.POLICY_KIND,
+            "metadata": {"name": name, "namespace": ns},
+            # none left: own nothing under status (an explicit [] could read as "the list is empty")
+            "status": {"pods": pods} if pods else {},
+        }
+        return dict(
+            self._call(
+                "PATCH",
+                _policies_path(ns, name, "status"),
+                what=f"apply status of snapshotpolicy {ns}/{name}",
+                body=body,
+                content_type=APPLY_PATCH,
+                query={"fieldManager": field_manager, "force": "true"},
+            )
+        )
+
+    def get_replicaset(self, ns: str, name: str) -> dict[str, Any]:
+        path = f"/apis/apps/v1/namespaces/{_q(ns)}/replicasets/{_q(name)}"
+        return dict(self._call("GET", path, what=f"get replicaset {ns}/{name}"))
+
+    def list_events(self, ns: str, *, field_selector: str | None = None) -> list[dict[str, Any]]:
+        path = f"/api/v1/namespaces/{_q(ns)}/events"
+        q = {"fieldSelector": field_selector}
+        return list(self._call("GET", path, what=f"list events in {ns}", query=q).get("items") or [])
 
     # --- events, secrets, nodes, daemonsets ----------------------------------------------------------
 

@@ -788,6 +788,15 @@ def kubectl_args(argv: list[str]) -> list[str]:
     return out
 
 
+def _add_policy_commands() -> None:
+    from kubectl_snapshot.cli.policy import policy_group
+
+    cli.add_command(policy_group)
+
+
+_add_policy_commands()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the plugin; usage errors print `error:`/`hint:` and exit 2."""
     args = list(sys.argv[1:] if argv is None else argv)

@@ -72,6 +72,7 @@ def render(
         rbac.agent_secrets_role(labels),
         *rbac.user_cluster_roles(labels),
         rbac.grant_cluster_role(labels),
+        *rbac.policy_cluster_roles(labels),
         keys.key_role(labels),
         keys.key_role_binding(labels),
         *admission.render(labels),

@@ -46,7 +46,15 @@ RESTORE_POLICY = "kubectl-snapshot-restore"
 AGENT_NODES_POLICY = "kubectl-snapshot-agent-nodes"
 AGENT_PODS_POLICY = "kubectl-snapshot-agent-pods"
 AGENT_SNAPSHOTS_POLICY = "kubectl-snapshot-agent-podsnapshots"
-POLICIES = (SNAPSHOT_POLICY, RESTORE_POLICY, AGENT_NODES_POLICY, AGENT_PODS_POLICY, AGENT_SNAPSHOTS_POLICY)
+AUTOSAVE_POLICY = "kubectl-snapshot-snapshotpolicies"
+POLICIES = (
+    SNAPSHOT_POLICY,
+    RESTORE_POLICY,
+    AGENT_NODES_POLICY,
+    AGENT_PODS_POLICY,
+    AGENT_SNAPSHOTS_POLICY,
+    AUTOSAVE_POLICY,
+)
 
 # Reference grammar (core/reference.py), in RE2 for CEL's matches(). The registry must be explicit
 # (a dot, a port or localhost), lowercase, so that the allow-list compares what the agent contacts.
@@ -144,6 +152,21 @@ def _binding(name: str, labels: dict[str, str]) -> dict[str, Any]:
     }
 
 
+# Autosave: the agent creates the saves of a SnapshotPolicy. Whoever created or changed the policy was
+# checked then (policy_policy: create podsnapshots and restore, the Secret, the destination); at each
+# save the destination and insecure are checked again against the namespace's lists (the agent is no
+# namespace admin), and the requester checks (create pods, get the Secret) are the policy creator's.
+# A save of the agent is never a `stop`.
+_POLICY_SAVE_VARIABLES = [
+    {
+        "name": "policySave",
+        "expression": f"request.userInfo.username == {_quote(K.AGENT_USER)}"
+        f" && has(object.metadata.labels) && {_quote(K.LABEL_POLICY)} in object.metadata.labels"
+        " && (!has(object.spec.stop) || !object.spec.stop)",
+    }
+]
+
+
 def snapshot_policy(labels: dict[str, str]) -> dict[str, Any]:
     secret = "object.spec.registrySecret"
     return _policy(
@@ -159,6 +182,7 @@ def snapshot_policy(labels: dict[str, str]) -> dict[str, Any]:
                     " ? variables.ref.substring(0, variables.ref.lastIndexOf(':')) : variables.ref",
                 },
                 *_NS_VARIABLES,
+                *_POLICY_SAVE_VARIABLES,
             ],
             "validations": [
                 _deny(
@@ -180,12 +204,13 @@ def snapshot_policy(labels: dict[str, str]) -> dict[str, Any]:
                     "(size(variables.insecureRegistries) == 0 ? 'nothing' : variables.insecureRegistries.join(', '))",
                 ),
                 _deny(
-                    f"!has({secret}) || {secret} == '' || " + _can("get", "secrets", name=secret),
+                    f"variables.policySave || !has({secret}) || {secret} == '' || "
+                    + _can("get", "secrets", name=secret),
                     f"'you cannot get secret ' + {secret} + ' in namespace ' + request.namespace"
                     " + ', so the agent will not use it for you'",
                 ),
                 _deny(
-                    _can("create", "pods"),
+                    "variables.policySave || " + _can("create", "pods"),
                     "'snapshotting needs permission to create pods in namespace ' + request.namespace",
                 ),
                 _deny(
@@ -267,15 +292,16 @@ _NOT_BOUND = (
 )
 
 
-def _only_annotation_changes(key: str) -> str:
-    """CEL: labels equal, and every annotation but `key` kept with the same value (none added/removed)."""
-    k = _quote(key)
+def _only_annotation_changes(*keys: str) -> str:
+    """CEL: labels equal, and every annotation but `keys` kept with the same value (none added/removed)."""
+    k = _quote(keys[0]) if len(keys) == 1 else "[" + ", ".join(_quote(x) for x in keys) + "]"
+    is_key = "a == " + k if len(keys) == 1 else "a in " + k
     new, old = "object.metadata", "oldObject.metadata"
     return (
         f"(has({new}.labels) ? {new}.labels : {{}}) == (has({old}.labels) ? {old}.labels : {{}})"
-        f" && (!has({new}.annotations) || {new}.annotations.all(a, a == {k} || "
+        f" && (!has({new}.annotations) || {new}.annotations.all(a, {is_key} || "
         f"(has({old}.annotations) && a in {old}.annotations && {old}.annotations[a] == {new}.annotations[a])))"
-        f" && (!has({old}.annotations) || {old}.annotations.all(a, a == {k} || "
+        f" && (!has({old}.annotations) || {old}.annotations.all(a, {is_key} || "
         f"(has({new}.annotations) && a in {new}.annotations)))"
     )
 
@@ -324,9 +350,57 @@ def agent_pods_policy(labels: dict[str, str]) -> dict[str, Any]:
                 _deny(
                     update
                     + "(request.subResource == 'status' && "
-                    + _only_annotation_changes(K.ANN_RESTORE_STATUS)
+                    + _only_annotation_changes(K.ANN_RESTORE_STATUS, K.ANN_LAST_SAVE)
                     + ")",
-                    f"'the agent may change only the {K.ANN_RESTORE_STATUS} annotation of a pod (through pods/status)'",
+                    f"'the agent may change only the {K.ANN_RESTORE_STATUS} and {K.ANN_LAST_SAVE} annotations of a"
+                    " pod (through pods/status)'",
+                ),
+            ],
+        },
+    )
+
+
+def autosave_policy(labels: dict[str, str]) -> dict[str, Any]:
+    """SnapshotPolicy CREATE/UPDATE: the agent saves (and new pods of the workload resume) in the name of
+    whoever wrote the policy, so that person must hold what a save and a restore need right now: create
+    and restore on podsnapshots in the namespace, get on the Secret it names, and a destination (and
+    insecure) the namespace's lists allow, exactly as for a PodSnapshot."""
+    secret = "object.spec.registrySecret"
+    need = f"{K.PLURAL}.{K.GROUP}"
+    return _policy(
+        AUTOSAVE_POLICY,
+        labels,
+        {
+            "matchConstraints": _match([K.GROUP], ["*"], ["CREATE", "UPDATE"], [K.POLICY_PLURAL]),
+            "variables": [
+                {"name": "ref", "expression": "object.spec.destination"},
+                {"name": "repo", "expression": "variables.ref"},
+                *_NS_VARIABLES,
+            ],
+            "validations": [
+                _deny(
+                    _can("create", K.PLURAL, group=K.GROUP) + " && " + _can(K.RESTORE_VERB, K.PLURAL, group=K.GROUP),
+                    f"'a SnapshotPolicy saves and restores pods in your name: it needs both create and the "
+                    f"{K.RESTORE_VERB} verb on {need} in namespace ' + request.namespace + ' (ClusterRoles "
+                    "kubectl-snapshot-edit and kubectl-snapshot-restore, aggregated to edit and admin)'",
+                ),
+                _deny(
+                    f"variables.ref.matches({_raw('^' + REPOSITORY_RE + '$')})",
+                    "'spec.destination ' + variables.ref + ' must be REGISTRY/REPOSITORY (no tag: each save gets"
+                    " its own) with an explicit, lowercase registry host (a dot, a port or localhost)'",
+                ),
+                _deny("variables.nsAdmin || variables.listed", "'destination ' + variables.repo + " + _NOT_LISTED),
+                _deny(
+                    "!has(object.spec.insecure) || !object.spec.insecure || variables.nsAdmin"
+                    " || variables.registry in variables.insecureRegistries",
+                    "'insecure (plain HTTP) to ' + variables.registry + ' is not allowed in namespace ' + "
+                    f"request.namespace + ': its annotation {K.ANN_INSECURE_REGISTRIES} lists ' + "
+                    "(size(variables.insecureRegistries) == 0 ? 'nothing' : variables.insecureRegistries.join(', '))",
+                ),
+                _deny(
+                    f"!has({secret}) || {secret} == '' || " + _can("get", "secrets", name=secret),
+                    f"'you cannot get secret ' + {secret} + ' in namespace ' + request.namespace"
+                    " + ', so the agent will not use it for you'",
                 ),
             ],
         },
@@ -338,9 +412,15 @@ def _status_node(obj: str) -> str:
     return f"request.operation == 'UPDATE' && has({obj}.status) && has({obj}.status.node) ? {obj}.status.node : ''"
 
 
+def _has_label(obj: str, key: str) -> str:
+    """CEL: `obj` (which may be null: CREATE has no oldObject, DELETE no object) carries label `key`."""
+    return f"{obj} != null && has({obj}.metadata.labels) && {_quote(key)} in {obj}.metadata.labels"
+
+
 def agent_snapshots_policy(labels: dict[str, str]) -> dict[str, Any]:
     """The agent writes a PodSnapshot's status only as the node it claims it for (status.node): an
-    unclaimed object, or one its own node claimed; the status it leaves names its own node."""
+    unclaimed object, or one its own node claimed; the status it leaves names its own node. It creates
+    and deletes only the saves of SnapshotPolicies (autosave and retention)."""
     return _policy(
         AGENT_SNAPSHOTS_POLICY,
         labels,
@@ -353,14 +433,27 @@ def agent_snapshots_policy(labels: dict[str, str]) -> dict[str, Any]:
                 *_AGENT_VARIABLES,
                 {"name": "claimedBy", "expression": _status_node("oldObject")},
                 {"name": "claims", "expression": _status_node("object")},
+                {"name": "policySave", "expression": _has_label("object", K.LABEL_POLICY)},
+                {"name": "policySaveOld", "expression": _has_label("oldObject", K.LABEL_POLICY)},
             ],
             "validations": [
                 _deny(
-                    "request.operation == 'UPDATE' && request.subResource == 'status'",
+                    "request.operation != 'CREATE' || variables.policySave",
+                    "'the agent creates only the saves of a SnapshotPolicy (label " + K.LABEL_POLICY + "), not '"
+                    " + request.namespace + '/' + request.name",
+                ),
+                _deny(
+                    "request.operation != 'DELETE' || variables.policySaveOld",
+                    "'the agent deletes only the saves of a SnapshotPolicy (retention), not '"
+                    " + request.namespace + '/' + request.name",
+                ),
+                _deny(
+                    "request.operation != 'UPDATE' || request.subResource == 'status'",
                     "'the agent may write only the status of a PodSnapshot, not ' + request.operation"
                     " + ' ' + request.namespace + '/' + request.name",
                 ),
                 _deny(
+                    "request.operation != 'UPDATE' || request.subResource != 'status' || "
                     "variables.node != '' && variables.claims == variables.node"
                     " && (variables.claimedBy == '' || variables.claimedBy == variables.node)",
                     _NOT_BOUND + " + ', not to PodSnapshot ' + request.namespace + '/' + request.name"
@@ -384,4 +477,5 @@ def render(labels: dict[str, str]) -> list[dict[str, Any]]:
         agent_pods_policy(labels),
         agent_snapshots_policy(labels),
     ]
+    policies.append(autosave_policy(labels))
     return [*policies, *(_binding(p["metadata"]["name"], labels) for p in policies)]

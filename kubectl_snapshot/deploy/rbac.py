@@ -57,6 +57,18 @@ def agent_rules() -> list[dict[str, Any]]:
         _rule("authentication.k8s.io", ["tokenreviews"], ["create"]),
         _rule("authorization.k8s.io", ["subjectaccessreviews"], ["create"]),
         _rule(K.GROUP, [K.GRANT_PLURAL], ["get", "list"]),  # provenance: may A's snapshot go to B?
+        *autosave_agent_rules(),
+    ]
+
+
+def autosave_agent_rules() -> list[dict[str, Any]]:
+    """Autosave (SnapshotPolicy): read the policies, apply this node's entries of their status, create
+    the saves and delete those retention drops, read a ReplicaSet's owner (a Deployment's pods)."""
+    return [
+        _rule(K.GROUP, [K.POLICY_PLURAL], ["get", "list", "watch"]),
+        _rule(K.GROUP, [f"{K.POLICY_PLURAL}/status"], ["patch"]),
+        _rule(K.GROUP, [K.PLURAL], ["create", "delete"]),
+        _rule("apps", ["replicasets"], ["get"]),
     ]
 
 
@@ -143,6 +155,33 @@ def user_cluster_roles(labels: dict[str, str]) -> list[dict[str, Any]]:
             "kind": "ClusterRole",
             "metadata": {"name": METRICS_READER_ROLE, "labels": dict(labels)},
             "rules": [{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}],
+        },
+    ]
+
+
+POLICY_EDIT_ROLE = "kubectl-snapshot-policy-edit"
+POLICY_VIEW_ROLE = "kubectl-snapshot-policy-view"
+
+
+def policy_cluster_roles(labels: dict[str, str]) -> list[dict[str, Any]]:
+    """SnapshotPolicies: edit/admin write them (admission also wants create and restore on podsnapshots
+    of the creator), view reads them."""
+    edit_labels = labels | {_AGGREGATE + "edit": "true", _AGGREGATE + "admin": "true"}
+    view_labels = labels | {_AGGREGATE + "view": "true"}
+    return [
+        {
+            "apiVersion": RBAC,
+            "kind": "ClusterRole",
+            "metadata": {"name": POLICY_EDIT_ROLE, "labels": edit_labels},
+            "rules": [
+                _rule(K.GROUP, [K.POLICY_PLURAL], ["create", "get", "list", "watch", "update", "patch", "delete"])
+            ],
+        },
+        {
+            "apiVersion": RBAC,
+            "kind": "ClusterRole",
+            "metadata": {"name": POLICY_VIEW_ROLE, "labels": view_labels},
+            "rules": [_rule(K.GROUP, [K.POLICY_PLURAL], ["get", "list", "watch"])],
         },
     ]
 

@@ -22,6 +22,11 @@ def snapshot_event(kube: Any, obj: dict[str, Any], reason: str, message: str, *,
     _event(kube, {"apiVersion": K.API_VERSION, "kind": K.KIND, **obj}, reason, message, warning=warning)
 
 
+def policy_event(kube: Any, obj: dict[str, Any], reason: str, message: str, *, warning: bool = False) -> None:
+    """Record an Event on a SnapshotPolicy (`kubectl describe snapshotpolicy`, `kubectl snapshot policy describe`)."""
+    _event(kube, {"apiVersion": K.API_VERSION, "kind": K.POLICY_KIND, **obj}, reason, message, warning=warning)
+
+
 def _event(kube: Any, involved: dict[str, Any], reason: str, message: str, *, warning: bool) -> None:
     try:
         kube.create_event(

@@ -36,6 +36,7 @@ class Informer:
     list_fn: ListFn
     watch_fn: WatchFn  # called with the resourceVersion to resume from
     handle: Callable[[Obj], None]
+    on_delete: Callable[[Obj], None] | None = None  # DELETED events (not seen again after a re-list)
     ready: threading.Event = field(default_factory=threading.Event)  # set after the first full list
     retry_s: float = 2.0
     lists: int = 0  # how many times it listed (1 in steady state)
@@ -73,12 +74,14 @@ class Informer:
             version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
             if kind in ("ADDED", "MODIFIED"):
                 self._safe(obj)
+            elif kind == "DELETED" and self.on_delete is not None:
+                self._safe(obj, self.on_delete)
             if stop.is_set():
                 break
         return version
 
-    def _safe(self, obj: Obj) -> None:
+    def _safe(self, obj: Obj, handle: Callable[[Obj], None] | None = None) -> None:
         try:
-            self.handle(obj)
+            (handle or self.handle)(obj)
         except Exception:
             log.exception("%s: handling %s failed", self.name, (obj.get("metadata") or {}).get("name"))

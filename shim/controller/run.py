@@ -16,12 +16,13 @@ from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
 from shim import dumplock, freezer, hostfacts, metrics_server, nodecheck
 from shim.containerd.client import ContainerdClient
+from shim.controller.autosave import Autosave
 from shim.controller.fairness import FairScheduler
 from shim.controller.informer import Informer
 from shim.controller.node_install import DROPIN_NAME
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
-from shim.controller.snapshots import SnapshotWorker
+from shim.controller.snapshots import SnapshotWorker, registry_for
 from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import recover_interrupted
 from shim.engine.staging import StatePaths
@@ -125,6 +126,19 @@ def node_informers(
     ]
 
 
+def autosave_informers(kube: Any, autosave: Autosave) -> list[Informer]:
+    """SnapshotPolicies of every namespace (few, small): each agent runs the schedule for its own pods."""
+    return [
+        Informer(
+            name="snapshotpolicies",
+            list_fn=lambda: kube.list_policies_versioned(None),
+            watch_fn=lambda rv: kube.watch_policies(None, timeout_s=WATCH_TIMEOUT_S, resource_version=rv),
+            handle=autosave.policy_changed,
+            on_delete=autosave.policy_gone,
+        )
+    ]
+
+
 def run(
     kube: Any,
     settings: NodeSettings,
@@ -149,7 +163,20 @@ def run(
     queue = WorkQueue("snapshots", on_length=metrics.queue.set)
     # encryption at rest is on: namespace keys in one Secret of the agent's namespace (adapters/keystore.py)
     keys = SecretKeyProvider(kube)
-    snapshots = SnapshotWorker(kube=kube, settings=settings, facts=facts, metrics=metrics, queue=queue, keys=keys)
+    autosave = Autosave(
+        kube,
+        settings.node,
+        registry_for=lambda ns, secret, insecure: registry_for(kube, ns, secret, insecure=insecure),
+    )
+    snapshots = SnapshotWorker(
+        kube=kube,
+        settings=settings,
+        facts=facts,
+        metrics=metrics,
+        queue=queue,
+        keys=keys,
+        on_saved=autosave.on_saved,
+    )
     # Issue 10: restores run per namespace in turn, two per namespace and four in all, so one
     # namespace cannot starve another and a slow registry holds up one restore, not the next.
     restores = RestoreWorker(
@@ -160,7 +187,14 @@ def run(
         scheduler=FairScheduler(workers=RESTORE_WORKERS, per_key=2, name="restore"),
         keys=keys,
     )
-    informers = node_informers(kube, settings.node, snapshots.consider, restores.consider)
+
+    def on_pod(pod: dict[str, Any]) -> None:
+        restores.consider(pod)
+        autosave.pod_changed(pod)
+
+    informers = node_informers(kube, settings.node, snapshots.consider, on_pod)
+    informers[-1].on_delete = autosave.pod_gone  # the node's pods: autosave forgets deleted ones
+    informers += autosave_informers(kube, autosave)
     for inf in informers:
         threading.Thread(target=inf.run, name=inf.name, args=(stop,), daemon=True).start()
     while not all(inf.ready.is_set() for inf in informers):
@@ -169,6 +203,7 @@ def run(
     with open(ready_file, "w") as f:
         f.write("ready\n")
     log.info("agent ready")
+    threading.Thread(target=autosave.run, name="autosave", args=(stop,), daemon=True).start()
     while not stop.wait(60):
         publish_facts(kube, settings, facts)
         for path in restores.collect_garbage():

@@ -81,8 +81,10 @@ class SnapshotWorker:
         metrics: AgentMetrics | None = None,
         queue: WorkQueue | None = None,
         keys: KeyProvider | None = None,
+        on_saved: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
     ) -> None:
         self.kube = kube
+        self.on_saved = on_saved  # after every good save: (PodSnapshot, pod); autosave's last-save annotation
         self.keys = keys  # encryption at rest: every snapshot sealed with its namespace's key
         self.settings = settings
         self.facts = facts
@@ -281,6 +283,8 @@ class SnapshotWorker:
         message = f"snapshot {meta['name']} pushed as {r.reference} ({S.human_bytes(r.size)})"
         snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_SUCCEEDED, message)
         pod_event(self.kube, pod, K.EVENT_SNAPSHOT_SUCCEEDED, message)
+        if self.on_saved is not None and not (obj.get("spec") or {}).get("stop"):
+            self.on_saved(obj, pod)
 
     # --- results that must reach the API server -------------------------------------------------
 

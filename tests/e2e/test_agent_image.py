@@ -230,10 +230,15 @@ def test_agent_rbac_on_the_real_authorizer(cluster: Cluster, installed: list[dic
         ("delete", "pods"),  # spec.stop: the pod goes once its snapshot is pushed (admission: own node)
         ("create", "events"),
         ("patch", "nodes"),  # admission: its own node, the host-facts annotation
+        ("create", K.PLURAL),  # autosave: a policy's saves (admission: the namespace's destination lists)
+        ("delete", K.PLURAL),  # autosave: retention
+        ("watch", K.POLICY_PLURAL),
+        ("patch", f"{K.POLICY_PLURAL}/status"),  # its own node's entries, server-side applied
     ]
     denied = [
-        ("create", K.PLURAL),
         ("update", K.PLURAL),
+        ("update", K.POLICY_PLURAL),
+        ("patch", K.POLICY_PLURAL),  # never a policy's spec
         ("get", "secrets"),  # only through a namespace's RoleBinding (tests/e2e/test_tenant_admission.py)
         ("list", "secrets"),
         ("patch", "pods"),

@@ -358,6 +358,9 @@ def test_agent_writes_only_to_its_own_node(
     pods_policy = admission.AGENT_PODS_POLICY
     patched = as_agent.patch_pod_annotations(namespace, mine, {K.ANN_RESTORE_STATUS: "Failed: e2e"}, status=True)
     assert patched["metadata"]["annotations"][K.ANN_RESTORE_STATUS] == "Failed: e2e"
+    # autosave: the time of the pod's last good save, the one other annotation it may set
+    saved = as_agent.patch_pod_annotations(namespace, mine, {K.ANN_LAST_SAVE: "2026-01-01T00:00:00Z"}, status=True)
+    assert saved["metadata"]["annotations"][K.ANN_LAST_SAVE] == "2026-01-01T00:00:00Z"
     with pytest.raises(PermissionDenied) as theirs_err:
         as_agent.patch_pod_annotations(namespace, theirs, {K.ANN_RESTORE_STATUS: "Failed: e2e"}, status=True)
     for words in (f"ValidatingAdmissionPolicy '{pods_policy}'", f"bound to node {node}", f"on node {other}"):

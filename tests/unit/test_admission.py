@@ -143,6 +143,36 @@ def test_agent_snapshots_policy_binds_the_status_node_both_sides() -> None:
     assert "variables.node != ''" in bound["expression"]  # a token bound to no node writes nothing
 
 
+def test_autosave_policy_needs_create_and_restore_and_the_namespace_lists() -> None:
+    p = policy(admission.AUTOSAVE_POLICY)
+    [rule] = p["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == [K.POLICY_PLURAL] and rule["operations"] == ["CREATE", "UPDATE"]
+    text = expressions(p)
+    for verb in ("create", K.RESTORE_VERB):
+        assert (
+            f"authorizer.group('{K.GROUP}').resource('{K.PLURAL}').namespace(request.namespace)"
+            f".check('{verb}').allowed()"
+        ) in text
+    assert ".name(object.spec.registrySecret).check('get').allowed()" in text
+    assert f"namespaceObject.metadata.annotations['{K.ANN_ALLOWED_DESTINATIONS}']" in text
+    assert f"namespaceObject.metadata.annotations['{K.ANN_INSECURE_REGISTRIES}']" in text
+    [verbs] = [v for v in p["spec"]["validations"] if K.RESTORE_VERB in v["messageExpression"]]
+    assert "create and the restore verb" in verbs["messageExpression"]
+
+
+def test_the_agents_policy_saves_skip_only_the_requester_checks() -> None:
+    """The agent creates a policy's saves: the destination is checked again against the namespace's lists,
+    the requester checks were the policy creator's (at policy admission); it may set last-save on pods."""
+    p = policy(admission.SNAPSHOT_POLICY)
+    [save] = [v for v in p["spec"]["variables"] if v["name"] == "policySave"]
+    assert K.AGENT_USER in save["expression"] and K.LABEL_POLICY in save["expression"]
+    assert "object.spec.stop" in save["expression"]
+    skipping = [v for v in p["spec"]["validations"] if "variables.policySave" in v["expression"]]
+    assert len(skipping) == 2  # create pods, get the Secret; never the destination lists
+    assert all("secrets" in v["expression"] or "'pods'" in v["expression"] for v in skipping)
+    assert K.ANN_LAST_SAVE in expressions(policy(admission.AGENT_PODS_POLICY))
+
+
 def re2(pattern: str, text: str) -> bool:
     """RE2's `$` (CEL matches()) is the end of the text; Python's also matches before a final newline."""
     assert pattern.endswith("$")

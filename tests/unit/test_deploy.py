@@ -113,6 +113,11 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
         ("authentication.k8s.io", "tokenreviews", "create"),
         ("authorization.k8s.io", "subjectaccessreviews", "create"),
         *((K.GROUP, "snapshotgrants", v) for v in ("get", "list")),  # may A's snapshot go to B?
+        # autosave: policies read, this node's status entries applied, saves created and pruned
+        *((K.GROUP, "snapshotpolicies", v) for v in ("get", "list", "watch")),
+        (K.GROUP, "snapshotpolicies/status", "patch"),
+        *((K.GROUP, "podsnapshots", v) for v in ("create", "delete")),
+        ("apps", "replicasets", "get"),  # a Deployment's pods: their ReplicaSet's owner
     }
     assert rules(role) == expected
     # secrets only through a per-namespace RoleBinding that nothing in render() creates

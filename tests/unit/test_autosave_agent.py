@@ -1,0 +1,210 @@
+"""The agent's autosave loop (shim/controller/autosave.py) over an in-memory API: one save in flight
+at a time, the schedule read back after a restart, retention deleting manifests before objects,
+status entries per node. The real thing runs in tests/e2e/test_autosave_policy.py."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+from typing import Any
+
+from kubectl_snapshot.core import autosave as A
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import AlreadyExists, NotFound
+from kubectl_snapshot.core.provenance import signature_tag
+from kubectl_snapshot.core.reference import Reference
+from shim.controller.autosave import Autosave, delete_manifest
+
+
+def iso(t: float) -> str:
+    return A.rfc3339(t)
+
+
+class FakeKube:
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+        self.snapshots: dict[str, dict[str, Any]] = {}
+        self.applied: list[tuple[str, list[dict[str, Any]], str]] = []
+        self.events: list[tuple[str, str]] = []
+        self.annotations: dict[str, dict[str, Any]] = {}
+        self.calls: list[str] = []
+
+    def list_snapshots(self, ns: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+        want = dict(kv.split("=", 1) for kv in (label_selector or "").split(",") if kv)
+        return [
+            copy.deepcopy(o)
+            for o in self.snapshots.values()
+            if all((o["metadata"].get("labels") or {}).get(k) == v for k, v in want.items())
+        ]
+
+    def get_snapshot(self, ns: str, name: str) -> dict[str, Any]:
+        if name not in self.snapshots:
+            raise NotFound(name)
+        return copy.deepcopy(self.snapshots[name])
+
+    def create_snapshot(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["metadata"]["name"]
+        if name in self.snapshots:
+            raise AlreadyExists(name)
+        obj = copy.deepcopy(body)
+        obj["metadata"]["creationTimestamp"] = iso(self.clock[0])
+        self.snapshots[name] = obj
+        return copy.deepcopy(obj)
+
+    def delete_snapshot(self, ns: str, name: str) -> None:
+        self.calls.append(f"delete podsnapshot {name}")
+        self.snapshots.pop(name)
+
+    def apply_policy_pods(self, ns: str, name: str, pods: list[dict[str, Any]], *, field_manager: str) -> None:
+        self.applied.append((name, pods, field_manager))
+
+    def create_event(self, ns: str, *, involved: dict[str, Any], reason: str, message: str, type: str) -> None:
+        self.events.append((involved["kind"], message))
+
+    def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, Any], *, status: bool) -> None:
+        assert status  # through pods/status: the agent has no pods patch
+        self.annotations[name] = ann
+
+    def finish(self, name: str, phase: str, digest: str = "") -> None:
+        st = self.snapshots[name].setdefault("status", {})
+        st.update(phase=phase, completionTime=iso(self.clock[0]), message="boom" if phase == K.PHASE_FAILED else "")
+        if digest:
+            st["reference"] = f"r.io:5000/saves@{digest}"
+
+
+class FakeRegistry:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    def get_manifest(self, ref: Reference) -> tuple[bytes, str, str]:
+        if ref.tag == signature_tag("sha256:" + "1" * 64):
+            return b"{}", "application/vnd.oci.image.manifest.v1+json", "sha256:" + "5" * 64
+        raise NotFound(str(ref))
+
+    def delete_manifest(self, ref: Reference, digest: str) -> None:
+        self.calls.append(f"delete manifest {digest[:9]}")
+
+
+POD = {
+    "metadata": {"name": "web-0", "namespace": "ns", "uid": "u1", "labels": {"app": "web"}},
+    "spec": {"nodeName": "n1"},
+    "status": {"phase": "Running", "containerStatuses": [{"name": "c", "state": {"running": {}}}]},
+}
+POLICY = {
+    "metadata": {"name": "p", "namespace": "ns"},
+    "spec": {
+        "selector": {"matchLabels": {"app": "web"}},
+        "interval": "30s",
+        "destination": "r.io:5000/saves",
+        "retention": {"keepLast": 1},
+    },
+}
+
+
+def agent(kube: FakeKube, clock: list[float]) -> Autosave:
+    a = Autosave(kube, "n1", registry_for=lambda ns, s, i: FakeRegistry(kube.calls), clock=lambda: clock[0])
+    a.policy_changed(POLICY)
+    a.pod_changed(POD)
+    return a
+
+
+def test_saves_never_overlap_and_follow_the_interval() -> None:
+    clock = [datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC).timestamp()]
+    kube = FakeKube(clock)
+    a = agent(kube, clock)
+    a.tick()
+    assert list(kube.snapshots) == ["web-0-20260101-000000"]
+    first = kube.snapshots["web-0-20260101-000000"]
+    assert first["metadata"]["labels"][K.LABEL_POLICY] == "p" and first["spec"]["destination"].endswith(
+        ":web-0-20260101-000000"
+    )
+    clock[0] += 60  # past the interval, but the first save is still running: no second one
+    a.tick()
+    assert len(kube.snapshots) == 1
+    kube.finish("web-0-20260101-000000", K.PHASE_SUCCEEDED, "sha256:" + "1" * 64)
+    clock[0] += 2
+    a.tick()  # sees it finished; the next one was due 30 s after the first was created
+    assert len(kube.snapshots) == 2
+    # status: this node's entry, with its own field manager
+    name, pods, manager = kube.applied[-1]
+    assert name == "p" and manager == "kubectl-snapshot-agent/n1" and pods[0]["name"] == "web-0"
+
+
+def test_retention_deletes_the_manifest_and_signature_then_the_object() -> None:
+    clock = [1_000_000.0]
+    kube = FakeKube(clock)
+    a = agent(kube, clock)
+    a.tick()
+    old = next(iter(kube.snapshots))
+    kube.finish(old, K.PHASE_SUCCEEDED, "sha256:" + "1" * 64)
+    clock[0] += 1
+    a.tick()
+    clock[0] += 40
+    a.tick()
+    new = next(n for n in kube.snapshots if n != old)
+    kube.finish(new, K.PHASE_SUCCEEDED, "sha256:" + "2" * 64)
+    clock[0] += 3
+    a.tick()
+    assert list(kube.snapshots) == [new]  # keepLast 1
+    assert kube.calls == ["delete manifest sha256:55", "delete manifest sha256:11", f"delete podsnapshot {old}"]
+
+
+def test_a_failed_save_is_retried_with_backoff_and_reported_on_the_policy() -> None:
+    clock = [2_000_000.0]
+    kube = FakeKube(clock)
+    a = agent(kube, clock)
+    a.tick()
+    first = next(iter(kube.snapshots))
+    clock[0] += 1
+    kube.finish(first, K.PHASE_FAILED)
+    clock[0] += 2
+    a.tick()
+    assert any(kind == K.POLICY_KIND and "retry in" in msg for kind, msg in kube.events)
+    clock[0] += 1
+    a.tick()
+    assert len(kube.snapshots) == 1  # backoff: 5 s after the failure
+    clock[0] += 5
+    a.tick()
+    assert len(kube.snapshots) == 2
+    entry = kube.applied[-1][1][0]
+    assert entry["consecutiveFailures"] == 1 and entry["lastResult"] == K.PHASE_FAILED
+
+
+def test_the_schedule_survives_an_agent_restart() -> None:
+    clock = [3_000_000.0]
+    kube = FakeKube(clock)
+    a = agent(kube, clock)
+    a.tick()
+    kube.finish(next(iter(kube.snapshots)), K.PHASE_SUCCEEDED, "sha256:" + "1" * 64)
+    clock[0] += 10
+    restarted = agent(kube, clock)  # a new process: reads the pod's saves back
+    restarted.tick()
+    assert len(kube.snapshots) == 1  # not due before 30 s after the last one
+    clock[0] += 21
+    restarted.tick()
+    assert len(kube.snapshots) == 2
+
+
+def test_suspend_and_leaving_the_node() -> None:
+    clock = [4_000_000.0]
+    kube = FakeKube(clock)
+    a = agent(kube, clock)
+    a.policy_changed({**POLICY, "spec": {**POLICY["spec"], "suspend": True}})
+    a.tick()
+    assert kube.snapshots == {}
+    a.pod_gone(POD)
+    a.tick()
+    assert kube.applied[-1][1] == []  # the entry of a pod that left is removed by the next apply
+
+
+def test_last_save_annotation() -> None:
+    clock = [0.0]
+    kube = FakeKube(clock)
+    agent(kube, clock).on_saved({}, POD)
+    assert kube.annotations["web-0"] == {K.ANN_LAST_SAVE: "1970-01-01T00:00:00Z"}
+
+
+def test_delete_manifest_without_signature() -> None:
+    calls: list[str] = []
+    delete_manifest(FakeRegistry(calls), Reference.parse("r.io:5000/saves@sha256:" + "3" * 64))
+    assert calls == ["delete manifest sha256:33"]
