@@ -322,6 +322,9 @@ class RestoreWorker:
 
     def _start_fresh(self, pod: dict[str, Any], gate: str, reason: str) -> bool:
         """Open the gate with nothing staged: the runtime wrapper then creates the containers as runc would."""
+        # said before the gate opens: whoever sees the pod run can read why it started fresh
+        self._annotate(pod, K.RESTORE_SKIPPED_PREFIX + reason)
+        pod_event(self.kube, pod, K.EVENT_RESUME_SKIPPED, f"the pod starts fresh: {reason}")
         try:
             self._wait_for_dirs(host_view(self.settings.kubelet_root), [gate])
             self._open_gate(gate, K.GATE_STAGED_FILE, f"no restore: {reason}\n")
@@ -329,8 +332,6 @@ class RestoreWorker:
             err = e if isinstance(e, SnapshotError) else SnapshotError(f"could not open the gate: {e}")
             self._fail(pod, None, err)
             return False
-        self._annotate(pod, K.RESTORE_SKIPPED_PREFIX + reason)
-        pod_event(self.kube, pod, K.EVENT_RESUME_SKIPPED, f"the pod starts fresh: {reason}")
         return True
 
     def _resume_failed(self, pod: dict[str, Any], gate: str, src: RestoreSource, err: SnapshotError) -> bool:

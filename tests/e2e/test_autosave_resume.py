@@ -88,7 +88,12 @@ def annotations(p: dict[str, Any]) -> dict[str, str]:
 
 def assert_resumed(cluster: Cluster, ns: str, p: dict[str, Any], tok: str, value: int) -> None:
     name = p["metadata"]["name"]
-    assert annotations(p).get(K.ANN_RESTORE_STATUS) == K.RESTORE_STAGED, annotations(p)
+
+    def staged() -> bool:
+        pod = cluster.get_json("get", "pod", name, "-n", ns, "-o", "json")
+        return annotations(pod).get(K.ANN_RESTORE_STATUS) == K.RESTORE_STAGED
+
+    cluster.wait_for(f"{name} staged from the save (not started fresh)", staged, timeout=30)
     tok2, after = counter_value(cluster, ns, name)
     assert tok2 == tok, "the replacement started fresh instead of resuming"
     assert after >= value, (after, value)
@@ -175,8 +180,8 @@ def test_deployment_replacements_resume_distinct_saves(cluster, namespace, agent
     resumed = {}
     for p in new:
         tok, value = counter_value(cluster, ns, p["metadata"]["name"])
-        assert annotations(p).get(K.ANN_RESTORE_STATUS) == K.RESTORE_STAGED, annotations(p)
-        assert tok in toks and value >= toks[tok]
+        assert tok in toks and value >= toks[tok], "a replacement started fresh"
+        assert_resumed(cluster, ns, p, tok, toks[tok])
         resumed[tok] = p["metadata"]["uid"]
     assert set(resumed) == set(toks)  # each replacement carries on one predecessor: distinct saves
     claims = {
