@@ -63,14 +63,17 @@ ks_net() { nsenter --net="/run/netns/$KS_NETNS" "$@"; }  # CMD... inside ks-net
 
 # Start a daemon in its own session (it must outlive the caller, e.g. pytest), log to a file and
 # record its pid so down.sh can stop exactly it. It runs in ks-net unless NAME starts with "root-".
+# No inherited fd but stdio: a caller's lock (`flock /run/ks-e2e.lock hack/cluster-up`, fd 3) held
+# open by a daemon would keep every other e2e run waiting until the cluster goes down.
 ks_start() {  # NAME CMD...
   local name="$1"; shift
   mkdir -p "$KS_DIR/logs" "$KS_RUN/pids"
   if [[ "$name" == root-* ]]; then
-    PATH="$KS_PATH" setsid "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null 8>&- &
+    PATH="$KS_PATH" setsid "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null 3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&- &
   else
     # nsenter execs the command, so the pid stays the daemon's.
-    PATH="$KS_PATH" setsid nsenter --net="/run/netns/$KS_NETNS" "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null 8>&- &
+    PATH="$KS_PATH" setsid nsenter --net="/run/netns/$KS_NETNS" "$@" >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null \
+      3>&- 4>&- 5>&- 6>&- 7>&- 8>&- 9>&- &
   fi
   echo $! >"$(ks_pidfile "$name")"
 }
