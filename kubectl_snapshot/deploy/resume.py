@@ -99,8 +99,10 @@ _MATCH_CONDITIONS = [
 ]
 
 
-def _apply_configuration(gate_image: str) -> str:
-    """The CEL ApplyConfiguration: the gate exactly as core/podspec.gate_container builds it."""
+def _json_patch(gate_image: str) -> str:
+    """The CEL JSONPatch list: the gate exactly as core/podspec.gate_container builds it. (Not an
+    ApplyConfiguration: that may not set atomic lists such as a container's command.) The pod has no
+    init containers (a match condition), so the gate is its only one."""
     gate = gate_container(gate_image)
     mounts = ", ".join(
         f"Object.spec.initContainers.volumeMounts{{name: {_cel(m['name'])}, mountPath: {_cel(m['mountPath'])}}}"
@@ -116,14 +118,22 @@ def _apply_configuration(gate_image: str) -> str:
         f"resources: Object.spec.initContainers.resources{{requests: {{{requests}}}}}"
         "}"
     )
+    volume = f"Object.spec.volumes{{name: {_cel(K.GATE_VOLUME)}, emptyDir: Object.spec.volumes.emptyDir{{}}}}"
+    key = _cel(K.ANN_RESUME_POLICY)
+
+    def add(path: str, value: str) -> str:
+        return f'JSONPatch{{op: "add", path: {path}, value: {value}}}'
+
     expr = (
-        "Object{"
-        f"metadata: Object.metadata{{annotations: {{{_cel(K.ANN_RESUME_POLICY)}: params.metadata.name}}}}, "
-        "spec: Object.spec{"
-        f"runtimeClassName: {_cel(K.RUNTIME_CLASS)}, "
-        f"volumes: [Object.spec.volumes{{name: {_cel(K.GATE_VOLUME)}, emptyDir: Object.spec.volumes.emptyDir{{}}}}], "
-        f"initContainers: [{init}]"
-        "}}"
+        "["
+        f"{add(_cel('/spec/runtimeClassName'), _cel(K.RUNTIME_CLASS))}, "
+        f"{add(_cel('/spec/initContainers'), f'[{init}]')}, "
+        f"has(object.spec.volumes) ? {add(_cel('/spec/volumes/-'), volume)}"
+        f" : {add(_cel('/spec/volumes'), f'[{volume}]')}, "
+        f"has(object.metadata.annotations)"
+        f" ? {add(_cel('/metadata/annotations/') + f' + jsonpatch.escapeKey({key})', 'params.metadata.name')}"
+        f" : {add(_cel('/metadata/annotations'), f'{{{key}: params.metadata.name}}')}"
+        "]"
     )
     # no "{{" or "}}" (Helm's delimiters; the chart is generated from this text): CEL ignores the space
     while "}}" in expr or "{{" in expr:
@@ -142,12 +152,7 @@ def mutating_policy(labels: dict[str, str], gate_image: str) -> dict[str, Any]:
             "matchConditions": [dict(c) for c in _MATCH_CONDITIONS],
             "failurePolicy": "Ignore",
             "reinvocationPolicy": "Never",
-            "mutations": [
-                {
-                    "patchType": "ApplyConfiguration",
-                    "applyConfiguration": {"expression": _apply_configuration(gate_image)},
-                }
-            ],
+            "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": _json_patch(gate_image)}}],
         },
     }
 
