@@ -99,10 +99,17 @@ _MATCH_CONDITIONS = [
 ]
 
 
-def _json_patch(gate_image: str) -> str:
-    """The CEL JSONPatch list: the gate exactly as core/podspec.gate_container builds it. (Not an
-    ApplyConfiguration: that may not set atomic lists such as a container's command.) The pod has no
-    init containers (a match condition), so the gate is its only one."""
+def _no_helm_delimiters(expr: str) -> str:
+    """No "{{" or "}}" (Helm's delimiters; the chart is generated from this text): CEL ignores the space."""
+    while "}}" in expr or "{{" in expr:
+        expr = expr.replace("}}", "} }").replace("{{", "{ {")
+    return expr
+
+
+def _apply_configuration(gate_image: str) -> str:
+    """Mutation 1 (ApplyConfiguration, merged like server-side apply): the runtime class, the gate
+    volume, the gate init container without its command, the annotation. The command is an atomic
+    list, which an ApplyConfiguration may not set; mutation 2 adds it."""
     gate = gate_container(gate_image)
     mounts = ", ".join(
         f"Object.spec.initContainers.volumeMounts{{name: {_cel(m['name'])}, mountPath: {_cel(m['mountPath'])}}}"
@@ -112,33 +119,28 @@ def _json_patch(gate_image: str) -> str:
     init = (
         "Object.spec.initContainers{"
         f"name: {_cel(gate['name'])}, image: {_cel(gate['image'])}, "
-        f"command: [{', '.join(map(_cel, gate['command']))}], "
         f"volumeMounts: [{mounts}], "
         f"terminationMessagePolicy: {_cel(gate['terminationMessagePolicy'])}, "
         f"resources: Object.spec.initContainers.resources{{requests: {{{requests}}}}}"
         "}"
     )
-    volume = f"Object.spec.volumes{{name: {_cel(K.GATE_VOLUME)}, emptyDir: Object.spec.volumes.emptyDir{{}}}}"
-    key = _cel(K.ANN_RESUME_POLICY)
-
-    def add(path: str, value: str) -> str:
-        return f'JSONPatch{{op: "add", path: {path}, value: {value}}}'
-
-    expr = (
-        "["
-        f"{add(_cel('/spec/runtimeClassName'), _cel(K.RUNTIME_CLASS))}, "
-        f"{add(_cel('/spec/initContainers'), f'[{init}]')}, "
-        f"has(object.spec.volumes) ? {add(_cel('/spec/volumes/-'), volume)}"
-        f" : {add(_cel('/spec/volumes'), f'[{volume}]')}, "
-        f"has(object.metadata.annotations)"
-        f" ? {add(_cel('/metadata/annotations/') + f' + jsonpatch.escapeKey({key})', 'params.metadata.name')}"
-        f" : {add(_cel('/metadata/annotations'), f'{{{key}: params.metadata.name}}')}"
-        "]"
+    return _no_helm_delimiters(
+        "Object{"
+        f"metadata: Object.metadata{{annotations: {{{_cel(K.ANN_RESUME_POLICY)}: params.metadata.name}}}}, "
+        "spec: Object.spec{"
+        f"runtimeClassName: {_cel(K.RUNTIME_CLASS)}, "
+        f"volumes: [Object.spec.volumes{{name: {_cel(K.GATE_VOLUME)}, emptyDir: Object.spec.volumes.emptyDir{{}}}}], "
+        f"initContainers: [{init}]"
+        "}}"
     )
-    # no "{{" or "}}" (Helm's delimiters; the chart is generated from this text): CEL ignores the space
-    while "}}" in expr or "{{" in expr:
-        expr = expr.replace("}}", "} }").replace("{{", "{ {")
-    return expr
+
+
+def _command_patch(gate_image: str) -> str:
+    """Mutation 2 (JSONPatch): the gate's command. The gate is init container 0: the pod had none (a
+    match condition). (A list of strings: this API server panics on a JSONPatch value holding
+    objects, "reflect.Set: *structpb.Struct is not assignable to *structpb.Value".)"""
+    command = ", ".join(map(_cel, gate_container(gate_image)["command"]))
+    return _no_helm_delimiters(f'[JSONPatch{{op: "add", path: "/spec/initContainers/0/command", value: [{command}]}}]')
 
 
 def mutating_policy(labels: dict[str, str], gate_image: str) -> dict[str, Any]:
@@ -152,7 +154,13 @@ def mutating_policy(labels: dict[str, str], gate_image: str) -> dict[str, Any]:
             "matchConditions": [dict(c) for c in _MATCH_CONDITIONS],
             "failurePolicy": "Ignore",
             "reinvocationPolicy": "Never",
-            "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": _json_patch(gate_image)}}],
+            "mutations": [
+                {
+                    "patchType": "ApplyConfiguration",
+                    "applyConfiguration": {"expression": _apply_configuration(gate_image)},
+                },
+                {"patchType": "JSONPatch", "jsonPatch": {"expression": _command_patch(gate_image)}},
+            ],
         },
     }
 
