@@ -62,7 +62,7 @@ def workload(kind: str, name: str, ns: str, image: str, **spec: Any) -> dict[str
 
 
 def pods(cluster: Cluster, ns: str, app: str) -> list[dict[str, Any]]:
-    items = cluster.get_json("get", "pods", "-n", ns, "-l", f"app={app}", "-o", "json")["items"]
+    items = cluster.get_json("pods", "-n", ns, "-l", f"app={app}")["items"]
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
@@ -90,7 +90,7 @@ def assert_resumed(cluster: Cluster, ns: str, p: dict[str, Any], tok: str, value
     name = p["metadata"]["name"]
 
     def staged() -> bool:
-        pod = cluster.get_json("get", "pod", name, "-n", ns, "-o", "json")
+        pod = cluster.get_json("pod", name, "-n", ns)
         return annotations(pod).get(K.ANN_RESTORE_STATUS) == K.RESTORE_STAGED
 
     cluster.wait_for(f"{name} staged from the save (not started fresh)", staged, timeout=30)
@@ -184,10 +184,7 @@ def test_deployment_replacements_resume_distinct_saves(cluster, namespace, agent
         assert_resumed(cluster, ns, p, tok, toks[tok])
         resumed[tok] = p["metadata"]["uid"]
     assert set(resumed) == set(toks)  # each replacement carries on one predecessor: distinct saves
-    claims = {
-        cluster.get_json("get", K.PLURAL, s, "-n", ns, "-o", "json")["metadata"]["annotations"][K.ANN_CLAIMED_BY]
-        for s in saves
-    }
+    claims = {cluster.get_json(K.PLURAL, s, "-n", ns)["metadata"]["annotations"][K.ANN_CLAIMED_BY] for s in saves}
     assert claims == set(resumed.values())
 
 
