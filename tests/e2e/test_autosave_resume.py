@@ -198,3 +198,27 @@ def test_unprotected_deployment_is_not_mutated_and_migrate_refuses_it(cluster, n
     r = plugin("migrate", f"pod/{p['metadata']['name']}", "-n", ns, "--to", f"{cluster.registry}/e2e/x", check=False)
     assert r.returncode != 0 and "duplicate" in r.stderr and "SnapshotPolicy" in r.stderr, r.stderr
     assert len(pods(cluster, ns, "plain")) == 1
+
+
+def test_the_agent_may_patch_only_provenance_of_a_podsnapshot(cluster, namespace, agent):  # type: ignore[no-untyped-def]
+    """The agent's `podsnapshots patch` (labels at claim, the resume claim) is narrowed by admission:
+    as the agent's ServiceAccount, a provenance label passes (server-side dry run), a spec change or
+    another label is refused."""
+    ns = namespace
+    body = {
+        "apiVersion": K.API_VERSION,
+        "kind": K.KIND,
+        "metadata": {"name": "s", "namespace": ns},
+        "spec": {"podName": "nobody", "podNamespace": ns, "destination": f"{cluster.registry}/e2e/x:t"},
+    }
+    cluster.apply(body)
+    as_agent = ("--as", K.AGENT_USER, "--dry-run=server", "--type", "merge")
+
+    def patch(p: dict[str, Any]) -> Any:
+        return cluster.kubectl("patch", K.PLURAL, "s", "-n", ns, *as_agent, "-p", json.dumps(p), check=False)
+
+    ok = patch({"metadata": {"labels": {K.LABEL_WORKLOAD_KIND: "StatefulSet"}, "annotations": {K.ANN_CLAIMED_BY: "u"}}})
+    assert ok.returncode == 0, ok.stderr
+    for bad in ({"spec": {"stop": True}}, {"metadata": {"labels": {"team": "x"}}}):
+        r = patch(bad)
+        assert r.returncode != 0 and "may change only the provenance labels" in r.stderr, (bad, r.stderr)
