@@ -219,6 +219,7 @@ def test_the_agent_may_patch_only_provenance_of_a_podsnapshot(cluster, namespace
 
     ok = patch({"metadata": {"labels": {K.LABEL_WORKLOAD_KIND: "StatefulSet"}, "annotations": {K.ANN_CLAIMED_BY: "u"}}})
     assert ok.returncode == 0, ok.stderr
-    for bad in ({"spec": {"stop": True}}, {"metadata": {"labels": {"team": "x"}}}):
+    assert patch({"spec": {"stop": True}}).returncode != 0  # (the CRD's own rule refuses it first: immutable)
+    for bad in ({"metadata": {"labels": {"team": "x"}}}, {"metadata": {"annotations": {"other": "x"}}}):
         r = patch(bad)
         assert r.returncode != 0 and "may change only the provenance labels" in r.stderr, (bad, r.stderr)
