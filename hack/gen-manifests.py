@@ -45,6 +45,8 @@ FILES = {
     "RoleBinding": "rbac.yaml",
     "ValidatingAdmissionPolicy": "admission.yaml",
     "ValidatingAdmissionPolicyBinding": "admission.yaml",
+    "MutatingAdmissionPolicy": "admission.yaml",
+    "MutatingAdmissionPolicyBinding": "admission.yaml",
     "RuntimeClass": "runtimeclass.yaml",
     "ConfigMap": "agent.yaml",
     "DaemonSet": "agent.yaml",

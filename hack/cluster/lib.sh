@@ -63,6 +63,8 @@ ks_net() { nsenter --net="/run/netns/$KS_NETNS" "$@"; }  # CMD... inside ks-net
 
 # Start a daemon in its own session (it must outlive the caller, e.g. pytest), log to a file and
 # record its pid so down.sh can stop exactly it. It runs in ks-net unless NAME starts with "root-".
+# No inherited fd but stdio: a caller's lock (`flock /run/ks-e2e.lock hack/cluster-up`, fd 3) held
+# open by a daemon would keep every other e2e run waiting until the cluster goes down.
 ks_start() {  # NAME CMD...
   local name="$1"; shift
   mkdir -p "$KS_DIR/logs" "$KS_RUN/pids"

@@ -553,14 +553,51 @@ class KubeClient:
             )
         )
 
-    def get_replicaset(self, ns: str, name: str) -> dict[str, Any]:
-        path = f"/apis/apps/v1/namespaces/{_q(ns)}/replicasets/{_q(name)}"
-        return dict(self._call("GET", path, what=f"get replicaset {ns}/{name}"))
-
     def list_events(self, ns: str, *, field_selector: str | None = None) -> list[dict[str, Any]]:
         path = f"/api/v1/namespaces/{_q(ns)}/events"
         q = {"fieldSelector": field_selector}
         return list(self._call("GET", path, what=f"list events in {ns}", query=q).get("items") or [])
+
+    def patch_snapshot_metadata(
+        self,
+        ns: str,
+        name: str,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        resource_version: str | None = None,
+    ) -> dict[str, Any]:
+        """Merge-patch a PodSnapshot's labels/annotations (None removes a key); with resource_version a
+        concurrent change is a FailedPrecondition(retryable=True) (how a resuming pod claims a save once)."""
+        meta: dict[str, Any] = {}
+        if labels is not None:
+            meta["labels"] = dict(labels)
+        if annotations is not None:
+            meta["annotations"] = dict(annotations)
+        if resource_version:
+            meta["resourceVersion"] = resource_version
+        return dict(
+            self._call(
+                "PATCH",
+                _snapshots_path(ns, name),
+                what=f"label podsnapshot {ns}/{name}",
+                body={"metadata": meta},
+                content_type=MERGE_PATCH,
+            )
+        )
+
+    def get_replicaset(self, ns: str, name: str) -> dict[str, Any] | None:
+        """A ReplicaSet (its ownerReferences say which Deployment owns it), None when it is gone."""
+        try:
+            return dict(
+                self._call(
+                    "GET",
+                    f"/apis/apps/v1/namespaces/{_q(ns)}/replicasets/{_q(name)}",
+                    what=f"get replicaset {ns}/{name}",
+                )
+            )
+        except NotFound:
+            return None
 
     # --- events, secrets, nodes, daemonsets ----------------------------------------------------------
 

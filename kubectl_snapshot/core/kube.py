@@ -42,6 +42,12 @@ ANN_CLAIMED_BY: Final = f"{GROUP}/claimed-by"
 ANN_RESUME_POLICY: Final = f"{GROUP}/resume-policy"
 # On a pod: RFC 3339 time of its last good save (schedulers and preemption may prefer fresh saves).
 ANN_LAST_SAVE: Final = f"{GROUP}/last-save"
+# On a PodSnapshot, written by the agent at claim time from the real pod: JSON list of
+# {"name", "image" (as the pod spec says), "imageID" (the digest the kubelet ran)} per app container;
+# a resuming pod whose images differ starts fresh instead (docs/kubernetes.md, "Resume protocol").
+ANN_POD_IMAGES: Final = f"{GROUP}/pod-images"
+# restore-status of a resuming pod that starts fresh (no save, images differ): "Skipped: <reason>"
+RESTORE_SKIPPED_PREFIX: Final = "Skipped: "
 
 # restore
 RUNTIME_CLASS: Final = "kubectl-snapshot"
@@ -96,3 +102,4 @@ EVENT_SNAPSHOT_SUCCEEDED: Final = "SnapshotSucceeded"
 EVENT_SNAPSHOT_FAILED: Final = "SnapshotFailed"
 EVENT_RESTORE_STAGED: Final = "RestoreStaged"
 EVENT_RESTORE_FAILED: Final = "RestoreFailed"
+EVENT_RESUME_SKIPPED: Final = "ResumeSkipped"  # a resuming pod starts fresh, and why

@@ -36,6 +36,7 @@ adds a hint (adapters/kube.py).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from kubectl_snapshot.core import kube as K
@@ -47,6 +48,17 @@ AGENT_NODES_POLICY = "kubectl-snapshot-agent-nodes"
 AGENT_PODS_POLICY = "kubectl-snapshot-agent-pods"
 AGENT_SNAPSHOTS_POLICY = "kubectl-snapshot-agent-podsnapshots"
 AUTOSAVE_POLICY = "kubectl-snapshot-snapshotpolicies"
+# What the agent may change of a PodSnapshot itself (not its status): the provenance it records at claim
+# time and a resuming pod's claim (docs/kubernetes.md, "Resume protocol").
+AGENT_SNAPSHOT_LABELS = (
+    K.LABEL_POD,
+    K.LABEL_POD_UID,
+    K.LABEL_WORKLOAD_KIND,
+    K.LABEL_WORKLOAD_NAME,
+    K.LABEL_COMPLETION_INDEX,
+    K.LABEL_POLICY,
+)
+AGENT_SNAPSHOT_ANNOTATIONS = (K.ANN_CLAIMED_BY, K.ANN_POD_IMAGES)
 POLICIES = (
     SNAPSHOT_POLICY,
     RESTORE_POLICY,
@@ -412,6 +424,16 @@ def _status_node(obj: str) -> str:
     return f"request.operation == 'UPDATE' && has({obj}.status) && has({obj}.status.node) ? {obj}.status.node : ''"
 
 
+def _only_keys_change(field: str, keys: tuple[str, ...]) -> str:
+    """CEL: every entry of metadata.`field` except `keys` is kept with the same value, none added or removed."""
+    allowed = json.dumps(list(keys))
+    new, old = f"object.metadata.{field}", f"oldObject.metadata.{field}"
+    return (
+        f"(!has({new}) || {new}.all(k, k in {allowed} || (has({old}) && k in {old} && {old}[k] == {new}[k])))"
+        f" && (!has({old}) || {old}.all(k, k in {allowed} || (has({new}) && k in {new})))"
+    )
+
+
 def _has_label(obj: str, key: str) -> str:
     """CEL: `obj` (which may be null: CREATE has no oldObject, DELETE no object) carries label `key`."""
     return f"{obj} != null && has({obj}.metadata.labels) && {_quote(key)} in {obj}.metadata.labels"
@@ -448,9 +470,15 @@ def agent_snapshots_policy(labels: dict[str, str]) -> dict[str, Any]:
                     " + request.namespace + '/' + request.name",
                 ),
                 _deny(
-                    "request.operation != 'UPDATE' || request.subResource == 'status'",
-                    "'the agent may write only the status of a PodSnapshot, not ' + request.operation"
-                    " + ' ' + request.namespace + '/' + request.name",
+                    "request.operation != 'UPDATE' || request.subResource == 'status' || "
+                    "(object.spec == oldObject.spec && "
+                    + _only_keys_change("labels", AGENT_SNAPSHOT_LABELS)
+                    + " && "
+                    + _only_keys_change("annotations", AGENT_SNAPSHOT_ANNOTATIONS)
+                    + ")",
+                    "'the agent may change only the status, the provenance labels and the "
+                    f"{K.ANN_CLAIMED_BY}/{K.ANN_POD_IMAGES} annotations of a PodSnapshot, not more of ' "
+                    "+ request.namespace + '/' + request.name",
                 ),
                 _deny(
                     "request.operation != 'UPDATE' || request.subResource != 'status' || "

@@ -321,7 +321,10 @@ class Autosave:
         key = (ns, name)
         if key not in self._rs_owner:
             try:
-                self._rs_owner[key] = A.controller_of(self.kube.get_replicaset(ns, name))
+                rs = self.kube.get_replicaset(ns, name)
+                if rs is None:
+                    return None  # not cached: a ReplicaSet that appears later is read again
+                self._rs_owner[key] = A.controller_of(rs)
             except NotFound:
                 return None  # not cached: a ReplicaSet that appears later is read again
             except SnapshotError as e:

@@ -16,6 +16,7 @@ import shutil
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kubectl_snapshot.adapters.signatures import authorize_restore, load_trust
@@ -31,6 +32,7 @@ from shim import hostfacts, safefs
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
 from shim.controller.podinfo import check_restore_pod, empty_dir_rel, host_view, restore_volume_names
+from shim.controller.resume import RESUME_WAIT_S, RestoreSource, Resumer, StartFresh
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.restore import RestoreLimits, VolumeTarget, opener_for, stage_artifact
@@ -75,6 +77,24 @@ def wants_restore(pod: dict[str, Any], node: str) -> bool:
     )
 
 
+def wants_resume(pod: dict[str, Any], node: str) -> bool:
+    """A new pod of a protected workload (the resume-policy annotation, set by admission) on this node."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    annotations = meta.get("annotations") or {}
+    return (
+        K.ANN_RESUME_POLICY in annotations
+        and K.ANN_RESTORE_FROM not in annotations
+        and K.ANN_RESTORE_STATUS not in annotations
+        and spec.get("nodeName") == node
+        and not meta.get("deletionTimestamp")
+    )
+
+
+def annotated_source(pod: dict[str, Any]) -> RestoreSource:
+    annotations = pod["metadata"]["annotations"]
+    return RestoreSource(Reference.parse(annotations[K.ANN_RESTORE_FROM]), annotations.get(K.ANN_REGISTRY_SECRET))
+
+
 def wrapper_refusal(pod: dict[str, Any], node: str) -> str:
     """The runtime wrapper's refusal of a staged pod's CRIU images, as the kubelet reports it in the
     container's status (CreateContainerError), once: the restore status then says Failed with it."""
@@ -113,6 +133,7 @@ class RestoreWorker:
         self._failed: set[str] = set()
         self._active: set[str] = set()
         self._lock = threading.Lock()
+        self.resume = Resumer(kube, wait_s=RESUME_WAIT_S)
 
     def consider(self, pod: dict[str, Any]) -> None:
         if self.follow(pod):  # not restored whole: reported with the wrapper's reason (it includes refusals)
@@ -122,7 +143,7 @@ class RestoreWorker:
             self._annotate(pod, K.RESTORE_FAILED_PREFIX + refused)
             pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, refused, warning=True)
             return
-        if not wants_restore(pod, self.settings.node):
+        if not (wants_restore(pod, self.settings.node) or wants_resume(pod, self.settings.node)):
             return
         uid = pod["metadata"]["uid"]
         if uid in self._seen:
@@ -202,7 +223,14 @@ class RestoreWorker:
             json.dump({"namespace": meta["namespace"], "name": meta["name"]}, f)
 
     def run(self, pod: dict[str, Any]) -> bool:
-        """Stage the pod's restore and open its gate; False when it failed (the gate says why)."""
+        """Stage the pod's restore (its restore-from annotation, or for a resuming pod the save of its
+        predecessor that the resume chooses) and open its gate; False when it failed (the gate says why)."""
+        annotations = pod["metadata"].get("annotations") or {}
+        if K.ANN_RESTORE_FROM in annotations:
+            return self.stage(pod, annotated_source)
+        return self.stage(pod, self.resume.source)
+
+    def stage(self, pod: dict[str, Any], source: Callable[[dict[str, Any]], RestoreSource | StartFresh]) -> bool:
         meta = pod["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         try:
@@ -212,10 +240,14 @@ class RestoreWorker:
             self._fail(pod, None, e)
             return False
         staged: list[str] = []
+        src: RestoreSource | None = None
         try:
-            ref = Reference.parse(meta["annotations"][K.ANN_RESTORE_FROM])
-            secret = meta["annotations"].get(K.ANN_REGISTRY_SECRET)
-            registry = registry_for(self.kube, ns, secret, insecure=False)
+            chosen = source(pod)
+            if isinstance(chosen, StartFresh):
+                return self._start_fresh(pod, gate, chosen.reason)
+            src = chosen
+            ref = src.reference
+            registry = registry_for(self.kube, ns, src.registry_secret, insecure=src.insecure)
             artifact = load_artifact(registry, ref)
             config = artifact.config
             # provenance before anything else is fetched: signed by a key the cluster trusts, exactly
@@ -261,12 +293,16 @@ class RestoreWorker:
         except SnapshotError as e:
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)
+            if src is not None and src.resume:
+                return self._resume_failed(pod, gate, src, e)
             self._fail(pod, gate, e)
             return False
         except Exception as e:  # never leave the gate closed forever
             log.exception("restore of %s/%s failed", ns, name)
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)
+            if src is not None and src.resume:
+                return self._resume_failed(pod, gate, src, SnapshotError(f"internal error: {e}"))
             self._fail(pod, gate, SnapshotError(f"internal error: {e}"))
             return False
         try:
@@ -278,10 +314,30 @@ class RestoreWorker:
             self._fail(pod, None, err)
             return False
         self._annotate(pod, K.RESTORE_STAGED)
-        pod_event(
-            self.kube, pod, K.EVENT_RESTORE_STAGED, f"snapshot {artifact.reference} staged on {self.settings.node}"
-        )
+        what = "resume from" if src.resume else "snapshot"
+        pod_event(self.kube, pod, K.EVENT_RESTORE_STAGED, f"{what} {artifact.reference} staged on {self.settings.node}")
         return True
+
+    def _start_fresh(self, pod: dict[str, Any], gate: str, reason: str) -> bool:
+        """Open the gate with nothing staged: the runtime wrapper then creates the containers as runc would."""
+        # said before the gate opens: whoever sees the pod run can read why it started fresh
+        self._annotate(pod, K.RESTORE_SKIPPED_PREFIX + reason)
+        pod_event(self.kube, pod, K.EVENT_RESUME_SKIPPED, f"the pod starts fresh: {reason}")
+        try:
+            self._wait_for_dirs(host_view(self.settings.kubelet_root), [gate])
+            self._open_gate(gate, K.GATE_STAGED_FILE, f"no restore: {reason}\n")
+        except (OSError, SnapshotError) as e:
+            err = e if isinstance(e, SnapshotError) else SnapshotError(f"could not open the gate: {e}")
+            self._fail(pod, None, err)
+            return False
+        return True
+
+    def _resume_failed(self, pod: dict[str, Any], gate: str, src: RestoreSource, err: SnapshotError) -> bool:
+        """A resume that could not be staged: reported like a failed restore, then the pod starts fresh
+        (nothing of the save is used; a workload's pod is never held in its gate by a bad save)."""
+        pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, f"resume from {src.reference}: {render(err)}", warning=True)
+        shutil.rmtree(self.paths.pod_dir(pod["metadata"]["uid"]), ignore_errors=True)  # no whole-pod record left
+        return self._start_fresh(pod, gate, f"resume from {src.reference} failed: {err.message}")
 
     def _trust(self) -> TrustPolicy:
         """Read per restore: a rotated key or a changed policy applies as soon as its file lands."""

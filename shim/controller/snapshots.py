@@ -22,6 +22,7 @@ from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
 from kubectl_snapshot.adapters.signatures import load_signing_key, load_trust
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
+from kubectl_snapshot.core import workload as W
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SnapshotError
 from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
@@ -182,6 +183,8 @@ class SnapshotWorker:
         pod_event(self.kube, pod, K.EVENT_SNAPSHOT_STARTED, started)
         reporter = _StatusReporter(self.kube, ns, name, self.clock)
         try:
+            # before anything is frozen: a save whose provenance is not recorded is never resumed from
+            self._record_provenance(obj, pod)
             containers = running_containers(pod)
             # through the host's mount namespace: memory-backed emptyDirs are mounts made after the agent started
             root = host_view(self.settings.kubelet_root)
@@ -242,6 +245,19 @@ class SnapshotWorker:
             self._finish_failed(obj, pod, SnapshotError(f"internal error: {e}"))
             return
         self._finish_ok(obj, pod, result)
+
+    def _record_provenance(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
+        """Overwrite the pod/workload labels and the images annotation from the real pod (a tenant's own
+        values never survive) and drop any claim a tenant wrote (docs/kubernetes.md)."""
+        meta = obj["metadata"]
+        pod_ns = pod["metadata"]["namespace"]
+        workload = W.workload_of(pod, lambda rs: self.kube.get_replicaset(pod_ns, rs))
+        self.kube.patch_snapshot_metadata(
+            meta["namespace"],
+            meta["name"],
+            labels=W.provenance_labels(pod, workload),
+            annotations={K.ANN_POD_IMAGES: W.encode_images(W.pod_images(pod)), K.ANN_CLAIMED_BY: None},
+        )
 
     @contextlib.contextmanager
     def _guard(self, report: dict[str, str]) -> Iterator[guard.GuardClient]:

@@ -25,7 +25,7 @@ import yaml
 from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import PermissionDenied
-from kubectl_snapshot.deploy import admission, keys, rbac
+from kubectl_snapshot.deploy import admission, keys, rbac, resume
 from tests.e2e.test_plugin_errors import _sa_kubeconfig
 from tests.support.agent import AgentInstall, agent
 from tests.support.cluster import Cluster, cluster, namespace
@@ -241,7 +241,7 @@ def _grants(rules: list[dict[str, Any]], resource: str, verb: str) -> bool:
 def test_agent_rbac_has_no_cluster_wide_secrets_or_pod_patch(cluster: Cluster, agent: AgentInstall) -> None:
     """Read from the live objects: every ClusterRoleBinding of the agent and the rules it grants."""
     crbs, rbs = _agent_bindings(cluster)
-    assert [b["metadata"]["name"] for b in crbs] == [K.AGENT_NAME]
+    assert sorted(b["metadata"]["name"] for b in crbs) == sorted([K.AGENT_NAME, resume.AGENT_RESUME_ROLE])
     for b in crbs:
         rules = _rules(cluster, b["roleRef"], None)
         assert rules, b

@@ -20,7 +20,7 @@ from kubectl_snapshot.adapters.kube import map_api_error
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument, PermissionDenied
 from kubectl_snapshot.core.reference import Reference
-from kubectl_snapshot.deploy import admission, render
+from kubectl_snapshot.deploy import admission, render, resume
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -44,7 +44,7 @@ def expressions(p: dict[str, Any]) -> str:
 def test_every_policy_is_bound_to_deny_and_fails_closed() -> None:
     objs = objects()
     names = {n for (kind, n) in objs if kind == "ValidatingAdmissionPolicy"}
-    assert names == set(admission.POLICIES)
+    assert names == set(admission.POLICIES) | set(resume.VALIDATING_POLICIES)
     for name in names:
         p, b = objs[("ValidatingAdmissionPolicy", name)], objs[("ValidatingAdmissionPolicyBinding", name)]
         assert p["apiVersion"] == b["apiVersion"] == "admissionregistration.k8s.io/v1"

@@ -22,7 +22,7 @@ import yaml
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.deploy import keys, render
+from kubectl_snapshot.deploy import keys, render, resume
 
 REPO = Path(__file__).resolve().parents[2]
 GEN = REPO / "hack" / "gen-manifests.py"
@@ -124,7 +124,13 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
     assert rules(objs[("ClusterRole", K.AGENT_SECRETS_ROLE)]) == {("", "secrets", "get")}
     bound = {o["roleRef"]["name"] for o in objs.values() if o["kind"] in ("ClusterRoleBinding", "RoleBinding")}
     # and the one Secret of encryption keys in the agent's own namespace, by name (tests/unit/test_keystore.py)
-    assert bound == {K.AGENT_NAME, keys.ROLE}
+    assert bound == {K.AGENT_NAME, keys.ROLE, resume.AGENT_RESUME_ROLE}
+    # resume (autosave): provenance labels and claims (admission narrows the patch), policies, ReplicaSets
+    assert rules(objs[("ClusterRole", resume.AGENT_RESUME_ROLE)]) == {
+        (K.GROUP, "podsnapshots", "patch"),
+        (K.GROUP, "snapshotpolicies", "get"),
+        ("apps", "replicasets", "get"),
+    }
     assert not any("*" in (g, r, v) for g, r, v in rules(role))
     binding = objs[("ClusterRoleBinding", K.AGENT_NAME)]
     assert binding["roleRef"]["name"] == K.AGENT_NAME

@@ -1,0 +1,254 @@
+"""Workload-aware resume (autosave): what the API server does so that a protected workload's new pods
+resume from their predecessor's last save, without anyone editing the workload (GitOps keeps working).
+
+- ``kubectl-snapshot-resume`` (MutatingAdmissionPolicy, admissionregistration.k8s.io/v1, paramKind
+  SnapshotPolicy, bound to every SnapshotPolicy of the pod's namespace): a Pod CREATE whose controller
+  is a StatefulSet, ReplicaSet or Job, selected by a policy with ``resume: true`` (matchLabels, and
+  its workload when set), with no restore annotation and no init containers of its own, gets
+  ``runtimeClassName: kubectl-snapshot``, the gate volume and init container exactly as
+  ``core/podspec.restore_pod`` builds them, and ``kubectl-snapshot.io/resume-policy: <policy>``.
+  failurePolicy Ignore and parameterNotFoundAction Allow: a broken or missing policy never blocks a
+  pod, and pods no policy selects are never touched.
+- ``kubectl-snapshot-resume-pods`` (ValidatingAdmissionPolicy): the resume-policy annotation is set at
+  creation only, and only on pods a controller of kube-system creates (the mutation above) or by
+  someone with the ``restore`` verb; it cannot be added or changed later.
+- ``kubectl-snapshot-agent-podsnapshots`` (ValidatingAdmissionPolicy): the agent, which may patch
+  PodSnapshots for the provenance labels and the resume claim, changes nothing else of them.
+- ``kubectl-snapshot-agent-resume`` (ClusterRole + binding): what the agent needs for this on top of
+  its base role (docs/security.md says why each).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.podspec import gate_container
+from kubectl_snapshot.deploy.admission import API, _binding, _can, _deny, _match, _policy, _quote
+
+MUTATING_POLICY = "kubectl-snapshot-resume"
+RESUME_PODS_POLICY = "kubectl-snapshot-resume-pods"
+AGENT_RESUME_ROLE = "kubectl-snapshot-agent-resume"
+RESUMABLE_OWNERS = ("StatefulSet", "ReplicaSet", "Job")
+# What the agent may change on a PodSnapshot (everything else, spec included, stays as it was).
+# Who creates a controller's pods (kube-controller-manager with --use-service-account-credentials, or without).
+CONTROLLER_USERS = (
+    "request.userInfo.username.startsWith('system:serviceaccount:kube-system:')"
+    " || request.userInfo.username == 'system:kube-controller-manager'"
+)
+
+
+def _cel(text: str) -> str:
+    """A CEL double-quoted string literal (JSON's escapes are CEL's)."""
+    return json.dumps(text)
+
+
+def _labels_has(key: str) -> str:
+    return f"has(object.metadata.labels) && {_quote(key)} in object.metadata.labels"
+
+
+_CONTROLLER = "has(r.controller) && r.controller"
+_MATCH_CONDITIONS = [
+    {
+        "name": "owned-by-a-resumable-controller",
+        "expression": "has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists(r, "
+        f"{_CONTROLLER} && r.kind in {json.dumps(list(RESUMABLE_OWNERS))})",
+    },
+    {"name": "policy-resumes", "expression": "!has(params.spec.resume) || params.spec.resume"},
+    {
+        "name": "policy-selects-the-pod",
+        "expression": "has(params.spec.selector) && has(params.spec.selector.matchLabels)"
+        " && params.spec.selector.matchLabels.all(k, has(object.metadata.labels) && k in object.metadata.labels"
+        " && object.metadata.labels[k] == params.spec.selector.matchLabels[k])",
+    },
+    {
+        "name": "policy-workload-owns-the-pod",
+        "expression": "!has(params.spec.workload) || object.metadata.ownerReferences.exists(r, "
+        f"{_CONTROLLER} && ((r.kind == params.spec.workload.kind && r.name == params.spec.workload.name)"
+        " || (params.spec.workload.kind == 'Deployment' && r.kind == 'ReplicaSet'"
+        f" && {_labels_has('pod-template-hash')}"
+        " && r.name == params.spec.workload.name + '-' + object.metadata.labels['pod-template-hash'])))",
+    },
+    {
+        "name": "not-restoring-already",
+        "expression": "!has(object.metadata.annotations) || !("
+        f"{_quote(K.ANN_RESTORE_FROM)} in object.metadata.annotations"
+        f" || {_quote(K.ANN_RESUME_POLICY)} in object.metadata.annotations)",
+    },
+    {
+        # the agent stages only into pods whose only init container is its gate (podinfo.check_restore_pod)
+        "name": "no-init-containers",
+        "expression": "!has(object.spec.initContainers) || size(object.spec.initContainers) == 0",
+    },
+    {
+        "name": "no-other-runtime-class",
+        "expression": "!has(object.spec.runtimeClassName)"
+        f" || object.spec.runtimeClassName == {_quote(K.RUNTIME_CLASS)}",
+    },
+]
+
+
+def _no_helm_delimiters(expr: str) -> str:
+    """No "{{" or "}}" (Helm's delimiters; the chart is generated from this text): CEL ignores the space."""
+    while "}}" in expr or "{{" in expr:
+        expr = expr.replace("}}", "} }").replace("{{", "{ {")
+    return expr
+
+
+def _apply_configuration(gate_image: str) -> str:
+    """Mutation 1 (ApplyConfiguration, merged like server-side apply): the runtime class, the gate
+    volume, the gate init container without its command, the annotation. The command is an atomic
+    list, which an ApplyConfiguration may not set; mutation 2 adds it."""
+    gate = gate_container(gate_image)
+    mounts = ", ".join(
+        f"Object.spec.initContainers.volumeMounts{{name: {_cel(m['name'])}, mountPath: {_cel(m['mountPath'])}}}"
+        for m in gate["volumeMounts"]
+    )
+    requests = ", ".join(f"{_cel(k)}: {_cel(v)}" for k, v in gate["resources"]["requests"].items())
+    init = (
+        "Object.spec.initContainers{"
+        f"name: {_cel(gate['name'])}, image: {_cel(gate['image'])}, "
+        f"volumeMounts: [{mounts}], "
+        f"terminationMessagePolicy: {_cel(gate['terminationMessagePolicy'])}, "
+        f"resources: Object.spec.initContainers.resources{{requests: {{{requests}}}}}"
+        "}"
+    )
+    return _no_helm_delimiters(
+        "Object{"
+        f"metadata: Object.metadata{{annotations: {{{_cel(K.ANN_RESUME_POLICY)}: params.metadata.name}}}}, "
+        "spec: Object.spec{"
+        f"runtimeClassName: {_cel(K.RUNTIME_CLASS)}, "
+        f"volumes: [Object.spec.volumes{{name: {_cel(K.GATE_VOLUME)}, emptyDir: Object.spec.volumes.emptyDir{{}}}}], "
+        f"initContainers: [{init}]"
+        "}}"
+    )
+
+
+def _command_patch(gate_image: str) -> str:
+    """Mutation 2 (JSONPatch): the gate's command. The gate is init container 0: the pod had none (a
+    match condition). (A list of strings: this API server panics on a JSONPatch value holding
+    objects, "reflect.Set: *structpb.Struct is not assignable to *structpb.Value".)"""
+    command = ", ".join(map(_cel, gate_container(gate_image)["command"]))
+    return _no_helm_delimiters(f'[JSONPatch{{op: "add", path: "/spec/initContainers/0/command", value: [{command}]}}]')
+
+
+def mutating_policy(labels: dict[str, str], gate_image: str) -> dict[str, Any]:
+    return {
+        "apiVersion": API,
+        "kind": "MutatingAdmissionPolicy",
+        "metadata": {"name": MUTATING_POLICY, "labels": dict(labels)},
+        "spec": {
+            "paramKind": {"apiVersion": K.API_VERSION, "kind": K.POLICY_KIND},
+            "matchConstraints": _match([""], ["v1"], ["CREATE"], ["pods"]),
+            "matchConditions": [dict(c) for c in _MATCH_CONDITIONS],
+            "failurePolicy": "Ignore",
+            "reinvocationPolicy": "Never",
+            "mutations": [
+                {
+                    "patchType": "ApplyConfiguration",
+                    "applyConfiguration": {"expression": _apply_configuration(gate_image)},
+                },
+                {"patchType": "JSONPatch", "jsonPatch": {"expression": _command_patch(gate_image)}},
+            ],
+        },
+    }
+
+
+def mutating_binding(labels: dict[str, str]) -> dict[str, Any]:
+    """Every SnapshotPolicy of the pod's own namespace is a param (none: the pod is left alone)."""
+    return {
+        "apiVersion": API,
+        "kind": "MutatingAdmissionPolicyBinding",
+        "metadata": {"name": MUTATING_POLICY, "labels": dict(labels)},
+        "spec": {
+            "policyName": MUTATING_POLICY,
+            "paramRef": {"selector": {}, "parameterNotFoundAction": "Allow"},
+        },
+    }
+
+
+def _ann(obj: str, key: str) -> str:
+    k = _quote(key)
+    return (
+        f"(has({obj}.metadata.annotations) && {k} in {obj}.metadata.annotations ? {obj}.metadata.annotations[{k}] : '')"
+    )
+
+
+def resume_pods_policy(labels: dict[str, str]) -> dict[str, Any]:
+    key = _quote(K.ANN_RESUME_POLICY)
+    carries = "has({o}.metadata.annotations) && " + key + " in {o}.metadata.annotations"
+    return _policy(
+        RESUME_PODS_POLICY,
+        labels,
+        {
+            "matchConstraints": _match([""], ["v1"], ["CREATE", "UPDATE"], ["pods", "pods/status"]),
+            "matchConditions": [
+                {
+                    "name": "carries-resume-annotation",
+                    "expression": f"({carries.format(o='object')})"
+                    f" || (request.operation == 'UPDATE' && {carries.format(o='oldObject')})",
+                }
+            ],
+            "validations": [
+                _deny(
+                    f"request.operation != 'UPDATE' || {_ann('object', K.ANN_RESUME_POLICY)}"
+                    f" == {_ann('oldObject', K.ANN_RESUME_POLICY)}",
+                    f"'the annotation {K.ANN_RESUME_POLICY} is set when a pod is created"
+                    " and cannot be added or changed'",
+                ),
+                _deny(
+                    f"request.operation != 'CREATE' || {CONTROLLER_USERS} || "
+                    + _can(K.RESTORE_VERB, K.PLURAL, group=K.GROUP),
+                    f"'{K.ANN_RESUME_POLICY} is set by admission on pods a workload controller creates; setting it"
+                    f" yourself needs the {K.RESTORE_VERB} verb on {K.PLURAL}.{K.GROUP} in namespace '"
+                    " + request.namespace",
+                ),
+            ],
+        },
+    )
+
+
+def agent_resume_role(labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRole",
+        "metadata": {"name": AGENT_RESUME_ROLE, "labels": dict(labels)},
+        "rules": [
+            # provenance labels and the resume claim (admission: nothing else of a PodSnapshot)
+            {"apiGroups": [K.GROUP], "resources": [K.PLURAL], "verbs": ["patch"]},
+            # a resuming pod's policy: its workload, registry Secret, insecure
+            {"apiGroups": [K.GROUP], "resources": [K.POLICY_PLURAL], "verbs": ["get"]},
+            # a Deployment's pods are found through their ReplicaSet's owner
+            {"apiGroups": ["apps"], "resources": ["replicasets"], "verbs": ["get"]},
+        ],
+    }
+
+
+def agent_resume_role_binding(labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": AGENT_RESUME_ROLE, "labels": dict(labels)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": AGENT_RESUME_ROLE},
+        "subjects": [{"kind": "ServiceAccount", "name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE}],
+    }
+
+
+VALIDATING_POLICIES = (RESUME_PODS_POLICY,)
+
+
+def roles(labels: dict[str, str]) -> list[dict[str, Any]]:
+    """The agent's resume role and its binding (applied with the other roles)."""
+    return [agent_resume_role(labels), agent_resume_role_binding(labels)]
+
+
+def policies(labels: dict[str, str], gate_image: str) -> list[dict[str, Any]]:
+    """The resume admission policies (after the CRDs: the mutating policy's paramKind is SnapshotPolicy)."""
+    validating = [resume_pods_policy(labels)]
+    return [
+        *validating,
+        *(_binding(p["metadata"]["name"], labels) for p in validating),
+        mutating_policy(labels, gate_image),
+        mutating_binding(labels),
+    ]

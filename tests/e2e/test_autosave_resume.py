@@ -1,0 +1,225 @@
+"""Workload-aware resume on the real two-node cluster (issue 12, items 3-5).
+
+Protected workloads (a SnapshotPolicy selecting their pods, ``suspend: true`` so that no schedule
+runs: the saves are made by hand with the plugin) count in memory; their pods are deleted, and the
+controllers' replacements must carry on from the save: the in-memory token is the old one (a fresh
+start draws a new one) and the counter never goes back. A Deployment's two replacements resume two
+distinct saves; an unprotected Deployment's pods are not touched; migrate of a StatefulSet pod makes
+no duplicate.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.core import kube as K
+from tests.e2e.test_snapshot_flows import COUNTER, counter_value, running
+from tests.support.agent import agent, plugin
+from tests.support.cluster import Cluster, cluster, namespace
+
+pytestmark = pytest.mark.e2e
+__all__ = ["agent", "cluster", "namespace", "plugin"]
+
+
+def policy(ns: str, name: str, app: str, registry: str, workload: dict[str, str] | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": {"app": app}},
+        "interval": "1m",
+        "destination": f"{registry}/e2e/{ns}/{name}",
+        "suspend": True,  # no schedule: this test makes its saves by hand
+    }
+    if workload:
+        spec["workload"] = workload
+    return {
+        "apiVersion": K.API_VERSION,
+        "kind": K.POLICY_KIND,
+        "metadata": {"name": name, "namespace": ns},
+        "spec": spec,
+    }
+
+
+def template(app: str, image: str, restart: str = "Always") -> dict[str, Any]:
+    return {
+        "metadata": {"labels": {"app": app}},
+        "spec": {
+            "containers": [{"name": "counter", "image": image, "command": ["sh", "-c", COUNTER]}],
+            "terminationGracePeriodSeconds": 1,
+            "restartPolicy": restart,
+        },
+    }
+
+
+def workload(kind: str, name: str, ns: str, image: str, **spec: Any) -> dict[str, Any]:
+    api = "batch/v1" if kind == "Job" else "apps/v1"
+    body: dict[str, Any] = {"template": template(name, image, "Never" if kind == "Job" else "Always"), **spec}
+    if kind != "Job":
+        body["selector"] = {"matchLabels": {"app": name}}
+    return {"apiVersion": api, "kind": kind, "metadata": {"name": name, "namespace": ns}, "spec": body}
+
+
+def pods(cluster: Cluster, ns: str, app: str) -> list[dict[str, Any]]:
+    items = cluster.get_json("pods", "-n", ns, "-l", f"app={app}")["items"]
+    return [p for p in items if not p["metadata"].get("deletionTimestamp")]
+
+
+def live_pod(cluster: Cluster, ns: str, app: str, *, not_uids: set[str] = frozenset()) -> dict[str, Any]:  # type: ignore[assignment]
+    found: list[dict[str, Any]] = []
+
+    def one() -> bool:
+        found[:] = [p for p in pods(cluster, ns, app) if p["metadata"]["uid"] not in not_uids]
+        return len(found) == 1
+
+    cluster.wait_for(f"one new pod of {app}", one, timeout=120)
+    return running(cluster, ns, found[0]["metadata"]["name"])
+
+
+def save(plugin: Callable[..., Any], cluster: Cluster, ns: str, pod: str, app: str) -> dict[str, Any]:
+    out = plugin("snapshot", f"pod/{pod}", "-n", ns, "--to", f"{cluster.registry}/e2e/{ns}/{app}", "-o", "json")
+    return dict(json.loads(out.stdout))
+
+
+def annotations(p: dict[str, Any]) -> dict[str, str]:
+    return dict(p["metadata"].get("annotations") or {})
+
+
+def assert_resumed(cluster: Cluster, ns: str, p: dict[str, Any], tok: str, value: int) -> None:
+    name = p["metadata"]["name"]
+
+    def staged() -> bool:
+        pod = cluster.get_json("pod", name, "-n", ns)
+        return annotations(pod).get(K.ANN_RESTORE_STATUS) == K.RESTORE_STAGED
+
+    cluster.wait_for(f"{name} staged from the save (not started fresh)", staged, timeout=30)
+    tok2, after = counter_value(cluster, ns, name)
+    assert tok2 == tok, "the replacement started fresh instead of resuming"
+    assert after >= value, (after, value)
+    cluster.wait_for("the resumed counter to go on", lambda: counter_value(cluster, ns, name)[1] > after)
+
+
+def test_statefulset_pod_resumes_by_name_and_migrates_without_a_duplicate(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    ns = namespace
+    cluster.apply(policy(ns, "sts", "sts", cluster.registry, {"kind": "StatefulSet", "name": "sts"}))
+    cluster.apply(workload("StatefulSet", "sts", ns, cluster.busybox_image, replicas=1, serviceName="sts"))
+    first = running(cluster, ns, "sts-0")
+    # admission gave it what a resume needs (nobody edited the StatefulSet)
+    assert first["spec"]["runtimeClassName"] == K.RUNTIME_CLASS
+    assert [c["name"] for c in first["spec"]["initContainers"]] == [K.GATE_CONTAINER]
+    assert annotations(first)[K.ANN_RESUME_POLICY] == "sts"
+    assert annotations(first)[K.ANN_RESTORE_STATUS].startswith(K.RESTORE_SKIPPED_PREFIX)  # nothing saved yet
+    cluster.wait_for("the counter", lambda: counter_value(cluster, ns, "sts-0")[1] >= 5)
+    tok, before = counter_value(cluster, ns, "sts-0")
+    psnap = save(plugin, cluster, ns, "sts-0", "sts")
+    labels = psnap["metadata"]["labels"]
+    assert labels[K.LABEL_WORKLOAD_KIND] == "StatefulSet" and labels[K.LABEL_WORKLOAD_NAME] == "sts"
+    assert labels[K.LABEL_POD] == "sts-0" and labels[K.LABEL_POD_UID] == first["metadata"]["uid"]
+    assert json.loads(psnap["metadata"]["annotations"][K.ANN_POD_IMAGES])[0]["imageID"].startswith("sha256:")
+
+    cluster.kubectl("delete", "pod", "sts-0", "-n", ns, "--wait=true")
+    second = live_pod(cluster, ns, "sts", not_uids={first["metadata"]["uid"]})
+    assert_resumed(cluster, ns, second, tok, before)
+
+    # migrate: a save with stop, the StatefulSet's replacement resumes from it; never two pods at once
+    _, before = counter_value(cluster, ns, "sts-0")
+    out = plugin("migrate", "pod/sts-0", "-n", ns, "--to", f"{cluster.registry}/e2e/{ns}/sts", "-o", "json")
+    moved = json.loads(out.stdout)
+    assert moved["snapshot"]["spec"]["stop"] is True
+    third = live_pod(cluster, ns, "sts", not_uids={second["metadata"]["uid"]})
+    assert len(pods(cluster, ns, "sts")) == 1
+    assert_resumed(cluster, ns, third, tok, before)
+
+
+def test_indexed_job_pod_resumes_by_completion_index(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    ns = namespace
+    cluster.apply(policy(ns, "job", "job", cluster.registry))
+    cluster.apply(
+        workload(
+            "Job",
+            "job",
+            ns,
+            cluster.busybox_image,
+            completions=1,
+            parallelism=1,
+            completionMode="Indexed",
+            backoffLimit=6,
+        )
+    )
+    first = live_pod(cluster, ns, "job")
+    name = first["metadata"]["name"]
+    cluster.wait_for("the counter", lambda: counter_value(cluster, ns, name)[1] >= 5)
+    tok, before = counter_value(cluster, ns, name)
+    psnap = save(plugin, cluster, ns, name, "job")
+    assert psnap["metadata"]["labels"][K.LABEL_COMPLETION_INDEX] == "0"
+    cluster.kubectl("delete", "pod", name, "-n", ns, "--wait=true")
+    second = live_pod(cluster, ns, "job", not_uids={first["metadata"]["uid"]})
+    assert_resumed(cluster, ns, second, tok, before)
+
+
+def test_deployment_replacements_resume_distinct_saves(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    ns = namespace
+    cluster.apply(policy(ns, "dep", "dep", cluster.registry, {"kind": "Deployment", "name": "dep"}))
+    cluster.apply(workload("Deployment", "dep", ns, cluster.busybox_image, replicas=2))
+    cluster.wait_for("two pods", lambda: len(pods(cluster, ns, "dep")) == 2)
+    old = {p["metadata"]["name"]: running(cluster, ns, p["metadata"]["name"]) for p in pods(cluster, ns, "dep")}
+    toks, saves = {}, []
+    for name in old:
+        cluster.wait_for("the counter", lambda n=name: counter_value(cluster, ns, n)[1] >= 5)  # type: ignore[misc]
+        toks[counter_value(cluster, ns, name)[0]] = counter_value(cluster, ns, name)[1]
+        saves.append(save(plugin, cluster, ns, name, "dep")["metadata"]["name"])
+    cluster.kubectl("delete", "pod", *old, "-n", ns, "--wait=false")
+    old_uids = {p["metadata"]["uid"] for p in old.values()}
+
+    def two_new() -> bool:
+        return len([p for p in pods(cluster, ns, "dep") if p["metadata"]["uid"] not in old_uids]) == 2
+
+    cluster.wait_for("two replacements", two_new, timeout=120)
+    new = [running(cluster, ns, p["metadata"]["name"]) for p in pods(cluster, ns, "dep")]
+    resumed = {}
+    for p in new:
+        tok, value = counter_value(cluster, ns, p["metadata"]["name"])
+        assert tok in toks and value >= toks[tok], "a replacement started fresh"
+        assert_resumed(cluster, ns, p, tok, toks[tok])
+        resumed[tok] = p["metadata"]["uid"]
+    assert set(resumed) == set(toks)  # each replacement carries on one predecessor: distinct saves
+    claims = {cluster.get_json(K.PLURAL, s, "-n", ns)["metadata"]["annotations"][K.ANN_CLAIMED_BY] for s in saves}
+    assert claims == set(resumed.values())
+
+
+def test_unprotected_deployment_is_not_mutated_and_migrate_refuses_it(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    ns = namespace
+    cluster.apply(policy(ns, "other", "other", cluster.registry))  # a policy that selects something else
+    cluster.apply(workload("Deployment", "plain", ns, cluster.busybox_image, replicas=1))
+    p = live_pod(cluster, ns, "plain")
+    assert "runtimeClassName" not in p["spec"] and not p["spec"].get("initContainers")
+    assert not any(k.startswith(K.GROUP) for k in annotations(p))
+    r = plugin("migrate", f"pod/{p['metadata']['name']}", "-n", ns, "--to", f"{cluster.registry}/e2e/x", check=False)
+    assert r.returncode != 0 and "duplicate" in r.stderr and "SnapshotPolicy" in r.stderr, r.stderr
+    assert len(pods(cluster, ns, "plain")) == 1
+
+
+def test_the_agent_may_patch_only_provenance_of_a_podsnapshot(cluster, namespace, agent):  # type: ignore[no-untyped-def]
+    """The agent's `podsnapshots patch` (labels at claim, the resume claim) is narrowed by admission:
+    as the agent's ServiceAccount, a provenance label passes (server-side dry run), a spec change or
+    another label is refused."""
+    ns = namespace
+    body = {
+        "apiVersion": K.API_VERSION,
+        "kind": K.KIND,
+        "metadata": {"name": "s", "namespace": ns},
+        "spec": {"podName": "nobody", "podNamespace": ns, "destination": f"{cluster.registry}/e2e/x:t"},
+    }
+    cluster.apply(body)
+    as_agent = ("--as", K.AGENT_USER, "--dry-run=server", "--type", "merge")
+
+    def patch(p: dict[str, Any]) -> Any:
+        return cluster.kubectl("patch", K.PLURAL, "s", "-n", ns, *as_agent, "-p", json.dumps(p), check=False)
+
+    ok = patch({"metadata": {"labels": {K.LABEL_WORKLOAD_KIND: "StatefulSet"}, "annotations": {K.ANN_CLAIMED_BY: "u"}}})
+    assert ok.returncode == 0, ok.stderr
+    assert patch({"spec": {"stop": True}}).returncode != 0  # (the CRD's own rule refuses it first: immutable)
+    for bad in ({"metadata": {"labels": {"team": "x"}}}, {"metadata": {"annotations": {"other": "x"}}}):
+        r = patch(bad)
+        assert r.returncode != 0 and "may change only the provenance labels" in r.stderr, (bad, r.stderr)

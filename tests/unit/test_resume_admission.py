@@ -1,0 +1,77 @@
+"""deploy/resume.py renders the resume admission objects the issue asks for (the CEL itself runs on
+the real API server in tests/e2e/test_autosave_resume.py; nothing here evaluates CEL)."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.podspec import gate_container
+from kubectl_snapshot.deploy import admission, render, resume
+
+IMAGE = "reg.example/ks/agent@sha256:" + "c" * 64
+
+
+def objects() -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in render(IMAGE)}
+
+
+def test_the_mutating_policy_never_blocks_and_takes_every_policy_of_the_namespace() -> None:
+    objs = objects()
+    p = objs[("MutatingAdmissionPolicy", resume.MUTATING_POLICY)]["spec"]
+    b = objs[("MutatingAdmissionPolicyBinding", resume.MUTATING_POLICY)]["spec"]
+    assert p["failurePolicy"] == "Ignore" and p["reinvocationPolicy"] == "Never"
+    assert p["paramKind"] == {"apiVersion": K.API_VERSION, "kind": K.POLICY_KIND}
+    [rule] = p["matchConstraints"]["resourceRules"]
+    assert rule == {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
+    assert b == {"policyName": resume.MUTATING_POLICY, "paramRef": {"selector": {}, "parameterNotFoundAction": "Allow"}}
+    conditions = {c["name"]: c["expression"] for c in p["matchConditions"]}
+    assert "['StatefulSet', 'ReplicaSet', 'Job']" in conditions["owned-by-a-resumable-controller"].replace('"', "'")
+    assert "params.spec.resume" in conditions["policy-resumes"]
+    assert "params.spec.selector.matchLabels.all(" in conditions["policy-selects-the-pod"]
+    assert "pod-template-hash" in conditions["policy-workload-owns-the-pod"]
+    assert K.ANN_RESTORE_FROM in conditions["not-restoring-already"]
+    assert "initContainers" in conditions["no-init-containers"]
+
+
+def test_the_mutation_adds_exactly_the_restore_pods_gate() -> None:
+    apply, patch = objects()[("MutatingAdmissionPolicy", resume.MUTATING_POLICY)]["spec"]["mutations"]
+    assert apply["patchType"] == "ApplyConfiguration" and patch["patchType"] == "JSONPatch"
+    expr = apply["applyConfiguration"]["expression"] + patch["jsonPatch"]["expression"]
+    assert "{{" not in expr and "}}" not in expr  # Helm's delimiters (the chart is generated)
+    strings = [json.loads(s) for s in re.findall(r'"(?:[^"\\]|\\.)*"', expr)]
+    gate = gate_container(IMAGE)
+    assert gate["command"] == strings[strings.index("python3") : strings.index("python3") + 3]
+    for value in (
+        IMAGE,
+        gate["name"],
+        K.GATE_MOUNT,
+        K.GATE_VOLUME,
+        K.RUNTIME_CLASS,
+        K.ANN_RESUME_POLICY,
+        "10m",
+        "16Mi",
+    ):
+        assert value in strings, value
+    assert f"{json.dumps(K.ANN_RESUME_POLICY)}: params.metadata.name" in expr
+    assert "emptyDir: Object.spec.volumes.emptyDir{}" in expr
+    # the command (an atomic list) only through the JSONPatch, at the gate's index (the pod had no init containers)
+    assert "command" not in apply["applyConfiguration"]["expression"]
+    assert "/spec/initContainers/0/command" in strings
+
+
+def test_the_agent_may_change_only_provenance_on_podsnapshots_and_resume_annotations_are_guarded() -> None:
+    objs = objects()
+    p = objs[("ValidatingAdmissionPolicy", admission.AGENT_SNAPSHOTS_POLICY)]["spec"]
+    assert p["failurePolicy"] == "Fail" and p["matchConditions"][0]["expression"].endswith(f"'{K.AGENT_USER}'")
+    [v] = [v for v in p["validations"] if "object.spec == oldObject.spec" in v["expression"]]
+    for key in (*admission.AGENT_SNAPSHOT_LABELS, *admission.AGENT_SNAPSHOT_ANNOTATIONS):
+        assert key in v["expression"]
+    pods = objs[("ValidatingAdmissionPolicy", resume.RESUME_PODS_POLICY)]["spec"]
+    text = "\n".join(v["expression"] for v in pods["validations"])
+    assert "check('restore')" in text and "system:serviceaccount:kube-system:" in text
+    assert objs[("ValidatingAdmissionPolicyBinding", resume.RESUME_PODS_POLICY)]["spec"]["validationActions"] == [
+        "Deny"
+    ]
