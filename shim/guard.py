@@ -37,6 +37,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -79,6 +80,17 @@ class GuardError(FailedPrecondition):
 def _cgroup_of(pid: int) -> str | None:
     fz = freezer.lookup(pid)
     return fz.directory if fz is not None else None
+
+
+_PROC_ROOT = re.compile(r"^/proc/[0-9]+/root(?=/)")
+
+
+def _rebase(directory: str, root: str) -> str:
+    """`directory` as seen through the current host process: cgroup paths carry the /proc/PID/root of
+    the host process they were looked up through (hostfacts.host_pid, a containerd where PID 1 is out of
+    reach), and that process may have been replaced since (containerd restarted by install-node)."""
+    current = _PROC_ROOT.match(root)
+    return _PROC_ROOT.sub(current.group(0) if current else "", directory, count=1)
 
 
 def _is_within(child: str, parent: str) -> bool:
@@ -158,7 +170,7 @@ class Guard:
         self.state_dir = state_dir
         self.once = once
         self.idle_exit_s = idle_exit_s
-        self.root = freezer.cgroupfs_root(_host_pid())
+        self.root = freezer.cgroupfs_root(_host_pid())  # refreshed before each check (_current_root)
         self._lock = threading.Lock()
         self._active = 0
         self._served = 0
@@ -167,6 +179,10 @@ class Guard:
         self._reports: list[threading.Thread] = []
         self._held: dict[str, _Hold] = {}
         self._stop = threading.Event()
+
+    def _current_root(self) -> str:
+        self.root = freezer.cgroupfs_root(_host_pid())
+        return self.root
 
     # Holds survive in the state dir: a guard killed while holding thaws them when it comes back.
     def recover(self) -> list[str]:
@@ -179,8 +195,9 @@ class Guard:
             try:
                 with open(path) as f:
                     rec = json.load(f)
-                fz = freezer.CgroupFreezer(str(rec["directory"]), bool(rec["v2"]))
-                check_target(fz, protected=[], root=self.root)
+                root = self._current_root()
+                fz = freezer.CgroupFreezer(_rebase(str(rec["directory"]), root), bool(rec["v2"]))
+                check_target(fz, protected=[], root=root)
                 fz.thaw()
                 thawed.append(fz.directory)
                 if rec.get("report"):
@@ -312,8 +329,10 @@ class Guard:
         fz = freezer.lookup(pid)
         if fz is None:
             raise GuardError(f"the cgroup freezer of task {pid} cannot be placed on this host")
-        protected = [d for d in (_cgroup_of(os.getpid()), _cgroup_of(peer_pid), _cgroup_of(1)) if d]
-        check_target(fz, protected=protected, root=self.root)
+        root = self._current_root()
+        fz = freezer.CgroupFreezer(_rebase(fz.directory, root), fz.v2)
+        protected = [_rebase(d, root) for d in (_cgroup_of(os.getpid()), _cgroup_of(peer_pid), _cgroup_of(1)) if d]
+        check_target(fz, protected=protected, root=root)
         path = os.path.join(self.state_dir, f"{uuid.uuid4().hex}.hold")
         with open(path, "w") as f:  # before the freeze: a guard killed right after it still thaws
             json.dump({"directory": fz.directory, "v2": fz.v2, "report": report, "pid": pid}, f)

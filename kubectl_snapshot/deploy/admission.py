@@ -361,7 +361,7 @@ def agent_pods_policy(labels: dict[str, str]) -> dict[str, Any]:
                 ),
                 _deny(
                     update
-                    + "(request.subResource == 'status' && "
+                    + "(variables.sub == 'status' && "
                     + _only_annotation_changes(K.ANN_RESTORE_STATUS, K.ANN_LAST_SAVE)
                     + ")",
                     f"'the agent may change only the {K.ANN_RESTORE_STATUS} and {K.ANN_LAST_SAVE} annotations of a"
@@ -455,6 +455,8 @@ def agent_snapshots_policy(labels: dict[str, str]) -> dict[str, Any]:
                 *_AGENT_VARIABLES,
                 {"name": "claimedBy", "expression": _status_node("oldObject")},
                 {"name": "claims", "expression": _status_node("object")},
+                # request.subResource is absent (not '') on a request for the object itself
+                {"name": "sub", "expression": "has(request.subResource) ? request.subResource : ''"},
                 {"name": "policySave", "expression": _has_label("object", K.LABEL_POLICY)},
                 {"name": "policySaveOld", "expression": _has_label("oldObject", K.LABEL_POLICY)},
             ],
@@ -470,7 +472,7 @@ def agent_snapshots_policy(labels: dict[str, str]) -> dict[str, Any]:
                     " + request.namespace + '/' + request.name",
                 ),
                 _deny(
-                    "request.operation != 'UPDATE' || request.subResource == 'status' || "
+                    "request.operation != 'UPDATE' || variables.sub == 'status' || "
                     "(object.spec == oldObject.spec && "
                     + _only_keys_change("labels", AGENT_SNAPSHOT_LABELS)
                     + " && "
@@ -481,7 +483,7 @@ def agent_snapshots_policy(labels: dict[str, str]) -> dict[str, Any]:
                     "+ request.namespace + '/' + request.name",
                 ),
                 _deny(
-                    "request.operation != 'UPDATE' || request.subResource != 'status' || "
+                    "request.operation != 'UPDATE' || variables.sub != 'status' || "
                     "variables.node != '' && variables.claims == variables.node"
                     " && (variables.claimedBy == '' || variables.claimedBy == variables.node)",
                     _NOT_BOUND + " + ', not to PodSnapshot ' + request.namespace + '/' + request.name"
