@@ -280,9 +280,10 @@ def test_a_pod_that_cannot_be_restored_whole_fails_and_nothing_starts_fresh(clus
             for c in _get(cluster, ns, "broken2")["status"]["containerStatuses"]
         ]
         # the runtime's refusal, as the kubelet reports it: in the waiting message until the back-off
-    # replaces it, and in the pod's Events either way
-    said = "\n".join(waiting) + cluster.kubectl("get", "events", "-n", ns, "--field-selector", "involvedObject.name=broken2").stdout
-    assert "restore failed" in said or "not started from scratch" in said, said
+        # replaces it, and in the pod's Events either way
+        events = cluster.kubectl("get", "events", "-n", ns, "--field-selector", "involvedObject.name=broken2")
+        said = "\n".join(waiting) + events.stdout
+        assert "restore failed" in said or "not started from scratch" in said, said
     finally:
         cluster.kubectl("delete", "pod", "broken2", "-n", ns, "--wait=false", check=False)
         shutil.rmtree(host_dir, ignore_errors=True)
