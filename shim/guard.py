@@ -181,7 +181,10 @@ class Guard:
         self._stop = threading.Event()
 
     def _current_root(self) -> str:
-        self.root = freezer.cgroupfs_root(_host_pid())
+        """The cgroupfs root through the host process of now (a root not reached through /proc/PID/root,
+        the agent's own or a test's, stays as it is)."""
+        if _PROC_ROOT.match(self.root):
+            self.root = freezer.cgroupfs_root(_host_pid())
         return self.root
 
     # Holds survive in the state dir: a guard killed while holding thaws them when it comes back.

@@ -219,3 +219,16 @@ def test_the_failure_report_is_a_merge_patch_of_the_status_over_https(
     assert status["reason"] == "Interrupted" and status["message"] == "the agent went away"
     assert "keeps running" in status["hint"]
     assert {c["type"]: c["status"] for c in status["conditions"]} == {"Succeeded": "False", "Failed": "True"}
+
+
+def test_cgroup_paths_are_rebased_onto_the_current_host_process() -> None:
+    """containerd (the host process cgroup paths are reached through) restarted: the guard still checks."""
+    from shim.guard import _rebase
+
+    old = "/proc/9526/root/sys/fs/cgroup/freezer/ks-n1/kubepods/pod1/c1"
+    assert (
+        _rebase(old, "/proc/30984/root/sys/fs/cgroup")
+        == "/proc/30984/root/sys/fs/cgroup/freezer/ks-n1/kubepods/pod1/c1"
+    )
+    assert _rebase(old, "/sys/fs/cgroup") == "/sys/fs/cgroup/freezer/ks-n1/kubepods/pod1/c1"
+    assert _rebase("/sys/fs/cgroup/freezer/x", "/proc/1/root/sys/fs/cgroup") == "/sys/fs/cgroup/freezer/x"
