@@ -290,6 +290,8 @@ def restore_policy(labels: dict[str, str]) -> dict[str, Any]:
 
 
 _AGENT_VARIABLES = [
+    # request.subResource is absent (not '') on a request for the object itself
+    {"name": "sub", "expression": "has(request.subResource) ? request.subResource : ''"},
     {
         "name": "nodes",
         "expression": f"has(request.userInfo.extra) && {_quote(K.NODE_NAME_EXTRA)} in request.userInfo.extra"
@@ -455,8 +457,6 @@ def agent_snapshots_policy(labels: dict[str, str]) -> dict[str, Any]:
                 *_AGENT_VARIABLES,
                 {"name": "claimedBy", "expression": _status_node("oldObject")},
                 {"name": "claims", "expression": _status_node("object")},
-                # request.subResource is absent (not '') on a request for the object itself
-                {"name": "sub", "expression": "has(request.subResource) ? request.subResource : ''"},
                 {"name": "policySave", "expression": _has_label("object", K.LABEL_POLICY)},
                 {"name": "policySaveOld", "expression": _has_label("oldObject", K.LABEL_POLICY)},
             ],
