@@ -366,6 +366,13 @@ def pycriu_images() -> Any:
     )
 
 
+TASK_DEAD = 2  # CRIU's task_state of a zombie (criu/include/pstree.h; core.proto tc.task_state)
+
+
+def _is_zombie(core: Mapping[str, Any]) -> bool:
+    return int((core.get("tc") or {}).get("task_state") or 0) == TASK_DEAD
+
+
 def image_problems(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[str] | None = None) -> list[str]:
     """Everything in the CRIU images of `image_dir` that grants more than the bundle `spec`."""
     images = pycriu_images()
@@ -383,9 +390,19 @@ def image_problems(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[s
     task_ids: dict[int, Mapping[str, Any]] = {}
     for entry in pstree:
         pid = int(entry.get("pid") or 0)
-        for tid in entry.get("threads") or [pid]:
+        leader = load_image(images, os.path.join(image_dir, f"core-{pid}.img"))
+        threads = entry.get("threads") or [pid]
+        if leader and _is_zombie(leader[0]):
+            # CRIU writes no thread ids for a zombie (its pstree entry holds whatever was in memory) and
+            # restores it as a child of its parent that exits at once with the saved code: it runs with
+            # the parent's credentials, which are checked. A zombie core holding credentials anyway is
+            # checked like a live one.
+            threads = [pid]
+            if not leader[0].get("thread_core"):
+                continue
+        for tid in threads:
             where = f"process {pid}" + (f" thread {tid}" if tid != pid else "")
-            core = load_image(images, os.path.join(image_dir, f"core-{int(tid)}.img"))
+            core = leader if tid == pid else load_image(images, os.path.join(image_dir, f"core-{int(tid)}.img"))
             if not core:
                 problems.append(f"{where}: empty core image")
                 continue

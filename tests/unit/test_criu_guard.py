@@ -220,6 +220,47 @@ def test_a_thread_is_checked_too(tmp_path: Path) -> None:
     assert out and all(p.startswith("process 1 thread 7:") for p in out), out
 
 
+def read(path: Path) -> list[dict[str, Any]]:
+    with open(path, "rb") as f:
+        entries: list[dict[str, Any]] = images.load(f)["entries"]
+    return entries
+
+
+def zombie(d: Path, pid: int, *, garbage_tid: int = 1721131888, with_creds: dict[str, Any] | None = None) -> None:
+    """What CRIU 4.2.1 writes for a zombie child (checked against a real dump): a core with tc only
+    (task_state 2), no thread_core, and a pstree entry whose thread id is uninitialised memory."""
+    pstree = read(d / "pstree.img")
+    pstree.append({"pid": pid, "ppid": 1, "pgid": 1, "sid": 1, "threads": [garbage_tid]})
+    write(d / "pstree.img", "PSTREE", pstree)
+    tc = {"task_state": 2, "exit_code": 0, "personality": 0, "flags": 0, "blk_sigset": 0, "comm": "cat"}
+    core: dict[str, Any] = {"mtype": "X86_64", "tc": tc}
+    if with_creds is not None:
+        core["thread_core"] = {"futex_rla": 0, "futex_rla_len": 0, "creds": with_creds}
+    write(d / f"core-{pid}.img", "CORE", [core])
+
+
+def test_a_zombie_child_is_not_a_thread_id_lookup(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img")
+    zombie(d, 9)
+    assert problems(d, bundle()) == []
+
+
+def test_a_zombie_core_with_credentials_is_still_checked(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img")
+    zombie(d, 9, with_creds=creds(caps=list(ALL)))
+    out = problems(d, bundle())
+    assert out and all(p.startswith("process 9:") for p in out), out
+
+
+def test_a_live_process_naming_a_missing_thread_is_refused(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img")
+    pstree = read(d / "pstree.img")
+    pstree[0]["threads"] = [1, 1721131888]
+    write(d / "pstree.img", "PSTREE", pstree)
+    with pytest.raises(ImageGrantsMore, match=r"core-1721131888\.img"):
+        problems(d, bundle())
+
+
 # --- capabilities ------------------------------------------------------------------------------
 
 
