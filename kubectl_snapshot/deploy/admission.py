@@ -8,7 +8,8 @@ identity (CEL ``authorizer``), before the agent ever sees the object:
   ``REGISTRY/REPOSITORY[:TAG]`` on the namespace's allow-list; ``insecure`` only to a registry the
   namespace's insecure list names; the requester can ``get`` the registrySecret it names (so the
   agent never reads a Secret for someone who cannot), can ``create`` pods in the namespace, and, for
-  ``stop``, can ``delete`` that pod (the agent deletes it for them).
+  ``stop``, can ``delete`` that pod (the agent deletes it for them). Nobody but the agent sets the
+  provenance labels and claim annotations that resume selects saves by.
 - ``kubectl-snapshot-restore`` (Pod CREATE/UPDATE carrying the restore annotations): restoring needs
   the ``restore`` verb on podsnapshots in that namespace (its own permission, not implied by create
   pods), the source must be on the allow-list and pinned by digest, the requester can ``get`` the
@@ -59,6 +60,8 @@ AGENT_SNAPSHOT_LABELS = (
     K.LABEL_POLICY,
 )
 AGENT_SNAPSHOT_ANNOTATIONS = (K.ANN_CLAIMED_BY, K.ANN_POD_IMAGES)
+# ... and which of them nobody else may set when creating one (the plugin sets only the pod label)
+RESERVED_SNAPSHOT_KEYS = tuple(k for k in (*AGENT_SNAPSHOT_LABELS, *AGENT_SNAPSHOT_ANNOTATIONS) if k != K.LABEL_POD)
 POLICIES = (
     SNAPSHOT_POLICY,
     RESTORE_POLICY,
@@ -179,6 +182,20 @@ _POLICY_SAVE_VARIABLES = [
 ]
 
 
+def _no_reserved_keys() -> str:
+    """CEL: a PodSnapshot being created carries none of the keys the agent records (provenance labels,
+    claim and images annotations), and its pod label, if any, names its own pod. The agent overwrites
+    them when it completes a save, but resume selects saves by them, so nobody else writes them at all."""
+    labels, anns = "object.metadata.labels", "object.metadata.annotations"
+    reserved_labels = json.dumps([k for k in AGENT_SNAPSHOT_LABELS if k != K.LABEL_POD])
+    reserved_anns = json.dumps(list(AGENT_SNAPSHOT_ANNOTATIONS))
+    return (
+        f"(!has({labels}) || ({labels}.all(k, !(k in {reserved_labels}))"
+        f" && (!({_quote(K.LABEL_POD)} in {labels}) || {labels}[{_quote(K.LABEL_POD)}] == object.spec.podName)))"
+        f" && (!has({anns}) || {anns}.all(k, !(k in {reserved_anns})))"
+    )
+
+
 def snapshot_policy(labels: dict[str, str]) -> dict[str, Any]:
     secret = "object.spec.registrySecret"
     return _policy(
@@ -224,6 +241,12 @@ def snapshot_policy(labels: dict[str, str]) -> dict[str, Any]:
                 _deny(
                     "variables.policySave || " + _can("create", "pods"),
                     "'snapshotting needs permission to create pods in namespace ' + request.namespace",
+                ),
+                _deny(
+                    f"request.userInfo.username == {_quote(K.AGENT_USER)} || " + _no_reserved_keys(),
+                    "'the labels and annotations "
+                    + ", ".join(RESERVED_SNAPSHOT_KEYS)
+                    + f" are written by the node agent only, and {K.LABEL_POD} must name spec.podName'",
                 ),
                 _deny(
                     "!has(object.spec.stop) || !object.spec.stop || "

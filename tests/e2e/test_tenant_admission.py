@@ -164,6 +164,33 @@ def test_snapshot_destinations_insecure_and_secrets(tenant: Tenant, cluster: Clu
     admitted(tenant.snapshot(destination=f"{reg}/other/web:1", insecure=True, stop=True, as_admin=True))
 
 
+def test_only_the_agent_writes_the_keys_resume_selects_saves_by(tenant: Tenant, cluster: Cluster) -> None:
+    """A save labelled as another workload's (or pre-claimed) would steer an automatic resume: nobody
+    but the agent may create a PodSnapshot carrying those keys, not even a cluster admin."""
+    policy = admission.SNAPSHOT_POLICY
+
+    def snap(labels: dict[str, str], annotations: dict[str, str], as_admin: bool = False) -> Any:
+        meta = {"name": "s", "namespace": tenant.ns, "labels": labels, "annotations": annotations}
+        body = {"podName": "web", "destination": f"{cluster.registry}/tenant-ok/web:1"}
+        return tenant.create(
+            {"apiVersion": K.API_VERSION, "kind": K.KIND, "metadata": meta, "spec": body}, as_admin=as_admin
+        )
+
+    admitted(snap({K.LABEL_POD: "web", "team": "a"}, {"note": "x"}))  # what the plugin writes, plus the user's own
+    denied(snap({K.LABEL_POD: "other"}, {}), policy, "must name spec.podName")
+    for key in (
+        K.LABEL_WORKLOAD_KIND,
+        K.LABEL_WORKLOAD_NAME,
+        K.LABEL_POD_UID,
+        K.LABEL_POLICY,
+        K.LABEL_COMPLETION_INDEX,
+    ):
+        denied(snap({key: "x"}, {}), policy, "written by the node agent only")
+    for key in (K.ANN_CLAIMED_BY, K.ANN_POD_IMAGES):
+        denied(snap({}, {key: "x"}), policy, "written by the node agent only")
+    denied(snap({K.LABEL_WORKLOAD_NAME: "x"}, {}, as_admin=True), policy, "written by the node agent only")
+
+
 def test_plugin_says_what_admission_refused_and_what_to_do(
     tenant: Tenant, cluster: Cluster, ks_plugin: PluginRun, tmp_path: Path
 ) -> None:

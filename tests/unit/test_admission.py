@@ -80,6 +80,16 @@ def test_snapshot_policy_asks_the_authorizer_and_the_namespace() -> None:
     assert "authorizer.group('').resource('namespaces').name(request.namespace).check('update')" in text
 
 
+def test_snapshot_policy_reserves_the_agents_keys_for_the_agent() -> None:
+    p = policy(admission.SNAPSHOT_POLICY)
+    [v] = [v for v in p["spec"]["validations"] if "written by the node agent only" in v["messageExpression"]]
+    assert v["expression"].startswith(f"request.userInfo.username == '{K.AGENT_USER}' || ")
+    for key in (*admission.AGENT_SNAPSHOT_LABELS, *admission.AGENT_SNAPSHOT_ANNOTATIONS):
+        assert key in v["expression"], key
+    assert f"['{K.LABEL_POD}'] == object.spec.podName" in v["expression"]
+    assert K.LABEL_POD not in admission.RESERVED_SNAPSHOT_KEYS  # the plugin labels its saves with their pod
+
+
 def test_restore_policy_needs_its_own_verb_and_freezes_the_annotations() -> None:
     p = policy(admission.RESTORE_POLICY)
     [rule] = p["spec"]["matchConstraints"]["resourceRules"]
