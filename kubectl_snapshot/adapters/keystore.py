@@ -24,7 +24,7 @@ import os
 import re
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.encryption import KEY_BYTES
@@ -119,11 +119,19 @@ def _decode(value: bytes | str, where: str) -> bytes:
     return raw
 
 
+class SecretStore(Protocol):
+    """The Secrets API the key provider uses (adapters/kube.KubeClient)."""
+
+    def get_secret(self, ns: str, name: str) -> dict[str, Any]: ...
+    def create_secret(self, ns: str, body: dict[str, Any]) -> dict[str, Any]: ...
+    def replace_secret(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]: ...
+
+
 class SecretKeyProvider:
     """Namespace keys as entries of one Secret in the agent's namespace (see the module docstring)."""
 
     def __init__(
-        self, kube: Any, *, namespace: str = K.AGENT_NAMESPACE, name: str = KEY_SECRET, cache_s: float = CACHE_S
+        self, kube: SecretStore, *, namespace: str = K.AGENT_NAMESPACE, name: str = KEY_SECRET, cache_s: float = CACHE_S
     ) -> None:
         self.kube, self.namespace, self.name, self.cache_s = kube, namespace, name, cache_s
         self._lock = threading.Lock()

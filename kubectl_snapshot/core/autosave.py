@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,11 +17,10 @@ from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.podspec import snapshot_name, snapshot_object, timestamp
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.workload import Workload, label_value, provenance_labels
 
 BACKOFF_BASE_S = 5.0  # first retry after a failed save; doubles per failure, capped at the interval
 KEEP_FAILED = 2  # failed saves kept per pod (to read why); older ones are deleted
-JOB_INDEX_LABEL = "batch.kubernetes.io/job-completion-index"
-JOB_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
 _DURATION = re.compile(r"^(?:[0-9]+[hms])+$")
 _PART = re.compile(r"([0-9]+)([hms])")
@@ -61,35 +60,6 @@ def parse_time(text: str | None) -> float | None:
 # --- which pods -------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Workload:
-    kind: str  # StatefulSet | Deployment | ReplicaSet | Job | Pod (no controller) | another controller's kind
-    name: str
-
-
-def controller_of(obj: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(kind, name) of the object's controlling ownerReference, if any."""
-    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
-        if ref.get("controller"):
-            return str(ref.get("kind") or ""), str(ref.get("name") or "")
-    return None
-
-
-def workload_of(pod: Mapping[str, Any], replicaset_owner: Callable[[str], tuple[str, str] | None]) -> Workload:
-    """The workload a pod belongs to: its controller (StatefulSet, Job, ReplicaSet directly; a
-    Deployment through its ReplicaSet's controller, looked up by `replicaset_owner(name)`), else the
-    bare pod itself."""
-    owner = controller_of(pod)
-    if owner is None:
-        return Workload("Pod", str((pod.get("metadata") or {}).get("name") or ""))
-    kind, name = owner
-    if kind == "ReplicaSet":
-        parent = replicaset_owner(name)
-        if parent is not None and parent[0] == "Deployment":
-            return Workload("Deployment", parent[1])
-    return Workload(kind, name)
-
-
 def selects(policy: Mapping[str, Any], pod: Mapping[str, Any], workload: Workload | None) -> bool:
     """Whether the policy selects the pod: same namespace, matchLabels a subset of the pod's labels and,
     when the policy names a workload, the pod belongs to it (`workload` None: not resolvable, no match)."""
@@ -120,32 +90,14 @@ def eligible(pod: Mapping[str, Any], node: str) -> bool:
     return bool(statuses) and all("running" in (c.get("state") or {}) for c in statuses)
 
 
-def completion_index(pod: Mapping[str, Any]) -> str | None:
-    meta = pod.get("metadata") or {}
-    value = (meta.get("labels") or {}).get(JOB_INDEX_LABEL) or (meta.get("annotations") or {}).get(JOB_INDEX_ANNOTATION)
-    return str(value) if value is not None else None
-
-
 # --- one save ---------------------------------------------------------------------------------------
 
 
-def _label_value(text: str) -> str | None:
-    return text if len(text) <= 63 else None
-
-
 def save_labels(policy_name: str, pod: Mapping[str, Any], workload: Workload) -> dict[str, str]:
-    meta = pod.get("metadata") or {}
-    labels = {
-        K.LABEL_POD: str(meta.get("name") or ""),
-        K.LABEL_POD_UID: str(meta.get("uid") or ""),
-        K.LABEL_POLICY: policy_name,
-        K.LABEL_WORKLOAD_KIND: workload.kind,
-        K.LABEL_WORKLOAD_NAME: workload.name,
-    }
-    index = completion_index(pod)
-    if index is not None:
-        labels[K.LABEL_COMPLETION_INDEX] = index
-    return {k: v for k, v in labels.items() if _label_value(v) is not None}
+    """What a policy save is labelled with from the start: the provenance the agent records on every
+    save (core/workload.py) and the policy's name (what retention and `policy describe` select by)."""
+    labels = {**provenance_labels(pod, workload), K.LABEL_POLICY: label_value(policy_name)}
+    return {k: v for k, v in labels.items() if v is not None}
 
 
 def save_object(

@@ -31,10 +31,12 @@ from typing import Any
 
 from kubectl_snapshot.core import autosave as A
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import workload as W
 from kubectl_snapshot.core.errors import AlreadyExists, NotFound, SnapshotError
 from kubectl_snapshot.core.provenance import signature_tag
 from kubectl_snapshot.core.reference import Reference
 from shim.controller.events import policy_event
+from shim.controller.ports import Kube
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ class _Pair:
 class Autosave:
     def __init__(
         self,
-        kube: Any,
+        kube: Kube,
         node: str,
         *,
         registry_for: Callable[[str, str | None, bool], Any],
@@ -77,7 +79,7 @@ class Autosave:
         self._pods: dict[str, Obj] = {}
         self._pairs: dict[PairKey, _Pair] = {}
         self._dirty: set[tuple[str, str]] = set()
-        self._rs_owner: dict[tuple[str, str], tuple[str, str] | None] = {}
+        self._rs_owners: dict[tuple[str, str], Obj] = {}
         self._started = False
         self._last_sweep = 0.0
 
@@ -152,7 +154,7 @@ class Autosave:
 
     # --- one pod under one policy -------------------------------------------------------------------
 
-    def _step(self, key: PairKey, policy: Obj, pod: Obj, workload: A.Workload, now: float) -> None:
+    def _step(self, key: PairKey, policy: Obj, pod: Obj, workload: W.Workload, now: float) -> None:
         ns, pname, uid = key
         spec = policy.get("spec") or {}
         interval = A.parse_duration(str(spec.get("interval") or ""), "interval")
@@ -189,7 +191,7 @@ class Autosave:
         selector = f"{K.LABEL_POLICY}={policy},{K.LABEL_POD_UID}={uid}"
         return [A.Save.of(o) for o in self.kube.list_snapshots(ns, label_selector=selector)]
 
-    def _create(self, policy: Obj, pod: Obj, workload: A.Workload) -> Obj:
+    def _create(self, policy: Obj, pod: Obj, workload: W.Workload) -> Obj:
         ns = str(pod["metadata"]["namespace"])
         when = datetime.datetime.fromtimestamp(self.clock(), datetime.UTC)
         for attempt in range(1, NAME_ATTEMPTS + 1):
@@ -313,24 +315,26 @@ class Autosave:
 
     # --- the pod's workload ------------------------------------------------------------------------
 
-    def _workload(self, pod: Obj) -> A.Workload:
+    def _workload(self, pod: Obj) -> W.Workload:
         ns = str(pod["metadata"].get("namespace") or "")
-        return A.workload_of(pod, lambda rs: self._replicaset_owner(ns, rs))
+        return W.workload_of(pod, lambda rs: self._replicaset(ns, rs))
 
-    def _replicaset_owner(self, ns: str, name: str) -> tuple[str, str] | None:
+    def _replicaset(self, ns: str, name: str) -> Obj | None:
+        """The ReplicaSet's ownership (cached: a ReplicaSet's controller never changes)."""
         key = (ns, name)
-        if key not in self._rs_owner:
+        if key not in self._rs_owners:
             try:
                 rs = self.kube.get_replicaset(ns, name)
-                if rs is None:
-                    return None  # not cached: a ReplicaSet that appears later is read again
-                self._rs_owner[key] = A.controller_of(rs)
             except NotFound:
                 return None  # not cached: a ReplicaSet that appears later is read again
             except SnapshotError as e:
                 log.warning("could not read replicaset %s/%s: %s", ns, name, e)
                 return None
-        return self._rs_owner[key]
+            if rs is None:
+                return None
+            owners = (rs.get("metadata") or {}).get("ownerReferences") or []
+            self._rs_owners[key] = {"metadata": {"ownerReferences": list(owners)}}
+        return self._rs_owners[key]
 
     # --- after every good save (policy or manual) ---------------------------------------------------
 

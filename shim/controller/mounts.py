@@ -12,6 +12,7 @@ from typing import Any
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.reference import Reference
+from shim.controller.ports import Kube
 
 log = logging.getLogger(__name__)
 MAX_SOURCES = 3
@@ -37,7 +38,7 @@ def mount_candidates(objs: Iterable[dict[str, Any]], target: Reference) -> list[
     return out[:MAX_SOURCES]
 
 
-def previous_repositories(kube: Any, namespace: str, pod: str, target: Reference) -> list[Reference]:
+def previous_repositories(kube: Kube, namespace: str, pod: str, target: Reference) -> list[Reference]:
     """mount_candidates over the namespace's PodSnapshots of `pod`; nothing when they cannot be read."""
     try:
         objs = kube.list_snapshots(namespace, label_selector=f"{K.LABEL_POD}={pod}")

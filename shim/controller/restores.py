@@ -32,6 +32,7 @@ from shim import hostfacts, safefs
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
 from shim.controller.podinfo import check_restore_pod, empty_dir_rel, host_view, restore_volume_names
+from shim.controller.ports import Kube
 from shim.controller.resume import RESUME_WAIT_S, RestoreSource, Resumer, StartFresh
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
@@ -113,7 +114,7 @@ class RestoreWorker:
     def __init__(
         self,
         *,
-        kube: Any,
+        kube: Kube,
         settings: NodeSettings,
         facts: HostFacts,
         metrics: AgentMetrics | None = None,

@@ -20,6 +20,7 @@ from kubectl_snapshot.core import resume as R
 from kubectl_snapshot.core import workload as W
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError
 from kubectl_snapshot.core.reference import Reference
+from shim.controller.ports import Kube
 
 log = logging.getLogger(__name__)
 RESUME_WAIT_S = 180.0  # how long a new pod waits for a predecessor's save still running (a migrate's stop save)
@@ -47,7 +48,7 @@ class StartFresh:
 class Resumer:
     def __init__(
         self,
-        kube: Any,
+        kube: Kube,
         *,
         wait_s: float = RESUME_WAIT_S,
         clock: Callable[[], float] = time.monotonic,

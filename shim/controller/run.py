@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kubectl_snapshot.adapters.keystore import SecretKeyProvider
+from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
@@ -20,6 +21,7 @@ from shim.controller.autosave import Autosave
 from shim.controller.fairness import FairScheduler
 from shim.controller.informer import Informer
 from shim.controller.node_install import DROPIN_NAME
+from shim.controller.ports import Kube
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker, registry_for
@@ -40,7 +42,7 @@ def node_facts(settings: NodeSettings) -> HostFacts:
     return hostfacts.gather(containerd_version=version, probe=probe)
 
 
-def publish_facts(kube: Any, settings: NodeSettings, facts: HostFacts) -> None:
+def publish_facts(kube: Kube, settings: NodeSettings, facts: HostFacts) -> None:
     data = {
         **facts.to_dict(),
         "runtimeHandler": os.path.exists(settings.wrapper_launcher),
@@ -75,7 +77,7 @@ def _version() -> str:
     return __version__
 
 
-def serve_metrics(kube: Any, metrics: AgentMetrics, address: str, node: str) -> None:
+def serve_metrics(kube: metrics_server.ReviewApi, metrics: AgentMetrics, address: str, node: str) -> None:
     """HTTPS on HOST:PORT (":9443" = every address) for scrapers the API server authorises; the agent
     works on without metrics if the port cannot be had (logged)."""
     host, _, port = address.rpartition(":")
@@ -91,7 +93,7 @@ def serve_metrics(kube: Any, metrics: AgentMetrics, address: str, node: str) -> 
 
 
 def node_informers(
-    kube: Any, node: str, on_snapshot: Callable[[dict[str, Any]], None], on_pod: Callable[[dict[str, Any]], None]
+    kube: Kube, node: str, on_snapshot: Callable[[dict[str, Any]], None], on_pod: Callable[[dict[str, Any]], None]
 ) -> list[Informer]:
     """What this node's agent watches, and nothing more (its cost does not grow with the cluster):
 
@@ -126,7 +128,7 @@ def node_informers(
     ]
 
 
-def autosave_informers(kube: Any, autosave: Autosave) -> list[Informer]:
+def autosave_informers(kube: Kube, autosave: Autosave) -> list[Informer]:
     """SnapshotPolicies of every namespace (few, small): each agent runs the schedule for its own pods."""
     return [
         Informer(
@@ -140,7 +142,7 @@ def autosave_informers(kube: Any, autosave: Autosave) -> list[Informer]:
 
 
 def run(
-    kube: Any,
+    kube: KubeClient,
     settings: NodeSettings,
     *,
     ready_file: str = K.READY_FILE,

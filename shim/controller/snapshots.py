@@ -34,6 +34,7 @@ from shim.containerd.runc_checkpoint import RuncCheckpointer
 from shim.controller.events import pod_event, snapshot_event
 from shim.controller.mounts import previous_repositories
 from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_containers
+from shim.controller.ports import Kube
 from shim.controller.settings import NodeSettings
 from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
@@ -49,7 +50,7 @@ def now() -> str:
     return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
-def registry_for(kube: Any, namespace: str, secret: str | None, *, insecure: bool) -> RegistryClient:
+def registry_for(kube: Kube, namespace: str, secret: str | None, *, insecure: bool) -> RegistryClient:
     store = CredentialStore()
     if secret:
         try:
@@ -75,7 +76,7 @@ class SnapshotWorker:
     def __init__(
         self,
         *,
-        kube: Any,
+        kube: Kube,
         settings: NodeSettings,
         facts: HostFacts,
         clock: Callable[[], float] = time.monotonic,
@@ -404,7 +405,7 @@ class SnapshotWorker:
 class _StatusReporter:
     """Writes progress into status at most once per interval (the API server is not a progress bar)."""
 
-    def __init__(self, kube: Any, ns: str, name: str, clock: Callable[[], float]) -> None:
+    def __init__(self, kube: Kube, ns: str, name: str, clock: Callable[[], float]) -> None:
         self.kube, self.ns, self.name, self.clock = kube, ns, name, clock
         self.done = 0
         self.total = 0

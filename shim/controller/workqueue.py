@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
-Job = Callable[[], None]
+Job = Callable[[], object]  # what a job returns is ignored
 
 
 class WorkQueue:

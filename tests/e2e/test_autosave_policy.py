@@ -222,7 +222,7 @@ def test_policy_saves_keeps_last_two_and_the_kept_one_restores(cluster, namespac
         client.get_manifest(Reference.parse(newest["status"]["reference"]))
 
 
-def test_a_policy_needs_the_restore_verb_too(cluster, namespace, agent):  # type: ignore[no-untyped-def]
+def test_a_policy_needs_the_restore_verb_too(cluster: Cluster, namespace: str, agent: Any) -> None:
     """A policy saves and restores in its creator's name: create podsnapshots alone is not enough."""
     ns = namespace
     repo = f"{cluster.registry}/tenant-ok"
@@ -243,7 +243,7 @@ def test_a_policy_needs_the_restore_verb_too(cluster, namespace, agent):  # type
         ]
     )  # fmt: skip
     user = f"system:serviceaccount:{ns}:tenant"
-    body = {
+    body: dict[str, Any] = {
         "apiVersion": K.API_VERSION,
         "kind": K.POLICY_KIND,
         "metadata": {"name": "p", "namespace": ns},

@@ -82,7 +82,7 @@ def save(plugin: Callable[..., Any], cluster: Cluster, ns: str, pod: str, app: s
     return dict(json.loads(out.stdout))
 
 
-def annotations(p: dict[str, Any]) -> dict[str, str]:
+def pod_annotations(p: dict[str, Any]) -> dict[str, str]:
     return dict(p["metadata"].get("annotations") or {})
 
 
@@ -91,7 +91,7 @@ def assert_resumed(cluster: Cluster, ns: str, p: dict[str, Any], tok: str, value
 
     def staged() -> bool:
         pod = cluster.get_json("pod", name, "-n", ns)
-        return annotations(pod).get(K.ANN_RESTORE_STATUS) == K.RESTORE_STAGED
+        return pod_annotations(pod).get(K.ANN_RESTORE_STATUS) == K.RESTORE_STAGED
 
     cluster.wait_for(f"{name} staged from the save (not started fresh)", staged, timeout=30)
     tok2, after = counter_value(cluster, ns, name)
@@ -108,8 +108,8 @@ def test_statefulset_pod_resumes_by_name_and_migrates_without_a_duplicate(cluste
     # admission gave it what a resume needs (nobody edited the StatefulSet)
     assert first["spec"]["runtimeClassName"] == K.RUNTIME_CLASS
     assert [c["name"] for c in first["spec"]["initContainers"]] == [K.GATE_CONTAINER]
-    assert annotations(first)[K.ANN_RESUME_POLICY] == "sts"
-    assert annotations(first)[K.ANN_RESTORE_STATUS].startswith(K.RESTORE_SKIPPED_PREFIX)  # nothing saved yet
+    assert pod_annotations(first)[K.ANN_RESUME_POLICY] == "sts"
+    assert pod_annotations(first)[K.ANN_RESTORE_STATUS].startswith(K.RESTORE_SKIPPED_PREFIX)  # nothing saved yet
     cluster.wait_for("the counter", lambda: counter_value(cluster, ns, "sts-0")[1] >= 5)
     tok, before = counter_value(cluster, ns, "sts-0")
     psnap = save(plugin, cluster, ns, "sts-0", "sts")
@@ -166,7 +166,7 @@ def test_deployment_replacements_resume_distinct_saves(cluster, namespace, agent
     old = {p["metadata"]["name"]: running(cluster, ns, p["metadata"]["name"]) for p in pods(cluster, ns, "dep")}
     toks, saves = {}, []
     for name in old:
-        cluster.wait_for("the counter", lambda n=name: counter_value(cluster, ns, n)[1] >= 5)  # type: ignore[misc]
+        cluster.wait_for("the counter", lambda n=name: counter_value(cluster, ns, n)[1] >= 5)
         toks[counter_value(cluster, ns, name)[0]] = counter_value(cluster, ns, name)[1]
         saves.append(save(plugin, cluster, ns, name, "dep")["metadata"]["name"])
     cluster.kubectl("delete", "pod", *old, "-n", ns, "--wait=false")
@@ -194,7 +194,7 @@ def test_unprotected_deployment_is_not_mutated_and_migrate_refuses_it(cluster, n
     cluster.apply(workload("Deployment", "plain", ns, cluster.busybox_image, replicas=1))
     p = live_pod(cluster, ns, "plain")
     assert "runtimeClassName" not in p["spec"] and not p["spec"].get("initContainers")
-    assert not any(k.startswith(K.GROUP) for k in annotations(p))
+    assert not any(k.startswith(K.GROUP) for k in pod_annotations(p))
     r = plugin("migrate", f"pod/{p['metadata']['name']}", "-n", ns, "--to", f"{cluster.registry}/e2e/x", check=False)
     assert r.returncode != 0 and "duplicate" in r.stderr and "SnapshotPolicy" in r.stderr, r.stderr
     assert len(pods(cluster, ns, "plain")) == 1

@@ -118,7 +118,7 @@ class Victim:
             obj = self.cluster.get_json("podsnapshot", name, "-n", self.ns)
             status = obj.get("status") or {}
             if status.get("phase") == K.PHASE_FAILED:
-                return status  # type: ignore[no-any-return]
+                return status
             assert status.get("phase") != K.PHASE_SUCCEEDED, status
             assert time.monotonic() - since < limit, f"{name} not Failed {limit} s later: {status}"
             time.sleep(0.2)

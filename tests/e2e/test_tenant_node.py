@@ -63,7 +63,7 @@ class _HeldRegistry(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def held_registry() -> Iterator[tuple[str, type[_HeldRegistry]]]:
-    handler = type("Held", (_HeldRegistry,), {"release": threading.Event(), "hits": 0})
+    handler: type[_HeldRegistry] = type("Held", (_HeldRegistry,), {"release": threading.Event(), "hits": 0})
     handler.body = json.dumps({"errors": [{"code": "X", "message": "#!/bin/sh\necho tenant-owned-"}]}).encode()
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     t = threading.Thread(target=server.serve_forever, daemon=True)
@@ -178,7 +178,7 @@ def _never_ran_privileged(cluster: Cluster, namespace: str, name: str) -> dict[s
         return str(ann.get(K.ANN_RESTORE_STATUS, "")).startswith(K.RESTORE_FAILED_PREFIX)
 
     cluster.wait_for(f"the agent to mark the restore of {name} failed", failed, 60)
-    obj = cluster.get_json("pod", name, "-n", namespace)
+    obj: dict[str, Any] = cluster.get_json("pod", name, "-n", namespace)
     assert not any("running" in (s.get("state") or {}) for s in obj["status"].get("containerStatuses") or []), obj
     uid = obj["metadata"]["uid"]
     for proc in Path("/proc").iterdir():

@@ -62,7 +62,8 @@ def _sh(script: str) -> list[str]:
 
 
 def _get(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
-    return json.loads(cluster.kubectl("get", "pod", name, "-n", ns, "-o", "json").stdout)
+    pod: dict[str, Any] = json.loads(cluster.kubectl("get", "pod", name, "-n", ns, "-o", "json").stdout)
+    return pod
 
 
 def _running(cluster: Cluster, ns: str, name: str, timeout: float = 180) -> dict[str, Any]:

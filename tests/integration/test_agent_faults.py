@@ -19,6 +19,7 @@ from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
 from kubectl_snapshot.core.reference import Reference
 from shim import hostfacts
+from shim.containerd.client import ContainerdClient
 from tests.integration.test_agent_roundtrip import (
     agent,
     cleanup,
@@ -49,8 +50,9 @@ def running_counter(containerd_a, cleanup):  # type: ignore[no-untyped-def]
     return a, containerd_a, cid
 
 
-def assert_still_running(a, cid):  # type: ignore[no-untyped-def]
-    assert a.get_task(cid).status == "running"
+def assert_still_running(a: ContainerdClient, cid: str) -> None:
+    task = a.get_task(cid)
+    assert task is not None and task.status == "running"
     _, v = read_counter(a, cid)
     wait_for(lambda: read_counter(a, cid)[1] > v + 2, what="the counter to keep counting")
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,9 +29,11 @@ pytestmark = pytest.mark.integration
 
 AGENT = str(Path(sys.executable).with_name("ks-agent"))
 WRAPPER = str(Path(sys.executable).with_name("ks-runc"))
+# The count is replaced atomically (rename), so a reader, or a freeze, never meets a half-written file.
 COUNTER = (
     "tok=$(cat /proc/sys/kernel/random/uuid); i=0; "
-    'while true; do i=$((i+1)); echo "$tok $i" > /tmp/count; echo $i; usleep 50000; done'
+    'while true; do i=$((i+1)); echo "$tok $i" > /tmp/count.t; mv /tmp/count.t /tmp/count; echo $i; '
+    "usleep 50000; done"
 )
 
 
@@ -96,6 +98,11 @@ def restore_on(d: ContainerdDaemon) -> list[str]:
     return ["restore", *on(d), "--runtime-binary", WRAPPER, "--runc-root", d.runc_root]
 
 
+def task_status(c: ContainerdClient, cid: str) -> str | None:
+    task = c.get_task(cid)
+    return task.status if task else None
+
+
 def read_counter(c: ContainerdClient, cid: str, path: str = "/tmp/count") -> tuple[str, int]:
     code, out, err = c.exec_in_task(cid, ["cat", path])
     assert code == 0, err
@@ -116,13 +123,13 @@ def wait_for(pred: Callable[[], bool], timeout: float = 20.0, what: str = "condi
 
 
 @pytest.fixture
-def cleanup() -> Callable[[ContainerdClient, str], None]:
+def cleanup() -> Iterator[Callable[[ContainerdClient, str], None]]:
     todo: list[tuple[ContainerdClient, str]] = []
 
     def add(c: ContainerdClient, cid: str) -> None:
         todo.append((c, cid))
 
-    yield add  # type: ignore[misc]
+    yield add
     for c, cid in todo:
         with contextlib.suppress(Exception):
             c.remove_container(cid)
@@ -155,7 +162,7 @@ def test_counter_continues_on_a_second_containerd(containerd_a, containerd_b, re
     info = json.loads(restored.stdout)
     assert info["containers"][0]["name"] == new
     assert info["provenance"].startswith("signed by trusted key ")  # verified before any layer was fetched
-    assert b.get_task(new).status == "running"
+    assert task_status(b, new) == "running"
     tok_after, v_after = read_counter(b, new)
     # same process memory (the token was generated once, at the first start) and the count went on
     assert tok_after == tok_before
@@ -176,7 +183,7 @@ def test_snapshot_without_stop_leaves_the_original_running(containerd_a, registr
     cleanup(a, cid)
     start_counter(a, containerd_a, cid, image)
     agent("checkpoint", *on(containerd_a), "--to", registry.ref("keep", "v1"), cid)
-    assert a.get_task(cid).status == "running"
+    assert task_status(a, cid) == "running"
     _, v1 = read_counter(a, cid)
     wait_for(lambda: read_counter(a, cid)[1] > v1 + 3, what="the original counter to advance")
 
@@ -249,7 +256,7 @@ def test_a_zombie_child_comes_back(containerd_a, containerd_b, registry, cleanup
     ref = agent("checkpoint", *on(containerd_a), "--stop", "--to", registry.ref("zombie", "v1"), cid).stdout.strip()
     a.remove_container(cid)
     agent(*restore_on(containerd_b), ref, new)
-    assert b.get_task(new).status == "running"
+    assert task_status(b, new) == "running"
     code, out, _ = b.exec_in_task(new, ["sh", "-c", "grep -l '^State:.*Z' /proc/[0-9]*/status"])
     assert code == 0 and out.strip(), "the zombie came back as a zombie"
 
@@ -302,9 +309,9 @@ def test_group_freeze_is_consistent_and_volume_comes_back(containerd_a, containe
     assert (newvol / "seq").exists()
     for _ in range(20):
         # read the reader first, then the writer: with a consistent freeze the reader is never ahead
-        code, seen, _ = b.exec_in_task(r2, ["cat", "/tmp/seen"])
+        code, seen_out, _ = b.exec_in_task(r2, ["cat", "/tmp/seen"])
         assert code == 0
-        code, seq, _ = b.exec_in_task(w2, ["cat", "/vol/seq"])
+        code, seq_out, _ = b.exec_in_task(w2, ["cat", "/vol/seq"])
         assert code == 0
-        assert int(seen.decode() or 0) <= int(seq.decode())
+        assert int(seen_out.decode() or 0) <= int(seq_out.decode())
     assert int((newvol / "seq").read_text()) > 1000

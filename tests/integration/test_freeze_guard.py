@@ -59,7 +59,9 @@ def counter(containerd_a, cleanup):  # type: ignore[no-untyped-def]
     cid = unique("guarded")
     cleanup(a, cid)
     start_counter(a, containerd_a, cid, busybox_image(containerd_a))
-    pid = a.get_task(cid).pid
+    task = a.get_task(cid)
+    assert task is not None
+    pid = task.pid
     fz = freezer.lookup(pid)
     assert fz is not None, "the task's freezer should be placeable on this machine"
     yield a, containerd_a, cid, pid, fz

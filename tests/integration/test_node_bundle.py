@@ -24,6 +24,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,7 +96,7 @@ def make_bundle(path: Path, counter: Path) -> None:
     (path / "config.json").write_text(json.dumps(spec))
 
 
-def launches(s: NodeSettings) -> list[dict[str, object]]:
+def launches(s: NodeSettings) -> list[dict[str, Any]]:
     path = Path(s.wrapper_dir, "criu.launches")
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -162,8 +163,8 @@ def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, t
     assert f"{bundle}/libexec/python3" in lines[i + 1] and f"{bundle}/kubectl-snapshot-runc.pyz" in lines[i + 1]
     assert not any(line.startswith(("/usr/bin/python", "/lib", "/usr/lib")) for line in lines)  # ... no host one
     runs = launches(node)[before:]
-    parents = [" ".join(str(a) for a in r["parent"]) for r in runs]  # type: ignore[union-attr]
-    assert runs and all(r["args"][0] == "swrk" for r in runs), runs  # type: ignore[index]
+    parents = [" ".join(str(a) for a in r["parent"]) for r in runs]
+    assert runs and all(r["args"][0] == "swrk" for r in runs), runs
     # runc runs CRIU (swrk) for its version check and then for the dump / the restore
     assert any(" checkpoint " in p for p in parents) and any(" restore " in p for p in parents), parents
     assert all(f"--criu {node.criu}" in p for p in parents), parents  # runc was handed the installed CRIU

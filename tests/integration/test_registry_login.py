@@ -84,6 +84,7 @@ def test_identity_token_from_a_creds_store(
     ref = Reference.parse(server.ref("team/app", "v1"))
     data = os.urandom(2048)
     assert client(credentials=store).push_blob(ref, digest=sha256_digest(data), size=len(data), data=data)
+    assert server.token_server is not None
     grants = [r for r in server.token_server.requests if r["method"] == "POST"]  # refresh_token grants
     assert grants and all(r["ok"] and r["user"] == "bob" for r in grants)
     assert log.read_text().splitlines() == [f"get {server.host}"]

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +86,9 @@ def exists(c: ContainerdClient, cid: str, path: str) -> bool:
     return c.exec_in_task(cid, ["test", "-e", path])[0] == 0
 
 
-def pod_spec(spec: dict[str, Any], *, cid: str, namespace: str, netns: str, uid: str, name: str) -> dict[str, Any]:
+def pod_spec(spec: Mapping[str, Any], *, cid: str, namespace: str, netns: str, uid: str, name: str) -> dict[str, Any]:
     """The recorded spec as the kubelet would create it in the new pod: new cgroup, netns, CRI annotations."""
-    s = copy.deepcopy(spec)
+    s = copy.deepcopy(dict(spec))
     s["linux"]["cgroupsPath"] = f"/{namespace}/{cid}"
     s["linux"]["namespaces"] = [
         {"type": "network", "path": netns} if ns["type"] == "network" else ns for ns in s["linux"]["namespaces"]
@@ -160,8 +160,8 @@ def test_loopback_tcp_between_two_containers_of_a_pod_survives(  # type: ignore[
                 snapshot_key=cid,
                 runc_options=RuncOptions(binary_name=WRAPPER, root=containerd_b.runc_root),
             )
-            log = "file://" + str(tmp_path / f"{cid}.log")
-            b.create_task(cid, rootfs=rootfs, stdout=log, stderr=log)
+            log_uri = "file://" + str(tmp_path / f"{cid}.log")
+            b.create_task(cid, rootfs=rootfs, stdout=log_uri, stderr=log_uri)
             if i == 0:
                 # one end is back, the other not yet: the pod's network is locked, nothing moves
                 assert LOCK_CHAIN in new.sh("iptables -S")

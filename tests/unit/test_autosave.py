@@ -9,13 +9,14 @@ import pytest
 
 from kubectl_snapshot.core import autosave as A
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import workload as W
 from kubectl_snapshot.core.errors import InvalidArgument
 
 
 def pod(name: str = "web-0", *, labels: dict[str, str] | None = None, owner: tuple[str, str] | None = None) -> Any:
     meta: dict[str, Any] = {"name": name, "namespace": "ns", "uid": f"uid-{name}", "labels": labels or {"app": "web"}}
     if owner:
-        meta["ownerReferences"] = [{"kind": owner[0], "name": owner[1], "controller": True}]
+        meta["ownerReferences"] = [{"apiVersion": "apps/v1", "kind": owner[0], "name": owner[1], "controller": True}]
     return {
         "metadata": meta,
         "spec": {"nodeName": "n1"},
@@ -46,20 +47,9 @@ def test_durations() -> None:
     assert A.format_duration(0) == "0s"
 
 
-def test_workload_resolution() -> None:
-    assert A.workload_of(pod(), lambda _: None) == A.Workload("Pod", "web-0")
-    assert A.workload_of(pod(owner=("StatefulSet", "web")), lambda _: None) == A.Workload("StatefulSet", "web")
-    assert A.workload_of(pod(owner=("Job", "j")), lambda _: None) == A.Workload("Job", "j")
-    dep = A.workload_of(
-        pod(owner=("ReplicaSet", "web-abc")), lambda rs: ("Deployment", "web") if rs == "web-abc" else None
-    )
-    assert dep == A.Workload("Deployment", "web")
-    assert A.workload_of(pod(owner=("ReplicaSet", "web-abc")), lambda _: None) == A.Workload("ReplicaSet", "web-abc")
-
-
 def test_selection() -> None:
     p = pod(owner=("StatefulSet", "web"))
-    wl = A.Workload("StatefulSet", "web")
+    wl = W.Workload("StatefulSet", "web")
     assert A.selects(policy(), p, wl)
     assert not A.selects(policy(selector={"matchLabels": {"app": "db"}}), p, wl)
     assert not A.selects(policy(selector={"matchLabels": {}}), p, wl)  # never "every pod"
@@ -87,10 +77,10 @@ def test_only_running_pods_on_the_node_being_kept() -> None:
 
 def test_save_object_names_labels_and_tag() -> None:
     p = pod(owner=("Job", "count"))
-    p["metadata"]["labels"][A.JOB_INDEX_LABEL] = "3"
+    p["metadata"]["labels"][W.COMPLETION_INDEX_KEY] = "3"
     now = datetime.datetime(2026, 11, 30, 21, 0, 5, tzinfo=datetime.UTC)
     obj = A.save_object(
-        policy(registrySecret="creds", insecure=True, includeVolumes=False), p, A.Workload("Job", "count"), now
+        policy(registrySecret="creds", insecure=True, includeVolumes=False), p, W.Workload("Job", "count"), now
     )
     assert obj["metadata"]["name"] == "web-0-20261130-210005"
     assert obj["spec"]["destination"] == "r.io:5000/saves:web-0-20261130-210005"
@@ -105,10 +95,10 @@ def test_save_object_names_labels_and_tag() -> None:
         K.LABEL_WORKLOAD_NAME: "count",
         K.LABEL_COMPLETION_INDEX: "3",
     }
-    second = A.save_object(policy(), p, A.Workload("Job", "count"), now, attempt=2)
+    second = A.save_object(policy(), p, W.Workload("Job", "count"), now, attempt=2)
     assert second["metadata"]["name"].endswith("-2") and second["spec"]["destination"].endswith("-2")
     # a destination given with a tag still gets a tag per save
-    tagged = A.save_object(policy(destination="r.io:5000/saves:latest"), p, A.Workload("Job", "count"), now)
+    tagged = A.save_object(policy(destination="r.io:5000/saves:latest"), p, W.Workload("Job", "count"), now)
     assert tagged["spec"]["destination"] == "r.io:5000/saves:web-0-20261130-210005"
 
 

@@ -14,13 +14,14 @@ from kubectl_snapshot.core.errors import AlreadyExists, NotFound
 from kubectl_snapshot.core.provenance import signature_tag
 from kubectl_snapshot.core.reference import Reference
 from shim.controller.autosave import Autosave, delete_manifest
+from tests.support.fakekube import StrictKube
 
 
 def iso(t: float) -> str:
     return A.rfc3339(t)
 
 
-class FakeKube:
+class FakeKube(StrictKube):
     def __init__(self, clock: list[float]) -> None:
         self.clock = clock
         self.snapshots: dict[str, dict[str, Any]] = {}
@@ -29,7 +30,7 @@ class FakeKube:
         self.annotations: dict[str, dict[str, Any]] = {}
         self.calls: list[str] = []
 
-    def list_snapshots(self, ns: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+    def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
         want = dict(kv.split("=", 1) for kv in (label_selector or "").split(",") if kv)
         return [
             copy.deepcopy(o)
@@ -42,7 +43,7 @@ class FakeKube:
             raise NotFound(name)
         return copy.deepcopy(self.snapshots[name])
 
-    def create_snapshot(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
+    def create_snapshot(self, ns: str, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
         name = body["metadata"]["name"]
         if name in self.snapshots:
             raise AlreadyExists(name)
@@ -51,19 +52,35 @@ class FakeKube:
         self.snapshots[name] = obj
         return copy.deepcopy(obj)
 
-    def delete_snapshot(self, ns: str, name: str) -> None:
+    def delete_snapshot(self, ns: str, name: str, *, dry_run: bool = False) -> None:
         self.calls.append(f"delete podsnapshot {name}")
         self.snapshots.pop(name)
 
-    def apply_policy_pods(self, ns: str, name: str, pods: list[dict[str, Any]], *, field_manager: str) -> None:
+    def apply_policy_pods(
+        self, ns: str, name: str, pods: list[dict[str, Any]], *, field_manager: str
+    ) -> dict[str, Any]:
         self.applied.append((name, pods, field_manager))
+        return {}
 
-    def create_event(self, ns: str, *, involved: dict[str, Any], reason: str, message: str, type: str) -> None:
+    def create_event(
+        self,
+        ns: str,
+        *,
+        involved: dict[str, Any],
+        reason: str,
+        message: str,
+        type: str = "Normal",
+        component: str = "",
+    ) -> dict[str, Any]:
         self.events.append((involved["kind"], message))
+        return {}
 
-    def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, Any], *, status: bool) -> None:
+    def patch_pod_annotations(
+        self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
+    ) -> dict[str, Any]:
         assert status  # through pods/status: the agent has no pods patch
-        self.annotations[name] = ann
+        self.annotations[name] = annotations
+        return {}
 
     def finish(self, name: str, phase: str, digest: str = "") -> None:
         st = self.snapshots[name].setdefault("status", {})
@@ -90,7 +107,7 @@ POD = {
     "spec": {"nodeName": "n1"},
     "status": {"phase": "Running", "containerStatuses": [{"name": "c", "state": {"running": {}}}]},
 }
-POLICY = {
+POLICY: dict[str, Any] = {
     "metadata": {"name": "p", "namespace": "ns"},
     "spec": {
         "selector": {"matchLabels": {"app": "web"}},

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, BinaryIO
 
 import pytest
 import zstandard
@@ -107,12 +107,12 @@ class FakeRegistry:
         digest: str,
         size: int,
         path: str | None = None,
-        data: bytes | None = None,
+        data: bytes | bytearray | None = None,
         progress: Any = None,
     ) -> bool:
         if self.fail_push:
             raise Unavailable("connection reset mid-push")
-        self.blobs[digest] = data if data is not None else Path(path or "").read_bytes()
+        self.blobs[digest] = bytes(data) if data is not None else Path(path or "").read_bytes()
         return True
 
     def push_blob_stream(self, ref: Reference, chunks: Any, *, progress: Any = None) -> tuple[str, int]:
@@ -141,6 +141,21 @@ class FakeRegistry:
 
     def blob_exists(self, ref: Reference, digest: str) -> bool:
         return digest in self.blobs
+
+    def read_blob(self, ref: Reference, digest: str, *, max_size: int = 0) -> bytes:
+        return self.blobs[digest]
+
+    def fetch_blob(
+        self,
+        ref: Reference,
+        digest: str,
+        out: BinaryIO,
+        *,
+        expected_size: int | None = None,
+        max_size: int | None = None,
+        progress: Any = None,
+    ) -> int:
+        return out.write(self.blobs[digest])
 
 
 def run(cd: FakeContainerd, reg: FakeRegistry, tmp_path: Path, **kw: Any) -> Any:

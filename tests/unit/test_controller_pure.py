@@ -15,6 +15,7 @@ from shim.controller.podinfo import empty_dirs, record_pod, running_containers
 from shim.controller.restores import wants_restore
 from shim.controller.settings import NodeSettings, apply_node_map
 from tests.support.bundle import fake_bundle
+from tests.support.fakekube import StrictKube
 
 POD: dict[str, Any] = {
     "metadata": {
@@ -157,21 +158,39 @@ def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_pa
     from shim.controller.restores import RestoreWorker
     from shim.podrestore import PodRestore
 
-    class Kube:
+    class Kube(StrictKube):
         def __init__(self) -> None:
-            self.patches: list[dict[str, str]] = []
+            self.patches: list[dict[str, Any]] = []
             self.events: list[tuple[str, str]] = []
 
-        def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, str], **kw: object) -> None:
-            self.patches.append(ann)
+        def patch_pod_annotations(
+            self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
+        ) -> dict[str, Any]:
+            self.patches.append(annotations)
+            return {}
 
-        def create_event(self, ns: str, *, involved: object, reason: str, message: str, type: str) -> None:
+        def create_event(
+            self,
+            ns: str,
+            *,
+            involved: dict[str, Any],
+            reason: str,
+            message: str,
+            type: str = "Normal",
+            component: str = "",
+        ) -> dict[str, Any]:
             self.events.append((reason, type))
+            return {}
 
     kube = Kube()
     worker = RestoreWorker(kube=kube, settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts())
     stopped: list[str] = []
-    worker._stop_containers = lambda uid: stopped.append(uid) or ["app"]  # type: ignore[method-assign]
+
+    def stop_containers(uid: str) -> list[str]:
+        stopped.append(uid)
+        return ["app"]
+
+    worker._stop_containers = stop_containers  # type: ignore[method-assign]
     pod = {
         "metadata": {
             "name": "p",

@@ -124,7 +124,8 @@ def test_refuses_pids_and_cgroups_that_are_not_a_containers(served: guard.Guard,
         with socket.socket(socket.AF_UNIX) as c:
             c.connect(served.socket_path)
             c.sendall(json.dumps({"op": "freeze", "pid": pid, "deadline_s": 5}).encode() + b"\n")
-            return json.loads(c.makefile().readline())
+            answer: dict = json.loads(c.makefile().readline())  # type: ignore[type-arg]
+            return answer
 
     assert not ask(1)["ok"] and not ask(os.getpid())["ok"] and not ask("12")["ok"] and not ask(True)["ok"]
     assert "cannot be placed" in ask(PID)["error"]  # no cgroup known for it

@@ -15,6 +15,7 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -22,7 +23,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _package_module():  # type: ignore[no-untyped-def]
+def _package_module() -> Any:
     spec = importlib.util.spec_from_file_location("krew_package", REPO / "krew" / "package.py")
     assert spec and spec.loader
     mod = importlib.util.module_from_spec(spec)

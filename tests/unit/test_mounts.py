@@ -7,6 +7,7 @@ from typing import Any
 from kubectl_snapshot.core.errors import PermissionDenied
 from kubectl_snapshot.core.reference import Reference
 from shim.controller.mounts import mount_candidates, previous_repositories
+from tests.support.fakekube import StrictKube
 
 D = "@sha256:" + "a" * 64
 
@@ -30,11 +31,11 @@ def test_other_repositories_of_the_same_registry_newest_first() -> None:
 
 
 def test_listing_by_the_pod_label_and_unreadable_lists() -> None:
-    class Kube:
+    class Kube(StrictKube):
         def __init__(self, fail: bool) -> None:
-            self.fail, self.calls = fail, []
+            self.fail, self.calls = fail, list[tuple[str | None, str | None]]()
 
-        def list_snapshots(self, ns: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+        def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
             self.calls.append((ns, label_selector))
             if self.fail:
                 raise PermissionDenied("forbidden")

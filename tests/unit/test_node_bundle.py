@@ -6,6 +6,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -146,7 +147,7 @@ def test_containerd_config_imports_and_pending_restart(tmp_path: Path) -> None:
 
 
 def test_blockers_and_doctor_per_node() -> None:
-    status = {
+    status: dict[str, Any] = {
         "criu": {"path": "/opt/kubectl-snapshot/n1/criu", "version": "4.2.1", "from": "debian criu 4.2.1-1"},
         "hook": {"path": "/opt/kubectl-snapshot/n1/kubectl-snapshot-runc", "python": "3.11.2", "from": "debian"},
         "criuCheck": {"ok": False, "detail": "Error (criu/cr-check.c:1): UFFD is not supported"},

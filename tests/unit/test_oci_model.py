@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -131,7 +132,10 @@ def test_layers_named_by_the_config_must_be_in_the_manifest() -> None:
 
 def test_stored_spec_drops_the_environment() -> None:
     """process.env holds the values the kubelet resolved from secretKeyRef: never stored (format v3)."""
-    spec = {"process": {"args": ["app"], "env": ["DB_PASSWORD=hunter2"], "cwd": "/"}, "root": {"path": "rootfs"}}
+    spec: dict[str, Any] = {
+        "process": {"args": ["app"], "env": ["DB_PASSWORD=hunter2"], "cwd": "/"},
+        "root": {"path": "rootfs"},
+    }
     stored = stored_runtime_spec(spec)
     assert stored == {"process": {"args": ["app"], "cwd": "/"}, "root": {"path": "rootfs"}}
     assert spec["process"]["env"] == ["DB_PASSWORD=hunter2"]  # the caller's spec is untouched

@@ -71,7 +71,9 @@ def test_a_failing_lock_raises_and_records_nothing(tmp_path: Path) -> None:
 def test_scripts_and_netns() -> None:
     assert LOCK_CHAIN in lock_script() and "ip_nonlocal_bind" in lock_script()
     assert unlock_script().index("ss -K") < unlock_script().index("iptables-restore")  # abort while locked
-    spec = {"linux": {"namespaces": [{"type": "pid"}, {"type": "network", "path": "/var/run/netns/x"}]}}
+    spec: dict[str, object] = {
+        "linux": {"namespaces": [{"type": "pid"}, {"type": "network", "path": "/var/run/netns/x"}]}
+    }
     assert netns_of(spec) == "/var/run/netns/x"
     assert netns_of({"linux": {"namespaces": [{"type": "network"}]}}) is None
     assert netns_of({}) is None

@@ -165,7 +165,9 @@ def test_restore_pod_follows_the_contract() -> None:
 
 
 def test_restore_pod_without_node_lets_the_scheduler_pick_and_keeps_affinity() -> None:
-    aff = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}}
+    aff: dict[str, Any] = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}
+    }
     ref = Reference.parse("r.example/s/web@" + DIGEST)
     pod = restore_pod(_record(affinity=aff), reference=ref, namespace="a", gate_image="g", name="copy")
     assert pod["metadata"]["name"] == "copy" and "nodeSelector" not in pod["spec"] and pod["spec"]["affinity"] == aff

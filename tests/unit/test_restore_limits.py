@@ -6,6 +6,7 @@ before a single blob is fetched. The free-space check uses the real statvfs of t
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -189,7 +190,7 @@ def test_a_namespace_with_many_jobs_does_not_starve_another() -> None:
     s = FairScheduler(workers=1, per_key=1, name="t")
     s.submit("busy", gate.wait)  # holds the only worker until everything is queued
     for i in range(5):
-        s.submit("busy", lambda i=i: order.append(f"busy{i}"))
+        s.submit("busy", functools.partial(order.append, f"busy{i}"))
     s.submit("quiet", lambda: order.append("quiet"))
     gate.set()
     s.close()
@@ -233,7 +234,7 @@ def test_per_key_limit_holds() -> None:
 def test_a_failing_job_does_not_kill_the_worker() -> None:
     done = threading.Event()
     s = FairScheduler(workers=1, per_key=1, name="t")
-    s.submit("a", lambda: 1 / 0)  # type: ignore[func-returns-value]
+    s.submit("a", lambda: 1 / 0)
     s.submit("a", done.set)
     assert done.wait(5)
     s.close()

@@ -6,6 +6,7 @@ like the API server. The real flow is tests/e2e/test_autosave_resume.py.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,7 @@ from kubectl_snapshot.core import resume as R
 from kubectl_snapshot.core import workload as W
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound
 from shim.controller.resume import RestoreSource, Resumer, StartFresh
+from tests.support.fakekube import StrictKube
 
 IMAGES = W.encode_images([{"name": "c", "image": "reg/app:v1", "imageID": "sha256:" + "a" * 64}])
 
@@ -81,10 +83,10 @@ def test_deployment_takes_one_unclaimed_gone_predecessor() -> None:
 
 
 @dataclass
-class FakeKube:
+class FakeKube(StrictKube):
     saves: list[dict[str, Any]]
     policy: dict[str, Any] = field(default_factory=lambda: {"spec": {"resume": True, "registrySecret": "s"}})
-    claims: list[tuple[str, str]] = field(default_factory=list)
+    claims: list[tuple[str, str | None]] = field(default_factory=list)
     steal_first: bool = False
 
     def get_policy(self, ns: str, name: str) -> dict[str, Any]:
@@ -99,16 +101,24 @@ class FakeKube:
             }
         }
 
-    def list_snapshots(self, ns: str, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+    def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
         return [
             dict(s, metadata=dict(s["metadata"], annotations=dict(s["metadata"]["annotations"]))) for s in self.saves
         ]
 
-    def list_pods(self, ns: str) -> list[dict[str, Any]]:
+    def list_pods(
+        self, ns: str | None, *, label_selector: str | None = None, field_selector: str | None = None
+    ) -> list[dict[str, Any]]:
         return []
 
     def patch_snapshot_metadata(
-        self, ns: str, name: str, *, annotations: dict[str, str], resource_version: str | None = None
+        self,
+        ns: str,
+        name: str,
+        *,
+        labels: Mapping[str, str | None] | None = None,
+        annotations: Mapping[str, str | None] | None = None,
+        resource_version: str | None = None,
     ) -> dict[str, Any]:
         stored = next(s for s in self.saves if s["metadata"]["name"] == name)
         if self.steal_first:  # another new pod claimed it between our read and our write
@@ -117,6 +127,7 @@ class FakeKube:
             stored["metadata"]["resourceVersion"] = "2"
         if resource_version != stored["metadata"]["resourceVersion"]:
             raise FailedPrecondition("conflict", retryable=True)
+        assert annotations is not None
         stored["metadata"]["annotations"].update(annotations)
         self.claims.append((name, annotations[K.ANN_CLAIMED_BY]))
         return stored

@@ -42,13 +42,14 @@ from kubectl_snapshot.core.sealing import (
 SEG = MIN_SEGMENT  # small segments: many of them in a small blob
 
 
-def segments(blob: bytes, seg: int = SEG) -> tuple[bytes, list[bytes]]:
+def segments(blob: bytes | bytearray, seg: int = SEG) -> tuple[bytes, list[bytes]]:
+    blob = bytes(blob)
     body = blob[HEADER.size :]
     step = seg + TAG
     return blob[: HEADER.size], [body[i : i + step] for i in range(0, len(body), step)]
 
 
-def read_all(blob: bytes, dek: bytes, piece: int = 1000) -> bytes:
+def read_all(blob: bytes | bytearray, dek: bytes, piece: int = 1000) -> bytes:
     r = OpeningReader(io.BytesIO(blob), dek)
     out = []
     while b := r.read(piece):
@@ -172,7 +173,7 @@ def info_and_blobs(kek: bytes, ns: str) -> tuple[EncryptionInfo, dict[str, bytes
 
     ld = sha256_digest(sealed_layer)
     s.record(ld, dek)
-    return s.info([cd, ld]), {cd: sealed_chunk, ld: sealed_layer}, chunk, layer
+    return s.info([cd, ld]), {cd: bytes(sealed_chunk), ld: sealed_layer}, chunk, layer
 
 
 def test_opener_round_trip_and_the_config_record() -> None:

@@ -6,6 +6,7 @@ import base64
 from pathlib import Path
 from typing import Any
 
+import click
 from click.testing import CliRunner
 
 from kubectl_snapshot.adapters.signatures import load_signing_key, load_trust, trust_from_data
@@ -88,6 +89,6 @@ def test_memory_notice_is_said_once(tmp_path: Path, monkeypatch: Any) -> None:
     assert second.output == ""
 
 
-@cli_main.click.command()
+@click.command()
 def _notice_cmd() -> None:
     cli_main.memory_notice()

@@ -21,10 +21,11 @@ from shim.controller import snapshots as S
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
 from shim.engine.checkpoint import CheckpointResult
+from tests.support.fakekube import StrictKube
 
 
 @dataclass
-class FlakyKube:
+class FlakyKube(StrictKube):
     failures: int  # status writes that fail before the API server answers again
     objects: list[dict[str, Any]] = field(default_factory=list)
     written: list[dict[str, Any]] = field(default_factory=list)
@@ -36,10 +37,10 @@ class FlakyKube:
         self.written.append(status)
         return {}
 
-    def create_event(self, ns: str, **kw: Any) -> None:
-        pass
+    def create_event(self, ns: str, **kw: Any) -> dict[str, Any]:
+        return {}
 
-    def list_snapshots(self, ns: str | None) -> list[dict[str, Any]]:
+    def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
         return self.objects
 
 

@@ -13,10 +13,11 @@ from kubectl_snapshot.core.errors import FailedPrecondition, NotFound
 from kubectl_snapshot.core.model import HostFacts
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
+from tests.support.fakekube import StrictKube
 
 
 @dataclass
-class FakeKube:
+class FakeKube(StrictKube):
     pods: dict[tuple[str, str], dict[str, Any]]
     conflict: bool = False
     patches: list[tuple[str, str, dict[str, Any], str | None]] = field(default_factory=list)
@@ -36,8 +37,18 @@ class FakeKube:
         self.patches.append((ns, name, status, resource_version))
         return {}
 
-    def create_event(self, ns: str, *, involved: dict[str, Any], reason: str, message: str, type: str) -> None:
+    def create_event(
+        self,
+        ns: str,
+        *,
+        involved: dict[str, Any],
+        reason: str,
+        message: str,
+        type: str = "Normal",
+        component: str = "",
+    ) -> dict[str, Any]:
         self.events.append(reason)
+        return {}
 
 
 def snapshot(spec: dict[str, Any], phase: str | None = None) -> dict[str, Any]:

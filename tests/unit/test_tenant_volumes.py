@@ -25,6 +25,7 @@ from shim.archive import safe_extract, tar_directories
 from shim.controller.podinfo import check_restore_pod, empty_dir_rel, restore_volume_names, running_containers
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
+from tests.support.fakekube import StrictKube
 from tests.support.tarcraft import craft_tar, dir_, hard, reg
 
 DIGEST = "sha256:" + "1" * 64
@@ -172,15 +173,28 @@ def test_running_sidecars_and_ephemeral_containers_are_refused(key: str, what: s
 
 
 @dataclass
-class FakeKube:
-    annotations: list[dict[str, str]] = field(default_factory=list)
+class FakeKube(StrictKube):
+    annotations: list[dict[str, Any]] = field(default_factory=list)
     events: list[tuple[str, str]] = field(default_factory=list)
 
-    def patch_pod_annotations(self, ns: str, name: str, ann: dict[str, str], *, status: bool = False) -> None:
-        self.annotations.append(ann)
+    def patch_pod_annotations(
+        self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
+    ) -> dict[str, Any]:
+        self.annotations.append(annotations)
+        return {}
 
-    def create_event(self, ns: str, *, involved: dict[str, Any], reason: str, message: str, type: str) -> None:
+    def create_event(
+        self,
+        ns: str,
+        *,
+        involved: dict[str, Any],
+        reason: str,
+        message: str,
+        type: str = "Normal",
+        component: str = "",
+    ) -> dict[str, Any]:
         self.events.append((reason, message))
+        return {}
 
 
 def worker(tmp_path: Path) -> tuple[RestoreWorker, FakeKube, Path]:
