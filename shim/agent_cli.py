@@ -25,6 +25,7 @@ from kubectl_snapshot.console.output import emit, output_option
 from kubectl_snapshot.console.progress import Progress
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
@@ -380,101 +381,54 @@ def main() -> None:
     cli(prog_name="ks-agent")
 
 
-if __name__ == "__main__":
-    main()
-
-
 # --- the DaemonSet side -------------------------------------------------------------------------
 
 
 def node_options(fn: F) -> F:
-    from shim.controller.settings import NodeSettings
-
-    d = NodeSettings(node="")
-    opts = [
-        click.option("--node", envvar="NODE_NAME", required=True, help="This node's name ($NODE_NAME)."),
-        click.option("--state-root", default=d.state_root, show_default=True, help="Agent state (per node below it)."),
-        click.option("--opt-root", default=d.opt_root, show_default=True, help="Where the runtime hook is installed."),
-        click.option("--kubelet-root", default=d.kubelet_root, show_default=True, help="The kubelet's --root-dir."),
-        click.option(
-            "--containerd-socket",
-            envvar="CONTAINERD_ADDRESS",
-            default=d.containerd_socket,
-            show_default=True,
-            help="The node's containerd socket.",
-        ),
-        click.option(
-            "--containerd-dropin-dir",
-            default=d.containerd_dropin_dir,
-            show_default=True,
-            help="A directory containerd imports config drop-ins from.",
-        ),
-        click.option("--restart-command", default="", help="Host shell command that restarts containerd."),
-        click.option(
-            "--criu-path",
-            default=d.criu_path,
-            help="CRIU runc is handed (default: the one install-node puts in the node's directory).",
-        ),
-        click.option(
-            "--runc-path", default=d.runc_path, help="The node's runc (default: the shim's, found on the host)."
-        ),
-        click.option(
-            "--criu-config",
-            default=d.criu_config,
-            show_default=True,
-            help="The runc-specific CRIU configuration file on the host (written by install-node where safe).",
-        ),
-        click.option(
-            "--guard-socket",
-            envvar="KUBECTL_SNAPSHOT_GUARD_SOCKET",
-            default=d.guard_socket,
-            help="The freeze guard's socket (the guard container of the agent's pod); default: a private guard.",
-        ),
+    """The node settings as options, from their one declaration (kubectl_snapshot/core/nodesettings.py)."""
+    opts = []
+    for name, opt, default in NS.options():
+        if not opt.cli:
+            continue
+        if name == "node":
+            opts.append(click.option("--node", envvar=opt.env, required=True, help=opt.help))
+            continue
+        opts.append(
+            click.option(
+                NS.flag(name), name, envvar=opt.env, default=default, show_default=bool(default), help=opt.help
+            )
+        )
+    opts.append(
         click.option(
             "--node-config",
             "--node-map",
             "node_map",
             type=click.Path(dir_okay=False),
             default=None,
-            help="JSON/YAML {node: {kubelet_root, containerd_socket, ...}} overriding the paths per node.",
-        ),
-    ]
+            help="JSON/YAML {node: {" + ", ".join(NS.PER_NODE_KEYS) + "}} overriding these settings per node.",
+        )
+    )
     for o in reversed(opts):
         fn = o(fn)
     return fn
 
 
-def _node_settings(kw: dict[str, Any]) -> Any:
-    from shim.controller.settings import NodeSettings, apply_node_map
+def _node_settings(kw: dict[str, Any]) -> NS.NodeSettings:
+    from shim.controller.settings import apply_node_map
 
-    s = NodeSettings(
-        node=kw.pop("node"),
-        state_root=kw.pop("state_root"),
-        opt_root=kw.pop("opt_root"),
-        kubelet_root=kw.pop("kubelet_root"),
-        containerd_socket=kw.pop("containerd_socket"),
-        containerd_dropin_dir=kw.pop("containerd_dropin_dir"),
-        restart_command=kw.pop("restart_command"),
-        criu_path=kw.pop("criu_path"),
-        runc_path=kw.pop("runc_path"),
-        criu_config=kw.pop("criu_config"),
-        guard_socket=kw.pop("guard_socket", ""),
-    )
-    return apply_node_map(s, kw.pop("node_map"))
+    values = {name: kw.pop(name) for name, opt, _ in NS.options() if opt.cli}
+    for name, value in values.items():
+        if value and name != "node":
+            NS.check_value(name, value, NS.flag(name))
+    return apply_node_map(NS.NodeSettings(**values), kw.pop("node_map"))
 
 
 @cli.command("run")
 @node_options
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Out-of-cluster use (development).")
 @click.option("--ready-file", default=K.READY_FILE, show_default=True, help="Written once the agent is watching.")
-@click.option(
-    "--metrics-bind-address",
-    default="",
-    help="HOST:PORT to serve Prometheus metrics on, over HTTPS, to scrapers the API server authorises "
-    "(TokenReview + SubjectAccessReview on GET /metrics); empty: no metrics.",
-)
 @handle_errors
-def run_cmd(kubeconfig: str | None, ready_file: str, metrics_bind_address: str, **kw: Any) -> None:
+def run_cmd(kubeconfig: str | None, ready_file: str, **kw: Any) -> None:
     """Run the agent: take PodSnapshots for pods on this node, stage restores for pods created here."""
     import logging
 
@@ -484,8 +438,7 @@ def run_cmd(kubeconfig: str | None, ready_file: str, metrics_bind_address: str, 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _node_settings(kw)
     kube = KubeClient.from_config(kubeconfig, None) if kubeconfig else KubeClient.in_cluster()
-    address = settings.metrics_bind_address or metrics_bind_address  # a node map's entry wins
-    run(kube, settings, ready_file=ready_file, metrics_address=address)
+    run(kube, settings, ready_file=ready_file, metrics_address=settings.metrics_bind_address)
 
 
 @cli.command("install-node")
@@ -529,3 +482,7 @@ def uninstall_node_cmd(**kw: Any) -> None:
 
     uninstall(_node_settings(kw))
     click.echo("removed")
+
+
+if __name__ == "__main__":
+    main()

@@ -13,6 +13,7 @@ Errors print `error:`/`hint:` and exit 1 (runtime) or 2 (usage); `-v` adds trace
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -34,6 +35,7 @@ from kubectl_snapshot.console.errors import handle_errors
 from kubectl_snapshot.console.inspect import inspect_data, inspect_text
 from kubectl_snapshot.console.output import emit, output_option
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.podspec import destination, parse_pod_arg
@@ -558,13 +560,20 @@ def _deleted_line(r: dict[str, str]) -> str:
     return f"podsnapshot/{r['name']} deleted{extra}"
 
 
-def _install_settings(api_server: str | None, state_dir: str | None, **paths: str | None) -> dict[str, Any]:
-    settings: dict[str, Any] = {k: v for k, v in paths.items() if v and k != "node_config"}
+def _node_setting_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`install`'s node settings, from their one declaration (core/nodesettings.py): same names as the
+    agent's options, no default here (render() has them), so only what the user gave is passed on."""
+    for name, opt, default in reversed(NS.options()):
+        if opt.install:
+            shown = f" (default {default})" if default else ""
+            fn = click.option(NS.flag(name), *opt.aliases, name, default=None, help=opt.help + shown)(fn)
+    return fn
+
+
+def _install_settings(api_server: str | None, node_config: str | None, **node: str | None) -> dict[str, Any]:
+    settings: dict[str, Any] = {k: v for k, v in node.items() if v}
     if api_server:
         settings["api_server"] = api_server
-    if state_dir:
-        settings["state_root"] = state_dir
-    node_config = paths.get("node_config")
     if node_config:
         try:
             with open(node_config) as f:
@@ -572,7 +581,7 @@ def _install_settings(api_server: str | None, state_dir: str | None, **paths: st
         except (OSError, yaml.YAMLError) as e:
             raise InvalidArgument(f"cannot read --node-config {node_config}: {e}") from e
         if not isinstance(per_node, dict):
-            raise InvalidArgument(f"--node-config {node_config} must map node names to their paths")
+            raise InvalidArgument(f"--node-config {node_config} must map node names to their settings")
         settings["per_node_paths"] = per_node
     return settings
 
@@ -581,19 +590,11 @@ def _install_settings(api_server: str | None, state_dir: str | None, **paths: st
 @common_options
 @click.option("--agent-image", help="The kubectl-snapshot agent image (default: kubectl-snapshot-agent:VERSION).")
 @click.option("--api-server", help="API server URL for the agent (when the in-cluster service is unreachable).")
-@click.option("--state-dir", help="Agent state root on each node (default /var/lib/kubectl-snapshot).")
-@click.option("--containerd-socket", help="The nodes' containerd socket (default /run/containerd/containerd.sock).")
-@click.option("--kubelet-root", help="The kubelets' --root-dir (default /var/lib/kubelet).")
-@click.option(
-    "--containerd-dropin-dir", help="A dir the nodes' containerd imports *.toml from (default /etc/containerd/conf.d)."
-)
-@click.option(
-    "--restart-command", help="Host command restarting containerd after the runtime hook is added ({node} = node name)."
-)
+@_node_setting_options
 @click.option(
     "--node-config",
     type=click.Path(dir_okay=False, exists=True),
-    help="YAML/JSON {node: {containerd_socket, kubelet_root, containerd_dropin_dir}} for several nodes per machine.",
+    help="YAML/JSON {node: {" + ", ".join(NS.PER_NODE_KEYS) + "}} for several nodes per machine.",
 )
 @click.option(
     "--host-network",
@@ -625,7 +626,7 @@ def _install_settings(api_server: str | None, state_dir: str | None, **paths: st
 def install_cmd(
     agent_image: str | None,
     api_server: str | None,
-    state_dir: str | None,
+    node_config: str | None,
     host_network: bool,
     rotate_signing_key: bool,
     trust_keys: tuple[str, ...],
@@ -633,14 +634,14 @@ def install_cmd(
     dry_run: str,
     timeout: float,
     output: str,
-    **paths: str | None,
+    **node: str | None,
 ) -> None:
     """Install the CRD, RBAC, admission policies, agent DaemonSet and RuntimeClass; wait until the agents run.
 
     Also makes the agents' snapshot signing key (Secret kubectl-snapshot-signing-key, once; see
     --rotate-signing-key) and the trust ConfigMap kubectl-snapshot-trust (public keys, policy).
     """
-    settings = _install_settings(api_server, state_dir, **paths)
+    settings = _install_settings(api_server, node_config, **node)
     if host_network:
         settings["host_network"] = True
     objects = install_app.render(agent_image, settings)

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kubectl_snapshot import __version__
-from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.deploy import admission, agent, crd, keys, rbac, resume
 from kubectl_snapshot.deploy.agent import DEFAULT_DROPIN_DIR, AgentSettings
@@ -26,10 +26,10 @@ def render(
     image: str,
     *,
     api_server: str | None = None,
-    state_root: str = C.DEFAULT_STATE_DIR,
-    opt_root: str = "/opt/kubectl-snapshot",
-    kubelet_root: str = "/var/lib/kubelet",
-    containerd_socket: str = "/run/containerd/containerd.sock",
+    state_root: str = NS.DEFAULTS.state_root,
+    opt_root: str = NS.DEFAULTS.opt_root,
+    kubelet_root: str = NS.DEFAULTS.kubelet_root,
+    containerd_socket: str = NS.DEFAULTS.containerd_socket,
     containerd_dropin_dir: str | None = None,
     restart_command: str | None = None,
     per_node_paths: Mapping[str, Mapping[str, str]] | None = None,
@@ -51,12 +51,12 @@ def render(
     settings = AgentSettings(
         image=image,
         api_server=api_server,
-        state_root=agent.check_path(state_root, "state_root"),
-        opt_root=agent.check_path(opt_root, "opt_root"),
-        kubelet_root=agent.check_path(kubelet_root, "kubelet_root"),
-        containerd_socket=agent.check_path(containerd_socket, "containerd_socket"),
-        containerd_dropin_dir=agent.check_path(containerd_dropin_dir or DEFAULT_DROPIN_DIR, "containerd_dropin_dir"),
-        restart_command=restart_command,
+        state_root=NS.check_value("state_root", state_root),
+        opt_root=NS.check_value("opt_root", opt_root),
+        kubelet_root=NS.check_value("kubelet_root", kubelet_root),
+        containerd_socket=NS.check_value("containerd_socket", containerd_socket),
+        containerd_dropin_dir=NS.check_value("containerd_dropin_dir", containerd_dropin_dir or DEFAULT_DROPIN_DIR),
+        restart_command=NS.check_value("restart_command", restart_command) if restart_command else None,
         per_node_paths=agent.check_per_node_paths(per_node_paths or {}),
         host_network=bool(host_network),
     )

@@ -43,18 +43,19 @@ from urllib.parse import urlsplit
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.errors import InvalidArgument
 
 NODE_CONFIG_MAP = f"{K.AGENT_NAME}-nodes"
 NODE_CONFIG_KEY = "nodes.json"
 NODE_CONFIG_DIR = "/etc/kubectl-snapshot/nodes"
-NODE_PATH_KEYS = ("containerd_socket", "kubelet_root", "containerd_dropin_dir")
-# Not a path: where a node's agent serves its metrics, for several nodes sharing one host network.
-NODE_ADDRESS_KEYS = ("metrics_bind_address",)
+# What may differ per node (the node map), declared with every other setting in core/nodesettings.py.
+NODE_PATH_KEYS = tuple(k for k in NS.PER_NODE_KEYS if NS.option_of(k).kind == "path")
+NODE_ADDRESS_KEYS = tuple(k for k in NS.PER_NODE_KEYS if NS.option_of(k).kind == "address")
 WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
 READY_FILE = K.READY_FILE
 METRICS_PORT = 9443  # HTTPS, authorised scrapers only (shim/metrics_server.py)
-DEFAULT_DROPIN_DIR = "/etc/containerd/conf.d"  # containerd 2.x's default config imports *.toml from here
+DEFAULT_DROPIN_DIR = NS.DEFAULTS.containerd_dropin_dir  # containerd 2.x's default config imports *.toml from here
 GUARD_DIR = "/run/kubectl-snapshot-guard"  # an emptyDir shared by the agent and guard containers
 GUARD_SOCKET = f"{GUARD_DIR}/guard.sock"
 
@@ -75,30 +76,22 @@ class AgentSettings:
     host_network: bool = False
 
 
-def check_path(value: str, what: str) -> str:
-    if not value.startswith("/") or "\n" in value or posixpath.normpath(value) != value.rstrip("/") or value == "/":
-        raise InvalidArgument(f"{what} must be a normalized absolute path below /, got {value!r}")
-    return value
+check_path = NS.check_path
 
 
 def check_per_node_paths(per_node: Mapping[str, Mapping[str, str]]) -> dict[str, dict[str, str]]:
-    """Validate {node: {containerd_socket, kubelet_root, containerd_dropin_dir}} (each key optional)."""
+    """Validate {node: {setting: value}} for the settings that may differ per node (each optional)."""
     out: dict[str, dict[str, str]] = {}
     for node, paths in sorted(per_node.items()):
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", node):
             raise InvalidArgument(f"per_node_paths: {node!r} is not a node name")
-        unknown = sorted(set(paths) - set(NODE_PATH_KEYS) - set(NODE_ADDRESS_KEYS))
+        unknown = sorted(set(paths) - set(NS.PER_NODE_KEYS))
         if unknown:
             raise InvalidArgument(
                 f"per_node_paths[{node!r}]: unknown key(s) {', '.join(unknown)}",
-                hint=f"use {', '.join(NODE_PATH_KEYS + NODE_ADDRESS_KEYS)}",
+                hint=f"use {', '.join(NS.PER_NODE_KEYS)}",
             )
-        out[node] = {k: check_path(paths[k], f"per_node_paths[{node!r}].{k}") for k in NODE_PATH_KEYS if k in paths}
-        for k in NODE_ADDRESS_KEYS:
-            if k in paths:
-                if not re.fullmatch(r"[0-9A-Za-z.\[\]:-]{0,253}:[0-9]{1,5}", paths[k]):
-                    raise InvalidArgument(f"per_node_paths[{node!r}].{k}: {paths[k]!r} is not HOST:PORT")
-                out[node][k] = paths[k]
+        out[node] = {k: NS.check_value(k, paths[k], f"per_node_paths[{node!r}].{k}") for k in sorted(paths)}
     return out
 
 
@@ -179,14 +172,9 @@ def runtime_class(labels: dict[str, str]) -> dict[str, Any]:
 
 
 def _path_flags(settings: AgentSettings) -> list[str]:
-    """The node options `install-node` and `run` share (shim/agent_cli.py node_options)."""
-    flags = [
-        f"--state-root={settings.state_root}",
-        f"--opt-root={settings.opt_root}",
-        f"--containerd-socket={settings.containerd_socket}",
-        f"--kubelet-root={settings.kubelet_root}",
-        f"--containerd-dropin-dir={settings.containerd_dropin_dir}",
-    ]
+    """The node options `install-node` and `run` share (shim/agent_cli.py node_options), from the install's
+    settings (core/nodesettings.py); the restart command is install-node's alone."""
+    flags = [f"{NS.flag(k)}={getattr(settings, k)}" for k in NS.INSTALL_KEYS if NS.option_of(k).kind == "path"]
     if settings.per_node_paths:
         flags.append(f"--node-config={NODE_CONFIG_DIR}/{NODE_CONFIG_KEY}")
     return flags

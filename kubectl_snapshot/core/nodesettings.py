@@ -1,0 +1,180 @@
+"""One schema for a node's settings: what the agent, `kubectl snapshot install` and the manifests share.
+
+`NodeSettings` is the single declaration. Each field carries its help text and where it surfaces
+(its metadata, read with `option()`):
+
+- ``cli``: an option of the agent's node commands (`ks-agent run|install-node|uninstall-node`,
+  shim/agent_cli.py builds them from here), with an environment variable where the DaemonSet sets one;
+- ``install``: an option of `kubectl snapshot install` and a keyword of `deploy.render()`, passed to
+  the agent by the DaemonSet (kubectl_snapshot/deploy/agent.py) and a value of the Helm chart;
+- ``per_node``: may differ per node in the node map (`--node-config`, several nodes on one machine);
+- ``kind``: ``path`` (a normalized absolute host path), ``address`` (HOST:PORT), ``command`` or ``text``.
+
+Adding a setting here adds it everywhere it belongs; nothing else lists them.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+from dataclasses import Field, dataclass, field, fields
+from typing import Any, Final
+
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import InvalidArgument
+
+
+@dataclass(frozen=True)
+class Option:
+    help: str
+    kind: str = "path"  # path | address | command | text
+    cli: bool = True
+    install: bool = False
+    per_node: bool = False
+    env: str | None = None
+    aliases: tuple[str, ...] = ()  # older option names still accepted by `kubectl snapshot install`
+
+
+def _opt(default: str, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"option": Option(help=help, **kw)})
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    node: str = _opt("", "This node's name ($NODE_NAME).", kind="text", env="NODE_NAME")
+    state_root: str = _opt(
+        C.DEFAULT_STATE_DIR,
+        "Agent state on each node (one directory per node below it).",
+        install=True,
+        aliases=("--state-dir",),
+    )
+    opt_root: str = _opt(
+        "/opt/kubectl-snapshot", "Where install-node puts the runtime hook and node bundle.", install=True
+    )
+    kubelet_root: str = _opt("/var/lib/kubelet", "The kubelet's --root-dir.", install=True, per_node=True)
+    containerd_socket: str = _opt(
+        "/run/containerd/containerd.sock",
+        "The node's containerd socket.",
+        install=True,
+        per_node=True,
+        env="CONTAINERD_ADDRESS",
+    )
+    containerd_dropin_dir: str = _opt(
+        "/etc/containerd/conf.d",
+        "A directory the node's containerd imports *.toml config drop-ins from (containerd 2.x's default).",
+        install=True,
+        per_node=True,
+    )
+    restart_command: str = _opt(
+        "",
+        "Host shell command that restarts containerd after the runtime hook is added ({node} = node name).",
+        kind="command",
+        install=True,
+    )
+    criu_path: str = _opt(
+        "", "CRIU runc is handed (default: the one install-node puts in the node's directory, never the host's)."
+    )
+    runc_path: str = _opt("", "The node's runc (default: the one containerd's shim finds on the host).")
+    criu_config: str = _opt(
+        "/etc/criu/runc.conf",
+        "The runc-specific CRIU configuration file on the host (written by install-node where safe).",
+    )
+    metrics_bind_address: str = _opt(
+        "",
+        "HOST:PORT to serve Prometheus metrics on, over HTTPS, to scrapers the API server authorises "
+        "(TokenReview + SubjectAccessReview on GET /metrics); empty: no metrics. A node map's entry wins.",
+        kind="address",
+        per_node=True,
+    )
+    guard_socket: str = _opt(
+        "",
+        "The freeze guard's socket (the guard container of the agent's pod); default: a private guard.",
+        env="KUBECTL_SNAPSHOT_GUARD_SOCKET",
+    )
+    # mounted by the DaemonSet at fixed places (deploy/agent.py provenance_mounts): not options
+    signing_key_dir: str = K.SIGNING_KEY_DIR
+    trust_dir: str = K.TRUST_DIR
+
+    @property
+    def state_dir(self) -> str:
+        """Per node, so that several nodes on one machine (the local test cluster) never share state."""
+        return os.path.join(self.state_root, self.node)
+
+    @property
+    def wrapper_dir(self) -> str:
+        return os.path.join(self.opt_root, self.node)
+
+    @property
+    def wrapper_launcher(self) -> str:
+        return os.path.join(self.wrapper_dir, "kubectl-snapshot-runc")
+
+    @property
+    def criu(self) -> str:
+        """The CRIU runc is handed (`runc --criu`) for every checkpoint and restore on this node."""
+        return self.criu_path or os.path.join(self.wrapper_dir, "criu")
+
+
+DEFAULTS: Final = NodeSettings()
+
+
+def option(f: Field[Any]) -> Option | None:
+    opt = f.metadata.get("option")
+    return opt if isinstance(opt, Option) else None
+
+
+def options() -> list[tuple[str, Option, str]]:
+    """(field name, option, default) of every declared option, in declaration order."""
+    out = []
+    for f in fields(NodeSettings):
+        opt = option(f)
+        if opt is not None:
+            out.append((f.name, opt, str(f.default)))
+    return out
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def camel(name: str) -> str:
+    """The spelling of a node map entry or a Helm value: kubelet_root -> kubeletRoot."""
+    head, *rest = name.split("_")
+    return head + "".join(p.capitalize() for p in rest)
+
+
+INSTALL_KEYS: Final = tuple(n for n, o, _ in options() if o.install)
+PER_NODE_KEYS: Final = tuple(n for n, o, _ in options() if o.per_node)
+_KINDS: Final = {n: o.kind for n, o, _ in options()}
+
+
+def check_path(value: str, what: str) -> str:
+    if not value.startswith("/") or "\n" in value or posixpath.normpath(value) != value.rstrip("/") or value == "/":
+        raise InvalidArgument(f"{what} must be a normalized absolute path below /, got {value!r}")
+    return value
+
+
+def check_value(name: str, value: str, what: str | None = None) -> str:
+    """`value` for setting `name`, validated by its kind (InvalidArgument names `what`)."""
+    what = what or name
+    kind = _KINDS[name]
+    if kind == "path":
+        return check_path(value, what)
+    if kind == "address" and value and not re.fullmatch(r"[0-9A-Za-z.\[\]:-]{0,253}:[0-9]{1,5}", value):
+        raise InvalidArgument(f"{what}: {value!r} is not HOST:PORT")
+    if "\n" in value:
+        raise InvalidArgument(f"{what} must be one line")
+    return value
+
+
+def option_of(name: str) -> Option:
+    return next(o for n, o, _ in options() if n == name)
+
+
+def per_node_key(key: str) -> str | None:
+    """The setting a node map key names (snake_case or camelCase), if it may differ per node."""
+    for name in PER_NODE_KEYS:
+        if key in (name, camel(name)):
+            return name
+    return None
