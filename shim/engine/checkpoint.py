@@ -160,8 +160,69 @@ def checkpoint(
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
     t0 = clock()
+    pre = _preflight(
+        req, names, containerd=containerd, registry=registry, host=host, freezer_for=freezer_for,
+        memory_of=memory_of, unix_links=unix_links,
+    )  # fmt: skip
+    if on_plan is not None:
+        on_plan(pre.plan)
 
-    # Preflight before touching the workload: the containers run, the registry answers.
+    snapshot_id = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
+    work = paths.work_dir(snapshot_id)
+    os.makedirs(work, mode=0o700)
+    timings: dict[str, float] = {}
+    frozen: list[str] = []
+    try:
+        frozen, volume_tar = _freeze_and_dump(req, names, pre, containerd, work, phase, clock, timings, net_lock)
+        # Everything below runs after the resume: compression, hashing and upload never extend the freeze.
+        phase("upload")
+        result = _package_and_push(req, names, pre, registry, work, on_bytes, sealer, volume_tar, clock, timings)
+    except BaseException:
+        if frozen:
+            _resume_all(containerd, frozen, pre.direct)
+        raise
+    finally:
+        if not req.keep_work:
+            shutil.rmtree(work, ignore_errors=True)
+
+    if req.stop:
+        phase("stop")
+        _stop_frozen(containerd, registry, frozen, pre.direct, result.reference, before_stop)
+    timings["total_ms"] = (clock() - t0) * 1000
+    result.timings_ms = timings
+    result.frozen_by = " + ".join(
+        sorted({"cgroup freezer" if c in pre.direct else "containerd" for c in req.containers})
+    )
+    result.plan = pre.plan
+    return result
+
+
+@dataclass
+class _Preflight:
+    """What the checks before the freeze found: nothing of the workload has been touched yet."""
+
+    infos: list[Any]
+    upperdirs: list[str | None]
+    pids: list[int]
+    direct: dict[str, Freezer]  # the containers frozen through their cgroup (the rest: containerd pauses)
+    image_digests: list[str]
+    host: HostFacts
+    plan: freeze_plan.FreezePlan
+
+
+def _preflight(
+    req: CheckpointRequest,
+    names: list[str],
+    *,
+    containerd: Containerd,
+    registry: Registry,
+    host: HostFacts | None,
+    freezer_for: FreezerFor | None,
+    memory_of: Callable[[int], int] | None,
+    unix_links: UnixLinksFn | None,
+) -> _Preflight:
+    """Before touching the workload: the containers run, the registry answers, CRIU is there, and the
+    freeze fits the pod's liveness budgets (raises otherwise)."""
     infos, upperdirs, pids = [], [], []
     direct: dict[str, Freezer] = {}
     memory = 0
@@ -194,136 +255,153 @@ def checkpoint(
     plan = freeze_plan.plan(
         memory, stop=req.stop, budgets=req.probe_budgets, ignore_liveness=req.ignore_liveness
     )  # raises when a liveness probe would restart a container before the freeze ends
-    if on_plan is not None:
-        on_plan(plan)
+    return _Preflight(infos, upperdirs, pids, direct, image_digests, host, plan)
 
-    snapshot_id = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
-    work = paths.work_dir(snapshot_id)
-    os.makedirs(work, mode=0o700)
-    timings: dict[str, float] = {}
+
+def _freeze_and_dump(
+    req: CheckpointRequest,
+    names: list[str],
+    pre: _Preflight,
+    containerd: Containerd,
+    work: str,
+    phase: PhaseFn,
+    clock: Callable[[], float],
+    timings: dict[str, float],
+    net_lock: NetLockFn | None,
+) -> tuple[list[str], str | None]:
+    """Freeze every container, dump them (under the shared network's lock), capture the volumes, and
+    thaw them again unless `stop`. Returns the containers still frozen (with `stop`) and the volume tar.
+    On any failure every container frozen so far is thawed before the error goes on."""
+    # Written before the first pause: if this process dies while containers are frozen, the next
+    # agent start (recover_interrupted) finds the list and thaws them. Never lose the workload.
+    with open(os.path.join(work, FROZEN_FILE), "w") as f:
+        json.dump(list(req.containers), f)
+    phase("freeze")
+    t_freeze = clock()
     frozen: list[str] = []
     try:
-        # Written before the first pause: if this process dies while containers are frozen, the next
-        # agent start (recover_interrupted) finds the list and thaws them. Never lose the workload.
-        with open(os.path.join(work, FROZEN_FILE), "w") as f:
-            json.dump(list(req.containers), f)
-        phase("freeze")
-        t_freeze = clock()
-        try:
-            for cid in req.containers:
-                _freeze(containerd, direct, cid, plan.deadline_s)
-                frozen.append(cid)
-            phase("dump")
-            _test_hold([direct[c] for c in frozen if c in direct])
-            with net_lock(pids) if net_lock is not None else contextlib.nullcontext():
-                _dump_all(containerd, req, names, upperdirs, work)
-            volume_tar = _capture_volumes(req, work) if req.volumes else None
-            timings["dump_ms"] = (clock() - t_freeze) * 1000
-        except BaseException:
-            _resume_all(containerd, frozen, direct)
-            raise
-        frozen_by = sorted({"cgroup freezer" if cid in direct else "containerd" for cid in req.containers})
-        if not req.stop:
-            _resume_all(containerd, frozen, direct, strict=True)
-            frozen = []
-        timings["freeze_ms"] = (clock() - t_freeze) * 1000
-
-        # Everything below runs after the resume: compression, hashing and upload never extend the freeze.
-        phase("upload")
-        t_pack = clock()
-        on_raw = progress_counter(on_bytes, tree_bytes(work))
-        records, packaged = [], []
-        for cid, name, info, image_digest in zip(req.containers, names, infos, image_digests, strict=True):
-            cdir = os.path.join(work, name)
-            stats = _stats(cdir)
-            _write_metadata(cdir, cid, name, info, req)
-            pc = package_container(registry, req.target, cdir, on_raw=on_raw, sealer=sealer)
-            records.append(
-                ContainerRecord(
-                    name=name,
-                    id=cid,
-                    image=info.image,
-                    image_digest=image_digest,
-                    layer_digest=pc.layer.digest,
-                    spec=stored_runtime_spec(info.spec),
-                    tcp_established=req.tcp_established,
-                    file_locks=req.file_locks,
-                    stats=stats,
-                    pages=pc.pages,
-                )
-            )
-            packaged.append(pc)
-        volumes_layer: PackagedBlob | None = None
-        if volume_tar is not None:
-            volumes_layer = package_volumes(registry, req.target, volume_tar, on_raw=on_raw, sealer=sealer)
-        timings["package_ms"] = (clock() - t_pack) * 1000
-
-        config = SnapshotConfig(
-            group=req.group or names[0],
-            namespace=req.namespace,
-            created=_now_rfc3339(),
-            containers=tuple(records),
-            host=host,
-            volumes=tuple(
-                VolumeRecord(name=n, source=src) for n, src in zip(_volume_names(req), req.volumes, strict=True)
-            ),
-            volumes_layer=volumes_layer.digest if volumes_layer else None,
-            stopped=req.stop,
-            freeze_ms=timings["freeze_ms"],
-            pod=req.pod,
-        )
-        if sealer is not None:
-            config = replace(config, encryption=sealer.info(config.blob_digests()))
-        t_up = clock()
-        result = _push(req.target, config, records, packaged, volumes_layer, registry)
-        if req.signing_key is not None:
-            sign_snapshot(registry, result.reference, _origin(req, config), req.signing_key)
-            result.signed_by = req.signing_key.public.id
-        timings["upload_ms"] = (clock() - t_up) * 1000
+        for cid in req.containers:
+            _freeze(containerd, pre.direct, cid, pre.plan.deadline_s)
+            frozen.append(cid)
+        phase("dump")
+        _test_hold([pre.direct[c] for c in frozen if c in pre.direct])
+        with net_lock(pre.pids) if net_lock is not None else contextlib.nullcontext():
+            _dump_all(containerd, req, names, pre.upperdirs, work)
+        volume_tar = _capture_volumes(req, work) if req.volumes else None
+        timings["dump_ms"] = (clock() - t_freeze) * 1000
     except BaseException:
-        if frozen:
-            _resume_all(containerd, frozen, direct)
+        _resume_all(containerd, frozen, pre.direct)
         raise
-    finally:
-        if not req.keep_work:
-            shutil.rmtree(work, ignore_errors=True)
+    if not req.stop:
+        _resume_all(containerd, frozen, pre.direct, strict=True)
+        frozen = []
+    timings["freeze_ms"] = (clock() - t_freeze) * 1000
+    return frozen, volume_tar
 
-    if req.stop:
-        phase("stop")
-        thawed_early = [cid for cid in frozen if cid in direct and not _still_frozen(direct[cid])]
-        if thawed_early:  # the freeze guard's deadline passed during the upload: the pod ran on since
-            _resume_all(containerd, frozen, direct)
-            raise FailedPrecondition(
-                f"the pod was thawed before it could be stopped (container {thawed_early[0]!r} passed the freeze's "
-                f"deadline during the upload): it keeps running, and {result.reference} is older than its state",
-                hint="snapshot it again; a large pod on a slow registry link may need a faster destination",
+
+def _package_and_push(
+    req: CheckpointRequest,
+    names: list[str],
+    pre: _Preflight,
+    registry: Registry,
+    work: str,
+    on_bytes: BytesFn | None,
+    sealer: Sealer | None,
+    volume_tar: str | None,
+    clock: Callable[[], float],
+    timings: dict[str, float],
+) -> CheckpointResult:
+    """Compress, hash (and seal) what was dumped, push blobs, config and manifest, and sign it."""
+    t_pack = clock()
+    on_raw = progress_counter(on_bytes, tree_bytes(work))
+    records, packaged = [], []
+    for cid, name, info, image_digest in zip(req.containers, names, pre.infos, pre.image_digests, strict=True):
+        cdir = os.path.join(work, name)
+        stats = _stats(cdir)
+        _write_metadata(cdir, cid, name, info, req)
+        pc = package_container(registry, req.target, cdir, on_raw=on_raw, sealer=sealer)
+        records.append(
+            ContainerRecord(
+                name=name,
+                id=cid,
+                image=info.image,
+                image_digest=image_digest,
+                layer_digest=pc.layer.digest,
+                spec=stored_runtime_spec(info.spec),
+                tcp_established=req.tcp_established,
+                file_locks=req.file_locks,
+                stats=stats,
+                pages=pc.pages,
             )
-        # the registry really has the snapshot, while the pod can still go on
+        )
+        packaged.append(pc)
+    volumes_layer: PackagedBlob | None = None
+    if volume_tar is not None:
+        volumes_layer = package_volumes(registry, req.target, volume_tar, on_raw=on_raw, sealer=sealer)
+    timings["package_ms"] = (clock() - t_pack) * 1000
+
+    config = SnapshotConfig(
+        group=req.group or names[0],
+        namespace=req.namespace,
+        created=_now_rfc3339(),
+        containers=tuple(records),
+        host=pre.host,
+        volumes=tuple(VolumeRecord(name=n, source=src) for n, src in zip(_volume_names(req), req.volumes, strict=True)),
+        volumes_layer=volumes_layer.digest if volumes_layer else None,
+        stopped=req.stop,
+        freeze_ms=timings["freeze_ms"],
+        pod=req.pod,
+    )
+    if sealer is not None:
+        config = replace(config, encryption=sealer.info(config.blob_digests()))
+    t_up = clock()
+    result = _push(req.target, config, records, packaged, volumes_layer, registry)
+    if req.signing_key is not None:
+        sign_snapshot(registry, result.reference, _origin(req, config), req.signing_key)
+        result.signed_by = req.signing_key.public.id
+    timings["upload_ms"] = (clock() - t_up) * 1000
+    return result
+
+
+def _stop_frozen(
+    containerd: Containerd,
+    registry: Registry,
+    frozen: list[str],
+    direct: Mapping[str, Freezer],
+    reference: Reference,
+    before_stop: Callable[[], None] | None,
+) -> None:
+    """`stop`: the snapshot is pushed and verified, then the still-frozen containers are killed. Until
+    the kill, any failure thaws them: the pod keeps running rather than being lost."""
+    thawed_early = [cid for cid in frozen if cid in direct and not _still_frozen(direct[cid])]
+    if thawed_early:  # the freeze guard's deadline passed during the upload: the pod ran on since
+        _resume_all(containerd, frozen, direct)
+        raise FailedPrecondition(
+            f"the pod was thawed before it could be stopped (container {thawed_early[0]!r} passed the freeze's "
+            f"deadline during the upload): it keeps running, and {reference} is older than its state",
+            hint="snapshot it again; a large pod on a slow registry link may need a faster destination",
+        )
+    # the registry really has the snapshot, while the pod can still go on
+    try:
+        verify_pushed(registry, reference)
+    except BaseException:
+        _resume_all(containerd, frozen, direct)
+        raise
+    if before_stop is not None:
         try:
-            verify_pushed(registry, result.reference)
+            before_stop()
         except BaseException:
             _resume_all(containerd, frozen, direct)
             raise
-        if before_stop is not None:
-            try:
-                before_stop()
-            except BaseException:
-                _resume_all(containerd, frozen, direct)
-                raise
-        for cid in frozen:
-            with contextlib.suppress(NotFound):  # already removed by the kubelet: nothing to kill
-                containerd.kill_task(cid, signal.SIGKILL, all=True)
-        _resume_all(containerd, frozen, direct)  # thaw so that the pending SIGKILL is delivered
-        for cid in frozen:
-            # The kubelet may already be removing the pod's containers (its object was deleted):
-            # a task that is gone is as stopped as one that exited.
-            with contextlib.suppress(SnapshotError):
-                containerd.wait_task(cid, timeout=30)
-    timings["total_ms"] = (clock() - t0) * 1000
-    result.timings_ms = timings
-    result.frozen_by = " + ".join(frozen_by)
-    result.plan = plan
-    return result
+    for cid in frozen:
+        with contextlib.suppress(NotFound):  # already removed by the kubelet: nothing to kill
+            containerd.kill_task(cid, signal.SIGKILL, all=True)
+    _resume_all(containerd, frozen, direct)  # thaw so that the pending SIGKILL is delivered
+    for cid in frozen:
+        # The kubelet may already be removing the pod's containers (its object was deleted):
+        # a task that is gone is as stopped as one that exited.
+        with contextlib.suppress(SnapshotError):
+            containerd.wait_task(cid, timeout=30)
 
 
 def verify_pushed(registry: Registry, reference: Reference) -> None:
