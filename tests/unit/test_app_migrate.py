@@ -221,7 +221,7 @@ def test_a_statefulset_pod_is_saved_with_stop_and_its_replacement_resumes() -> N
 
 def test_a_replicaset_replacement_is_the_pod_that_claimed_the_save_not_a_sibling() -> None:
     kube, registry, _ = owned_cluster("ReplicaSet", replacement=replacement_pod("web-new", "ReplicaSet"))
-    sibling = kube.add(running_pod("web-sibling", NS, owner=("ReplicaSet", "web")))
+    sibling = kube.add(running_pod("web-abc", NS, owner=("ReplicaSet", "web")))  # listed first
     sibling["metadata"]["uid"] = "sibling-uid"
     result = migrate(request("web-0"), kube=kube, stores=registry.store)
     assert result.pod["metadata"]["name"] == "web-new"
@@ -231,6 +231,8 @@ def test_an_indexed_job_replacement_is_found_by_its_completion_index() -> None:
     kube, registry, _ = owned_cluster("Job", index="1", replacement=replacement_pod("web-1-x", "Job", index="1"))
     other = kube.add(running_pod("web-2-y", NS, owner=("Job", "web"), annotations={COMPLETION_INDEX_KEY: "2"}))
     other["metadata"]["uid"] = "other-uid"
+    another_job = kube.add(running_pod("a-1", NS, owner=("Job", "other"), annotations={COMPLETION_INDEX_KEY: "1"}))
+    another_job["metadata"]["uid"] = "another-job-uid"  # same index, another Job: listed first, not it
     assert migrate(request("web-0"), kube=kube, stores=registry.store).pod["metadata"]["name"] == "web-1-x"
 
 

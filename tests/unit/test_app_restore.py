@@ -79,6 +79,8 @@ def test_a_reference_is_read_from_the_registry_without_asking_for_a_podsnapshot(
         ({"phase": "Running", "stage": "upload"}, "wait until it has Succeeded: kubectl snapshot list"),
         ({"phase": "Failed", "message": "CRIU failed: see the node"}, "CRIU failed: see the node"),
         ({}, "wait until it has Succeeded: kubectl snapshot list"),
+        # pushed, then failed (e.g. the verification after the push): the image is not to be trusted
+        ({"phase": "Failed", "reference": "r.io/x@sha256:" + "e" * 64, "message": "verify failed"}, "verify failed"),
     ],
 )
 def test_a_podsnapshot_without_an_image_is_refused_with_its_state(status: dict[str, str], hint: str) -> None:
@@ -155,6 +157,18 @@ def test_without_the_agent_daemonset_the_gate_image_must_be_given() -> None:
         build_restore(req(), kube=kube, stores=registry.store)
     body, _ = build_restore(req(agent_image="gate:v3"), kube=kube, stores=registry.store)
     assert body["spec"]["initContainers"][0]["image"] == "gate:v3"
+
+
+def test_the_gate_image_falls_back_to_the_daemonsets_first_container() -> None:
+    kube, registry, _ = restorable()
+    ds = kube.get("DaemonSet", K.AGENT_NAMESPACE, K.AGENT_NAME)
+    assert ds is not None
+    ds["spec"]["template"]["spec"]["containers"] = [
+        {"name": "agent", "image": "renamed:v1"},
+        {"name": "x", "image": "y"},
+    ]
+    body, _ = build_restore(req(), kube=kube, stores=registry.store)
+    assert body["spec"]["initContainers"][0]["image"] == "renamed:v1"
 
 
 # --- creating the pod --------------------------------------------------------------------------------
