@@ -22,7 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kubectl_snapshot.app.ports import Kube, Obj, StoreFactory
-from kubectl_snapshot.app.restore import RestoreRequest, StateFn, build_restore, create_restore_pod, wait_running
+from kubectl_snapshot.app.restore import (
+    RestoreRequest,
+    StateFn,
+    build_restore,
+    check_agent_on,
+    create_restore_pod,
+    wait_running,
+)
 from kubectl_snapshot.app.snapshot import SnapshotRequest, StatusFn, start_snapshot, wait_snapshot
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -93,6 +100,7 @@ def migrate(
     if owner is not None:  # the controller's replacement resumes from a stop save: no duplicate
         return migrate_owned(req, pod, owner, kube=kube, on_status=on_status, on_state=on_state, on_step=step)
     target = choose_node(kube.list_nodes(), current=current, wanted=req.node)
+    check_agent_on(target, kube=kube)  # before the snapshot: nobody there could restore it
     name = req.name or restored_name(pod_name)
     step(f"snapshot {ns}/{pod_name} on {current}")
     created = start_snapshot(req.snapshot, kube=kube)

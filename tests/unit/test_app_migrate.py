@@ -161,6 +161,21 @@ def test_without_another_ready_schedulable_node_it_refuses_before_anything_is_cr
     assert migrate(request(), kube=kube, stores=registry.store).to_node == "n0"
 
 
+def test_a_target_node_without_a_ready_agent_is_refused_before_the_pod_is_snapshotted() -> None:
+    kube, registry = cluster()
+    kube.add(node("n3"))
+    with pytest.raises(FailedPrecondition, match="no kubectl-snapshot agent is ready on node n3") as e:
+        migrate(request(node_name="n3"), kube=kube, stores=registry.store)
+    assert "choose another --node" in (e.value.hint or "")
+    assert kube.journal == [] and registry.manifests == {}  # not frozen, nothing left behind
+    agent = kube.get("Pod", K.AGENT_NAMESPACE, f"{K.AGENT_NAME}-n2")
+    assert agent is not None
+    agent["status"]["conditions"] = [{"type": "Ready", "status": "False"}]  # the node chosen for you, too
+    with pytest.raises(FailedPrecondition, match="no kubectl-snapshot agent is ready on node n2"):
+        migrate(request(), kube=kube, stores=registry.store)
+    assert kube.journal == []
+
+
 def test_a_pod_that_does_not_run_is_refused_before_anything_is_created() -> None:
     kube, registry = cluster()
     pod = kube.get("Pod", NS, "web")
