@@ -116,6 +116,11 @@ _POD_FIELDS: Final = {
     "status.phase": lambda p: (p.get("status") or {}).get("phase", ""),
 }
 
+_EVENT_FIELDS: Final = {
+    f"involvedObject.{key}": (lambda e, key=key: (e.get("involvedObject") or {}).get(key))
+    for key in ("kind", "name", "namespace", "uid")
+}
+
 
 def _fields_match(obj: Obj, selector: str | None, supported: Mapping[str, Callable[[Obj], Any]]) -> bool:
     for term in filter(None, (selector or "").split(",")):
@@ -425,15 +430,10 @@ class FakeKube:
 
     def list_events(self, ns: str, *, field_selector: str | None = None) -> list[Obj]:
         self._enter("list_events")
-
-        def involved(e: Obj, path: str) -> Any:
-            return (e.get("involvedObject") or {}).get(path.split(".", 1)[1])
-
-        fields = {f"involvedObject.{p}": (lambda e, p=p: involved(e, f"x.{p}")) for p in ("kind", "name", "uid")}
         return [
             copy.deepcopy(e)
             for e in self.events
-            if (e.get("metadata") or {}).get("namespace", ns) == ns and _fields_match(e, field_selector, fields)
+            if (e.get("metadata") or {}).get("namespace", ns) == ns and _fields_match(e, field_selector, _EVENT_FIELDS)
         ]
 
     # --- namespaces, nodes, installation ----------------------------------------------------------
