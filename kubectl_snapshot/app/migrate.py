@@ -7,12 +7,12 @@ copy resumes from the snapshot point: what the original did after it (and any ex
 effect during the overlap) is not carried over. Pods whose work must not overlap should be
 snapshotted with `kubectl snapshot pod/NAME --stop` and restored by hand.
 
-A pod a controller owns (StatefulSet, ReplicaSet/Deployment, Job) is not copied beside itself (the
+A pod a controller owns (StatefulSet, ReplicaSet/Deployment, indexed Job) is not copied beside itself (the
 controller would make a duplicate): when its workload is protected by a SnapshotPolicy with
 ``resume: true`` (the pod carries the resume-policy annotation from admission), it is saved with stop
 (the agent deletes it once the push is verified) and the controller's replacement resumes from that
-save wherever the scheduler places it (docs/kubernetes.md, "Resume protocol"). Without such a policy
-it is refused.
+save wherever the scheduler places it (docs/kubernetes.md, "Resume protocol"). Without such a policy,
+or for a Job that is not indexed (its pods have no identity to resume by), it is refused.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kubectl_snapshot.app.ports import Kube, Obj, StoreFactory
-from kubectl_snapshot.app.restore import RestoreRequest, StateFn, build_restore, create_restore_pod, wait_running
+from kubectl_snapshot.app.restore import (
+    RestoreRequest,
+    StateFn,
+    build_restore,
+    check_agent_on,
+    create_restore_pod,
+    wait_running,
+)
 from kubectl_snapshot.app.snapshot import SnapshotRequest, StatusFn, start_snapshot, wait_snapshot
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, Unavailable
@@ -93,6 +100,7 @@ def migrate(
     if owner is not None:  # the controller's replacement resumes from a stop save: no duplicate
         return migrate_owned(req, pod, owner, kube=kube, on_status=on_status, on_state=on_state, on_step=step)
     target = choose_node(kube.list_nodes(), current=current, wanted=req.node)
+    check_agent_on(target, kube=kube)  # before the snapshot: nobody there could restore it
     name = req.name or restored_name(pod_name)
     step(f"snapshot {ns}/{pod_name} on {current}")
     created = start_snapshot(req.snapshot, kube=kube)
@@ -149,6 +157,12 @@ def migrate_owned(
             f" {owner_name} create its pods again (they then get the resume gate), and migrate once more"
             if kind in RESUMABLE_OWNERS
             else f"only StatefulSet, ReplicaSet/Deployment and Job pods resume; {kind} pods cannot be migrated",
+        )
+    if kind == "Job" and completion_index(pod) is None:  # core/resume: such pods have nothing to resume by
+        raise FailedPrecondition(
+            f"pod {ns}/{name} is owned by Job {owner_name}, which is not an indexed Job: its replacement would"
+            " start fresh (a stop save would lose the pod's progress)",
+            hint="only the pods of an Indexed Job (completionMode: Indexed) resume from saves",
         )
     if req.node or req.name:
         raise InvalidArgument(

@@ -152,6 +152,12 @@ def create_restore_pod(body: Obj, *, kube: Kube, dry_run: bool = False) -> Obj:
         if "runtimeClass" in e.message or "RuntimeClass" in e.message:
             raise FailedPrecondition(e.message, hint="install kubectl-snapshot first: kubectl snapshot install") from e
         raise
+    except PermissionDenied as e:
+        # the RuntimeClass admission plugin refuses a pod naming an absent RuntimeClass with 403 Forbidden
+        # ("pod rejected: RuntimeClass ... not found"): kubectl-snapshot is not installed, not an RBAC gap
+        if "RuntimeClass" in e.message and "not found" in e.message:
+            raise FailedPrecondition(e.message, hint="install kubectl-snapshot first: kubectl snapshot install") from e
+        raise
 
 
 def wait_running(

@@ -1,6 +1,6 @@
 """`kubectl snapshot policy`: the object it builds (core/policyspec.py), the use cases (app/policy.py)
-over an in-memory API, and the text of list/describe. The real commands run in
-tests/e2e/test_autosave_policy.py."""
+over the shared in-memory API server (tests/support/fakeplugin.py), and the text of list/describe. The
+real commands run in tests/e2e/test_autosave_policy.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import pytest
 from kubectl_snapshot.app import policy as P
 from kubectl_snapshot.cli.policy import _table, describe_text
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import AlreadyExists, InvalidArgument, NotFound
+from kubectl_snapshot.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kubectl_snapshot.core.policyspec import parse_selector, parse_workload, policy_object, policy_row
+from kubectl_snapshot.core.reference import Reference
+from tests.support.fakeplugin import FakeKube, FakeRegistry, push_pod_snapshot, running_pod, snapshot, succeeded
 
 
 def test_selector_and_workload_parsing() -> None:
@@ -94,73 +96,72 @@ def policy(name: str = "p", pods: list[dict[str, Any]] | None = None) -> dict[st
     return obj
 
 
-class FakeKube:
-    def __init__(self) -> None:
-        self.policies: dict[str, dict[str, Any]] = {"p": policy()}
-        self.snapshots = {
-            "web-0-1": {
-                "metadata": {"name": "web-0-1", "creationTimestamp": "2026-11-30T10:00:00Z"},
-                "status": {"reference": "r.io/x@sha256:" + "a" * 64},
+def cluster() -> tuple[FakeKube, FakeRegistry, Reference]:
+    """Policy t/p with one save (a real artifact in the registry), another pod's snapshot beside it and
+    one event about the policy (and one about something else)."""
+    kube, registry = FakeKube(namespace="t"), FakeRegistry()
+    registry.journal = kube.journal
+    kube.add(policy())
+    ref = push_pod_snapshot(registry, "r.io/x:web-0-1", running_pod("web-0", "t"))
+    save = snapshot("web-0-1", "t", pod="web-0", status=succeeded(ref))
+    save["metadata"]["labels"][K.LABEL_POLICY] = "p"
+    save["metadata"]["creationTimestamp"] = "2026-11-30T10:00:00Z"
+    kube.add(save)
+    kube.add(snapshot("by-hand", "t", pod="web-0", status=succeeded(ref)))  # not the policy's: never pruned
+    for kind, name, message in ((K.POLICY_KIND, "p", "boom"), (K.POLICY_KIND, "q", "other"), ("Pod", "p", "pod")):
+        kube.events.append(
+            {
+                "metadata": {"namespace": "t"},
+                "involvedObject": {"kind": kind, "name": name},
+                "type": "Warning",
+                "reason": "SnapshotFailed",
+                "message": message,
+                "lastTimestamp": "t",
             }
-        }
-        self.calls: list[str] = []
-
-    def get_policy(self, ns: str, name: str) -> dict[str, Any]:
-        if name not in self.policies:
-            raise NotFound(name)
-        return self.policies[name]
-
-    def list_policies(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
-        return list(self.policies.values())
-
-    def create_policy(self, ns: str, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
-        if body["metadata"]["name"] in self.policies:
-            raise AlreadyExists("exists")
-        return body
-
-    def delete_policy(self, ns: str, name: str, *, dry_run: bool = False) -> None:
-        self.calls.append(f"delete policy {name} dry={dry_run}")
-
-    def list_events(self, ns: str, *, field_selector: str | None = None) -> list[dict[str, Any]]:
-        assert field_selector == f"involvedObject.kind={K.POLICY_KIND},involvedObject.name=p"
-        return [{"type": "Warning", "reason": "SnapshotFailed", "message": "boom", "lastTimestamp": "t"}]
-
-    def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
-        assert label_selector == f"{K.LABEL_POLICY}=p"
-        return list(self.snapshots.values())
-
-    def get_snapshot(self, ns: str, name: str) -> dict[str, Any]:
-        return self.snapshots[name]
-
-    def delete_snapshot(self, ns: str, name: str, *, dry_run: bool = False) -> None:
-        self.calls.append(f"delete podsnapshot {name}")
-
-
-class Store:
-    def __init__(self, calls: list[str]) -> None:
-        self.calls = calls
-
-    def delete_manifest(self, ref: Any, digest: str) -> None:
-        self.calls.append(f"delete manifest {digest[:10]}")
+        )
+    return kube, registry, ref
 
 
 def test_create_conflict_has_a_hint() -> None:
+    kube, _registry, _ref = cluster()
     with pytest.raises(AlreadyExists, match="already exists") as info:
-        P.create_policy(FakeKube(), policy())
+        P.create_policy(kube, policy())
     assert "kubectl edit snapshotpolicy p" in (info.value.hint or "")
 
 
+def test_create_without_the_crd_says_install() -> None:
+    kube = FakeKube(namespace="t", crds=False)
+    with pytest.raises(FailedPrecondition, match="SnapshotPolicy resource is not installed") as info:
+        P.create_policy(kube, policy())
+    assert "kubectl snapshot install" in (info.value.hint or "")
+
+
 def test_delete_with_prune_deletes_manifests_then_objects_then_the_policy() -> None:
-    kube = FakeKube()
-    pruned = P.delete_policy(kube, "t", "p", prune=True, stores=lambda ref, insecure: Store(kube.calls))  # type: ignore[arg-type,return-value]
+    kube, registry, ref = cluster()
+    pruned = P.delete_policy(kube, "t", "p", prune=True, stores=registry.store)
     assert [d.name for d in pruned] == ["web-0-1"]
-    assert kube.calls == ["delete manifest sha256:aaa", "delete podsnapshot web-0-1", "delete policy p dry=False"]
-    kube.calls.clear()
+    assert kube.journal == [
+        f"delete manifest r.io/x@{ref.digest}",
+        "delete podsnapshot t/web-0-1",
+        "delete snapshotpolicy t/p",
+    ]
+    assert kube.names(K.KIND, "t") == ["by-hand"]
+    kube, registry, ref = cluster()
     P.delete_policy(kube, "t", "p")
-    assert kube.calls == ["delete policy p dry=False"]  # the saves stay without --prune
+    assert kube.journal == ["delete snapshotpolicy t/p"]  # the saves stay without --prune
+    assert kube.names(K.KIND, "t") == ["by-hand", "web-0-1"] and registry.manifests
     with pytest.raises(NotFound, match="no snapshotpolicy 'q'") as info:
         P.delete_policy(kube, "t", "q")
     assert "kubectl snapshot policy list" in (info.value.hint or "")
+
+
+def test_delete_dry_runs_keep_everything() -> None:
+    kube, registry, _ref = cluster()
+    P.delete_policy(kube, "t", "p", prune=True, stores=registry.store, dry_run="client")
+    assert kube.journal == []
+    P.delete_policy(kube, "t", "p", prune=True, stores=registry.store, dry_run="server")
+    assert kube.journal == ["delete podsnapshot t/web-0-1 (dry run)", "delete snapshotpolicy t/p (dry run)"]
+    assert kube.names(K.POLICY_KIND, "t") == ["p"] and kube.names(K.KIND, "t") == ["by-hand", "web-0-1"]
 
 
 def test_list_and_describe_text() -> None:
@@ -174,8 +175,10 @@ def test_list_and_describe_text() -> None:
         "consecutiveFailures": 0,
         "nextSaveTime": "2026-11-30T10:05:30Z",
     }
-    kube = FakeKube()
-    kube.policies["p"] = policy(pods=[entry])
+    kube, _registry, _ref = cluster()
+    live = kube.get(K.POLICY_KIND, "t", "p")
+    assert live is not None
+    live["status"] = {"pods": [entry]}
     [(obj, row)] = P.list_policies(kube, "t")
     assert row == policy_row(obj, row["age"])
     table = _table([row], False, False)
@@ -183,5 +186,5 @@ def test_list_and_describe_text() -> None:
     assert table.splitlines()[1].split()[:6] == ["p", "app=web", "30s", "3", "1", "2026-11-30T10:05:00Z"]
     text = describe_text(P.describe_policy(kube, "t", "p"))
     assert "web-0 on ks-n1: last save 2026-11-30T10:05:00Z (web-0-1, 2.0 KiB), result Succeeded" in text
-    assert "Warning  SnapshotFailed  t  boom" in text
+    assert "Warning  SnapshotFailed  t  boom" in text and "other" not in text and "pod" not in text.split()
     assert "Saves:           1 PodSnapshots" in text

@@ -1,4 +1,4 @@
-"""`kubectl snapshot install`'s signing key and trust ConfigMap (real keys; a dict stands for the API)."""
+"""`kubectl snapshot install`'s signing key and trust ConfigMap (real keys; the shared fake API server)."""
 
 from __future__ import annotations
 
@@ -14,26 +14,20 @@ from kubectl_snapshot.app.install import signing_objects
 from kubectl_snapshot.cli import main as cli_main
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.provenance import SigningKey
+from tests.support.fakeplugin import FakeKube
 
 
-class Api:
-    """Objects by (kind, name), as `apply` left them."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], dict[str, Any]] = {
-            ("Namespace", "kube-system"): {"metadata": {"name": "kube-system", "uid": "cluster-uid-1"}}
-        }
-
-    def get_object(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        return self.objects.get((obj["kind"], obj["metadata"]["name"]))
-
-    def apply(self, objects: list[dict[str, Any]]) -> None:
-        for o in objects:
-            self.objects[(o["kind"], o["metadata"]["name"])] = o
+def cluster() -> FakeKube:
+    kube = FakeKube()
+    kube_system = kube.get("Namespace", "", "kube-system")
+    assert kube_system is not None
+    kube_system["metadata"]["uid"] = "cluster-uid-1"  # what the trust ConfigMap names the cluster by
+    kube.add({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": K.AGENT_NAMESPACE}})
+    return kube
 
 
-def install(api: Api, **kw: Any) -> tuple[SigningKey, dict[str, str]]:
-    objs, key_id = signing_objects(api, **kw)  # type: ignore[arg-type]
+def install(api: FakeKube, **kw: Any) -> tuple[SigningKey, dict[str, str]]:
+    objs, key_id = signing_objects(api, **kw)
     api.apply(objs)
     secret, cm = objs
     assert secret["metadata"]["namespace"] == cm["metadata"]["namespace"] == K.AGENT_NAMESPACE
@@ -43,7 +37,7 @@ def install(api: Api, **kw: Any) -> tuple[SigningKey, dict[str, str]]:
 
 
 def test_install_makes_a_key_once_and_rotation_keeps_old_public_keys() -> None:
-    api = Api()
+    api = cluster()
     first, data = install(api)
     assert data["cluster-id"] == "cluster-uid-1" and data["allow-unverified-snapshots"] == "false"
     again, _ = install(api)
@@ -56,7 +50,7 @@ def test_install_makes_a_key_once_and_rotation_keeps_old_public_keys() -> None:
 
 
 def test_install_trusts_extra_keys_and_keeps_the_policy() -> None:
-    api = Api()
+    api = cluster()
     other = SigningKey.generate()
     _, data = install(api, trust_keys=[other.public.to_pem()], allow_unverified=True)
     assert f"{other.public.id}.pub" in data and data["allow-unverified-snapshots"] == "true"
@@ -65,7 +59,7 @@ def test_install_trusts_extra_keys_and_keeps_the_policy() -> None:
 
 
 def test_agent_reads_the_mounted_files(tmp_path: Path) -> None:
-    api = Api()
+    api = cluster()
     key, data = install(api)
     trust_dir, key_dir = tmp_path / "trust", tmp_path / "signing"
     trust_dir.mkdir()
@@ -73,7 +67,8 @@ def test_agent_reads_the_mounted_files(tmp_path: Path) -> None:
     for name, value in data.items():
         (trust_dir / name).write_text(value)
     (trust_dir / "..data").mkdir()  # a mounted ConfigMap's bookkeeping is skipped
-    secret = api.objects[("Secret", K.SIGNING_KEY_SECRET)]
+    secret = api.get("Secret", K.AGENT_NAMESPACE, K.SIGNING_KEY_SECRET)
+    assert secret is not None
     (key_dir / "signing.key").write_bytes(base64.b64decode(secret["data"]["signing.key"]))
     assert load_signing_key(str(key_dir)).public.id == key.public.id
     trust = load_trust([str(trust_dir)])

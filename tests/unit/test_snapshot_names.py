@@ -4,36 +4,26 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Any
 
 import pytest
 from kubernetes.client.exceptions import ApiException
 
 from kubectl_snapshot.adapters.kube import map_api_error
 from kubectl_snapshot.app.snapshot import NAME_ATTEMPTS, SnapshotRequest, start_snapshot
+from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import AlreadyExists, FailedPrecondition
+from tests.support.fakeplugin import FakeKube, running_pod, snapshot
 
 NOW = datetime.datetime(2026, 11, 30, 20, 31, 41, tzinfo=datetime.UTC)
-RUNNING = {"metadata": {"name": "live"}, "spec": {"nodeName": "n1"}, "status": {"phase": "Running"}}
 
 
-class NamesTaken:
-    """The two calls start_snapshot makes, answering like the API server: a name taken is a 409."""
-
-    def __init__(self, taken: set[str]) -> None:
-        self.taken = taken
-        self.created: list[dict[str, Any]] = []
-
-    def get_pod(self, ns: str, name: str) -> dict[str, Any]:
-        return RUNNING
-
-    def create_snapshot(self, ns: str, body: dict[str, Any], *, dry_run: bool = False) -> dict[str, Any]:
-        name = body["metadata"]["name"]
-        if name in self.taken:
-            raise AlreadyExists(f'create podsnapshot {ns}/{name}: podsnapshots "{name}" already exists')
-        self.taken.add(name)
-        self.created.append(body)
-        return body
+def cluster(*taken: str) -> FakeKube:
+    """Pod ns/live running, and PodSnapshots of it already holding the names `taken`."""
+    kube = FakeKube()
+    kube.add(running_pod("live", "ns"))
+    for name in taken:
+        kube.add(snapshot(name, "ns", pod="live"))
+    return kube
 
 
 def _req(repo: str = "127.0.0.1:5005/e2e/live") -> SnapshotRequest:
@@ -41,28 +31,37 @@ def _req(repo: str = "127.0.0.1:5005/e2e/live") -> SnapshotRequest:
 
 
 def test_a_second_snapshot_in_the_same_second_is_numbered_name_and_tag() -> None:
-    kube = NamesTaken(set())
-    first = start_snapshot(_req(), kube=kube)  # type: ignore[arg-type]
-    second = start_snapshot(_req(), kube=kube)  # type: ignore[arg-type]
+    kube = cluster()
+    first = start_snapshot(_req(), kube=kube)
+    second = start_snapshot(_req(), kube=kube)
     assert first["metadata"]["name"] == "live-20261130-203141"
     assert second["metadata"]["name"] == "live-20261130-203141-2"
     assert first["spec"]["destination"].endswith(":20261130-203141")
     assert second["spec"]["destination"].endswith(":20261130-203141-2")
+    assert kube.names(K.KIND, "ns") == ["live-20261130-203141", "live-20261130-203141-2"]
 
 
 def test_an_explicit_tag_is_kept_only_the_name_is_numbered() -> None:
-    kube = NamesTaken({"live-20261130-203141"})
-    made = start_snapshot(_req("127.0.0.1:5005/e2e/live:v1"), kube=kube)  # type: ignore[arg-type]
+    kube = cluster("live-20261130-203141")
+    made = start_snapshot(_req("127.0.0.1:5005/e2e/live:v1"), kube=kube)
     assert made["metadata"]["name"] == "live-20261130-203141-2"
     assert made["spec"]["destination"].endswith(":v1")
 
 
 def test_after_every_name_is_taken_the_conflict_is_reported() -> None:
-    taken = {"live-20261130-203141"} | {f"live-20261130-203141-{n}" for n in range(2, NAME_ATTEMPTS + 1)}
-    kube = NamesTaken(set(taken))
+    taken = ["live-20261130-203141"] + [f"live-20261130-203141-{n}" for n in range(2, NAME_ATTEMPTS + 1)]
+    kube = cluster(*taken)
     with pytest.raises(AlreadyExists) as e:
-        start_snapshot(_req(), kube=kube)  # type: ignore[arg-type]
-    assert "already exists" in e.value.message and e.value.hint and kube.created == []
+        start_snapshot(_req(), kube=kube)
+    assert "already exists" in e.value.message and e.value.hint and kube.journal == []
+
+
+def test_without_the_crd_it_says_install() -> None:
+    kube = FakeKube(crds=False)
+    kube.add(running_pod("live", "ns"))
+    with pytest.raises(FailedPrecondition, match="PodSnapshot resource is not installed") as e:
+        start_snapshot(_req(), kube=kube)
+    assert "kubectl snapshot install" in (e.value.hint or "")
 
 
 def _api(status: int, reason: str) -> ApiException:

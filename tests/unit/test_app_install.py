@@ -1,0 +1,197 @@
+"""`kubectl snapshot install|uninstall` (app/install.py, and the CLI's dry runs) over the shared fake API
+server, with the rendered manifests (kubectl_snapshot.deploy): the order objects are applied and deleted
+in, what is waited for, and what is left when a wait times out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from kubectl_snapshot.app import install as A
+from kubectl_snapshot.app.ports import Obj
+from kubectl_snapshot.cli import main as cli_main
+from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import Unavailable
+from kubectl_snapshot.deploy.agent import CLEANUP_NAME
+from tests.support.fakeplugin import Clock, FakeKube, snapshot
+
+AGENT = f"DaemonSet {K.AGENT_NAMESPACE}/{K.AGENT_NAME}"
+CLEANUP = f"DaemonSet {K.AGENT_NAMESPACE}/{CLEANUP_NAME}"
+
+
+class Controllers:
+    """The API server's and the DaemonSet controller's work, done when the installer sleeps: CRDs become
+    Established, DaemonSets roll out on `nodes` nodes (unless told to hang)."""
+
+    def __init__(self, kube: FakeKube, *, nodes: int = 2, crds_hang: bool = False, ds_hang: bool = False) -> None:
+        self.kube, self.nodes, self.crds_hang, self.ds_hang = kube, nodes, crds_hang, ds_hang
+        self.clock = Clock()
+
+    def sleep(self, seconds: float) -> None:
+        self.clock.sleep(seconds)
+        self.kube.journal.append("sleep")
+        for obj in self.kube.objects.values():
+            if obj["kind"] == "CustomResourceDefinition" and not self.crds_hang:
+                obj["status"] = {"conditions": [{"type": "Established", "status": "True"}]}
+            if obj["kind"] == "DaemonSet" and not self.ds_hang:
+                n = self.nodes
+                obj["status"] = {
+                    "observedGeneration": obj["metadata"]["generation"],
+                    "desiredNumberScheduled": n,
+                    "updatedNumberScheduled": n,
+                    "numberAvailable": n,
+                }
+
+    def run(self, fn: Any, objects: list[Obj], **kw: Any) -> list[str]:
+        steps: list[str] = []
+        fn(
+            objects,
+            kube=self.kube,
+            sleep=self.sleep,
+            clock=self.clock,
+            on_step=lambda what, _d, _t: steps.append(what),
+            **kw,
+        )
+        return steps
+
+
+def where(journal: list[str], line: str) -> int:
+    return journal.index(line)
+
+
+def label(obj: Obj) -> str:
+    meta = obj["metadata"]
+    return f"{obj['kind']} {meta['namespace'] + '/' if meta.get('namespace') else ''}{meta['name']}"
+
+
+def test_install_applies_in_order_waiting_for_each_crd_then_for_the_rollout() -> None:
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)  # a cluster that never had kubectl-snapshot
+    ctl = Controllers(kube)
+    steps = ctl.run(A.install, objects)
+    applies = [line for line in kube.journal if line.startswith("apply ")]
+    assert applies == [f"apply {label(o)}" for o in objects]  # in order, namespaces before their objects
+    for o in objects:
+        if o["kind"] == "CustomResourceDefinition":  # nothing else is applied until the CRD is Established
+            at = where(kube.journal, f"apply {label(o)}")
+            assert kube.journal[at + 1] == "sleep"
+    assert kube.journal[-2:] == [f"apply {AGENT}", "sleep"]  # then the rollout was waited for
+    assert all(kube.get_object(o) is not None for o in objects)
+    assert steps[-2:] == [f"wait for DaemonSet {K.AGENT_NAME} to roll out", "installed"]
+
+
+def test_a_crd_that_never_becomes_established_stops_the_install_there() -> None:
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)
+    ctl = Controllers(kube, crds_hang=True)
+    with pytest.raises(Unavailable, match=f"timed out after 60s waiting for CRD {objects[0]['metadata']['name']}"):
+        ctl.run(A.install, objects)
+    assert [line for line in kube.journal if line != "sleep"] == [f"apply {label(objects[0])}"]
+
+
+def test_a_daemonset_that_does_not_roll_out_times_out_with_a_hint() -> None:
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)
+    ctl = Controllers(kube, nodes=0)  # no node to run on: nothing becomes available
+    with pytest.raises(Unavailable, match=f"timed out after 120s waiting for {AGENT} rolled out") as e:
+        ctl.run(A.install, objects, timeout_s=120)
+    assert "kubectl snapshot doctor" in (e.value.hint or "") and not e.value.retryable
+    assert 120 < ctl.clock.now < 125
+
+
+def test_an_upgrade_waits_for_the_new_generation_not_the_old_rollout() -> None:
+    kube = FakeKube(crds=False)
+    ctl = Controllers(kube)
+    ctl.run(A.install, A.render("agent:v1", {}))
+    kube.journal.clear()
+    ctl.run(A.install, A.render("agent:v2", {}))
+    ds = kube.get("DaemonSet", K.AGENT_NAMESPACE, K.AGENT_NAME)
+    assert ds is not None and ds["metadata"]["generation"] == 2
+    assert kube.journal[-2:] == [f"apply {AGENT}", "sleep"]  # the v1 rollout's status did not count
+
+
+def test_uninstall_removes_the_hook_from_every_node_first_then_the_objects_in_reverse() -> None:
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)
+    ctl = Controllers(kube)
+    ctl.run(A.install, objects)
+    kube.add(snapshot("s1", "team"))
+    kube.journal.clear()
+    steps = ctl.run(A.uninstall, objects)
+    assert kube.journal[:3] == [f"apply {CLEANUP}", "sleep", f"delete {CLEANUP}"]
+    assert kube.journal[3:] == [f"delete {label(o)}" for o in reversed(objects)]
+    cleanup = kube.get("DaemonSet", K.AGENT_NAMESPACE, CLEANUP_NAME)
+    assert cleanup is None and all(kube.get_object(o) is None for o in objects)
+    assert kube.names(K.KIND) == []  # PodSnapshots go with their CRD
+    assert steps == ["remove the runtime hook from every node", "delete the objects"]
+
+
+def test_a_node_cleanup_that_does_not_finish_leaves_the_installation_but_not_the_cleanup() -> None:
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)
+    Controllers(kube).run(A.install, objects)
+    kube.journal.clear()
+    with pytest.raises(Unavailable, match="the runtime hook removed from every node") as e:
+        Controllers(kube, ds_hang=True).run(A.uninstall, objects, timeout_s=30)
+    assert f"logs ds/{CLEANUP_NAME} -c install-node" in (e.value.hint or "")
+    assert kube.get("DaemonSet", K.AGENT_NAMESPACE, CLEANUP_NAME) is None  # deleted all the same
+    assert all(kube.get_object(o) is not None for o in objects)  # the agent stays to retry
+
+
+def test_uninstall_without_an_agent_deletes_what_is_there() -> None:
+    objects = A.render(None, {})
+    kube = FakeKube()  # only the CRDs the fake starts with
+    Controllers(kube).run(A.uninstall, objects)
+    assert not any(CLEANUP_NAME in line for line in kube.journal)
+    assert kube.journal == [f"delete CustomResourceDefinition {K.POLICY_PLURAL}.{K.GROUP}",
+                            f"delete CustomResourceDefinition {K.PLURAL}.{K.GROUP}"]  # fmt: skip
+
+
+# --- the CLI's dry runs --------------------------------------------------------------------------------
+
+
+def cli(kube: FakeKube | None, monkeypatch: pytest.MonkeyPatch, *args: str) -> Any:
+    def client() -> FakeKube:
+        if kube is None:
+            raise AssertionError("a client dry run must not talk to the API server")
+        return kube
+
+    monkeypatch.setattr(cli_main, "kube_client", client)
+    return CliRunner().invoke(cli_main.cli, list(args), catch_exceptions=False)
+
+
+def installed() -> tuple[FakeKube, list[Obj]]:
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)
+    Controllers(kube).run(A.install, objects)
+    kube.journal.clear()
+    return kube, objects
+
+
+def test_install_client_dry_run_prints_the_objects_without_a_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = cli(None, monkeypatch, "install", "--dry-run=client", "-o", "name")
+    assert result.exit_code == 0, result.output
+    assert f"daemonset.apps/{K.AGENT_NAME}" in result.output.split()
+
+
+def test_install_server_dry_run_sends_every_object_and_stores_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    kube, objects = installed()
+    before = {k: v["metadata"]["resourceVersion"] for k, v in kube.objects.items()}
+    result = cli(kube, monkeypatch, "install", "--dry-run=server", "--agent-image", "agent:v9", "-o", "name")
+    assert result.exit_code == 0, result.output
+    assert kube.journal == [f"apply {label(o)} (dry run)" for o in objects]
+    assert {k: v["metadata"]["resourceVersion"] for k, v in kube.objects.items()} == before
+
+
+def test_uninstall_dry_runs_delete_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    kube, objects = installed()
+    result = cli(kube, monkeypatch, "uninstall", "--dry-run=server")
+    assert result.exit_code == 0, result.output
+    assert kube.journal == [f"delete {label(o)} (dry run)" for o in reversed(objects)]
+    assert f"DaemonSet/{K.AGENT_NAME} deleted (server dry run)" in result.output
+    assert all(kube.get_object(o) is not None for o in objects)
+    kube.journal.clear()
+    result = cli(None, monkeypatch, "uninstall", "--dry-run=client")
+    assert result.exit_code == 0 and kube.journal == []
