@@ -8,6 +8,7 @@ import base64
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj
@@ -36,6 +37,25 @@ def render(image: str | None, settings: Mapping[str, Any]) -> list[Obj]:
         ) from e
     render_fn: Callable[..., list[Obj]] = deploy.render  # type: ignore[attr-defined,unused-ignore]
     return render_fn(image or str(getattr(deploy, "DEFAULT_IMAGE", "")), **settings)
+
+
+@dataclass(frozen=True)
+class DryRun:
+    checked: list[Obj]  # as the API server would have them (validation and admission ran)
+    unchecked: list[Obj]  # as rendered: their namespace is created by this install and does not exist yet
+
+
+def server_dry_run(objects: list[Obj], *, kube: Kube) -> DryRun:
+    """`install --dry-run=server`: every object through the API server's validation and admission,
+    none stored. The API server refuses a dry run in a namespace that does not exist (kubernetes#83562),
+    and the install's own namespace exists only after a real install: on a fresh cluster the objects
+    inside it are returned unchecked, said as such, rather than failing the whole dry run."""
+    new_namespaces = {
+        str(o["metadata"]["name"]) for o in objects if o.get("kind") == "Namespace" and kube.get_object(o) is None
+    }
+    inside = [o for o in objects if (o.get("metadata") or {}).get("namespace") in new_namespaces]
+    checked = kube.apply([o for o in objects if o not in inside], dry_run=True)
+    return DryRun(checked=checked, unchecked=inside)
 
 
 def install(

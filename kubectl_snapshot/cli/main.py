@@ -649,7 +649,15 @@ def install_cmd(
         _emit_objects(objects, output)
         return
     if dry_run == "server":  # every object through the API server's validation and admission, none stored
-        _emit_objects(kube_client().apply(objects, dry_run=True), output)
+        result = install_app.server_dry_run(objects, kube=kube_client())
+        if result.unchecked:
+            namespaces = sorted({str(o["metadata"]["namespace"]) for o in result.unchecked})
+            click.echo(
+                f"note: {len(result.unchecked)} objects in namespace {', '.join(namespaces)} were not checked by the "
+                "API server: that namespace does not exist before the install creates it (shown as rendered)",
+                err=True,
+            )
+        _emit_objects(result.checked + result.unchecked, output)
         return
     kube = kube_client()
     pems = []

@@ -185,6 +185,22 @@ def test_install_server_dry_run_sends_every_object_and_stores_nothing(monkeypatc
     assert {k: v["metadata"]["resourceVersion"] for k, v in kube.objects.items()} == before
 
 
+def test_install_server_dry_run_on_a_fresh_cluster_checks_what_it_can(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The API server refuses a dry run inside a namespace that does not exist yet (kubernetes#83562):
+    what the install puts in its own namespace is shown unchecked, said so, instead of failing."""
+    kube = FakeKube(crds=False)
+    objects = A.render(None, {})
+    before = dict(kube.objects)
+    monkeypatch.setattr(cli_main, "kube_client", lambda: kube)
+    result = CliRunner().invoke(cli_main.cli, ["install", "--dry-run=server", "-o", "name"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    inside = [o for o in objects if o["metadata"].get("namespace") == K.AGENT_NAMESPACE]
+    assert inside and f"note: {len(inside)} objects in namespace {K.AGENT_NAMESPACE} were not checked" in result.output
+    assert kube.journal == [f"apply {label(o)} (dry run)" for o in objects if o not in inside]
+    assert f"daemonset.apps/{K.AGENT_NAME}" in result.output.split()  # still listed
+    assert kube.objects == before  # nothing stored
+
+
 def test_uninstall_dry_runs_delete_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     kube, objects = installed()
     result = cli(kube, monkeypatch, "uninstall", "--dry-run=server")
