@@ -17,6 +17,7 @@ import contextlib
 import json
 import shutil
 import signal
+import os
 import statistics
 import sys
 import tempfile
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.run import AGENT, WRAPPER, container, machine_facts, sh
 from tests.support.containerd import ContainerdDaemon, node_criu_config
 from tests.support.registry import RegistryServer
+from tests.support.signing import signing_env
 
 
 def checkpoint(daemon: ContainerdDaemon, ref: str, cid: str, seal: list[str]) -> tuple[float, dict[str, Any]]:
@@ -99,6 +101,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     work = Path(tempfile.mkdtemp(prefix="ksbench-enc-", dir="/var/tmp"))
     with contextlib.ExitStack() as stack:
         stack.enter_context(node_criu_config())
