@@ -61,15 +61,7 @@ def test_killed_node_pod_resumes_on_the_other_node_from_the_last_periodic_save(c
 
     with lost_node(cluster, n1) as killed:
         rec = recover(cluster, ns, pod, first["metadata"]["uid"], n1, killed)
-        assert rec.pod["spec"]["nodeName"] == n2
-        tok2, resumed = counter_value(cluster, ns, pod)
-        assert tok2 == tok, "the replacement started fresh instead of resuming"
-        assert resumed >= 1
-        cluster.wait_for("the resumed counter to go on", lambda: counter_value(cluster, ns, pod)[1] > resumed)
-        # it resumed the newest save, which the dead node's agent made (status.node is ks-n1)
-        ref = staged_reference(cluster, ns, rec.pod["metadata"]["uid"])
-        assert _digest(ref) == _digest(saved["status"]["reference"]), (ref, saved["status"])
-        assert saved["status"]["node"] == n1
+        tok2, resumed = sample(cluster, ns, pod)
         counts_lost = v_kill - resumed + round(rate * (killed - t_sample))
         lost_s = counts_lost / rate
         save_s = _seconds(saved["status"]["completionTime"]) - _seconds(saved["status"]["startTime"])
@@ -78,6 +70,14 @@ def test_killed_node_pod_resumes_on_the_other_node_from_the_last_periodic_save(c
             f"\nnode-loss: interval {INTERVAL_S}s; progress lost {counts_lost} counts = {lost_s:.1f}s "
             f"({lost_s / INTERVAL_S:.2f} of an interval; last save took {save_s:.0f}s); {steps}"
         )
+        assert rec.pod["spec"]["nodeName"] == n2
+        assert tok2 == tok, "the replacement started fresh instead of resuming"
+        assert resumed >= 1
+        cluster.wait_for("the resumed counter to go on", lambda: sample(cluster, ns, pod)[1] > resumed)
+        # it resumed the newest save, which the dead node's agent made (status.node is ks-n1)
+        ref = staged_reference(cluster, ns, rec.pod["metadata"]["uid"])
+        assert _digest(ref) == _digest(saved["status"]["reference"]), (ref, saved["status"])
+        assert saved["status"]["node"] == n1
         # at most one interval (plus the save's own duration: a save holds the state of its freeze) lost
         assert 0 <= lost_s <= INTERVAL_S + save_s + 2, (counts_lost, rate, lost_s)
 
