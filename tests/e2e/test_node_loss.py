@@ -44,8 +44,8 @@ def test_killed_node_pod_resumes_on_the_other_node_from_the_last_periodic_save(c
     assert first["spec"]["runtimeClassName"] == K.RUNTIME_CLASS  # protected: admission prepared it for resume
 
     # the counter's rate (counts per second), to turn counts lost into seconds lost
-    cluster.wait_for("the counter", lambda: counter_value(cluster, ns, pod)[1] >= 3, timeout=60)
-    tok, v0 = counter_value(cluster, ns, pod)
+    cluster.wait_for("the counter", lambda: sample(cluster, ns, pod)[1] >= 3, timeout=60)
+    tok, v0 = sample(cluster, ns, pod)
     t0 = time.time()
     cluster.wait_for("a periodic save", lambda: bool(good_saves(cluster, ns, NAME)), timeout=INTERVAL_S * 4)
     # kill in the middle of an interval, right after a fresh save (the next one starts INTERVAL_S after it)
