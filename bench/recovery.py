@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -219,6 +220,8 @@ def main() -> None:
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("error: the local cluster needs root\nhint: sudo .venv/bin/python -m bench.recovery")
+    # a timeout's SIGTERM unwinds like an error: the killed node is started again (lost_node's finally)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("error: terminated; the node is being started again"))
     rows = []
     with e2e_lock():
         cluster = cluster_up()
