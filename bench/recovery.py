@@ -158,6 +158,20 @@ def sample(cluster: Cluster, ns: str, pod: str) -> tuple[str, int]:
     raise AssertionError(f"could not read the counter of {ns}/{pod}")
 
 
+def kubelet_times(pod: dict[str, Any]) -> dict[str, str]:
+    """What the kubelet recorded (1 s resolution): the gate init container's start and exit, the
+    restored container's start; to split the staged -> Running step."""
+    out: dict[str, str] = {}
+    st = pod.get("status") or {}
+    for c in st.get("initContainerStatuses") or []:
+        t = (c.get("state") or {}).get("terminated") or {}
+        out[f"init {c['name']} started"] = str(t.get("startedAt"))
+        out[f"init {c['name']} finished"] = str(t.get("finishedAt"))
+    for c in st.get("containerStatuses") or []:
+        out[f"{c['name']} started"] = str(((c.get("state") or {}).get("running") or {}).get("startedAt"))
+    return out
+
+
 def one(cluster: Cluster, mib: int, interval: int) -> dict[str, Any]:
     n1, n2 = cluster.nodes[:2]
     ns = f"bench-recovery-{uuid.uuid4().hex[:6]}"
@@ -197,6 +211,7 @@ def one(cluster: Cluster, mib: int, interval: int) -> dict[str, Any]:
         restore = steps["pull_s"] + steps["restore_s"]
         return {
             "mib": mib,
+            "replacement_kubelet_times": kubelet_times(rec.pod),
             "interval_s": interval,
             "save_bytes": saved["status"].get("size"),
             "pulled_bytes": pulled,
