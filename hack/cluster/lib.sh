@@ -181,3 +181,47 @@ ks_start_containerd() {  # NODE
   ks_wait 30 "containerd on $node" /usr/local/bin/ctr --address "$(ks_node_sock "$node")" version \
     || ks_die "containerd on $node did not start" "see $KS_DIR/logs/containerd-$node.log"
 }
+
+ks_kubelet_config() {  # NODE: write the node's kubelet configuration
+  local node="$1" ip
+  ip="$(ks_node_ip "$node")"
+  local PKI="$KS_DIR/pki"
+  mkdir -p "$KS_DIR/$node/kubelet" "$KS_DIR/$node/pod-logs"
+  cat >"$KS_DIR/$node/kubelet.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: $ip
+port: 10250
+readOnlyPort: 0
+healthzBindAddress: $ip
+healthzPort: 10248
+containerRuntimeEndpoint: unix://$(ks_node_sock "$node")
+cgroupDriver: cgroupfs
+cgroupsPerQOS: true
+cgroupRoot: /$node
+failCgroupV1: false
+failSwapOn: false
+podLogsDir: $KS_DIR/$node/pod-logs
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $PKI/ca.crt}
+authorization: {mode: Webhook}
+featureGates: {ContainerCheckpoint: true}
+resolvConf: ""
+makeIPTablesUtilChains: false
+serializeImagePulls: false
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
+oomScoreAdj: 0
+EOF
+}
+
+ks_start_kubelet() {  # NODE BIN_DIR
+  local node="$1" BIN="$2" ip
+  ip="$(ks_node_ip "$node")"
+  ks_start "kubelet-$node" "$BIN/kubelet" --config="$KS_DIR/$node/kubelet.yaml" \
+    --kubeconfig="$KS_DIR/$node.kubeconfig" --root-dir="$KS_DIR/$node/kubelet" \
+    --hostname-override="$node" --node-ip="$ip" --v=1
+}

@@ -276,40 +276,8 @@ for node in "${KS_NODES[@]}"; do
   ks_containerd_config "$node"
   ks_start_containerd "$node"
 
-  ip="$(ks_node_ip "$node")"
-  mkdir -p "$KS_DIR/$node/kubelet" "$KS_DIR/$node/pod-logs"
-  cat >"$KS_DIR/$node/kubelet.yaml" <<EOF
-apiVersion: kubelet.config.k8s.io/v1beta1
-kind: KubeletConfiguration
-address: $ip
-port: 10250
-readOnlyPort: 0
-healthzBindAddress: $ip
-healthzPort: 10248
-containerRuntimeEndpoint: unix://$(ks_node_sock "$node")
-cgroupDriver: cgroupfs
-cgroupsPerQOS: true
-cgroupRoot: /$node
-failCgroupV1: false
-failSwapOn: false
-podLogsDir: $KS_DIR/$node/pod-logs
-authentication:
-  anonymous: {enabled: false}
-  webhook: {enabled: true}
-  x509: {clientCAFile: $PKI/ca.crt}
-authorization: {mode: Webhook}
-featureGates: {ContainerCheckpoint: true}
-resolvConf: ""
-makeIPTablesUtilChains: false
-serializeImagePulls: false
-imageGCHighThresholdPercent: 100
-imageGCLowThresholdPercent: 99
-evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
-oomScoreAdj: 0
-EOF
-  ks_start "kubelet-$node" "$BIN/kubelet" --config="$KS_DIR/$node/kubelet.yaml" \
-    --kubeconfig="$KS_DIR/$node.kubeconfig" --root-dir="$KS_DIR/$node/kubelet" \
-    --hostname-override="$node" --node-ip="$ip" --v=1
+  ks_kubelet_config "$node"
+  ks_start_kubelet "$node" "$BIN"
 done
 
 for node in "${KS_NODES[@]}"; do ks_wait 90 "node $node to register" "${KUBECTL[@]}" get node "$node"; done

@@ -10,7 +10,8 @@ provenance labels (written by an agent at claim time, from the real pod) and pic
   (``kubectl-snapshot.io/claimed-by``, resourceVersion-checked), so two new pods never share a save.
 
 While a save of a candidate predecessor is still running (a ``stop`` save of a migrated pod, say),
-the choice waits for it.
+the choice waits for it, unless the node taking it is down (NotReady, or tainted out of service:
+docs/node-loss.md): a save cut off by a dead node never finishes, and the newest good one stands.
 """
 
 from __future__ import annotations
@@ -70,6 +71,30 @@ def _when(s: Mapping[str, Any]) -> tuple[str, str, str]:
     return (str(status.get("completionTime") or ""), str(meta.get("creationTimestamp") or ""), str(meta.get("name")))
 
 
+OUT_OF_SERVICE_TAINT = "node.kubernetes.io/out-of-service"
+
+
+def node_down(node: Mapping[str, Any] | None) -> bool:
+    """The node (None: it is gone) cannot finish anything: its Ready condition is not True, or it
+    carries the out-of-service taint (an operator or automation declared it shut down)."""
+    if node is None:
+        return True
+    spec, status = node.get("spec") or {}, node.get("status") or {}
+    if any(t.get("key") == OUT_OF_SERVICE_TAINT for t in spec.get("taints") or []):
+        return True
+    ready = [c for c in status.get("conditions") or [] if c.get("type") == "Ready"]
+    return not ready or ready[0].get("status") != "True"
+
+
+def save_node(s: Mapping[str, Any]) -> str:
+    """The node taking (or that took) the save: its status.node ('' before an agent claimed it)."""
+    return str((s.get("status") or {}).get("node") or "")
+
+
+def in_progress(saves: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    return [s for s in saves if _phase(s) not in K.TERMINAL_PHASES]
+
+
 def choose(
     workload: Workload,
     pod: Mapping[str, Any],
@@ -77,15 +102,17 @@ def choose(
     *,
     running_pod_uids: set[str],
     wait_for_running: bool = True,
+    down_nodes: frozenset[str] | set[str] = frozenset(),
 ) -> Choice:
     """The save `pod` resumes from. `saves`: the PodSnapshots label_selector() matched; `running_pod_uids`:
     uids of the namespace's pods that exist and are not terminating; `wait_for_running`: False once
-    the caller waited long enough for saves still in progress."""
+    the caller waited long enough for saves still in progress; `down_nodes`: nodes that are down
+    (node_down): a save in progress there is not waited for."""
     uid = str((pod.get("metadata") or {}).get("uid") or "")
     own = [s for s in saves if _labels(s).get(K.LABEL_POD_UID) and _labels(s).get(K.LABEL_POD_UID) != uid]
     if workload.kind in BY_CLAIM:
         own = [s for s in own if _labels(s).get(K.LABEL_POD_UID) not in running_pod_uids]
-    if wait_for_running and any(_phase(s) not in K.TERMINAL_PHASES for s in own):
+    if wait_for_running and any(save_node(s) not in down_nodes for s in in_progress(own)):
         return Choice(wait=True, reason="a save of a predecessor is still running")
     good = sorted((s for s in own if _phase(s) == K.PHASE_SUCCEEDED), key=_when, reverse=True)
     if workload.kind not in BY_CLAIM:

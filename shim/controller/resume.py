@@ -89,7 +89,12 @@ class Resumer:
                 saves = self.kube.list_snapshots(ns, label_selector=selector)
                 running = self._running_pod_uids(ns) if workload.kind in R.BY_CLAIM else set()
                 choice = R.choose(
-                    workload, pod, saves, running_pod_uids=running, wait_for_running=self.clock() < deadline
+                    workload,
+                    pod,
+                    saves,
+                    running_pod_uids=running,
+                    wait_for_running=self.clock() < deadline,
+                    down_nodes=self._down_nodes(saves),
                 )
                 if not choice.wait:
                     break
@@ -121,6 +126,22 @@ class Resumer:
                 resume=True,
             )
         return StartFresh("other new pods kept claiming the saves first")
+
+    def _down_nodes(self, saves: list[dict[str, Any]]) -> set[str]:
+        """The nodes of saves still in progress that are down: a dead node's save never finishes
+        (docs/node-loss.md); the pod resumes from the newest good save instead of waiting for it."""
+        down = set()
+        for node in {R.save_node(s) for s in R.in_progress(saves)} - {""}:
+            try:
+                found: dict[str, Any] | None = self.kube.get_node(node)
+            except NotFound:
+                found = None
+            except SnapshotError as e:  # not known to be down: keep waiting for its save
+                log.warning("could not read node %s: %s", node, e)
+                continue
+            if R.node_down(found):
+                down.add(node)
+        return down
 
     def _running_pod_uids(self, ns: str) -> set[str]:
         return {

@@ -135,6 +135,16 @@ def assert_installed_criu_ran(node: str, operation: str, since: int) -> None:
 
 @pytest.fixture(scope="session")
 def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentInstall]:
+    with installed_agent(cluster, tmp_path_factory.mktemp("agent"), fail=pytest.fail) as installed:
+        yield installed
+
+
+@contextlib.contextmanager
+def installed_agent(
+    cluster: Cluster, workdir: Path, *, fail: Callable[[str], Any] = sys.exit
+) -> Iterator[AgentInstall]:
+    """The agent image built from this tree, installed with `kubectl snapshot install`; uninstalled
+    afterwards (and checked gone from the nodes). Also for scripts (bench/recovery.py)."""
     build = subprocess.run(
         [str(REPO / "hack" / "build-agent-image.sh"), f"{cluster.registry}/kubectl-snapshot/agent:e2e"],
         capture_output=True,
@@ -142,9 +152,9 @@ def agent(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         timeout=1800,
     )
     if build.returncode != 0:
-        pytest.fail(f"hack/build-agent-image.sh failed ({build.returncode}):\n{build.stderr[-4000:]}")
+        fail(f"hack/build-agent-image.sh failed ({build.returncode}):\n{build.stderr[-4000:]}")
     image = build.stdout.strip().splitlines()[-1]
-    node_config = tmp_path_factory.mktemp("agent") / "nodes.json"
+    node_config = workdir / "nodes.json"
     node_config.write_text(
         json.dumps(
             {

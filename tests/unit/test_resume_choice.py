@@ -162,3 +162,54 @@ def test_other_images_or_no_policy_start_fresh() -> None:
     assert "is gone" in r.source(gone).reason  # type: ignore[union-attr]
     kube.policy = {"spec": {"resume": True, "workload": {"kind": "StatefulSet", "name": "db"}}}
     assert "not the policy's workload" in r.source(rs_pod("p4")).reason  # type: ignore[union-attr]
+
+
+def node(name: str, ready: str = "True", *taints: str) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "spec": {"taints": [{"key": t, "effect": "NoExecute"} for t in taints]},
+        "status": {"conditions": [{"type": "Ready", "status": ready}]},
+    }
+
+
+def test_a_save_cut_off_by_a_dead_node_is_not_waited_for() -> None:
+    """docs/node-loss.md: the node taking a save died mid-save; its PodSnapshot stays Running forever."""
+    assert not R.node_down(node("n1"))
+    assert R.node_down(node("n1", "Unknown")) and R.node_down(node("n1", "False")) and R.node_down(None)
+    assert R.node_down(node("n1", "True", R.OUT_OF_SERVICE_TAINT))
+    assert R.node_down({"metadata": {"name": "n1"}})  # no Ready condition yet
+    cut = save("cut", "u2", "", phase=K.PHASE_RUNNING)
+    cut["status"]["node"] = "n1"
+    saves = [save("good", "u2", "2026-01-01T00:00:09Z"), cut]
+    assert R.choose(STS, new_pod(), saves, running_pod_uids=set()).wait  # n1 not known down: wait
+    got = R.choose(STS, new_pod(), saves, running_pod_uids=set(), down_nodes={"n1"})
+    assert not got.wait and got.save["metadata"]["name"] == "good"  # type: ignore[index]
+    assert R.choose(STS, new_pod(), saves, running_pod_uids=set(), down_nodes={"n2"}).wait
+
+
+def test_the_agent_reads_the_node_of_a_save_in_progress() -> None:
+    cut = save("cut", "u2", "", phase=K.PHASE_RUNNING)
+    cut["status"]["node"] = "n1"
+    kube = FakeKube([save("good", "u2", "2026-01-01T00:00:09Z"), cut])
+    kube.policy = {"spec": {"resume": True}}
+    nodes: dict[str, dict[str, Any]] = {"n1": node("n1", "Unknown")}
+
+    def get_node(name: str) -> dict[str, Any]:
+        if name not in nodes:
+            raise NotFound(f"node {name}")
+        return nodes[name]
+
+    kube.get_node = get_node  # type: ignore[attr-defined]
+    clock = iter(range(0, 10_000, 1))
+    r = Resumer(kube, sleep=lambda _s: None, clock=lambda: float(next(clock)), wait_s=100)
+    sts_pod = new_pod("p1")
+    sts_pod["metadata"]["ownerReferences"] = [
+        {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "web", "controller": True}
+    ]
+    got = r.source(sts_pod)
+    assert isinstance(got, RestoreSource) and got.resume, got  # no wait: n1 is down
+    nodes["n1"] = node("n1")  # back and Ready: its save will finish, so the pod waits (until wait_s)
+    waited_from = next(clock)
+    assert isinstance(r.source(sts_pod), RestoreSource) and next(clock) - waited_from > 100
+    del nodes["n1"]  # deleted from the cluster: down
+    assert isinstance(r.source(sts_pod), RestoreSource)
