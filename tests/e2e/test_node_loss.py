@@ -98,24 +98,26 @@ def test_killed_node_pod_resumes_on_the_other_node_from_the_last_periodic_save(c
 
 def cut_off_save(cluster: Cluster, ns: str, pod: str, pod_uid: str, node: str, repo: str) -> None:
     """What a node that dies in the middle of a save leaves: a PodSnapshot of the pod, claimed by that
-    node, Running for ever (made here as the admin, right after the kill: no save was in progress then)."""
-    cluster.apply(
-        {
-            "apiVersion": K.API_VERSION,
-            "kind": K.KIND,
-            "metadata": {
-                "name": "cut-off",
-                "namespace": ns,
-                "labels": {
-                    K.LABEL_WORKLOAD_KIND: "StatefulSet",
-                    K.LABEL_WORKLOAD_NAME: NAME,
-                    K.LABEL_POD: pod,
-                    K.LABEL_POD_UID: pod_uid,
-                },
+    node, Running for ever (made here right after the kill, when no save was in progress: created as the
+    agent, the only identity admission lets set a save's provenance labels, then marked Running as the
+    admin)."""
+    body = {
+        "apiVersion": K.API_VERSION,
+        "kind": K.KIND,
+        "metadata": {
+            "name": "cut-off",
+            "namespace": ns,
+            "labels": {
+                K.LABEL_WORKLOAD_KIND: "StatefulSet",
+                K.LABEL_WORKLOAD_NAME: NAME,
+                K.LABEL_POD: pod,
+                K.LABEL_POD_UID: pod_uid,
+                K.LABEL_POLICY: NAME,  # the agent creates only a policy's saves
             },
-            "spec": {"podName": pod, "podNamespace": ns, "destination": f"{repo}:cut-off"},
-        }
-    )
+        },
+        "spec": {"podName": pod, "podNamespace": ns, "destination": f"{repo}:cut-off"},
+    }
+    cluster.kubectl("--as", K.AGENT_USER, "create", "-f", "-", input=json.dumps(body))
     status = {"status": {"phase": K.PHASE_RUNNING, "node": node}}
     cluster.kubectl(
         "patch", K.PLURAL, "cut-off", "-n", ns, "--subresource=status", "--type=merge", "-p", json.dumps(status)
