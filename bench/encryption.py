@@ -15,9 +15,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import signal
-import os
 import statistics
 import sys
 import tempfile
