@@ -111,6 +111,9 @@ class StrictKube:
     def get_replicaset(self, ns: str, name: str) -> Obj | None:
         _unexpected("get_replicaset")
 
+    def get_node(self, name: str) -> Obj:
+        _unexpected("get_node")
+
     def patch_node_annotations(self, name: str, annotations: dict[str, str | None]) -> Obj:
         _unexpected("patch_node_annotations")
 

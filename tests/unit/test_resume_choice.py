@@ -199,7 +199,7 @@ def test_the_agent_reads_the_node_of_a_save_in_progress() -> None:
             raise NotFound(f"node {name}")
         return nodes[name]
 
-    kube.get_node = get_node  # type: ignore[attr-defined]
+    kube.get_node = get_node  # type: ignore[method-assign]
     clock = iter(range(0, 10_000, 1))
     r = Resumer(kube, sleep=lambda _s: None, clock=lambda: float(next(clock)), wait_s=100)
     sts_pod = new_pod("p1")
