@@ -85,13 +85,14 @@ def check_per_node_paths(per_node: Mapping[str, Mapping[str, str]]) -> dict[str,
     for node, paths in sorted(per_node.items()):
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", node):
             raise InvalidArgument(f"per_node_paths: {node!r} is not a node name")
-        unknown = sorted(set(paths) - set(NS.PER_NODE_KEYS))
+        unknown = sorted(k for k in paths if NS.per_node_key(k) is None)
         if unknown:
             raise InvalidArgument(
                 f"per_node_paths[{node!r}]: unknown key(s) {', '.join(unknown)}",
                 hint=f"use {', '.join(NS.PER_NODE_KEYS)}",
             )
-        out[node] = {k: NS.check_value(k, paths[k], f"per_node_paths[{node!r}].{k}") for k in sorted(paths)}
+        named = {str(NS.per_node_key(k)): v for k, v in paths.items()}
+        out[node] = {k: NS.check_value(k, named[k], f"per_node_paths[{node!r}].{k}") for k in sorted(named)}
     return out
 
 

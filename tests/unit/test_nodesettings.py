@@ -83,8 +83,9 @@ def test_values_are_checked_by_kind() -> None:
         NS.check_value("metrics_bind_address", "nowhere")
     with pytest.raises(InvalidArgument, match="one line"):
         NS.check_value("restart_command", "a\nb")
-    with pytest.raises(InvalidArgument):
+    with pytest.raises(InvalidArgument, match="unknown key"):
         deploy_agent.check_per_node_paths({"n1": {"criu_path": "/x"}})
+    assert deploy_agent.check_per_node_paths({"n1": {"kubeletRoot": "/k"}}) == {"n1": {"kubelet_root": "/k"}}
 
 
 def test_agent_rejects_a_bad_path_with_the_flag_named() -> None:
