@@ -87,25 +87,30 @@ def cpu_seconds() -> float:
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
-def page_hashes(checkpoint_dir: Path) -> dict[R.PageKey, bytes]:
-    """A short digest of every dumped page, keyed by (pagemap image, virtual address)."""
-    out: dict[R.PageKey, bytes] = {}
+def page_hashes(checkpoint_dir: Path) -> tuple[dict[R.PageKey, bytes], dict[R.PageKey, R.FileOffset]]:
+    """A short digest of every dumped page, keyed by (pagemap image, virtual address), and where each
+    page lies in its page file (to tell which chunks hold changed pages)."""
+    digests: dict[R.PageKey, bytes] = {}
+    where: dict[R.PageKey, R.FileOffset] = {}
     for pm in sorted(checkpoint_dir.glob("pagemap-*.img")):
         pages_id, runs = read_pagemap(str(pm))
-        with open(checkpoint_dir / f"pages-{pages_id}.img", "rb") as f:
+        pages_name = f"pages-{pages_id}.img"
+        with open(checkpoint_dir / pages_name, "rb") as f:
             for run in runs:
                 done = 0
                 while done < run.nr_pages:
                     n = min(READ_PAGES, run.nr_pages - done)
+                    offset = f.tell()
                     buf = memoryview(f.read(n * R.PAGE))
                     if len(buf) != n * R.PAGE:
-                        raise RuntimeError(f"{checkpoint_dir}: pages-{pages_id}.img is shorter than {pm.name} says")
+                        raise RuntimeError(f"{checkpoint_dir}: {pages_name} is shorter than {pm.name} says")
                     base = run.vaddr + done * R.PAGE
                     for j in range(n):
-                        page = buf[j * R.PAGE : (j + 1) * R.PAGE]
-                        out[(pm.name, base + j * R.PAGE)] = hashlib.blake2b(page, digest_size=8).digest()
+                        key = (pm.name, base + j * R.PAGE)
+                        digests[key] = hashlib.blake2b(buf[j * R.PAGE : (j + 1) * R.PAGE], digest_size=8).digest()
+                        where[key] = (pages_name, offset + j * R.PAGE)
                     done += n
-    return out
+    return digests, where
 
 
 @contextlib.contextmanager
@@ -184,7 +189,9 @@ class Agent:
         )
         wall, cpu = time.monotonic() - t0, cpu_seconds() - cpu0
         kept = sorted(set(work_root.iterdir()) - before) if keep_work else []
-        chunks = [c.to_dict() for rec in result.config.containers for pf in rec.pages for c in pf.chunks]
+        chunks = [
+            {**c.to_dict(), "file": pf.name} for rec in result.config.containers for pf in rec.pages for c in pf.chunks
+        ]
         return {
             "wall_s": wall,
             "cpu_s": cpu,
@@ -250,17 +257,20 @@ def measure_steady(
             work_dir = s.pop("work")
             if work_dir is None:
                 raise RuntimeError("the save's dump directory was not kept")
-            hashes = page_hashes(work_dir / CONTAINER_NAME / C.CHECKPOINT_DIRECTORY)
+            hashes, where = page_hashes(work_dir / CONTAINER_NAME / C.CHECKPOINT_DIRECTORY)
             cpu0 = cpu_seconds()  # the agent deletes its dump dir: that is the agent's CPU too
             shutil.rmtree(work_dir)
             s["cpu_s"] += cpu_seconds() - cpu0
             chunks = s.pop("chunks")
             s["new_chunks"], s["new_chunk_raw"], s["chunk_uploaded"] = R.new_chunks(chunks, seen)
+            changed = None if previous is None else R.changed_keys(previous, hashes)
+            if changed is not None:  # which chunks were sent, and how much of each had changed
+                s["sent_chunks"] = R.chunk_breakdown(chunks, seen, {where[k] for k in changed})
             s["chunks_total"] = len(chunks)
             s["chunk_raw_max"] = max((int(c["length"]) for c in chunks), default=0)
             seen |= {str(c["digest"]) for c in chunks}
             s["dumped_pages"] = len(hashes)
-            s["changed_bytes"] = None if previous is None else R.changed_pages(previous, hashes) * R.PAGE
+            s["changed_bytes"] = None if changed is None else len(changed) * R.PAGE
             s["written_bytes"] = written
             previous = hashes
             samples.append(s)

@@ -18,11 +18,30 @@ UPLOAD_GOAL_FACTOR = 2.0
 FREEZE_GOAL_FACTOR, FREEZE_GOAL_SLACK_S = 1.1, 0.030
 
 PageKey = tuple[str, int]  # (pagemap image name, virtual address of the page)
+FileOffset = tuple[str, int]  # (page file name, byte offset of the page in it)
 
 
-def changed_pages(before: Mapping[PageKey, bytes], after: Mapping[PageKey, bytes]) -> int:
+def changed_keys(before: Mapping[PageKey, bytes], after: Mapping[PageKey, bytes]) -> list[PageKey]:
     """Pages of `after` whose content differs from the same page of `before`, or that `before` lacked."""
-    return sum(1 for key, digest in after.items() if before.get(key) != digest)
+    return [key for key, digest in after.items() if before.get(key) != digest]
+
+
+def chunk_breakdown(
+    chunks: Sequence[Mapping[str, Any]], seen: set[str], changed_at: set[FileOffset]
+) -> list[dict[str, int]]:
+    """For each chunk the registry lacked: its raw length and how many of its bytes are changed pages
+    (`changed_at`: where the changed pages lie in the page files). Shows what chunking costs."""
+    out: list[dict[str, int]] = []
+    fresh: set[str] = set()
+    for c in chunks:
+        d = str(c["digest"])
+        if d in seen or d in fresh:
+            continue
+        fresh.add(d)
+        start, length = int(c["offset"]), int(c["length"])
+        inside = sum(1 for off in range(start, start + length, PAGE) if (str(c["file"]), off) in changed_at)
+        out.append({"offset": start, "length": length, "changed": inside * PAGE, "stored": int(c["size"])})
+    return out
 
 
 def median(xs: Sequence[float | int | None]) -> float | None:
@@ -134,6 +153,12 @@ def _mib(v: float | None) -> str:
     return "n/a" if v is None else f"{v / 2**20:.1f} MiB"
 
 
+def _sent(chunks: Sequence[Mapping[str, int]] | None) -> str:
+    if chunks is None:
+        return "n/a"
+    return ", ".join(f"{c['length'] / 2**20:.1f} ({c['changed'] / 2**20:.1f})" for c in chunks) or "none"
+
+
 def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("met" if ok else "**missed**")
 
@@ -149,8 +174,9 @@ def markdown(result: Mapping[str, Any]) -> str:
         f"load average at the end {', '.join(f'{x:.2f}' for x in m['loadavg'])}; {m['time']}.",
         "",
         "| save | freeze / raw criu dump | uploaded / changed | chunks uploaded / changed (goal <=2x) | "
-        "metadata uploaded | changed (page diff) / written by the workload | agent CPU / raw dump CPU |",
-        "|---|---|---|---|---|---|---|",
+        "metadata uploaded | changed (page diff) / written by the workload | agent CPU / raw dump CPU | "
+        "chunks sent: raw MiB (changed MiB in it) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for i, (save, p) in enumerate(zip(steady["saves"][1:], s["per_save"], strict=True), start=1):
         lines.append(
@@ -159,7 +185,7 @@ def markdown(result: Mapping[str, Any]) -> str:
             f"{_x(p['chunks_uploaded_vs_changed'])} ({save.get('new_chunks')} chunks, "
             f"{_mib(save.get('chunk_uploaded'))}) {_verdict(p['upload_goal_met'])} | "
             f"{_mib(p['metadata_uploaded'])} | {_x(p['changed_vs_written'])} | "
-            f"{_x(p['cpu_vs_raw_dump_cpu'])} ({save.get('cpu_s', 0):.2f} s) |"
+            f"{_x(p['cpu_vs_raw_dump_cpu'])} ({save.get('cpu_s', 0):.2f} s) | {_sent(save.get('sent_chunks'))} |"
         )
     lines += [
         "",

@@ -19,9 +19,26 @@ def test_changed_pages_counts_differing_and_new_pages_only() -> None:
         ("pagemap-1.img", 0x4000): b"d",  # new mapping
         ("pagemap-2.img", 0x1000): b"a",  # same address, another process: new
     }  # 0x3000 unmapped: nothing to upload for it
-    assert R.changed_pages(before, after) == 3
-    assert R.changed_pages(after, after) == 0
-    assert R.changed_pages({}, after) == 4
+    assert R.changed_keys(before, after) == [
+        ("pagemap-1.img", 0x2000),
+        ("pagemap-1.img", 0x4000),
+        ("pagemap-2.img", 0x1000),
+    ]
+    assert R.changed_keys(after, after) == []
+    assert len(R.changed_keys({}, after)) == 4
+
+
+def test_chunk_breakdown_shows_how_much_of_each_sent_chunk_had_changed() -> None:
+    chunks = [
+        {"file": "pages-1.img", "offset": 0, "length": 4 * R.PAGE, "digest": "sha256:a", "size": 100},
+        {"file": "pages-1.img", "offset": 4 * R.PAGE, "length": 8 * R.PAGE, "digest": "sha256:b", "size": 200},
+        {"file": "pages-1.img", "offset": 12 * R.PAGE, "length": 2 * R.PAGE, "digest": "sha256:c", "size": 300},
+    ]
+    changed_at = {("pages-1.img", 5 * R.PAGE), ("pages-1.img", 6 * R.PAGE), ("pages-2.img", 12 * R.PAGE)}
+    assert R.chunk_breakdown(chunks, {"sha256:a"}, changed_at) == [
+        {"offset": 4 * R.PAGE, "length": 8 * R.PAGE, "changed": 2 * R.PAGE, "stored": 200},
+        {"offset": 12 * R.PAGE, "length": 2 * R.PAGE, "changed": 0, "stored": 300},  # another file's page
+    ]
 
 
 def test_new_chunks_counts_digests_the_repository_lacked_once() -> None:
@@ -74,7 +91,12 @@ def _result() -> dict[str, Any]:
     saves = [
         _save(changed_bytes=None, uploaded=2048 * MIB, chunk_uploaded=2047 * MIB),  # the chain's base
         _save(freeze_s=1.0),
-        _save(freeze_s=1.4, chunk_uploaded=48 * MIB, uploaded=49 * MIB),
+        _save(
+            freeze_s=1.4,
+            chunk_uploaded=48 * MIB,
+            uploaded=49 * MIB,
+            sent_chunks=[{"length": 16 * MIB, "changed": 4 * MIB}, {"length": 16 * MIB, "changed": 0}],
+        ),
         _save(freeze_s=1.2, cpu_s=8.0),
     ]
     return {
@@ -132,5 +154,6 @@ def test_the_table_shows_each_ratio_beside_what_it_divides() -> None:
     assert "| 2 | 1.40x (1400 ms) | 2.45x (49.0 MiB / 20.0 MiB) | 2.40x (3 chunks, 48.0 MiB) **missed** |" in md
     assert "1.20x | raw `criu dump --leave-running` of a host process of the same size (1200 ms / 1000 ms)" in md
     assert "**missed** (2 of 3 saves)" in md
+    assert "| 16.0 (4.0), 16.0 (0.0) |" in md
     assert "| 64 MiB pod: full save (fresh repository) | 2.50x |" in md
     assert "sealed" in md
