@@ -2,7 +2,7 @@
 """The steady cost of autosave, as ratios to measurements of the same run (issue 12, item 6).
 
     sudo .venv/bin/python -m bench.autosave [--size 2048] [--saves 5] [--pct 1] [--pod-mib 64]
-                                            [--no-encrypt] [-o table|json] [--out FILE]
+                                            [--no-encrypt] [--max-span MiB] [-o table|json] [--out FILE]
 
 A workload container (bench/workload.py, `random` = incompressible pages by default) holding --size
 MiB changes --pct percent of its memory (one contiguous region) before each of --saves saves, after a
@@ -63,6 +63,7 @@ from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.keystore import FileKeyProvider
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.adapters.signatures import load_signing_key
+from kubectl_snapshot.core import chunks as core_chunks
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
@@ -315,11 +316,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pod-mib", type=int, default=64, help="the small pod's MiB (0: skip that part)")
     ap.add_argument("--pod-runs", type=int, default=None, help="the small pod's runs (default: --saves)")
     ap.add_argument("--no-encrypt", action="store_true", help="do not seal (the DaemonSet seals by default)")
+    ap.add_argument(
+        "--max-span",
+        type=int,
+        default=0,
+        choices=[0, 1, 2, 4, 8, 16],
+        help="experiment: cap the chunk span at this many MiB in this process (0: the product's MAX_SPAN)",
+    )
     ap.add_argument("-o", "--output", default="table", choices=["table", "json"])
     ap.add_argument("--out", default="", help="also write the JSON result to this file")
     a = ap.parse_args(argv)
     if a.saves < 1 or a.size < 1:
         ap.error("--saves and --size must be at least 1")
+    if a.max_span:  # what-if for the chunking trade-off (docs/performance.md); restores accept any span <= 16 MiB
+        core_chunks.MAX_SPAN = a.max_span << 20
     # a SIGTERM (timeout, kill) unwinds like ^C: daemons stopped, workloads killed, CRIU config removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="ksbench-autosave-", dir="/var/tmp"))
@@ -346,6 +356,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": facts,
         "command": " ".join(["python -m bench.autosave", *(argv if argv is not None else sys.argv[1:])]),
         "sealed": not a.no_encrypt,
+        "max_span_mib": core_chunks.MAX_SPAN >> 20,
         "elapsed_s": time.monotonic() - started,
         "steady": steady,
         "pod": pod,

@@ -168,7 +168,8 @@ def markdown(result: Mapping[str, Any]) -> str:
     steady, m = result["steady"], result["machine"]
     lines = [
         f"# autosave's steady cost: {steady['mib']} MiB {steady['kind']}, {steady['pct']}% changed per interval, "
-        f"{len(steady['saves']) - 1} saves after the base{'; sealed' if result.get('sealed') else ''}",
+        f"{len(steady['saves']) - 1} saves after the base{'; sealed' if result.get('sealed') else ''}"
+        + (f"; chunk span at most {result['max_span_mib']} MiB" if result.get("max_span_mib") else ""),
         "",
         f"Machine: {m['cpus']} CPUs ({m['cpu_model']}), kernel {m['kernel']}, {m['criu']}, {m['runc']}; "
         f"load average at the end {', '.join(f'{x:.2f}' for x in m['loadavg'])}; {m['time']}.",
