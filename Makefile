@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup deps cluster-deps go-tools cosign venv lint typecheck check-generated protos chart unit integration e2e test demo demo-node bench clean
+.PHONY: setup deps cluster-deps go-tools cosign venv lint typecheck check-generated protos chart unit integration e2e test demo demo-node bench bench-autosave clean
 
 deps:
 	hack/install-node-deps.sh
@@ -65,6 +65,11 @@ demo-node: setup
 bench: setup
 	hack/install-bench-deps.sh
 	$(PY) bench/run.py --quick
+
+# autosave's steady cost (issue 12): a 2 GiB process, 1% changed per save, and a 64 MiB pod (~3 min);
+# BENCH_ARGS="--size 256" for a quick run. It writes /etc/criu/runc.conf: hold the e2e lock on shared machines
+bench-autosave: venv
+	flock /run/ks-e2e.lock $(PY) -m bench.autosave $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .mypy_cache .ruff_cache .pytest_cache

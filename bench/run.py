@@ -103,7 +103,11 @@ def rss_bytes(pid: int) -> int:
 # --- raw CRIU and the serial bounds ---------------------------------------------------------------
 
 
-def raw_bounds(work: Path, registry: RegistryServer, mib: int, kind: str, runs: int) -> dict[str, Any]:
+def raw_bounds(
+    work: Path, registry: RegistryServer, mib: int, kind: str, runs: int, *, restore: bool = True
+) -> dict[str, Any]:
+    """The serial bound's parts (dump, tar|zstd -1, sha256, upload; with `restore` also download,
+    unzstd and a raw ``criu restore``), each timed on its own: medians of `runs` after a warm-up."""
     ctl = Path(tempfile.mkdtemp(dir=work))
     proc = subprocess.Popen(
         [HOST_PY, *workload_args(ctl, mib, kind)],
@@ -153,7 +157,7 @@ def raw_bounds(work: Path, registry: RegistryServer, mib: int, kind: str, runs: 
         proc.kill()
         proc.wait()
         last = dumps / f"d{runs}"
-        for i in range(runs + 1):
+        for i in range(runs + 1 if restore else 0):
             t = timed(lambda: sh([CRIU, "restore", "-D", str(last), "--restore-detached", *opts[:2], "-o", "r.log"]))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, 9)
