@@ -86,9 +86,14 @@ class Resumer:
         for _ in range(CLAIM_ATTEMPTS):
             while True:
                 saves = self.kube.list_snapshots(ns, label_selector=selector)
-                running = self._running_pod_uids(ns) if workload.kind in R.BY_CLAIM else set()
+                running, terminating = self._pods(ns, policy_name)
                 choice = R.choose(
-                    workload, pod, saves, running_pod_uids=running, wait_for_running=self.clock() < deadline
+                    workload,
+                    pod,
+                    saves,
+                    running_pod_uids=running,
+                    terminating=terminating,
+                    wait_for_running=self.clock() < deadline,
                 )
                 if not choice.wait:
                     break
@@ -121,10 +126,17 @@ class Resumer:
             )
         return StartFresh("other new pods kept claiming the saves first")
 
-    def _running_pod_uids(self, ns: str) -> set[str]:
-        return {
-            str(p["metadata"].get("uid"))
-            for p in self.kube.list_pods(ns)
-            if not p["metadata"].get("deletionTimestamp")
-            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
-        }
+    def _pods(self, ns: str, policy: str) -> tuple[set[str], list[dict[str, Any]]]:
+        """Uids of the namespace's pods that run on (not terminating, not finished), and its pods being
+        deleted that the same policy protects (their final save may still come: core/finalsave.py)."""
+        running: set[str] = set()
+        terminating = []
+        for p in self.kube.list_pods(ns):
+            meta = p["metadata"]
+            if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                continue
+            if not meta.get("deletionTimestamp"):
+                running.add(str(meta.get("uid")))
+            elif (meta.get("annotations") or {}).get(K.ANN_RESUME_POLICY) == policy:
+                terminating.append(p)
+        return running, terminating
