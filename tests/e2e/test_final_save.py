@@ -87,10 +87,19 @@ def phase(s: dict[str, Any]) -> str:
     return str((s.get("status") or {}).get("phase") or "")
 
 
+def diagnose(cluster: Cluster, ns: str) -> str:
+    got = [(s["metadata"]["name"], s.get("status")) for s in saves(cluster, ns, K.LABEL_POLICY)]
+    pols = [(p["metadata"]["name"], p.get("status")) for p in cluster.get_json(K.POLICY_PLURAL, "-n", ns)["items"]]
+    events = cluster.kubectl("get", "events", "-n", ns, check=False).stdout
+    return f"saves: {json.dumps(got)[:4000]}\npolicies: {json.dumps(pols)[:2000]}\n{events[-4000:]}"
+
+
 def test_drain_protected_pods_carry_on_from_their_final_save(cluster, namespace, agent):  # type: ignore[no-untyped-def]
     ns = namespace
     n1, n2 = cluster.nodes[:2]
     apps = {"sts": "StatefulSet", "dep": "Deployment"}
+    # the agent pushes the policies' saves where the namespace's cluster admin allows (docs/security.md)
+    cluster.kubectl("annotate", "namespace", ns, f"{K.ANN_ALLOWED_DESTINATIONS}={cluster.registry}/e2e/{ns}")
     for app, kind in apps.items():
         cluster.apply(policy(ns, app, kind, cluster.registry))
     for app, kind in {**apps, "plain": "Deployment"}.items():
@@ -115,7 +124,10 @@ def test_drain_protected_pods_carry_on_from_their_final_save(cluster, namespace,
         def saved(uid: str = uid) -> bool:
             return any(phase(s) == K.PHASE_SUCCEEDED for s in saves(cluster, ns, f"{K.LABEL_POD_UID}={uid}"))
 
-        cluster.wait_for(f"the first periodic save of {app}", saved, timeout=180)
+        try:
+            cluster.wait_for(f"the first periodic save of {app}", saved, timeout=120)
+        except AssertionError:
+            raise AssertionError(diagnose(cluster, ns)) from None
         periodic_upper[app] = counter_value(cluster, ns, old[app]["metadata"]["name"])[1]  # >= the saved value
     for app in apps:
         name = old[app]["metadata"]["name"]
