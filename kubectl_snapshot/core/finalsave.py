@@ -114,7 +114,8 @@ def decide(pod: Mapping[str, Any], *, node: str, now: float, already: bool) -> D
     grace_s = int(grace) if grace is not None else int(spec.get("terminationGracePeriodSeconds") or DEFAULT_GRACE_S)
     if deadline is None:
         return Decision(False)
-    hooks_end = deadline - grace_s + min(sleeps)
+    # a deletion with a shorter grace period than the pod's (drain --grace-period) cuts the hooks short
+    hooks_end = min(deadline - grace_s + min(sleeps), deadline)
     window = hooks_end - now
     if window < MIN_WINDOW_S:
         return Decision(

@@ -159,6 +159,10 @@ def test_drain_protected_pods_carry_on_from_their_final_save(cluster, namespace,
             assert_resumed(cluster, ns, new, tok, value)  # same token, counter >= its value before the drain
             final = cluster.get_json(K.PLURAL, final["metadata"]["name"], "-n", ns)
             assert phase(final) == K.PHASE_SUCCEEDED, final.get("status")
+            st = final["status"]
+            print(
+                f"{app}: final save {final['metadata']['name']} ({st.get('sizeHuman')}), timings ms {st.get('timings')}"
+            )
             if apps[app] == "Deployment":
                 assert final["metadata"]["annotations"][K.ANN_CLAIMED_BY] == new["metadata"]["uid"]
             print(f"{app}: counter {value} before the drain, {counter_value(cluster, ns, new['metadata']['name'])[1]}"

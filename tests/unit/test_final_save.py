@@ -90,6 +90,14 @@ def test_too_late_when_the_hook_is_about_to_end() -> None:
     assert not d.save and d.event and "only 1s were left before SIGTERM" in d.reason
 
 
+def test_a_shorter_grace_period_at_deletion_cuts_the_window() -> None:
+    p = pod(deleted_ago=1.0)
+    p["metadata"]["deletionGracePeriodSeconds"] = 10  # drain --grace-period=10 on a pod of 30 s
+    p["metadata"]["deletionTimestamp"] = iso(NOW - 1.0 + 10)
+    d = decide(p)
+    assert d.save and 8 <= d.window_s <= 9  # the kubelet ends the 24 s hook at the 10 s deadline
+
+
 def test_the_event_when_the_final_save_did_not_finish() -> None:
     text = F.late_message("web-0-x", 30, "CRIU: process gone", "web-0-periodic")
     assert "final save web-0-x did not finish within the pod's terminationGracePeriodSeconds (30s)" in text
