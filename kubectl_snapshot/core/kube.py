@@ -36,6 +36,8 @@ LABEL_POLICY: Final = f"{GROUP}/policy"  # only on saves a SnapshotPolicy made
 LABEL_WORKLOAD_KIND: Final = f"{GROUP}/workload-kind"  # StatefulSet | Deployment | ReplicaSet | Job | Pod
 LABEL_WORKLOAD_NAME: Final = f"{GROUP}/workload-name"
 LABEL_COMPLETION_INDEX: Final = f"{GROUP}/completion-index"  # indexed Jobs: the pod's completion index
+# On a PodSnapshot the agent took, with stop, when its protected pod was being terminated (core/finalsave.py).
+LABEL_FINAL_SAVE: Final = f"{GROUP}/final-save"
 # On a PodSnapshot: the uid of the pod that resumed from it (claimed atomically, resourceVersion-checked).
 ANN_CLAIMED_BY: Final = f"{GROUP}/claimed-by"
 # On a pod: the SnapshotPolicy under which it resumes from its predecessor's last save (set at admission).
@@ -103,3 +105,5 @@ EVENT_SNAPSHOT_FAILED: Final = "SnapshotFailed"
 EVENT_RESTORE_STAGED: Final = "RestoreStaged"
 EVENT_RESTORE_FAILED: Final = "RestoreFailed"
 EVENT_RESUME_SKIPPED: Final = "ResumeSkipped"  # a resuming pod starts fresh, and why
+EVENT_FINAL_SAVE: Final = "FinalSave"  # a terminating protected pod is saved before SIGTERM
+EVENT_FINAL_SAVE_FAILED: Final = "FinalSaveFailed"  # ... not in time (or not at all): the last periodic save stands

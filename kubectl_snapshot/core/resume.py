@@ -9,9 +9,13 @@ provenance labels (written by an agent at claim time, from the real pod) and pic
   or terminating) and none of whose saves is claimed yet; the agent then claims it
   (``kubectl-snapshot.io/claimed-by``, resourceVersion-checked), so two new pods never share a save.
 
-While a save of a candidate predecessor is still running (a ``stop`` save of a migrated pod, say),
-the choice waits for it, unless the node taking it is down (NotReady, or tainted out of service:
-docs/node-loss.md): a save cut off by a dead node never finishes, and the newest good one stands.
+While a save of a candidate predecessor is still running (a ``stop`` save of a migrated pod, or the
+final save of a terminating pod: core/finalsave.py), the choice waits for it; and while a protected
+predecessor is still terminating (a ReplicaSet or a Job replaces a pod as soon as it is being
+deleted, before its agent may even have created its final save), it waits for that pod to be gone.
+Neither wait applies where the node is down (NotReady, or tainted out of service: docs/node-loss.md):
+a save cut off by a dead node never finishes, a pod there never terminates by itself, and the newest
+good save stands.
 """
 
 from __future__ import annotations
@@ -101,14 +105,21 @@ def choose(
     saves: Iterable[Mapping[str, Any]],
     *,
     running_pod_uids: set[str],
+    terminating: Iterable[Mapping[str, Any]] = (),
     wait_for_running: bool = True,
     down_nodes: frozenset[str] | set[str] = frozenset(),
 ) -> Choice:
     """The save `pod` resumes from. `saves`: the PodSnapshots label_selector() matched; `running_pod_uids`:
-    uids of the namespace's pods that exist and are not terminating; `wait_for_running`: False once
-    the caller waited long enough for saves still in progress; `down_nodes`: nodes that are down
-    (node_down): a save in progress there is not waited for."""
+    uids of the namespace's pods that exist and are not terminating; `terminating`: the namespace's
+    pods being deleted that the same SnapshotPolicy protects (their final save may still come);
+    `wait_for_running`: False once the caller waited long enough for saves still in progress;
+    `down_nodes`: nodes that are down (node_down): a save in progress there, or a pod terminating
+    there, is not waited for."""
     uid = str((pod.get("metadata") or {}).get("uid") or "")
+    if wait_for_running and any(
+        predecessor(workload, pod, p) and (p.get("spec") or {}).get("nodeName") not in down_nodes for p in terminating
+    ):
+        return Choice(wait=True, reason="a predecessor is terminating (its final save may be under way)")
     own = [s for s in saves if _labels(s).get(K.LABEL_POD_UID) and _labels(s).get(K.LABEL_POD_UID) != uid]
     if workload.kind in BY_CLAIM:
         own = [s for s in own if _labels(s).get(K.LABEL_POD_UID) not in running_pod_uids]
@@ -125,6 +136,19 @@ def choose(
         why = "every predecessor's save is claimed by another pod" if good else "no save of a predecessor that is gone"
         return Choice(reason=f"{why} ({workload.kind} {workload.name})")
     return Choice(save=dict(free[0]), claim=True)  # the newest save of the predecessor saved last
+
+
+def predecessor(workload: Workload, pod: Mapping[str, Any], other: Mapping[str, Any]) -> bool:
+    """Whether `other` (a terminating pod of the same policy) is one whose save `pod` may resume: same
+    name (StatefulSet), same completion index (Job), any other pod (ReplicaSet/Deployment)."""
+    meta, ometa = pod.get("metadata") or {}, other.get("metadata") or {}
+    if ometa.get("uid") == meta.get("uid"):
+        return False
+    if workload.kind in BY_NAME:
+        return bool(ometa.get("name") == meta.get("name"))
+    if workload.kind in BY_INDEX:
+        return completion_index(other) is not None and completion_index(other) == completion_index(pod)
+    return workload.kind in BY_CLAIM
 
 
 def _identity(workload: Workload, pod: Mapping[str, Any]) -> str:

@@ -171,13 +171,16 @@ def _binding(name: str, labels: dict[str, str]) -> dict[str, Any]:
 # checked then (policy_policy: create podsnapshots and restore, the Secret, the destination); at each
 # save the destination and insecure are checked again against the namespace's lists (the agent is no
 # namespace admin), and the requester checks (create pods, get the Secret) are the policy creator's.
-# A save of the agent is never a `stop`.
+# A save of the agent is a `stop` only when it is the final save of a protected pod being terminated
+# (core/finalsave.py; the agent may delete the pods of its node anyway: agent_pods_policy).
 _POLICY_SAVE_VARIABLES = [
     {
         "name": "policySave",
         "expression": f"request.userInfo.username == {_quote(K.AGENT_USER)}"
         f" && has(object.metadata.labels) && {_quote(K.LABEL_POLICY)} in object.metadata.labels"
-        " && (!has(object.spec.stop) || !object.spec.stop)",
+        " && (!has(object.spec.stop) || !object.spec.stop"
+        f" || ({_quote(K.LABEL_FINAL_SAVE)} in object.metadata.labels"
+        f" && object.metadata.labels[{_quote(K.LABEL_FINAL_SAVE)}] == 'true'))",
     }
 ]
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kubectl_snapshot.core import finalsave as F
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.podspec import gate_container
 from kubectl_snapshot.deploy.admission import API, _binding, _can, _deny, _match, _policy, _quote
@@ -133,6 +134,38 @@ def _command_patch(gate_image: str) -> str:
     return _no_helm_delimiters(f'[JSONPatch{{op: "add", path: "/spec/initContainers/0/command", value: [{command}]}}]')
 
 
+_VARIABLES = [
+    {
+        "name": "grace",
+        "expression": "has(object.spec.terminationGracePeriodSeconds) ? object.spec.terminationGracePeriodSeconds"
+        f" : {F.DEFAULT_GRACE_S}",
+    },
+    # core/finalsave.hook_sleep_s in CEL: the grace period less a fifth of it (1 s to 10 s)
+    {
+        "name": "hookSleep",
+        "expression": f"variables.grace - (variables.grace / 5 < 1 ? 1 : (variables.grace / 5 > {F.MAX_MARGIN_S}"
+        f" ? {F.MAX_MARGIN_S} : variables.grace / 5))",
+    },
+]
+# a hook only where no container has a preStop of its own, and the grace period leaves time for a save
+_NO_OWN_PRESTOP = "object.spec.containers.all(c, !has(c.lifecycle) || !has(c.lifecycle.preStop))"
+HOOK_CONDITION_CEL = f"variables.grace >= {F.MIN_GRACE_S} && {_NO_OWN_PRESTOP}"
+
+
+def _final_save_hook() -> str:
+    """Mutation 3 (ApplyConfiguration, merged by container name): the final save's preStop sleep on
+    every app container (core/finalsave.py); nothing when a container has a preStop of its own or the
+    grace period is too short for a save."""
+    hook = (
+        "Object.spec.containers.lifecycle{preStop: Object.spec.containers.lifecycle.preStop{"
+        "sleep: Object.spec.containers.lifecycle.preStop.sleep{seconds: variables.hookSleep}}}"
+    )
+    containers = f"object.spec.containers.map(c, Object.spec.containers{{name: c.name, lifecycle: {hook}}})"
+    return _no_helm_delimiters(
+        f"{HOOK_CONDITION_CEL} ? Object{{spec: Object.spec{{containers: {containers}}}}} : Object{{}}"
+    )
+
+
 def mutating_policy(labels: dict[str, str], gate_image: str) -> dict[str, Any]:
     return {
         "apiVersion": API,
@@ -142,6 +175,7 @@ def mutating_policy(labels: dict[str, str], gate_image: str) -> dict[str, Any]:
             "paramKind": {"apiVersion": K.API_VERSION, "kind": K.POLICY_KIND},
             "matchConstraints": _match([""], ["v1"], ["CREATE"], ["pods"]),
             "matchConditions": [dict(c) for c in _MATCH_CONDITIONS],
+            "variables": [dict(v) for v in _VARIABLES],
             "failurePolicy": "Ignore",
             "reinvocationPolicy": "Never",
             "mutations": [
@@ -150,6 +184,7 @@ def mutating_policy(labels: dict[str, str], gate_image: str) -> dict[str, Any]:
                     "applyConfiguration": {"expression": _apply_configuration(gate_image)},
                 },
                 {"patchType": "JSONPatch", "jsonPatch": {"expression": _command_patch(gate_image)}},
+                {"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": _final_save_hook()}},
             ],
         },
     }

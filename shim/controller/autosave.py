@@ -111,6 +111,14 @@ class Autosave:
         with self._lock:
             self._pods.pop(str((obj.get("metadata") or {}).get("uid") or ""), None)
 
+    def policy(self, namespace: str, name: str) -> Obj | None:
+        """The SnapshotPolicy as the informer last saw it (the final save reads its destination)."""
+        with self._lock:
+            return self._policies.get((namespace, name))
+
+    def workload(self, pod: Obj) -> W.Workload:
+        return self._workload(pod)
+
     # --- the loop ----------------------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:

@@ -87,14 +87,15 @@ class Resumer:
         for _ in range(CLAIM_ATTEMPTS):
             while True:
                 saves = self.kube.list_snapshots(ns, label_selector=selector)
-                running = self._running_pod_uids(ns) if workload.kind in R.BY_CLAIM else set()
+                running, terminating = self._pods(ns, policy_name)
                 choice = R.choose(
                     workload,
                     pod,
                     saves,
                     running_pod_uids=running,
+                    terminating=terminating,
                     wait_for_running=self.clock() < deadline,
-                    down_nodes=self._down_nodes(saves),
+                    down_nodes=self._down_nodes(saves, terminating),
                 )
                 if not choice.wait:
                     break
@@ -127,11 +128,14 @@ class Resumer:
             )
         return StartFresh("other new pods kept claiming the saves first")
 
-    def _down_nodes(self, saves: list[dict[str, Any]]) -> set[str]:
-        """The nodes of saves still in progress that are down: a dead node's save never finishes
-        (docs/node-loss.md); the pod resumes from the newest good save instead of waiting for it."""
+    def _down_nodes(self, saves: list[dict[str, Any]], terminating: list[dict[str, Any]]) -> set[str]:
+        """The nodes of saves still in progress, and of terminating predecessors, that are down: a dead
+        node's save never finishes and its pods never finish terminating (docs/node-loss.md); the pod
+        resumes from the newest good save instead of waiting for them."""
+        nodes = {R.save_node(s) for s in R.in_progress(saves)}
+        nodes |= {str((p.get("spec") or {}).get("nodeName") or "") for p in terminating}
         down = set()
-        for node in {R.save_node(s) for s in R.in_progress(saves)} - {""}:
+        for node in nodes - {""}:
             try:
                 found: dict[str, Any] | None = self.kube.get_node(node)
             except NotFound:
@@ -143,10 +147,17 @@ class Resumer:
                 down.add(node)
         return down
 
-    def _running_pod_uids(self, ns: str) -> set[str]:
-        return {
-            str(p["metadata"].get("uid"))
-            for p in self.kube.list_pods(ns)
-            if not p["metadata"].get("deletionTimestamp")
-            and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
-        }
+    def _pods(self, ns: str, policy: str) -> tuple[set[str], list[dict[str, Any]]]:
+        """Uids of the namespace's pods that run on (not terminating, not finished), and its pods being
+        deleted that the same policy protects (their final save may still come: core/finalsave.py)."""
+        running: set[str] = set()
+        terminating = []
+        for p in self.kube.list_pods(ns):
+            meta = p["metadata"]
+            if (p.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                continue
+            if not meta.get("deletionTimestamp"):
+                running.add(str(meta.get("uid")))
+            elif (meta.get("annotations") or {}).get(K.ANN_RESUME_POLICY) == policy:
+                terminating.append(p)
+        return running, terminating

@@ -19,6 +19,7 @@ from shim import dumplock, freezer, hostfacts, metrics_server, nodecheck
 from shim.containerd.client import ContainerdClient
 from shim.controller.autosave import Autosave
 from shim.controller.fairness import FairScheduler
+from shim.controller.finalsave import FinalSaver
 from shim.controller.informer import Informer
 from shim.controller.node_install import DROPIN_NAME
 from shim.controller.ports import Kube
@@ -190,12 +191,20 @@ def run(
         keys=keys,
     )
 
+    # issue 13: a protected pod being terminated is saved with stop before its containers get SIGTERM
+    final = FinalSaver(kube, settings.node, policy_of=autosave.policy, workload_of=autosave.workload)
+
     def on_pod(pod: dict[str, Any]) -> None:
         restores.consider(pod)
         autosave.pod_changed(pod)
+        final.pod_changed(pod)
+
+    def on_pod_gone(pod: dict[str, Any]) -> None:
+        autosave.pod_gone(pod)
+        final.pod_gone(pod)
 
     informers = node_informers(kube, settings.node, snapshots.consider, on_pod)
-    informers[-1].on_delete = autosave.pod_gone  # the node's pods: autosave forgets deleted ones
+    informers[-1].on_delete = on_pod_gone  # the node's pods: autosave and final save forget deleted ones
     informers += autosave_informers(kube, autosave)
     for inf in informers:
         threading.Thread(target=inf.run, name=inf.name, args=(stop,), daemon=True).start()
@@ -206,6 +215,7 @@ def run(
         f.write("ready\n")
     log.info("agent ready")
     threading.Thread(target=autosave.run, name="autosave", args=(stop,), daemon=True).start()
+    threading.Thread(target=final.run, name="final-save", args=(stop,), daemon=True).start()
     while not stop.wait(60):
         publish_facts(kube, settings, facts)
         for path in restores.collect_garbage():

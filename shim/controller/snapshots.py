@@ -144,6 +144,17 @@ class SnapshotWorker:
             return
         if (pod.get("spec") or {}).get("nodeName") != self.settings.node:
             return
+        final = (meta.get("labels") or {}).get(K.LABEL_FINAL_SAVE) == "true" and spec.get("stop")
+        if final and not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            # a final save stops only a pod that is already being terminated (core/finalsave.py): the
+            # label that lets an agent create a stop save never stops a pod that would have run on
+            self._claim_and_fail(
+                obj,
+                f"refused: {K.LABEL_FINAL_SAVE} is for the final save of a pod being terminated, and pod"
+                f" {ns}/{pod['metadata']['name']} is not",
+                "take a save with stop without that label (kubectl snapshot pod/NAME --stop)",
+            )
+            return
         if not self._claim(obj):
             return
         # in turn per namespace (issue 10): one namespace's snapshots do not starve another's

@@ -37,7 +37,7 @@ def test_the_mutating_policy_never_blocks_and_takes_every_policy_of_the_namespac
 
 
 def test_the_mutation_adds_exactly_the_restore_pods_gate() -> None:
-    apply, patch = objects()[("MutatingAdmissionPolicy", resume.MUTATING_POLICY)]["spec"]["mutations"]
+    apply, patch, _hook = objects()[("MutatingAdmissionPolicy", resume.MUTATING_POLICY)]["spec"]["mutations"]
     assert apply["patchType"] == "ApplyConfiguration" and patch["patchType"] == "JSONPatch"
     expr = apply["applyConfiguration"]["expression"] + patch["jsonPatch"]["expression"]
     assert "{{" not in expr and "}}" not in expr  # Helm's delimiters (the chart is generated)

@@ -147,3 +147,21 @@ def test_our_own_claim_seen_again_is_not_taken_for_a_restart() -> None:
     stale["metadata"]["uid"] = "u2"
     w.consider(stale)  # the watch delivers our claim after the fact
     assert "refused" in kube.patches[-1][2]["message"]
+
+
+def test_a_final_save_stops_only_a_pod_already_being_terminated() -> None:
+    """The label that lets an agent create a stop save (admission) never stops a pod that would have
+    run on: the agent of the pod's node refuses it unless the pod is being deleted."""
+    kube = FakeKube({("a", "p"): pod("n1")})
+    w = worker(kube)
+    final = snapshot({"podName": "p", "stop": True})
+    final["metadata"]["labels"] = {K.LABEL_FINAL_SAVE: "true"}
+    w.consider(final)
+    assert w.ran == []
+    status = kube.patches[-1][2]
+    assert (
+        status["phase"] == K.PHASE_FAILED and "refused" in status["message"] and "being terminated" in status["message"]
+    )
+    kube.pods[("a", "p")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:30Z"
+    w.consider(snapshot({"podName": "p", "stop": True}) | {"metadata": final["metadata"] | {"name": "s2"}})
+    assert w.ran == ["s2"]
