@@ -143,6 +143,11 @@ def test_a_deployment_replacement_waits_while_a_protected_predecessor_terminates
     c = R.choose(dep, new, [periodic], running_pod_uids=set(), terminating=[old])
     assert c.wait and "terminating" in c.reason  # not the periodic save: the final one may come
     assert R.choose(dep, new, [periodic], running_pod_uids=set(), terminating=[old], wait_for_running=False).save
+    # a predecessor on a dead node never finishes terminating by itself (docs/node-loss.md): not waited for
+    on_dead = {**old, "spec": {"nodeName": "n1"}}
+    c = R.choose(dep, new, [periodic], running_pod_uids=set(), terminating=[on_dead], down_nodes={"n1"})
+    assert not c.wait and c.save is not None
+    assert R.choose(dep, new, [periodic], running_pod_uids=set(), terminating=[on_dead], down_nodes={"n2"}).wait
     # a StatefulSet's replacement has the same name only once its predecessor is gone; a Job's by index
     assert not R.predecessor(W.Workload("StatefulSet", "web"), new, old)
     job_new = {"metadata": {"uid": "n", "annotations": {W.COMPLETION_INDEX_KEY: "1"}}}
