@@ -8,8 +8,13 @@ server serves it; errors are `kubectl_snapshot.core.errors` (NotFound, Conflict,
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
+
+from kubectl_snapshot.core.reference import Reference
+from shim.containerd.runc_checkpoint import RuncCheckpointer
+from shim.engine.ports import Containerd, Registry
 
 Obj = dict[str, Any]
 WatchEvents = Iterator[tuple[str, Obj]]
@@ -86,3 +91,15 @@ class Kube(Protocol):
     def get_secret(self, ns: str, name: str) -> Obj: ...
     def create_secret(self, ns: str, body: Obj) -> Obj: ...
     def replace_secret(self, ns: str, name: str, body: Obj) -> Obj: ...
+
+
+class SnapshotRegistry(Registry, Protocol):
+    """The registry a snapshot is pushed to (adapters/registry.RegistryClient)."""
+
+    def add_mount_sources(self, sources: Iterable[Reference]) -> None: ...
+
+
+# (namespace, registrySecret or None, insecure) -> a client with that Secret's credentials
+RegistryFor = Callable[[str, str | None, bool], SnapshotRegistry]
+# the checkpointer runc dumps with -> the node's containerd, open for the snapshot's length
+ContainerdFor = Callable[[RuncCheckpointer], AbstractContextManager[Containerd]]

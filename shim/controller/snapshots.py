@@ -34,7 +34,7 @@ from shim.containerd.runc_checkpoint import RuncCheckpointer
 from shim.controller.events import pod_event, snapshot_event
 from shim.controller.mounts import previous_repositories
 from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_containers
-from shim.controller.ports import Kube
+from shim.controller.ports import ContainerdFor, Kube, RegistryFor
 from shim.controller.settings import NodeSettings
 from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
@@ -84,8 +84,19 @@ class SnapshotWorker:
         queue: WorkQueue | None = None,
         keys: KeyProvider | None = None,
         on_saved: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+        registries: RegistryFor | None = None,
+        containerd: ContainerdFor | None = None,
     ) -> None:
         self.kube = kube
+        # the clients a snapshot uses: the real adapters unless a test passes fakes of the ports
+        self.registries: RegistryFor = registries or (
+            lambda ns, secret, insecure: registry_for(kube, ns, secret, insecure=insecure)
+        )
+        self.containerd: ContainerdFor = containerd or (
+            lambda checkpointer: ContainerdClient(
+                settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE, checkpointer=checkpointer
+            )
+        )
         self.on_saved = on_saved  # after every good save: (PodSnapshot, pod); autosave's last-save annotation
         self.keys = keys  # encryption at rest: every snapshot sealed with its namespace's key
         self.settings = settings
@@ -201,7 +212,7 @@ class SnapshotWorker:
             # through the host's mount namespace: memory-backed emptyDirs are mounts made after the agent started
             root = host_view(self.settings.kubelet_root)
             volumes = empty_dirs(pod, root) if spec.get("includeVolumes", True) else {}
-            registry = registry_for(self.kube, ns, spec.get("registrySecret"), insecure=bool(spec.get("insecure")))
+            registry = self.registries(ns, spec.get("registrySecret"), bool(spec.get("insecure")))
             target = Reference.parse(spec.get("destination", ""))
             registry.add_mount_sources(previous_repositories(self.kube, ns, str(spec.get("podName") or ""), target))
             # read per snapshot: a rotated key (the Secret's mounted file) is used as soon as it lands
@@ -227,12 +238,7 @@ class SnapshotWorker:
             sealer = Sealer(self.keys.namespace_key(ns, create=True), ns) if self.keys is not None else None
             report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
             checkpointer = RuncCheckpointer(self.settings.criu, self.settings.runc_path)  # the installed CRIU
-            with (
-                self._guard(report) as held,
-                ContainerdClient(
-                    self.settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE, checkpointer=checkpointer
-                ) as containerd,
-            ):
+            with self._guard(report) as held, self.containerd(checkpointer) as containerd:
                 result = checkpoint(
                     req,
                     containerd=containerd,
