@@ -207,6 +207,33 @@ def cli() -> None:
     """
 
 
+def _snapshot_request(
+    target: str,
+    to: str | None,
+    *,
+    stop: bool,
+    registry_secret: str | None,
+    insecure: bool,
+    no_volumes: bool,
+    ignore_liveness: bool,
+) -> tuple[Kube, SnapshotRequest]:
+    """The snapshot `pod/NAME --to ...` asks for (arguments checked before the API server is contacted)."""
+    pod = parse_pod_arg(target)
+    repository = _require_to(to)
+    kube = kube_client()
+    req = SnapshotRequest(
+        namespace=namespace_of(kube),
+        pod=pod,
+        repository=repository,
+        registry_secret=registry_secret,
+        insecure=insecure,
+        stop=stop,
+        include_volumes=not no_volumes,
+        ignore_liveness=ignore_liveness,
+    )
+    return kube, req
+
+
 @cli.command(DEFAULT_COMMAND)
 @common_options
 @_snapshot_options
@@ -230,20 +257,11 @@ def pod_cmd(
     output: str,
 ) -> None:
     """Snapshot a running pod: `kubectl snapshot pod/NAME --to REGISTRY/REPO[:TAG]`."""
-    pod = parse_pod_arg(target)
-    repository = _require_to(to)
-    kube = kube_client()
-    ns = namespace_of(kube)
-    req = SnapshotRequest(
-        namespace=ns,
-        pod=pod,
-        repository=repository,
-        registry_secret=registry_secret,
-        insecure=insecure,
-        stop=stop,
-        include_volumes=not no_volumes,
+    kube, req = _snapshot_request(
+        target, to, stop=stop, registry_secret=registry_secret, insecure=insecure, no_volumes=no_volumes,
         ignore_liveness=ignore_liveness,
-    )
+    )  # fmt: skip
+    ns, pod = req.namespace, req.pod
     if dry_run != "none":
         body = snapshot_body(req, kube=kube) if dry_run == "client" else start_snapshot(req, kube=kube, dry_run=True)
         name = body["metadata"]["name"]
@@ -338,21 +356,13 @@ def migrate_cmd(
 ) -> None:
     """Move a running pod to another node: snapshot it (it keeps running), restore the copy there, and
     delete the original only once the copy runs. If anything fails the original is left untouched."""
-    pod = parse_pod_arg(target)
-    repository = _require_to(to)
-    kube = kube_client()
-    ns = namespace_of(kube)
+    kube, snapshot = _snapshot_request(
+        target, to, stop=False, registry_secret=registry_secret, insecure=insecure, no_volumes=no_volumes,
+        ignore_liveness=ignore_liveness,
+    )  # fmt: skip
+    ns, pod = snapshot.namespace, snapshot.pod
     req = MigrateRequest(
-        snapshot=SnapshotRequest(
-            namespace=ns,
-            pod=pod,
-            repository=repository,
-            registry_secret=registry_secret,
-            insecure=insecure,
-            stop=False,
-            include_volumes=not no_volumes,
-            ignore_liveness=ignore_liveness,
-        ),
+        snapshot=snapshot,
         node=node,
         name=name,
         agent_image=agent_image,
