@@ -89,21 +89,28 @@ def release_leftover(pids: Sequence[int], net: NetLock = KERNEL) -> int:
 
 @contextlib.contextmanager
 def pod_network_locked(pids: Sequence[int], net: NetLock = KERNEL) -> Iterator[None]:
-    """Drop every packet in the namespaces the containers (init pids) share, for the block's length."""
+    """Drop every packet in the namespaces the containers (init pids) share, for the block's length.
+
+    Each namespace is held open for the block: a dump that ends its tasks (no --leave-running) takes
+    their /proc/PID/ns/net with them, and the lock must still be lifted."""
+    held: list[int] = []
     locked: list[str] = []
     try:
         for path in _targets(pids):
             try:
-                net.lock(path)
+                held.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+                net.lock(f"/proc/self/fd/{held[-1]}")
             except OSError as e:
                 raise FailedPrecondition(
                     f"locking the pod's network for the dump failed: {e}",
                     hint="the node's kernel needs nf_tables (CONFIG_NF_TABLES, CONFIG_NF_TABLES_INET); "
                     "`kubectl snapshot doctor` checks it",
                 ) from None
-            locked.append(path)
+            locked.append(f"/proc/self/fd/{held[-1]}")
         yield
     finally:
         for path in locked:
             with contextlib.suppress(OSError):
                 net.unlock(path)  # best effort: the namespace goes with the pod anyway
+        for fd in held:
+            os.close(fd)

@@ -97,7 +97,7 @@ def unpack(data: bytes) -> Iterator[Message]:
 def error_code(m: Message) -> int:
     """The (positive) errno of an NLMSG_ERROR message; 0 for an acknowledgement."""
     (code,) = struct.unpack_from("=i", m.body)
-    return -code
+    return -int(code)
 
 
 def fail(code: int, what: str) -> NetlinkError:

@@ -20,6 +20,20 @@ def namespaces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dumplock, "host_pid", lambda: None)
 
 
+@pytest.fixture(autouse=True)
+def opened(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """os.open of /proc/PID/ns/net as fd 1000 + PID (the namespace is held open while locked)."""
+    paths: list[str] = []
+
+    def fake_open(path: str, flags: int) -> int:
+        paths.append(path)
+        return 1000 + int(path.split("/")[2])
+
+    monkeypatch.setattr(dumplock.os, "open", fake_open)
+    monkeypatch.setattr(dumplock.os, "close", lambda fd: None)
+    return paths
+
+
 class Recorder:
     def __init__(self, error: OSError | None = None, existed: bool = True) -> None:
         self.calls: list[tuple[str, str]] = []
@@ -40,11 +54,13 @@ def test_only_namespaces_shared_by_two_containers_are_locked_never_the_agents() 
     assert dumplock.shared_namespaces([300, 301], ["net:[9]"]) == {}  # the agent's (host network) own
 
 
-def test_locked_for_the_block_then_unlocked() -> None:
+def test_locked_for_the_block_then_unlocked_through_the_held_namespace(opened: list[str]) -> None:
     rec = Recorder()
     with dumplock.pod_network_locked([100, 101, 200], net=rec):
-        assert rec.calls == [("lock", "/proc/100/ns/net")]
-    assert rec.calls == [("lock", "/proc/100/ns/net"), ("unlock", "/proc/100/ns/net")]
+        assert opened == ["/proc/100/ns/net"]
+        assert rec.calls == [("lock", "/proc/self/fd/1100")]
+    # unlocked through the namespace held open: the dumped tasks (and their /proc/PID) may be gone
+    assert rec.calls == [("lock", "/proc/self/fd/1100"), ("unlock", "/proc/self/fd/1100")]
 
 
 def test_a_lock_that_cannot_be_taken_fails_the_dump_with_a_hint() -> None:
@@ -55,7 +71,7 @@ def test_a_lock_that_cannot_be_taken_fails_the_dump_with_a_hint() -> None:
     ):
         pass
     assert "nf_tables" in (e.value.hint or "")
-    assert rec.calls == [("lock", "/proc/100/ns/net")]  # nothing to undo
+    assert rec.calls == [("lock", "/proc/self/fd/1100")]  # nothing to undo
 
 
 def test_a_lock_left_by_a_killed_agent_is_lifted_where_it_is() -> None:

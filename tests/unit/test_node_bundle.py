@@ -55,11 +55,20 @@ def test_install_puts_the_bundle_and_launchers_in_the_nodes_own_directory(tmp_pa
     criu = json.loads(Path(s.criu + ".launch").read_text())
     assert criu["argv"] == [*loader, "--argv0", "criu", f"{r.bundle}/libexec/criu"]
     assert criu["log"] == str(node / "criu.launches")
-    # nothing points outside the node's directory: no host python3, no host criu
-    assert all(a.startswith(str(node)) or not a.startswith("/") for a in hook["argv"] + criu["argv"])
+    assert criu["pathPrepend"] == [str(node / "bin")]  # CRIU runs tar and gzip by name: the bundle's first
+    tools = {name: json.loads((node / "bin" / f"{name}.launch").read_text()) for name in ("tar",)}
+    assert tools["tar"]["argv"] == [*loader, "--argv0", "tar", f"{r.bundle}/libexec/tar"]
+    assert tools["tar"]["gzipFilter"] is True  # tar's --gzip would run gzip through the host's /bin/sh
+    assert (node / "bin" / "tar").read_bytes() == b"\x7fELF launcher"
+    assert sorted(os.listdir(node / "bin")) == ["tar", "tar.launch"]
+    # nothing points outside the node's directory: no host python3, no host criu, no host tar
+    argvs = [a for c in (hook, criu, *tools.values()) for a in c["argv"]]
+    assert all(a.startswith(str(node)) or not a.startswith("/") for a in argvs)
     facts = json.loads((node / INSTALL_FACTS).read_text())
     assert facts["criu"]["version"] == "4.2.1" and facts["criu"]["launcher"] == s.criu
     assert facts["python"]["version"] == "3.11.2" and facts["bundle"] == r.bundle
+    assert facts["tools"]["tar"]["launcher"] == str(node / "bin" / "tar")
+    assert facts["tools"]["tar"]["from"] == "debian tar 1.34+dfsg-1.2+deb12u1"
 
 
 def test_a_new_bundle_replaces_the_old_one_and_uninstall_removes_all(tmp_path: Path) -> None:
@@ -72,7 +81,7 @@ def test_a_new_bundle_replaces_the_old_one_and_uninstall_removes_all(tmp_path: P
     second = install(s, bundle=str(fake_bundle(tmp_path / "b2", pyz=b"PK-new")))
     assert second.bundle != first.bundle and not Path(first.bundle).exists()
     assert sorted(os.listdir(s.wrapper_dir)) == sorted(
-        [os.path.basename(second.bundle), "criu", "criu.launch", "install.json", "kubectl-snapshot-runc",
+        [os.path.basename(second.bundle), "bin", "criu", "criu.launch", "install.json", "kubectl-snapshot-runc",
          "kubectl-snapshot-runc.launch"]
     )  # fmt: skip
     uninstall(s)
