@@ -34,12 +34,13 @@ from pathlib import Path
 
 import pytest
 
-from shim import dumplock, netlink, netns, nftlock
+from shim import dumplock
 from shim.controller.node_install import install, uninstall
 from shim.controller.settings import NodeSettings
 from shim.engine.staging import StatePaths
 from shim.podrestore import LOCK_TABLE, RELEASED_FILE, PodRestore
 from tests.support.bundle import REPO, real_bundle
+from tests.support.nft import nft_tables
 
 BUSYBOX = Path("/bin/busybox")
 # Every host program that the agent or the hook ran before issue 17 was done, and the ones it never may.
@@ -399,17 +400,6 @@ def test_whole_pod_dump_lock_and_restore_without_host_tools(node: NodeSettings, 
     parents = [" ".join(str(a) for a in r["parent"]) for r in launches(node)[before:]]  # type: ignore[union-attr]
     assert sum(" checkpoint " in p for p in parents) >= 2 and sum(" restore " in p for p in parents) >= 2, parents
     assert all(f"--criu {node.criu}" in p for p in parents), parents  # every CRIU run was the installed one
-
-
-def nft_tables(netns_path: str) -> list[str]:
-    """The nf_tables tables of a namespace (a netlink dump: the host has no `nft`)."""
-
-    def dump() -> list[str]:
-        with netlink.Netlink(netlink.NETLINK_NETFILTER) as nl:
-            msgs = nl.dump(nftlock._kind(nftlock.NFT_MSG_GETTABLE), nftlock._nfgen(0), "listing tables")
-        return [netlink.parse_attrs(m.body[4:]).get(1, b"").rstrip(b"\0").decode() for m in msgs]
-
-    return netns.run_in(netns_path, dump)
 
 
 def _last(path: Path) -> int:
