@@ -163,6 +163,15 @@ def test_blockers_and_doctor_per_node() -> None:
         "containerd": {"version": "v1.7.24", "found": True, "config": "/etc/containerd/config.toml",
                        "importsDropin": False, "restartPending": True},
     }  # fmt: skip
+    status["tools"] = nodecheck.tools(
+        {"tools": {"tar": {"launcher": "/opt/kubectl-snapshot/n1/bin/tar", "version": "1.34", "from": "debian tar"}}},
+        "agent image X",
+    )
+    assert status["tools"]["tar"] == {"path": "/opt/kubectl-snapshot/n1/bin/tar", "version": "1.34",
+                                      "from": "debian tar, agent image X"}  # fmt: skip
+    lock = status["tools"]["pod network lock"]
+    assert lock["path"] == "in-process" and "iptables-restore" in lock["replaces"] and lock["ok"] is True  # this kernel
+    assert {t["path"] for n, t in status["tools"].items() if n != "tar"} == {"in-process"}
     status["blockers"] = nodecheck.blockers(status)
     assert len(status["blockers"]) == 4
     assert "UFFD is not supported" in status["blockers"][0] and "containerd 2.x" in status["blockers"][1]
@@ -174,4 +183,10 @@ def test_blockers_and_doctor_per_node() -> None:
     fine = {"version": "v2.3.7", "found": True, "importsDropin": True, "restartPending": False}
     ok = {**status, "criuCheck": {"ok": True}, "containerd": fine}
     assert nodecheck.blockers(ok) == []
+    no_nft = {**ok, "tools": {"pod network lock": {"ok": False, "detail": "nf_tables is not usable here"}}}
+    assert nodecheck.blockers(no_nft) == [
+        "pods' network cannot be locked (whole-pod restores, dumps of pods): nf_tables is not usable here"
+    ]
+    assert facts["tools"]["tar"]["path"] == "/opt/kubectl-snapshot/n1/bin/tar"
+    assert facts["tools"]["abort connections from the old address"]["replaces"] == "ss -K"
     assert node_facts({"metadata": {"name": "n2"}})["blockers"]  # an agent that published nothing
