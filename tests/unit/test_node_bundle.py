@@ -12,7 +12,7 @@ import pytest
 from kubectl_snapshot.app.doctor import node_facts
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
-from shim import nodecheck
+from shim import hostfacts, nodecheck
 from shim.containerd.model import ContainerInfo, RuncOptions
 from shim.containerd.runc_checkpoint import CheckpointArgs, RuncCheckpointer
 from shim.controller.node_install import INSTALL_FACTS, install, uninstall
@@ -190,3 +190,11 @@ def test_blockers_and_doctor_per_node() -> None:
     assert facts["tools"]["tar"]["path"] == "/opt/kubectl-snapshot/n1/bin/tar"
     assert facts["tools"]["abort connections from the old address"]["replaces"] == "ss -K"
     assert node_facts({"metadata": {"name": "n2"}})["blockers"]  # an agent that published nothing
+
+
+def test_the_installed_criu_is_asked_directly_not_through_the_hosts_mount_namespace(tmp_path: Path) -> None:
+    criu = tmp_path / "criu"
+    criu.write_text("#!/bin/sh\necho 'Version: 4.2.1'\n")
+    criu.chmod(0o755)
+    probe = hostfacts.HostProbe(exec_prefix=("/nonexistent/nsenter", "--mount=/proc/1/ns/mnt", "--"), criu=str(criu))
+    assert hostfacts.criu_version(probe) == "4.2.1"  # the prefix would have failed
