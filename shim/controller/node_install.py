@@ -47,7 +47,7 @@ DROPIN_NAME = "kubectl-snapshot.toml"
 PYZ_NAME = "kubectl-snapshot-runc.pyz"
 BUNDLE_DIR = "/usr/local/lib/kubectl-snapshot/node-bundle"  # in the agent image (hack/agent_image.py)
 INSTALL_FACTS = "install.json"
-CRIU_LAUNCHES = "criu.launches"  # the CRIU launcher's record of every run (time, args, parent)
+CRIU_LAUNCHES = "criu.launches"  # the CRIU launcher's record of every run (time, args, parent); tar.launches too
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,7 @@ def launch_configs(settings: NodeSettings, bundle: Bundle) -> dict[str, dict[str
             "argv": [*loader, "--argv0", name, path],
             "env": {},
             "gzipFilter": name == "tar",  # the launcher compresses: tar's own --gzip needs /bin/sh and gzip
+            "log": os.path.join(settings.wrapper_dir, f"{name}.launches"),  # evidence: CRIU ran the bundle's
         }
     return configs
 

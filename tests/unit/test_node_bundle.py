@@ -59,6 +59,7 @@ def test_install_puts_the_bundle_and_launchers_in_the_nodes_own_directory(tmp_pa
     tools = {name: json.loads((node / "bin" / f"{name}.launch").read_text()) for name in ("tar",)}
     assert tools["tar"]["argv"] == [*loader, "--argv0", "tar", f"{r.bundle}/libexec/tar"]
     assert tools["tar"]["gzipFilter"] is True  # tar's --gzip would run gzip through the host's /bin/sh
+    assert tools["tar"]["log"] == str(node / "tar.launches")
     assert (node / "bin" / "tar").read_bytes() == b"\x7fELF launcher"
     assert sorted(os.listdir(node / "bin")) == ["tar", "tar.launch"]
     # nothing points outside the node's directory: no host python3, no host criu, no host tar
