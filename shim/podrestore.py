@@ -103,7 +103,11 @@ class KernelPodNetwork:
 
         def work() -> None:
             nftlock.lock(LOCK_TABLE)
-            _set_nonlocal_bind("1")
+            try:
+                _set_nonlocal_bind("1")
+            except OSError:
+                nftlock.unlock(LOCK_TABLE)  # not recorded as locked: nobody would lift it later
+                raise
 
         netns.run_in(netns_path, work)
 
