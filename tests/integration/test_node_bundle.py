@@ -124,6 +124,11 @@ def make_bundle(path: Path, counter: Path) -> None:
     spec["process"]["args"] = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /data/n; sleep 0.1; done"]
     spec["root"]["readonly"] = False
     spec["mounts"].append({"destination": "/data", "type": "bind", "source": str(counter), "options": ["rbind"]})
+    # CRIU's network lock as install-node configures it on a node (runc.conf), whatever the host's
+    # /etc/criu/runc.conf says right now (its default, iptables, would run the host's iptables-restore)
+    conf = path / "criu.conf"
+    conf.write_text("network-lock nftables\n")
+    spec["annotations"] = {"org.criu.config": str(conf)}
     (path / "config.json").write_text(json.dumps(spec))
 
 
