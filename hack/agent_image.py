@@ -12,7 +12,7 @@ together from parts this machine can make (Containerfile is the same recipe for 
    the project's .venv (what the tests ran with), Debian's pycriu copied in (it is not on PyPI), the
    entry points, bytecode (unchecked-hash: reproducible, never rewritten at start), and the runtime
    wrapper zipapp at /opt/kubectl-snapshot-runc.pyz (hack/build-wrapper-pyz.py), and the node bundle at
-   /usr/local/lib/kubectl-snapshot/node-bundle (hack/node_bundle.py: CRIU 4.2.1 and a Python with their
+   /usr/local/lib/kubectl-snapshot/node-bundle (hack/node_bundle.py: CRIU 4.2.1, GNU tar and a Python with their
    own dynamic loader and libraries, the hook zipapp, the static launcher built from hack/launcher),
    which `install-node` copies to each node so that nothing of the host's userland is used there;
    CRIU and Python come from this machine (CRIU 4.2.1 from Debian sid, as hack/install-node-deps.sh
@@ -90,7 +90,7 @@ SOURCES = (
 )
 NODE_BUNDLE = "/usr/local/lib/kubectl-snapshot/node-bundle"
 # What the node bundle is made of on this machine (hack/node_bundle.py takes them from /): in the cache key.
-BUNDLE_INPUTS = ("/usr/sbin/criu", "/usr/bin/python3", "/lib/x86_64-linux-gnu/libc.so.6")
+BUNDLE_INPUTS = ("/usr/sbin/criu", "/usr/bin/python3", "/lib/x86_64-linux-gnu/libc.so.6", "/usr/bin/tar")
 
 
 def log(msg: str) -> None:

@@ -9,6 +9,11 @@ tree that needs nothing of the host's userland:
                                              closure, resolved in ROOT, flattened)
     libexec/criu                             CRIU (4.2.1 from Debian sid, as hack/install-node-deps.sh)
     libexec/python3.X, lib/python3.X/        the interpreter and its stdlib (no site-packages)
+    libexec/tar                              GNU tar: what CRIU execs (from PATH) to dump and restore tmpfs
+                                             mounts (every container's /dev, /dev/shm, Secret volumes); the
+                                             CRIU launcher puts install-node's bin/ (tar's launcher) first in
+                                             PATH, and tar's launcher does --gzip itself (GNU tar would run
+                                             gzip through /bin/sh)
     kubectl-snapshot-runc.pyz                the runtime hook (hack/build-wrapper-pyz.py)
     launcher                                 static ELF (hack/launcher): execs `lib/ld-linux... --library-path
                                              lib libexec/PROG ...` from a .launch file install-node writes
@@ -37,6 +42,9 @@ from pathlib import Path
 
 LIB_DIRS = ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "lib64", "usr/lib64", "lib", "usr/lib")
 CRIU_VERSION = "4.2.1"
+# programs CRIU runs by name: (file in ROOT, Debian package). GNU tar, as CRIU passes it GNU options
+# (--sparse, --check-links, ...); its --gzip is done by the launcher (hack/launcher: gzipFilter).
+TOOLS = {"tar": ("/usr/bin/tar", "tar")}
 STDLIB_SKIP = {
     "site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3",
     "pydoc_data", "distutils", "venv", "unittest", "sqlite3", "curses", "dbm", "xmlrpc", "wsgiref",
@@ -137,11 +145,17 @@ def build(out: Path, *, root: Path, launcher: Path, pyz: Path) -> dict[str, obje
     pyver = m.group(1)
     stdlib = in_root(root, f"/usr/lib/python{pyver}")
     dynload = sorted(p for p in (stdlib / "lib-dynload").glob("*.so") if not DYNLOAD_SKIP.match(p.name))
-    loader, libs = closure(root, [criu, python, *dynload])
+    tools = {name: in_root(root, path) for name, (path, _) in TOOLS.items()}
+    missing = [str(p) for p in tools.values() if not p.is_file()]
+    if missing:
+        raise SystemExit(f"error: {root} lacks {', '.join(missing)}\nhint: install Debian's tar there")
+    loader, libs = closure(root, [criu, python, *dynload, *tools.values()])
     for name, src in sorted(libs.items()):
         copy(src, out / "lib" / name, 0o755)
     copy(criu, out / "libexec" / "criu", 0o755)
     copy(python, out / "libexec" / python.name, 0o755)
+    for name, path in tools.items():
+        copy(path, out / "libexec" / name, 0o755)
     for dirpath, dirnames, filenames in os.walk(stdlib):
         rel = Path(dirpath).relative_to(stdlib)
         dirnames[:] = sorted(d for d in dirnames if not (rel == Path(".") and d in STDLIB_SKIP) and
@@ -163,6 +177,11 @@ def build(out: Path, *, root: Path, launcher: Path, pyz: Path) -> dict[str, obje
     if not criu_version or criu_version.group(1) != CRIU_VERSION:
         raise SystemExit(f"error: {criu} is not CRIU {CRIU_VERSION}\nhint: hack/install-node-deps.sh installs it")
     py_version = run_bundled(python.name, "-I", "-S", "-c", "import sys, json, zipfile; print(sys.version.split()[0])")
+    tool_meta = {}
+    for name, (_, package) in TOOLS.items():
+        first = run_bundled(name, "--version").splitlines()[0]  # "tar (GNU tar) 1.34"
+        tool_meta[name] = {"path": f"libexec/{name}", "version": first.split()[-1], "from": _package(root, package)}
+        tool_meta[name]["sha256"] = sha256(out / "libexec" / name)
     files = {
         str(p.relative_to(out)): sha256(p) for p in sorted(out.rglob("*")) if p.is_file() and p.name != "bundle.json"
     }
@@ -175,6 +194,10 @@ def build(out: Path, *, root: Path, launcher: Path, pyz: Path) -> dict[str, obje
             "from": _package(root, f"{python.name}-minimal"),
         },
         "libc": _package(root, "libc6"),
+        "tools": tool_meta,
+        # what the hook and the agent do in a pod's network namespace, with no program at all
+        "network": "in-process: setns(2) from a thread, nf_tables/rtnetlink/sock_diag netlink (shim/netns.py, "
+        "shim/nftlock.py, shim/ifaddr.py, shim/tcpabort.py in the hook zipapp)",
         "hook": "kubectl-snapshot-runc.pyz",
         "files": files,
     }

@@ -11,61 +11,48 @@ never received: after the restore the connection stalls for good (the client's "
 sends nothing", seen now and then in tests/integration/test_whole_pod_restore.py).
 
 So while the containers are dumped, every packet in the pod's network namespace is dropped, the same
-way as during a whole-pod restore (shim/podrestore.py, its own chain): TCP retransmits whatever was
+way as during a whole-pod restore (shim/podrestore.py, its own table): TCP retransmits whatever was
 held back once the lock is gone, or, after a restore, from the images. Only namespaces that two or
-more of the snapshot's containers share are locked, never the host's or the agent's own. The tools
-(``nsenter``, ``sh``, ``iptables-restore``) are the host's, run in its mount namespace when the agent
-runs in a container (docs/deploy.md, known limits). If the agent dies during the dumps, the freeze
-guard thaws the pod and the lock stays until the agent's next start lifts it (release_leftover, with
-the containers recover_interrupted thaws).
+more of the snapshot's containers share are locked, never the host's or the agent's own. The lock is
+an nf_tables table set through netlink by a thread of the agent that joined the namespace
+(shim/nftlock.py, shim/netns.py): no tool of the host or of the agent image runs. If the agent dies
+during the dumps, the freeze guard thaws the pod and the lock stays until the agent's next start
+lifts it (release_leftover, with the containers recover_interrupted thaws).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import shlex
-import subprocess
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 from kubectl_snapshot.core.errors import FailedPrecondition
+from shim import netns, nftlock
 from shim.hostfacts import host_pid
 
-LOCK_CHAIN = "KUBECTL-SNAPSHOT-DUMP-LOCK"
-_LOCK = (
-    f"*filter\n:{LOCK_CHAIN} - [0:0]\n-A {LOCK_CHAIN} -j DROP\n"
-    f"-I INPUT 1 -j {LOCK_CHAIN}\n-I OUTPUT 1 -j {LOCK_CHAIN}\nCOMMIT\n"
-)
-_UNLOCK = f"*filter\n-D INPUT -j {LOCK_CHAIN}\n-D OUTPUT -j {LOCK_CHAIN}\n-F {LOCK_CHAIN}\n-X {LOCK_CHAIN}\nCOMMIT\n"
-_SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-# (argv) -> (exit status, output)
-Runner = Callable[[list[str]], tuple[int, str]]
+LOCK_TABLE = "kubectl-snapshot-dump-lock"  # nf_tables table, family inet
 
 
-def lock_script() -> str:
-    rules = shlex.quote(_LOCK)
-    return (
-        f"set -e; printf %s {rules} | iptables-restore --noflush; "
-        f"if [ -e /proc/sys/net/ipv6 ]; then printf %s {rules} | ip6tables-restore --noflush; fi"
-    )
+class NetLock(Protocol):
+    """Locks a network namespace (its path, /proc/PID/ns/net)."""
+
+    def lock(self, netns_path: str) -> None: ...
+
+    def unlock(self, netns_path: str) -> bool: ...  # False: there was no lock
 
 
-def unlock_script() -> str:
-    rules = shlex.quote(_UNLOCK)
-    return (
-        f"printf %s {rules} | iptables-restore --noflush; rc=$?; "
-        f"if [ -e /proc/sys/net/ipv6 ]; then printf %s {rules} | ip6tables-restore --noflush || rc=1; fi; exit $rc"
-    )
+class KernelLock:
+    """The real lock: the nf_tables table in the namespace, from a thread that joined it."""
+
+    def lock(self, netns_path: str) -> None:
+        netns.run_in(netns_path, lambda: nftlock.lock(LOCK_TABLE))
+
+    def unlock(self, netns_path: str) -> bool:
+        return netns.run_in(netns_path, lambda: nftlock.unlock(LOCK_TABLE))
 
 
-def run_host(argv: list[str]) -> tuple[int, str]:
-    env = {**os.environ, "PATH": _SYSTEM_PATH + ":" + os.environ.get("PATH", "")}
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False, env=env)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return 127, str(e)
-    return proc.returncode, (proc.stdout + proc.stderr).strip()
+KERNEL = KernelLock()
 
 
 def _netns(pid: int | str) -> str | None:
@@ -85,39 +72,45 @@ def shared_namespaces(pids: Sequence[int], exclude: Sequence[str | None]) -> dic
     return {ns: members[0] for ns, members in seen.items() if len(members) > 1}
 
 
-def _enter(pid: int, script: str) -> list[str]:
+def _targets(pids: Sequence[int]) -> list[str]:
     host = host_pid()
-    mount = [f"--mount=/proc/{host}/ns/mnt"] if host else []
-    return ["nsenter", *mount, f"--net=/proc/{pid}/ns/net", "--", "sh", "-c", script]
+    return [f"/proc/{pid}/ns/net" for pid in shared_namespaces(pids, [_netns("self"), _netns(host or 1)]).values()]
 
 
-def release_leftover(pids: Sequence[int], run: Runner = run_host) -> int:
+def release_leftover(pids: Sequence[int], net: NetLock = KERNEL) -> int:
     """Lift a lock that a killed agent left (its next start, with the containers it thaws); returns
-    how many namespaces had one. Namespaces without the chain are left as they are."""
-    host = host_pid()
+    how many namespaces had one. Namespaces without the table are left as they are."""
     released = 0
-    for pid in shared_namespaces(pids, [_netns("self"), _netns(host or 1)]).values():
-        rc, _ = run(_enter(pid, f"iptables -S {LOCK_CHAIN} >/dev/null 2>&1 || exit 3; {unlock_script()}"))
-        released += rc == 0
+    for path in _targets(pids):
+        with contextlib.suppress(OSError):
+            released += net.unlock(path)
     return released
 
 
 @contextlib.contextmanager
-def pod_network_locked(pids: Sequence[int], run: Runner = run_host) -> Iterator[None]:
-    """Drop every packet in the namespaces the containers (init pids) share, for the block's length."""
-    host = host_pid()
-    targets = shared_namespaces(pids, [_netns("self"), _netns(host or 1)])
-    locked: list[int] = []
+def pod_network_locked(pids: Sequence[int], net: NetLock = KERNEL) -> Iterator[None]:
+    """Drop every packet in the namespaces the containers (init pids) share, for the block's length.
+
+    Each namespace is held open for the block: a dump that ends its tasks (no --leave-running) takes
+    their /proc/PID/ns/net with them, and the lock must still be lifted."""
+    held: list[int] = []
+    locked: list[str] = []
     try:
-        for pid in targets.values():
-            rc, out = run(_enter(pid, lock_script()))
-            if rc != 0:
+        for path in _targets(pids):
+            try:
+                held.append(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+                net.lock(f"/proc/self/fd/{held[-1]}")
+            except OSError as e:
                 raise FailedPrecondition(
-                    f"locking the pod's network for the dump failed (exit {rc}): {out[-300:]}",
-                    hint="the node needs nsenter, sh and iptables-restore (docs/deploy.md, known limits)",
-                )
-            locked.append(pid)
+                    f"locking the pod's network for the dump failed: {e}",
+                    hint="the node's kernel needs nf_tables (CONFIG_NF_TABLES, CONFIG_NF_TABLES_INET); "
+                    "`kubectl snapshot doctor` checks it",
+                ) from None
+            locked.append(f"/proc/self/fd/{held[-1]}")
         yield
     finally:
-        for pid in locked:
-            run(_enter(pid, unlock_script()))  # best effort: the namespace goes with the pod anyway
+        for path in locked:
+            with contextlib.suppress(OSError):
+                net.unlock(path)  # best effort: the namespace goes with the pod anyway
+        for fd in held:
+            os.close(fd)

@@ -90,7 +90,10 @@ def _version_of(cmd: list[str], pattern: str) -> str:
 
 
 def criu_version(probe: HostProbe = HostProbe()) -> str:
-    cmd = probe.command(probe.criu)
+    # The installed CRIU's launcher is at the same path in the agent's container: run it there, without
+    # entering the host's mount namespace (and without any host tool).
+    direct = os.path.isabs(probe.criu) and os.access(probe.criu, os.X_OK)
+    cmd = [probe.criu] if direct else probe.command(probe.criu)
     return _version_of([*cmd, "--version"], r"Version:\s*(\S+)") if cmd else ""
 
 

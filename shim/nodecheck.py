@@ -1,6 +1,9 @@
 """What this node runs for kubectl-snapshot and what blocks it, as the agent publishes it for `doctor`.
 
 - which CRIU and which runtime hook are in use and where they came from (install-node's install.json);
+- every other tool the node side uses and where it comes from: the bundle's tar (CRIU's tmpfs dumps),
+  and the network work in pods' namespaces that runs in-process (setns, nf_tables, rtnetlink,
+  sock_diag: no host nsenter, sh, iptables, ip or ss), with the kernel features it needs probed;
 - `criu check` with that CRIU (the kernel features CRIU needs), the cgroup version;
 - containerd: its version, whether its configuration imports the drop-in directory (its ``imports``;
   containerd 2.x imports /etc/containerd/conf.d/*.toml when the config does not say), and whether a
@@ -18,6 +21,8 @@ import subprocess
 import tomllib
 from dataclasses import dataclass
 from typing import Any
+
+from shim import nftlock, tcpabort
 
 DEFAULT_CONFIG = "/etc/containerd/config.toml"
 DEFAULT_IMPORTS = ("/etc/containerd/conf.d/*.toml",)  # containerd v2 (cmd/containerd/command/config.go)
@@ -128,6 +133,42 @@ def installed(wrapper_dir: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+IN_PROCESS = "in-process"
+NETWORK_TOOLS = {
+    # name: (what it replaces, how)
+    "enter a pod's network namespace": ("nsenter", "setns(2) from a thread of the hook / the agent"),
+    "pod network lock": ("sh, iptables-restore, ip6tables-restore", "nf_tables over netlink (an inet table)"),
+    "lend/return old pod addresses": ("ip addr", "rtnetlink RTM_NEWADDR/RTM_DELADDR"),
+    "abort connections from the old address": ("ss -K", "sock_diag SOCK_DESTROY"),
+    "restored container's lo up": ("ip link", "SIOCSIFFLAGS ioctl"),
+}
+
+
+def tools(record: dict[str, Any], origin: str) -> dict[str, dict[str, Any]]:
+    """{tool: {path, version, from, replaces?, ok?, detail?}}: what the node side runs besides CRIU and
+    the hook, and where it comes from; kernel features of the in-process ones are probed here."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, tool in sorted((record.get("tools") or {}).items()):
+        if isinstance(tool, dict):
+            out[name] = {
+                "path": str(tool.get("launcher") or ""),
+                "version": str(tool.get("version") or ""),
+                "from": f"{tool.get('from', '')}, {origin}".strip(", "),
+            }
+    probes = {"pod network lock": nftlock.probe(), "abort connections from the old address": tcpabort.probe()}
+    for name, (replaces, how) in NETWORK_TOOLS.items():
+        entry: dict[str, Any] = {
+            "path": IN_PROCESS,
+            "version": "",
+            "from": f"{how}, in the hook (the bundle's python) and the agent",
+            "replaces": replaces,
+        }
+        if name in probes:
+            entry["ok"], entry["detail"] = not probes[name], probes[name] or "the kernel supports it"
+        out[name] = entry
+    return out
+
+
 def blockers(status: dict[str, Any]) -> list[str]:
     """What keeps this node from snapshots and restores, from a published node status."""
     out = []
@@ -147,6 +188,9 @@ def blockers(status: dict[str, Any]) -> list[str]:
         out.append(f"containerd's config {c.get('config')} does not import {c.get('dropin')}")
     if c.get("restartPending"):
         out.append("containerd has not been restarted since the drop-in changed (handler not active yet)")
+    lock = (status.get("tools") or {}).get("pod network lock") or {}
+    if lock.get("ok") is False:
+        out.append(f"pods' network cannot be locked (whole-pod restores, dumps of pods): {lock.get('detail', '')}")
     return out
 
 
@@ -174,6 +218,7 @@ def node_status(
             "bundle": record.get("bundle", ""),
         },
         "criuCheck": criu_check(criu) if os.access(criu, os.X_OK) else {},
+        "tools": tools(record, origin),
         "cgroup": cgroup,
     }
     c = find_containerd(socket)

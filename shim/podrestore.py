@@ -17,8 +17,9 @@ the agent and the wrapper, never named by the pod):
     the pod's snapshotted container names, written by the agent when it stages the pod;
 ``.netlock``
     the pod's network namespace while it is locked: from before the first container is restored
-    until the last one is, every packet in the namespace is dropped (an iptables chain that CRIU's own
-    per-connection lock cannot undo); TCP retransmits whatever was dropped once it is released;
+    until the last one is, every packet in the namespace is dropped (an nf_tables table of its own,
+    which CRIU's per-connection lock cannot undo); TCP retransmits whatever was dropped once it is
+    released;
 ``.released``
     written when the lock was released (all containers restored);
 ``.failed``
@@ -34,6 +35,12 @@ container is restored the wrapper lends the namespace the old addresses its sock
 is held. Before the lock is released the wrapper aborts every such connection (``ss -K``, an abort as
 if a reset had come) and takes the borrowed addresses away again: the application sees
 ECONNABORTED/ECONNRESET at once and reconnects.
+
+All of it runs in the hook's own process, from a thread that joined the pod's network namespace
+(shim/netns.py): the lock through nf_tables (shim/nftlock.py), the addresses through rtnetlink
+(shim/ifaddr.py), the aborts through sock_diag (shim/tcpabort.py), ``ip_nonlocal_bind`` as a file.
+No tool of the host (``nsenter``, ``sh``, ``iptables-restore``, ``ip``, ``ss``) is run, so nodes
+without any (Talos, Bottlerocket) restore pods the same way.
 """
 
 from __future__ import annotations
@@ -42,11 +49,10 @@ import contextlib
 import fcntl
 import json
 import os
-import shlex
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 CONTAINERS_FILE = ".containers.json"
 NETLOCK_FILE = ".netlock"
@@ -58,76 +64,94 @@ MUTEX_FILE = ".lock"
 # is a restored process that died at once: refused (the pod failed), not started from its image.
 GRACE_S = 120.0
 
-LOCK_CHAIN = "KUBECTL-SNAPSHOT-POD-LOCK"
-_LOCK_RULES = (
-    f"*filter\n:{LOCK_CHAIN} - [0:0]\n-A {LOCK_CHAIN} -j DROP\n"
-    f"-I INPUT 1 -j {LOCK_CHAIN}\n-I OUTPUT 1 -j {LOCK_CHAIN}\nCOMMIT\n"
-)
-_UNLOCK_RULES = (
-    f"*filter\n-D INPUT -j {LOCK_CHAIN}\n-D OUTPUT -j {LOCK_CHAIN}\n-F {LOCK_CHAIN}\n-X {LOCK_CHAIN}\nCOMMIT\n"
-)
-# TCP connections whose local end is not loopback: they were made from the old pod's address.
-EXTERNAL_TCP_FILTER = "! src 127.0.0.0/8 and ! src [::1]"
-
-# (argv, stdin) -> (exit status, output)
-Runner = Callable[[list[str], str], tuple[int, str]]
+LOCK_TABLE = "kubectl-snapshot-pod-lock"  # nf_tables table, family inet (shim/nftlock.py)
+NONLOCAL_BIND = ("/proc/sys/net/ipv4/ip_nonlocal_bind", "/proc/sys/net/ipv6/ip_nonlocal_bind")
 
 
-_SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+class PodNetwork(Protocol):
+    """What a whole-pod restore does to the pod's network namespace (its path)."""
+
+    def lock(self, netns_path: str) -> None:
+        """Drop every packet; allow binds to addresses that are not (yet) local."""
+
+    def borrow(self, netns_path: str, addresses: list[str], added: list[str]) -> None:
+        """Make each address local (on lo) unless it is; appends what it added ("ADDR/32") to `added`."""
+
+    def release(self, netns_path: str, borrowed: list[str]) -> list[str]:
+        """Abort connections from non-loopback addresses, remove `borrowed`, unlock; returns problems."""
 
 
-def run_command(argv: list[str], stdin: str) -> tuple[int, str]:
-    # The node's own tools (nsenter, iptables-restore, ss), wherever containerd's PATH points.
-    env = {**os.environ, "PATH": _SYSTEM_PATH + ":" + os.environ.get("PATH", "")}
-    try:
-        proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=30, check=False, env=env)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return 127, str(e)
-    return proc.returncode, (proc.stdout + proc.stderr).strip()
-
-
-def lock_script() -> str:
-    """Shell run inside the pod's netns: drop every packet, allow binds to the old pod address."""
-    v4, v6 = shlex.quote(_LOCK_RULES), shlex.quote(_LOCK_RULES)
-    return (
-        "set -e; "
-        f"printf %s {v4} | iptables-restore --noflush; "
-        # IPv6 may be disabled in the namespace: then there is nothing to lock there.
-        f"if [ -e /proc/sys/net/ipv6 ]; then printf %s {v6} | ip6tables-restore --noflush; fi; "
-        "echo 1 > /proc/sys/net/ipv4/ip_nonlocal_bind; "
-        "if [ -e /proc/sys/net/ipv6/ip_nonlocal_bind ]; then echo 1 > /proc/sys/net/ipv6/ip_nonlocal_bind; fi"
-    )
-
-
-def _with_prefix(address: str) -> str:
+def with_prefix(address: str) -> str:
     return f"{address}/128" if ":" in address else f"{address}/32"
 
 
-def borrow_script(addresses: list[str]) -> str:
-    """Shell run inside the pod's netns: make each old address local (on lo) unless it already is.
-
-    Prints the addresses it added (only those are taken away again)."""
-    lines = []
-    for a in addresses:
-        q = shlex.quote(_with_prefix(a))
-        nodad = " nodad" if ":" in a else ""
-        lines.append(f'if [ -z "$(ip -o addr show to {q})" ]; then ip addr add {q} dev lo{nodad} && echo {q}; fi')
-    return "set -e; " + "; ".join(lines) if lines else "true"
+def _set_nonlocal_bind(value: str) -> None:
+    for i, path in enumerate(NONLOCAL_BIND):
+        if i and not os.path.exists(path):
+            continue  # IPv6 disabled in the namespace: nothing to allow there
+        with open(path, "w") as f:  # this thread's namespace: /proc/sys/net follows the opener
+            f.write(value)
 
 
-def unlock_script(borrowed: list[str] | None = None) -> str:
-    """Abort connections from the old pod address, give borrowed addresses back, lift the lock."""
-    rules = shlex.quote(_UNLOCK_RULES)
-    give_back = "".join(f"ip addr del {shlex.quote(a)} dev lo; " for a in borrowed or [])
-    return (
-        f"ss -K -tnH state connected {shlex.quote(EXTERNAL_TCP_FILTER)} >/dev/null; "
-        f"{give_back}"
-        "echo 0 > /proc/sys/net/ipv4/ip_nonlocal_bind; "
-        "if [ -e /proc/sys/net/ipv6/ip_nonlocal_bind ]; then echo 0 > /proc/sys/net/ipv6/ip_nonlocal_bind; fi; "
-        f"printf %s {rules} | iptables-restore --noflush; rc=$?; "
-        f"if [ -e /proc/sys/net/ipv6 ]; then printf %s {rules} | ip6tables-restore --noflush || rc=1; fi; "
-        "exit $rc"
-    )
+class KernelPodNetwork:
+    """The real thing, in-process: a thread in the pod's namespace talks netlink (shim/netns.py).
+
+    Imported when used: the hook's pass-through calls (runc state, kill, ...) never load them."""
+
+    def lock(self, netns_path: str) -> None:
+        from shim import netns, nftlock
+
+        def work() -> None:
+            nftlock.lock(LOCK_TABLE)
+            try:
+                _set_nonlocal_bind("1")
+            except OSError:
+                nftlock.unlock(LOCK_TABLE)  # not recorded as locked: nobody would lift it later
+                raise
+
+        netns.run_in(netns_path, work)
+
+    def borrow(self, netns_path: str, addresses: list[str], added: list[str]) -> None:
+        import ipaddress
+
+        from shim import ifaddr, netns
+
+        def work() -> None:
+            local = ifaddr.local_addresses()
+            for a in addresses:
+                if str(ipaddress.ip_address(a)) not in local and ifaddr.add_address(with_prefix(a), "lo"):
+                    added.append(with_prefix(a))
+
+        netns.run_in(netns_path, work)
+
+    def release(self, netns_path: str, borrowed: list[str]) -> list[str]:
+        from shim import ifaddr, netns, nftlock, tcpabort
+
+        def work() -> list[str]:
+            problems = []
+            try:  # while still locked: the aborts' resets go nowhere, the applications see them at once
+                tcpabort.abort_external()
+            except OSError as e:
+                problems.append(f"aborting connections from the old pod address failed: {e}")
+            for cidr in borrowed:
+                try:
+                    ifaddr.del_address(cidr, "lo")
+                except OSError as e:
+                    problems.append(f"removing the borrowed address {cidr} failed: {e}")
+            try:
+                _set_nonlocal_bind("0")
+            except OSError as e:
+                problems.append(f"resetting ip_nonlocal_bind failed: {e}")
+            try:
+                nftlock.unlock(LOCK_TABLE)
+            except OSError as e:
+                problems.append(f"unlocking the pod's network failed: {e}")
+            return problems
+
+        return netns.run_in(netns_path, work)
+
+
+KERNEL = KernelPodNetwork()
 
 
 def netns_of(spec: dict[str, object]) -> str | None:
@@ -161,7 +185,7 @@ class PodRestore:
     """One restored pod's state directory (``StatePaths.pod_dir(uid)``)."""
 
     directory: str
-    run: Runner = run_command
+    net: PodNetwork = KERNEL
     clock: Callable[[], float] = time.time
 
     def _p(self, name: str) -> str:
@@ -232,9 +256,13 @@ class PodRestore:
         """Lock the pod's network (once, before its first container is restored)."""
         if _read(self._p(NETLOCK_FILE)) is not None or _read(self._p(RELEASED_FILE)) is not None:
             return
-        rc, out = self.run(["nsenter", f"--net={netns}", "sh", "-c", lock_script()], "")
-        if rc != 0:
-            raise OSError(f"locking the pod's network failed (exit {rc}): {out[-500:]}")
+        try:
+            self.net.lock(netns)
+        except OSError as e:
+            raise OSError(
+                f"locking the pod's network failed: {e} (the node's kernel needs nf_tables: "
+                "CONFIG_NF_TABLES, CONFIG_NF_TABLES_INET; `kubectl snapshot doctor` checks it)"
+            ) from None
         _write(self._p(NETLOCK_FILE), netns)
 
     def borrowed(self) -> list[str]:
@@ -249,15 +277,16 @@ class PodRestore:
         """Make the old pod addresses of a container's sockets local while the pod is locked."""
         if not addresses:
             return
-        rc, out = self.run(["nsenter", f"--net={netns}", "sh", "-c", borrow_script(addresses)], "")
-        added = [line.strip() for line in out.splitlines() if "/" in line and " " not in line.strip()]
-        if added:
-            _write(self._p(BORROWED_FILE), json.dumps(sorted(set(self.borrowed()) | set(added))))
-        if rc != 0:
+        added: list[str] = []
+        try:
+            self.net.borrow(netns, addresses, added)
+        except OSError as e:
             raise OSError(
-                f"adding the old pod addresses {', '.join(addresses)} to the pod's network failed "
-                f"(exit {rc}): {out[-500:]}"
-            )
+                f"adding the old pod addresses {', '.join(addresses)} to the pod's network failed: {e}"
+            ) from None
+        finally:
+            if added:
+                _write(self._p(BORROWED_FILE), json.dumps(sorted(set(self.borrowed()) | set(added))))
 
     def remaining(self, staged_exists: Callable[[str], bool]) -> list[str]:
         return [n for n in self.containers() or [] if staged_exists(n)]
@@ -267,9 +296,11 @@ class PodRestore:
         netns = _read(self._p(NETLOCK_FILE))
         warning = None
         if netns is not None:
-            rc, out = self.run(["nsenter", f"--net={netns}", "sh", "-c", unlock_script(self.borrowed())], "")
-            if rc != 0:
-                warning = f"unlocking the pod's network failed (exit {rc}): {out[-500:]}"
+            try:
+                problems = self.net.release(netns, self.borrowed())
+            except OSError as e:  # the namespace is gone (the pod with it), say
+                problems = [f"releasing the pod's network failed: {e}"]
+            warning = "; ".join(problems) or None
         _write(self._p(RELEASED_FILE), f"{self.clock():.3f}")
         for name in (NETLOCK_FILE, BORROWED_FILE):
             with contextlib.suppress(FileNotFoundError):

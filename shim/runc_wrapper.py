@@ -207,12 +207,12 @@ def _loopback_up(create: CreateArgs, spec: dict[str, Any]) -> None:
             pid = int(f.read().strip())
     except (OSError, ValueError):
         return
-    subprocess.run(
-        ["nsenter", f"--net=/proc/{pid}/ns/net", "ip", "link", "set", "lo", "up"],
-        check=False,
-        capture_output=True,
-        timeout=10,
-    )
+    from shim import ifaddr, netns  # in-process (ioctl from a thread in the namespace): no host `ip`
+
+    try:
+        netns.run_in(f"/proc/{pid}/ns/net", ifaddr.loopback_up)
+    except OSError as e:
+        print(f"kubectl-snapshot-runc: bringing lo up in the restored container failed: {e}", file=sys.stderr)
 
 
 def _log_size(inv: Invocation) -> int:

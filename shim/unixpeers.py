@@ -17,14 +17,14 @@ namespace alone, and matched to the containers through the socket inodes in ``/p
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import socket
 import struct
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from shim import netns
 
 log = logging.getLogger(__name__)
 NETLINK_SOCK_DIAG = 4
@@ -37,7 +37,6 @@ UDIAG_SHOW_NAME = 0x1
 UDIAG_SHOW_PEER = 0x4
 UNIX_DIAG_NAME = 0
 UNIX_DIAG_PEER = 2
-CLONE_NEWNET = 0x40000000
 _NLMSGHDR = struct.Struct("=IHHII")
 _REQ = struct.Struct("=BBHIII2I")
 _MSG = struct.Struct("=BBBBI2I")
@@ -109,39 +108,9 @@ def _dump_here() -> list[UnixSocket]:
                 return found
 
 
-def _setns(fd: int) -> None:
-    setns = getattr(os, "setns", None)  # Python >= 3.12
-    if setns is not None:
-        setns(fd, CLONE_NEWNET)
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
 def sockets_in_netns_of(pid: int) -> list[UnixSocket]:
     """Every Unix socket of the network namespace process `pid` is in (a thread joins it, then ends)."""
-    result: list[UnixSocket] = []
-    error: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                _setns(fd)  # this thread only: it ends right after the dump
-            finally:
-                os.close(fd)
-            result.extend(_dump_here())
-        except BaseException as e:  # reported in the caller's thread
-            error.append(e)
-
-    t = threading.Thread(target=work, name=f"unix-diag-{pid}", daemon=True)
-    t.start()
-    t.join(10)
-    if error:
-        raise error[0]
-    return result
+    return netns.run_in(f"/proc/{pid}/ns/net", _dump_here, timeout=10)
 
 
 def _cgroup(pid: int) -> str | None:

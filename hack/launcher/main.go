@@ -5,18 +5,24 @@
 // It reads <its own path>.launch, a JSON object written by `kubectl-snapshot-agent install-node`:
 //
 //	{"argv": ["/opt/.../lib/ld-linux-x86-64.so.2", "--library-path", "/opt/.../lib", ..., "/opt/.../libexec/criu"],
-//	 "env": {"KEY": "VALUE"}, "log": "/opt/.../criu.launches"}
+//	 "env": {"KEY": "VALUE"}, "pathPrepend": ["/opt/.../bin"], "log": "/opt/.../criu.launches"}
 //
 // and replaces itself (execve) with argv followed by its own arguments, in its own environment plus
-// "env". With "log" it first appends one JSON line (time, pid, its arguments and the command line of
+// "env", with the "pathPrepend" directories put in front of PATH (where CRIU finds the bundle's tar
+// before anything of the host's). With "gzipFilter" (tar's launcher) it does tar's --gzip itself:
+// GNU tar runs its compressor through /bin/sh, which a node may not have, so the launcher starts tar
+// without --gzip and compresses (--create) or decompresses (--extract) the archive stream in-process,
+// in the same format. With "log" it first appends one JSON line (time, pid, its arguments and the command line of
 // its parent) to that file: the record of which CRIU a runc really ran (the file is cut to its newest
 // half beyond 1 MiB).
 package main
 
 import (
 	"bytes"
+	"compress/gzip"
 	"encoding/json"
 	"fmt"
+	"io"
 	"os"
 	"strings"
 	"syscall"
@@ -24,9 +30,11 @@ import (
 )
 
 type config struct {
-	Argv []string          `json:"argv"`
-	Env  map[string]string `json:"env"`
-	Log  string            `json:"log"`
+	Argv        []string          `json:"argv"`
+	Env         map[string]string `json:"env"`
+	PathPrepend []string          `json:"pathPrepend"`
+	GzipFilter  bool              `json:"gzipFilter"`
+	Log         string            `json:"log"`
 }
 
 const maxLog = 1 << 20
@@ -83,10 +91,98 @@ func main() {
 	for k, v := range c.Env {
 		env = append(env, k+"="+v)
 	}
+	if len(c.PathPrepend) > 0 {
+		path := strings.Join(c.PathPrepend, ":")
+		found := false
+		for i, kv := range env {
+			if strings.HasPrefix(kv, "PATH=") {
+				if rest := kv[len("PATH="):]; rest != "" {
+					path += ":" + rest
+				}
+				env[i], found = "PATH="+path, true
+			}
+		}
+		if !found {
+			env = append(env, "PATH="+path)
+		}
+	}
 	if c.Log != "" {
 		record(c.Log, os.Args[1:])
 	}
 	argv := append(append([]string{}, c.Argv...), os.Args[1:]...)
+	if c.GzipFilter && hasGzip(os.Args[1:]) {
+		os.Exit(gzipFilter(argv, env))
+	}
 	err = syscall.Exec(argv[0], argv, env)
 	fail("exec %s: %v", argv[0], err)
+}
+
+func hasGzip(args []string) bool {
+	for _, a := range args {
+		if a == "--gzip" || a == "-z" {
+			return true
+		}
+	}
+	return false
+}
+
+// gzipFilter runs argv (tar) without --gzip, its archive stream going through gzip here; returns the
+// exit status to exit with (tar's own).
+func gzipFilter(argv []string, env []string) int {
+	create := false
+	kept := make([]string, 0, len(argv))
+	for _, a := range argv {
+		switch a {
+		case "--gzip", "-z":
+			continue
+		case "--create", "-c":
+			create = true
+		}
+		kept = append(kept, a)
+	}
+	r, w, err := os.Pipe()
+	if err != nil {
+		fail("pipe: %v", err)
+	}
+	files := []uintptr{r.Fd(), 1, 2} // --extract: tar reads the decompressed stream
+	if create {
+		files = []uintptr{0, w.Fd(), 2} // --create: tar writes the stream we compress
+	}
+	pid, err := syscall.ForkExec(kept[0], kept, &syscall.ProcAttr{Env: env, Files: files})
+	if err != nil {
+		fail("exec %s: %v", kept[0], err)
+	}
+	var copyErr error
+	if create {
+		_ = w.Close()
+		zw := gzip.NewWriter(os.Stdout)
+		_, copyErr = io.Copy(zw, r)
+		if err := zw.Close(); copyErr == nil {
+			copyErr = err
+		}
+		_ = r.Close()
+	} else {
+		_ = r.Close()
+		zr, err := gzip.NewReader(os.Stdin)
+		if err == nil {
+			_, err = io.Copy(w, zr)
+		}
+		copyErr = err
+		_ = w.Close()
+	}
+	var ws syscall.WaitStatus
+	for {
+		if _, err := syscall.Wait4(pid, &ws, 0, nil); err != syscall.EINTR {
+			break
+		}
+	}
+	status := ws.ExitStatus()
+	if ws.Signaled() {
+		status = 128 + int(ws.Signal())
+	}
+	if status == 0 && copyErr != nil {
+		fmt.Fprintf(os.Stderr, "kubectl-snapshot launcher: gzip stream: %v\n", copyErr)
+		return 2
+	}
+	return status
 }

@@ -3,10 +3,11 @@
 Per node: the agent pod and its readiness, and the facts the agent publishes in the node annotation
 `kubectl-snapshot.io/node-facts` (CRIU, containerd, runc, kernel, runtime handler); "unknown" when the
 agent has not published them. The agent also publishes (shim/nodecheck.py) which CRIU and runtime
-hook are in use and where they came from, `criu check` with that CRIU, the cgroup version, whether
-containerd's config imports the drop-in directory and whether a containerd restart is pending; what
-blocks a node is listed per node and makes the report not ok. Cluster: the CRD, the agent DaemonSet
-and the RuntimeClass.
+hook are in use and where they came from, every other tool the node side uses (the bundle's tar; the
+in-process network work in pods' namespaces, with the kernel features it needs), `criu check` with
+that CRIU, the cgroup version, whether containerd's config imports the drop-in directory and whether
+a containerd restart is pending; what blocks a node is listed per node and makes the report not ok.
+Cluster: the CRD, the agent DaemonSet and the RuntimeClass.
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ def node_facts(node: Obj) -> dict[str, Any]:
         "path": str(hook.get("path") or UNKNOWN),
         "python": str(hook.get("python") or UNKNOWN),
         "from": str(hook.get("from") or UNKNOWN),
+    }
+    out["tools"] = {
+        str(name): {
+            "path": str(_dict(t).get("path") or UNKNOWN),
+            "version": str(_dict(t).get("version") or ""),
+            "from": str(_dict(t).get("from") or UNKNOWN),
+            **({"replaces": str(_dict(t)["replaces"])} if "replaces" in _dict(t) else {}),
+            **({"ok": bool(_dict(t)["ok"]), "detail": str(_dict(t).get("detail") or "")} if "ok" in _dict(t) else {}),
+        }
+        for name, t in sorted(_dict(status.get("tools")).items())
     }
     check = _dict(status.get("criuCheck"))
     out["criuCheck"] = (

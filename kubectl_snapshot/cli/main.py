@@ -767,6 +767,15 @@ def _doctor_text(d: dict[str, Any]) -> str:
             f"{n['node']}:",
             f"  CRIU          {criu.get('path', '?')} ({criu.get('version', '?')}; {criu.get('from', '?')})",
             f"  runtime hook  {hook.get('path', '?')} (python {hook.get('python', '?')}; {hook.get('from', '?')})",
+            *(
+                f"  {name}: {t.get('path', '?')}"
+                + (f" {t['version']}" if t.get("version") else "")
+                + f" ({t.get('from', '?')}"
+                + (f"; instead of {t['replaces']}" if t.get("replaces") else "")
+                + (f"; {t.get('detail')}" if "ok" in t else "")
+                + ")"
+                for name, t in (n.get("tools") or {}).items()
+            ),
             f"  criu check    {str(n.get('criuCheck', '?')).splitlines()[-1] if n.get('criuCheck') else '?'}",
             f"  cgroup        {n.get('cgroup', '?')}",
             f"  containerd    config {n.get('containerdConfig', '?')}; imports the drop-in: "

@@ -8,7 +8,11 @@ this step copies it under the node's own directory:
     /opt/kubectl-snapshot/NODE/bundle-<digest>/     the bundle (verified against its bundle.json)
     /opt/kubectl-snapshot/NODE/kubectl-snapshot-runc   static launcher: the bundle's loader runs its
                                                     python on the hook (`BinaryName` of the handler)
-    /opt/kubectl-snapshot/NODE/criu                 static launcher: the bundle's loader runs its CRIU
+    /opt/kubectl-snapshot/NODE/criu                 static launcher: the bundle's loader runs its CRIU,
+                                                    with bin/ first in PATH
+    /opt/kubectl-snapshot/NODE/bin/tar              static launcher: the bundle's GNU tar, which CRIU runs
+                                                    by name for tmpfs mounts; the launcher does its --gzip
+                                                    (GNU tar runs gzip through /bin/sh): no host tar, gzip, sh
     /opt/kubectl-snapshot/NODE/*.launch             what each launcher execs (JSON)
     /opt/kubectl-snapshot/NODE/install.json         what is installed, where it came from
 
@@ -43,7 +47,7 @@ DROPIN_NAME = "kubectl-snapshot.toml"
 PYZ_NAME = "kubectl-snapshot-runc.pyz"
 BUNDLE_DIR = "/usr/local/lib/kubectl-snapshot/node-bundle"  # in the agent image (hack/agent_image.py)
 INSTALL_FACTS = "install.json"
-CRIU_LAUNCHES = "criu.launches"  # the CRIU launcher's record of every run (time, args, parent)
+CRIU_LAUNCHES = "criu.launches"  # the CRIU launcher's record of every run (time, args, parent); tar.launches too
 
 
 @dataclass(frozen=True)
@@ -86,12 +90,18 @@ class Bundle:
         return value if isinstance(value, dict) else {}
 
 
+def tools_dir(settings: NodeSettings) -> str:
+    """Launchers of the bundle's tools (tar), first in the installed CRIU's PATH."""
+    return os.path.join(settings.wrapper_dir, "bin")
+
+
 def launch_configs(settings: NodeSettings, bundle: Bundle) -> dict[str, dict[str, Any]]:
-    """{launcher path: its .launch content}: the hook's python and CRIU, each through the bundle's loader."""
+    """{launcher path: its .launch content}: the hook's python, CRIU and CRIU's tools, each through the
+    bundle's loader."""
     loader = [bundle.file(bundle.meta["loader"]), "--library-path", bundle.file("lib")]
     python = bundle.file(bundle.part("python").get("path", "libexec/python3"))
     criu = bundle.file(bundle.part("criu").get("path", "libexec/criu"))
-    return {
+    configs: dict[str, dict[str, Any]] = {
         settings.wrapper_launcher: {
             "argv": [*loader, "--argv0", python, python, "-I", "-S", "-B", bundle.file(PYZ_NAME)],
             "env": {"KUBECTL_SNAPSHOT_STATE_DIR": settings.state_dir, "KUBECTL_SNAPSHOT_CRIU": settings.criu},
@@ -99,9 +109,19 @@ def launch_configs(settings: NodeSettings, bundle: Bundle) -> dict[str, dict[str
         os.path.join(settings.wrapper_dir, "criu"): {
             "argv": [*loader, "--argv0", "criu", criu],
             "env": {},
+            "pathPrepend": [tools_dir(settings)],
             "log": os.path.join(settings.wrapper_dir, CRIU_LAUNCHES),
         },
     }
+    for name, tool in sorted(bundle.part("tools").items()):
+        path = bundle.file(str(tool.get("path") or f"libexec/{name}"))
+        configs[os.path.join(tools_dir(settings), name)] = {
+            "argv": [*loader, "--argv0", name, path],
+            "env": {},
+            "gzipFilter": name == "tar",  # the launcher compresses: tar's own --gzip needs /bin/sh and gzip
+            "log": os.path.join(settings.wrapper_dir, f"{name}.launches"),  # evidence: CRIU ran the bundle's
+        }
+    return configs
 
 
 def dropin_toml(settings: NodeSettings) -> str:
@@ -202,7 +222,13 @@ def install(settings: NodeSettings, *, wrapper_pyz: str | None = None, bundle: s
     os.makedirs(settings.wrapper_dir, exist_ok=True)
     os.makedirs(settings.state_dir, mode=0o700, exist_ok=True)
     installed = _copy_bundle(source, wrapper_pyz, settings)
-    for launcher, config in launch_configs(settings, installed).items():
+    os.makedirs(tools_dir(settings), exist_ok=True)
+    configs = launch_configs(settings, installed)
+    for entry in os.listdir(tools_dir(settings)):  # tools an older bundle had and this one has not
+        if os.path.join(tools_dir(settings), entry.removesuffix(".launch")) not in configs:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(tools_dir(settings), entry))
+    for launcher, config in configs.items():
         _write_if_changed(f"{launcher}.launch", json.dumps(config, indent=1, sort_keys=True) + "\n", 0o644)
         _install_file(installed.file("launcher"), launcher, 0o755)
     facts = {
@@ -211,6 +237,11 @@ def install(settings: NodeSettings, *, wrapper_pyz: str | None = None, bundle: s
         "criu": {**installed.part("criu"), "launcher": settings.criu},
         "python": installed.part("python"),
         "libc": installed.meta.get("libc", ""),
+        "tools": {
+            name: {**tool, "launcher": os.path.join(tools_dir(settings), name)}
+            for name, tool in sorted(installed.part("tools").items())
+        },
+        "network": installed.meta.get("network", ""),
         "hook": {"launcher": settings.wrapper_launcher, "zipapp": installed.file(PYZ_NAME)},
         "from": "agent image " + os.environ.get("KUBECTL_SNAPSHOT_IMAGE", "(unknown)"),
         "installed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

@@ -18,7 +18,9 @@ def test_nodes_run_only_what_install_node_put_in_their_directory(cluster: Cluste
         d = OPT_ROOT / node
         hook = json.loads((d / "kubectl-snapshot-runc.launch").read_text())
         criu = json.loads((d / "criu.launch").read_text())
-        for argv in (hook["argv"], criu["argv"]):
+        tar = json.loads((d / "bin" / "tar.launch").read_text())
+        assert criu["pathPrepend"] == [str(d / "bin")] and tar["gzipFilter"] is True  # CRIU's tar: the bundle's
+        for argv in (hook["argv"], criu["argv"], tar["argv"]):
             assert all(not a.startswith("/") or a.startswith(f"{d}/bundle-") for a in argv), argv
         assert hook["env"]["KUBECTL_SNAPSHOT_CRIU"] == str(d / "criu")
         assert (d / "kubectl-snapshot-runc").read_bytes()[:4] == b"\x7fELF"  # static launcher, no #! interpreter
@@ -39,6 +41,12 @@ def test_doctor_reports_criu_hook_and_blockers_per_node(cluster: Cluster, agent:
         assert n["criuCheck"] == "ok", n  # `criu check` with the installed CRIU on this kernel
         assert n["importsDropin"] is True and n["restartPending"] is False, n
         assert n["cgroup"] in ("v1", "v1-hybrid", "v2") and n["blockers"] == [], n
+        tools = n["tools"]
+        assert tools["tar"]["path"] == str(OPT_ROOT / node / "bin" / "tar") and "debian tar" in tools["tar"]["from"], n
+        # the network work in pods' namespaces runs in-process, on a kernel that has what it needs
+        assert {t["path"] for name, t in tools.items() if name != "tar"} == {"in-process"}, n
+        assert tools["pod network lock"]["ok"] and tools["abort connections from the old address"]["ok"], n
     assert proc.returncode == 0 and report["ok"], report
     text = plugin("doctor", check=False).stdout
     assert "runtime hook" in text and "criu check    ok" in text, text
+    assert "pod network lock: in-process" in text and "instead of ss -K" in text and "/bin/tar 1.34" in text, text

@@ -1,47 +1,62 @@
-"""The installed node bundle works on a host without python3 and without CRIU, and is what runs.
+"""The installed node bundle works on a host without python3, CRIU or any network tool, and is what runs.
 
 The bundle is built from this machine exactly as the agent image builds it (hack/node_bundle.py) and
-installed by install-node's own code. Then, in a private mount namespace where every python3 and
-criu of the host is masked (bind-mounted over by /dev/null, so exec fails), a real runc container is
+installed by install-node's own code. Then, in a private mount namespace where every python3, criu,
+shell (sh, dash, bash), nsenter, ip, ss, iptables/ip6tables/xtables/nft, tar and gzip program of the host is
+replaced by a tripwire (a script that records that it ran and fails), with PATH an empty directory,
 
-1. checkpointed through the installed runtime hook (`kubectl-snapshot-runc ... checkpoint`: the
-   bundle's loader runs the bundle's python on the hook, which execs runc with `--criu <installed>`),
-2. restored by the hook's real restore path (`create` of a new container finds the staged checkpoint
-   and runs `runc restore` with `--criu <installed>`), and keeps counting.
+1. a real runc container is checkpointed through the installed runtime hook (`kubectl-snapshot-runc
+   ... checkpoint`: the bundle's loader runs the bundle's python on the hook, which execs runc with
+   `--criu <installed>`) and restored by the hook's real restore path (`create` of a new container
+   finds the staged checkpoint, runs `runc restore` with `--criu <installed>` and brings the
+   restored namespace's lo up), and keeps counting;
+2. a pod of two containers holding a TCP connection over loopback in a shared network namespace is
+   dumped under the agent's dump lock (shim/dumplock.py) and restored whole by the hook into a new
+   namespace: locked from the first container's restore to the last one's, and the connection
+   carries on.
 
 Which binaries ran is asserted from the CRIU launcher's record (criu.launches: its args and the
-parent's command line: runc checkpoint / runc restore with the installed --criu), from the
-processes' /proc/PID/exe while they run (the bundle's loader), and from the masked host binaries
-failing in that namespace (nothing could have used them).
+parent's command line: runc checkpoint / runc restore with the installed --criu), from runc's parent
+(/proc/PPID/exe: the bundle's loader), and from the tripwires: none of the host's tools ran.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from shim import dumplock
 from shim.controller.node_install import install, uninstall
 from shim.controller.settings import NodeSettings
 from shim.engine.staging import StatePaths
-from tests.support.bundle import real_bundle
+from shim.podrestore import LOCK_TABLE, RELEASED_FILE, PodRestore
+from tests.support.bundle import REPO, real_bundle
+from tests.support.nft import nft_tables
 
 BUSYBOX = Path("/bin/busybox")
-HOST_BINARIES = [
-    p
-    for d in ("/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin", "/bin", "/sbin")
-    if os.path.isdir(d) and not os.path.islink(d)
-    for p in sorted(Path(d).glob("*"))
-    if p.name == "criu" or (p.name.startswith("python3") and not p.name.endswith("-config"))
-]
-
+# Every host program that the agent or the hook ran before issue 17 was done, and the ones it never may.
+MASKED_NAMES = ("criu", "nsenter", "ip", "ss", "sh", "dash", "bash", "nft", "tar", "gzip")
+MASKED_PREFIXES = ("python3", "iptables", "ip6tables", "xtables")
+HOST_BINARIES = sorted(
+    {
+        os.path.realpath(p)
+        for d in ("/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin", "/bin", "/sbin")
+        if os.path.isdir(d) and not os.path.islink(d)
+        for p in Path(d).glob("*")
+        if (p.name in MASKED_NAMES or p.name.startswith(MASKED_PREFIXES)) and not p.name.endswith("-config")
+        if os.path.isfile(p)
+    }
+)
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runc, CRIU, mount namespaces)"),
     pytest.mark.skipif(shutil.which("runc") is None, reason="runc is not installed"),
@@ -68,12 +83,29 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeSettings]:
     assert not Path(s.wrapper_dir).exists()
 
 
-def masked(script: str, *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Run `script` (host sh: only the test's driver) in a mount namespace without python3 and criu."""
-    masks = "".join(f"mount --bind /dev/null {p} && " for p in HOST_BINARIES)
+@pytest.fixture(scope="module")
+def tripwire(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A program that records how it was run (into `tripwire.log` beside it) and fails."""
+    d = tmp_path_factory.mktemp("tripwire")
+    wire = d / "tripwire"
+    wire.write_text(f'#!{BUSYBOX.resolve()} sh\necho "$0 $*" >> {d}/tripwire.log\nexit 97\n')
+    wire.chmod(0o755)
+    (d / "empty").mkdir()
+    return wire
+
+
+def tripped(wire: Path) -> list[str]:
+    log = wire.parent / "tripwire.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def masked(wire: Path, script: str, *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run `script` (busybox sh: the test's driver) in a mount namespace where every host program of
+    HOST_BINARIES is the tripwire. The programs under test run with `$NOPATH` (an empty directory) as PATH."""
+    masks = "".join(f"mount --bind {wire} {p} && " for p in HOST_BINARIES)
     return subprocess.run(
-        ["unshare", "-m", "--propagation", "private", "sh", "-c", masks + script],
-        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
+        ["unshare", "-m", "--propagation", "private", str(BUSYBOX.resolve()), "sh", "-c", masks + script],
+        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "NOPATH": str(wire.parent / "empty")},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -93,6 +125,11 @@ def make_bundle(path: Path, counter: Path) -> None:
     spec["process"]["args"] = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /data/n; sleep 0.1; done"]
     spec["root"]["readonly"] = False
     spec["mounts"].append({"destination": "/data", "type": "bind", "source": str(counter), "options": ["rbind"]})
+    # CRIU's network lock as install-node configures it on a node (runc.conf), whatever the host's
+    # /etc/criu/runc.conf says right now (its default, iptables, would run the host's iptables-restore)
+    conf = path / "criu.conf"
+    conf.write_text("network-lock nftables\n")
+    spec["annotations"] = {"org.criu.config": str(conf)}
     (path / "config.json").write_text(json.dumps(spec))
 
 
@@ -101,22 +138,32 @@ def launches(s: NodeSettings) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_host_python_and_criu_are_out_of_reach_in_the_test_namespace() -> None:
-    assert any(p.name == "criu" for p in HOST_BINARIES) and any(p.name.startswith("python3") for p in HOST_BINARIES)
-    proc = masked("criu --version; echo criu=$?; python3 -c 1; echo python=$?; /usr/bin/python3 -c 1; echo abs=$?")
-    for name in ("criu", "python", "abs"):
-        assert f"{name}=126" in proc.stdout or f"{name}=127" in proc.stdout, proc
-    assert proc.stderr.count("Permission denied") == 3, proc
+def test_host_tools_are_out_of_reach_in_the_test_namespace(tripwire: Path) -> None:
+    names = {Path(p).name for p in HOST_BINARIES}
+    assert {"criu", "nsenter", "ip", "ss", "dash", "bash", "xtables-nft-multi", "tar", "gzip"} <= names, names
+    assert any(n.startswith("python3") for n in names), names
+    before = len(tripped(tripwire))
+    # absolute paths: the driver's busybox sh would run its own applets (nsenter, ip) for bare names
+    probes = ("/usr/sbin/criu --version", "/usr/bin/python3 -c 1", "/usr/bin/nsenter --version", "/usr/bin/ip link",
+              "/usr/bin/ss -K", "/usr/sbin/iptables-restore --version", "/usr/sbin/ip6tables -S",
+              "/usr/sbin/iptables-legacy -S", "/bin/sh -c true", "/usr/bin/bash -c true")  # fmt: skip
+    proc = masked(tripwire, "; ".join(f"{p}; echo rc=$?" for p in probes))
+    assert proc.stdout.count("rc=97") == len(probes), proc
+    assert len(tripped(tripwire)) - before == len(probes)
+    tripwire.parent.joinpath("tripwire.log").unlink()
 
 
-def test_installed_hook_and_criu_run_without_host_python_or_criu(node: NodeSettings, tmp_path: Path) -> None:
+def test_installed_hook_and_criu_run_without_host_tools(node: NodeSettings, tripwire: Path) -> None:
     hook, criu = node.wrapper_launcher, node.criu
-    proc = masked(f"{hook} --version && {criu} --version && {criu} check")
+    proc = masked(
+        tripwire, f"PATH=$NOPATH {hook} --version && PATH=$NOPATH {criu} --version && PATH=$NOPATH {criu} check"
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "runc version" in proc.stdout and "Version: 4.2.1" in proc.stdout and "Looks good" in proc.stdout
+    assert tripped(tripwire) == []
 
 
-def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, tmp_path: Path) -> None:
+def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, tripwire: Path, tmp_path: Path) -> None:
     counter = tmp_path / "counter"
     counter.mkdir()
     bundle = tmp_path / "bundle"
@@ -131,26 +178,32 @@ def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, t
     seen = tmp_path / "seen"
     runc = tmp_path / "runc"
     runc.write_text(
-        f"#!/bin/sh\n{{ readlink /proc/$PPID/exe; tr '\\0' ' ' </proc/$PPID/cmdline; echo; }} >> {seen}\n"
+        f"#!{BUSYBOX.resolve()} sh\n"
+        f"{{ readlink /proc/$PPID/exe; tr '\\0' ' ' </proc/$PPID/cmdline; echo; }} >> {seen}\n"
         f'exec {shutil.which("runc")} "$@"\n'
     )
     runc.chmod(0o755)
-    hook = f"KUBECTL_SNAPSHOT_RUNC={runc} {node.wrapper_launcher} --root {root}"
+    hook = f"PATH=$NOPATH KUBECTL_SNAPSHOT_RUNC={runc} {node.wrapper_launcher} --root {root}"
     before = len(launches(node))
     try:
         proc = masked(
+            tripwire,
             f"{hook} run -d --bundle {bundle} --pid-file {tmp_path}/old.pid {old} </dev/null >/dev/null 2>&1 && "
             f"sleep 1 && {hook} checkpoint --image-path {image} --work-path {staged} {old} && "
-            f"while [ -e /proc/$(cat {tmp_path}/old.pid) ]; do sleep 0.1; done"
+            f"while [ -e /proc/$(cat {tmp_path}/old.pid) ]; do sleep 0.1; done",
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr + _log(Path(staged) / "dump.log")
         value = int((counter / "n").read_text())
         proc = masked(
+            tripwire,
             f"{hook} create --bundle {bundle} --pid-file {tmp_path}/new.pid {new} </dev/null >/dev/null 2>&1 && "
-            f"{hook} start {new} && cat /proc/$(cat {tmp_path}/new.pid)/comm"
+            f"{hook} start {new} && cat /proc/$(cat {tmp_path}/new.pid)/comm",
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.strip() == "sh"  # the restored loop, not a fresh container
+        # the restored container owns its network namespace: the hook brought its lo up (in-process)
+        pid = (tmp_path / "new.pid").read_text().strip()
+        assert "UP" in _host_sh(f"nsenter --net=/proc/{pid}/ns/net ip -o link show lo")
         time.sleep(1)
         assert int((counter / "n").read_text()) > value  # it kept counting from where it was
         assert not Path(staged).exists()  # the hook used the staged checkpoint once
@@ -168,6 +221,12 @@ def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, t
     # runc runs CRIU (swrk) for its version check and then for the dump / the restore
     assert any(" checkpoint " in p for p in parents) and any(" restore " in p for p in parents), parents
     assert all(f"--criu {node.criu}" in p for p in parents), parents  # runc was handed the installed CRIU
+    assert tripped(tripwire) == []  # no host tool ran (python3, criu, sh, nsenter, ip, ss, iptables, ...)
+    # CRIU dumped and restored the container's tmpfs mounts (/dev) with the bundle's tar, through its
+    # launcher (its record; CRIU runs it from a helper in the container's pid namespace, so the record's
+    # "parent" is not CRIU's command line)
+    tars = [json.loads(line) for line in Path(node.wrapper_dir, "tar.launches").read_text().splitlines()]
+    assert any("--create" in r["args"] for r in tars) and any("--extract" in r["args"] for r in tars), tars
 
 
 def _log(path: Path) -> str:
@@ -175,3 +234,195 @@ def _log(path: Path) -> str:
         return "\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
     except OSError:
         return ""
+
+
+def _host_sh(script: str) -> str:
+    """The test's own observations, outside the masked namespace (the host's tools are fine here)."""
+    r = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30)
+    return r.stdout + r.stderr
+
+
+class Netns:
+    """A network namespace with lo up, held by a sleeping process (a pod sandbox's)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(["unshare", "-n", "sh", "-c", "ip link set lo up && exec sleep 600"])
+        self.path = f"/proc/{self.proc.pid}/ns/net"
+        deadline = time.monotonic() + 5
+        while "UP" not in self.sh("ip -o link show lo") or os.readlink(self.path) == os.readlink("/proc/self/ns/net"):
+            assert time.monotonic() < deadline, "the namespace did not come up"
+            time.sleep(0.05)
+
+    def sh(self, script: str) -> str:
+        return _host_sh(f"nsenter --net={self.path} sh -c {shlex.quote(script)}")
+
+    def blocked(self) -> bool:
+        """Whether a loopback connection in the namespace fails (the lock drops every packet)."""
+        probe = (
+            "import socket\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+            "try:\n    socket.create_connection(s.getsockname(), timeout=1); print('open')\n"
+            "except OSError as e:\n    print('blocked', e)\n"
+        )
+        out = self.sh(f"/usr/bin/python3 -c {shlex.quote(probe)}")
+        assert out.startswith(("open", "blocked")), out
+        return out.startswith("blocked")
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+SERVER = "sleep 1000000 | nc -l -p 7000 > /data/got"  # busybox nc ends the connection when its stdin does
+CLIENT = "i=0; while :; do i=$((i+1)); echo $i; usleep 50000; done | nc 127.0.0.1 7000"
+
+
+def pod_bundle(path: Path, *, name: str, uid: str, netns: str, args: str, data: Path, criu_conf: Path) -> Path:
+    """An OCI bundle as containerd's CRI plugin writes one for a pod's container (its annotations,
+    the pod's network namespace), with CRIU's nftables network lock (runc's org.criu.config)."""
+    rootfs = path / "rootfs"
+    (rootfs / "bin").mkdir(parents=True)
+    shutil.copy(BUSYBOX, rootfs / "bin" / "busybox")
+    for applet in ("sh", "nc", "usleep", "echo", "sleep"):
+        (rootfs / "bin" / applet).symlink_to("busybox")
+    (rootfs / "data").mkdir()
+    subprocess.run(["runc", "spec", "--bundle", str(path)], check=True)
+    spec = json.loads((path / "config.json").read_text())
+    spec["process"]["terminal"] = False
+    spec["process"]["args"] = ["sh", "-c", args]
+    spec["root"]["readonly"] = False
+    spec["mounts"].append({"destination": "/data", "type": "bind", "source": str(data), "options": ["rbind"]})
+    spec["linux"]["namespaces"] = [
+        {"type": "network", "path": netns} if ns["type"] == "network" else ns for ns in spec["linux"]["namespaces"]
+    ]
+    spec["annotations"] = {
+        "io.kubernetes.cri.sandbox-uid": uid,
+        "io.kubernetes.cri.container-name": name,
+        "io.kubernetes.cri.container-type": "container",
+        "org.criu.config": str(criu_conf),
+    }
+    (path / "config.json").write_text(json.dumps(spec))
+    return path
+
+
+DUMP_UNDER_LOCK = """
+import json, os, socket, subprocess, sys
+from shim import dumplock, netns
+pids, commands = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+
+def probe():
+    s = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen()
+    try:
+        socket.create_connection(s.getsockname(), timeout=1)
+        return "open"
+    except OSError as e:
+        return f"blocked ({e})"
+
+with dumplock.pod_network_locked(pids):
+    print("traffic while locked:", netns.run_in(f"/proc/{pids[0]}/ns/net", probe))
+    for argv in commands:
+        proc = subprocess.run(argv, env={"PATH": os.environ["NOPATH"]}, capture_output=True, text=True)
+        if proc.returncode:
+            sys.exit(f"{argv} failed: {proc.stdout}{proc.stderr}")
+    print("locked dump done")
+"""
+
+
+def test_whole_pod_dump_lock_and_restore_without_host_tools(node: NodeSettings, tripwire: Path, tmp_path: Path) -> None:
+    """The agent's dump lock and the hook's whole-pod restore (lock, restore both, release) with no
+    host tool: a loopback TCP connection between the pod's two containers carries on."""
+    uid = f"nb-pod-{os.getpid()}"
+    criu_conf = tmp_path / "criu.conf"
+    criu_conf.write_text("network-lock nftables\n")  # as install-node writes /etc/criu/runc.conf
+    root = tmp_path / "runc-root"
+    seen, runc = tmp_path / "seen", tmp_path / "runc"
+    runc.write_text(
+        f'#!{BUSYBOX.resolve()} sh\n{{ readlink /proc/$PPID/exe; echo; }} >> {seen}\nexec {shutil.which("runc")} "$@"\n'
+    )
+    runc.chmod(0o755)
+    hook = [str(node.wrapper_launcher), "--root", str(root)]
+    env_hook = f"PATH=$NOPATH KUBECTL_SNAPSHOT_RUNC={runc} {' '.join(hook)}"
+    paths = StatePaths(node.state_dir)
+    data = {n: tmp_path / f"data-{n}" for n in ("server", "client")}
+    for d in data.values():
+        d.mkdir()
+    old_ns, new_ns = Netns(), Netns()
+    old = {n: f"nb-{n}-old-{os.getpid()}" for n in data}
+    new = {n: f"nb-{n}-new-{os.getpid()}" for n in data}
+    args = {"server": SERVER, "client": CLIENT}
+    before = len(launches(node))
+    try:
+        for n in ("server", "client"):
+            b = pod_bundle(tmp_path / f"old-{n}", name=n, uid=uid, netns=old_ns.path, args=args[n], data=data[n],
+                           criu_conf=criu_conf)  # fmt: skip
+            subprocess.run(["runc", "--root", str(root), "run", "-d", "--bundle", str(b), "--pid-file",
+                            str(tmp_path / f"old-{n}.pid"), old[n]], check=True, stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+            time.sleep(1)
+        got = data["server"] / "got"
+        _wait(lambda: _last(got) > 20, "the client's numbers at the server")
+        pids = [int((tmp_path / f"old-{n}.pid").read_text()) for n in ("server", "client")]
+        # the agent's part: both dumps under one lock of the pod's network (the venv's Python runs it here)
+        commands = []
+        for n in ("server", "client"):
+            staged = Path(paths.staged_by_pod(uid, n))
+            (staged / "checkpoint").mkdir(parents=True)
+            commands.append([*hook, "checkpoint", "--image-path", str(staged / "checkpoint"), "--work-path",
+                             str(staged), "--tcp-established", old[n]])  # fmt: skip
+        env = f"KUBECTL_SNAPSHOT_RUNC={runc} PYTHONPATH={REPO}"
+        proc = masked(tripwire, f"{env} {sys.executable} -c {shlex.quote(DUMP_UNDER_LOCK)} "
+                                f"{shlex.quote(json.dumps(pids))} {shlex.quote(json.dumps(commands))}")  # fmt: skip
+        assert proc.returncode == 0 and "locked dump done" in proc.stdout, proc.stdout + proc.stderr
+        at_dump = _last(got)
+        assert "blocked" in proc.stdout, proc.stdout  # loopback traffic in the pod's namespace, during the dumps
+        # the dump lock is gone again (CRIU's own per-connection tables of the killed tasks stay: not ours)
+        assert dumplock.LOCK_TABLE not in nft_tables(old_ns.path) and nft_tables(old_ns.path)
+        PodRestore(paths.pod_dir(uid)).record(["server", "client"])  # what the agent stages
+
+        # the kubelet's part: create the pod's containers one by one under the runtime handler
+        for i, n in enumerate(("server", "client")):
+            b = pod_bundle(tmp_path / f"new-{n}", name=n, uid=uid, netns=new_ns.path, args=args[n], data=data[n],
+                           criu_conf=criu_conf)  # fmt: skip
+            proc = masked(tripwire, f"{env_hook} create --bundle {b} --pid-file {tmp_path}/new-{n}.pid {new[n]} "
+                                    "</dev/null >/dev/null 2>&1")  # fmt: skip
+            assert proc.returncode == 0, (
+                proc.stdout + proc.stderr + _log(Path(paths.staged_by_pod(uid, n)) / "restore.log")
+            )
+            if i == 0:  # one end is back, the other not yet: nothing moves in the pod's network
+                assert new_ns.blocked() and LOCK_TABLE in nft_tables(new_ns.path)
+                assert new_ns.sh("cat /proc/sys/net/ipv4/ip_nonlocal_bind").strip() == "1"
+                time.sleep(1)
+        assert LOCK_TABLE not in nft_tables(new_ns.path)  # released once the last container was restored
+        assert not new_ns.blocked()
+        assert new_ns.sh("cat /proc/sys/net/ipv4/ip_nonlocal_bind").strip() == "0"
+        proc = masked(tripwire, f"{env_hook} start {new['server']} && {env_hook} start {new['client']}")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        # the restored client goes on counting over the restored connection (a fresh one starts at 1)
+        _wait(lambda: _last(got) > at_dump + 20, "the restored client's numbers at the restored server")
+        pod = PodRestore(paths.pod_dir(uid))
+        assert pod.failed() is None and (Path(pod.directory) / RELEASED_FILE).exists()
+    finally:
+        for cid in [*old.values(), *new.values()]:
+            subprocess.run(["runc", "--root", str(root), "delete", "--force", cid], capture_output=True, check=False)
+        old_ns.close()
+        new_ns.close()
+    assert tripped(tripwire) == []  # no host tool ran: no nsenter, sh, ip, ss, iptables, python3, criu
+    bundle = json.loads(Path(node.wrapper_dir, "install.json").read_text())["bundle"]
+    assert f"{bundle}/lib/ld-linux-x86-64.so.2" in seen.read_text().splitlines()  # runc's parent: the hook's loader
+    parents = [" ".join(str(a) for a in r["parent"]) for r in launches(node)[before:]]
+    assert sum(" checkpoint " in p for p in parents) >= 2 and sum(" restore " in p for p in parents) >= 2, parents
+    assert all(f"--criu {node.criu}" in p for p in parents), parents  # every CRIU run was the installed one
+
+
+def _last(path: Path) -> int:
+    try:
+        lines = path.read_text().split()
+    except OSError:
+        return 0
+    return int(lines[-1]) if lines and lines[-1].isdigit() else (int(lines[-2]) if len(lines) > 1 else 0)
+
+
+def _wait(ok: Callable[[], bool], what: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)

@@ -26,11 +26,12 @@ from kubectl_snapshot.core.reference import Reference
 from shim.containerd.client import ContainerdClient, RuncOptions
 from shim.engine.restore import stage_artifact
 from shim.engine.staging import StatePaths
-from shim.podrestore import LOCK_CHAIN, RELEASED_FILE, PodRestore
+from shim.podrestore import LOCK_TABLE, RELEASED_FILE, PodRestore
 from shim.runc_wrapper import ANN_CONTAINER_NAME, ANN_CONTAINER_TYPE, ANN_SANDBOX_UID
 from tests.integration.test_agent_roundtrip import WRAPPER, agent, on, unique, wait_for
 from tests.support.containerd import ContainerdDaemon, containerd_a, containerd_b
 from tests.support.images import busybox_image
+from tests.support.nft import nft_tables
 from tests.support.registry import registry
 
 pytestmark = pytest.mark.integration
@@ -164,10 +165,10 @@ def test_loopback_tcp_between_two_containers_of_a_pod_survives(  # type: ignore[
             b.create_task(cid, rootfs=rootfs, stdout=log_uri, stderr=log_uri)
             if i == 0:
                 # one end is back, the other not yet: the pod's network is locked, nothing moves
-                assert LOCK_CHAIN in new.sh("iptables -S")
+                assert LOCK_TABLE in nft_tables(new.path)
                 time.sleep(1)  # long enough for retransmissions that would meet no peer
             b.start_task(cid)
-        assert LOCK_CHAIN not in new.sh("iptables -S")
+        assert LOCK_TABLE not in nft_tables(new.path)
         assert (Path(pod.directory) / RELEASED_FILE).exists() and pod.failed() is None
         server, client = created
         wait_for(lambda: got(b, server)[1] > before + 20, timeout=30, what="the restored client's messages")

@@ -2,8 +2,9 @@
 holds the pod's network locked from its first container's restore to its last one's.
 
 runc is a fake that records its argv (restore of container id ``fail-*`` exits 1, as a CRIU failure
-would); the network namespace is a real one made here (``unshare -n``), locked with the host's real
-iptables, so that what the lock does to traffic is checked for real.
+would); the network namespace is a real one made here (``unshare -n``), locked by the wrapper in-process
+(nf_tables, rtnetlink and sock_diag through netlink), so that what the lock does to traffic is checked
+for real.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from shim.podrestore import FAILED_FILE, LOCK_CHAIN, RELEASED_FILE, PodRestore
+from shim.podrestore import FAILED_FILE, LOCK_TABLE, RELEASED_FILE, PodRestore
 from tests.integration.test_wrapper_pyz import HOST_PYTHON, calls, pyz, run_pyz
+from tests.support.nft import nft_tables
 from tests.unit.test_criu_guard import bundle as guard_bundle
 from tests.unit.test_criu_guard import make_images, write
 
@@ -106,7 +108,7 @@ def test_a_restored_container_that_dies_at_once_is_not_recreated(pyz: Path, tmp_
 def netns() -> Iterator[str]:
     """A scratch network namespace (with lo up) held by a sleeping process."""
     if os.geteuid() != 0:
-        pytest.skip("needs root (a network namespace, iptables)")
+        pytest.skip("needs root (a network namespace, nf_tables)")
     proc = subprocess.Popen(["unshare", "-n", "sh", "-c", "ip link set lo up && exec sleep 300"])
     path = f"/proc/{proc.pid}/ns/net"
     deadline = time.monotonic() + 5
@@ -144,12 +146,12 @@ def test_the_pod_network_is_locked_from_the_first_restore_to_the_last(pyz: Path,
 
     assert create(pyz, runc, state, bundle(tmp_path, "server", netns), "ok-server").returncode == 0
     # between the two restores: nothing moves in the pod's network, not even over loopback
-    assert LOCK_CHAIN in _netns_sh(netns, "iptables -S")
+    assert LOCK_TABLE in nft_tables(netns)
     assert _netns_sh(netns, f'{python} -c "{PROBE}"').startswith("blocked")
     assert _netns_sh(netns, "cat /proc/sys/net/ipv4/ip_nonlocal_bind").strip() == "1"
 
     assert create(pyz, runc, state, bundle(tmp_path, "client", netns), "ok-client").returncode == 0
-    assert LOCK_CHAIN not in _netns_sh(netns, "iptables -S")
+    assert LOCK_TABLE not in nft_tables(netns)
     assert _netns_sh(netns, f'{python} -c "{PROBE}"').startswith("open")
     assert _netns_sh(netns, "cat /proc/sys/net/ipv4/ip_nonlocal_bind").strip() == "0"
     assert (Path(pod.directory) / RELEASED_FILE).exists() and pod.failed() is None
@@ -177,11 +179,11 @@ def test_the_old_pod_address_is_lent_for_the_restore_and_taken_back(pyz: Path, t
 
     assert create(pyz, runc, state, bundle(tmp_path, "away", netns), "ok-away").returncode == 0
     assert "10.250.0.7/32" in _netns_sh(netns, "ip -o addr show dev lo")  # lent, while locked
-    assert LOCK_CHAIN in _netns_sh(netns, "iptables -S")
+    assert LOCK_TABLE in nft_tables(netns)
 
     assert create(pyz, runc, state, bundle(tmp_path, "app", netns), "ok-app").returncode == 0
     assert _netns_sh(netns, "ip -o addr show to 10.250.0.7/32").strip() == ""  # taken back
-    assert LOCK_CHAIN not in _netns_sh(netns, "iptables -S")
+    assert LOCK_TABLE not in nft_tables(netns)
     assert pod.failed() is None
 
 

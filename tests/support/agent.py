@@ -124,6 +124,12 @@ def criu_launches(node: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def tar_launches(node: str) -> list[dict[str, Any]]:
+    """The bundle's tar launcher's record on a node (CRIU runs tar for tmpfs mounts)."""
+    path = OPT_ROOT / node / "tar.launches"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def assert_installed_criu_ran(node: str, operation: str, since: int) -> None:
     """runc ran the CRIU install-node put on `node` (runc --criu /opt/kubectl-snapshot/NODE/criu) for `operation`."""
     runs = [r for r in criu_launches(node)[since:] if r["args"][:1] == ["swrk"]]  # runc's runs (not criu check)
@@ -193,6 +199,10 @@ def installed_agent(
         for node in cluster.nodes:
             for run in (r for r in criu_launches(node) if r["args"][:1] == ["swrk"]):  # CRIU that runc ran
                 assert f"--criu {OPT_ROOT / node / 'criu'}" in " ".join(run["parent"]), (node, run)
+        # the tar CRIU ran for tmpfs mounts (every container's /dev) was the bundle's (its launcher's record)
+        checkpoints = [r for n in cluster.nodes for r in criu_launches(n) if " checkpoint " in " ".join(r["parent"])]
+        tar_dumps = [r for n in cluster.nodes for r in tar_launches(n) if "--create" in r["args"]]
+        assert tar_dumps or not checkpoints, "CRIU checkpointed containers but never ran the bundle's tar"
     finally:
         _plugin(cluster, "uninstall", check=False)
     # uninstall is the inverse of install, on the nodes too: no runtime hook, no containerd drop-in

@@ -17,6 +17,7 @@ def fake_bundle(out: Path, *, pyz: bytes = b"PK-bundled") -> Path:
         "lib/libc.so.6": b"libc",
         "libexec/criu": b"criu",
         "libexec/python3.11": b"python",
+        "libexec/tar": b"tar",
         "kubectl-snapshot-runc.pyz": pyz,
         "launcher": b"\x7fELF launcher",
     }
@@ -28,6 +29,9 @@ def fake_bundle(out: Path, *, pyz: bytes = b"PK-bundled") -> Path:
         "loader": "lib/ld-linux-x86-64.so.2",
         "criu": {"path": "libexec/criu", "version": "4.2.1", "from": "debian criu 4.2.1-1"},
         "python": {"path": "libexec/python3.11", "version": "3.11.2", "from": "debian python3.11-minimal 3.11.2"},
+        "tools": {
+            "tar": {"path": "libexec/tar", "version": "1.34", "from": "debian tar 1.34+dfsg-1.2+deb12u1"},
+        },
         "files": digests,
         "digest": hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest(),
     }

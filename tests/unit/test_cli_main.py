@@ -162,3 +162,24 @@ def test_doctor_text_shows_unknown_facts() -> None:
 def test_snapshot_verb_is_an_alias_of_the_pod_command() -> None:
     proc = run("snapshot", "pod/web")
     assert proc.returncode == 2 and "error: no destination repository" in proc.stderr
+
+
+def test_doctor_text_lists_each_nodes_tools_and_where_they_come_from() -> None:
+    node = {
+        "node": "n1", "agentPod": "a", "agentReady": True, "criuVersion": "4.2.1", "containerdVersion": "v2.3.7",
+        "runcVersion": "1.1.15", "kernel": "6.18", "runtimeHandler": True,
+        "criu": {"path": "/opt/kubectl-snapshot/n1/criu", "version": "4.2.1", "from": "debian criu 4.2.1-1"},
+        "hook": {"path": "/opt/kubectl-snapshot/n1/kubectl-snapshot-runc", "python": "3.11.2", "from": "debian"},
+        "tools": {
+            "tar": {"path": "/opt/kubectl-snapshot/n1/bin/tar", "version": "1.34", "from": "debian tar 1.34"},
+            "pod network lock": {"path": "in-process", "version": "", "from": "nf_tables over netlink",
+                                 "replaces": "sh, iptables-restore", "ok": False, "detail": "no nf_tables"},
+        },
+        "blockers": ["pods' network cannot be locked"],
+    }  # fmt: skip
+    text = _doctor_text({"ok": False, "checks": [], "nodes": [node]})
+    assert "  tar: /opt/kubectl-snapshot/n1/bin/tar 1.34 (debian tar 1.34)" in text, text
+    assert (
+        "  pod network lock: in-process (nf_tables over netlink; instead of sh, iptables-restore; no nf_tables)" in text
+    )
+    assert "BLOCKED       pods' network cannot be locked" in text

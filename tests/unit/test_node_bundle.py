@@ -13,7 +13,7 @@ import pytest
 from kubectl_snapshot.app.doctor import node_facts
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
-from shim import nodecheck
+from shim import hostfacts, nodecheck
 from shim.containerd.model import ContainerInfo, RuncOptions
 from shim.containerd.runc_checkpoint import CheckpointArgs, RuncCheckpointer
 from shim.controller.node_install import INSTALL_FACTS, install, uninstall
@@ -56,11 +56,21 @@ def test_install_puts_the_bundle_and_launchers_in_the_nodes_own_directory(tmp_pa
     criu = json.loads(Path(s.criu + ".launch").read_text())
     assert criu["argv"] == [*loader, "--argv0", "criu", f"{r.bundle}/libexec/criu"]
     assert criu["log"] == str(node / "criu.launches")
-    # nothing points outside the node's directory: no host python3, no host criu
-    assert all(a.startswith(str(node)) or not a.startswith("/") for a in hook["argv"] + criu["argv"])
+    assert criu["pathPrepend"] == [str(node / "bin")]  # CRIU runs tar and gzip by name: the bundle's first
+    tools = {name: json.loads((node / "bin" / f"{name}.launch").read_text()) for name in ("tar",)}
+    assert tools["tar"]["argv"] == [*loader, "--argv0", "tar", f"{r.bundle}/libexec/tar"]
+    assert tools["tar"]["gzipFilter"] is True  # tar's --gzip would run gzip through the host's /bin/sh
+    assert tools["tar"]["log"] == str(node / "tar.launches")
+    assert (node / "bin" / "tar").read_bytes() == b"\x7fELF launcher"
+    assert sorted(os.listdir(node / "bin")) == ["tar", "tar.launch"]
+    # nothing points outside the node's directory: no host python3, no host criu, no host tar
+    argvs = [a for c in (hook, criu, *tools.values()) for a in c["argv"]]
+    assert all(a.startswith(str(node)) or not a.startswith("/") for a in argvs)
     facts = json.loads((node / INSTALL_FACTS).read_text())
     assert facts["criu"]["version"] == "4.2.1" and facts["criu"]["launcher"] == s.criu
     assert facts["python"]["version"] == "3.11.2" and facts["bundle"] == r.bundle
+    assert facts["tools"]["tar"]["launcher"] == str(node / "bin" / "tar")
+    assert facts["tools"]["tar"]["from"] == "debian tar 1.34+dfsg-1.2+deb12u1"
 
 
 def test_a_new_bundle_replaces_the_old_one_and_uninstall_removes_all(tmp_path: Path) -> None:
@@ -73,7 +83,7 @@ def test_a_new_bundle_replaces_the_old_one_and_uninstall_removes_all(tmp_path: P
     second = install(s, bundle=str(fake_bundle(tmp_path / "b2", pyz=b"PK-new")))
     assert second.bundle != first.bundle and not Path(first.bundle).exists()
     assert sorted(os.listdir(s.wrapper_dir)) == sorted(
-        [os.path.basename(second.bundle), "criu", "criu.launch", "install.json", "kubectl-snapshot-runc",
+        [os.path.basename(second.bundle), "bin", "criu", "criu.launch", "install.json", "kubectl-snapshot-runc",
          "kubectl-snapshot-runc.launch"]
     )  # fmt: skip
     uninstall(s)
@@ -155,6 +165,15 @@ def test_blockers_and_doctor_per_node() -> None:
         "containerd": {"version": "v1.7.24", "found": True, "config": "/etc/containerd/config.toml",
                        "importsDropin": False, "restartPending": True},
     }  # fmt: skip
+    status["tools"] = nodecheck.tools(
+        {"tools": {"tar": {"launcher": "/opt/kubectl-snapshot/n1/bin/tar", "version": "1.34", "from": "debian tar"}}},
+        "agent image X",
+    )
+    assert status["tools"]["tar"] == {"path": "/opt/kubectl-snapshot/n1/bin/tar", "version": "1.34",
+                                      "from": "debian tar, agent image X"}  # fmt: skip
+    lock = status["tools"]["pod network lock"]
+    assert lock["path"] == "in-process" and "iptables-restore" in lock["replaces"] and lock["ok"] is True  # this kernel
+    assert {t["path"] for n, t in status["tools"].items() if n != "tar"} == {"in-process"}
     status["blockers"] = nodecheck.blockers(status)
     assert len(status["blockers"]) == 4
     assert "UFFD is not supported" in status["blockers"][0] and "containerd 2.x" in status["blockers"][1]
@@ -166,4 +185,18 @@ def test_blockers_and_doctor_per_node() -> None:
     fine = {"version": "v2.3.7", "found": True, "importsDropin": True, "restartPending": False}
     ok = {**status, "criuCheck": {"ok": True}, "containerd": fine}
     assert nodecheck.blockers(ok) == []
+    no_nft = {**ok, "tools": {"pod network lock": {"ok": False, "detail": "nf_tables is not usable here"}}}
+    assert nodecheck.blockers(no_nft) == [
+        "pods' network cannot be locked (whole-pod restores, dumps of pods): nf_tables is not usable here"
+    ]
+    assert facts["tools"]["tar"]["path"] == "/opt/kubectl-snapshot/n1/bin/tar"
+    assert facts["tools"]["abort connections from the old address"]["replaces"] == "ss -K"
     assert node_facts({"metadata": {"name": "n2"}})["blockers"]  # an agent that published nothing
+
+
+def test_the_installed_criu_is_asked_directly_not_through_the_hosts_mount_namespace(tmp_path: Path) -> None:
+    criu = tmp_path / "criu"
+    criu.write_text("#!/bin/sh\necho 'Version: 4.2.1'\n")
+    criu.chmod(0o755)
+    probe = hostfacts.HostProbe(exec_prefix=("/nonexistent/nsenter", "--mount=/proc/1/ns/mnt", "--"), criu=str(criu))
+    assert hostfacts.criu_version(probe) == "4.2.1"  # the prefix would have failed
