@@ -29,7 +29,14 @@ from kubectl_snapshot.app.ports import ArtifactStore, Kube
 from kubectl_snapshot.app.restore import RestoreRequest, build_restore, create_restore_pod, resolve_source, wait_running
 from kubectl_snapshot.app.snapshot import SnapshotRequest, snapshot_body, start_snapshot, wait_snapshot
 from kubectl_snapshot.cli import completion
-from kubectl_snapshot.cli.params import ENV_REPOSITORY, Duration, common_options, kube_opts, repository_default
+from kubectl_snapshot.cli.params import (
+    ENV_REPOSITORY,
+    Duration,
+    common_options,
+    dry_run_option,
+    kube_opts,
+    repository_default,
+)
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.console.errors import handle_errors
 from kubectl_snapshot.console.inspect import inspect_data, inspect_text
@@ -45,7 +52,6 @@ from kubectl_snapshot.core.status import human_bytes
 from kubectl_snapshot.core.status import read as snapshot_status
 
 DEFAULT_COMMAND = "pod"
-DRY_RUN = ("none", "client", "server")
 ALIASES = {"snapshot": DEFAULT_COMMAND}  # `kubectl-snapshot snapshot pod/NAME` reads naturally too
 
 
@@ -103,16 +109,6 @@ def _wait_options(fn: Any) -> Any:
     )(fn)
     fn = click.option("--no-wait", is_flag=True, help="Return once the object is created.")(fn)
     return fn
-
-
-def _dry_run_option(fn: Any) -> Any:
-    return click.option(
-        "--dry-run",
-        type=click.Choice(DRY_RUN),
-        default="none",
-        show_default=True,
-        help="client: only print what would be sent; server: the API server admits it but persists nothing.",
-    )(fn)
 
 
 def _selector_option(fn: Any) -> Any:
@@ -239,7 +235,7 @@ def _snapshot_request(
 @_snapshot_options
 @click.option("--stop", is_flag=True, help="Stop the pod's containers once the snapshot is pushed.")
 @_wait_options
-@_dry_run_option
+@dry_run_option
 @output_option
 @click.argument("target", metavar="pod/NAME", shell_complete=completion.pods)
 @handle_errors
@@ -285,7 +281,7 @@ def pod_cmd(
 @click.option("--registry-secret", help="dockerconfigjson Secret the agent pulls with.")
 @click.option("--agent-image", help="Image of the gate init container (default: the agent DaemonSet's image).")
 @click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
-@_dry_run_option
+@dry_run_option
 @_wait_options
 @output_option
 @click.argument("source", metavar="REF|SNAPSHOT", shell_complete=completion.snapshots)
@@ -531,7 +527,7 @@ def _cluster_trust(kube: Kube | None) -> TrustPolicy:
 @click.option("--registry", is_flag=True, help="Also delete the snapshot's manifest from the registry.")
 @click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
 @_selector_option
-@_dry_run_option
+@dry_run_option
 @output_option
 @click.argument("names", nargs=-1, metavar="SNAPSHOT...", shell_complete=completion.snapshots)
 @handle_errors
@@ -629,7 +625,7 @@ def _install_settings(api_server: str | None, node_config: str | None, **node: s
     default=None,
     help="Whether restores accept snapshots no trusted key signed (default: refuse; kept across installs).",
 )
-@_dry_run_option
+@dry_run_option
 @click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long to wait for the rollout.")
 @output_option
 @handle_errors
@@ -685,7 +681,7 @@ def install_cmd(
 
 @cli.command("uninstall")
 @common_options
-@_dry_run_option
+@dry_run_option
 @click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long node clean-up may take.")
 @output_option
 @handle_errors

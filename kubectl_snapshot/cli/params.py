@@ -140,3 +140,17 @@ class Duration(click.ParamType):  # type: ignore[type-arg,unused-ignore]
 
 def repository_default() -> str | None:
     return os.environ.get(ENV_REPOSITORY) or None
+
+
+DRY_RUN = ("none", "client", "server")
+
+
+def dry_run_option(fn: F) -> F:
+    """kubectl's --dry-run=none|client|server."""
+    return click.option(
+        "--dry-run",
+        type=click.Choice(DRY_RUN),
+        default="none",
+        show_default=True,
+        help="client: only print what would be sent; server: the API server admits it but persists nothing.",
+    )(fn)

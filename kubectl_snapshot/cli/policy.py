@@ -7,14 +7,12 @@ from typing import Any
 import click
 
 from kubectl_snapshot.app import policy as P
-from kubectl_snapshot.cli.params import common_options
+from kubectl_snapshot.cli.params import common_options, dry_run_option
 from kubectl_snapshot.console.errors import handle_errors
 from kubectl_snapshot.console.output import emit, output_option
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.policyspec import parse_selector, parse_workload, policy_object, selector_text
 from kubectl_snapshot.core.status import human_bytes
-
-DRY_RUN = ("none", "client", "server")
 
 
 def _kube() -> Any:
@@ -31,16 +29,6 @@ def _namespace(kube: Any) -> str:
 
 def _name(obj: dict[str, Any]) -> str:
     return f"{K.POLICY_SINGULAR}.{K.GROUP}/{obj['metadata']['name']}"
-
-
-def _dry_run(fn: Any) -> Any:
-    return click.option(
-        "--dry-run",
-        type=click.Choice(DRY_RUN),
-        default="none",
-        show_default=True,
-        help="client: only print what would be sent; server: the API server admits it but persists nothing.",
-    )(fn)
 
 
 @click.group("policy")
@@ -64,7 +52,7 @@ def policy_group() -> None:
 @click.option("--no-resume", is_flag=True, help="New pods of the workload start fresh instead of resuming.")
 @click.option("--no-volumes", is_flag=True, help="Do not save emptyDir volumes.")
 @click.option("--suspend", is_flag=True, help="Create the policy paused.")
-@_dry_run
+@dry_run_option
 @output_option
 @handle_errors
 def create_cmd(
@@ -208,7 +196,7 @@ def describe_cmd(name: str, output: str) -> None:
 @common_options
 @click.argument("name")
 @click.option("--prune", is_flag=True, help="Also delete the policy's saves and their registry manifests.")
-@_dry_run
+@dry_run_option
 @output_option
 @handle_errors
 def delete_cmd(name: str, prune: bool, dry_run: str, output: str) -> None:
