@@ -140,14 +140,59 @@ def summarize_checkpoint(checkpoint_dir: str, *, stats_dump: str | None = None) 
     images = _pycriu_images()
     page_size = resource.getpagesize()
     warnings: list[str] = []
+    tree = _process_tree(images, checkpoint_dir)
+    pages_file_bytes = _pages_file_bytes(checkpoint_dir, tree)
+    memory_bytes = tree.present_pages * page_size
+    if memory_bytes != pages_file_bytes:
+        warnings.append(
+            f"pagemaps list {memory_bytes} bytes of pages but pages-*.img hold {pages_file_bytes} bytes "
+            "(lazy/incremental dump, or a truncated checkpoint)"
+        )
+    stats = _dump_stats(images, checkpoint_dir, stats_dump, warnings)
+
+    def stat_us(key: str) -> int | None:
+        v = stats.get(key)
+        return v if isinstance(v, int) else None
+
+    pages_written = stat_us("pages_written")
+    if pages_written is None:
+        pages_written = tree.present_pages
+    elif pages_written != tree.present_pages:
+        warnings.append(f"stats-dump says {pages_written} pages written, the pagemaps list {tree.present_pages}")
+
+    return CheckpointSummary(
+        processes=tree.processes,
+        process_count=len(tree.processes),
+        pages_written=pages_written,
+        page_size=page_size,
+        memory_bytes=memory_bytes,
+        pages_file_bytes=pages_file_bytes,
+        vma_bytes=tree.vma_bytes,
+        freezing_time_us=stat_us("freezing_time"),
+        frozen_time_us=stat_us("frozen_time"),
+        memdump_time_us=stat_us("memdump_time"),
+        memwrite_time_us=stat_us("memwrite_time"),
+        criu_version=_criu_version(_sibling(checkpoint_dir, DUMP_LOG_FILE)),
+        img_version=_img_version(images, checkpoint_dir),
+        warnings=warnings,
+    )
+
+
+@dataclass
+class _Tree:
+    processes: list[ProcessInfo]
+    present_pages: int  # pages the pagemaps say are in this dump's pages-*.img (not in a parent's)
+    vma_bytes: int
+    pages_ids: set[int]
+
+
+def _process_tree(images: Any, checkpoint_dir: str) -> _Tree:
+    """The processes of pstree.img with their memory: VMAs and present pages of each (zombies have none)."""
     pstree_path = os.path.join(checkpoint_dir, "pstree.img")
     pstree = _load(images, pstree_path)
     if not pstree:
         raise FailedPrecondition(f"{pstree_path} lists no processes", hint=_HINT_CORRUPT)
-
-    processes: list[ProcessInfo] = []
-    present_pages = vma_bytes = 0
-    pages_ids: set[int] = set()
+    tree = _Tree(processes=[], present_pages=0, vma_bytes=0, pages_ids=set())
     for entry in pstree:
         pid = _int(entry, "pid", pstree_path)
         core_path = os.path.join(checkpoint_dir, f"core-{pid}.img")
@@ -157,7 +202,7 @@ def summarize_checkpoint(checkpoint_dir: str, *, stats_dump: str | None = None) 
         if not isinstance(comm, str):  # pycriu parses a truncated image into a partial or empty entry
             raise FailedPrecondition(f"CRIU image {core_path} is incomplete (no task comm)", hint=_HINT_CORRUPT)
         threads = entry.get("threads") or [pid]
-        processes.append(
+        tree.processes.append(
             ProcessInfo(
                 pid=pid,
                 ppid=_int(entry, "ppid", pstree_path),
@@ -172,70 +217,47 @@ def summarize_checkpoint(checkpoint_dir: str, *, stats_dump: str | None = None) 
             continue  # a zombie has no memory images
         for mm in _load(images, mm_path):
             for vma in mm.get("vmas", []):
-                vma_bytes += _int(vma, "end", mm_path) - _int(vma, "start", mm_path)
+                tree.vma_bytes += _int(vma, "end", mm_path) - _int(vma, "start", mm_path)
         pm_path = os.path.join(checkpoint_dir, f"pagemap-{pid}.img")
         pagemap = _load(images, pm_path)
         if pagemap and "pages_id" in pagemap[0]:
-            pages_ids.add(_int(pagemap[0], "pages_id", pm_path))
+            tree.pages_ids.add(_int(pagemap[0], "pages_id", pm_path))
         for pm in pagemap[1:]:
             flags = pm.get("flags", PE_PRESENT)
             if isinstance(flags, int) and flags & PE_PRESENT and not flags & PE_PARENT:
-                present_pages += _int(pm, "nr_pages", pm_path)
+                tree.present_pages += _int(pm, "nr_pages", pm_path)
+    return tree
 
-    for pages_id in sorted(pages_ids):
-        if present_pages and not os.path.lexists(os.path.join(checkpoint_dir, f"pages-{pages_id}.img")):
+
+def _pages_file_bytes(checkpoint_dir: str, tree: _Tree) -> int:
+    """The size of the dump's pages-*.img; every pages file a pagemap names must be there."""
+    for pages_id in sorted(tree.pages_ids):
+        if tree.present_pages and not os.path.lexists(os.path.join(checkpoint_dir, f"pages-{pages_id}.img")):
             raise FailedPrecondition(f"checkpoint is missing pages-{pages_id}.img", hint=_HINT_CORRUPT)
-    pages_file_bytes = 0
+    total = 0
     for name in os.listdir(checkpoint_dir):
         if re.fullmatch(r"pages-\d+\.img", name):
-            pages_file_bytes += os.stat(os.path.join(checkpoint_dir, name), follow_symlinks=False).st_size
-    memory_bytes = present_pages * page_size
-    if memory_bytes != pages_file_bytes:
-        warnings.append(
-            f"pagemaps list {memory_bytes} bytes of pages but pages-*.img hold {pages_file_bytes} bytes "
-            "(lazy/incremental dump, or a truncated checkpoint)"
-        )
+            total += os.stat(os.path.join(checkpoint_dir, name), follow_symlinks=False).st_size
+    return total
 
-    stats: dict[str, Any] = {}
+
+def _dump_stats(images: Any, checkpoint_dir: str, stats_dump: str | None, warnings: list[str]) -> dict[str, Any]:
+    """CRIU's own dump statistics (stats-dump), {} when absent."""
     stats_path = stats_dump if stats_dump is not None else _sibling(checkpoint_dir, STATS_DUMP_FILE)
-    if stats_path is not None:
-        entries = _load(images, stats_path)
-        dump = entries[0].get("dump") if entries else None
-        if isinstance(dump, dict):
-            stats = dump
-        else:
-            warnings.append(f"{stats_path} holds no dump statistics")
+    if stats_path is None:
+        return {}
+    entries = _load(images, stats_path)
+    dump = entries[0].get("dump") if entries else None
+    if isinstance(dump, dict):
+        return dump
+    warnings.append(f"{stats_path} holds no dump statistics")
+    return {}
 
-    def stat_us(key: str) -> int | None:
-        v = stats.get(key)
-        return v if isinstance(v, int) else None
 
-    pages_written = stat_us("pages_written")
-    if pages_written is None:
-        pages_written = present_pages
-    elif pages_written != present_pages:
-        warnings.append(f"stats-dump says {pages_written} pages written, the pagemaps list {present_pages}")
-
-    img_version: int | None = None
+def _img_version(images: Any, checkpoint_dir: str) -> int | None:
     inventory_path = os.path.join(checkpoint_dir, "inventory.img")
-    if os.path.lexists(inventory_path):
-        inv = _load(images, inventory_path)
-        v = inv[0].get("img_version") if inv else None
-        img_version = v if isinstance(v, int) else None
-
-    return CheckpointSummary(
-        processes=processes,
-        process_count=len(processes),
-        pages_written=pages_written,
-        page_size=page_size,
-        memory_bytes=memory_bytes,
-        pages_file_bytes=pages_file_bytes,
-        vma_bytes=vma_bytes,
-        freezing_time_us=stat_us("freezing_time"),
-        frozen_time_us=stat_us("frozen_time"),
-        memdump_time_us=stat_us("memdump_time"),
-        memwrite_time_us=stat_us("memwrite_time"),
-        criu_version=_criu_version(_sibling(checkpoint_dir, DUMP_LOG_FILE)),
-        img_version=img_version,
-        warnings=warnings,
-    )
+    if not os.path.lexists(inventory_path):
+        return None
+    inv = _load(images, inventory_path)
+    v = inv[0].get("img_version") if inv else None
+    return v if isinstance(v, int) else None
