@@ -74,9 +74,11 @@ class NodeSettings:
         install=True,
     )
     criu_path: str = _opt(
-        "", "CRIU runc is handed (default: the one install-node puts in the node's directory, never the host's)."
+        "",
+        "CRIU runc is handed (default: the one install-node puts in the node's directory, never the host's).",
+        per_node=True,
     )
-    runc_path: str = _opt("", "The node's runc (default: the one containerd's shim finds on the host).")
+    runc_path: str = _opt("", "The node's runc (default: the one containerd's shim finds on the host).", per_node=True)
     criu_config: str = _opt(
         "/etc/criu/runc.conf",
         "The runc-specific CRIU configuration file on the host (written by install-node where safe).",

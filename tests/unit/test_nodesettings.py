@@ -66,11 +66,13 @@ def test_the_helm_chart_has_a_value_per_install_setting() -> None:
 def test_node_map_overrides_only_per_node_settings_and_checks_them(tmp_path: Path) -> None:
     path = tmp_path / "nodes.json"
     path.write_text(
-        json.dumps({"n1": {"kubeletRoot": "/k1", "containerd_socket": "/c1/sock", "criuPath": "/evil/criu"}})
+        json.dumps(
+            {"n1": {"kubeletRoot": "/k1", "containerd_socket": "/c1/sock", "criuPath": "/x/criu", "opt_root": "/o"}}
+        )
     )
     s = apply_node_map(NS.NodeSettings(node="n1"), str(path))
-    assert (s.kubelet_root, s.containerd_socket) == ("/k1", "/c1/sock")
-    assert s.criu_path == ""  # not a per-node setting: the map cannot point the agent at another CRIU
+    assert (s.kubelet_root, s.containerd_socket, s.criu_path) == ("/k1", "/c1/sock", "/x/criu")
+    assert s.opt_root == NS.DEFAULTS.opt_root  # not a per-node setting: ignored
     assert apply_node_map(NS.NodeSettings(node="n2"), str(path)) == NS.NodeSettings(node="n2")
     path.write_text(json.dumps({"n1": {"kubelet_root": "relative/dir"}}))
     with pytest.raises(InvalidArgument, match="normalized absolute path"):
@@ -84,7 +86,7 @@ def test_values_are_checked_by_kind() -> None:
     with pytest.raises(InvalidArgument, match="one line"):
         NS.check_value("restart_command", "a\nb")
     with pytest.raises(InvalidArgument, match="unknown key"):
-        deploy_agent.check_per_node_paths({"n1": {"criu_path": "/x"}})
+        deploy_agent.check_per_node_paths({"n1": {"opt_root": "/x"}})
     assert deploy_agent.check_per_node_paths({"n1": {"kubeletRoot": "/k"}}) == {"n1": {"kubelet_root": "/k"}}
 
 
