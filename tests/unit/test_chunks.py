@@ -10,6 +10,7 @@ import pytest
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import (
+    MAX_CHUNK_BYTES,
     MAX_SPAN,
     MIN_SPAN,
     PAGE_SIZE,
@@ -51,7 +52,7 @@ def test_span_is_a_power_of_two_near_total_over_target_and_stable_near_boundarie
     assert choose_span(0) == MIN_SPAN
     assert choose_span(64 << 20) == MIN_SPAN == 1 << 20
     assert choose_span(512 << 20) == 8 << 20
-    assert choose_span(2 << 30) == MAX_SPAN == 16 << 20
+    assert choose_span(2 << 30) == MAX_SPAN == 8 << 20
     # a process just over a power of two keeps the same span (rounding in log space, not up)
     assert choose_span((512 << 20) + (30 << 20)) == choose_span((512 << 20) - (30 << 20))
 
@@ -120,7 +121,7 @@ def test_a_valid_chunk_list_round_trips() -> None:
         ([pages([ch(0, 4096)], 4096, name="pages-1.img/x")], "name"),
         ([pages([ch(0, 4096)], 4096), pages([ch(0, 4096)], 4096)], "twice"),
         ([pages([ch(0, 4096, digest="md5:abc")], 4096)], "digest"),
-        ([pages([ch(0, MAX_SPAN + 4096)], MAX_SPAN + 4096)], "length"),
+        ([pages([ch(0, MAX_CHUNK_BYTES + 4096)], MAX_CHUNK_BYTES + 4096)], "length"),
         ([pages([ch(0, 4096, size=1 << 30)], 4096)], "blob size"),
         ([pages([ch(0, 0)], 0)], "length"),
         ([pages([ch(-4096, 4096)], 0)], "offset"),
