@@ -34,6 +34,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
+	hack/check-go.sh
 
 typecheck: venv
 	$(VENV)/bin/mypy

@@ -211,13 +211,36 @@ def container(daemon: ContainerdDaemon, mib: int, kind: str, ctl_dir: Path | Non
             shutil.rmtree(ctl, ignore_errors=True)
 
 
+def runtime_hook(work: Path) -> str:
+    """The runtime hook as nodes run it: the static launcher (hack/launcher, built here) in front of the
+    hook, passing runc's plain calls (start, state, kill, delete) on without starting Python. Falls back
+    to the hook alone (ks-runc) where Go is missing."""
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    if not os.path.exists(go):
+        print("[bench] no Go: the runtime hook runs without its launcher", file=sys.stderr)
+        return WRAPPER
+    launcher = work / "hook" / "kubectl-snapshot-runc"
+    launcher.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
+    sh(
+        [go, "build", "-trimpath", "-o", str(launcher), "."],
+        cwd=Path(__file__).resolve().parent.parent / "hack/launcher",
+        env=env,
+    )
+    config = {"argv": [WRAPPER], "env": {"KUBECTL_SNAPSHOT_STATE_DIR": str(STATE)}, "runcHook": True}
+    Path(f"{launcher}.launch").write_text(json.dumps(config))
+    return str(launcher)
+
+
 def agent_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[float, dict[str, Any]]:
     t = time.monotonic()
     proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--to", ref, cid])
     return time.monotonic() - t, json.loads(proc.stdout)
 
 
-def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, kind: str, runs: int) -> dict[str, Any]:
+def measure_agent(
+    daemon: ContainerdDaemon, registry: RegistryServer, mib: int, kind: str, runs: int, hook: str = WRAPPER
+) -> dict[str, Any]:
     os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
     restores_internal: list[float] = []
@@ -236,7 +259,7 @@ def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, 
         for i in range(runs + 1):
             new = f"r-{uuid.uuid4().hex[:8]}"
             t = time.monotonic()
-            proc = sh([AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", WRAPPER,
+            proc = sh([AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", hook,
                        "--runc-root", daemon.runc_root, "-o", "json", ref, new])  # fmt: skip
             if i:
                 restores.append(time.monotonic() - t)
@@ -410,6 +433,7 @@ def main() -> None:
     other.start()
     registry.start()
     rows = []
+    hook = runtime_hook(work)
     started = time.monotonic()
     try:
         pimage = (
@@ -420,7 +444,7 @@ def main() -> None:
                 print(f"[bench] {kind} {mib} MiB", file=sys.stderr)
                 row: dict[str, Any] = {"kind": kind, "mib": mib, "runs": a.runs}
                 row["raw"] = raw_bounds(work, registry, mib, kind, a.runs)
-                row["agent"] = measure_agent(daemon, registry, mib, kind, a.runs)
+                row["agent"] = measure_agent(daemon, registry, mib, kind, a.runs, hook)
                 if not a.no_peers:
                     if pimage and "i" in pimage:
                         row["podman"] = peer(lambda: measure_podman(work, pimage["i"], mib, kind, a.runs), "podman")  # noqa: B023 (called at once)

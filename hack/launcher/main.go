@@ -15,6 +15,12 @@
 // in the same format. With "log" it first appends one JSON line (time, pid, its arguments and the command line of
 // its parent) to that file: the record of which CRIU a runc really ran (the file is cut to its newest
 // half beyond 1 MiB).
+//
+// With "runcHook" (the runtime hook's launcher, whose argv is the hook's Python) it first looks at the
+// runc command line containerd's shim gave it: every call the hook would only pass on to runc (state,
+// kill, exec, start, delete) goes to runc here, with the installed CRIU, without starting Python; the
+// start of a restored container (its marker under the state dir) succeeds here, as the hook's would;
+// create, and anything unexpected, goes to the hook. See runcPassthrough.
 package main
 
 import (
@@ -34,6 +40,7 @@ type config struct {
 	Env         map[string]string `json:"env"`
 	PathPrepend []string          `json:"pathPrepend"`
 	GzipFilter  bool              `json:"gzipFilter"`
+	RuncHook    bool              `json:"runcHook"`
 	Log         string            `json:"log"`
 }
 
@@ -108,6 +115,15 @@ func main() {
 	}
 	if c.Log != "" {
 		record(c.Log, os.Args[1:])
+	}
+	if c.RuncHook {
+		if runc, args, ok := runcPassthrough(os.Args[1:], lookup(env)); ok {
+			if runc == "" {
+				os.Exit(0) // the start of a restored container: it is running already
+			}
+			err = syscall.Exec(runc, append([]string{runc}, args...), env)
+			fail("exec %s: %v", runc, err)
+		}
 	}
 	argv := append(append([]string{}, c.Argv...), os.Args[1:]...)
 	if c.GzipFilter && hasGzip(os.Args[1:]) {

@@ -105,6 +105,9 @@ def launch_configs(settings: NodeSettings, bundle: Bundle) -> dict[str, dict[str
         settings.wrapper_launcher: {
             "argv": [*loader, "--argv0", python, python, "-I", "-S", "-B", bundle.file(PYZ_NAME)],
             "env": {"KUBECTL_SNAPSHOT_STATE_DIR": settings.state_dir, "KUBECTL_SNAPSHOT_CRIU": settings.criu},
+            # calls the hook would only pass on go to runc from the launcher: no Python start-up for
+            # every `state`, `kill`, `exec` (probes) and `start` (hack/launcher/runchook.go)
+            "runcHook": True,
         },
         os.path.join(settings.wrapper_dir, "criu"): {
             "argv": [*loader, "--argv0", "criu", criu],

@@ -163,6 +163,51 @@ def test_installed_hook_and_criu_run_without_host_tools(node: NodeSettings, trip
     assert tripped(tripwire) == []
 
 
+def test_the_hook_launcher_passes_plain_runc_calls_on_without_python(node: NodeSettings, tmp_path: Path) -> None:
+    """The installed launcher, with the installed .launch but its hook and runc swapped for recorders:
+    create reaches the hook; every other call goes straight to runc, with the installed CRIU, and no
+    Python starts; the start of a restored container is done by the launcher (its marker used once)."""
+    record = tmp_path / "ran"
+    for name in ("hook", "runc"):
+        rec = tmp_path / name
+        rec.write_text(f'#!{BUSYBOX.resolve()} sh\necho "{name} $*" >> {record}\n')
+        rec.chmod(0o755)
+    launcher = tmp_path / "kubectl-snapshot-runc"
+    shutil.copy(node.wrapper_launcher, launcher)
+    config = json.loads(Path(node.wrapper_launcher + ".launch").read_text())
+    assert config["runcHook"] is True and config["argv"][-1].endswith(".pyz")
+    config["argv"] = [str(tmp_path / "hook")]
+    config["env"]["KUBECTL_SNAPSHOT_RUNC"] = str(tmp_path / "runc")
+    Path(f"{launcher}.launch").write_text(json.dumps(config))
+    restored = Path(config["env"]["KUBECTL_SNAPSHOT_STATE_DIR"], "restored", "was-restored")
+    restored.parent.mkdir(parents=True, exist_ok=True)
+    restored.write_text("x")
+    g = "--root /run/x --log /tmp/l.json --log-format json"
+    calls = [
+        *(f"{g} {c}" for c in ("state c1", "start c1", "delete --force c1", "kill c1 9")),
+        "--criu /usr/sbin/criu exec c1 ls",
+        *(f"{g} {c}" for c in ("create --bundle /b c2", "start was-restored", "start was-restored")),
+        "--version",
+    ]
+    try:
+        for call in calls:
+            subprocess.run([str(launcher), *call.split()], check=True, env={"PATH": "/nonexistent"})
+        assert not restored.exists()
+    finally:
+        restored.unlink(missing_ok=True)
+    crit = f"--criu {node.criu}"
+    assert record.read_text().splitlines() == [
+        f"runc {crit} {g} state c1",
+        f"runc {crit} {g} start c1",
+        f"runc {crit} {g} delete --force c1",
+        f"runc {crit} {g} kill c1 9",
+        f"runc {crit} exec c1 ls",
+        f"hook {g} create --bundle /b c2",
+        f"runc {crit} {g} start was-restored",  # the second start: the container was re-created
+        "hook --version",
+    ]
+
+
 def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, tripwire: Path, tmp_path: Path) -> None:
     counter = tmp_path / "counter"
     counter.mkdir()
