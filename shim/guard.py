@@ -49,7 +49,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -450,6 +450,7 @@ class GuardedFreezer:
         return self.direct.frozen()
 
     def freeze(self, *, deadline_s: float | None = None) -> None:
+        self.client.wait_ready()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         conn.settimeout(FREEZE_REPLY_S)
         try:
@@ -504,9 +505,18 @@ class GuardedFreezer:
 class GuardClient:
     """Builds guarded freezers (`freezer_for`) against one guard socket."""
 
-    def __init__(self, socket_path: str, report: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, socket_path: str, report: dict[str, Any] | None = None, ready: Callable[[], None] | None = None
+    ) -> None:
         self.socket_path = socket_path
         self.report = report
+        self._ready = ready
+
+    def wait_ready(self) -> None:
+        """Wait for a guard that is still starting (private_guard); the agent's guard is up already."""
+        if self._ready is not None:
+            self._ready()
+            self._ready = None
 
     def freezer_for(self, pid: int) -> GuardedFreezer | None:
         fz = freezer.lookup(pid)
@@ -535,23 +545,34 @@ def private_guard(report: dict[str, Any] | None = None) -> Iterator[GuardClient]
         start_new_session=True,
     )
     log_file.close()
-    try:
+
+    waited: list[bool] = []
+
+    def ready() -> None:
+        waited.append(True)
         end = time.monotonic() + 10
         while not os.path.exists(sock):
             if proc.poll() is not None or time.monotonic() > end:
                 with open(os.path.join(tmp, "guard.log"), errors="replace") as f:
                     tail = f.read()[-2000:]
                 raise GuardError(f"the private freeze guard did not start: {tail.strip() or 'no output'}")
-            time.sleep(0.02)
-        yield GuardClient(sock, report)
+            time.sleep(0.005)
+
+    try:
+        # the guard starts (a Python process: ~0.1 s) while the caller prepares; the first freeze waits
+        yield GuardClient(sock, report, ready)
     finally:
-        # Every hold has ended by now; a --once guard exits after its last one, and after this empty
-        # connection if it never held anything.
-        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
-            c.settimeout(2)
-            c.connect(sock)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=5)
+        if not waited:  # never asked to freeze anything: it holds nothing, stop it however far it got
+            proc.kill()
+            proc.wait()
+        else:
+            # Every hold has ended by now; a --once guard exits after its last one, and after this
+            # empty connection if it never held anything.
+            with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.settimeout(2)
+                c.connect(sock)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
         if proc.poll() is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 

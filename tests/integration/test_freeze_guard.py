@@ -224,3 +224,19 @@ def test_a_killed_standalone_checkpoint_is_thawed_by_its_private_guard(counter, 
         cli.wait()
         assert seconds_until_thawed(fz, t0) < 2.0
         assert_goes_on(pid, before)
+
+
+def test_a_private_guard_starts_beside_the_caller_and_one_never_asked_to_freeze_is_stopped() -> None:
+    from shim.guard import private_guard
+
+    t = time.monotonic()
+    with private_guard() as g:
+        handed = time.monotonic() - t
+        tmp = os.path.dirname(g.socket_path)
+    assert handed < 0.05, f"private_guard waited {handed:.3f}s for the guard before handing it over"
+    assert time.monotonic() - t < 3 and not os.path.exists(tmp)
+    with private_guard() as g:
+        g.wait_ready()  # what the first freeze does
+        assert os.path.exists(g.socket_path)
+        tmp = os.path.dirname(g.socket_path)
+    assert not os.path.exists(tmp)
