@@ -213,21 +213,25 @@ def container(daemon: ContainerdDaemon, mib: int, kind: str, ctl_dir: Path | Non
 
 def runtime_hook(work: Path) -> str:
     """The runtime hook as nodes run it: the static launcher (hack/launcher, built here) in front of the
-    hook, passing runc's plain calls (start, state, kill, delete) on without starting Python. Falls back
-    to the hook alone (ks-runc) where Go is missing."""
+    hook's zipapp (hack/build-wrapper-pyz.py) on a bare ``python3 -I -S``; the launcher passes runc's
+    plain calls (start, state, kill, delete) on without starting Python. Falls back to the hook alone
+    (ks-runc in this venv) where Go or the host's python3 is missing."""
     go = shutil.which("go") or "/usr/local/go/bin/go"
-    if not os.path.exists(go):
-        print("[bench] no Go: the runtime hook runs without its launcher", file=sys.stderr)
+    if not os.path.exists(go) or not os.path.exists(HOST_PY):
+        print("[bench] no Go or python3: the runtime hook runs without its launcher", file=sys.stderr)
         return WRAPPER
-    launcher = work / "hook" / "kubectl-snapshot-runc"
-    launcher.parent.mkdir(parents=True, exist_ok=True)
+    repo = Path(__file__).resolve().parent.parent
+    hook = work / "hook"
+    hook.mkdir(parents=True, exist_ok=True)
+    launcher, pyz = hook / "kubectl-snapshot-runc", hook / "kubectl-snapshot-runc.pyz"
     env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
-    sh(
-        [go, "build", "-trimpath", "-o", str(launcher), "."],
-        cwd=Path(__file__).resolve().parent.parent / "hack/launcher",
-        env=env,
-    )
-    config = {"argv": [WRAPPER], "env": {"KUBECTL_SNAPSHOT_STATE_DIR": str(STATE)}, "runcHook": True}
+    sh([go, "build", "-trimpath", "-o", str(launcher), "."], cwd=repo / "hack/launcher", env=env)
+    sh([HOST_PY, str(repo / "hack/build-wrapper-pyz.py"), str(pyz)])
+    config = {
+        "argv": [HOST_PY, "-I", "-S", "-B", str(pyz)],
+        "env": {"KUBECTL_SNAPSHOT_STATE_DIR": str(STATE)},
+        "runcHook": True,
+    }
     Path(f"{launcher}.launch").write_text(json.dumps(config))
     return str(launcher)
 

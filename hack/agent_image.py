@@ -297,7 +297,7 @@ def build_app_tree(root: Path, wheel_dir: Path) -> None:
         log("node bundle: CRIU, python and their loader and libraries from this machine")
         run(
             host_python, str(REPO / "hack" / "node_bundle.py"), str(root / NODE_BUNDLE.lstrip("/")),
-            "--launcher", str(launcher), "--pyz", str(wrapper),
+            "--launcher", str(launcher), "--pyz", str(wrapper), "--hook-site", str(site),
         )  # fmt: skip
 
 

@@ -9,6 +9,12 @@ tree that needs nothing of the host's userland:
                                              closure, resolved in ROOT, flattened)
     libexec/criu                             CRIU (4.2.1 from Debian sid, as hack/install-node-deps.sh)
     libexec/python3.X, lib/python3.X/        the interpreter and its stdlib (no site-packages)
+    lib/hook-site/pycriu, lib/hook-site/google/{protobuf,_upb}
+                                             what the hook's CRIU image check decodes the images with
+                                             (shim/criu_guard.py): Debian's pycriu and the protobuf runtime
+                                             of --hook-site (the agent's venv: the upb C extension, several
+                                             times faster than Debian's pure-Python protobuf); the hook's
+                                             launcher names it in KUBECTL_SNAPSHOT_PYCRIU_PATH
     libexec/tar                              GNU tar: what CRIU execs (from PATH) to dump and restore tmpfs
                                              mounts (every container's /dev, /dev/shm, Secret volumes); the
                                              CRIU launcher puts install-node's bin/ (tar's launcher) first in
@@ -24,7 +30,7 @@ nor its libraries are used, and children (runc, the restored processes) see no L
 
 ROOT is a Debian root file system holding criu and python3 (`/` on a machine prepared by
 hack/install-node-deps.sh; a build stage in Containerfile). The result is reproducible for the same
-inputs. Usage: hack/node_bundle.py OUT --launcher BIN --pyz PYZ [--root ROOT]
+inputs. Usage: hack/node_bundle.py OUT --launcher BIN --pyz PYZ --hook-site SITE [--root ROOT]
 """
 
 from __future__ import annotations
@@ -134,7 +140,29 @@ def copy(src: Path, dst: Path, mode: int = 0o644) -> None:
     os.chmod(dst, mode)
 
 
-def build(out: Path, *, root: Path, launcher: Path, pyz: Path) -> dict[str, object]:
+HOOK_SITE = "lib/hook-site"
+# what the hook imports from HOOK_SITE: pycriu (from ROOT, Debian's python3-pycriu: not on PyPI) and
+# the protobuf runtime (from --hook-site)
+PYCRIU = "/usr/lib/python3/dist-packages/pycriu"
+PROTOBUF_DIRS = ("google/protobuf", "google/_upb")
+
+
+def copy_hook_site(out: Path, root: Path, site: Path) -> list[Path]:
+    """pycriu and protobuf into out/HOOK_SITE; returns the extension modules copied (for the closure)."""
+    pycriu = in_root(root, PYCRIU)
+    if not (pycriu / "images").is_dir():
+        raise SystemExit(f"error: {root} has no {PYCRIU}\nhint: hack/install-node-deps.sh (python3-pycriu)")
+    if not (site / "google" / "protobuf").is_dir():
+        raise SystemExit(f"error: {site} has no google/protobuf\nhint: pass the agent's venv site-packages")
+    skip = shutil.ignore_patterns("__pycache__", "*.pyi", "testdata")
+    shutil.copytree(pycriu, out / HOOK_SITE / "pycriu", ignore=skip)
+    for rel in PROTOBUF_DIRS:
+        if (site / rel).is_dir():
+            shutil.copytree(site / rel, out / HOOK_SITE / rel, ignore=skip)
+    return sorted((out / HOOK_SITE).rglob("*.so"))
+
+
+def build(out: Path, *, root: Path, launcher: Path, pyz: Path, hook_site: Path) -> dict[str, object]:
     if out.exists():
         shutil.rmtree(out)
     criu = in_root(root, "/usr/sbin/criu")
@@ -149,7 +177,8 @@ def build(out: Path, *, root: Path, launcher: Path, pyz: Path) -> dict[str, obje
     missing = [str(p) for p in tools.values() if not p.is_file()]
     if missing:
         raise SystemExit(f"error: {root} lacks {', '.join(missing)}\nhint: install Debian's tar there")
-    loader, libs = closure(root, [criu, python, *dynload, *tools.values()])
+    extensions = copy_hook_site(out, root, hook_site)
+    loader, libs = closure(root, [criu, python, *dynload, *tools.values(), *extensions])
     for name, src in sorted(libs.items()):
         copy(src, out / "lib" / name, 0o755)
     copy(criu, out / "libexec" / "criu", 0o755)
@@ -177,6 +206,16 @@ def build(out: Path, *, root: Path, launcher: Path, pyz: Path) -> dict[str, obje
     if not criu_version or criu_version.group(1) != CRIU_VERSION:
         raise SystemExit(f"error: {criu} is not CRIU {CRIU_VERSION}\nhint: hack/install-node-deps.sh installs it")
     py_version = run_bundled(python.name, "-I", "-S", "-c", "import sys, json, zipfile; print(sys.version.split()[0])")
+    # bytecode beside the sources (the hook runs with -B: nothing is compiled on a node, every import
+    # would otherwise compile), unchecked-hash so that it does not depend on file times
+    run_bundled(python.name, "-I", "-S", "-m", "compileall", "-q", "-j", "1", "--invalidation-mode", "unchecked-hash",
+                str(out / HOOK_SITE))  # fmt: skip
+    # the hook's image check must work with what the bundle carries (and only that: -I -S, no host site)
+    probe = (
+        f"import sys; sys.path.append({str(out / HOOK_SITE)!r}); import pycriu.images; import google.protobuf as p; "
+        "from google.protobuf.internal import api_implementation as a; print(p.__version__, a.Type())"
+    )
+    pb_version, pb_impl = run_bundled(python.name, "-I", "-S", "-c", probe).split()
     tool_meta = {}
     for name, (_, package) in TOOLS.items():
         first = run_bundled(name, "--version").splitlines()[0]  # "tar (GNU tar) 1.34"
@@ -194,6 +233,11 @@ def build(out: Path, *, root: Path, launcher: Path, pyz: Path) -> dict[str, obje
             "from": _package(root, f"{python.name}-minimal"),
         },
         "libc": _package(root, "libc6"),
+        "hookSite": {
+            "path": HOOK_SITE,
+            "pycriu": _package(root, "python3-pycriu"),
+            "protobuf": f"{pb_version} ({pb_impl})",
+        },
         "tools": tool_meta,
         # what the hook and the agent do in a pod's network namespace, with no program at all
         "network": "in-process: setns(2) from a thread, nf_tables/rtnetlink/sock_diag netlink (shim/netns.py, "
@@ -225,8 +269,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--root", type=Path, default=Path("/"))
     parser.add_argument("--launcher", type=Path, required=True, help="the static launcher (hack/launcher)")
     parser.add_argument("--pyz", type=Path, required=True, help="kubectl-snapshot-runc.pyz")
+    parser.add_argument(
+        "--hook-site", type=Path, required=True, help="site-packages holding google/protobuf (the agent's venv)"
+    )
     args = parser.parse_args(argv)
-    meta = build(args.out, root=args.root, launcher=args.launcher, pyz=args.pyz)
+    meta = build(args.out, root=args.root, launcher=args.launcher, pyz=args.pyz, hook_site=args.hook_site)
     print(json.dumps({k: v for k, v in meta.items() if k != "files"}, sort_keys=True))
     return 0
 

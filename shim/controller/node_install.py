@@ -41,6 +41,7 @@ from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
 from shim import criu_config
 from shim.controller.settings import NodeSettings
+from shim.criu_guard import PYCRIU_PATH_ENV
 from shim.hostfacts import host_pid
 
 DROPIN_NAME = "kubectl-snapshot.toml"
@@ -101,10 +102,14 @@ def launch_configs(settings: NodeSettings, bundle: Bundle) -> dict[str, dict[str
     loader = [bundle.file(bundle.meta["loader"]), "--library-path", bundle.file("lib")]
     python = bundle.file(bundle.part("python").get("path", "libexec/python3"))
     criu = bundle.file(bundle.part("criu").get("path", "libexec/criu"))
+    hook_env = {"KUBECTL_SNAPSHOT_STATE_DIR": settings.state_dir, "KUBECTL_SNAPSHOT_CRIU": settings.criu}
+    site = bundle.part("hookSite").get("path")
+    if site:  # pycriu + protobuf for the hook's image check: a node has none of its own
+        hook_env[PYCRIU_PATH_ENV] = bundle.file(str(site))
     configs: dict[str, dict[str, Any]] = {
         settings.wrapper_launcher: {
             "argv": [*loader, "--argv0", python, python, "-I", "-S", "-B", bundle.file(PYZ_NAME)],
-            "env": {"KUBECTL_SNAPSHOT_STATE_DIR": settings.state_dir, "KUBECTL_SNAPSHOT_CRIU": settings.criu},
+            "env": hook_env,
             # calls the hook would only pass on go to runc from the launcher: no Python start-up for
             # every `state`, `kill`, `exec` (probes) and `start` (hack/launcher/runchook.go)
             "runcHook": True,

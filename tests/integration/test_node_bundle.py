@@ -57,6 +57,7 @@ HOST_BINARIES = sorted(
         if os.path.isfile(p)
     }
 )
+HOST_PY_PACKAGES = ("/usr/lib/python3/dist-packages", "/usr/local/lib/python3.11/dist-packages")
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runc, CRIU, mount namespaces)"),
     pytest.mark.skipif(shutil.which("runc") is None, reason="runc is not installed"),
@@ -103,6 +104,8 @@ def masked(wire: Path, script: str, *, timeout: float = 120) -> subprocess.Compl
     """Run `script` (busybox sh: the test's driver) in a mount namespace where every host program of
     HOST_BINARIES is the tripwire. The programs under test run with `$NOPATH` (an empty directory) as PATH."""
     masks = "".join(f"mount --bind {wire} {p} && " for p in HOST_BINARIES)
+    # and the host's Python packages (Debian's pycriu and protobuf): the hook brings its own
+    masks += "".join(f"mount --bind {wire.parent / 'empty'} {d} && " for d in HOST_PY_PACKAGES if os.path.isdir(d))
     return subprocess.run(
         ["unshare", "-m", "--propagation", "private", str(BUSYBOX.resolve()), "sh", "-c", masks + script],
         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "NOPATH": str(wire.parent / "empty")},

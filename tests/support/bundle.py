@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+import sysconfig
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,8 +57,9 @@ def real_bundle(out: Path) -> Path:
         capture_output=True,
     )
     script = str(REPO / "hack/node_bundle.py")
+    site = sysconfig.get_paths()["purelib"]  # this venv's protobuf, as the agent image's venv has it
     subprocess.run(
-        ["/usr/bin/python3", script, str(out), "--launcher", str(launcher), "--pyz", str(pyz)],
+        ["/usr/bin/python3", script, str(out), "--launcher", str(launcher), "--pyz", str(pyz), "--hook-site", site],
         check=True,
         capture_output=True,
     )
