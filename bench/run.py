@@ -34,6 +34,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import uuid
@@ -229,7 +230,11 @@ def runtime_hook(work: Path) -> str:
     sh([HOST_PY, str(repo / "hack/build-wrapper-pyz.py"), str(pyz)])
     config = {
         "argv": [HOST_PY, "-I", "-S", "-B", str(pyz)],
-        "env": {"KUBECTL_SNAPSHOT_STATE_DIR": str(STATE)},
+        # pycriu and the upb protobuf runtime from this venv, as the node bundle's lib/hook-site has them
+        "env": {
+            "KUBECTL_SNAPSHOT_STATE_DIR": str(STATE),
+            "KUBECTL_SNAPSHOT_PYCRIU_PATH": sysconfig.get_paths()["purelib"],
+        },
         "runcHook": True,
     }
     Path(f"{launcher}.launch").write_text(json.dumps(config))
