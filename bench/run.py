@@ -39,6 +39,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from bench import report
 from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core.reference import Reference
+from shim.runc_wrapper import TRACE_ENV, parse_invocation
 from tests.support.containerd import ContainerdDaemon, node_criu_config
 from tests.support.images import python_image, python_tarball
 from tests.support.registry import RegistryServer
@@ -230,15 +232,58 @@ def runtime_hook(work: Path) -> str:
     sh([HOST_PY, str(repo / "hack/build-wrapper-pyz.py"), str(pyz)])
     config = {
         "argv": [HOST_PY, "-I", "-S", "-B", str(pyz)],
+        "log": str(hook / LAUNCHES),  # every call containerd's shim makes (time, pid, args): the breakdown
         # pycriu and the upb protobuf runtime from this venv, as the node bundle's lib/hook-site has them
         "env": {
             "KUBECTL_SNAPSHOT_STATE_DIR": str(STATE),
             "KUBECTL_SNAPSHOT_PYCRIU_PATH": sysconfig.get_paths()["purelib"],
+            TRACE_ENV: str(hook / TRACES),  # where the hook's create got to, and when
         },
         "runcHook": True,
     }
     Path(f"{launcher}.launch").write_text(json.dumps(config))
     return str(launcher)
+
+
+LAUNCHES, TRACES = "launches.jsonl", "traces.jsonl"
+_CREATE_PHASES = {"started", "image-check", "rootfs-diff", "runc-restore", "after-restore"}
+
+
+def _launch_time(stamp: str) -> float:
+    """The launcher's RFC 3339 time (nanoseconds, Z) as a POSIX time."""
+    head, _, frac = stamp.rstrip("Z").partition(".")
+    return datetime.fromisoformat(head).replace(tzinfo=UTC).timestamp() + float("0." + (frac or "0"))
+
+
+def hook_breakdown(hook: Path) -> dict[str, Any] | None:
+    """What the runtime hook did for one restore (its logs emptied before): how many calls containerd's
+    shim made, by runc command, and for the create (the restore) the milliseconds from the launcher's
+    start to Python running the hook, of the CRIU image check, and of `runc restore` (CRIU's restore and
+    runc's setup around it); None when the hook ran without its launcher."""
+    if not (hook / LAUNCHES).exists():
+        return None
+    launches = [json.loads(line) for line in (hook / LAUNCHES).read_text().splitlines() if line.strip()]
+    traces: dict[int, dict[str, float]] = {}
+    with contextlib.suppress(FileNotFoundError):
+        for line in (hook / TRACES).read_text().splitlines():
+            t = json.loads(line)
+            traces.setdefault(int(t["pid"]), {})[t["phase"]] = float(t["t"])
+    calls: dict[str, int] = {}
+    out: dict[str, Any] = {"calls": calls}
+    for entry in launches:
+        command = parse_invocation(entry["args"]).command or "(none)"
+        calls[command] = calls.get(command, 0) + 1
+        ph = traces.get(int(entry["pid"]), {})
+        if (
+            command == "create"
+            and {"started", "image-check", "rootfs-diff", "runc-restore", "after-restore"} <= ph.keys()
+        ):
+            begun = _launch_time(entry["time"])
+            out["python_startup_ms"] = (ph["started"] - begun) * 1000
+            out["image_check_ms"] = (ph["rootfs-diff"] - ph["image-check"]) * 1000
+            out["runc_restore_ms"] = (ph["after-restore"] - ph["runc-restore"]) * 1000
+            out["create_ms"] = (ph.get("done", ph["after-restore"]) - begun) * 1000
+    return out
 
 
 def agent_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[float, dict[str, Any]]:
@@ -253,6 +298,7 @@ def measure_agent(
     os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
     restores_internal: list[float] = []
+    breakdowns: list[dict[str, Any]] = []
     out: dict[str, Any] = {}
     with container(daemon, mib, kind) as (cid, ctl):
         ref = ""
@@ -265,14 +311,20 @@ def measure_agent(
                 internal.append(res["timingsMs"]["total_ms"] / 1000)
                 sizes.append(res["size"])
                 out["timings_ms_last"] = res["timingsMs"]
+        hook_dir = Path(hook).parent
         for i in range(runs + 1):
             new = f"r-{uuid.uuid4().hex[:8]}"
+            for log in (LAUNCHES, TRACES):
+                with contextlib.suppress(FileNotFoundError):
+                    (hook_dir / log).unlink()
             t = time.monotonic()
             proc = sh([AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", hook,
                        "--runc-root", daemon.runc_root, "-o", "json", ref, new])  # fmt: skip
             if i:
                 restores.append(time.monotonic() - t)
-                restores_internal.append(json.loads(proc.stdout)["timingsMs"]["total_ms"] / 1000)
+                timings = json.loads(proc.stdout)["timingsMs"]
+                restores_internal.append(timings["total_ms"] / 1000)
+                breakdowns.append({**timings, **(hook_breakdown(hook_dir) or {})})
             with contextlib.suppress(Exception):
                 daemon.client().remove_container(new)
         # the same container dumped by runc alone (no containerd, no pause, no packaging): what CRIU
@@ -304,7 +356,17 @@ def measure_agent(
         incr_base_uploaded=base["uploaded"],
         incr_1pct_uploaded=one["uploaded"],
         incr_5pct_uploaded=five["uploaded"],
+        restore_breakdown=_median_breakdown(breakdowns),
     )
+    return out
+
+
+def _median_breakdown(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Per field, the median over the runs (the hook's call counts: those of the last run)."""
+    keys = sorted({k for it in items for k, v in it.items() if isinstance(v, int | float)})
+    out: dict[str, Any] = {k: med([float(it[k]) for it in items if k in it]) for k in keys}
+    if items and "calls" in items[-1]:
+        out["hook_calls"] = items[-1]["calls"]
     return out
 
 

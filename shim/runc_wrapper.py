@@ -42,6 +42,18 @@ ANN_CONTAINER_NAME = "io.kubernetes.cri.container-name"
 ANN_CONTAINER_TYPE = "io.kubernetes.cri.container-type"
 
 
+TRACE_ENV = "KUBECTL_SNAPSHOT_HOOK_TRACE"
+
+
+def trace(phase: str) -> None:
+    """With $KUBECTL_SNAPSHOT_HOOK_TRACE set (bench/run.py), append when this call reached `phase`:
+    one JSON line (wall time, pid); the launcher's record of the same pid says when the call began."""
+    path = os.environ.get(TRACE_ENV)
+    if path:
+        with contextlib.suppress(OSError), open(path, "a") as f:
+            f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "phase": phase}) + "\n")
+
+
 @dataclass(frozen=True)
 class Invocation:
     global_args: list[str]
@@ -262,6 +274,7 @@ def _restore(
     prepare: Callable[[], None] | None = None,
 ) -> tuple[int, str]:
     """`runc restore` in place of `create`; returns (exit status, the error written to runc's log)."""
+    trace("image-check")
     try:
         # Issue 10: CRIU takes credentials, capabilities, seccomp, LSM labels, namespaces and
         # mounts from the images, not from this bundle; refuse images that ask for more.
@@ -277,6 +290,7 @@ def _restore(
         msg = f"refusing to restore: checking the CRIU images failed: {type(e).__name__}: {e}"
         _log_error(inv, msg)
         return 1, msg
+    trace("rootfs-diff")
     try:
         _apply_diff(create.bundle, spec, staged)
     except SnapshotError as e:
@@ -291,7 +305,9 @@ def _restore(
             _log_error(inv, msg)
             return 1, msg
     log_offset = _log_size(inv)
+    trace("runc-restore")
     proc = subprocess.run(restore_command(runc, inv, create, staged), check=False)
+    trace("after-restore")
     if proc.returncode != 0:
         tail = first = ""
         with (
@@ -316,6 +332,7 @@ def _restore(
         f.write(staged)
     # Used once: a later re-create of this container (a restart) starts it afresh.
     shutil.rmtree(staged, ignore_errors=True)
+    trace("done")
     return 0, ""
 
 
@@ -397,6 +414,7 @@ def _create_in_restored_pod(
 
 
 def run(argv: Sequence[str]) -> int:  # returns only for create/start of a restore
+    trace("started")
     inv = parse_invocation(argv)
     runc = real_runc()
     paths = StatePaths.from_env()
