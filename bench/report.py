@@ -53,10 +53,10 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         "incr_1pct_vs_first": _r(ag.get("incr_1pct_uploaded"), ag.get("incr_base_uploaded")),
         "incr_5pct_vs_first": _r(ag.get("incr_5pct_uploaded"), ag.get("incr_base_uploaded")),
     }
-    pv, cv = d["pushed_vs_podman_export"], d["pushed_vs_ctr_checkpoint_push"]
+    pv, cv = d["pushed_vs_podman_export"], d["pushed_vs_ctr_checkpoint_push"]  # issue 16: 64 MiB included
     d["pushed_goal_met"] = None if d["pushed_vs_serial_bound"] is None else (
         d["pushed_vs_serial_bound"] <= 1.5 and (pv is None or pv < 1) and (cv is None or cv < 1)
-    )  # fmt: skip  (issue 16: at every size, 64 MiB included)
+    )  # fmt: skip
     rv, rp, rc = d["restore_vs_bound"], d["restore_vs_podman_import"], d["restore_vs_ctr_pull_restore"]
     d["restore_goal_met"] = None if rv is None else (rv <= 1.5 and (rp is None or rp < 1) and (rc is None or rc < 1))
     d["size_goal_met"] = None if d["size_vs_zstd1_raw"] is None else d["size_vs_zstd1_raw"] <= 1.05
