@@ -7,7 +7,6 @@ facts about the host for a restore preflight. Parsing treats it as untrusted inp
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +15,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import PagesFile, chunk_digests, parse_pages_files
 from kubectl_snapshot.core.encryption import EncryptionInfo
 from kubectl_snapshot.core.errors import FailedPrecondition
-from kubectl_snapshot.core.oci import canonical_json, is_digest
+from kubectl_snapshot.core.oci import canonical_json, is_digest, json_object
 
 
 @dataclass(frozen=True)
@@ -234,12 +233,7 @@ class SnapshotConfig:
 
 
 def parse_config(body: bytes) -> SnapshotConfig:
-    try:
-        d = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise _bad(f"snapshot config is not valid JSON: {e}") from e
-    if not isinstance(d, dict):
-        raise _bad("snapshot config is not a JSON object")
+    d = json_object(body, "snapshot config")
     version = d.get("formatVersion")
     if version not in C.SUPPORTED_FORMAT_VERSIONS or isinstance(version, bool):
         raise FailedPrecondition(

@@ -108,14 +108,20 @@ class Manifest:
         raise _bad(f"manifest has no layer {digest}")
 
 
-def parse_manifest(body: bytes) -> Manifest:
-    """Parse and validate an OCI image manifest (untrusted input)."""
+def json_object(body: bytes, what: str) -> dict[str, Any]:
+    """`body` (untrusted) parsed as one JSON object; FailedPrecondition naming `what` otherwise."""
     try:
         d = json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
-        raise _bad(f"manifest is not valid JSON: {e}") from e
+        raise _bad(f"{what} is not valid JSON: {e}") from e
     if not isinstance(d, dict):
-        raise _bad("manifest is not a JSON object")
+        raise _bad(f"{what} is not a JSON object")
+    return d
+
+
+def parse_manifest(body: bytes) -> Manifest:
+    """Parse and validate an OCI image manifest (untrusted input)."""
+    d = json_object(body, "manifest")
     if d.get("schemaVersion") != 2:
         raise _bad(f"unsupported manifest schemaVersion {d.get('schemaVersion')!r}")
     media_type = d.get("mediaType", C.OCI_MANIFEST)

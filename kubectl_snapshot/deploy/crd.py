@@ -144,43 +144,40 @@ def _printer_columns() -> list[dict[str, Any]]:
     ]
 
 
-def podsnapshot_crd(labels: dict[str, str]) -> dict[str, Any]:
-    """The CRD object, apiextensions.k8s.io/v1."""
+def _crd(
+    name: str,
+    labels: dict[str, str],
+    names: dict[str, Any],
+    version: dict[str, Any],
+    description: str,
+    properties: dict[str, Any],
+) -> dict[str, Any]:
+    """A namespaced apiextensions.k8s.io/v1 CRD of the project's group with one served, stored version:
+    `version` holds that version's extras (subresources, selectable fields, printer columns)."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
-        "metadata": {"name": CRD_NAME, "labels": dict(labels)},
+        "metadata": {"name": name, "labels": dict(labels)},
         "spec": {
             "group": K.GROUP,
             "scope": "Namespaced",
-            "names": {
-                "kind": K.KIND,
-                "listKind": f"{K.KIND}List",
-                "plural": K.PLURAL,
-                "singular": K.SINGULAR,
-                "shortNames": [K.SHORT_NAME],
-                "categories": ["kubectl-snapshot"],
-            },
+            "names": names,
             "versions": [
                 {
                     "name": K.VERSION,
                     "served": True,
                     "storage": True,
-                    "subresources": {"status": {}},
-                    # Agents watch only what concerns their node: field selectors on status.node.
-                    "selectableFields": [{"jsonPath": f".{K.SNAPSHOT_NODE_FIELD}"}],
-                    "additionalPrinterColumns": _printer_columns(),
+                    **version,
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
-                            "description": "A request to snapshot a running pod into an OCI artifact.",
+                            "description": description,
                             "required": ["spec"],
                             "properties": {
                                 "apiVersion": _STRING,
                                 "kind": _STRING,
                                 "metadata": {"type": "object"},
-                                "spec": _spec_schema(),
-                                "status": _status_schema(),
+                                **properties,
                             },
                         }
                     },
@@ -188,6 +185,31 @@ def podsnapshot_crd(labels: dict[str, str]) -> dict[str, Any]:
             ],
         },
     }
+
+
+def _names(kind: str, plural: str, singular: str, short: str | None = None) -> dict[str, Any]:
+    names: dict[str, Any] = {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": singular}
+    if short:
+        names["shortNames"] = [short]
+    names["categories"] = ["kubectl-snapshot"]
+    return names
+
+
+def podsnapshot_crd(labels: dict[str, str]) -> dict[str, Any]:
+    """The CRD object, apiextensions.k8s.io/v1."""
+    return _crd(
+        CRD_NAME,
+        labels,
+        _names(K.KIND, K.PLURAL, K.SINGULAR, K.SHORT_NAME),
+        {
+            "subresources": {"status": {}},
+            # Agents watch only what concerns their node: field selectors on status.node.
+            "selectableFields": [{"jsonPath": f".{K.SNAPSHOT_NODE_FIELD}"}],
+            "additionalPrinterColumns": _printer_columns(),
+        },
+        "A request to snapshot a running pod into an OCI artifact.",
+        {"spec": _spec_schema(), "status": _status_schema()},
+    )
 
 
 GRANT_CRD_NAME = f"{K.GRANT_PLURAL}.{K.GROUP}"
@@ -199,13 +221,6 @@ def snapshotgrant_crd(labels: dict[str, str]) -> dict[str, Any]:
     Namespaced, so only those allowed to write it in the source namespace (the aggregated `admin`
     role) can give that namespace's snapshots away; the agent reads it before staging a restore
     whose target namespace is not the snapshot's own (docs/security.md, Provenance)."""
-    names: dict[str, Any] = {
-        "kind": K.GRANT_KIND,
-        "listKind": f"{K.GRANT_KIND}List",
-        "plural": K.GRANT_PLURAL,
-        "singular": K.GRANT_SINGULAR,
-        "categories": ["kubectl-snapshot"],
-    }
     spec_schema = {
         "type": "object",
         "required": ["targetNamespaces"],
@@ -224,39 +239,14 @@ def snapshotgrant_crd(labels: dict[str, str]) -> dict[str, Any]:
             },
         },
     }
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": GRANT_CRD_NAME, "labels": dict(labels)},
-        "spec": {
-            "group": K.GROUP,
-            "scope": "Namespaced",
-            "names": names,
-            "versions": [
-                {
-                    "name": K.VERSION,
-                    "served": True,
-                    "storage": True,
-                    "additionalPrinterColumns": [
-                        {"name": "Targets", "type": "string", "jsonPath": ".spec.targetNamespaces"},
-                    ],
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": "Lets this namespace's snapshots be restored into other namespaces.",
-                            "required": ["spec"],
-                            "properties": {
-                                "apiVersion": _STRING,
-                                "kind": _STRING,
-                                "metadata": {"type": "object"},
-                                "spec": spec_schema,
-                            },
-                        }
-                    },
-                }
-            ],
-        },
-    }
+    return _crd(
+        GRANT_CRD_NAME,
+        labels,
+        _names(K.GRANT_KIND, K.GRANT_PLURAL, K.GRANT_SINGULAR),
+        {"additionalPrinterColumns": [{"name": "Targets", "type": "string", "jsonPath": ".spec.targetNamespaces"}]},
+        "Lets this namespace's snapshots be restored into other namespaces.",
+        {"spec": spec_schema},
+    )
 
 
 POLICY_CRD_NAME = f"{K.POLICY_PLURAL}.{K.GROUP}"
@@ -382,52 +372,20 @@ def _policy_status_schema() -> dict[str, Any]:
 
 def snapshotpolicy_crd(labels: dict[str, str]) -> dict[str, Any]:
     """SnapshotPolicy: autosave of the selected pods, with retention and resume (docs/kubernetes.md)."""
-    names: dict[str, Any] = {
-        "kind": K.POLICY_KIND,
-        "listKind": f"{K.POLICY_KIND}List",
-        "plural": K.POLICY_PLURAL,
-        "singular": K.POLICY_SINGULAR,
-        "shortNames": [K.POLICY_SHORT_NAME],
-        "categories": ["kubectl-snapshot"],
-    }
-    return {
-        "apiVersion": "apiextensions.k8s.io/v1",
-        "kind": "CustomResourceDefinition",
-        "metadata": {"name": POLICY_CRD_NAME, "labels": dict(labels)},
-        "spec": {
-            "group": K.GROUP,
-            "scope": "Namespaced",
-            "names": names,
-            "versions": [
-                {
-                    "name": K.VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": [
-                        {"name": "Interval", "type": "string", "jsonPath": ".spec.interval"},
-                        {"name": "Keep", "type": "integer", "jsonPath": ".spec.retention.keepLast"},
-                        {"name": "Destination", "type": "string", "jsonPath": ".spec.destination"},
-                        {"name": "Suspend", "type": "boolean", "jsonPath": ".spec.suspend"},
-                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                        {"name": "Selector", "type": "string", "jsonPath": ".spec.selector.matchLabels", "priority": 1},
-                    ],
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": "Saves the selected pods every interval; keeps the last N per pod; "
-                            "new pods of the workload resume from the last good save.",
-                            "required": ["spec"],
-                            "properties": {
-                                "apiVersion": _STRING,
-                                "kind": _STRING,
-                                "metadata": {"type": "object"},
-                                "spec": _policy_spec_schema(),
-                                "status": _policy_status_schema(),
-                            },
-                        }
-                    },
-                }
-            ],
-        },
-    }
+    columns = [
+        {"name": "Interval", "type": "string", "jsonPath": ".spec.interval"},
+        {"name": "Keep", "type": "integer", "jsonPath": ".spec.retention.keepLast"},
+        {"name": "Destination", "type": "string", "jsonPath": ".spec.destination"},
+        {"name": "Suspend", "type": "boolean", "jsonPath": ".spec.suspend"},
+        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        {"name": "Selector", "type": "string", "jsonPath": ".spec.selector.matchLabels", "priority": 1},
+    ]
+    return _crd(
+        POLICY_CRD_NAME,
+        labels,
+        _names(K.POLICY_KIND, K.POLICY_PLURAL, K.POLICY_SINGULAR, K.POLICY_SHORT_NAME),
+        {"subresources": {"status": {}}, "additionalPrinterColumns": columns},
+        "Saves the selected pods every interval; keeps the last N per pod; "
+        "new pods of the workload resume from the last good save.",
+        {"spec": _policy_spec_schema(), "status": _policy_status_schema()},
+    )
