@@ -53,24 +53,23 @@ def _q(part: str) -> str:
     return quote(part, safe="")
 
 
-def _snapshots_path(ns: str | None, name: str | None = None, sub: str | None = None) -> str:
+def _resource_path(plural: str, ns: str | None, name: str | None = None, sub: str | None = None) -> str:
+    """The API path of the project's `plural` resources (all namespaces without `ns`), one, or its `sub`."""
     base = f"/apis/{K.GROUP}/{K.VERSION}"
-    path = f"{base}/namespaces/{_q(ns)}/{K.PLURAL}" if ns else f"{base}/{K.PLURAL}"
+    path = f"{base}/namespaces/{_q(ns)}/{plural}" if ns else f"{base}/{plural}"
     if name:
         path += f"/{_q(name)}"
     if sub:
         path += f"/{sub}"
     return path
+
+
+def _snapshots_path(ns: str | None, name: str | None = None, sub: str | None = None) -> str:
+    return _resource_path(K.PLURAL, ns, name, sub)
 
 
 def _policies_path(ns: str | None, name: str | None = None, sub: str | None = None) -> str:
-    base = f"/apis/{K.GROUP}/{K.VERSION}"
-    path = f"{base}/namespaces/{_q(ns)}/{K.POLICY_PLURAL}" if ns else f"{base}/{K.POLICY_PLURAL}"
-    if name:
-        path += f"/{_q(name)}"
-    if sub:
-        path += f"/{sub}"
-    return path
+    return _resource_path(K.POLICY_PLURAL, ns, name, sub)
 
 
 def _pods_path(ns: str | None, name: str | None = None) -> str:

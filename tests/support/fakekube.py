@@ -8,6 +8,7 @@ not a silent default. mypy checks each subclass against the port wherever it is 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import NoReturn
 
 from shim.controller.ports import Obj, WatchEvents
@@ -140,3 +141,31 @@ class StrictKube:
 
 
 __all__ = ["StrictKube"]
+
+
+@dataclass(frozen=True)
+class RecordedEvent:
+    kind: str  # of the involved object
+    reason: str
+    message: str
+    type: str
+
+
+class EventRecorder(StrictKube):
+    """A StrictKube that records the Events the code under test creates; a subclass initialises
+    `events` (a dataclass field or in __init__)."""
+
+    events: list[RecordedEvent]
+
+    def create_event(
+        self,
+        ns: str,
+        *,
+        involved: Obj,
+        reason: str,
+        message: str,
+        type: str = "Normal",
+        component: str = "kubectl-snapshot-agent",
+    ) -> Obj:
+        self.events.append(RecordedEvent(str(involved.get("kind", "")), reason, message, type))
+        return {}

@@ -14,19 +14,19 @@ from kubectl_snapshot.core.errors import AlreadyExists, NotFound
 from kubectl_snapshot.core.provenance import signature_tag
 from kubectl_snapshot.core.reference import Reference
 from shim.controller.autosave import Autosave, delete_manifest
-from tests.support.fakekube import StrictKube
+from tests.support.fakekube import EventRecorder, RecordedEvent
 
 
 def iso(t: float) -> str:
     return A.rfc3339(t)
 
 
-class FakeKube(StrictKube):
+class FakeKube(EventRecorder):
     def __init__(self, clock: list[float]) -> None:
         self.clock = clock
         self.snapshots: dict[str, dict[str, Any]] = {}
         self.applied: list[tuple[str, list[dict[str, Any]], str]] = []
-        self.events: list[tuple[str, str]] = []
+        self.events: list[RecordedEvent] = []
         self.annotations: dict[str, dict[str, Any]] = {}
         self.calls: list[str] = []
 
@@ -60,19 +60,6 @@ class FakeKube(StrictKube):
         self, ns: str, name: str, pods: list[dict[str, Any]], *, field_manager: str
     ) -> dict[str, Any]:
         self.applied.append((name, pods, field_manager))
-        return {}
-
-    def create_event(
-        self,
-        ns: str,
-        *,
-        involved: dict[str, Any],
-        reason: str,
-        message: str,
-        type: str = "Normal",
-        component: str = "",
-    ) -> dict[str, Any]:
-        self.events.append((involved["kind"], message))
         return {}
 
     def patch_pod_annotations(
@@ -176,7 +163,7 @@ def test_a_failed_save_is_retried_with_backoff_and_reported_on_the_policy() -> N
     kube.finish(first, K.PHASE_FAILED)
     clock[0] += 2
     a.tick()
-    assert any(kind == K.POLICY_KIND and "retry in" in msg for kind, msg in kube.events)
+    assert any(e.kind == K.POLICY_KIND and "retry in" in e.message for e in kube.events)
     clock[0] += 1
     a.tick()
     assert len(kube.snapshots) == 1  # backoff: 5 s after the failure

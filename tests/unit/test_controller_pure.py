@@ -15,7 +15,7 @@ from shim.controller.podinfo import empty_dirs, record_pod, running_containers
 from shim.controller.restores import wants_restore
 from shim.controller.settings import NodeSettings, apply_node_map
 from tests.support.bundle import fake_bundle
-from tests.support.fakekube import StrictKube
+from tests.support.fakekube import EventRecorder, RecordedEvent
 
 POD: dict[str, Any] = {
     "metadata": {
@@ -158,28 +158,15 @@ def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_pa
     from shim.controller.restores import RestoreWorker
     from shim.podrestore import PodRestore
 
-    class Kube(StrictKube):
+    class Kube(EventRecorder):
         def __init__(self) -> None:
             self.patches: list[dict[str, Any]] = []
-            self.events: list[tuple[str, str]] = []
+            self.events: list[RecordedEvent] = []
 
         def patch_pod_annotations(
             self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
         ) -> dict[str, Any]:
             self.patches.append(annotations)
-            return {}
-
-        def create_event(
-            self,
-            ns: str,
-            *,
-            involved: dict[str, Any],
-            reason: str,
-            message: str,
-            type: str = "Normal",
-            component: str = "",
-        ) -> dict[str, Any]:
-            self.events.append((reason, type))
             return {}
 
     kube = Kube()
@@ -210,4 +197,4 @@ def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_pa
     assert stopped == ["u-1"]
     [ann] = kube.patches
     assert ann[K.ANN_RESTORE_STATUS].startswith("Failed: the pod could not be restored whole: container 'db'")
-    assert kube.events == [(K.EVENT_RESTORE_FAILED, "Warning")]
+    assert [(e.reason, e.type) for e in kube.events] == [(K.EVENT_RESTORE_FAILED, "Warning")]

@@ -13,15 +13,15 @@ from kubectl_snapshot.core.errors import FailedPrecondition, NotFound
 from kubectl_snapshot.core.model import HostFacts
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
-from tests.support.fakekube import StrictKube
+from tests.support.fakekube import EventRecorder, RecordedEvent
 
 
 @dataclass
-class FakeKube(StrictKube):
+class FakeKube(EventRecorder):
     pods: dict[tuple[str, str], dict[str, Any]]
     conflict: bool = False
     patches: list[tuple[str, str, dict[str, Any], str | None]] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
+    events: list[RecordedEvent] = field(default_factory=list)
 
     def get_pod(self, ns: str, name: str) -> dict[str, Any]:
         try:
@@ -35,19 +35,6 @@ class FakeKube(StrictKube):
         if resource_version is not None and self.conflict:
             raise FailedPrecondition("conflict", retryable=True)
         self.patches.append((ns, name, status, resource_version))
-        return {}
-
-    def create_event(
-        self,
-        ns: str,
-        *,
-        involved: dict[str, Any],
-        reason: str,
-        message: str,
-        type: str = "Normal",
-        component: str = "",
-    ) -> dict[str, Any]:
-        self.events.append(reason)
         return {}
 
 

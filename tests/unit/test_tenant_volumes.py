@@ -25,7 +25,7 @@ from shim.archive import safe_extract, tar_directories
 from shim.controller.podinfo import check_restore_pod, empty_dir_rel, restore_volume_names, running_containers
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
-from tests.support.fakekube import StrictKube
+from tests.support.fakekube import EventRecorder, RecordedEvent
 from tests.support.tarcraft import craft_tar, dir_, hard, reg
 
 DIGEST = "sha256:" + "1" * 64
@@ -173,27 +173,14 @@ def test_running_sidecars_and_ephemeral_containers_are_refused(key: str, what: s
 
 
 @dataclass
-class FakeKube(StrictKube):
+class FakeKube(EventRecorder):
     annotations: list[dict[str, Any]] = field(default_factory=list)
-    events: list[tuple[str, str]] = field(default_factory=list)
+    events: list[RecordedEvent] = field(default_factory=list)
 
     def patch_pod_annotations(
         self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
     ) -> dict[str, Any]:
         self.annotations.append(annotations)
-        return {}
-
-    def create_event(
-        self,
-        ns: str,
-        *,
-        involved: dict[str, Any],
-        reason: str,
-        message: str,
-        type: str = "Normal",
-        component: str = "",
-    ) -> dict[str, Any]:
-        self.events.append((reason, message))
         return {}
 
 
@@ -239,7 +226,7 @@ def test_a_pod_that_is_not_a_restore_pod_gets_no_write_at_all(tmp_path: Path) ->
     assert victim.read_text() == "keep"
     assert (gate / "failed").is_symlink() and sorted(os.listdir(gate)) == ["failed"]
     assert "not a restore pod" in kube.annotations[-1][K.ANN_RESTORE_STATUS]
-    assert kube.events[-1][0] == K.EVENT_RESTORE_FAILED
+    assert kube.events[-1].reason == K.EVENT_RESTORE_FAILED
 
 
 def test_a_gate_volume_that_is_a_link_is_refused(tmp_path: Path) -> None:
@@ -350,7 +337,7 @@ def test_the_wrappers_refusal_becomes_the_restore_status(tmp_path: Path) -> None
     w.consider(pod)
     status = kube.annotations[-1][K.ANN_RESTORE_STATUS]
     assert status.startswith(K.RESTORE_FAILED_PREFIX + "container c: refusing to restore") and "CAP_SYS_ADMIN" in status
-    assert kube.events[-1][0] == K.EVENT_RESTORE_FAILED
+    assert kube.events[-1].reason == K.EVENT_RESTORE_FAILED
     # other create errors are the kubelet's business
     pod["status"]["containerStatuses"][0]["state"]["waiting"]["message"] = "image not found"
     n = len(kube.annotations)
