@@ -224,77 +224,117 @@ def safe_extract(
     top-level directory `only` are extracted, with that prefix removed (one volume of a volumes layer);
     the others are still checked but skipped, and hard links out of `only` are refused.
     """
-    chown = preserve_owner and os.geteuid() == 0
-    tree = _Tree(dest)
-    seen: set[str] = set()
-    regular: set[str] = set()
-    dirs: list[tuple[str, tarfile.TarInfo]] = []
-    members = total = 0
+    opts = _Options(
+        only=only,
+        limits=limits,
+        allow_absolute_symlinks=allow_absolute_symlinks,
+        chown=preserve_owner and os.geteuid() == 0,
+        allow_special_modes=allow_special_modes,
+        allow_fifos=allow_fifos,
+        overwrite=overwrite,
+    )
+    run = _Extraction(_Tree(dest), opts)
     try:
         with tarfile.open(fileobj=fileobj, mode="r|", tarinfo=_CappedTarInfo, bufsize=_READ_BUF) as tf:
             for m in tf:
-                members += 1
-                if members > limits.max_members:
-                    raise _unsafe(m.name, f"more than {limits.max_members} members")
-                name = check_member_name(m.name)
-                if name in seen:
-                    raise _unsafe(name, "duplicate member name")
-                seen.add(name)
-                if only is not None:
-                    stripped = _strip_prefix(name, only)
-                    if stripped is None:
-                        continue
-                    name = stripped
-                    if m.islnk():
-                        target = _strip_prefix(check_member_name(m.linkname), only)
-                        if target is None or target == ".":
-                            raise _unsafe(name, f"hard link to {m.linkname!r}, outside {only!r}")
-                        m.linkname = target
-                if name == ".":
-                    if not m.isdir():
-                        raise _unsafe(m.name, "non-directory member replacing the destination itself")
-                    continue
-                if m.isreg():
-                    if m.size > limits.max_member_bytes:
-                        raise _unsafe(name, f"{m.size} bytes, over the per-member limit")
-                    total += m.size
-                    if total > limits.max_total_bytes:
-                        raise _unsafe(name, f"archive exceeds the {limits.max_total_bytes}-byte limit")
-                    if m.mode & _SETID and not allow_special_modes:
-                        raise _unsafe(name, f"setuid/setgid/sticky mode {m.mode:o}")
-                    _write_file(tree, tf, m, name, chown=chown, overwrite=overwrite)
-                    regular.add(name)
-                elif m.isdir():
-                    pfd, leaf = tree.parent(name, create=True)
-                    if not _clear_leaf(tree, pfd, leaf, name, new_is_dir=True, overwrite=overwrite):
-                        os.mkdir(leaf, 0o700, dir_fd=pfd)
-                    dirs.append((name, m))
-                elif m.issym():
-                    check_symlink_target(name, m.linkname, allow_absolute=allow_absolute_symlinks)
-                    pfd, leaf = tree.parent(name, create=True)
-                    _clear_leaf(tree, pfd, leaf, name, new_is_dir=False, overwrite=overwrite)
-                    os.symlink(m.linkname, leaf, dir_fd=pfd)
-                    _set_meta_nofollow(pfd, leaf, m, chown=chown, mode=False)
-                elif m.islnk():
-                    _hardlink(tree, m, name, regular, overwrite=overwrite)
-                    regular.add(name)
-                elif m.ischr() or m.isblk():
-                    raise _unsafe(name, "device node")
-                elif m.isfifo():
-                    if not allow_fifos:
-                        raise _unsafe(name, "fifo")
-                    pfd, leaf = tree.parent(name, create=True)
-                    _clear_leaf(tree, pfd, leaf, name, new_is_dir=False, overwrite=overwrite)
-                    os.mkfifo(leaf, 0o600, dir_fd=pfd)
-                    _set_meta_nofollow(pfd, leaf, m, chown=chown)
-                else:
-                    raise _unsafe(name, f"unsupported member type {m.type!r}")
-            _finish_dirs(tree, dirs, chown=chown)
+                name = run.admit(m)
+                if name is not None:
+                    run.place(tf, m, name)
+            _finish_dirs(run.tree, run.dirs, chown=opts.chown)
     except _corrupt_input_errors() as e:
         raise UnsafeArchive(f"corrupt or truncated archive: {e}", hint=_HINT) from e
     finally:
-        tree.close()
-    return ExtractReport(members=members, bytes=total)
+        run.tree.close()
+    return ExtractReport(members=run.members, bytes=run.total)
+
+
+@dataclass(frozen=True)
+class _Options:
+    only: str | None
+    limits: ExtractLimits
+    allow_absolute_symlinks: bool
+    chown: bool
+    allow_special_modes: bool
+    allow_fifos: bool
+    overwrite: bool
+
+
+class _Extraction:
+    """One safe_extract run: what has been seen and written so far, and the two steps per member."""
+
+    def __init__(self, tree: _Tree, opts: _Options) -> None:
+        self.tree, self.opts = tree, opts
+        self.seen: set[str] = set()
+        self.regular: set[str] = set()
+        self.dirs: list[tuple[str, tarfile.TarInfo]] = []
+        self.members = self.total = 0
+
+    def admit(self, m: tarfile.TarInfo) -> str | None:
+        """The checked name to write member `m` at, or None to skip it (outside `only`, or the
+        destination itself); counts it against the limits."""
+        o = self.opts
+        self.members += 1
+        if self.members > o.limits.max_members:
+            raise _unsafe(m.name, f"more than {o.limits.max_members} members")
+        name = check_member_name(m.name)
+        if name in self.seen:
+            raise _unsafe(name, "duplicate member name")
+        self.seen.add(name)
+        if o.only is not None:
+            stripped = _strip_prefix(name, o.only)
+            if stripped is None:
+                return None
+            name = stripped
+            if m.islnk():
+                target = _strip_prefix(check_member_name(m.linkname), o.only)
+                if target is None or target == ".":
+                    raise _unsafe(name, f"hard link to {m.linkname!r}, outside {o.only!r}")
+                m.linkname = target
+        if name == ".":
+            if not m.isdir():
+                raise _unsafe(m.name, "non-directory member replacing the destination itself")
+            return None
+        if m.isreg():
+            if m.size > o.limits.max_member_bytes:
+                raise _unsafe(name, f"{m.size} bytes, over the per-member limit")
+            self.total += m.size
+            if self.total > o.limits.max_total_bytes:
+                raise _unsafe(name, f"archive exceeds the {o.limits.max_total_bytes}-byte limit")
+            if m.mode & _SETID and not o.allow_special_modes:
+                raise _unsafe(name, f"setuid/setgid/sticky mode {m.mode:o}")
+        return name
+
+    def place(self, tf: tarfile.TarFile, m: tarfile.TarInfo, name: str) -> None:
+        """Write admitted member `m` at `name`, by its type; refuse the types never extracted."""
+        tree, o = self.tree, self.opts
+        if m.isreg():
+            _write_file(tree, tf, m, name, chown=o.chown, overwrite=o.overwrite)
+            self.regular.add(name)
+        elif m.isdir():
+            pfd, leaf = tree.parent(name, create=True)
+            if not _clear_leaf(tree, pfd, leaf, name, new_is_dir=True, overwrite=o.overwrite):
+                os.mkdir(leaf, 0o700, dir_fd=pfd)
+            self.dirs.append((name, m))
+        elif m.issym():
+            check_symlink_target(name, m.linkname, allow_absolute=o.allow_absolute_symlinks)
+            pfd, leaf = tree.parent(name, create=True)
+            _clear_leaf(tree, pfd, leaf, name, new_is_dir=False, overwrite=o.overwrite)
+            os.symlink(m.linkname, leaf, dir_fd=pfd)
+            _set_meta_nofollow(pfd, leaf, m, chown=o.chown, mode=False)
+        elif m.islnk():
+            _hardlink(tree, m, name, self.regular, overwrite=o.overwrite)
+            self.regular.add(name)
+        elif m.ischr() or m.isblk():
+            raise _unsafe(name, "device node")
+        elif m.isfifo():
+            if not o.allow_fifos:
+                raise _unsafe(name, "fifo")
+            pfd, leaf = tree.parent(name, create=True)
+            _clear_leaf(tree, pfd, leaf, name, new_is_dir=False, overwrite=o.overwrite)
+            os.mkfifo(leaf, 0o600, dir_fd=pfd)
+            _set_meta_nofollow(pfd, leaf, m, chown=o.chown)
+        else:
+            raise _unsafe(name, f"unsupported member type {m.type!r}")
 
 
 def _strip_prefix(name: str, top: str) -> str | None:
