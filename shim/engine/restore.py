@@ -342,6 +342,54 @@ def restore(
     phase = on_phase or (lambda _p: None)
     t0 = clock()
     timings: dict[str, float] = {}
+    phase("resolve")
+    plan = _resolve(req, containerd, registry)
+    opener = opener_for(plan.config, keys, key_namespace if key_namespace is not None else namespace)
+    timings["resolve_ms"] = (clock() - t0) * 1000
+
+    phase("download")
+    t_dl = clock()
+    staged = [paths.staged_by_id(cid) for cid in req.new_ids]
+    stage_artifact(
+        plan.artifact,
+        staged,
+        registry=registry,
+        paths=paths,
+        volume_targets=req.volumes,
+        on_bytes=on_bytes,
+        opener=opener,
+    )
+    timings["download_ms"] = (clock() - t_dl) * 1000
+
+    phase("restore")
+    t_run = clock()
+    try:
+        results = _create_all(containerd, req, plan, staged, namespace)
+    finally:
+        for sdir in staged:
+            shutil.rmtree(sdir, ignore_errors=True)
+    timings["restore_ms"] = (clock() - t_run) * 1000
+    timings["total_ms"] = (clock() - t0) * 1000
+    return RestoreResult(plan.artifact.reference, results, plan.config, timings, plan.trust_reason)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a restore found out before downloading anything: the artifact, its verified provenance and
+    the image (chain id) each new container is created from."""
+
+    artifact: Artifact
+    trust_reason: str
+    chain_ids: list[str]
+
+    @property
+    def config(self) -> SnapshotConfig:
+        return self.artifact.config
+
+
+def _resolve(req: RestoreRequest, containerd: Any, registry: Registry) -> _Plan:
+    """Everything checked before a byte is downloaded: names, the wrapper, the signature, the shape of
+    the request against the snapshot, this node, the names free in containerd, the images present."""
     for cid in req.new_ids:
         check_key(cid, "container name")
     if len(set(req.new_ids)) != len(req.new_ids):
@@ -351,8 +399,6 @@ def restore(
             f"the runtime wrapper {req.runtime_binary!r} is not executable",
             hint="install kubectl-snapshot on this node (it provides ks-runc)",
         )
-
-    phase("resolve")
     artifact = load_artifact(registry, req.source)
     config = artifact.config
     # Provenance first: a signature by a trusted key of exactly this digest, agreeing with the config.
@@ -383,38 +429,26 @@ def restore(
         except NotFound:
             continue
         raise FailedPrecondition(f"a container named {cid!r} already exists", hint="choose another name")
-    chain_ids = [_check_image(containerd, rec) for rec in config.containers]
-    opener = opener_for(config, keys, key_namespace if key_namespace is not None else namespace)
+    return _Plan(artifact, verdict.reason, [_check_image(containerd, rec) for rec in config.containers])
 
-    timings["resolve_ms"] = (clock() - t0) * 1000
-    phase("download")
-    t_dl = clock()
-    staged = [paths.staged_by_id(cid) for cid in req.new_ids]
-    stage_artifact(
-        artifact, staged, registry=registry, paths=paths, volume_targets=req.volumes, on_bytes=on_bytes, opener=opener
-    )
-    timings["download_ms"] = (clock() - t_dl) * 1000
 
-    phase("restore")
-    t_run = clock()
+def _create_all(
+    containerd: Any, req: RestoreRequest, plan: _Plan, staged: Sequence[str], namespace: str
+) -> list[tuple[str, int]]:
+    """Create the restored containers in order, all or none: one that fails removes those before it."""
     created: list[str] = []
     results: list[tuple[str, int]] = []
     try:
-        for rec, cid, chain, sdir in zip(config.containers, req.new_ids, chain_ids, staged, strict=True):
+        for rec, cid, chain, sdir in zip(plan.config.containers, req.new_ids, plan.chain_ids, staged, strict=True):
             created.append(cid)
-            pid = _create_restored(containerd, req, rec, cid, chain, sdir, namespace, config)
+            pid = _create_restored(containerd, req, rec, cid, chain, sdir, namespace, plan.config)
             results.append((cid, pid))
     except BaseException:
         for cid in created:
             with contextlib.suppress(SnapshotError):
                 containerd.remove_container(cid)
         raise
-    finally:
-        for sdir in staged:
-            shutil.rmtree(sdir, ignore_errors=True)
-    timings["restore_ms"] = (clock() - t_run) * 1000
-    timings["total_ms"] = (clock() - t0) * 1000
-    return RestoreResult(artifact.reference, results, config, timings, verdict.reason)
+    return results
 
 
 def _check_image(containerd: Any, rec: ContainerRecord) -> str:
