@@ -125,8 +125,14 @@ def doctor(*, kube: Kube) -> dict[str, Any]:
         node_name = str((pod.get("spec") or {}).get("nodeName") or "")
         if node_name and (node_name not in by_node or _pod_ready(pod)):
             by_node[node_name] = pod
+    errors = [agents_error] if agents_error else []
+    try:
+        listed = kube.list_nodes()
+    except PermissionDenied as e:  # the cluster checks above still stand; say what could not be read
+        listed = []
+        errors.append(f"cannot list nodes: {e.message}")
     nodes = []
-    for node in sorted(kube.list_nodes(), key=lambda n: str(n["metadata"]["name"])):
+    for node in sorted(listed, key=lambda n: str(n["metadata"]["name"])):
         name = str(node["metadata"]["name"])
         agent = by_node.get(name)
         nodes.append(
@@ -139,10 +145,10 @@ def doctor(*, kube: Kube) -> dict[str, Any]:
         )
     ok = (
         all(c["ok"] for c in checks)
-        and not agents_error
+        and not errors
         and all(n["agentReady"] is True and not n["blockers"] for n in nodes)
     )
     result: dict[str, Any] = {"ok": ok, "checks": checks, "nodes": nodes}
-    if agents_error:
-        result["error"] = agents_error
+    if errors:
+        result["error"] = "; ".join(errors)
     return result

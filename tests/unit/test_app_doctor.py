@@ -125,6 +125,15 @@ def test_a_user_who_cannot_read_the_agents_or_the_crd_is_told_so_not_that_they_a
     assert check["ok"] is False and check["detail"].startswith("cannot read: get customresourcedefinition")
 
 
+def test_a_user_who_cannot_list_nodes_gets_the_cluster_checks_and_the_reason() -> None:
+    kube = healthy("n1")
+    kube.deny("list_nodes", "list nodes")
+    report = doctor(kube=kube)
+    assert report["ok"] is False and report["nodes"] == []
+    assert report["error"].startswith("cannot list nodes: list nodes: forbidden")
+    assert all(c["ok"] for c in report["checks"])
+
+
 def test_the_command_exits_1_and_names_what_is_bad(monkeypatch: pytest.MonkeyPatch) -> None:
     kube = FakeKube()
     kube.add(node("n1"))
