@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
+import os
 import re
 import shutil
 import signal
@@ -72,6 +73,13 @@ PHASES: list[tuple[str, str, str, str]] = [
 ]
 RUNC_OUTSIDE = "runc outside CRIU's log (runc start, its state, CRIU's start, exit)"
 AGENT = "agent freeze"
+FREEZING, CRIU_PART, DIFF, THAW, REST = (
+    "freezing (cgroup freezer through the guard)",
+    "CRIU through runc (runc checkpoint run by the agent)",
+    "writable layer diff",
+    "thaw (through the guard)",
+    "the rest (work files, volumes, bookkeeping)",
+)
 RUNC = "runc checkpoint of the same container, run directly"
 RAW = "raw criu dump of the host process"
 
@@ -137,7 +145,8 @@ def measure(
     daemon: ContainerdDaemon, agent: Agent, registry: RegistryServer, work: Path, mib: int, kind: str, runs: int,
     variants: list[str], n_gaps: int,
 ) -> dict[str, Any]:  # fmt: skip
-    steps: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
+    rows = (AGENT, FREEZING, CRIU_PART, DIFF, THAW, REST, RUNC, RAW)
+    steps: dict[str, dict[str, list[float]]] = {v: {k: [] for k in rows} for v in variants}
     logs: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
     fallback: dict[str, list[float]] = {"pause": [], "resume": [], "freezer write": []}
     last_log: dict[str, str] = {}
@@ -153,43 +162,53 @@ def measure(
             keep = i > 0  # the first round warms up
             for variant in variants if i % 2 == 0 else variants[::-1]:
                 set_cache(variant)
-                s = agent.save(
-                    cid, Reference.parse(f"{registry.host}/freeze-{uuid.uuid4().hex[:8]}:v1"), keep_work=True
-                )
-                t = s["timings_ms"]
-                parts = {
-                    AGENT: t["freeze_ms"],
-                    "freezing (cgroup freezer through the guard)": t.get("freezing_ms", 0.0),
-                    "CRIU through runc (runc checkpoint run by the agent)": t.get("criu_ms", 0.0),
-                    "writable layer diff": t.get("layer_diff_ms", 0.0),
-                    "thaw (through the guard)": t.get("thaw_ms", 0.0),
-                }
-                parts["the rest (work files, volumes, bookkeeping)"] = parts[AGENT] - sum(
-                    v for k, v in parts.items() if k != AGENT
-                )
-                for k, v in parts.items():
-                    add(steps[variant], k, v / 1000, keep)
-                if s["work"] is not None:
-                    shutil.rmtree(s["work"], ignore_errors=True)
-                r = work / f"runc-{i}"
-                r.mkdir()
-                cmd = ["runc", "--root", str(ns_root), "checkpoint", "--leave-running", "--tcp-established",
-                       "--file-locks", "--image-path", str(r), "--work-path", str(r), cid]  # fmt: skip
-                wall = run_timed(cmd)
-                log = (r / "dump.log").read_text(errors="replace")
-                shutil.rmtree(r)
-                add(steps[variant], RUNC, wall, keep)
-                ph = phases(log)
-                for k, v in ph.items():
-                    add(logs[variant], k, v, keep)
-                add(logs[variant], RUNC_OUTSIDE, wall - ph.get("total", 0.0), keep)
-                last_log[variant] = log
-                d = work / f"raw-{i}"
-                d.mkdir()
-                raw = [CRIU, "dump", "-t", str(host_pid), "-D", str(d), "--leave-running", "--tcp-established",
-                       "--file-locks", "-o", "dump.log"]  # fmt: skip
-                add(steps[variant], RAW, run_timed(raw), keep)
-                shutil.rmtree(d)
+
+                def agent_step(variant: str = variant, keep: bool = keep) -> None:
+                    target = Reference.parse(f"{registry.host}/freeze-{uuid.uuid4().hex[:8]}:v1")
+                    s = agent.save(cid, target, keep_work=True)
+                    t = s["timings_ms"]
+                    parts = {
+                        AGENT: t["freeze_ms"],
+                        FREEZING: t.get("freezing_ms", 0.0),
+                        CRIU_PART: t.get("criu_ms", 0.0),
+                        DIFF: t.get("layer_diff_ms", 0.0),
+                        THAW: t.get("thaw_ms", 0.0),
+                    }
+                    parts[REST] = parts[AGENT] - sum(v for k, v in parts.items() if k != AGENT)
+                    for k, v in parts.items():
+                        add(steps[variant], k, v / 1000, keep)
+                    if s["work"] is not None:
+                        shutil.rmtree(s["work"], ignore_errors=True)
+
+                def runc_step(variant: str = variant, keep: bool = keep) -> None:
+                    r = work / "runc"
+                    r.mkdir()
+                    cmd = ["runc", "--root", str(ns_root), "checkpoint", "--leave-running", "--tcp-established",
+                           "--file-locks", "--image-path", str(r), "--work-path", str(r), cid]  # fmt: skip
+                    wall = run_timed(cmd)
+                    log = (r / "dump.log").read_text(errors="replace")
+                    shutil.rmtree(r)
+                    add(steps[variant], RUNC, wall, keep)
+                    ph = phases(log)
+                    for k, v in ph.items():
+                        add(logs[variant], k, v, keep)
+                    add(logs[variant], RUNC_OUTSIDE, wall - ph.get("total", 0.0), keep)
+                    last_log[variant] = log
+
+                def raw_step(variant: str = variant, keep: bool = keep) -> None:
+                    d = work / "raw"
+                    d.mkdir()
+                    raw = [CRIU, "dump", "-t", str(host_pid), "-D", str(d), "--leave-running", "--tcp-established",
+                           "--file-locks", "-o", "dump.log"]  # fmt: skip
+                    add(steps[variant], RAW, run_timed(raw), keep)
+                    shutil.rmtree(d)
+
+                # the same conditions for each: written back what the step before wrote (a 2 GiB dump
+                # otherwise slows the next one down), and the agent and runc take turns going first
+                order = [agent_step, runc_step, raw_step] if i % 2 == 0 else [runc_step, agent_step, raw_step]
+                for step in order:
+                    os.sync()
+                    step()
             add(fallback, "pause", timed(lambda: c.pause_task(cid)), keep)
             add(fallback, "resume", timed(lambda: c.resume_task(cid)), keep)
             task = c.get_task(cid)
