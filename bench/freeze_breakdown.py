@@ -217,6 +217,7 @@ def measure(
                 add(fallback, "freezer write", timed(fz.direct.freeze), keep)
                 fz.direct.thaw()
     return {
+        "runs": {v: {k: d[k] for k in (AGENT, RUNC)} for v, d in steps.items()},
         "steps": {v: {k: med(xs) for k, xs in d.items()} for v, d in steps.items()},
         "phases": {v: {k: med(xs) for k, xs in d.items()} for v, d in logs.items()},
         "fallback": {k: med(xs) for k, xs in fallback.items()},
@@ -250,6 +251,10 @@ def report(mib: int, kind: str, runs: int, res: dict[str, Any]) -> None:
         goal.append(f"{'met' if f <= bound else '**missed**'} ({_ms(f)} vs {_ms(bound)})")
     print(_row(["goal: freeze <= 1.1x runc checkpoint + 10 ms", *goal, *extra]))
     print(_row(["freeze / raw criu dump", *(f"{steps[v][AGENT] / steps[v][RAW]:.2f}x" for v in variants), *extra]))
+
+    for v in variants:
+        each = "; ".join(f"{k}: " + ", ".join(f"{x * 1000:.0f}" for x in res["runs"][v][k]) for k in (AGENT, RUNC))
+        print(f"\nEach run, ms ({v}): {each}")
 
     print("\nCRIU under runc (the direct runc checkpoint), by its dump.log:\n")
     print(_row(["phase", *variants, "per container", "a node can avoid it"]))

@@ -256,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         res = do_ensure(a.criu, a.kdat) if a.action == "ensure" else do_remove(a.kdat)
     except OSError as e:
         res = KdatResult(a.kdat, "failed", str(e))
+        if a.action == "ensure":  # nothing half made is left: CRIU then probes as before
+            with contextlib.suppress(OSError):
+                do_remove(a.kdat)
     print(json.dumps(res.__dict__))
     return 0
 
