@@ -216,6 +216,7 @@ def do_ensure(criu: str, kdat: str) -> KdatResult:
         _unmount_ours(where)
         return KdatResult(kdat, "failed", f"`criu check` wrote no {name} (exit {proc.returncode}): {out}")
     if not _unmount_ours(kdat):
+        _unmount_ours(where)
         return KdatResult(kdat, "foreign", f"{kdat} has a mount not made by kubectl-snapshot: left alone")
     for _ in range(3):  # a CRIU that finds the empty placeholder "stale" unlinks it: make it again
         fd = os.open(kdat, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)

@@ -11,9 +11,11 @@ left and the same dump probes again. Runs under the shared lock (it changes the 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,3 +115,19 @@ def test_install_node_mounts_the_cache_and_uninstall_node_removes_it(
     # without it, this non-tmpfs /run gives CRIU no cache: it probes again, and still dumps
     install_free = dump_log("/usr/sbin/criu", tmp_path)
     assert "Loaded kdat cache" not in install_free
+
+
+def test_a_node_whose_run_is_a_tmpfs_is_left_to_criu() -> None:
+    """A systemd node's /run is a tmpfs: CRIU keeps the cache there itself, install-node mounts nothing
+    (checked in a private mount namespace with a tmpfs on /run)."""
+    script = (
+        "mount -t tmpfs systemd-like-run /run && "
+        f"{sys.executable} -m shim.criu_kdat ensure --criu /usr/sbin/criu && grep -c kubectl-snapshot-kdat "
+        "/proc/self/mountinfo || true"
+    )
+    proc = subprocess.run(
+        ["unshare", "-m", "--propagation", "private", "sh", "-c", script], capture_output=True, text=True, check=True
+    )
+    result, count = proc.stdout.strip().splitlines()
+    assert json.loads(result)["state"] == "native", proc.stdout
+    assert count == "0"
