@@ -50,7 +50,7 @@ from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core.reference import Reference
 from shim.runc_wrapper import TRACE_ENV, parse_invocation
-from tests.support.containerd import ContainerdDaemon, node_criu_config
+from tests.support.containerd import ContainerdDaemon, node_criu_config, node_kdat_cache
 from tests.support.images import python_image, python_tarball
 from tests.support.registry import RegistryServer
 from tests.support.signing import signing_env
@@ -493,10 +493,13 @@ def main() -> None:
     sizes = [64, 512] if a.quick else [int(x) for x in a.sizes.split(",")]
     kinds = a.kinds.split(",")
     work = Path(tempfile.mkdtemp(prefix="ksbench-", dir="/var/tmp"))
-    # The node as install-node leaves it (runc's CRIU configuration: nftables network lock); runc
-    # reads it for podman's checkpoints too, so the peers run with the same CRIU options.
+    # The node as install-node leaves it (runc's CRIU configuration: nftables network lock; CRIU's
+    # kernel-feature cache on a tmpfs where /run is not one); runc reads the configuration for podman's
+    # checkpoints too, and every CRIU of the same build loads the cache, so the peers and the raw
+    # bounds run with the same CRIU as the agent.
     stack = contextlib.ExitStack()
     conf = stack.enter_context(node_criu_config())
+    kdat = stack.enter_context(node_kdat_cache())
     daemon = ContainerdDaemon("bench", work / "ctrd")
     other = ContainerdDaemon("bench-b", work / "ctrd-b")
     registry = RegistryServer(work / "registry")
@@ -528,6 +531,7 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
         facts = machine_facts()
         facts["criu_config"] = f"{conf.path}: {conf.state}" if conf else "n/a"
+        facts["criu_kdat"] = f"{kdat.path}: {kdat.state}" if kdat else "n/a"
         stack.close()
     result = {"machine": facts, "elapsed_s": time.monotonic() - started, "rows": rows}
     out = Path(a.out)

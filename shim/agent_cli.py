@@ -471,6 +471,9 @@ def install_node_cmd(wrapper_pyz: str, bundle: str, **kw: Any) -> None:
     if r.criu_config is not None:
         c = r.criu_config
         click.echo(f"CRIU configuration {c.path}: {c.state}" + (f" ({c.detail})" if c.detail else ""))
+    if r.kdat is not None:
+        k = r.kdat
+        click.echo(f"CRIU kernel-feature cache {k.path}: {k.state}" + (f" ({k.detail})" if k.detail else ""))
 
 
 @cli.command("uninstall-node")

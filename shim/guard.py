@@ -329,12 +329,16 @@ class Guard:
         if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1 or pid in (os.getpid(), peer_pid):
             raise GuardError(f"refused: pid {pid!r} is not a container's task")
         report = req.get("report") if isinstance(req.get("report"), dict) else None
-        fz = freezer.lookup(pid)
-        if fz is None:
-            raise GuardError(f"the cgroup freezer of task {pid} cannot be placed on this host")
-        root = self._current_root()
-        fz = freezer.CgroupFreezer(_rebase(fz.directory, root), fz.v2)
-        protected = [_rebase(d, root) for d in (_cgroup_of(os.getpid()), _cgroup_of(peer_pid), _cgroup_of(1)) if d]
+        from shim.hostfacts import host_pid_once  # as _host_pid: not at the guard's start
+
+        with host_pid_once():  # four cgroups placed, one look for the host's process
+            fz = freezer.lookup(pid)
+            if fz is None:
+                raise GuardError(f"the cgroup freezer of task {pid} cannot be placed on this host")
+            root = self._current_root()
+            fz = freezer.CgroupFreezer(_rebase(fz.directory, root), fz.v2)
+            mine = (_cgroup_of(os.getpid()), _cgroup_of(peer_pid), _cgroup_of(1))
+        protected = [_rebase(d, root) for d in mine if d]
         check_target(fz, protected=protected, root=root)
         path = os.path.join(self.state_dir, f"{uuid.uuid4().hex}.hold")
         with open(path, "w") as f:  # before the freeze: a guard killed right after it still thaws

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
 import shutil
 import subprocess
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kubectl_snapshot.core.errors import FailedPrecondition
@@ -51,16 +54,43 @@ class HostProbe:
             return None
 
 
+_once = threading.local()  # host_pid_once(): this thread's answer while the block runs
+
+
+@contextlib.contextmanager
+def host_pid_once() -> Iterator[None]:
+    """Within the block, host_pid() in this thread scans /proc at most once (the freeze guard places
+    four cgroups per freeze: each scan of every process's cmdline is ~2 ms on a busy node)."""
+    outer = getattr(_once, "scope", None)
+    _once.scope = outer if outer is not None else {}
+    try:
+        yield
+    finally:
+        _once.scope = outer
+
+
 def host_pid() -> int | None:
     """A process in the host's mount namespace, seen from a container with hostPID.
 
     PID 1 normally; where PID 1 is out of reach (some VMs protect their init), the node's
     containerd, which runs in the host's mount namespace by definition. None: not in a container.
     """
+    scope: dict[str, int | None] | None = getattr(_once, "scope", None)
+    if scope is not None:
+        if "pid" not in scope:
+            scope["pid"] = _host_pid()
+        return scope["pid"]
+    return _host_pid()
+
+
+def _host_pid() -> int | None:
     try:
         mine = os.readlink("/proc/self/ns/mnt")
     except OSError:
         return None
+    with contextlib.suppress(OSError):
+        if os.readlink("/proc/1/ns/mnt") != mine:
+            return 1  # the first candidate below, without reading every process's command line
     candidates = [1]
     for entry in os.listdir("/proc"):
         if entry.isdigit():

@@ -83,6 +83,11 @@ class NodeSettings:
         "/etc/criu/runc.conf",
         "The runc-specific CRIU configuration file on the host (written by install-node where safe).",
     )
+    criu_kdat: str = _opt(
+        "/run/criu.kdat",
+        "CRIU's kernel-feature cache file (RUNDIR/criu.kdat of its build). Where its directory is not a tmpfs, "
+        "install-node keeps it on a small tmpfs so that CRIU skips its probes (shim/criu_kdat.py); empty: leave it.",
+    )
     metrics_bind_address: str = _opt(
         "",
         "HOST:PORT to serve Prometheus metrics on, over HTTPS, to scrapers the API server authorises "

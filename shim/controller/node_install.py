@@ -22,7 +22,8 @@ host CRIU, present or not, is never used. The drop-in registers the runtime hand
 (selected by the RuntimeClass of the same name); containerd reads drop-ins at start, so a changed
 drop-in is followed by the configured restart command, run in the host's namespaces. The node's runc
 CRIU configuration (shim/criu_config.py) is written too, where it is safe and the installed CRIU
-supports it.
+supports it, and CRIU's kernel-feature cache is kept on a small tmpfs where /run is not one
+(shim/criu_kdat.py: CRIU then skips its kernel probes, which otherwise fall inside every freeze).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from typing import Any
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
-from shim import criu_config
+from shim import criu_config, criu_kdat
 from shim.controller.settings import NodeSettings
 from shim.criu_guard import PYCRIU_PATH_ENV
 from shim.hostfacts import host_pid
@@ -60,6 +61,7 @@ class InstallResult:
     criu_config: criu_config.ConfigResult | None = None
     bundle: str = ""
     criu: str = ""
+    kdat: criu_kdat.KdatResult | None = None
 
 
 @dataclass(frozen=True)
@@ -272,7 +274,11 @@ def install(settings: NodeSettings, *, wrapper_pyz: str | None = None, bundle: s
         restarted = True
     # The probe runs the installed CRIU here (same path inside the agent's container): no host shell.
     conf = criu_config.ensure(_host_path(settings.criu_config), criu=settings.criu)
-    return InstallResult(settings.wrapper_launcher, dropin, changed, restarted, conf, installed.path, settings.criu)
+    # Regenerated on every install (a new CRIU build gets its own cache); runs in the host's mount namespace.
+    kdat = criu_kdat.ensure(settings.criu, kdat=settings.criu_kdat, host_pid=host_pid()) if settings.criu_kdat else None
+    return InstallResult(
+        settings.wrapper_launcher, dropin, changed, restarted, conf, installed.path, settings.criu, kdat
+    )
 
 
 def uninstall(settings: NodeSettings) -> None:
@@ -282,6 +288,8 @@ def uninstall(settings: NodeSettings) -> None:
         os.unlink(dropin)
     shutil.rmtree(settings.wrapper_dir, ignore_errors=True)
     criu_config.remove(_host_path(settings.criu_config))
+    if settings.criu_kdat:
+        criu_kdat.remove(kdat=settings.criu_kdat, host_pid=host_pid())
     if existed and settings.restart_command:
         _run_on_host(settings.restart_command.replace("{node}", settings.node))
 

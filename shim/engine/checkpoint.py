@@ -283,17 +283,22 @@ def _freeze_and_dump(
         for cid in req.containers:
             _freeze(containerd, pre.direct, cid, pre.plan.deadline_s)
             frozen.append(cid)
+        timings["freezing_ms"] = (clock() - t_freeze) * 1000
         phase("dump")
         _test_hold([pre.direct[c] for c in frozen if c in pre.direct])
         with net_lock(pre.pids) if net_lock is not None else contextlib.nullcontext():
-            _dump_all(containerd, req, names, pre.upperdirs, work)
+            _dump_all(containerd, req, names, pre.upperdirs, work, clock, timings)
+        t_volumes = clock()
         volume_tar = _capture_volumes(req, work) if req.volumes else None
+        timings["volumes_ms"] = (clock() - t_volumes) * 1000
         timings["dump_ms"] = (clock() - t_freeze) * 1000
     except BaseException:
         _resume_all(containerd, frozen, pre.direct)
         raise
     if not req.stop:
+        t_thaw = clock()
         _resume_all(containerd, frozen, pre.direct, strict=True)
+        timings["thaw_ms"] = (clock() - t_thaw) * 1000
         frozen = []
     timings["freeze_ms"] = (clock() - t_freeze) * 1000
     return frozen, volume_tar
@@ -535,20 +540,28 @@ def _image_digest(containerd: Containerd, image: str) -> str:
 
 
 def _dump_all(
-    containerd: Containerd, req: CheckpointRequest, names: Sequence[str], upperdirs: Sequence[str | None], work: str
+    containerd: Containerd,
+    req: CheckpointRequest,
+    names: Sequence[str],
+    upperdirs: Sequence[str | None],
+    work: str,
+    clock: Callable[[], float] = time.monotonic,
+    timings: dict[str, float] | None = None,
 ) -> None:
     """Dump every (already frozen) container; in parallel for a group, since each CRIU dump is
     mostly one core's work. Every dump has finished, well or not, before the first error is raised,
-    so nothing is still being dumped when the caller resumes the group."""
+    so nothing is still being dumped when the caller resumes the group. `timings` gets the longest
+    container's CRIU (``criu_ms``: runc checkpoint) and writable-layer capture (``layer_diff_ms``)."""
+    steps: dict[str, float] = timings if timings is not None else {}
     jobs = [
         (cid, os.path.join(work, name), upper)
         for cid, name, upper in zip(req.containers, names, upperdirs, strict=True)
     ]
     if len(jobs) == 1:
-        _dump_one(containerd, *jobs[0], req)
+        _dump_one(containerd, *jobs[0], req, clock, steps)
         return
     with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1), thread_name_prefix="dump") as pool:
-        futures = [pool.submit(_dump_one, containerd, cid, cdir, upper, req) for cid, cdir, upper in jobs]
+        futures = [pool.submit(_dump_one, containerd, cid, cdir, upper, req, clock, steps) for cid, cdir, upper in jobs]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]  # type: ignore[misc]
@@ -568,9 +581,21 @@ def _upperdir(containerd: Containerd, info: Any) -> str | None:
     return upper
 
 
-def _dump_one(containerd: Containerd, cid: str, cdir: str, upper: str | None, req: CheckpointRequest) -> None:
+def _dump_one(
+    containerd: Containerd,
+    cid: str,
+    cdir: str,
+    upper: str | None,
+    req: CheckpointRequest,
+    clock: Callable[[], float] = time.monotonic,
+    steps: dict[str, float] | None = None,
+) -> None:
+    """CRIU (through runc) dumps the frozen container, then its writable layer is captured, still frozen.
+    `upper` is the upperdir the preflight found (a running container's rootfs snapshot does not move):
+    no containerd round trip while the workload is frozen."""
     image_path = os.path.join(cdir, C.CHECKPOINT_DIRECTORY)
     os.makedirs(image_path, mode=0o700)
+    t = clock()
     containerd.checkpoint_task(
         cid,
         image_path=image_path,
@@ -579,15 +604,16 @@ def _dump_one(containerd: Containerd, cid: str, cdir: str, upper: str | None, re
         open_tcp=req.tcp_established,
         file_locks=req.file_locks,
     )
-    info = containerd.get_container(cid)
-    upper = upperdir_from_mounts(
-        [(m.type, m.source, list(m.options)) for m in containerd.snapshot_mounts(info.snapshotter, info.snapshot_key)]
-    )
+    t_diff = clock()
     if upper is not None:
         with open(os.path.join(cdir, C.ROOTFS_DIFF_TAR), "wb") as out:
             deleted = capture_rootfs_diff(upper, out)
         with open(os.path.join(cdir, C.DELETED_FILES_FILE), "w") as f:
             json.dump(deleted, f)
+    if steps is not None:
+        done = clock()
+        steps["criu_ms"] = max(steps.get("criu_ms", 0.0), (t_diff - t) * 1000)
+        steps["layer_diff_ms"] = max(steps.get("layer_diff_ms", 0.0), (done - t_diff) * 1000)
 
 
 def _volume_names(req: CheckpointRequest) -> list[str]:

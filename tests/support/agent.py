@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.core import kube as K
-from shim import criu_config
+from shim import criu_config, criu_kdat
 from tests.support.cluster import HACK, REPO, Cluster
 
 PLUGIN = str(Path(sys.executable).with_name("kubectl-snapshot"))
@@ -193,6 +194,11 @@ def installed_agent(
     # install-node probed CRIU's nftables network lock on the host and wrote runc's CRIU configuration
     foreign = conf_before is not None and not criu_config.is_ours(conf_before)
     assert foreign or criu_config.is_ours(conf.read_text() if conf.exists() else None)
+    # where /run is not a tmpfs (these VMs), install-node (in the init container, through the host's
+    # mount namespace) put CRIU's kernel-feature cache on a tmpfs bound on /run/criu.kdat (shim/criu_kdat.py)
+    kdat_native = criu_kdat.decide(criu_kdat.KDAT_FILE, _host_mounts()) == "native"
+    bound = criu_kdat.mount_at(criu_kdat.KDAT_FILE, _host_mounts())
+    assert kdat_native or (bound is not None and bound.source == criu_kdat.SOURCE), bound
     try:
         yield installed
         # every CRIU that ran during the session was the installed one, handed to runc with --criu
@@ -211,6 +217,13 @@ def installed_agent(
         assert not Path("/opt/kubectl-snapshot", node).exists(), node
     after = conf.read_text() if conf.exists() else None
     assert after == conf_before if foreign else not criu_config.is_ours(after)
+    assert kdat_native or criu_kdat.mount_at(criu_kdat.KDAT_FILE, _host_mounts()) is None
+    assert not os.path.exists(criu_kdat.cache_dir(criu_kdat.KDAT_FILE))
+
+
+def _host_mounts() -> list[criu_kdat.Mount]:
+    with open("/proc/self/mountinfo") as f:
+        return criu_kdat.parse_mountinfo(f.read())
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core.errors import SnapshotError
-from shim import criu_config
+from shim import criu_config, criu_kdat
 from shim.containerd.client import ContainerdClient, RuncOptions
 
 CONTAINERD = "/usr/local/bin/containerd"
@@ -264,6 +264,24 @@ def node_criu_config() -> Iterator[criu_config.ConfigResult | None]:
     finally:
         if result.state == "written":
             criu_config.remove(criu_config.RUNC_CONF)
+
+
+@contextlib.contextmanager
+def node_kdat_cache() -> Iterator[criu_kdat.KdatResult | None]:
+    """CRIU's kernel-feature cache as install-node leaves a node whose /run is not a tmpfs (a tmpfs file
+    bound on /run/criu.kdat, shim/criu_kdat.py), so that the bench dumps as a node does; removed
+    afterwards if this made it (an installed agent's arrangement is left as it was)."""
+    if missing_requirements():
+        yield None
+        return
+    mounts = criu_kdat.parse_mountinfo(Path("/proc/self/mountinfo").read_text())
+    had = criu_kdat.mount_at(criu_kdat.KDAT_FILE, mounts) is not None
+    result = criu_kdat.ensure(CRIU)
+    try:
+        yield result
+    finally:
+        if result.state == "mounted" and not had:
+            criu_kdat.remove()
 
 
 @pytest.fixture(scope="session")

@@ -132,6 +132,7 @@ def test_install_and_uninstall_node(tmp_path: Path) -> None:
         restart_command=f"touch {tmp_path / 'restarted'}",
         criu_path=str(tmp_path / "no-criu"),
         criu_config=str(tmp_path / "criu" / "runc.conf"),
+        criu_kdat="",  # never the host's /run in a unit test (tests/integration/test_criu_kdat.py)
     )
     pyz = tmp_path / "w.pyz"
     pyz.write_bytes(b"PK")

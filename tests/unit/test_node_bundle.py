@@ -29,6 +29,7 @@ def settings(tmp_path: Path, **kw: str) -> NodeSettings:
         opt_root=str(tmp_path / "opt"),
         containerd_dropin_dir=str(tmp_path / "dropins"),
         criu_config=str(tmp_path / "criu" / "runc.conf"),
+        criu_kdat="",  # never the host's /run in a unit test (tests/integration/test_criu_kdat.py)
         **kw,
     )
 
