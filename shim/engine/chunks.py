@@ -7,12 +7,21 @@ then cut at fixed offsets, which is still a correct snapshot).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import struct
 from dataclasses import dataclass
 
-from kubectl_snapshot.core.chunks import MIN_SPAN, PAGE_SIZE, PagemapRun, Span, choose_span, plan_chunks
+from kubectl_snapshot.core.chunks import (
+    MIN_SPAN,
+    PAGE_SIZE,
+    PagemapRun,
+    Span,
+    choose_span,
+    plan_chunks,
+    span_layouts,
+)
 
 IMG_COMMON_MAGIC = 0x54564319
 PAGEMAP_MAGIC = 0x56084025
@@ -31,6 +40,11 @@ class PagesPlan:
     path: str
     size: int
     spans: tuple[Span, ...]
+    # per span: a key naming which virtual addresses its pages hold ("" when unknown: no page delta)
+    layouts: tuple[str, ...] = ()
+
+    def layout(self, i: int) -> str:
+        return self.layouts[i] if i < len(self.layouts) else ""
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -123,6 +137,9 @@ def plan_checkpoint(checkpoint_dir: str, *, span: int | None = None) -> list[Pag
     plans = []
     for pages_id in sorted(pages):
         name, size = pages[pages_id]
-        spans = plan_chunks(runs.get(pages_id) or [], size, chosen)
-        plans.append(PagesPlan(name, os.path.join(checkpoint_dir, name), size, tuple(spans)))
+        pm_runs = runs.get(pages_id) or []
+        spans = plan_chunks(pm_runs, size, chosen)
+        layouts = span_layouts(pm_runs, size, spans) or []
+        keys = tuple(hashlib.sha256(name.encode() + b"\0" + lay).hexdigest()[:32] for lay in layouts)
+        plans.append(PagesPlan(name, os.path.join(checkpoint_dir, name), size, tuple(spans), keys))
     return plans

@@ -17,6 +17,7 @@ its digest before a byte of it is written (pwrite into a preallocated page file)
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import threading
@@ -27,13 +28,14 @@ from typing import BinaryIO, TypeVar
 
 import zstandard
 
-from kubectl_snapshot.core.chunks import Chunk, PagesFile
+from kubectl_snapshot.core.chunks import PAGE_SIZE, Chunk, Delta, PagesFile, delta_raw_length
 from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
-from kubectl_snapshot.core.oci import sha256_digest
+from kubectl_snapshot.core.pagedelta import apply_delta, changed_pages, encode_delta, page_hashes, worth_a_delta
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener, Sealer
 from shim.archive import tar_directory
 from shim.engine.chunks import PagesPlan
+from shim.engine.pageindex import BaseChunk, PageIndex
 from shim.engine.ports import Registry
 from shim.pipes import iter_produced
 from shim.zstdio import open_zstd_writer
@@ -108,36 +110,74 @@ def push_chunks(
     workers: int | None = None,
     on_raw: CountFn | None = None,
     sealer: Sealer | None = None,
+    index: PageIndex | None = None,
 ) -> PushedChunks:
     """Compress, hash and upload every planned chunk (in parallel); returns the chunk records.
 
     With `sealer` each compressed chunk is sealed (convergent key: the same content in the same
     namespace gives the same blob, so the registry still has it) and the digest is the ciphertext's.
+    With `index` (the node's bases for this repository and container, shim/engine/pageindex.py) every
+    page of a chunk is hashed; a chunk whose base the registry still has and from which at most
+    MAX_DELTA_FRACTION of its pages differ is stored as that base plus a page delta (none at all when
+    no page differs: then nothing is compressed either); the index collects this snapshot's bases.
     """
     uploaded, stored = _Counter(), _Counter()
     fds = {p.name: os.open(p.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) for p in plans}
+
+    def seal(packed: bytes, plain_sha256: bytes) -> tuple[bytes | bytearray, str]:
+        if sealer is not None:
+            return sealer.seal_chunk(packed, plain_sha256)
+        return packed, "sha256:" + plain_sha256.hex()
+
+    def send(blob: bytes | bytearray, digest: str) -> None:
+        if registry.push_blob(ref, digest=digest, size=len(blob), data=blob):
+            uploaded.add(len(blob))
+        stored.add(len(blob))
+
+    def as_delta(raw: bytes, offset: int, base: BaseChunk, hashes: bytes) -> Chunk | None:
+        changed = changed_pages(base.hashes, hashes)
+        if changed is None or (changed and not worth_a_delta(len(changed), len(raw) // PAGE_SIZE)):
+            return None
+        if not registry.blob_exists(ref, base.digest):
+            return None  # retention or GC removed it: store the chunk whole
+        if sealer is not None:
+            sealer.record_chunk(base.digest, base.plain_sha256)
+        stored.add(base.size)
+        if not changed:
+            return Chunk(offset, len(raw), base.digest, base.size)
+        packed = _compressor().compress(encode_delta(raw, changed))
+        blob, digest = seal(packed, hashlib.sha256(packed).digest())
+        send(blob, digest)
+        return Chunk(offset, len(raw), base.digest, base.size, Delta(digest, len(blob), len(changed)))
+
     try:
 
-        def one(job: tuple[str, int, int]) -> Chunk:
-            name, offset, length = job
+        def one(job: tuple[str, int, int, str]) -> Chunk:
+            name, offset, length, layout = job
             raw = os.pread(fds[name], length, offset)
             if len(raw) != length:
                 raise OSError(f"{name} shrank while it was being packaged")
+            hashes = page_hashes(raw) if index is not None and layout and length % PAGE_SIZE == 0 else None
+            base = index.get(layout) if index is not None and hashes is not None else None
+            if index is not None and hashes is not None and base is not None and base.length == length:
+                chunk = as_delta(raw, offset, base, hashes)
+                if chunk is not None:
+                    index.put(layout, base)  # still the base: deltas never chain
+                    if on_raw is not None:
+                        on_raw(length)
+                    return chunk
             packed = _compressor().compress(raw)
-            blob: bytes | bytearray = packed
-            if sealer is not None:
-                blob, digest = sealer.seal_chunk(packed)
-            else:
-                digest = sha256_digest(packed)
-            if registry.push_blob(ref, digest=digest, size=len(blob), data=blob):
-                uploaded.add(len(blob))
-            stored.add(len(blob))
+            plain_sha256 = hashlib.sha256(packed).digest()
+            blob, digest = seal(packed, plain_sha256)
+            send(blob, digest)
+            if index is not None and hashes is not None:
+                index.put(layout, BaseChunk(digest, len(blob), length, plain_sha256, hashes))
             if on_raw is not None:
                 on_raw(length)
             return Chunk(offset, length, digest, len(blob))
 
-        jobs = [(p.name, s.offset, s.length) for p in plans for s in p.spans]
-        n = workers or workers_for(max((length for _, _, length in jobs), default=0))
+        jobs = [(p.name, s.offset, s.length, p.layout(i)) for p in plans for i, s in enumerate(p.spans)]
+        n = workers or workers_for(max((length for _, _, length, _ in jobs), default=0))
         results = run_parallel(one, jobs, workers=n, name="chunk-push")
     finally:
         for fd in fds.values():
@@ -230,7 +270,9 @@ def fetch_chunks(
 
     Each chunk is downloaded whole (a few MiB at most), verified against its digest and size by the
     registry client, decrypted (`opener`: every segment authenticated) and decompressed and checked to
-    be exactly its recorded length, and only then written. A file that already exists is refused (the
+    be exactly its recorded length, and only then written. A chunk with a page delta (format v4) is its
+    base chunk (so verified) with the pages of its delta blob (verified the same way, and its page
+    list checked by core/pagedelta.apply_delta) put in. A file that already exists is refused (the
     layer must not also carry it).
     """
     dfd = os.open(checkpoint_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -253,27 +295,38 @@ def fetch_chunks(
             fds[f.name] = fd
             os.ftruncate(fd, f.size)
 
+        def blob_bytes(digest: str, size: int, raw_length: int, what: str) -> bytes:
+            """Download one blob whole, verified (digest, size), opened, decompressed, exactly `raw_length`."""
+            buf = io.BytesIO()
+            registry.fetch_blob(ref, digest, buf, expected_size=size, max_size=size)
+            blob = buf.getvalue() if opener is None else opener.open_chunk(digest, buf.getbuffer())
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=raw_length)
+            except zstandard.ZstdError as e:
+                raise DigestMismatch(f"{what} {digest} does not decompress: {e}", hint=_HINT) from e
+            if len(raw) != raw_length:
+                raise DigestMismatch(
+                    f"{what} {digest} holds {len(raw)} bytes, the snapshot says {raw_length}", hint=_HINT
+                )
+            return raw
+
         def one(job: tuple[str, Chunk]) -> None:
             name, c = job
-            buf = io.BytesIO()
-            registry.fetch_blob(ref, c.digest, buf, expected_size=c.size, max_size=c.size)
-            blob = buf.getvalue() if opener is None else opener.open_chunk(c.digest, buf.getbuffer())
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=c.length)
-            except zstandard.ZstdError as e:
-                raise DigestMismatch(f"chunk {c.digest} of {name} does not decompress: {e}", hint=_HINT) from e
-            if len(raw) != c.length:
-                raise DigestMismatch(
-                    f"chunk {c.digest} of {name} holds {len(raw)} bytes, the snapshot says {c.length}", hint=_HINT
-                )
+            raw: bytes | bytearray = blob_bytes(c.digest, c.size, c.length, f"chunk of {name}")
+            if c.delta is not None:
+                d = c.delta
+                delta = blob_bytes(d.digest, d.size, delta_raw_length(d.pages), f"page delta of {name}")
+                raw = bytearray(raw)
+                apply_delta(raw, delta, pages=d.pages, where=f"page delta {d.digest} of {name} (offset {c.offset})")
             view = memoryview(raw)
             pos = c.offset
             while view:
                 n = os.pwrite(fds[name], view, pos)
                 view, pos = view[n:], pos + n
-            total.add(c.size)
+            got = c.size + (c.delta.size if c.delta is not None else 0)
+            total.add(got)
             if on_bytes is not None:
-                on_bytes(c.size)
+                on_bytes(got)
 
         n = workers or workers_for(max((c.length for f in files for c in f.chunks), default=0))
         run_parallel(one, [(f.name, c) for f in files for c in f.chunks], workers=n, name="chunk-fetch")

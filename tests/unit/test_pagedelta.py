@@ -1,0 +1,242 @@
+"""Page deltas (format v4): encoding, applying, refusing hostile deltas and configs, chunk layouts and
+the node's page index (a cache: anything wrong with it means full chunks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.chunks import (
+    PAGE_SIZE,
+    Chunk,
+    Delta,
+    PagemapRun,
+    chunk_digests,
+    chunk_sizes,
+    delta_digests,
+    delta_raw_length,
+    parse_pages_files,
+    plan_chunks,
+    span_layouts,
+)
+from kubectl_snapshot.core.errors import DigestMismatch, FailedPrecondition
+from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConfig, check_layers_match, parse_config
+from kubectl_snapshot.core.pagedelta import (
+    MAGIC,
+    PAGE_HASH_BYTES,
+    apply_delta,
+    changed_pages,
+    encode_delta,
+    page_hashes,
+    worth_a_delta,
+)
+from shim.engine import pageindex
+from shim.engine.pageindex import BaseChunk, PageIndex
+
+D = ["sha256:" + c * 64 for c in "0123456789abcdef"]
+
+
+def chunk(pages: int, seed: int = 1) -> bytearray:
+    return bytearray(random.Random(seed).randbytes(pages * PAGE_SIZE))
+
+
+def test_a_delta_carries_exactly_the_changed_pages_and_rebuilds_the_chunk() -> None:
+    base = chunk(64)
+    new = bytearray(base)
+    for i in (0, 7, 8, 63):
+        new[i * PAGE_SIZE + 5] ^= 0x5A
+    changed = changed_pages(page_hashes(base), page_hashes(new))
+    assert changed == [0, 7, 8, 63]
+    delta = encode_delta(new, changed)
+    assert len(delta) == delta_raw_length(4) and delta.startswith(MAGIC)
+    rebuilt = bytearray(base)
+    apply_delta(rebuilt, delta, pages=4, where="t")
+    assert rebuilt == new
+
+
+def test_page_hashes_compare_page_by_page() -> None:
+    a = chunk(4)
+    assert len(page_hashes(a)) == 4 * PAGE_HASH_BYTES
+    assert changed_pages(page_hashes(a), page_hashes(a)) == []
+    assert changed_pages(page_hashes(a), page_hashes(chunk(5))) is None  # other length: no delta
+    with pytest.raises(ValueError):
+        page_hashes(b"x" * 100)
+
+
+def test_a_delta_is_worth_it_only_for_a_part_of_the_chunk() -> None:
+    assert not worth_a_delta(0, 100)
+    assert worth_a_delta(1, 100) and worth_a_delta(50, 100)
+    assert not worth_a_delta(51, 100)
+
+
+def _delta(indexes: list[int], count: int | None = None, magic: bytes = MAGIC) -> bytes:
+    import struct
+
+    n = len(indexes) if count is None else count
+    return magic + struct.pack("<I", n) + struct.pack(f"<{len(indexes)}I", *indexes) + bytes(len(indexes) * PAGE_SIZE)
+
+
+@pytest.mark.parametrize(
+    ("delta", "pages", "match"),
+    [
+        (_delta([1, 2])[:-1], 2, "holds"),  # truncated
+        (_delta([1, 2]) + b"x", 2, "holds"),  # trailing bytes
+        (_delta([1, 2], magic=b"NOTDELTA"), 2, "header"),
+        (_delta([1, 2], count=3)[: delta_raw_length(2)], 2, "says 3 pages"),
+        (_delta([2, 1]), 2, "sorted"),
+        (_delta([1, 1]), 2, "sorted"),
+        (_delta([1, 16]), 2, "outside"),
+        (_delta([1, 0xFFFFFFFF]), 2, "outside"),
+        (_delta([], count=0), 0, "no pages"),
+    ],
+)
+def test_a_hostile_delta_is_refused_with_what_is_wrong(delta: bytes, pages: int, match: str) -> None:
+    base = chunk(16)
+    before = bytes(base)
+    with pytest.raises(DigestMismatch, match=match) as e:
+        apply_delta(base, delta, pages=pages, where="page delta X")
+    assert "page delta X" in e.value.message and e.value.hint
+    assert bytes(base) == before
+
+
+def test_a_base_that_is_not_whole_pages_is_refused() -> None:
+    with pytest.raises(DigestMismatch, match="whole pages"):
+        apply_delta(bytearray(b"x" * 100), _delta([0]), pages=1, where="t")
+
+
+def dch(offset: int, length: int, delta: dict[str, Any] | None = None, digest: str = D[1]) -> dict[str, Any]:
+    d: dict[str, Any] = {"offset": offset, "length": length, "digest": digest, "size": 100}
+    if delta is not None:
+        d["delta"] = delta
+    return d
+
+
+def test_a_chunk_record_with_a_delta_round_trips_and_names_both_blobs() -> None:
+    raw = [{"name": "pages-1.img", "size": 8 * PAGE_SIZE,
+            "chunks": [dch(0, 8 * PAGE_SIZE, {"digest": D[2], "size": 5000, "pages": 1})]}]  # fmt: skip
+    files = parse_pages_files(raw, "c")
+    assert files[0].chunks[0] == Chunk(0, 8 * PAGE_SIZE, D[1], 100, Delta(D[2], 5000, 1))
+    assert [f.to_dict() for f in files] == raw
+    assert chunk_digests(files) == [D[1], D[2]]
+    assert delta_digests(files) == {D[2]}
+    assert chunk_sizes(files) == {D[1]: 100, D[2]: 5000}
+
+
+@pytest.mark.parametrize(
+    ("delta", "length", "match"),
+    [
+        ({"digest": D[2], "size": 10, "pages": 0}, 8 * PAGE_SIZE, "page count"),
+        ({"digest": D[2], "size": 10, "pages": 9}, 8 * PAGE_SIZE, "page count"),
+        ({"digest": D[2], "size": 10, "pages": True}, 8 * PAGE_SIZE, "page count"),
+        ({"digest": "md5:x", "size": 10, "pages": 1}, 8 * PAGE_SIZE, "digest"),
+        ({"digest": D[2], "size": 3 * PAGE_SIZE, "pages": 1}, 8 * PAGE_SIZE, "blob size"),
+        ({"digest": D[2], "size": 10, "pages": 1}, 8 * PAGE_SIZE + 1, "whole pages"),
+        ([1], 8 * PAGE_SIZE, "not an object"),
+    ],
+)
+def test_an_invalid_delta_record_is_refused(delta: Any, length: int, match: str) -> None:
+    raw = [{"name": "pages-1.img", "size": length, "chunks": [dch(0, length, delta)]}]
+    with pytest.raises(FailedPrecondition, match=match):
+        parse_pages_files(raw, "c")
+
+
+def config_with(pages_raw: list[dict[str, Any]], version: int) -> bytes:
+    rec = ContainerRecord(name="c", id="c", image="", image_digest="", layer_digest=D[0], spec={})
+    d = SnapshotConfig(group="g", namespace="n", created="t", containers=(rec,), host=HostFacts()).to_dict()
+    d["formatVersion"] = version
+    d["containers"][0]["pages"] = pages_raw
+    return json.dumps(d).encode()
+
+
+def test_deltas_need_format_v4_and_every_blob_in_the_manifest() -> None:
+    raw = [{"name": "pages-1.img", "size": PAGE_SIZE,
+            "chunks": [dch(0, PAGE_SIZE, {"digest": D[2], "size": 100, "pages": 1})]}]  # fmt: skip
+    with pytest.raises(FailedPrecondition, match="v3 snapshot config lists page deltas"):
+        parse_config(config_with(raw, 3))
+    cfg = parse_config(config_with(raw, C.DELTA_FORMAT_VERSION))
+    assert cfg.blob_digests() == [D[0], D[1], D[2]]  # encryption keys must cover the delta too
+    check_layers_match(cfg, [D[0], D[1], D[2]])
+    with pytest.raises(FailedPrecondition, match=D[2]):
+        check_layers_match(cfg, [D[0], D[1]])  # the delta is missing
+    with pytest.raises(FailedPrecondition, match=D[1]):
+        check_layers_match(cfg, [D[0], D[2]])  # the base is missing
+
+
+def test_layouts_name_the_pages_a_chunk_holds_and_ignore_changes_elsewhere() -> None:
+    span = 1 << 20
+    runs = [PagemapRun(0x10000000, 512), PagemapRun(0x20000000, 300)]
+    size = 812 * PAGE_SIZE
+    spans = plan_chunks(runs, size, span)
+    lay = span_layouts(runs, size, spans)
+    assert lay is not None and len(lay) == len(spans) and len(set(lay)) == len(lay)
+    # a mapping grows before them: the file offsets shift, the layouts of the same ranges do not
+    runs2 = [PagemapRun(0x1000, 20), *runs]
+    spans2 = plan_chunks(runs2, size + 20 * PAGE_SIZE, span)
+    lay2 = span_layouts(runs2, size + 20 * PAGE_SIZE, spans2)
+    assert lay2 is not None and set(lay) <= set(lay2)
+    assert span_layouts(runs, size + PAGE_SIZE, spans) is None  # runs do not account for the file
+
+
+def base(length_pages: int = 4, digest: str = D[3]) -> BaseChunk:
+    return BaseChunk(digest, 1234, length_pages * PAGE_SIZE, os.urandom(32), os.urandom(length_pages * PAGE_HASH_BYTES))
+
+
+def test_the_page_index_keeps_this_snapshots_bases_only(tmp_path: Path) -> None:
+    idx = PageIndex.load(str(tmp_path), "scope")
+    assert len(idx) == 0 and idx.get("a") is None
+    a, b = base(), base(8, D[4])
+    idx.put("a", a)
+    idx.put("b", b)
+    idx.save()
+    again = PageIndex.load(str(tmp_path), "scope")
+    assert again.get("a") == a and again.get("b") == b
+    again.put("b", b)
+    again.save()
+    third = PageIndex.load(str(tmp_path), "scope")
+    assert third.get("a") is None and third.get("b") == b
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "symlink"])
+def test_a_damaged_page_index_means_full_chunks_not_an_error(tmp_path: Path, damage: str) -> None:
+    idx = PageIndex.load(str(tmp_path), "s")
+    idx.put("a", base())
+    idx.save()
+    path = tmp_path / "s.idx"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-3] ^= 1
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(bytes(data[:-PAGE_HASH_BYTES]))
+    elif damage == "garbage":
+        path.write_bytes(b"garbage")
+    else:
+        path.rename(tmp_path / "real")
+        path.symlink_to(tmp_path / "real")
+    assert len(PageIndex.load(str(tmp_path), "s")) == 0
+
+
+def test_the_page_index_keeps_the_most_recent_scopes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pageindex, "MAX_FILES", 3)
+    for i in range(5):
+        idx = PageIndex.load(str(tmp_path), f"s{i}")
+        idx.put("a", base())
+        idx.save()
+        os.utime(tmp_path / f"s{i}.idx", (1000 + i, 1000 + i))
+    idx = PageIndex.load(str(tmp_path), "s5")
+    idx.put("a", base())
+    idx.save()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s3.idx", "s4.idx", "s5.idx"]
+
+
+def test_scopes_differ_by_repository_container_and_key() -> None:
+    k = pageindex.scope_key("r:5000", "repo", "app", None)
+    assert k != pageindex.scope_key("r:5000", "repo2", "app", None)
+    assert k != pageindex.scope_key("r:5000", "repo", "app2", None)
+    assert k != pageindex.scope_key("r:5000", "repo", "app", "k1-abc")
