@@ -15,7 +15,9 @@ object heap; bench/workload.py) it measures, as medians of --runs runs after one
 * pull -> running vs the bound (download + zstd -d|tar + raw ``criu restore``) and vs podman
   ``container restore --import`` and ``ctr images pull`` + ``ctr c restore --live --rw``;
 * snapshot size vs RSS and vs ``zstd -1`` of the raw CRIU images;
-* bytes uploaded by a second snapshot after 1% and 5% of the memory changed, vs the first's.
+* bytes uploaded by a second snapshot after 1% and 5% of the memory changed, vs the first's, and vs
+  the pages that really changed between the two dumps, compressed like chunks (bench/pagediff.py);
+  with the CPU that hashing every page (page deltas) costs vs compressing + hashing the same bytes.
 
 Writes RESULTS.md and results.json (machine facts included) under --out. Needs root, the node deps
 (hack/install-node-deps.sh) and, for the peers, hack/install-bench-deps.sh (podman). Network: the
@@ -43,7 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import report
+from bench import pagediff, report
 from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core.reference import Reference
@@ -217,6 +219,43 @@ def agent_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[floa
     return time.monotonic() - t, json.loads(proc.stdout)
 
 
+def kept_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[dict[str, Any], Path]:
+    """A snapshot whose dump directory the agent keeps (--keep-work): (its JSON, the CRIU image dir)."""
+    work_root = STATE / "work"
+    before = set(work_root.iterdir()) if work_root.exists() else set()
+    proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--keep-work",
+               "--to", ref, cid])  # fmt: skip
+    kept = sorted(set(work_root.iterdir()) - before)
+    if len(kept) != 1:
+        raise RuntimeError(f"expected one kept dump directory under {work_root}, found {len(kept)}")
+    return json.loads(proc.stdout), kept[0]
+
+
+def incremental(daemon: ContainerdDaemon, registry: RegistryServer, cid: str, ctl: Path) -> dict[str, Any]:
+    """A base snapshot, then 1% changed, then 5% more changed (same repository): bytes uploaded by each,
+    and the pages that really changed between consecutive dumps (compressed like chunks)."""
+    repo = f"{registry.host}/incr-{uuid.uuid4().hex[:8]}"
+    out: dict[str, Any] = {}
+    hashes = None
+    for label, pct in (("base", 0.0), ("1pct", 1.0), ("5pct", 5.0)):
+        if pct:
+            mutate(ctl, pct)
+        res, work = kept_checkpoint(daemon, f"{repo}:{label}", cid)
+        try:
+            dump = work / cid / "checkpoint"
+            hashes, diff = pagediff.changed_pages(hashes, dump)
+            out[f"incr_{label}_uploaded"] = res["uploaded"]
+            out[f"incr_{label}_package_ms"] = res["timingsMs"].get("package_ms")
+            if diff:
+                out[f"incr_{label}_changed_bytes"] = diff["changed_bytes"]
+                out[f"incr_{label}_changed_packed"] = diff["changed_packed_bytes"]
+            if label == "5pct":
+                out.update(pagediff.hashing_cost(dump))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
 def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, kind: str, runs: int) -> dict[str, Any]:
     os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
@@ -254,13 +293,7 @@ def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, 
             shutil.rmtree(d, ignore_errors=True)
             if i:
                 runc_dumps.append(t)
-        # incremental: a base snapshot, then 1% changed, then 5% more changed (same repository)
-        repo = f"{registry.host}/incr-{uuid.uuid4().hex[:8]}"
-        _, base = agent_checkpoint(daemon, f"{repo}:base", cid)
-        mutate(ctl, 1)
-        _, one = agent_checkpoint(daemon, f"{repo}:one", cid)
-        mutate(ctl, 5)
-        _, five = agent_checkpoint(daemon, f"{repo}:five", cid)
+        out.update(incremental(daemon, registry, cid, ctl))
     out.update(
         freeze_s=med(freeze),
         runc_checkpoint_s=med(runc_dumps),
@@ -269,9 +302,6 @@ def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, 
         size_bytes=med(sizes),
         restore_s=med(restores),
         restore_internal_s=med(restores_internal),
-        incr_base_uploaded=base["uploaded"],
-        incr_1pct_uploaded=one["uploaded"],
-        incr_5pct_uploaded=five["uploaded"],
     )
     return out
 
