@@ -226,7 +226,8 @@ def span_layouts(runs: Iterable[PagemapRun], file_size: int, spans: Sequence[Spa
     """Per span, which virtual addresses its pages hold: (vaddr, bytes) pieces packed as u64 pairs.
 
     Two chunks with equal layouts hold the same pages of the address space, page for page, so the
-    later one can be stored as a page delta of the earlier (core/pagedelta.py). None when the runs do
+    later one can be stored as a page delta of the earlier (core/pagedelta.py). Adjacent pieces are
+    joined, so that how CRIU splits an address range into pagemap entries does not matter. None when the runs do
     not account for the file exactly (then no chunk of it gets a delta)."""
     pieces: list[tuple[int, int, int]] = []  # (file offset, vaddr, bytes)
     pos = 0
@@ -244,11 +245,17 @@ def span_layouts(runs: Iterable[PagemapRun], file_size: int, spans: Sequence[Spa
         while k < len(pieces) and pieces[k][0] + pieces[k][2] <= s.offset:
             k += 1
         j = k
+        merged: list[list[int]] = []  # CRIU may split one address range into several entries: join them
         while j < len(pieces) and pieces[j][0] < end:
             off, vaddr, n = pieces[j]
             a, b = max(off, s.offset), min(off + n, end)
-            layout += (vaddr + a - off).to_bytes(8, "little") + (b - a).to_bytes(8, "little")
+            if merged and merged[-1][0] + merged[-1][1] == vaddr + a - off:
+                merged[-1][1] += b - a
+            else:
+                merged.append([vaddr + a - off, b - a])
             j += 1
+        for vaddr, n in merged:
+            layout += vaddr.to_bytes(8, "little") + n.to_bytes(8, "little")
         out.append(bytes(layout))
     return out
 

@@ -7,8 +7,8 @@ stored *whole* (its base) can tell which pages changed and upload only those: a 
 
 Why depth 1: a delta is always taken against the last *full* chunk of the same address range, never
 against another delta, so a restore needs exactly two blobs per chunk (base, delta) and nothing of a
-chain can go missing or grow without bound. The delta grows as more pages change, until more than
-MAX_DELTA_FRACTION of the chunk differs; then the chunk is stored whole again and becomes the base.
+chain can go missing or grow without bound. The delta grows as more pages change, until too much of
+the chunk differs (worth_a_delta); then the chunk is stored whole again and becomes the base.
 
 Delta blob, before compression (then zstd and sealed exactly like a chunk)::
 
@@ -32,6 +32,8 @@ MAGIC = b"KSPDELT1"
 _HEADER = struct.Struct("<8sI")
 # at most this share of a chunk's pages in a delta; beyond it the chunk is stored whole (a new base)
 MAX_DELTA_FRACTION = 0.5
+# ... or up to this share while at least 3/4 of the delta changed since the previous snapshot
+MAX_LARGE_DELTA_FRACTION = 0.875
 PAGE_HASH_BYTES = 16  # truncated sha256 (SHA-NI makes it the fastest hash here; 128 bits: no accidents)
 _HINT = "the snapshot is corrupted or was crafted; do not restore it"
 
@@ -59,9 +61,22 @@ def changed_pages(base: bytes, new: bytes) -> list[int] | None:
     return [i // n for i in range(0, len(new), n) if base[i : i + n] != new[i : i + n]]
 
 
-def worth_a_delta(changed: int, pages: int) -> bool:
-    """Whether `changed` of `pages` pages go into a delta (else: the whole chunk, as the new base)."""
-    return 0 < changed <= pages * MAX_DELTA_FRACTION
+def worth_a_delta(changed: int, pages: int, fresh: int | None = None) -> bool:
+    """Whether a chunk of `pages` pages of which `changed` differ from its base is stored as a delta
+    (else whole, as the new base). `fresh`: how many of them differ from the chunk's previous version
+    (the last snapshot's; None when unknown, i.e. the previous version was the base).
+
+    Up to MAX_DELTA_FRACTION of the chunk: a delta. Beyond that, still a delta while most of it is new
+    since the last snapshot (sending it costs about what really changed, where the whole chunk would
+    cost up to twice that) and it is not nearly the whole chunk; a delta made mostly of pages that
+    earlier snapshots sent already is not sent again and again: the chunk becomes a new base.
+    """
+    if changed <= 0:
+        return False
+    if changed <= pages * MAX_DELTA_FRACTION:
+        return True
+    new = changed if fresh is None else fresh
+    return changed <= pages * MAX_LARGE_DELTA_FRACTION and new * 4 >= changed * 3
 
 
 def encode_delta(raw: bytes | bytearray | memoryview, indexes: Sequence[int]) -> bytes:

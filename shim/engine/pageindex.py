@@ -3,8 +3,10 @@
 Per scope (one snapshot repository + one container name + the sealing key, or none) one file in the
 agent's state directory lists, for every chunk the last snapshot of that scope stored or reused as a
 base: its layout key (which virtual addresses its pages hold, shim/engine/chunks.py), the base blob's
-digest and size, the sha256 of its compressed plaintext (a sealed chunk's data key follows from it)
-and a short hash of each of its pages (core/pagedelta.py). The next snapshot of the scope compares
+digest and size, the sha256 of its compressed plaintext (a sealed chunk's data key follows from it),
+a short hash of each of its pages (core/pagedelta.py) and, when that snapshot stored the chunk as a
+delta, the page hashes of that version too (what changed since the last snapshot decides whether a
+large delta is worth sending, core/pagedelta.worth_a_delta). The next snapshot of the scope compares
 page hashes and uploads only the pages that changed.
 
 It is a cache and nothing more: a missing, unreadable, corrupt (checksum) or oversized file means full
@@ -28,7 +30,7 @@ from kubectl_snapshot.core.oci import is_digest
 from kubectl_snapshot.core.pagedelta import PAGE_HASH_BYTES
 
 MAGIC = b"KSPIDX1\n"
-MAX_FILE_BYTES = 64 << 20  # page hashes are 1/256 of the memory: enough for a 16 GiB container
+MAX_FILE_BYTES = 128 << 20  # page hashes are 1/256 of the memory (twice for deltas): 16 GiB containers
 MAX_FILES = 256
 _LEN = struct.Struct("<I")
 
@@ -40,6 +42,7 @@ class BaseChunk:
     length: int  # raw bytes of the chunk
     plain_sha256: bytes  # of the compressed chunk before sealing
     hashes: bytes  # PAGE_HASH_BYTES per page
+    last: bytes | None = None  # page hashes of the last snapshot's version, when it was base + a delta
 
 
 def scope_key(registry: str, repository: str, container: str, key_id: str | None) -> str:
@@ -98,24 +101,30 @@ def _read(path: str) -> dict[str, BaseChunk]:
     blob = body[_LEN.size + n :]
     out: dict[str, BaseChunk] = {}
     pos = 0
-    for layout, digest, size, length, plain in meta["entries"]:
+    for layout, digest, size, length, plain, has_last in meta["entries"]:
         count = length // PAGE_SIZE * PAGE_HASH_BYTES
         if not (isinstance(layout, str) and is_digest(digest) and size > 0 and length > 0 and length % PAGE_SIZE == 0):
             raise ValueError("bad page index entry")
         hashes = blob[pos : pos + count]
-        if len(hashes) != count:
+        last = blob[pos + count : pos + 2 * count] if has_last else None
+        pos += 2 * count if has_last else count
+        if pos > len(blob):
             raise ValueError("page index is truncated")
-        out[layout] = BaseChunk(digest, int(size), int(length), bytes.fromhex(plain), hashes)
-        pos += count
+        out[layout] = BaseChunk(digest, int(size), int(length), bytes.fromhex(plain), hashes, last)
     if pos != len(blob):
         raise ValueError("page index has trailing bytes")
     return out
 
 
 def _write(path: str, entries: dict[str, BaseChunk]) -> None:
-    meta = {"entries": [[k, b.digest, b.size, b.length, b.plain_sha256.hex()] for k, b in entries.items()]}
+    meta = {
+        "entries": [
+            [k, b.digest, b.size, b.length, b.plain_sha256.hex(), b.last is not None] for k, b in entries.items()
+        ]
+    }
     head = json.dumps(meta, separators=(",", ":")).encode()
-    body = b"".join([_LEN.pack(len(head)), head, *(b.hashes for b in entries.values())])
+    hashes = [h for b in entries.values() for h in (b.hashes, b.last) if h is not None]
+    body = b"".join([_LEN.pack(len(head)), head, *hashes])
     if len(body) + len(MAGIC) + 32 > MAX_FILE_BYTES:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # too big to keep: the old one would be stale

@@ -23,7 +23,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import BinaryIO, TypeVar
 
 import zstandard
@@ -117,9 +117,10 @@ def push_chunks(
     With `sealer` each compressed chunk is sealed (convergent key: the same content in the same
     namespace gives the same blob, so the registry still has it) and the digest is the ciphertext's.
     With `index` (the node's bases for this repository and container, shim/engine/pageindex.py) every
-    page of a chunk is hashed; a chunk whose base the registry still has and from which at most
-    MAX_DELTA_FRACTION of its pages differ is stored as that base plus a page delta (none at all when
-    no page differs: then nothing is compressed either); the index collects this snapshot's bases.
+    page of a chunk is hashed; a chunk whose base the registry still has and from which few enough of
+    its pages differ (core/pagedelta.worth_a_delta) is stored as that base plus a page delta (none at
+    all when no page differs: then nothing is compressed either); the index collects this snapshot's
+    bases.
     """
     uploaded, stored = _Counter(), _Counter()
     fds = {p.name: os.open(p.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) for p in plans}
@@ -136,8 +137,12 @@ def push_chunks(
 
     def as_delta(raw: bytes, offset: int, base: BaseChunk, hashes: bytes) -> Chunk | None:
         changed = changed_pages(base.hashes, hashes)
-        if changed is None or (changed and not worth_a_delta(len(changed), len(raw) // PAGE_SIZE)):
+        if changed is None:
             return None
+        if changed:
+            fresh = None if base.last is None else len(changed_pages(base.last, hashes) or changed)
+            if not worth_a_delta(len(changed), len(raw) // PAGE_SIZE, fresh):
+                return None
         if not registry.blob_exists(ref, base.digest):
             return None  # retention or GC removed it: store the chunk whole
         if sealer is not None:
@@ -161,8 +166,8 @@ def push_chunks(
             base = index.get(layout) if index is not None and hashes is not None else None
             if index is not None and hashes is not None and base is not None and base.length == length:
                 chunk = as_delta(raw, offset, base, hashes)
-                if chunk is not None:
-                    index.put(layout, base)  # still the base: deltas never chain
+                if chunk is not None:  # still the base (deltas never chain); remember this version too
+                    index.put(layout, replace(base, last=hashes if chunk.delta is not None else None))
                     if on_raw is not None:
                         on_raw(length)
                     return chunk

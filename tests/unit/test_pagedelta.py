@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +73,11 @@ def test_page_hashes_compare_page_by_page() -> None:
 def test_a_delta_is_worth_it_only_for_a_part_of_the_chunk() -> None:
     assert not worth_a_delta(0, 100)
     assert worth_a_delta(1, 100) and worth_a_delta(50, 100)
-    assert not worth_a_delta(51, 100)
+    # more than half: a delta only while it is mostly new since the last snapshot, and not nearly all
+    assert worth_a_delta(80, 100) and worth_a_delta(80, 100, fresh=60)
+    assert not worth_a_delta(80, 100, fresh=59)  # mostly pages sent before: a new base instead
+    assert not worth_a_delta(88, 100) and worth_a_delta(87, 100)
+    assert not worth_a_delta(100, 100, fresh=100)
 
 
 def _delta(indexes: list[int], count: int | None = None, magic: bytes = MAGIC) -> bytes:
@@ -190,7 +195,7 @@ def base(length_pages: int = 4, digest: str = D[3]) -> BaseChunk:
 def test_the_page_index_keeps_this_snapshots_bases_only(tmp_path: Path) -> None:
     idx = PageIndex.load(str(tmp_path), "scope")
     assert len(idx) == 0 and idx.get("a") is None
-    a, b = base(), base(8, D[4])
+    a, b = base(), replace(base(8, D[4]), last=os.urandom(8 * PAGE_HASH_BYTES))  # b: last stored as a delta
     idx.put("a", a)
     idx.put("b", b)
     idx.save()
