@@ -61,14 +61,23 @@ class Span:
 
 @dataclass(frozen=True)
 class Delta:
-    """Format v4: the blob holding the `pages` pages of a chunk that differ from its base chunk."""
+    """Format v4: the blob that rebuilds a chunk from its base: `copies` runs of base pages and `pages`
+    literal pages (core/pagedelta.py); the base chunk is `base_length` bytes before compression."""
 
     digest: str
     size: int
     pages: int
+    copies: int
+    base_length: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"digest": self.digest, "size": self.size, "pages": self.pages}
+        return {
+            "digest": self.digest,
+            "size": self.size,
+            "pages": self.pages,
+            "copies": self.copies,
+            "baseLength": self.base_length,
+        }
 
 
 @dataclass(frozen=True)
@@ -131,10 +140,11 @@ def _chunk(d: Any, where: str) -> Chunk:
     if not isinstance(digest, str) or not is_digest(digest):
         raise _bad(f"{where} has an invalid digest {digest!r}")
     # a zstd frame of `length` bytes is never much larger than length; bound what a restore downloads
-    if not _is_int(size) or not 0 < size <= blob_size_limit(length):
-        raise _bad(f"{where} has an invalid blob size {size!r}")
     raw_delta = d.get("delta")
     delta = None if raw_delta is None else _delta(raw_delta, length, f"{where} delta")
+    base_length = length if delta is None else delta.base_length  # what the blob named by digest holds
+    if not _is_int(size) or not 0 < size <= blob_size_limit(base_length):
+        raise _bad(f"{where} has an invalid blob size {size!r}")
     return Chunk(offset, length, digest, size, delta)
 
 
@@ -144,27 +154,33 @@ def blob_size_limit(raw_length: int) -> int:
     return raw_length + (raw_length >> 7) + 4096
 
 
-DELTA_HEADER_BYTES = 12  # core/pagedelta.py: magic (8) + page count (u32)
+DELTA_HEADER_BYTES = 20  # core/pagedelta.py: magic (8), chunk pages, copies, literal pages (u32 each)
 
 
-def delta_raw_length(pages: int) -> int:
-    """Bytes of a page delta of `pages` pages before compression (core/pagedelta.py)."""
-    return DELTA_HEADER_BYTES + pages * (4 + PAGE_SIZE)
+def delta_raw_length(pages: int, copies: int) -> int:
+    """Bytes of a page delta of `pages` literal pages and `copies` copy runs before compression."""
+    return DELTA_HEADER_BYTES + copies * 12 + pages * (4 + PAGE_SIZE)
 
 
 def _delta(d: Any, length: int, where: str) -> Delta:
     if not isinstance(d, dict):
         raise _bad(f"{where} is not an object")
     digest, size, pages = d.get("digest"), d.get("size"), d.get("pages")
+    copies, base_length = d.get("copies"), d.get("baseLength")
     if length % PAGE_SIZE:
         raise _bad(f"{where}: a chunk of {length} bytes (not whole pages) cannot have a page delta")
-    if not _is_int(pages) or not 0 < pages <= length // PAGE_SIZE:
-        raise _bad(f"{where} has an invalid page count {pages!r} (1..{length // PAGE_SIZE})")
+    out_pages = length // PAGE_SIZE
+    if not _is_int(pages) or not 0 <= pages <= out_pages:
+        raise _bad(f"{where} has an invalid page count {pages!r} (0..{out_pages})")
+    if not _is_int(copies) or not 0 <= copies <= out_pages - pages or copies + pages == 0:
+        raise _bad(f"{where} has an invalid copy count {copies!r} (0..{out_pages - pages}, with the pages at least 1)")
+    if not _is_int(base_length) or not 0 < base_length <= MAX_CHUNK_BYTES or base_length % PAGE_SIZE:
+        raise _bad(f"{where} has an invalid base length {base_length!r} (whole pages, at most {MAX_CHUNK_BYTES})")
     if not isinstance(digest, str) or not is_digest(digest):
         raise _bad(f"{where} has an invalid digest {digest!r}")
-    if not _is_int(size) or not 0 < size <= blob_size_limit(delta_raw_length(pages)):
+    if not _is_int(size) or not 0 < size <= blob_size_limit(delta_raw_length(pages, copies)):
         raise _bad(f"{where} has an invalid blob size {size!r}")
-    return Delta(digest, size, pages)
+    return Delta(digest, size, pages, copies, base_length)
 
 
 def check_tiling(pf: PagesFile, where: str = "page file") -> None:

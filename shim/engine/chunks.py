@@ -40,11 +40,13 @@ class PagesPlan:
     path: str
     size: int
     spans: tuple[Span, ...]
-    # per span: a key naming which virtual addresses its pages hold ("" when unknown: no page delta)
-    layouts: tuple[str, ...] = ()
+    # per span: which virtual addresses its pages hold (core/chunks.span_layouts; empty when unknown:
+    # no page delta) and a key naming its address window (the same range in the next dump)
+    layouts: tuple[bytes, ...] = ()
+    keys: tuple[str, ...] = ()
 
-    def layout(self, i: int) -> str:
-        return self.layouts[i] if i < len(self.layouts) else ""
+    def layout(self, i: int) -> tuple[str, bytes]:
+        return (self.keys[i], self.layouts[i]) if i < len(self.layouts) and self.layouts[i] else ("", b"")
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -111,6 +113,13 @@ def read_pagemap(path: str) -> tuple[int, list[PagemapRun]]:
     return entries[0][1], runs
 
 
+def window_key(name: str, span: int, layout: bytes) -> str:
+    """Names a chunk by its page file and the span-aligned address window of its first page: the
+    chunk of the same range in the next dump has the same key even if pages came or went."""
+    first = struct.unpack_from("<Q", layout, 0)[0] if len(layout) >= 8 else 0
+    return hashlib.sha256(f"{name}\0{span}\0{first // span}".encode()).hexdigest()[:32]
+
+
 def plan_checkpoint(checkpoint_dir: str, *, span: int | None = None) -> list[PagesPlan]:
     """Chunk plans for every page file of the dump that is worth chunking, in name order."""
     pages: dict[int, tuple[str, int]] = {}
@@ -140,6 +149,6 @@ def plan_checkpoint(checkpoint_dir: str, *, span: int | None = None) -> list[Pag
         pm_runs = runs.get(pages_id) or []
         spans = plan_chunks(pm_runs, size, chosen)
         layouts = span_layouts(pm_runs, size, spans) or []
-        keys = tuple(hashlib.sha256(name.encode() + b"\0" + lay).hexdigest()[:32] for lay in layouts)
-        plans.append(PagesPlan(name, os.path.join(checkpoint_dir, name), size, tuple(spans), keys))
+        keys = tuple(window_key(name, chosen, lay) for lay in layouts)
+        plans.append(PagesPlan(name, os.path.join(checkpoint_dir, name), size, tuple(spans), tuple(layouts), keys))
     return plans

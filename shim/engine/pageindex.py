@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from kubectl_snapshot.core.chunks import PAGE_SIZE
 from kubectl_snapshot.core.oci import is_digest
-from kubectl_snapshot.core.pagedelta import PAGE_HASH_BYTES
 
 MAGIC = b"KSPIDX1\n"
 MAX_FILE_BYTES = 128 << 20  # page hashes are 1/256 of the memory (twice for deltas): 16 GiB containers
@@ -42,7 +41,9 @@ class BaseChunk:
     length: int  # raw bytes of the chunk
     plain_sha256: bytes  # of the compressed chunk before sealing
     hashes: bytes  # PAGE_HASH_BYTES per page
-    last: bytes | None = None  # page hashes of the last snapshot's version, when it was base + a delta
+    layout: bytes  # which virtual addresses its pages hold (core/chunks.span_layouts)
+    # the last snapshot's version of the chunk (layout, page hashes) when it was base + a delta
+    last: tuple[bytes, bytes] | None = None
 
 
 def scope_key(registry: str, repository: str, container: str, key_id: str | None) -> str:
@@ -101,30 +102,33 @@ def _read(path: str) -> dict[str, BaseChunk]:
     blob = body[_LEN.size + n :]
     out: dict[str, BaseChunk] = {}
     pos = 0
-    for layout, digest, size, length, plain, has_last in meta["entries"]:
-        count = length // PAGE_SIZE * PAGE_HASH_BYTES
-        if not (isinstance(layout, str) and is_digest(digest) and size > 0 and length > 0 and length % PAGE_SIZE == 0):
+    for key, digest, size, length, plain, sizes in meta["entries"]:
+        if not (isinstance(key, str) and is_digest(digest) and size > 0 and length > 0 and length % PAGE_SIZE == 0):
             raise ValueError("bad page index entry")
-        hashes = blob[pos : pos + count]
-        last = blob[pos + count : pos + 2 * count] if has_last else None
-        pos += 2 * count if has_last else count
+        if len(sizes) not in (2, 4) or any(not isinstance(n, int) or n < 0 for n in sizes):
+            raise ValueError("bad page index entry")
+        parts = []
+        for n in sizes:
+            parts.append(blob[pos : pos + n])
+            pos += n
         if pos > len(blob):
             raise ValueError("page index is truncated")
-        out[layout] = BaseChunk(digest, int(size), int(length), bytes.fromhex(plain), hashes, last)
+        last = (parts[2], parts[3]) if len(parts) == 4 else None
+        out[key] = BaseChunk(digest, int(size), int(length), bytes.fromhex(plain), parts[1], parts[0], last)
     if pos != len(blob):
         raise ValueError("page index has trailing bytes")
     return out
 
 
 def _write(path: str, entries: dict[str, BaseChunk]) -> None:
-    meta = {
-        "entries": [
-            [k, b.digest, b.size, b.length, b.plain_sha256.hex(), b.last is not None] for k, b in entries.items()
-        ]
-    }
-    head = json.dumps(meta, separators=(",", ":")).encode()
-    hashes = [h for b in entries.values() for h in (b.hashes, b.last) if h is not None]
-    body = b"".join([_LEN.pack(len(head)), head, *hashes])
+    parts: list[bytes] = []
+    entries_meta = []
+    for k, b in entries.items():
+        mine = [b.layout, b.hashes, *(b.last or ())]
+        parts.extend(mine)
+        entries_meta.append([k, b.digest, b.size, b.length, b.plain_sha256.hex(), [len(p) for p in mine]])
+    head = json.dumps({"entries": entries_meta}, separators=(",", ":")).encode()
+    body = b"".join([_LEN.pack(len(head)), head, *parts])
     if len(body) + len(MAGIC) + 32 > MAX_FILE_BYTES:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # too big to keep: the old one would be stale

@@ -30,7 +30,7 @@ import zstandard
 
 from kubectl_snapshot.core.chunks import PAGE_SIZE, Chunk, Delta, PagesFile, delta_raw_length
 from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
-from kubectl_snapshot.core.pagedelta import apply_delta, changed_pages, encode_delta, page_hashes, worth_a_delta
+from kubectl_snapshot.core.pagedelta import apply_delta, encode_delta, page_hashes, plan_delta, worth_a_delta
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener, Sealer
 from shim.archive import tar_directory
@@ -135,39 +135,43 @@ def push_chunks(
             uploaded.add(len(blob))
         stored.add(len(blob))
 
-    def as_delta(raw: bytes, offset: int, base: BaseChunk, hashes: bytes) -> Chunk | None:
-        changed = changed_pages(base.hashes, hashes)
-        if changed is None:
+    def as_delta(raw: bytes, offset: int, base: BaseChunk, layout: bytes, hashes: bytes) -> Chunk | None:
+        plan = plan_delta(base.layout, base.hashes, layout, hashes)
+        if plan is None:
             return None
-        if changed:
-            fresh = None if base.last is None else len(changed_pages(base.last, hashes) or changed)
-            if not worth_a_delta(len(changed), len(raw) // PAGE_SIZE, fresh):
+        if not plan.identical:
+            fresh = None
+            if base.last is not None:
+                since_last = plan_delta(*base.last, layout, hashes)
+                fresh = None if since_last is None else len(since_last.literals)
+            if not worth_a_delta(len(plan.literals), plan.pages, fresh):
                 return None
         if not registry.blob_exists(ref, base.digest):
             return None  # retention or GC removed it: store the chunk whole
         if sealer is not None:
             sealer.record_chunk(base.digest, base.plain_sha256)
         stored.add(base.size)
-        if not changed:
+        if plan.identical:
             return Chunk(offset, len(raw), base.digest, base.size)
-        packed = _compressor().compress(encode_delta(raw, changed))
+        packed = _compressor().compress(encode_delta(raw, plan))
         blob, digest = seal(packed, hashlib.sha256(packed).digest())
         send(blob, digest)
-        return Chunk(offset, len(raw), base.digest, base.size, Delta(digest, len(blob), len(changed)))
+        delta = Delta(digest, len(blob), len(plan.literals), len(plan.copies), base.length)
+        return Chunk(offset, len(raw), base.digest, base.size, delta)
 
     try:
 
-        def one(job: tuple[str, int, int, str]) -> Chunk:
-            name, offset, length, layout = job
+        def one(job: tuple[str, int, int, tuple[str, bytes]]) -> Chunk:
+            name, offset, length, (key, layout) = job
             raw = os.pread(fds[name], length, offset)
             if len(raw) != length:
                 raise OSError(f"{name} shrank while it was being packaged")
-            hashes = page_hashes(raw) if index is not None and layout and length % PAGE_SIZE == 0 else None
-            base = index.get(layout) if index is not None and hashes is not None else None
-            if index is not None and hashes is not None and base is not None and base.length == length:
-                chunk = as_delta(raw, offset, base, hashes)
+            hashes = page_hashes(raw) if index is not None and key and length % PAGE_SIZE == 0 else None
+            base = index.get(key) if index is not None and hashes is not None else None
+            if index is not None and hashes is not None and base is not None:
+                chunk = as_delta(raw, offset, base, layout, hashes)
                 if chunk is not None:  # still the base (deltas never chain); remember this version too
-                    index.put(layout, replace(base, last=hashes if chunk.delta is not None else None))
+                    index.put(key, replace(base, last=(layout, hashes) if chunk.delta is not None else None))
                     if on_raw is not None:
                         on_raw(length)
                     return chunk
@@ -176,13 +180,13 @@ def push_chunks(
             blob, digest = seal(packed, plain_sha256)
             send(blob, digest)
             if index is not None and hashes is not None:
-                index.put(layout, BaseChunk(digest, len(blob), length, plain_sha256, hashes))
+                index.put(key, BaseChunk(digest, len(blob), length, plain_sha256, hashes, layout))
             if on_raw is not None:
                 on_raw(length)
             return Chunk(offset, length, digest, len(blob))
 
         jobs = [(p.name, s.offset, s.length, p.layout(i)) for p in plans for i, s in enumerate(p.spans)]
-        n = workers or workers_for(max((length for _, _, length, _ in jobs), default=0))
+        n = workers or workers_for(max((job[2] for job in jobs), default=0))
         results = run_parallel(one, jobs, workers=n, name="chunk-push")
     finally:
         for fd in fds.values():
@@ -317,12 +321,12 @@ def fetch_chunks(
 
         def one(job: tuple[str, Chunk]) -> None:
             name, c = job
-            raw: bytes | bytearray = blob_bytes(c.digest, c.size, c.length, f"chunk of {name}")
-            if c.delta is not None:
-                d = c.delta
-                delta = blob_bytes(d.digest, d.size, delta_raw_length(d.pages), f"page delta of {name}")
-                raw = bytearray(raw)
-                apply_delta(raw, delta, pages=d.pages, where=f"page delta {d.digest} of {name} (offset {c.offset})")
+            d = c.delta
+            raw: bytes | bytearray = blob_bytes(c.digest, c.size, d.base_length if d else c.length, f"chunk of {name}")
+            if d is not None:
+                delta = blob_bytes(d.digest, d.size, delta_raw_length(d.pages, d.copies), f"page delta of {name}")
+                where = f"page delta {d.digest} of {name} (offset {c.offset})"
+                raw = apply_delta(raw, delta, length=c.length, literals=d.pages, copies=d.copies, where=where)
             view = memoryview(raw)
             pos = c.offset
             while view:

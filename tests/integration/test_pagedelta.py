@@ -27,7 +27,7 @@ from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import LocalNamespaceKey, Opener, Sealer
 from shim.containerd.client import ContainerdClient
-from shim.engine.chunks import PagesPlan
+from shim.engine.chunks import PagesPlan, window_key
 from shim.engine.pageindex import PageIndex
 from shim.engine.stream import PushedChunks, fetch_chunks, push_chunks
 from tests.integration.test_agent_roundtrip import agent, cleanup, client, on, restore_on, unique, wait_for
@@ -163,7 +163,8 @@ def _plan(path: Path, runs: list[PagemapRun]) -> PagesPlan:
     spans = plan_chunks(runs, size, 1 << 20)
     layouts = span_layouts(runs, size, spans)
     assert layouts is not None
-    return PagesPlan(path.name, str(path), size, tuple(spans), tuple(lay.hex()[:32] for lay in layouts))
+    keys = tuple(window_key(path.name, 1 << 20, lay) for lay in layouts)
+    return PagesPlan(path.name, str(path), size, tuple(spans), tuple(layouts), keys)
 
 
 def test_sealed_deltas_round_trip_through_the_registry_and_a_lost_base_means_a_full_chunk(  # type: ignore[no-untyped-def]
@@ -206,7 +207,12 @@ def test_sealed_deltas_round_trip_through_the_registry_and_a_lost_base_means_a_f
     (src / "pages-1.img").write_bytes(data)
     sealer, second = save()
     c0, c1, c2, c3 = second.files[0].chunks
-    assert c0.delta is not None and c0.delta.pages == 3 and c0.digest == first.files[0].chunks[0].digest
+    assert (
+        c0.delta is not None
+        and c0.delta.pages == 3
+        and c0.delta.copies == 3
+        and c0.digest == first.files[0].chunks[0].digest
+    )
     assert c1.delta is None and c1.digest != first.files[0].chunks[1].digest
     assert (c2.digest, c3.digest) == (first.files[0].chunks[2].digest, first.files[0].chunks[3].digest)
     assert c2.delta is None and c3.delta is None
