@@ -56,6 +56,8 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         "incr_1pct_vs_changed": _r(ag.get("incr_1pct_uploaded"), ag.get("incr_1pct_changed_packed")),
         "incr_5pct_vs_changed": _r(ag.get("incr_5pct_uploaded"), ag.get("incr_5pct_changed_packed")),
         "page_hash_vs_pack_cpu": _r(ag.get("page_hash_cpu_s"), ag.get("chunk_pack_cpu_s")),
+        "pushed_vs_no_deltas": _r(ag.get("pushed_s"), ag.get("pushed_no_deltas_s")),
+        "pushed_internal_vs_no_deltas": _r(ag.get("pushed_internal_s"), ag.get("pushed_internal_no_deltas_s")),
     }
     pv, cv = d["pushed_vs_podman_export"], d["pushed_vs_ctr_checkpoint_push"]
     d["pushed_goal_met"] = None if d["pushed_vs_serial_bound"] is None else (
@@ -112,7 +114,8 @@ def _size(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict[
         f"{ag.get('incr_5pct_changed_packed', 0) / 2**20:.2f} MiB changed "
         f"({ag.get('incr_5pct_changed_bytes', 0) / 2**20:.1f} MiB raw)",
         _verdict(d["incr_goal_met"]),
-        _fmt(d["page_hash_vs_pack_cpu"]),
+        f"{_fmt(d['page_hash_vs_pack_cpu'])}; full save {_fmt(d['pushed_vs_no_deltas'])} "
+        f"(in-agent {_fmt(d['pushed_internal_vs_no_deltas'])}) of one without",
         " / ".join(_ms(raw.get(k)) for k in ("dump_s", "zstd_s", "sha_s", "upload_s")),
     ]
 
@@ -146,7 +149,7 @@ def markdown(result: dict[str, Any]) -> str:
     size_header = ["size vs RSS", "size vs zstd -1 of raw images", "goal <=1.05x",
                    "2nd snapshot after 1% changed: vs 1st; vs changed pages",
                    "after 5% more changed: vs 1st; vs changed pages", "goal <=10% and <=1.5x changed",
-                   "page hashing CPU vs chunk zstd+sha256",
+                   "page hashing: CPU vs chunk zstd+sha256; full save vs without page deltas",
                    "serial bound parts (dump / zstd / sha256 / upload)"]  # fmt: skip
     lines += ["", *_table(result, size_header, _size)]
     lines += [

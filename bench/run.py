@@ -17,7 +17,9 @@ object heap; bench/workload.py) it measures, as medians of --runs runs after one
 * snapshot size vs RSS and vs ``zstd -1`` of the raw CRIU images;
 * bytes uploaded by a second snapshot after 1% and 5% of the memory changed, vs the first's, and vs
   the pages that really changed between the two dumps, compressed like chunks (bench/pagediff.py);
-  with the CPU that hashing every page (page deltas) costs vs compressing + hashing the same bytes.
+  with the CPU that hashing every page (page deltas) costs vs compressing + hashing the same bytes,
+  and a full save's checkpoint -> pushed with page deltas vs without (KUBECTL_SNAPSHOT_PAGE_DELTAS=0,
+  alternated with the measured runs).
 
 Writes RESULTS.md and results.json (machine facts included) under --out. Needs root, the node deps
 (hack/install-node-deps.sh) and, for the peers, hack/install-bench-deps.sh (podman). Network: the
@@ -48,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench import pagediff, report
 from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.reference import Reference
 from tests.support.containerd import ContainerdDaemon, node_criu_config
 from tests.support.images import python_image, python_tarball
@@ -213,9 +216,13 @@ def container(daemon: ContainerdDaemon, mib: int, kind: str, ctl_dir: Path | Non
             shutil.rmtree(ctl, ignore_errors=True)
 
 
-def agent_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[float, dict[str, Any]]:
+def agent_checkpoint(
+    daemon: ContainerdDaemon, ref: str, cid: str, *, page_deltas: bool = True
+) -> tuple[float, dict[str, Any]]:
     t = time.monotonic()
-    proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--to", ref, cid])
+    env = {**os.environ, C.ENV_PAGE_DELTAS: "1" if page_deltas else "0"}
+    proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--to", ref, cid],
+              env=env)  # fmt: skip
     return time.monotonic() - t, json.loads(proc.stdout)
 
 
@@ -259,6 +266,7 @@ def incremental(daemon: ContainerdDaemon, registry: RegistryServer, cid: str, ct
 def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, kind: str, runs: int) -> dict[str, Any]:
     os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
+    pushed_plain, internal_plain = [], []  # full saves without page hashing (no page deltas), alternated
     restores_internal: list[float] = []
     out: dict[str, Any] = {}
     with container(daemon, mib, kind) as (cid, ctl):
@@ -272,6 +280,12 @@ def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, 
                 internal.append(res["timingsMs"]["total_ms"] / 1000)
                 sizes.append(res["size"])
                 out["timings_ms_last"] = res["timingsMs"]
+            wall, res = agent_checkpoint(
+                daemon, f"{registry.host}/agent-{uuid.uuid4().hex[:8]}:v1", cid, page_deltas=False
+            )
+            if i:
+                pushed_plain.append(wall)
+                internal_plain.append(res["timingsMs"]["total_ms"] / 1000)
         for i in range(runs + 1):
             new = f"r-{uuid.uuid4().hex[:8]}"
             t = time.monotonic()
@@ -299,6 +313,8 @@ def measure_agent(daemon: ContainerdDaemon, registry: RegistryServer, mib: int, 
         runc_checkpoint_s=med(runc_dumps),
         pushed_s=med(pushed),
         pushed_internal_s=med(internal),
+        pushed_no_deltas_s=med(pushed_plain),
+        pushed_internal_no_deltas_s=med(internal_plain),
         size_bytes=med(sizes),
         restore_s=med(restores),
         restore_internal_s=med(restores_internal),

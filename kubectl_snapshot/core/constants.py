@@ -93,3 +93,5 @@ WRAPPER_BINARY_NAME: Final = "ks-runc"
 DEFAULT_STATE_DIR: Final = "/var/lib/kubectl-snapshot"
 STAGING_SUBDIR: Final = "staged"
 ENV_STATE_DIR: Final = "KUBECTL_SNAPSHOT_STATE_DIR"
+# "0": store every changed chunk whole (no page deltas, no page hashing; bench/run.py compares both)
+ENV_PAGE_DELTAS: Final = "KUBECTL_SNAPSHOT_PAGE_DELTAS"

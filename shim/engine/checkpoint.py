@@ -324,7 +324,7 @@ def _package_and_push(
         stats = _stats(cdir)
         _write_metadata(cdir, cid, name, info, req)
         index = None
-        if paths is not None:
+        if paths is not None and os.environ.get(C.ENV_PAGE_DELTAS, "1") != "0":
             key_id = sealer.key.key_id if sealer is not None else None
             scope = scope_key(req.target.registry, req.target.repository, name, key_id)
             index = PageIndex.load(paths.page_index(), scope)
