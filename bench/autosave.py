@@ -241,7 +241,7 @@ def measure_steady(
                 s["sent_chunks"] = R.chunk_breakdown(chunks, seen, {where[k] for k in changed})
             s["chunks_total"] = len(chunks)
             s["chunk_raw_max"] = max((int(c["length"]) for c in chunks), default=0)
-            seen |= {str(c["digest"]) for c in chunks}
+            seen |= R.blob_digests(chunks)
             s["dumped_pages"] = len(hashes)
             s["changed_bytes"] = None if changed is None else len(changed) * R.PAGE
             s["written_bytes"] = written
