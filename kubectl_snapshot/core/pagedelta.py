@@ -111,10 +111,11 @@ def worth_a_delta(changed: int, pages: int, fresh: int | None = None) -> bool:
     Up to MAX_DELTA_FRACTION of the chunk: a delta. Beyond that, still a delta while most of it is new
     since the last snapshot (sending it costs about what really changed, where the whole chunk would
     cost up to twice that) and it is not nearly the whole chunk; a delta made mostly of pages that
-    earlier snapshots sent already is not sent again and again: the chunk becomes a new base.
+    earlier snapshots sent already is not sent again and again: the chunk becomes a new base (unless
+    nothing changed since: then it is the last snapshot's delta, which costs nothing to name again).
     """
-    if changed <= pages * MAX_DELTA_FRACTION:
-        return True
+    if changed <= pages * MAX_DELTA_FRACTION or fresh == 0:
+        return True  # fresh == 0: the very delta the last snapshot stored (the registry has it: free)
     new = changed if fresh is None else fresh
     return changed <= pages * MAX_LARGE_DELTA_FRACTION and new * 4 >= changed * 3
 

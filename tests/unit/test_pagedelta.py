@@ -96,6 +96,7 @@ def test_a_delta_is_worth_it_only_for_a_part_of_the_chunk() -> None:
     # more than half: a delta only while it is mostly new since the last snapshot, and not nearly all
     assert worth_a_delta(80, 100) and worth_a_delta(80, 100, fresh=60)
     assert not worth_a_delta(80, 100, fresh=59)  # mostly pages sent before: a new base instead
+    assert worth_a_delta(80, 100, fresh=0)  # ... unless it is the last snapshot's delta, already stored
     assert not worth_a_delta(88, 100) and worth_a_delta(87, 100)
     assert not worth_a_delta(100, 100, fresh=100)
 
