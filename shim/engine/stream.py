@@ -337,10 +337,19 @@ def fetch_chunks(
             if on_bytes is not None:
                 on_bytes(got)
 
-        n = workers or workers_for(max((c.length for f in files for c in f.chunks), default=0))
+        # a chunk with a page delta holds its base, its delta and the rebuilt chunk at once
+        n = workers or workers_for(max((_fetch_bytes(c) for f in files for c in f.chunks), default=0))
         run_parallel(one, [(f.name, c) for f in files for c in f.chunks], workers=n, name="chunk-fetch")
     finally:
         for fd in fds.values():
             os.close(fd)
         os.close(dfd)
     return total.value
+
+
+def _fetch_bytes(c: Chunk) -> int:
+    """The chunk size one chunk's restore stands for in workers_for (which counts it twice: raw and
+    compressed): with a delta, its base, the delta and the rebuilt chunk (a little more than needed)."""
+    if c.delta is None:
+        return c.length
+    return c.length + c.delta.base_length + delta_raw_length(c.delta.pages, c.delta.copies)
