@@ -41,6 +41,7 @@ _COPY = struct.Struct("<III")
 MAX_DELTA_FRACTION = 0.5
 # ... or up to this share while at least 3/4 of the delta changed since the previous snapshot
 MAX_LARGE_DELTA_FRACTION = 0.875
+_PIECE = 2047  # below CPython's HASHLIB_GIL_MINSIZE (2048): see page_hashes
 PAGE_HASH_BYTES = 16  # truncated sha256 (SHA-NI makes it the fastest hash here; 128 bits: no accidents)
 _HINT = "the snapshot is corrupted or was crafted; do not restore it"
 
@@ -65,9 +66,16 @@ def page_hashes(raw: bytes | bytearray | memoryview) -> bytes:
         raise ValueError("page hashes need whole pages")
     out = bytearray()
     sha = hashlib.sha256
+    # Each page is fed in pieces under hashlib's GIL-release threshold (2048 bytes): hashing a 4 KiB
+    # page in one call releases and retakes the GIL per page, and with the packaging's other threads
+    # that churn cost more wall time than the hashing itself (measured: a full 512 MiB save 1.14-1.20x
+    # slower). Same digest, the GIL held for the ~4 us a page takes.
     with memoryview(raw) as view:
         for i in range(0, len(view), PAGE_SIZE):
-            out += sha(view[i : i + PAGE_SIZE]).digest()[:PAGE_HASH_BYTES]
+            h = sha(view[i : i + _PIECE])
+            h.update(view[i + _PIECE : i + 2 * _PIECE])
+            h.update(view[i + 2 * _PIECE : i + PAGE_SIZE])
+            out += h.digest()[:PAGE_HASH_BYTES]
     return bytes(out)
 
 

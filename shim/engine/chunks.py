@@ -41,12 +41,13 @@ class PagesPlan:
     size: int
     spans: tuple[Span, ...]
     # per span: which virtual addresses its pages hold (core/chunks.span_layouts; empty when unknown:
-    # no page delta) and a key naming its address window (the same range in the next dump)
+    # no page delta) and keys naming the address windows it covers, the first page's first (where the
+    # same range is found in the next dump, even if a small piece was merged in before it)
     layouts: tuple[bytes, ...] = ()
-    keys: tuple[str, ...] = ()
+    keys: tuple[tuple[str, ...], ...] = ()
 
-    def layout(self, i: int) -> tuple[str, bytes]:
-        return (self.keys[i], self.layouts[i]) if i < len(self.layouts) and self.layouts[i] else ("", b"")
+    def layout(self, i: int) -> tuple[tuple[str, ...], bytes]:
+        return (self.keys[i], self.layouts[i]) if i < len(self.layouts) and self.layouts[i] else ((), b"")
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -113,11 +114,23 @@ def read_pagemap(path: str) -> tuple[int, list[PagemapRun]]:
     return entries[0][1], runs
 
 
-def window_key(name: str, span: int, layout: bytes) -> str:
-    """Names a chunk by its page file and the span-aligned address window of its first page: the
-    chunk of the same range in the next dump has the same key even if pages came or went."""
-    first = struct.unpack_from("<Q", layout, 0)[0] if len(layout) >= 8 else 0
-    return hashlib.sha256(f"{name}\0{span}\0{first // span}".encode()).hexdigest()[:32]
+MAX_WINDOW_KEYS = 8
+
+
+def window_keys(name: str, span: int, layout: bytes) -> tuple[str, ...]:
+    """Names a chunk by its page file and the span-aligned address windows its pages cover (the first
+    page's window first, at most MAX_WINDOW_KEYS): the chunk of the same range in the next dump shares
+    one of them even if pages came or went or small pieces were merged differently."""
+    windows: dict[int, None] = {}
+    for k in range(0, len(layout) - 15, 16):
+        vaddr, n = struct.unpack_from("<QQ", layout, k)
+        for w in range(vaddr // span, (vaddr + n - 1) // span + 1):
+            windows.setdefault(w, None)
+            if len(windows) >= MAX_WINDOW_KEYS:
+                break
+        if len(windows) >= MAX_WINDOW_KEYS:
+            break
+    return tuple(hashlib.sha256(f"{name}\0{span}\0{w}".encode()).hexdigest()[:32] for w in windows)
 
 
 def plan_checkpoint(checkpoint_dir: str, *, span: int | None = None) -> list[PagesPlan]:
@@ -149,6 +162,6 @@ def plan_checkpoint(checkpoint_dir: str, *, span: int | None = None) -> list[Pag
         pm_runs = runs.get(pages_id) or []
         spans = plan_chunks(pm_runs, size, chosen)
         layouts = span_layouts(pm_runs, size, spans) or []
-        keys = tuple(window_key(name, chosen, lay) for lay in layouts)
+        keys = tuple(window_keys(name, chosen, lay) for lay in layouts)
         plans.append(PagesPlan(name, os.path.join(checkpoint_dir, name), size, tuple(spans), tuple(layouts), keys))
     return plans

@@ -161,20 +161,23 @@ def push_chunks(
 
     try:
 
-        def one(job: tuple[str, int, int, tuple[str, bytes]]) -> Chunk:
-            name, offset, length, (key, layout) = job
+        def one(job: tuple[str, int, int, tuple[tuple[str, ...], bytes]]) -> Chunk:
+            name, offset, length, (keys, layout) = job
             raw = os.pread(fds[name], length, offset)
             if len(raw) != length:
                 raise OSError(f"{name} shrank while it was being packaged")
-            hashes = page_hashes(raw) if index is not None and key and length % PAGE_SIZE == 0 else None
-            base = index.get(key) if index is not None and hashes is not None else None
-            if index is not None and hashes is not None and base is not None:
-                chunk = as_delta(raw, offset, base, layout, hashes)
-                if chunk is not None:  # still the base (deltas never chain); remember this version too
-                    index.put(key, replace(base, last=(layout, hashes) if chunk.delta is not None else None))
-                    if on_raw is not None:
-                        on_raw(length)
-                    return chunk
+            hashes = page_hashes(raw) if index is not None and keys and length % PAGE_SIZE == 0 else None
+            key = keys[0] if keys else ""
+            if index is not None and hashes is not None:
+                # the base of the same address range: found by the first page's window, or another
+                # window the chunk covers (its first pages may be new, or pieces merged differently)
+                for base in filter(None, map(index.get, keys)):
+                    chunk = as_delta(raw, offset, base, layout, hashes)
+                    if chunk is not None:  # still the base (deltas never chain); remember this version too
+                        index.put(key, replace(base, last=(layout, hashes) if chunk.delta is not None else None))
+                        if on_raw is not None:
+                            on_raw(length)
+                        return chunk
             packed = _compressor().compress(raw)
             plain_sha256 = hashlib.sha256(packed).digest()
             blob, digest = seal(packed, plain_sha256)

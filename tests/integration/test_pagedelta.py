@@ -27,7 +27,7 @@ from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import LocalNamespaceKey, Opener, Sealer
 from shim.containerd.client import ContainerdClient
-from shim.engine.chunks import PagesPlan, window_key
+from shim.engine.chunks import PagesPlan, window_keys
 from shim.engine.pageindex import PageIndex
 from shim.engine.stream import PushedChunks, fetch_chunks, push_chunks
 from tests.integration.test_agent_roundtrip import agent, cleanup, client, on, restore_on, unique, wait_for
@@ -163,7 +163,7 @@ def _plan(path: Path, runs: list[PagemapRun]) -> PagesPlan:
     spans = plan_chunks(runs, size, 1 << 20)
     layouts = span_layouts(runs, size, spans)
     assert layouts is not None
-    keys = tuple(window_key(path.name, 1 << 20, lay) for lay in layouts)
+    keys = tuple(window_keys(path.name, 1 << 20, lay) for lay in layouts)
     return PagesPlan(path.name, str(path), size, tuple(spans), tuple(layouts), keys)
 
 

@@ -80,6 +80,14 @@ def test_pages_are_matched_by_address_when_the_range_gains_and_loses_pages() -> 
     assert apply_delta(base, delta, length=len(new), literals=11, copies=2, where="t") == new
 
 
+def test_page_hashes_are_truncated_sha256_of_each_page() -> None:
+    import hashlib
+
+    a = chunk(3)
+    want = b"".join(hashlib.sha256(a[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]).digest()[:PAGE_HASH_BYTES] for i in range(3))
+    assert page_hashes(a) == want
+
+
 def test_an_unchanged_chunk_is_its_base_and_inconsistent_inputs_give_no_plan() -> None:
     a = chunk(4)
     lay = layout((7, 4))
