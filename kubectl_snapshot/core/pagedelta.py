@@ -67,9 +67,9 @@ def page_hashes(raw: bytes | bytearray | memoryview) -> bytes:
     out = bytearray()
     sha = hashlib.sha256
     # Each page is fed in pieces under hashlib's GIL-release threshold (2048 bytes): hashing a 4 KiB
-    # page in one call releases and retakes the GIL per page, and with the packaging's other threads
-    # that churn cost more wall time than the hashing itself (measured: a full 512 MiB save 1.14-1.20x
-    # slower). Same digest, the GIL held for the ~4 us a page takes.
+    # page in one call drops and retakes the GIL per page, which next to the packaging's other threads
+    # cost more than the hashing itself in a thread-pool experiment. Same digest; the GIL stays held
+    # for the few microseconds a page takes (docs/performance.md, "Page-level increments").
     with memoryview(raw) as view:
         for i in range(0, len(view), PAGE_SIZE):
             h = sha(view[i : i + _PIECE])

@@ -304,3 +304,16 @@ def test_scopes_differ_by_repository_container_and_key() -> None:
     assert k != pageindex.scope_key("r:5000", "repo2", "app", None)
     assert k != pageindex.scope_key("r:5000", "repo", "app2", None)
     assert k != pageindex.scope_key("r:5000", "repo", "app", "k1-abc")
+
+
+def test_window_keys_name_every_window_a_chunk_covers_first_page_first() -> None:
+    from shim.engine.chunks import MAX_WINDOW_KEYS, window_keys
+
+    span = 16 * PAGE_SIZE
+    keys = window_keys("pages-1.img", span, layout((40, 4), (60, 20)))  # windows 2; 3, 4
+    assert len(keys) == 3 and len(set(keys)) == 3
+    # the same range with a page merged in before it still shares its windows
+    assert set(keys) <= set(window_keys("pages-1.img", span, layout((10, 1), (40, 4), (60, 20))))
+    assert not set(keys) & set(window_keys("pages-2.img", span, layout((40, 4), (60, 20))))  # another file
+    assert not set(keys) & set(window_keys("pages-1.img", 2 * span, layout((40, 4), (60, 20))))  # another span
+    assert len(window_keys("pages-1.img", span, layout((0, 16 * 100)))) == MAX_WINDOW_KEYS
