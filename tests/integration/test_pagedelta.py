@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ from tests.integration.test_incremental import ask_hash, exists, sh, snapshot_vi
 from tests.support.containerd import containerd_a, containerd_b
 from tests.support.faulty_proxy import FaultyProxy
 from tests.support.images import python_image
-from tests.support.registry import registry
+from tests.support.registry import registry, registry_factory
 
 pytestmark = pytest.mark.integration
 
@@ -228,3 +229,42 @@ def test_sealed_deltas_round_trip_through_the_registry_and_a_lost_base_means_a_f
     sealer, third = save()
     assert third.files[0].chunks[0].delta is None
     assert restore(sealer, third) == bytes(data)
+
+
+def test_the_newer_snapshot_keeps_its_bases_through_deletion_and_garbage_collection(  # type: ignore[no-untyped-def]
+    containerd_a, containerd_b, registry_factory, scatter_workload, cleanup
+):
+    """Retention deletes the older snapshot's manifest; the registry's garbage collection then frees
+    what no manifest names. The newer snapshot's manifest lists the bases its deltas need, so they stay."""
+    a, cid = scatter_workload
+    registry = registry_factory()  # its own: garbage collection must not touch other tests' blobs
+    repo = unique("pdelta-gc")
+    ref1 = agent("checkpoint", *on(containerd_a), "--to", registry.ref(repo, "v1"), cid).stdout.strip()
+    scatter(a, cid, 20)
+    expected = ask_hash(a, cid)
+    ref2 = agent("checkpoint", *on(containerd_a), "--to", registry.ref(repo, "v2"), cid).stdout.strip()
+    config2, deltas = deltas_of(ref2)
+    assert deltas
+    bases = {c["digest"] for p in config2["containers"][0]["pages"] for c in p["chunks"] if "delta" in c}
+    reg = RegistryClient()
+    r1 = Reference.parse(ref1)
+    reg.delete_manifest(r1, r1.digest or "")
+    registry.stop()
+    try:
+        gc = subprocess.run(
+            [registry.binary, "garbage-collect", "--delete-untagged", str(registry.config_path)],
+            capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+    finally:
+        registry.start()
+    assert gc.returncode == 0, gc.stderr[-2000:]
+    assert "deleting" in (gc.stdout + gc.stderr).lower()  # it did free the older snapshot's own blobs
+    r2 = Reference.parse(ref2)
+    assert all(reg.blob_exists(r2, d) for d in bases)
+
+    b = client(containerd_b)
+    python_image(containerd_b)
+    new = unique("pdelta-gc-restored")
+    cleanup(b, new)
+    agent(*restore_on(containerd_b), ref2, new)
+    assert ask_hash(b, new).split() == expected.split()
