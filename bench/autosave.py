@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import os
 import resource
@@ -58,6 +57,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import autosave_report as R
+from bench.pagediff import page_hashes
 from bench.run import CRIU, HOST_PY, container, machine_facts, mutate, raw_bounds, sh, wait_file
 from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.keystore import FileKeyProvider
@@ -71,7 +71,6 @@ from shim import dumplock, freezer, guard, hostfacts, unixpeers
 from shim.containerd.client import ContainerdClient
 from shim.containerd.runc_checkpoint import RuncCheckpointer
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
-from shim.engine.chunks import read_pagemap
 from shim.engine.staging import StatePaths
 from tests.support.containerd import ContainerdDaemon, node_criu_config
 from tests.support.registry import RegistryServer
@@ -79,39 +78,12 @@ from tests.support.signing import session_key
 
 NAMESPACE = "bench"  # whose key seals the saves
 CONTAINER_NAME = "app"
-READ_PAGES = 4096  # pages read at a time when hashing a dump
 
 
 def cpu_seconds() -> float:
     """User + system CPU of this process (all threads) and of its children that have been reaped."""
     me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-
-
-def page_hashes(checkpoint_dir: Path) -> tuple[dict[R.PageKey, bytes], dict[R.PageKey, R.FileOffset]]:
-    """A short digest of every dumped page, keyed by (pagemap image, virtual address), and where each
-    page lies in its page file (to tell which chunks hold changed pages)."""
-    digests: dict[R.PageKey, bytes] = {}
-    where: dict[R.PageKey, R.FileOffset] = {}
-    for pm in sorted(checkpoint_dir.glob("pagemap-*.img")):
-        pages_id, runs = read_pagemap(str(pm))
-        pages_name = f"pages-{pages_id}.img"
-        with open(checkpoint_dir / pages_name, "rb") as f:
-            for run in runs:
-                done = 0
-                while done < run.nr_pages:
-                    n = min(READ_PAGES, run.nr_pages - done)
-                    offset = f.tell()
-                    buf = memoryview(f.read(n * R.PAGE))
-                    if len(buf) != n * R.PAGE:
-                        raise RuntimeError(f"{checkpoint_dir}: {pages_name} is shorter than {pm.name} says")
-                    base = run.vaddr + done * R.PAGE
-                    for j in range(n):
-                        key = (pm.name, base + j * R.PAGE)
-                        digests[key] = hashlib.blake2b(buf[j * R.PAGE : (j + 1) * R.PAGE], digest_size=8).digest()
-                        where[key] = (pages_name, offset + j * R.PAGE)
-                    done += n
-    return digests, where
 
 
 @contextlib.contextmanager
@@ -269,7 +241,7 @@ def measure_steady(
                 s["sent_chunks"] = R.chunk_breakdown(chunks, seen, {where[k] for k in changed})
             s["chunks_total"] = len(chunks)
             s["chunk_raw_max"] = max((int(c["length"]) for c in chunks), default=0)
-            seen |= {str(c["digest"]) for c in chunks}
+            seen |= R.blob_digests(chunks)
             s["dumped_pages"] = len(hashes)
             s["changed_bytes"] = None if changed is None else len(changed) * R.PAGE
             s["written_bytes"] = written

@@ -26,21 +26,37 @@ def changed_keys(before: Mapping[PageKey, bytes], after: Mapping[PageKey, bytes]
     return [key for key, digest in after.items() if before.get(key) != digest]
 
 
+def _blobs(c: Mapping[str, Any]) -> list[tuple[str, int, int]]:
+    """(digest, raw bytes, stored bytes) of the blobs a chunk record names: the chunk, or (format v4)
+    its base and its page delta (whose raw bytes are its literal pages)."""
+    delta = c.get("delta")
+    if not delta:
+        return [(str(c["digest"]), int(c["length"]), int(c["size"]))]
+    return [
+        (str(c["digest"]), int(delta["baseLength"]), int(c["size"])),
+        (str(delta["digest"]), int(delta["pages"]) * PAGE, int(delta["size"])),
+    ]
+
+
 def chunk_breakdown(
     chunks: Sequence[Mapping[str, Any]], seen: set[str], changed_at: set[FileOffset]
 ) -> list[dict[str, int]]:
-    """For each chunk the registry lacked: its raw length and how many of its bytes are changed pages
-    (`changed_at`: where the changed pages lie in the page files). Shows what chunking costs."""
+    """For each chunk with a blob the registry lacked (the chunk, or its page delta): its raw length,
+    how many of its bytes are changed pages (`changed_at`: where the changed pages lie in the page
+    files) and the bytes sent for it. Shows what chunking costs."""
     out: list[dict[str, int]] = []
     fresh: set[str] = set()
     for c in chunks:
-        d = str(c["digest"])
-        if d in seen or d in fresh:
+        sent = 0
+        for d, _raw, stored in _blobs(c):
+            if d not in seen and d not in fresh:
+                fresh.add(d)
+                sent += stored
+        if not sent:
             continue
-        fresh.add(d)
         start, length = int(c["offset"]), int(c["length"])
         inside = sum(1 for off in range(start, start + length, PAGE) if (str(c["file"]), off) in changed_at)
-        out.append({"offset": start, "length": length, "changed": inside * PAGE, "stored": int(c["size"])})
+        out.append({"offset": start, "length": length, "changed": inside * PAGE, "stored": sent})
     return out
 
 
@@ -54,19 +70,25 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def new_chunks(chunks: Sequence[Mapping[str, Any]], seen: set[str]) -> tuple[int, int, int]:
-    """(count, raw bytes, stored bytes) of the chunks whose digest no earlier save of the repository
-    had: what the registry had to receive. A digest listed twice in one save counts once."""
+    """(count, raw bytes, stored bytes) of the chunk and page delta blobs whose digest no earlier save
+    of the repository had: what the registry had to receive. A digest listed twice in one save counts
+    once."""
     count = raw = stored = 0
     fresh: set[str] = set()
     for c in chunks:
-        d = str(c["digest"])
-        if d in seen or d in fresh:
-            continue
-        fresh.add(d)
-        count += 1
-        raw += int(c["length"])
-        stored += int(c["size"])
+        for d, r, st in _blobs(c):
+            if d in seen or d in fresh:
+                continue
+            fresh.add(d)
+            count += 1
+            raw += r
+            stored += st
     return count, raw, stored
+
+
+def blob_digests(chunks: Sequence[Mapping[str, Any]]) -> set[str]:
+    """Every chunk and page delta digest the records name."""
+    return {d for c in chunks for d, _, _ in _blobs(c)}
 
 
 def derive_save(save: Mapping[str, Any], raw_dump_s: float | None, raw_cpu_s: float | None) -> dict[str, Any]:

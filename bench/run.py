@@ -15,7 +15,11 @@ object heap; bench/workload.py) it measures, as medians of --runs runs after one
 * pull -> running vs the bound (download + zstd -d|tar + raw ``criu restore``) and vs podman
   ``container restore --import`` and ``ctr images pull`` + ``ctr c restore --live --rw``;
 * snapshot size vs RSS and vs ``zstd -1`` of the raw CRIU images;
-* bytes uploaded by a second snapshot after 1% and 5% of the memory changed, vs the first's.
+* bytes uploaded by a second snapshot after 1% and 5% of the memory changed, vs the first's, and vs
+  the pages that really changed between the two dumps, compressed like chunks (bench/pagediff.py);
+  with the CPU that hashing every page (page deltas) costs vs compressing + hashing the same bytes,
+  and a full save's checkpoint -> pushed with page deltas vs without (KUBECTL_SNAPSHOT_PAGE_DELTAS=0,
+  alternated with the measured runs).
 
 Writes RESULTS.md and results.json (machine facts included) under --out. Needs root, the node deps
 (hack/install-node-deps.sh) and, for the peers, hack/install-bench-deps.sh (podman). Network: the
@@ -45,9 +49,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import report
+from bench import pagediff, report
 from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.reference import Reference
 from shim.runc_wrapper import TRACE_ENV, parse_invocation
 from tests.support.containerd import ContainerdDaemon, node_criu_config, node_kdat_cache
@@ -274,10 +279,7 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
         command = parse_invocation(entry["args"]).command or "(none)"
         calls[command] = calls.get(command, 0) + 1
         ph = traces.get(int(entry["pid"]), {})
-        if (
-            command == "create"
-            and {"started", "image-check", "rootfs-diff", "runc-restore", "after-restore"} <= ph.keys()
-        ):
+        if command == "create" and ph.keys() >= _CREATE_PHASES:
             begun = _launch_time(entry["time"])
             out["python_startup_ms"] = (ph["started"] - begun) * 1000
             out["image_check_ms"] = (ph["rootfs-diff"] - ph["image-check"]) * 1000
@@ -286,10 +288,51 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
     return out
 
 
-def agent_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[float, dict[str, Any]]:
+def agent_checkpoint(
+    daemon: ContainerdDaemon, ref: str, cid: str, *, page_deltas: bool = True
+) -> tuple[float, dict[str, Any]]:
     t = time.monotonic()
-    proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--to", ref, cid])
+    env = {**os.environ, C.ENV_PAGE_DELTAS: "1" if page_deltas else "0"}
+    proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--to", ref, cid],
+              env=env)  # fmt: skip
     return time.monotonic() - t, json.loads(proc.stdout)
+
+
+def kept_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[dict[str, Any], Path]:
+    """A snapshot whose dump directory the agent keeps (--keep-work): (its JSON, the CRIU image dir)."""
+    work_root = STATE / "work"
+    before = set(work_root.iterdir()) if work_root.exists() else set()
+    proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--keep-work",
+               "--to", ref, cid])  # fmt: skip
+    kept = sorted(set(work_root.iterdir()) - before)
+    if len(kept) != 1:
+        raise RuntimeError(f"expected one kept dump directory under {work_root}, found {len(kept)}")
+    return json.loads(proc.stdout), kept[0]
+
+
+def incremental(daemon: ContainerdDaemon, registry: RegistryServer, cid: str, ctl: Path) -> dict[str, Any]:
+    """A base snapshot, then 1% changed, then 5% more changed (same repository): bytes uploaded by each,
+    and the pages that really changed between consecutive dumps (compressed like chunks)."""
+    repo = f"{registry.host}/incr-{uuid.uuid4().hex[:8]}"
+    out: dict[str, Any] = {}
+    hashes = None
+    for label, pct in (("base", 0.0), ("1pct", 1.0), ("5pct", 5.0)):
+        if pct:
+            mutate(ctl, pct)
+        res, work = kept_checkpoint(daemon, f"{repo}:{label}", cid)
+        try:
+            dump = work / cid / "checkpoint"
+            hashes, diff = pagediff.changed_pages(hashes, dump)
+            out[f"incr_{label}_uploaded"] = res["uploaded"]
+            out[f"incr_{label}_package_ms"] = res["timingsMs"].get("package_ms")
+            if diff:
+                out[f"incr_{label}_changed_bytes"] = diff["changed_bytes"]
+                out[f"incr_{label}_changed_packed"] = diff["changed_packed_bytes"]
+            if label == "5pct":
+                out.update(pagediff.hashing_cost(dump))
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return out
 
 
 def measure_agent(
@@ -297,6 +340,7 @@ def measure_agent(
 ) -> dict[str, Any]:
     os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
+    pushed_plain, internal_plain = [], []  # full saves without page hashing (no page deltas), alternated
     restores_internal: list[float] = []
     breakdowns: list[dict[str, Any]] = []
     out: dict[str, Any] = {}
@@ -311,6 +355,12 @@ def measure_agent(
                 internal.append(res["timingsMs"]["total_ms"] / 1000)
                 sizes.append(res["size"])
                 out["timings_ms_last"] = res["timingsMs"]
+            wall, res = agent_checkpoint(
+                daemon, f"{registry.host}/agent-{uuid.uuid4().hex[:8]}:v1", cid, page_deltas=False
+            )
+            if i:
+                pushed_plain.append(wall)
+                internal_plain.append(res["timingsMs"]["total_ms"] / 1000)
         hook_dir = Path(hook).parent
         for i in range(runs + 1):
             new = f"r-{uuid.uuid4().hex[:8]}"
@@ -338,24 +388,17 @@ def measure_agent(
             shutil.rmtree(d, ignore_errors=True)
             if i:
                 runc_dumps.append(t)
-        # incremental: a base snapshot, then 1% changed, then 5% more changed (same repository)
-        repo = f"{registry.host}/incr-{uuid.uuid4().hex[:8]}"
-        _, base = agent_checkpoint(daemon, f"{repo}:base", cid)
-        mutate(ctl, 1)
-        _, one = agent_checkpoint(daemon, f"{repo}:one", cid)
-        mutate(ctl, 5)
-        _, five = agent_checkpoint(daemon, f"{repo}:five", cid)
+        out.update(incremental(daemon, registry, cid, ctl))
     out.update(
         freeze_s=med(freeze),
         runc_checkpoint_s=med(runc_dumps),
         pushed_s=med(pushed),
         pushed_internal_s=med(internal),
+        pushed_no_deltas_s=med(pushed_plain),
+        pushed_internal_no_deltas_s=med(internal_plain),
         size_bytes=med(sizes),
         restore_s=med(restores),
         restore_internal_s=med(restores_internal),
-        incr_base_uploaded=base["uploaded"],
-        incr_1pct_uploaded=one["uploaded"],
-        incr_5pct_uploaded=five["uploaded"],
         restore_breakdown=_median_breakdown(breakdowns),
     )
     return out

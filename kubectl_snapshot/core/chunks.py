@@ -60,16 +60,45 @@ class Span:
 
 
 @dataclass(frozen=True)
+class Delta:
+    """Format v4: the blob that rebuilds a chunk from its base: `copies` runs of base pages and `pages`
+    literal pages (core/pagedelta.py); the base chunk is `base_length` bytes before compression."""
+
+    digest: str
+    size: int
+    pages: int
+    copies: int
+    base_length: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "digest": self.digest,
+            "size": self.size,
+            "pages": self.pages,
+            "copies": self.copies,
+            "baseLength": self.base_length,
+        }
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """One stored chunk: raw range of the page file + the digest and size of its compressed blob."""
+    """One stored chunk: raw range of the page file + the digest and size of its compressed blob.
+
+    With `delta` (format v4) the blob named by `digest` is the chunk's *base* (an earlier full version
+    of the same range, same length) and the chunk's content is the base with the delta's pages put in
+    (core/pagedelta.py)."""
 
     offset: int
     length: int
     digest: str
     size: int
+    delta: Delta | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"offset": self.offset, "length": self.length, "digest": self.digest, "size": self.size}
+        d: dict[str, Any] = {"offset": self.offset, "length": self.length, "digest": self.digest, "size": self.size}
+        if self.delta is not None:
+            d["delta"] = self.delta.to_dict()
+        return d
 
 
 @dataclass(frozen=True)
@@ -111,9 +140,47 @@ def _chunk(d: Any, where: str) -> Chunk:
     if not isinstance(digest, str) or not is_digest(digest):
         raise _bad(f"{where} has an invalid digest {digest!r}")
     # a zstd frame of `length` bytes is never much larger than length; bound what a restore downloads
-    if not _is_int(size) or not 0 < size <= length + (length >> 7) + 4096:
+    raw_delta = d.get("delta")
+    delta = None if raw_delta is None else _delta(raw_delta, length, f"{where} delta")
+    base_length = length if delta is None else delta.base_length  # what the blob named by digest holds
+    if not _is_int(size) or not 0 < size <= blob_size_limit(base_length):
         raise _bad(f"{where} has an invalid blob size {size!r}")
-    return Chunk(offset, length, digest, size)
+    return Chunk(offset, length, digest, size, delta)
+
+
+def blob_size_limit(raw_length: int) -> int:
+    """The largest stored (compressed, maybe sealed) blob of `raw_length` bytes a reader accepts: a zstd
+    frame is never much larger than its input; bounds what a restore downloads."""
+    return raw_length + (raw_length >> 7) + 4096
+
+
+DELTA_HEADER_BYTES = 20  # core/pagedelta.py: magic (8), chunk pages, copies, literal pages (u32 each)
+
+
+def delta_raw_length(pages: int, copies: int) -> int:
+    """Bytes of a page delta of `pages` literal pages and `copies` copy runs before compression."""
+    return DELTA_HEADER_BYTES + copies * 12 + pages * (4 + PAGE_SIZE)
+
+
+def _delta(d: Any, length: int, where: str) -> Delta:
+    if not isinstance(d, dict):
+        raise _bad(f"{where} is not an object")
+    digest, size, pages = d.get("digest"), d.get("size"), d.get("pages")
+    copies, base_length = d.get("copies"), d.get("baseLength")
+    if length % PAGE_SIZE:
+        raise _bad(f"{where}: a chunk of {length} bytes (not whole pages) cannot have a page delta")
+    out_pages = length // PAGE_SIZE
+    if not _is_int(pages) or not 0 <= pages <= out_pages:
+        raise _bad(f"{where} has an invalid page count {pages!r} (0..{out_pages})")
+    if not _is_int(copies) or not 0 <= copies <= out_pages - pages or copies + pages == 0:
+        raise _bad(f"{where} has an invalid copy count {copies!r} (0..{out_pages - pages}, with the pages at least 1)")
+    if not _is_int(base_length) or not 0 < base_length <= MAX_CHUNK_BYTES or base_length % PAGE_SIZE:
+        raise _bad(f"{where} has an invalid base length {base_length!r} (whole pages, at most {MAX_CHUNK_BYTES})")
+    if not isinstance(digest, str) or not is_digest(digest):
+        raise _bad(f"{where} has an invalid digest {digest!r}")
+    if not _is_int(size) or not 0 < size <= blob_size_limit(delta_raw_length(pages, copies)):
+        raise _bad(f"{where} has an invalid blob size {size!r}")
+    return Delta(digest, size, pages, copies, base_length)
 
 
 def check_tiling(pf: PagesFile, where: str = "page file") -> None:
@@ -171,6 +238,44 @@ def plan_chunks(runs: Iterable[PagemapRun], file_size: int, span: int) -> list[S
     return _merge_small(_ranges(cuts, file_size), span)
 
 
+def span_layouts(runs: Iterable[PagemapRun], file_size: int, spans: Sequence[Span]) -> list[bytes] | None:
+    """Per span, which virtual addresses its pages hold: (vaddr, bytes) pieces packed as u64 pairs.
+
+    Two chunks with equal layouts hold the same pages of the address space, page for page, so the
+    later one can be stored as a page delta of the earlier (core/pagedelta.py). Adjacent pieces are
+    joined, so that how CRIU splits an address range into pagemap entries does not matter. None when the runs do
+    not account for the file exactly (then no chunk of it gets a delta)."""
+    pieces: list[tuple[int, int, int]] = []  # (file offset, vaddr, bytes)
+    pos = 0
+    for run in runs:
+        if run.nr_pages > 0:
+            pieces.append((pos, run.vaddr, run.nr_pages * PAGE_SIZE))
+            pos += run.nr_pages * PAGE_SIZE
+    if pos != file_size:
+        return None
+    out: list[bytes] = []
+    k = 0
+    for s in spans:
+        end = s.offset + s.length
+        layout = bytearray()
+        while k < len(pieces) and pieces[k][0] + pieces[k][2] <= s.offset:
+            k += 1
+        j = k
+        merged: list[list[int]] = []  # CRIU may split one address range into several entries: join them
+        while j < len(pieces) and pieces[j][0] < end:
+            off, vaddr, n = pieces[j]
+            a, b = max(off, s.offset), min(off + n, end)
+            if merged and merged[-1][0] + merged[-1][1] == vaddr + a - off:
+                merged[-1][1] += b - a
+            else:
+                merged.append([vaddr + a - off, b - a])
+            j += 1
+        for vaddr, n in merged:
+            layout += vaddr.to_bytes(8, "little") + n.to_bytes(8, "little")
+        out.append(bytes(layout))
+    return out
+
+
 def fixed_chunks(file_size: int, span: int) -> list[Span]:
     return [Span(o, min(span, file_size - o)) for o in range(0, file_size, span)]
 
@@ -206,16 +311,29 @@ def parse_pages_files(raw: Any, where: str) -> tuple[PagesFile, ...]:
 
 
 def chunk_digests(files: Iterable[PagesFile]) -> list[str]:
-    """Every distinct chunk digest, in first-use order (one manifest layer each)."""
+    """Every distinct chunk digest (bases and deltas), in first-use order (one manifest layer each)."""
     seen: dict[str, None] = {}
     for f in files:
         for c in f.chunks:
             seen.setdefault(c.digest, None)
+            if c.delta is not None:
+                seen.setdefault(c.delta.digest, None)
     return list(seen)
 
 
+def delta_digests(files: Iterable[PagesFile]) -> set[str]:
+    """The digests that are page deltas (listed with the delta media type)."""
+    return {c.delta.digest for f in files for c in f.chunks if c.delta is not None}
+
+
+def has_deltas(files: Iterable[PagesFile]) -> bool:
+    return any(c.delta is not None for f in files for c in f.chunks)
+
+
 def chunk_sizes(files: Iterable[PagesFile]) -> Mapping[str, int]:
-    return {c.digest: c.size for f in files for c in f.chunks}
+    sizes = {c.digest: c.size for f in files for c in f.chunks}
+    sizes.update({c.delta.digest: c.delta.size for f in files for c in f.chunks if c.delta is not None})
+    return sizes
 
 
 def _is_int(v: Any) -> TypeGuard[int]:

@@ -10,9 +10,12 @@ from __future__ import annotations
 from typing import Final
 
 # v2 = v1 + memory pages as content-addressed chunks; v3 = v2 + a cosign signature beside it and no
-# process.env in the recorded runtime specs (docs/format.md)
+# process.env in the recorded runtime specs; v4 = v3 + page deltas (a chunk = a base chunk + the pages
+# that changed since; docs/format.md). Writers write FORMAT_VERSION, or DELTA_FORMAT_VERSION when a
+# chunk has a delta (so that a reader that does not know deltas refuses instead of restoring the base).
 FORMAT_VERSION: Final = 3
-SUPPORTED_FORMAT_VERSIONS: Final = (1, 2, 3)  # readers accept all; writers write FORMAT_VERSION
+DELTA_FORMAT_VERSION: Final = 4
+SUPPORTED_FORMAT_VERSIONS: Final = (1, 2, 3, 4)  # readers accept all
 
 # --- OCI media types --------------------------------------------------------------------------
 OCI_MANIFEST: Final = "application/vnd.oci.image.manifest.v1+json"
@@ -29,6 +32,8 @@ CHECKPOINT_LAYER_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.checkpoin
 VOLUMES_LAYER_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.volumes.v1.tar+zstd"
 # Format v2: one zstd frame holding a byte range of a CRIU pages-N.img (content-addressed chunk).
 CHUNK_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.chunk.v1+zstd"
+# Format v4: one zstd frame holding pages of a chunk that changed since its base chunk (core/pagedelta.py).
+DELTA_MEDIA_TYPE: Final = "application/vnd.kubectl-snapshot.pagedelta.v1+zstd"
 # Encryption at rest (core/sealing.py): a sealed layer or chunk has its clear media type + this suffix
 # (ocicrypt's convention), and the manifest says the scheme in ANN_ENCRYPTION.
 ENCRYPTED_SUFFIX: Final = "+encrypted"
@@ -88,3 +93,5 @@ WRAPPER_BINARY_NAME: Final = "ks-runc"
 DEFAULT_STATE_DIR: Final = "/var/lib/kubectl-snapshot"
 STAGING_SUBDIR: Final = "staged"
 ENV_STATE_DIR: Final = "KUBECTL_SNAPSHOT_STATE_DIR"
+# "0": store every changed chunk whole (no page deltas, no page hashing; bench/run.py compares both)
+ENV_PAGE_DELTAS: Final = "KUBECTL_SNAPSHOT_PAGE_DELTAS"

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core.chunks import PagesFile, chunk_digests, parse_pages_files
+from kubectl_snapshot.core.chunks import PagesFile, chunk_digests, has_deltas, parse_pages_files
 from kubectl_snapshot.core.encryption import EncryptionInfo
 from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.oci import canonical_json, is_digest, json_object
@@ -252,6 +252,8 @@ def parse_config(body: bytes) -> SnapshotConfig:
         raise _bad("a format v3 snapshot config records a process environment (v3 never stores one)")
     if version < 2 and any(c.pages for c in containers):
         raise _bad("a format v1 snapshot config lists page chunks (a v2 feature)")
+    if version < C.DELTA_FORMAT_VERSION and any(has_deltas(c.pages) for c in containers):
+        raise _bad(f"a format v{version} snapshot config lists page deltas (a v{C.DELTA_FORMAT_VERSION} feature)")
     names = [c.name for c in containers]
     if len(set(names)) != len(names):
         raise _bad("snapshot config has duplicate container names")

@@ -317,13 +317,22 @@ class Sealer:
         self._lock = threading.Lock()
         self._keys: dict[str, str] = {}
 
-    def seal_chunk(self, plain: bytes | bytearray) -> tuple[bytearray, str]:
-        """(ciphertext, its digest) of a chunk; same plaintext in the same namespace -> same ciphertext."""
-        dek = self.key.mac(_CHUNK_LABEL + hashlib.sha256(plain).digest())
+    def seal_chunk(self, plain: bytes | bytearray, plain_sha256: bytes | None = None) -> tuple[bytearray, str]:
+        """(ciphertext, its digest) of a chunk; same plaintext in the same namespace -> same ciphertext.
+        `plain_sha256`: the plaintext's sha256 when the caller has it already."""
+        dek = self._chunk_key(plain_sha256 or hashlib.sha256(plain).digest())
         sealed = seal_bytes(plain, dek, segment_size=self.segment_size)
         digest = _sha256(sealed)
         self._record(digest, dek)
         return sealed, digest
+
+    def record_chunk(self, digest: str, plain_sha256: bytes) -> None:
+        """Name a chunk sealed by an earlier snapshot (a page delta's base, reused unread): its data key
+        follows from its plaintext's hash (convergent), so it can be wrapped again for this config."""
+        self._record(digest, self._chunk_key(plain_sha256))
+
+    def _chunk_key(self, plain_sha256: bytes) -> bytes:
+        return self.key.mac(_CHUNK_LABEL + plain_sha256)
 
     def stream_key(self) -> bytes:
         """A fresh random data key for one layer; give it to `seal_stream`, then `record` the digest."""

@@ -27,7 +27,7 @@ from typing import Any
 from kubectl_snapshot.adapters.signatures import sign_snapshot
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
-from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes
+from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes, delta_digests, has_deltas
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError, Unavailable
 from kubectl_snapshot.core.model import (
     ContainerRecord,
@@ -57,6 +57,7 @@ from shim.engine.package import (
     progress_counter,
     tree_bytes,
 )
+from shim.engine.pageindex import PageIndex, scope_key
 from shim.engine.ports import Containerd, Freezer, FreezerFor, Registry
 from shim.engine.staging import StatePaths
 from shim.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
@@ -176,7 +177,7 @@ def checkpoint(
         frozen, volume_tar = _freeze_and_dump(req, names, pre, containerd, work, phase, clock, timings, net_lock)
         # Everything below runs after the resume: compression, hashing and upload never extend the freeze.
         phase("upload")
-        result = _package_and_push(req, names, pre, registry, work, on_bytes, sealer, volume_tar, clock, timings)
+        result = _package_and_push(req, names, pre, registry, work, on_bytes, sealer, volume_tar, clock, timings, paths)
     except BaseException:
         if frozen:
             _resume_all(containerd, frozen, pre.direct)
@@ -315,8 +316,11 @@ def _package_and_push(
     volume_tar: str | None,
     clock: Callable[[], float],
     timings: dict[str, float],
+    paths: StatePaths | None = None,
 ) -> CheckpointResult:
-    """Compress, hash (and seal) what was dumped, push blobs, config and manifest, and sign it."""
+    """Compress, hash (and seal) what was dumped, push blobs, config and manifest, and sign it.
+
+    With `paths` page deltas are used (shim/engine/pageindex.py: the node's bases live there)."""
     t_pack = clock()
     on_raw = progress_counter(on_bytes, tree_bytes(work))
     records, packaged = [], []
@@ -324,7 +328,12 @@ def _package_and_push(
         cdir = os.path.join(work, name)
         stats = _stats(cdir)
         _write_metadata(cdir, cid, name, info, req)
-        pc = package_container(registry, req.target, cdir, on_raw=on_raw, sealer=sealer)
+        index = None
+        if paths is not None and os.environ.get(C.ENV_PAGE_DELTAS, "1") != "0":
+            key_id = sealer.key.key_id if sealer is not None else None
+            scope = scope_key(req.target.registry, req.target.repository, name, key_id)
+            index = PageIndex.load(paths.page_index(), scope)
+        pc = package_container(registry, req.target, cdir, on_raw=on_raw, sealer=sealer, index=index)
         records.append(
             ContainerRecord(
                 name=name,
@@ -356,6 +365,8 @@ def _package_and_push(
         stopped=req.stop,
         freeze_ms=timings["freeze_ms"],
         pod=req.pod,
+        # a reader that does not know page deltas must refuse, not restore the bases alone
+        format_version=C.DELTA_FORMAT_VERSION if any(has_deltas(r.pages) for r in records) else C.FORMAT_VERSION,
     )
     if sealer is not None:
         config = replace(config, encryption=sealer.info(config.blob_digests()))
@@ -744,8 +755,10 @@ def _push(
     # Every chunk is a layer too, so that registry garbage collection keeps what the snapshot needs.
     all_pages = [p for rec in records for p in rec.pages]
     sizes = chunk_sizes(all_pages)
+    # Page deltas' bases are chunks too, so they are listed here (and kept) as long as a delta needs them.
     chunk_type = layer_media_type(C.CHUNK_MEDIA_TYPE, config)
-    descs.extend(Descriptor(chunk_type, d, sizes[d]) for d in chunk_digests(all_pages))
+    delta_type, deltas = layer_media_type(C.DELTA_MEDIA_TYPE, config), delta_digests(all_pages)
+    descs.extend(Descriptor(delta_type if d in deltas else chunk_type, d, sizes[d]) for d in chunk_digests(all_pages))
     if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes):
         sent += len(config_bytes)
     manifest = build_manifest(

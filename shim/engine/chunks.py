@@ -7,12 +7,21 @@ then cut at fixed offsets, which is still a correct snapshot).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import struct
 from dataclasses import dataclass
 
-from kubectl_snapshot.core.chunks import MIN_SPAN, PAGE_SIZE, PagemapRun, Span, choose_span, plan_chunks
+from kubectl_snapshot.core.chunks import (
+    MIN_SPAN,
+    PAGE_SIZE,
+    PagemapRun,
+    Span,
+    choose_span,
+    plan_chunks,
+    span_layouts,
+)
 
 IMG_COMMON_MAGIC = 0x54564319
 PAGEMAP_MAGIC = 0x56084025
@@ -31,6 +40,14 @@ class PagesPlan:
     path: str
     size: int
     spans: tuple[Span, ...]
+    # per span: which virtual addresses its pages hold (core/chunks.span_layouts; empty when unknown:
+    # no page delta) and keys naming the address windows it covers, the first page's first (where the
+    # same range is found in the next dump, even if a small piece was merged in before it)
+    layouts: tuple[bytes, ...] = ()
+    keys: tuple[tuple[str, ...], ...] = ()
+
+    def layout(self, i: int) -> tuple[tuple[str, ...], bytes]:
+        return (self.keys[i], self.layouts[i]) if i < len(self.layouts) and self.layouts[i] else ((), b"")
 
 
 def _varint(buf: bytes, pos: int) -> tuple[int, int]:
@@ -97,6 +114,25 @@ def read_pagemap(path: str) -> tuple[int, list[PagemapRun]]:
     return entries[0][1], runs
 
 
+MAX_WINDOW_KEYS = 8
+
+
+def window_keys(name: str, span: int, layout: bytes) -> tuple[str, ...]:
+    """Names a chunk by its page file and the span-aligned address windows its pages cover (the first
+    page's window first, at most MAX_WINDOW_KEYS): the chunk of the same range in the next dump shares
+    one of them even if pages came or went or small pieces were merged differently."""
+    windows: dict[int, None] = {}
+    for k in range(0, len(layout) - 15, 16):
+        vaddr, n = struct.unpack_from("<QQ", layout, k)
+        for w in range(vaddr // span, (vaddr + n - 1) // span + 1):
+            windows.setdefault(w, None)
+            if len(windows) >= MAX_WINDOW_KEYS:
+                break
+        if len(windows) >= MAX_WINDOW_KEYS:
+            break
+    return tuple(hashlib.sha256(f"{name}\0{span}\0{w}".encode()).hexdigest()[:32] for w in windows)
+
+
 def plan_checkpoint(checkpoint_dir: str, *, span: int | None = None) -> list[PagesPlan]:
     """Chunk plans for every page file of the dump that is worth chunking, in name order."""
     pages: dict[int, tuple[str, int]] = {}
@@ -123,6 +159,9 @@ def plan_checkpoint(checkpoint_dir: str, *, span: int | None = None) -> list[Pag
     plans = []
     for pages_id in sorted(pages):
         name, size = pages[pages_id]
-        spans = plan_chunks(runs.get(pages_id) or [], size, chosen)
-        plans.append(PagesPlan(name, os.path.join(checkpoint_dir, name), size, tuple(spans)))
+        pm_runs = runs.get(pages_id) or []
+        spans = plan_chunks(pm_runs, size, chosen)
+        layouts = span_layouts(pm_runs, size, spans) or []
+        keys = tuple(window_keys(name, chosen, lay) for lay in layouts)
+        plans.append(PagesPlan(name, os.path.join(checkpoint_dir, name), size, tuple(spans), tuple(layouts), keys))
     return plans

@@ -20,6 +20,7 @@ from kubectl_snapshot.core.chunks import PagesFile
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
 from shim.engine.chunks import plan_checkpoint
+from shim.engine.pageindex import PageIndex
 from shim.engine.ports import Registry
 from shim.engine.stream import push_chunks, push_file_stream, push_tar_stream
 
@@ -68,13 +69,23 @@ def tree_bytes(path: str) -> int:
 
 
 def package_container(
-    registry: Registry, ref: Reference, cdir: str, *, on_raw: CountFn | None = None, sealer: Sealer | None = None
+    registry: Registry,
+    ref: Reference,
+    cdir: str,
+    *,
+    on_raw: CountFn | None = None,
+    sealer: Sealer | None = None,
+    index: PageIndex | None = None,
 ) -> PackagedContainer:
     """Upload the container dump in `cdir` (checkpointctl layout): page chunks first, then the layer.
 
-    With `sealer` every blob is encrypted before it is hashed and sent (core/sealing.py)."""
+    With `sealer` every blob is encrypted before it is hashed and sent (core/sealing.py). With `index`
+    (this repository's and container's bases, shim/engine/pageindex.py) chunks that changed a little
+    are stored as page deltas, and the index is saved with this snapshot's bases once they are sent."""
     plans = plan_checkpoint(os.path.join(cdir, C.CHECKPOINT_DIRECTORY))
-    chunks = push_chunks(registry, ref, plans, on_raw=on_raw, sealer=sealer)
+    chunks = push_chunks(registry, ref, plans, on_raw=on_raw, sealer=sealer, index=index)
+    if index is not None:
+        index.save()
     exclude = [f"{C.CHECKPOINT_DIRECTORY}/{p.name}" for p in plans]
     digest, size = push_tar_stream(registry, ref, cdir, exclude=exclude, on_raw=on_raw, sealer=sealer)
     return PackagedContainer(

@@ -106,7 +106,7 @@ def plan_space(artifact: Artifact) -> SpacePlan:
                 f"{rec.stats.memory_bytes} bytes of memory the snapshot recorded (chunks reused beyond it)",
                 hint="the snapshot is corrupted or was crafted; do not restore it",
             )
-        download += sum(c.size for p in rec.pages for c in p.chunks)
+        download += sum(c.size + (c.delta.size if c.delta else 0) for p in rec.pages for c in p.chunks)
         # pages stored as chunks are written once; otherwise the memory is inside the (compressed) layer
         written += pages if rec.pages else max(rec.stats.memory_bytes, layers[rec.layer_digest].size)
     return SpacePlan(download, written)

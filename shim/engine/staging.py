@@ -56,5 +56,9 @@ class StatePaths:
     def restored_marker(self, container_id: str) -> str:
         return os.path.join(self.root, "restored", check_key(container_id, "container id"))
 
+    def page_index(self) -> str:
+        """The bases of page deltas, one file per repository + container (shim/engine/pageindex.py)."""
+        return os.path.join(self.root, "page-index")
+
     def downloads(self) -> str:
         return os.path.join(self.root, "downloads")

@@ -17,23 +17,25 @@ its digest before a byte of it is written (pwrite into a preallocated page file)
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import BinaryIO, TypeVar
 
 import zstandard
 
-from kubectl_snapshot.core.chunks import Chunk, PagesFile
+from kubectl_snapshot.core.chunks import PAGE_SIZE, Chunk, Delta, PagesFile, delta_raw_length
 from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
-from kubectl_snapshot.core.oci import sha256_digest
+from kubectl_snapshot.core.pagedelta import apply_delta, encode_delta, page_hashes, plan_delta, worth_a_delta
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener, Sealer
 from shim.archive import tar_directory
 from shim.engine.chunks import PagesPlan
+from shim.engine.pageindex import BaseChunk, PageIndex
 from shim.engine.ports import Registry
 from shim.pipes import iter_produced
 from shim.zstdio import open_zstd_writer
@@ -108,36 +110,86 @@ def push_chunks(
     workers: int | None = None,
     on_raw: CountFn | None = None,
     sealer: Sealer | None = None,
+    index: PageIndex | None = None,
 ) -> PushedChunks:
     """Compress, hash and upload every planned chunk (in parallel); returns the chunk records.
 
     With `sealer` each compressed chunk is sealed (convergent key: the same content in the same
     namespace gives the same blob, so the registry still has it) and the digest is the ciphertext's.
+    With `index` (the node's bases for this repository and container, shim/engine/pageindex.py) every
+    page of a chunk is hashed; a chunk whose base the registry still has and from which few enough of
+    its pages differ (core/pagedelta.worth_a_delta) is stored as that base plus a page delta (none at
+    all when no page differs: then nothing is compressed either); the index collects this snapshot's
+    bases.
     """
     uploaded, stored = _Counter(), _Counter()
     fds = {p.name: os.open(p.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) for p in plans}
+
+    def seal(packed: bytes, plain_sha256: bytes) -> tuple[bytes | bytearray, str]:
+        if sealer is not None:
+            return sealer.seal_chunk(packed, plain_sha256)
+        return packed, "sha256:" + plain_sha256.hex()
+
+    def send(blob: bytes | bytearray, digest: str) -> None:
+        if registry.push_blob(ref, digest=digest, size=len(blob), data=blob):
+            uploaded.add(len(blob))
+        stored.add(len(blob))
+
+    def as_delta(raw: bytes, offset: int, base: BaseChunk, layout: bytes, hashes: bytes) -> Chunk | None:
+        plan = plan_delta(base.layout, base.hashes, layout, hashes)
+        if plan is None:
+            return None
+        if not plan.identical:
+            fresh = None
+            if base.last is not None:
+                since_last = plan_delta(*base.last, layout, hashes)
+                fresh = None if since_last is None else len(since_last.literals)
+            if not worth_a_delta(len(plan.literals), plan.pages, fresh):
+                return None
+        if not registry.blob_exists(ref, base.digest):
+            return None  # retention or GC removed it: store the chunk whole
+        if sealer is not None:
+            sealer.record_chunk(base.digest, base.plain_sha256)
+        stored.add(base.size)
+        if plan.identical:
+            return Chunk(offset, len(raw), base.digest, base.size)
+        packed = _compressor().compress(encode_delta(raw, plan))
+        blob, digest = seal(packed, hashlib.sha256(packed).digest())
+        send(blob, digest)
+        delta = Delta(digest, len(blob), len(plan.literals), len(plan.copies), base.length)
+        return Chunk(offset, len(raw), base.digest, base.size, delta)
+
     try:
 
-        def one(job: tuple[str, int, int]) -> Chunk:
-            name, offset, length = job
+        def one(job: tuple[str, int, int, tuple[tuple[str, ...], bytes]]) -> Chunk:
+            name, offset, length, (keys, layout) = job
             raw = os.pread(fds[name], length, offset)
             if len(raw) != length:
                 raise OSError(f"{name} shrank while it was being packaged")
+            hashes = page_hashes(raw) if index is not None and keys and length % PAGE_SIZE == 0 else None
+            key = keys[0] if keys else ""
+            if index is not None and hashes is not None:
+                # the base of the same address range: found by the first page's window, or another
+                # window the chunk covers (its first pages may be new, or pieces merged differently)
+                for base in filter(None, map(index.get, keys)):
+                    chunk = as_delta(raw, offset, base, layout, hashes)
+                    if chunk is not None:  # still the base (deltas never chain); remember this version too
+                        index.put(key, replace(base, last=(layout, hashes) if chunk.delta is not None else None))
+                        if on_raw is not None:
+                            on_raw(length)
+                        return chunk
             packed = _compressor().compress(raw)
-            blob: bytes | bytearray = packed
-            if sealer is not None:
-                blob, digest = sealer.seal_chunk(packed)
-            else:
-                digest = sha256_digest(packed)
-            if registry.push_blob(ref, digest=digest, size=len(blob), data=blob):
-                uploaded.add(len(blob))
-            stored.add(len(blob))
+            plain_sha256 = hashlib.sha256(packed).digest()
+            blob, digest = seal(packed, plain_sha256)
+            send(blob, digest)
+            if index is not None and hashes is not None:
+                index.put(key, BaseChunk(digest, len(blob), length, plain_sha256, hashes, layout))
             if on_raw is not None:
                 on_raw(length)
             return Chunk(offset, length, digest, len(blob))
 
-        jobs = [(p.name, s.offset, s.length) for p in plans for s in p.spans]
-        n = workers or workers_for(max((length for _, _, length in jobs), default=0))
+        jobs = [(p.name, s.offset, s.length, p.layout(i)) for p in plans for i, s in enumerate(p.spans)]
+        n = workers or workers_for(max((job[2] for job in jobs), default=0))
         results = run_parallel(one, jobs, workers=n, name="chunk-push")
     finally:
         for fd in fds.values():
@@ -230,7 +282,9 @@ def fetch_chunks(
 
     Each chunk is downloaded whole (a few MiB at most), verified against its digest and size by the
     registry client, decrypted (`opener`: every segment authenticated) and decompressed and checked to
-    be exactly its recorded length, and only then written. A file that already exists is refused (the
+    be exactly its recorded length, and only then written. A chunk with a page delta (format v4) is its
+    base chunk (so verified) with the pages of its delta blob (verified the same way, and its page
+    list checked by core/pagedelta.apply_delta) put in. A file that already exists is refused (the
     layer must not also carry it).
     """
     dfd = os.open(checkpoint_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -253,32 +307,52 @@ def fetch_chunks(
             fds[f.name] = fd
             os.ftruncate(fd, f.size)
 
+        def blob_bytes(digest: str, size: int, raw_length: int, what: str) -> bytes:
+            """Download one blob whole, verified (digest, size), opened, decompressed, exactly `raw_length`."""
+            buf = io.BytesIO()
+            registry.fetch_blob(ref, digest, buf, expected_size=size, max_size=size)
+            blob = buf.getvalue() if opener is None else opener.open_chunk(digest, buf.getbuffer())
+            try:
+                raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=raw_length)
+            except zstandard.ZstdError as e:
+                raise DigestMismatch(f"{what} {digest} does not decompress: {e}", hint=_HINT) from e
+            if len(raw) != raw_length:
+                raise DigestMismatch(
+                    f"{what} {digest} holds {len(raw)} bytes, the snapshot says {raw_length}", hint=_HINT
+                )
+            return raw
+
         def one(job: tuple[str, Chunk]) -> None:
             name, c = job
-            buf = io.BytesIO()
-            registry.fetch_blob(ref, c.digest, buf, expected_size=c.size, max_size=c.size)
-            blob = buf.getvalue() if opener is None else opener.open_chunk(c.digest, buf.getbuffer())
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=c.length)
-            except zstandard.ZstdError as e:
-                raise DigestMismatch(f"chunk {c.digest} of {name} does not decompress: {e}", hint=_HINT) from e
-            if len(raw) != c.length:
-                raise DigestMismatch(
-                    f"chunk {c.digest} of {name} holds {len(raw)} bytes, the snapshot says {c.length}", hint=_HINT
-                )
+            d = c.delta
+            raw: bytes | bytearray = blob_bytes(c.digest, c.size, d.base_length if d else c.length, f"chunk of {name}")
+            if d is not None:
+                delta = blob_bytes(d.digest, d.size, delta_raw_length(d.pages, d.copies), f"page delta of {name}")
+                where = f"page delta {d.digest} of {name} (offset {c.offset})"
+                raw = apply_delta(raw, delta, length=c.length, literals=d.pages, copies=d.copies, where=where)
             view = memoryview(raw)
             pos = c.offset
             while view:
                 n = os.pwrite(fds[name], view, pos)
                 view, pos = view[n:], pos + n
-            total.add(c.size)
+            got = c.size + (c.delta.size if c.delta is not None else 0)
+            total.add(got)
             if on_bytes is not None:
-                on_bytes(c.size)
+                on_bytes(got)
 
-        n = workers or workers_for(max((c.length for f in files for c in f.chunks), default=0))
+        # a chunk with a page delta holds its base, its delta and the rebuilt chunk at once
+        n = workers or workers_for(max((_fetch_bytes(c) for f in files for c in f.chunks), default=0))
         run_parallel(one, [(f.name, c) for f in files for c in f.chunks], workers=n, name="chunk-fetch")
     finally:
         for fd in fds.values():
             os.close(fd)
         os.close(dfd)
     return total.value
+
+
+def _fetch_bytes(c: Chunk) -> int:
+    """The chunk size one chunk's restore stands for in workers_for (which counts it twice: raw and
+    compressed): with a delta, its base, the delta and the rebuilt chunk (a little more than needed)."""
+    if c.delta is None:
+        return c.length
+    return c.length + c.delta.base_length + delta_raw_length(c.delta.pages, c.delta.copies)

@@ -130,9 +130,10 @@ def test_sealed_snapshots_hide_memory_dedupe_and_restore(  # type: ignore[no-unt
     reg = RegistryClient()
     m1 = parse_manifest(reg.get_manifest(Reference.parse(ref1))[0])
     m2 = parse_manifest(reg.get_manifest(Reference.parse(ref2))[0])
-    chunk_type = C.CHUNK_MEDIA_TYPE + C.ENCRYPTED_SUFFIX
-    chunks1 = {d.digest for d in m1.layers if d.media_type == chunk_type}
-    chunks2 = {d.digest for d in m2.layers if d.media_type == chunk_type}
+    # what changed is new chunks or page deltas (of a base chunk both snapshots list)
+    page_types = {C.CHUNK_MEDIA_TYPE + C.ENCRYPTED_SUFFIX, C.DELTA_MEDIA_TYPE + C.ENCRYPTED_SUFFIX}
+    chunks1 = {d.digest for d in m1.layers if d.media_type in page_types}
+    chunks2 = {d.digest for d in m2.layers if d.media_type in page_types}
     assert chunks1 & chunks2 and chunks2 - chunks1
 
     b = client(containerd_b)

@@ -121,8 +121,10 @@ def test_second_snapshot_uploads_only_changed_chunks_and_restores_exactly(  # ty
     reg = RegistryClient()
     m1 = parse_manifest(reg.get_manifest(Reference.parse(ref1.replace(proxy.host, registry.host)))[0])
     m2 = parse_manifest(reg.get_manifest(Reference.parse(ref2.replace(proxy.host, registry.host)))[0])
-    chunks1 = {d.digest for d in m1.layers if d.media_type == C.CHUNK_MEDIA_TYPE}
-    chunks2 = {d.digest for d in m2.layers if d.media_type == C.CHUNK_MEDIA_TYPE}
+    # what changed is new chunks or page deltas (of a base chunk both snapshots list)
+    page_types = {C.CHUNK_MEDIA_TYPE, C.DELTA_MEDIA_TYPE}
+    chunks1 = {d.digest for d in m1.layers if d.media_type in page_types}
+    chunks2 = {d.digest for d in m2.layers if d.media_type in page_types}
     assert chunks1 & chunks2 and chunks2 - chunks1
 
     # restore the incremental snapshot elsewhere: the memory is exactly the mutated heap

@@ -52,6 +52,20 @@ def test_new_chunks_counts_digests_the_repository_lacked_once() -> None:
     assert R.new_chunks(chunks, {"sha256:a", "sha256:b", "sha256:c"}) == (0, 0, 0)
 
 
+def test_a_page_delta_counts_as_what_was_sent_for_its_chunk_not_its_base() -> None:
+    delta = {"digest": "sha256:d", "size": 300, "pages": 2, "copies": 1, "baseLength": 8 * R.PAGE}
+    chunks = [
+        {"file": "pages-1.img", "offset": 0, "length": 8 * R.PAGE, "digest": "sha256:a", "size": 100, "delta": delta},
+        {"file": "pages-1.img", "offset": 8 * R.PAGE, "length": 4 * R.PAGE, "digest": "sha256:b", "size": 50},
+    ]
+    seen = {"sha256:a", "sha256:b"}  # the base was stored by an earlier save
+    assert R.new_chunks(chunks, seen) == (1, 2 * R.PAGE, 300)
+    assert R.chunk_breakdown(chunks, seen, {("pages-1.img", R.PAGE)}) == [
+        {"offset": 0, "length": 8 * R.PAGE, "changed": R.PAGE, "stored": 300}
+    ]
+    assert R.blob_digests(chunks) == {"sha256:a", "sha256:b", "sha256:d"}
+
+
 def _save(**kw: Any) -> dict[str, Any]:
     base = {
         "freeze_s": 1.2,

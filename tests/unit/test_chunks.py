@@ -154,12 +154,12 @@ def test_config_v2_carries_chunks_and_every_chunk_must_be_a_manifest_layer() -> 
         check_layers_match(cfg, [D[0]])
 
 
-def test_v1_configs_still_read_but_cannot_carry_chunks_and_v4_is_refused() -> None:
+def test_v1_configs_still_read_but_cannot_carry_chunks_and_v5_is_refused() -> None:
     assert parse_config(config_with([], 1)).format_version == 1
     with pytest.raises(FailedPrecondition, match="v1"):
         parse_config(config_with([pages([ch(0, 4096)], 4096)], 1))
     with pytest.raises(FailedPrecondition, match="not supported"):
-        parse_config(config_with([], 4))
+        parse_config(config_with([], 5))
     assert C.FORMAT_VERSION in C.SUPPORTED_FORMAT_VERSIONS
 
 

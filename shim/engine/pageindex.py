@@ -1,0 +1,157 @@
+"""The node's memory of the last full chunk of each address range, for page deltas (format v4).
+
+Per scope (one snapshot repository + one container name + the sealing key, or none) one file in the
+agent's state directory lists, for every chunk the last snapshot of that scope stored or reused as a
+base: its layout key (which virtual addresses its pages hold, shim/engine/chunks.py), the base blob's
+digest and size, the sha256 of its compressed plaintext (a sealed chunk's data key follows from it),
+a short hash of each of its pages (core/pagedelta.py) and, when that snapshot stored the chunk as a
+delta, the page hashes of that version too (what changed since the last snapshot decides whether a
+large delta is worth sending, core/pagedelta.worth_a_delta). The next snapshot of the scope compares
+page hashes and uploads only the pages that changed.
+
+It is a cache and nothing more: a missing, unreadable, corrupt (checksum) or oversized file means full
+chunks, never a failed or wrong snapshot; writes are atomic (temporary file + rename); the directory
+keeps the MAX_FILES most recently used scopes. A base is used only after the registry confirms that
+the target repository still has its blob.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+import threading
+from dataclasses import dataclass
+
+from kubectl_snapshot.core.chunks import PAGE_SIZE
+from kubectl_snapshot.core.oci import is_digest
+
+MAGIC = b"KSPIDX1\n"
+MAX_FILE_BYTES = 128 << 20  # page hashes are 1/256 of the memory (twice for deltas): 16 GiB containers
+MAX_FILES = 256
+_LEN = struct.Struct("<I")
+
+
+@dataclass(frozen=True)
+class BaseChunk:
+    digest: str  # the stored blob (ciphertext when sealed)
+    size: int
+    length: int  # raw bytes of the chunk
+    plain_sha256: bytes  # of the compressed chunk before sealing
+    hashes: bytes  # PAGE_HASH_BYTES per page
+    layout: bytes  # which virtual addresses its pages hold (core/chunks.span_layouts)
+    # the last snapshot's version of the chunk (layout, page hashes) when it was base + a delta
+    last: tuple[bytes, bytes] | None = None
+
+
+def scope_key(registry: str, repository: str, container: str, key_id: str | None) -> str:
+    raw = "\0".join((registry, repository, container, key_id or "clear"))
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+class PageIndex:
+    """The bases of one scope: read once before a snapshot's chunks, written once after them."""
+
+    def __init__(self, path: str | None, entries: dict[str, BaseChunk] | None = None) -> None:
+        self.path = path
+        self._old = dict(entries or {})
+        self._new: dict[str, BaseChunk] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def load(cls, directory: str, scope: str) -> PageIndex:
+        path = os.path.join(directory, scope + ".idx")
+        try:
+            entries = _read(path)
+        except (OSError, ValueError, KeyError, TypeError, struct.error):
+            entries = {}  # a cache: anything wrong with it means full chunks this time
+        return cls(path, entries)
+
+    def get(self, layout: str) -> BaseChunk | None:
+        return self._old.get(layout)
+
+    def put(self, layout: str, base: BaseChunk) -> None:
+        with self._lock:
+            self._new[layout] = base
+
+    def __len__(self) -> int:
+        return len(self._old)
+
+    def save(self) -> None:
+        """Keep this snapshot's bases (and only those) for the next one; never raises."""
+        if self.path is None:
+            return
+        with contextlib.suppress(OSError, ValueError):
+            _write(self.path, self._new)
+            _prune(os.path.dirname(self.path))
+
+
+def _read(path: str) -> dict[str, BaseChunk]:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES or data[: len(MAGIC)] != MAGIC:
+        raise ValueError("not a page index")
+    body = data[len(MAGIC) + 32 :]
+    if hashlib.sha256(body).digest() != data[len(MAGIC) : len(MAGIC) + 32]:
+        raise ValueError("page index checksum mismatch")
+    (n,) = _LEN.unpack_from(body, 0)
+    meta = json.loads(body[_LEN.size : _LEN.size + n])
+    blob = body[_LEN.size + n :]
+    out: dict[str, BaseChunk] = {}
+    pos = 0
+    for key, digest, size, length, plain, sizes in meta["entries"]:
+        if not (isinstance(key, str) and is_digest(digest) and size > 0 and length > 0 and length % PAGE_SIZE == 0):
+            raise ValueError("bad page index entry")
+        if len(sizes) not in (2, 4) or any(not isinstance(n, int) or n < 0 for n in sizes):
+            raise ValueError("bad page index entry")
+        parts = []
+        for n in sizes:
+            parts.append(blob[pos : pos + n])
+            pos += n
+        if pos > len(blob):
+            raise ValueError("page index is truncated")
+        last = (parts[2], parts[3]) if len(parts) == 4 else None
+        out[key] = BaseChunk(digest, int(size), int(length), bytes.fromhex(plain), parts[1], parts[0], last)
+    if pos != len(blob):
+        raise ValueError("page index has trailing bytes")
+    return out
+
+
+def _write(path: str, entries: dict[str, BaseChunk]) -> None:
+    parts: list[bytes] = []
+    entries_meta = []
+    for k, b in entries.items():
+        mine = [b.layout, b.hashes, *(b.last or ())]
+        parts.extend(mine)
+        entries_meta.append([k, b.digest, b.size, b.length, b.plain_sha256.hex(), [len(p) for p in mine]])
+    head = json.dumps({"entries": entries_meta}, separators=(",", ":")).encode()
+    body = b"".join([_LEN.pack(len(head)), head, *parts])
+    if len(body) + len(MAGIC) + 32 > MAX_FILE_BYTES:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # too big to keep: the old one would be stale
+        return
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(MAGIC + hashlib.sha256(body).digest() + body)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _prune(directory: str) -> None:
+    files = []
+    for name in os.listdir(directory):
+        if name.endswith(".idx"):
+            with contextlib.suppress(FileNotFoundError):
+                files.append((os.stat(os.path.join(directory, name), follow_symlinks=False).st_mtime, name))
+    for _, name in sorted(files, reverse=True)[MAX_FILES:]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))

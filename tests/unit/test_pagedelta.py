@@ -1,0 +1,319 @@
+"""Page deltas (format v4): encoding, applying, refusing hostile deltas and configs, chunk layouts and
+the node's page index (a cache: anything wrong with it means full chunks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.chunks import (
+    PAGE_SIZE,
+    Chunk,
+    Delta,
+    PagemapRun,
+    chunk_digests,
+    chunk_sizes,
+    delta_digests,
+    delta_raw_length,
+    parse_pages_files,
+    plan_chunks,
+    span_layouts,
+)
+from kubectl_snapshot.core.errors import DigestMismatch, FailedPrecondition
+from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConfig, check_layers_match, parse_config
+from kubectl_snapshot.core.pagedelta import (
+    MAGIC,
+    PAGE_HASH_BYTES,
+    apply_delta,
+    encode_delta,
+    page_hashes,
+    plan_delta,
+    worth_a_delta,
+)
+from shim.engine import pageindex
+from shim.engine.pageindex import BaseChunk, PageIndex
+
+D = ["sha256:" + c * 64 for c in "0123456789abcdef"]
+
+
+def chunk(pages: int, seed: int = 1) -> bytearray:
+    return bytearray(random.Random(seed).randbytes(pages * PAGE_SIZE))
+
+
+def layout(*pieces: tuple[int, int]) -> bytes:
+    """(first page number, pages) pieces as core/chunks.span_layouts encodes them."""
+    return b"".join(struct.pack("<QQ", p * PAGE_SIZE, n * PAGE_SIZE) for p, n in pieces)
+
+
+def test_a_delta_carries_exactly_the_changed_pages_and_rebuilds_the_chunk() -> None:
+    base = chunk(64)
+    new = bytearray(base)
+    for i in (0, 7, 8, 63):
+        new[i * PAGE_SIZE + 5] ^= 0x5A
+    lay = layout((1000, 64))
+    plan = plan_delta(lay, page_hashes(base), lay, page_hashes(new))
+    assert plan is not None and plan.literals == (0, 7, 8, 63) and not plan.identical
+    assert plan.copies == ((1, 1, 6), (9, 9, 54))
+    delta = encode_delta(new, plan)
+    assert len(delta) == delta_raw_length(4, 2) and delta.startswith(MAGIC)
+    assert apply_delta(base, delta, length=len(new), literals=4, copies=2, where="t") == new
+
+
+def test_pages_are_matched_by_address_when_the_range_gains_and_loses_pages() -> None:
+    base = chunk(64)
+    # the new chunk: pages 1000..1009 gone, 1064..1073 new (a grown heap), page 1030 changed
+    new = bytearray(base[10 * PAGE_SIZE :]) + chunk(10, seed=2)
+    new[20 * PAGE_SIZE] ^= 1  # address 1030
+    plan = plan_delta(layout((1000, 64)), page_hashes(base), layout((1010, 64)), page_hashes(new))
+    assert plan is not None and plan.pages == 64
+    assert plan.literals == (20, *range(54, 64))
+    assert plan.copies == ((0, 10, 20), (21, 31, 33))
+    delta = encode_delta(new, plan)
+    assert apply_delta(base, delta, length=len(new), literals=11, copies=2, where="t") == new
+
+
+def test_page_hashes_are_truncated_sha256_of_each_page() -> None:
+    import hashlib
+
+    a = chunk(3)
+    want = b"".join(hashlib.sha256(a[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]).digest()[:PAGE_HASH_BYTES] for i in range(3))
+    assert page_hashes(a) == want
+
+
+def test_an_unchanged_chunk_is_its_base_and_inconsistent_inputs_give_no_plan() -> None:
+    a = chunk(4)
+    lay = layout((7, 4))
+    plan = plan_delta(lay, page_hashes(a), lay, page_hashes(a))
+    assert plan is not None and plan.identical
+    assert plan_delta(lay, page_hashes(a), lay, page_hashes(chunk(5))) is None  # hashes of 5 pages, layout of 4
+    assert plan_delta(lay, page_hashes(a), b"", b"") is None
+    with pytest.raises(ValueError):
+        page_hashes(b"x" * 100)
+
+
+def test_a_delta_is_worth_it_only_for_a_part_of_the_chunk() -> None:
+    assert worth_a_delta(0, 100) and worth_a_delta(1, 100) and worth_a_delta(50, 100)
+    # more than half: a delta only while it is mostly new since the last snapshot, and not nearly all
+    assert worth_a_delta(80, 100) and worth_a_delta(80, 100, fresh=60)
+    assert not worth_a_delta(80, 100, fresh=59)  # mostly pages sent before: a new base instead
+    assert worth_a_delta(80, 100, fresh=0)  # ... unless it is the last snapshot's delta, already stored
+    assert not worth_a_delta(88, 100) and worth_a_delta(87, 100)
+    assert not worth_a_delta(100, 100, fresh=100)
+
+
+def _delta(
+    copies: list[tuple[int, int, int]], indexes: list[int], out: int = 16, magic: bytes = MAGIC
+) -> tuple[bytes, int, int]:
+    head = magic + struct.pack("<III", out, len(copies), len(indexes))
+    body = b"".join(struct.pack("<III", *c) for c in copies) + struct.pack(f"<{len(indexes)}I", *indexes)
+    return head + body + bytes(len(indexes) * PAGE_SIZE), len(indexes), len(copies)
+
+
+GOOD = _delta([(0, 0, 1), (3, 3, 13)], [1, 2])
+
+
+@pytest.mark.parametrize(
+    ("delta", "match"),
+    [
+        ((GOOD[0][:-1], 2, 2), "holds"),  # truncated
+        ((GOOD[0] + b"x", 2, 2), "holds"),  # trailing bytes
+        ((GOOD[0], 3, 2), "holds"),  # the config says other counts
+        (_delta([(0, 0, 1), (3, 3, 13)], [1, 2], magic=b"NOTDELTA"), "header"),
+        (_delta([(0, 0, 1), (3, 3, 13)], [1, 2], out=17), "says 17 pages"),
+        (_delta([(0, 0, 1), (3, 3, 13)], [2, 1]), "out of order"),
+        (_delta([(0, 0, 1), (3, 3, 13)], [1, 1]), "out of order"),
+        (_delta([(0, 0, 1), (3, 3, 13)], [1, 0xFFFFFFFF]), "outside"),
+        (_delta([(0, 0, 1), (3, 3, 13)], [0, 1]), "copied too"),  # page 0 given twice
+        (_delta([(0, 0, 1), (3, 3, 13)], [1]), "unset"),  # page 2 given by nobody
+        (_delta([(3, 3, 13), (0, 0, 1)], [1, 2]), "out of order"),
+        (_delta([(0, 0, 2), (1, 3, 15)], [], out=16), "overlapping"),
+        (_delta([(0, 0, 1), (3, 4, 13)], [1, 2]), "outside the base"),  # base has 16 pages
+        (_delta([(0, 0, 0), (3, 3, 13)], [1, 2]), "copies 0 pages"),
+        (_delta([(0, 0xFFFFFFF0, 0x20)], [], out=16), "outside the base"),
+        (_delta([], [], out=16), "unset"),
+    ],
+)
+def test_a_hostile_delta_is_refused_with_what_is_wrong(delta: tuple[bytes, int, int], match: str) -> None:
+    raw, literals, copies = delta
+    with pytest.raises(DigestMismatch, match=match) as e:
+        apply_delta(chunk(16), raw, length=16 * PAGE_SIZE, literals=literals, copies=copies, where="page delta X")
+    assert "page delta X" in e.value.message and e.value.hint
+
+
+def test_a_well_formed_delta_of_the_same_shape_applies() -> None:
+    raw, literals, copies = GOOD
+    out = apply_delta(chunk(16), raw, length=16 * PAGE_SIZE, literals=literals, copies=copies, where="t")
+    assert out[PAGE_SIZE : 3 * PAGE_SIZE] == bytes(2 * PAGE_SIZE) and out[3 * PAGE_SIZE :] == chunk(16)[3 * PAGE_SIZE :]
+
+
+def test_a_base_that_is_not_whole_pages_is_refused() -> None:
+    raw, literals, copies = GOOD
+    with pytest.raises(DigestMismatch, match="whole pages"):
+        apply_delta(b"x" * 100, raw, length=16 * PAGE_SIZE, literals=literals, copies=copies, where="t")
+
+
+def dch(offset: int, length: int, delta: dict[str, Any] | None = None, digest: str = D[1]) -> dict[str, Any]:
+    d: dict[str, Any] = {"offset": offset, "length": length, "digest": digest, "size": 100}
+    if delta is not None:
+        d["delta"] = delta
+    return d
+
+
+def test_a_chunk_record_with_a_delta_round_trips_and_names_both_blobs() -> None:
+    raw = [{"name": "pages-1.img", "size": 8 * PAGE_SIZE,
+            "chunks": [dch(0, 8 * PAGE_SIZE, {"digest": D[2], "size": 5000, "pages": 1, "copies": 2,
+                                              "baseLength": 9 * PAGE_SIZE})]}]  # fmt: skip
+    files = parse_pages_files(raw, "c")
+    assert files[0].chunks[0] == Chunk(0, 8 * PAGE_SIZE, D[1], 100, Delta(D[2], 5000, 1, 2, 9 * PAGE_SIZE))
+    assert [f.to_dict() for f in files] == raw
+    assert chunk_digests(files) == [D[1], D[2]]
+    assert delta_digests(files) == {D[2]}
+    assert chunk_sizes(files) == {D[1]: 100, D[2]: 5000}
+
+
+def dl(**kw: Any) -> dict[str, Any]:
+    return {"digest": D[2], "size": 10, "pages": 1, "copies": 1, "baseLength": 8 * PAGE_SIZE, **kw}
+
+
+@pytest.mark.parametrize(
+    ("delta", "length", "match"),
+    [
+        (dl(pages=0, copies=0), 8 * PAGE_SIZE, "copy count"),  # a delta that gives nothing
+        (dl(pages=9), 8 * PAGE_SIZE, "page count"),
+        (dl(pages=True), 8 * PAGE_SIZE, "page count"),
+        (dl(pages=4, copies=5), 8 * PAGE_SIZE, "copy count"),  # more runs than copied pages
+        (dl(baseLength=0), 8 * PAGE_SIZE, "base length"),
+        (dl(baseLength=PAGE_SIZE + 1), 8 * PAGE_SIZE, "base length"),
+        (dl(baseLength=32 << 20), 8 * PAGE_SIZE, "base length"),
+        (dl(digest="md5:x"), 8 * PAGE_SIZE, "digest"),
+        (dl(size=3 * PAGE_SIZE), 8 * PAGE_SIZE, "blob size"),
+        (dl(), 8 * PAGE_SIZE + 1, "whole pages"),
+        ([1], 8 * PAGE_SIZE, "not an object"),
+    ],
+)
+def test_an_invalid_delta_record_is_refused(delta: Any, length: int, match: str) -> None:
+    raw = [{"name": "pages-1.img", "size": length, "chunks": [dch(0, length, delta)]}]
+    with pytest.raises(FailedPrecondition, match=match):
+        parse_pages_files(raw, "c")
+
+
+def config_with(pages_raw: list[dict[str, Any]], version: int) -> bytes:
+    rec = ContainerRecord(name="c", id="c", image="", image_digest="", layer_digest=D[0], spec={})
+    d = SnapshotConfig(group="g", namespace="n", created="t", containers=(rec,), host=HostFacts()).to_dict()
+    d["formatVersion"] = version
+    d["containers"][0]["pages"] = pages_raw
+    return json.dumps(d).encode()
+
+
+def test_deltas_need_format_v4_and_every_blob_in_the_manifest() -> None:
+    raw = [{"name": "pages-1.img", "size": PAGE_SIZE,
+            "chunks": [dch(0, PAGE_SIZE, {"digest": D[2], "size": 100, "pages": 1, "copies": 0,
+                                          "baseLength": PAGE_SIZE})]}]  # fmt: skip
+    with pytest.raises(FailedPrecondition, match="v3 snapshot config lists page deltas"):
+        parse_config(config_with(raw, 3))
+    cfg = parse_config(config_with(raw, C.DELTA_FORMAT_VERSION))
+    assert cfg.blob_digests() == [D[0], D[1], D[2]]  # encryption keys must cover the delta too
+    check_layers_match(cfg, [D[0], D[1], D[2]])
+    with pytest.raises(FailedPrecondition, match=D[2]):
+        check_layers_match(cfg, [D[0], D[1]])  # the delta is missing
+    with pytest.raises(FailedPrecondition, match=D[1]):
+        check_layers_match(cfg, [D[0], D[2]])  # the base is missing
+
+
+def test_layouts_name_the_pages_a_chunk_holds_and_ignore_changes_elsewhere() -> None:
+    span = 1 << 20
+    runs = [PagemapRun(0x10000000, 512), PagemapRun(0x20000000, 300)]
+    size = 812 * PAGE_SIZE
+    spans = plan_chunks(runs, size, span)
+    lay = span_layouts(runs, size, spans)
+    assert lay is not None and len(lay) == len(spans) and len(set(lay)) == len(lay)
+    # a mapping grows before them: the file offsets shift, the layouts of the same ranges do not
+    runs2 = [PagemapRun(0x1000, 20), *runs]
+    spans2 = plan_chunks(runs2, size + 20 * PAGE_SIZE, span)
+    lay2 = span_layouts(runs2, size + 20 * PAGE_SIZE, spans2)
+    assert lay2 is not None and set(lay) <= set(lay2)
+    assert span_layouts(runs, size + PAGE_SIZE, spans) is None  # runs do not account for the file
+
+
+def base(length_pages: int = 4, digest: str = D[3]) -> BaseChunk:
+    n = length_pages
+    return BaseChunk(digest, 1234, n * PAGE_SIZE, os.urandom(32), os.urandom(n * PAGE_HASH_BYTES), layout((9, n)))
+
+
+def test_the_page_index_keeps_this_snapshots_bases_only(tmp_path: Path) -> None:
+    idx = PageIndex.load(str(tmp_path), "scope")
+    assert len(idx) == 0 and idx.get("a") is None
+    a, b = (
+        base(),
+        replace(base(8, D[4]), last=(layout((9, 8)), os.urandom(8 * PAGE_HASH_BYTES))),
+    )  # b: last stored as a delta
+    idx.put("a", a)
+    idx.put("b", b)
+    idx.save()
+    again = PageIndex.load(str(tmp_path), "scope")
+    assert again.get("a") == a and again.get("b") == b
+    again.put("b", b)
+    again.save()
+    third = PageIndex.load(str(tmp_path), "scope")
+    assert third.get("a") is None and third.get("b") == b
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "symlink"])
+def test_a_damaged_page_index_means_full_chunks_not_an_error(tmp_path: Path, damage: str) -> None:
+    idx = PageIndex.load(str(tmp_path), "s")
+    idx.put("a", base())
+    idx.save()
+    path = tmp_path / "s.idx"
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[-3] ^= 1
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(bytes(data[:-PAGE_HASH_BYTES]))
+    elif damage == "garbage":
+        path.write_bytes(b"garbage")
+    else:
+        path.rename(tmp_path / "real")
+        path.symlink_to(tmp_path / "real")
+    assert len(PageIndex.load(str(tmp_path), "s")) == 0
+
+
+def test_the_page_index_keeps_the_most_recent_scopes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pageindex, "MAX_FILES", 3)
+    for i in range(5):
+        idx = PageIndex.load(str(tmp_path), f"s{i}")
+        idx.put("a", base())
+        idx.save()
+        os.utime(tmp_path / f"s{i}.idx", (1000 + i, 1000 + i))
+    idx = PageIndex.load(str(tmp_path), "s5")
+    idx.put("a", base())
+    idx.save()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s3.idx", "s4.idx", "s5.idx"]
+
+
+def test_scopes_differ_by_repository_container_and_key() -> None:
+    k = pageindex.scope_key("r:5000", "repo", "app", None)
+    assert k != pageindex.scope_key("r:5000", "repo2", "app", None)
+    assert k != pageindex.scope_key("r:5000", "repo", "app2", None)
+    assert k != pageindex.scope_key("r:5000", "repo", "app", "k1-abc")
+
+
+def test_window_keys_name_every_window_a_chunk_covers_first_page_first() -> None:
+    from shim.engine.chunks import MAX_WINDOW_KEYS, window_keys
+
+    span = 16 * PAGE_SIZE
+    keys = window_keys("pages-1.img", span, layout((40, 4), (60, 20)))  # windows 2; 3, 4
+    assert len(keys) == 3 and len(set(keys)) == 3
+    # the same range with a page merged in before it still shares its windows
+    assert set(keys) <= set(window_keys("pages-1.img", span, layout((10, 1), (40, 4), (60, 20))))
+    assert not set(keys) & set(window_keys("pages-2.img", span, layout((40, 4), (60, 20))))  # another file
+    assert not set(keys) & set(window_keys("pages-1.img", 2 * span, layout((40, 4), (60, 20))))  # another span
+    assert len(window_keys("pages-1.img", span, layout((0, 16 * 100)))) == MAX_WINDOW_KEYS
