@@ -50,7 +50,7 @@ def contents(spans: list[Span], runs: list[PagemapRun]) -> list[tuple[int, ...]]
 
 def test_span_is_a_power_of_two_near_total_over_target_and_stable_near_boundaries() -> None:
     assert choose_span(0) == MIN_SPAN
-    assert choose_span(64 << 20) == MIN_SPAN == 1 << 20
+    assert choose_span(64 << 20) == MIN_SPAN == 4 << 20
     assert choose_span(512 << 20) == 8 << 20
     assert choose_span(2 << 30) == MAX_SPAN == 8 << 20
     # a process just over a power of two keeps the same span (rounding in log space, not up)
