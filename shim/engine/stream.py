@@ -92,7 +92,15 @@ def _compressor() -> zstandard.ZstdCompressor:
 def run_parallel(fn: Callable[[J], R], jobs: Sequence[J], *, workers: int, name: str) -> list[R]:
     """fn over jobs on a thread pool, results in job order; the first failure cancels what has not
     started and is raised once the running jobs are done."""
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix=name) as pool:
+    n = max(1, min(workers, len(jobs)))
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix=name) as pool:
+        # Every worker thread is started before any job runs: the pool starts a thread per submit and
+        # waits for it to run, which, once jobs hold the GIL (page hashing), took ~10 ms per thread
+        # (190 ms of a 64 MiB checkpoint's packaging in a profile)
+        go = threading.Event()
+        for _ in range(n):
+            pool.submit(go.wait)
+        go.set()
         futures = [pool.submit(fn, j) for j in jobs]
         try:
             return [f.result() for f in futures]
