@@ -101,6 +101,15 @@ def _speed(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict
     ]
 
 
+def _incr_range(ag: dict[str, Any]) -> str:
+    """With --incr-runs N: the reported run is the median one; the range of all N ratios."""
+    rs = [r for r in ag.get("incr_5pct_vs_changed_runs") or [] if r is not None]
+    if len(rs) < 2:
+        return ""
+    over = sum(r > 1.5 for r in rs)
+    return f"; median run of {len(rs)}: {min(rs):.2f}x-{max(rs):.2f}x, {over} over 1.5x"
+
+
 def _size(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict[str, Any]) -> list[str]:
     return [
         _fmt(d["size_vs_rss"]),
@@ -112,7 +121,7 @@ def _size(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict[
         f"{_fmt(d['incr_5pct_vs_first'] and d['incr_5pct_vs_first'] * 100, '%')} of "
         f"{ag.get('incr_base_uploaded', 0) / 2**20:.1f} MiB; {_fmt(d['incr_5pct_vs_changed'])} of "
         f"{ag.get('incr_5pct_changed_packed', 0) / 2**20:.2f} MiB changed "
-        f"({ag.get('incr_5pct_changed_bytes', 0) / 2**20:.1f} MiB raw)",
+        f"({ag.get('incr_5pct_changed_bytes', 0) / 2**20:.1f} MiB raw)" + _incr_range(ag),
         _verdict(d["incr_goal_met"]),
         f"{_fmt(d['page_hash_vs_pack_cpu'])}; full save {_fmt(d['pushed_vs_no_deltas'])} "
         f"(in-agent {_fmt(d['pushed_internal_vs_no_deltas'])}) of one without",
