@@ -30,7 +30,7 @@ from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
-from shim import dumplock, freezer, guard
+from shim import dumplock, freezer, guard, malloc
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
@@ -378,6 +378,7 @@ def inspect_cmd(output: str, ref: str, trusted_keys: tuple[str, ...], **registry
 
 
 def main() -> None:
+    malloc.tune()  # chunk buffers reused from the heap, not mmapped and faulted in per chunk
     cli(prog_name="ks-agent")
 
 
