@@ -2,9 +2,9 @@
 
 By default glibc serves every allocation above its mmap threshold (128 KiB, raised only as large
 blocks are freed) with a fresh mmap and hands it back on free, so each chunk's buffers (the sealed
-blob, the opened one, the decompressed chunk: up to 16 MiB each) are page-faulted in anew: measured
-here, opening and decompressing 64 sealed 8 MiB chunks took 560 ms that way against 196 ms with the
-buffers reused from the heap. So: large blocks from the heap (mmap only above 32 MiB, glibc's
+blob, the opened one, the decompressed chunk: up to 16 MiB each) are page-faulted in anew (the
+restore's download phase in `bench/encryption.py`, before and after this module: docs/performance.md,
+"The cost of encryption at rest"). So: large blocks from the heap (mmap only above 32 MiB, glibc's
 maximum), up to 64 MiB of freed heap kept for the next chunk, and two arenas for all threads, so that
 what one worker frees the next one reuses instead of each thread keeping its own. The working set
 stays bounded by the chunk workers' memory budget (shim/engine/stream.py); only its reuse changes.

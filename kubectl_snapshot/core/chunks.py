@@ -31,8 +31,7 @@ from kubectl_snapshot.core.oci import is_digest
 PAGE_SIZE = 4096
 # 4 MiB: a small process's snapshot is a few blobs (a 64 MiB one about 16), since each costs registry
 # round trips whatever its size; page deltas keep its increments at the pages that changed
-# (bench/run.py at 64 MiB: 1 MiB -> 4 MiB cut the in-agent checkpoint 4.0x -> 3.2x and the restore
-# 2.7x -> 2.1x of their bounds, the 5% increment unchanged for an object heap)
+# (bench/run.py at 64 MiB, docs/performance.md)
 MIN_SPAN = 4 << 20
 # 8 MiB: a change of 1% of a 2 GiB heap (one ~20 MiB region) touches at most 4 spans (32 MiB), so an
 # autosave uploads <= 2x what changed (bench/autosave.py); 16 MiB spans sent 3 x 16 MiB in 29% of saves
