@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import Protocol
 
 from kubectl_snapshot.core.chunks import PAGE_SIZE, delta_raw_length
 from kubectl_snapshot.core.errors import DigestMismatch
@@ -60,8 +61,16 @@ class DeltaPlan:
         return not self.literals and self.copies == ((0, 0, self.pages),)
 
 
-def page_hashes(raw: bytes | bytearray | memoryview) -> bytes:
-    """The concatenated PAGE_HASH_BYTES-byte hashes of every page of `raw` (a multiple of PAGE_SIZE)."""
+class _Hash(Protocol):
+    def update(self, data: bytes, /) -> None: ...
+
+
+def page_hashes(raw: bytes | bytearray | memoryview, *, whole: _Hash | None = None) -> bytes:
+    """The concatenated PAGE_HASH_BYTES-byte hashes of every page of `raw` (a multiple of PAGE_SIZE).
+
+    `whole`: a hash object fed each page's full sha256, in order: a collision-resistant digest of the
+    whole of `raw` for the price of one more call per page (the sealed chunk's key seed, shim/engine/
+    stream.py), where a second pass over the bytes would cost a full sha256 of the chunk."""
     if len(raw) % PAGE_SIZE:
         raise ValueError("page hashes need whole pages")
     out = bytearray()
@@ -75,7 +84,10 @@ def page_hashes(raw: bytes | bytearray | memoryview) -> bytes:
             h = sha(view[i : i + _PIECE])
             h.update(view[i + _PIECE : i + 2 * _PIECE])
             h.update(view[i + 2 * _PIECE : i + PAGE_SIZE])
-            out += h.digest()[:PAGE_HASH_BYTES]
+            d = h.digest()
+            out += d[:PAGE_HASH_BYTES]
+            if whole is not None:
+                whole.update(d)
     return bytes(out)
 
 

@@ -14,8 +14,10 @@ flag refuses a truncated blob (a stream cut after a full segment has no final se
 it, the header in the AAD refuses a changed segment size.
 
 Data keys: a layer gets a random key; a page chunk gets a *convergent* key,
-``HMAC(namespace key, "chunk" || sha256(plaintext))``, so the same chunk content in the same namespace
-seals to the same ciphertext, the same digest, and is found in the registry by the incremental upload.
+``HMAC(namespace key, "chunk" || seed)``, so the same chunk content in the same namespace seals to the
+same ciphertext, the same digest, and is found in the registry by the incremental upload. The seed is a
+collision-resistant digest that determines the plaintext: its sha256, or (when the agent hashed every
+page anyway, shim/engine/stream.key_seed) a digest of the pages' sha256s and the compressor's identity.
 Each key is used for exactly one plaintext, so the index-based nonces never repeat under one key.
 
 Wrapping: ``AES-256-GCM(wrap key, random nonce, dek, aad = label || namespace || ciphertext digest)``:
@@ -317,22 +319,24 @@ class Sealer:
         self._lock = threading.Lock()
         self._keys: dict[str, str] = {}
 
-    def seal_chunk(self, plain: bytes | bytearray, plain_sha256: bytes | None = None) -> tuple[bytearray, str]:
+    def seal_chunk(self, plain: bytes | bytearray, seed: bytes | None = None) -> tuple[bytearray, str]:
         """(ciphertext, its digest) of a chunk; same plaintext in the same namespace -> same ciphertext.
-        `plain_sha256`: the plaintext's sha256 when the caller has it already."""
-        dek = self._chunk_key(plain_sha256 or hashlib.sha256(plain).digest())
+        `seed`: what the data key derives from, by default the plaintext's sha256; a caller that passes
+        another one promises that it is collision resistant and determines `plain` (two different
+        plaintexts under one seed would share a key and its nonces)."""
+        dek = self._chunk_key(seed or hashlib.sha256(plain).digest())
         sealed = seal_bytes(plain, dek, segment_size=self.segment_size)
         digest = _sha256(sealed)
         self._record(digest, dek)
         return sealed, digest
 
-    def record_chunk(self, digest: str, plain_sha256: bytes) -> None:
+    def record_chunk(self, digest: str, seed: bytes) -> None:
         """Name a chunk sealed by an earlier snapshot (a page delta's base, reused unread): its data key
-        follows from its plaintext's hash (convergent), so it can be wrapped again for this config."""
-        self._record(digest, self._chunk_key(plain_sha256))
+        follows from the seed it was sealed with (convergent), so it can be wrapped again for this config."""
+        self._record(digest, self._chunk_key(seed))
 
-    def _chunk_key(self, plain_sha256: bytes) -> bytes:
-        return self.key.mac(_CHUNK_LABEL + plain_sha256)
+    def _chunk_key(self, seed: bytes) -> bytes:
+        return self.key.mac(_CHUNK_LABEL + seed)
 
     def stream_key(self) -> bytes:
         """A fresh random data key for one layer; give it to `seal_stream`, then `record` the digest."""

@@ -3,7 +3,7 @@
 Per scope (one snapshot repository + one container name + the sealing key, or none) one file in the
 agent's state directory lists, for every chunk the last snapshot of that scope stored or reused as a
 base: its layout key (which virtual addresses its pages hold, shim/engine/chunks.py), the base blob's
-digest and size, the sha256 of its compressed plaintext (a sealed chunk's data key follows from it),
+digest and size, the seed its data key derives from when sealed (shim/engine/stream.key_seed),
 a short hash of each of its pages (core/pagedelta.py) and, when that snapshot stored the chunk as a
 delta, the page hashes of that version too (what changed since the last snapshot decides whether a
 large delta is worth sending, core/pagedelta.worth_a_delta). The next snapshot of the scope compares
@@ -39,7 +39,9 @@ class BaseChunk:
     digest: str  # the stored blob (ciphertext when sealed)
     size: int
     length: int  # raw bytes of the chunk
-    plain_sha256: bytes  # of the compressed chunk before sealing
+    # what a sealed chunk's data key derives from (core/sealing.Sealer.seal_chunk): the sha256 of the
+    # compressed chunk, or for chunks sealed since the key seed of shim/engine/stream.key_seed
+    seed: bytes
     hashes: bytes  # PAGE_HASH_BYTES per page
     layout: bytes  # which virtual addresses its pages hold (core/chunks.span_layouts)
     # the last snapshot's version of the chunk (layout, page hashes) when it was base + a delta
@@ -102,7 +104,7 @@ def _read(path: str) -> dict[str, BaseChunk]:
     blob = body[_LEN.size + n :]
     out: dict[str, BaseChunk] = {}
     pos = 0
-    for key, digest, size, length, plain, sizes in meta["entries"]:
+    for key, digest, size, length, seed, sizes in meta["entries"]:
         if not (isinstance(key, str) and is_digest(digest) and size > 0 and length > 0 and length % PAGE_SIZE == 0):
             raise ValueError("bad page index entry")
         if len(sizes) not in (2, 4) or any(not isinstance(n, int) or n < 0 for n in sizes):
@@ -114,7 +116,7 @@ def _read(path: str) -> dict[str, BaseChunk]:
         if pos > len(blob):
             raise ValueError("page index is truncated")
         last = (parts[2], parts[3]) if len(parts) == 4 else None
-        out[key] = BaseChunk(digest, int(size), int(length), bytes.fromhex(plain), parts[1], parts[0], last)
+        out[key] = BaseChunk(digest, int(size), int(length), bytes.fromhex(seed), parts[1], parts[0], last)
     if pos != len(blob):
         raise ValueError("page index has trailing bytes")
     return out
@@ -126,7 +128,7 @@ def _write(path: str, entries: dict[str, BaseChunk]) -> None:
     for k, b in entries.items():
         mine = [b.layout, b.hashes, *(b.last or ())]
         parts.extend(mine)
-        entries_meta.append([k, b.digest, b.size, b.length, b.plain_sha256.hex(), [len(p) for p in mine]])
+        entries_meta.append([k, b.digest, b.size, b.length, b.seed.hex(), [len(p) for p in mine]])
     head = json.dumps({"entries": entries_meta}, separators=(",", ":")).encode()
     body = b"".join([_LEN.pack(len(head)), head, *parts])
     if len(body) + len(MAGIC) + 32 > MAX_FILE_BYTES:

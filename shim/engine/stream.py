@@ -81,6 +81,22 @@ class _Counter:
 
 _local = threading.local()
 
+# Everything that decides the compressed bytes of a chunk besides its raw bytes: part of a sealed
+# chunk's key seed (below), so that one data key never seals two different plaintexts, even across
+# an agent upgrade that compresses the same memory differently.
+_PACKER = f"zstd {zstandard.ZSTD_VERSION} level {ZSTD_LEVEL} checksum content-size single-thread".encode()
+_SEED_LABEL = b"kubectl-snapshot/chunk-seed/pages/v1\0"
+
+
+def key_seed(page_digest: bytes, raw_length: int, packed_length: int) -> bytes:
+    """The seed of a sealed chunk's convergent data key when its pages were hashed anyway: derived from
+    the sha256 of every page (`page_digest`, see core/pagedelta.page_hashes) and the packer, which
+    together determine the compressed plaintext, so no second sha256 pass over the chunk is needed
+    (the registry still needs one over the ciphertext)."""
+    return hashlib.sha256(
+        _SEED_LABEL + _PACKER + b"\0" + raw_length.to_bytes(8, "big") + packed_length.to_bytes(8, "big") + page_digest
+    ).digest()
+
 
 def _compressor() -> zstandard.ZstdCompressor:
     c = getattr(_local, "cctx", None)
@@ -133,10 +149,10 @@ def push_chunks(
     uploaded, stored = _Counter(), _Counter()
     fds = {p.name: os.open(p.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) for p in plans}
 
-    def seal(packed: bytes, plain_sha256: bytes) -> tuple[bytes | bytearray, str]:
+    def seal(packed: bytes, seed: bytes) -> tuple[bytes | bytearray, str]:
         if sealer is not None:
-            return sealer.seal_chunk(packed, plain_sha256)
-        return packed, "sha256:" + plain_sha256.hex()
+            return sealer.seal_chunk(packed, seed)
+        return packed, "sha256:" + seed.hex()
 
     def send(blob: bytes | bytearray, digest: str) -> None:
         if registry.push_blob(ref, digest=digest, size=len(blob), data=blob):
@@ -157,7 +173,7 @@ def push_chunks(
         if not registry.blob_exists(ref, base.digest):
             return None  # retention or GC removed it: store the chunk whole
         if sealer is not None:
-            sealer.record_chunk(base.digest, base.plain_sha256)
+            sealer.record_chunk(base.digest, base.seed)
         stored.add(base.size)
         if plan.identical:
             return Chunk(offset, len(raw), base.digest, base.size)
@@ -174,7 +190,8 @@ def push_chunks(
             raw = os.pread(fds[name], length, offset)
             if len(raw) != length:
                 raise OSError(f"{name} shrank while it was being packaged")
-            hashes = page_hashes(raw) if index is not None and keys and length % PAGE_SIZE == 0 else None
+            whole = hashlib.sha256() if sealer is not None else None
+            hashes = page_hashes(raw, whole=whole) if index is not None and keys and length % PAGE_SIZE == 0 else None
             key = keys[0] if keys else ""
             if index is not None and hashes is not None:
                 # the base of the same address range: found by the first page's window, or another
@@ -187,11 +204,14 @@ def push_chunks(
                             on_raw(length)
                         return chunk
             packed = _compressor().compress(raw)
-            plain_sha256 = hashlib.sha256(packed).digest()
-            blob, digest = seal(packed, plain_sha256)
+            if hashes is not None and whole is not None:  # sealed: the pages' digests name the content
+                seed = key_seed(whole.digest(), length, len(packed))
+            else:  # in clear this is the blob's digest
+                seed = hashlib.sha256(packed).digest()
+            blob, digest = seal(packed, seed)
             send(blob, digest)
             if index is not None and hashes is not None:
-                index.put(key, BaseChunk(digest, len(blob), length, plain_sha256, hashes, layout))
+                index.put(key, BaseChunk(digest, len(blob), length, seed, hashes, layout))
             if on_raw is not None:
                 on_raw(length)
             return Chunk(offset, length, digest, len(blob))

@@ -183,7 +183,7 @@ def test_sealed_deltas_round_trip_through_the_registry_and_a_lost_base_means_a_f
     reg = RegistryClient()
     index_dir = str(tmp_path / "index")
 
-    def save() -> tuple[Sealer, PushedChunks]:
+    def save(index_dir: str = index_dir) -> tuple[Sealer, PushedChunks]:
         sealer = Sealer(key, "team-a")
         index = PageIndex.load(index_dir, "s")
         pushed = push_chunks(reg, ref, [_plan(src / "pages-1.img", runs)], sealer=sealer, index=index)
@@ -201,6 +201,11 @@ def test_sealed_deltas_round_trip_through_the_registry_and_a_lost_base_means_a_f
 
     _, first = save()
     assert all(c.delta is None for c in first.files[0].chunks)
+    # convergent without the node's memory: another node (no page index) seals the same pages to the
+    # same blobs (the key seed comes from the page hashes, shim/engine/stream.key_seed)
+    _, elsewhere = save(str(tmp_path / "index-of-another-node"))
+    assert [c.digest for c in elsewhere.files[0].chunks] == [c.digest for c in first.files[0].chunks]
+    assert elsewhere.uploaded == 0
     # chunk 0: 3 pages change (a delta), chunk 1: all pages (stored whole), chunks 2, 3: unchanged
     for i in (0, 5, 200):
         data[i * PAGE_SIZE] ^= 1

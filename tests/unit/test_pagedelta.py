@@ -3,6 +3,7 @@ the node's page index (a cache: anything wrong with it means full chunks)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -40,6 +41,7 @@ from kubectl_snapshot.core.pagedelta import (
 )
 from shim.engine import pageindex
 from shim.engine.pageindex import BaseChunk, PageIndex
+from shim.engine.stream import key_seed
 
 D = ["sha256:" + c * 64 for c in "0123456789abcdef"]
 
@@ -317,3 +319,27 @@ def test_window_keys_name_every_window_a_chunk_covers_first_page_first() -> None
     assert not set(keys) & set(window_keys("pages-2.img", span, layout((40, 4), (60, 20))))  # another file
     assert not set(keys) & set(window_keys("pages-1.img", 2 * span, layout((40, 4), (60, 20))))  # another span
     assert len(window_keys("pages-1.img", span, layout((0, 16 * 100)))) == MAX_WINDOW_KEYS
+
+
+def test_the_sealed_key_seed_names_the_content_and_the_packer() -> None:
+
+    def seed(raw: bytes | bytearray, packed_length: int = 100) -> bytes:
+        whole = hashlib.sha256()
+        page_hashes(raw, whole=whole)
+        return key_seed(whole.digest(), len(raw), packed_length)
+
+    a = chunk(4)
+    changed = bytearray(a)
+    changed[3 * PAGE_SIZE + 17] ^= 1  # one byte of the last page
+    assert seed(a) == seed(bytes(a))
+    assert seed(bytes(changed)) != seed(a)
+    assert seed(a[: 3 * PAGE_SIZE]) != seed(a)
+    assert seed(a, 101) != seed(a)  # another packing of the same pages: another key
+    whole = hashlib.sha256()
+    page_hashes(a, whole=whole)  # the digest of the pages' full sha256s, not of the bytes
+    assert (
+        whole.digest()
+        == hashlib.sha256(
+            b"".join(hashlib.sha256(a[i : i + PAGE_SIZE]).digest() for i in range(0, len(a), PAGE_SIZE))
+        ).digest()
+    )
