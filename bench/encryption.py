@@ -6,7 +6,8 @@
 One workload container (bench/workload.py); each run checkpoints it twice, in clear and sealed
 (``--encrypt``), in alternating order, each to a fresh repository (everything is uploaded: the worst
 case), then restores each snapshot as a new container (pull -> running), again alternating. Reports
-medians of the CLI wall times and sealed/clear ratios (the goal: at most 1.10). One warm-up run first.
+medians of the CLI wall times and sealed/clear ratios (the goal: at most 1.10), and the same for the
+agent command's CPU time (steadier than wall time on a shared VM). One warm-up run first.
 Needs root and the node deps, like bench/run.py; the registry listens on 127.0.0.1.
 """
 
@@ -16,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -34,22 +36,29 @@ from tests.support.registry import RegistryServer
 from tests.support.signing import signing_env
 
 
-def checkpoint(daemon: ContainerdDaemon, ref: str, cid: str, seal: list[str]) -> tuple[float, dict[str, Any]]:
-    t = time.monotonic()
+def child_cpu() -> float:
+    """CPU seconds (user + system) of the waited-for children so far: the agent command's own CPU, far
+    less noisy on a shared VM than its wall time (CRIU runs under containerd, not counted)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def checkpoint(daemon: ContainerdDaemon, ref: str, cid: str, seal: list[str]) -> tuple[float, float, dict[str, Any]]:
+    t, cpu = time.monotonic(), child_cpu()
     addr = ["-a", daemon.address, "-n", daemon.namespace]
     proc = sh([AGENT, "checkpoint", *addr, *seal, "-o", "json", "--to", ref, cid])
-    return time.monotonic() - t, json.loads(proc.stdout)
+    return time.monotonic() - t, child_cpu() - cpu, json.loads(proc.stdout)
 
 
-def restore(daemon: ContainerdDaemon, ref: str, keys: list[str]) -> tuple[float, dict[str, Any]]:
+def restore(daemon: ContainerdDaemon, ref: str, keys: list[str]) -> tuple[float, float, dict[str, Any]]:
     new = f"r-{uuid.uuid4().hex[:8]}"
-    t = time.monotonic()
+    t, cpu = time.monotonic(), child_cpu()
     proc = sh([AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", WRAPPER,
                "--runc-root", daemon.runc_root, *keys, "-o", "json", ref, new])  # fmt: skip
-    wall = time.monotonic() - t
+    wall, used = time.monotonic() - t, child_cpu() - cpu
     with contextlib.suppress(Exception):
         daemon.client().remove_container(new)
-    return wall, json.loads(proc.stdout)
+    return wall, used, json.loads(proc.stdout)
 
 
 def measure(
@@ -59,6 +68,8 @@ def measure(
     modes = {"clear": ([], []), "sealed": (["--encrypt", *keys], keys)}
     pushed: dict[str, list[float]] = {m: [] for m in modes}
     running: dict[str, list[float]] = {m: [] for m in modes}
+    pushed_cpu: dict[str, list[float]] = {m: [] for m in modes}
+    running_cpu: dict[str, list[float]] = {m: [] for m in modes}
     sizes: dict[str, int] = {}
     phases: dict[str, dict[str, list[float]]] = {m: {} for m in modes}  # the agent's own timings (ms)
     refs: dict[str, str] = {}
@@ -66,26 +77,30 @@ def measure(
         for i in range(runs + 1):
             order = list(modes) if i % 2 == 0 else list(reversed(modes))
             for m in order:
-                wall, res = checkpoint(daemon, f"{registry.host}/enc-{m}-{uuid.uuid4().hex[:8]}:v1", cid, modes[m][0])
+                ref = f"{registry.host}/enc-{m}-{uuid.uuid4().hex[:8]}:v1"
+                wall, cpu, res = checkpoint(daemon, ref, cid, modes[m][0])
                 refs[m], sizes[m] = res["reference"], res["size"]
                 if i:
                     pushed[m].append(wall)
+                    pushed_cpu[m].append(cpu)
                     for k, v in res["timingsMs"].items():
                         phases[m].setdefault("checkpoint." + k, []).append(v)
         for i in range(runs + 1):
             order = list(modes) if i % 2 == 0 else list(reversed(modes))
             for m in order:
-                wall, res = restore(daemon, refs[m], modes[m][1])
+                wall, cpu, res = restore(daemon, refs[m], modes[m][1])
                 if i:
                     running[m].append(wall)
+                    running_cpu[m].append(cpu)
                     for k, v in res["timingsMs"].items():
                         phases[m].setdefault("restore." + k, []).append(v)
-    med = {k: {m: statistics.median(v[m]) for m in modes} for k, v in (("pushed_s", pushed), ("running_s", running))}
+    series = {"pushed_s": pushed, "running_s": running, "pushed_cpu_s": pushed_cpu, "running_cpu_s": running_cpu}
+    med = {k: {m: statistics.median(v[m]) for m in modes} for k, v in series.items()}
     return {
         "mib": mib,
         "kind": kind,
         "runs": runs,
-        "samples": {"pushed_s": pushed, "running_s": running},
+        "samples": series,
         "median": med,
         "ratio": {k: med[k]["sealed"] / med[k]["clear"] for k in med},
         "size_bytes": sizes,
@@ -122,7 +137,10 @@ def main() -> None:
     print(
         f"{a.kind} {a.mib} MiB, median of {a.runs}: checkpoint->pushed clear {m['pushed_s']['clear']:.2f}s "
         f"sealed {m['pushed_s']['sealed']:.2f}s (x{r['pushed_s']:.3f}); pull->running clear "
-        f"{m['running_s']['clear']:.2f}s sealed {m['running_s']['sealed']:.2f}s (x{r['running_s']:.3f})",
+        f"{m['running_s']['clear']:.2f}s sealed {m['running_s']['sealed']:.2f}s (x{r['running_s']:.3f}); the agent "
+        f"command's CPU: checkpoint x{r['pushed_cpu_s']:.3f} ({m['pushed_cpu_s']['clear']:.2f}s / "
+        f"{m['pushed_cpu_s']['sealed']:.2f}s), restore x{r['running_cpu_s']:.3f} ({m['running_cpu_s']['clear']:.2f}s / "
+        f"{m['running_cpu_s']['sealed']:.2f}s)",
         file=sys.stderr,
     )
 
