@@ -30,7 +30,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.run import AGENT, WRAPPER, container, machine_facts, sh
+from bench.run import AGENT, WRAPPER, container, installed_like, machine_facts, sh
 from tests.support.containerd import ContainerdDaemon, node_criu_config
 from tests.support.registry import RegistryServer
 from tests.support.signing import signing_env
@@ -116,6 +116,7 @@ def main() -> None:
     ap.add_argument("--out", default="")
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    installed_like()
     os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     work = Path(tempfile.mkdtemp(prefix="ksbench-enc-", dir="/var/tmp"))
     with contextlib.ExitStack() as stack:

@@ -67,6 +67,15 @@ CTR = "/usr/local/bin/ctr"
 CRIU = shutil.which("criu") or "/usr/sbin/criu"
 HOST_PY = "/usr/bin/python3"
 STATE = Path(os.environ.get("KUBECTL_SNAPSHOT_STATE_DIR", "/var/lib/kubectl-snapshot"))
+REPO = Path(__file__).resolve().parent.parent
+
+
+def installed_like() -> None:
+    """Compile the project's bytecode first, as `pip install` and the agent image do: the benchmarked
+    commands then load it as an installed agent would. Without this, every module whose cached
+    bytecode is missing or older than its source is compiled again by every command (never written
+    back where PYTHONDONTWRITEBYTECODE is set), ~0.1 s per command after a few edits."""
+    sh([sys.executable, "-m", "compileall", "-q", str(REPO / "kubectl_snapshot"), str(REPO / "shim")])
 
 
 def sh(cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[str]:
@@ -553,6 +562,7 @@ def main() -> None:
     a = ap.parse_args()
     # a SIGTERM (timeout, kill) unwinds like ^C: daemons stopped, workloads killed, CRIU config removed
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    installed_like()
     sizes = [64, 512] if a.quick else [int(x) for x in a.sizes.split(",")]
     kinds = a.kinds.split(",")
     work = Path(tempfile.mkdtemp(prefix="ksbench-", dir="/var/tmp"))

@@ -30,7 +30,6 @@ client), so it starts fast and has little that can break.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import http.client
 import json
@@ -52,13 +51,16 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
 from kubectl_snapshot.core.errors import FailedPrecondition
 from shim import freezer
+
+if TYPE_CHECKING:
+    import argparse
 
 log = logging.getLogger("kubectl-snapshot-guard")
 
@@ -582,6 +584,8 @@ def private_guard(report: dict[str, Any] | None = None) -> Iterator[GuardClient]
 
 
 def parser() -> argparse.ArgumentParser:
+    import argparse  # the agent imports this module for the client side only
+
     p = argparse.ArgumentParser(prog="kubectl-snapshot-guard", description=__doc__.split("\n\n")[0])
     p.add_argument("--socket", default=os.environ.get(ENV_SOCKET, "/run/kubectl-snapshot-guard/guard.sock"))
     p.add_argument("--state-dir", default="/run/kubectl-snapshot-guard/holds")

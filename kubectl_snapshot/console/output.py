@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
-import yaml
 
 from kubectl_snapshot.core import jsonpath
 from kubectl_snapshot.core.errors import InvalidArgument
@@ -67,6 +66,8 @@ def emit(
     if fmt == "json":
         click.echo(json.dumps(data, indent=2, sort_keys=False))
     elif fmt == "yaml":
+        import yaml  # only here: a command's start-up is part of every snapshot's time (docs/performance.md)
+
         click.echo(yaml.safe_dump(data, sort_keys=False).rstrip())
     elif fmt.startswith("jsonpath="):
         click.echo(jsonpath.render(fmt[len("jsonpath=") :], data), nl=False)
