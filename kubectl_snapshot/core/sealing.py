@@ -36,7 +36,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator
-from typing import BinaryIO, Protocol
+from typing import BinaryIO, Protocol, overload
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -215,8 +215,19 @@ def _open(aead: AESGCM, header: bytes, index: int, final: bool, seg: bytes | mem
         ) from None
 
 
-def open_bytes(blob: bytes | bytearray | memoryview, dek: bytes) -> bytearray:
-    """Decrypt a whole sealed blob; every segment authenticated, the last one as final."""
+_Blob = bytes | bytearray | memoryview
+
+
+@overload
+def open_bytes(blob: _Blob, dek: bytes, *, into: None = None) -> bytearray: ...
+@overload
+def open_bytes(blob: _Blob, dek: bytes, *, into: bytearray) -> memoryview: ...
+def open_bytes(blob: _Blob, dek: bytes, *, into: bytearray | None = None) -> bytearray | memoryview:
+    """Decrypt a whole sealed blob; every segment authenticated, the last one as final.
+
+    `into`: a scratch buffer to decrypt into (grown when too small; it must have no views then): the
+    result is a view of its first bytes, to be released before the buffer is used again. A chunk
+    worker keeps one, so that every chunk does not cost a new zero-filled, page-faulted buffer."""
     with memoryview(blob) as whole:
         header = bytes(whole[: HEADER.size])
         size = _read_header(header)
@@ -226,18 +237,29 @@ def open_bytes(blob: bytes | bytearray | memoryview, dek: bytes) -> bytearray:
         n = max(1, -(-len(body) // step))
         if len(body) - (n - 1) * step < TAG:
             raise DecryptionFailed("sealed blob ends inside a segment tag", hint=_TAMPER_HINT)
-        out = bytearray(len(body) - n * TAG)
-        with memoryview(out) as dst:
-            for i in range(n):
-                with body[i * step : (i + 1) * step] as seg, dst[i * size : i * size + len(seg) - TAG] as into:
-                    try:
-                        aead.decrypt_into(_nonce(i), seg, _aad(header, i, i == n - 1), into)
-                    except InvalidTag:
-                        raise DecryptionFailed(
-                            f"segment {i} of a sealed blob does not authenticate"
-                            + (" (truncated, reordered or altered)" if i < n - 1 else " (altered or truncated)"),
-                            hint=_TAMPER_HINT,
-                        ) from None
+        length = len(body) - n * TAG
+        if into is None:
+            out: bytearray | memoryview = bytearray(length)
+        else:
+            if len(into) < length:
+                into.extend(bytes(length - len(into)))
+            out = memoryview(into)[:length]
+        try:
+            with memoryview(out) as dst:
+                for i in range(n):
+                    with body[i * step : (i + 1) * step] as seg, dst[i * size : i * size + len(seg) - TAG] as part:
+                        try:
+                            aead.decrypt_into(_nonce(i), seg, _aad(header, i, i == n - 1), part)
+                        except InvalidTag:
+                            raise DecryptionFailed(
+                                f"segment {i} of a sealed blob does not authenticate"
+                                + (" (truncated, reordered or altered)" if i < n - 1 else " (altered or truncated)"),
+                                hint=_TAMPER_HINT,
+                            ) from None
+        except BaseException:
+            if isinstance(out, memoryview):
+                out.release()  # the scratch buffer stays usable (and growable) for the next blob
+            raise
         body.release()
     return out
 
@@ -383,9 +405,13 @@ class Opener:
                 hint=e.hint,
             ) from None
 
-    def open_chunk(self, digest: str, sealed: bytes | bytearray | memoryview) -> bytearray:
+    @overload
+    def open_chunk(self, digest: str, sealed: _Blob, *, into: None = None) -> bytearray: ...
+    @overload
+    def open_chunk(self, digest: str, sealed: _Blob, *, into: bytearray) -> memoryview: ...
+    def open_chunk(self, digest: str, sealed: _Blob, *, into: bytearray | None = None) -> bytearray | memoryview:
         try:
-            return open_bytes(sealed, self.data_key(digest))
+            return open_bytes(sealed, self.data_key(digest), into=into)
         except DecryptionFailed as e:
             if e.message.startswith("cannot decrypt"):
                 raise

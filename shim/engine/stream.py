@@ -339,11 +339,21 @@ def fetch_chunks(
             """Download one blob whole, verified (digest, size), opened, decompressed, exactly `raw_length`."""
             buf = io.BytesIO()
             registry.fetch_blob(ref, digest, buf, expected_size=size, max_size=size)
-            blob = buf.getvalue() if opener is None else opener.open_chunk(digest, buf.getbuffer())
+            if opener is None:
+                blob: bytes | bytearray | memoryview = buf.getvalue()
+            else:  # decrypted into this worker's scratch buffer, reused chunk after chunk
+                scratch = getattr(_local, "opened", None)
+                if scratch is None:
+                    scratch = _local.opened = bytearray()
+                with buf.getbuffer() as sealed:
+                    blob = opener.open_chunk(digest, sealed, into=scratch)
             try:
                 raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=raw_length)
             except zstandard.ZstdError as e:
                 raise DigestMismatch(f"{what} {digest} does not decompress: {e}", hint=_HINT) from e
+            finally:
+                if isinstance(blob, memoryview):
+                    blob.release()
             if len(raw) != raw_length:
                 raise DigestMismatch(
                     f"{what} {digest} holds {len(raw)} bytes, the snapshot says {raw_length}", hint=_HINT

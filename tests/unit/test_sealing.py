@@ -83,6 +83,22 @@ def test_a_flipped_byte_anywhere_is_refused() -> None:
             read_all(bytes(bad), dek)
 
 
+def test_a_scratch_buffer_is_reused_grown_and_stays_usable_after_a_refusal() -> None:
+    dek, scratch = new_key(), bytearray()
+    for n in (3 * SEG + 5, SEG, 5 * SEG):  # grows, then a smaller blob uses its start, then grows again
+        data = os.urandom(n)
+        with open_bytes(seal_bytes(data, dek, segment_size=SEG), dek, into=scratch) as view:
+            assert view == data
+        assert len(scratch) >= n
+    bad = bytearray(seal_bytes(os.urandom(2 * SEG), dek, segment_size=SEG))
+    bad[-1] ^= 1
+    with pytest.raises(DecryptionFailed):
+        open_bytes(bad, dek, into=scratch)
+    data = os.urandom(7 * SEG)  # no view of the scratch buffer was left behind: it can grow
+    with open_bytes(seal_bytes(data, dek, segment_size=SEG), dek, into=scratch) as view:
+        assert view == data
+
+
 def test_a_changed_header_is_refused() -> None:
     dek = new_key()
     blob = seal_bytes(os.urandom(2 * SEG), dek, segment_size=SEG)
