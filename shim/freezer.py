@@ -44,6 +44,9 @@ class CgroupFreezer:
         with open(self._control) as f:
             return f.read().strip() == "FROZEN"
 
+    def ready(self) -> None:
+        """Always ready: the cgroup is written directly."""
+
     def freeze(self, timeout: float = FREEZE_TIMEOUT, *, deadline_s: float | None = None) -> None:
         """Freeze and wait until every task of the cgroup is frozen; on timeout thaw and raise.
 

@@ -455,6 +455,9 @@ class GuardedFreezer:
     def frozen(self) -> bool:
         return self.direct.frozen()
 
+    def ready(self) -> None:
+        self.client.wait_ready()
+
     def freeze(self, *, deadline_s: float | None = None) -> None:
         self.client.wait_ready()
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -273,6 +273,10 @@ def _freeze_and_dump(
     """Freeze every container, dump them (under the shared network's lock), capture the volumes, and
     thaw them again unless `stop`. Returns the containers still frozen (with `stop`) and the volume tar.
     On any failure every container frozen so far is thawed before the error goes on."""
+    # A standalone command's private freeze guard may still be starting (a Python process): wait for
+    # it while the pod runs, so that neither the freeze nor its clock includes that start-up.
+    for fz in pre.direct.values():
+        fz.ready()
     # Written before the first pause: if this process dies while containers are frozen, the next
     # agent start (recover_interrupted) finds the list and thaws them. Never lose the workload.
     with open(os.path.join(work, FROZEN_FILE), "w") as f:

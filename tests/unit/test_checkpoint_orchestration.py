@@ -134,6 +134,9 @@ class FakeFreezer:
     def __init__(self, cid: str, log: list[tuple[str, str]], cd: FakeContainerd, fail: bool = False) -> None:
         self.cid, self.log, self.cd, self.fail, self.is_frozen = cid, log, cd, fail, False
 
+    def ready(self) -> None:
+        self.log.append(("ready", self.cid))
+
     def freeze(self, *, deadline_s: float | None = None) -> None:
         if self.fail:
             raise OSError("EACCES")
@@ -338,3 +341,33 @@ def test_with_stop_a_pod_thawed_during_the_upload_is_not_killed(tmp_path: Path) 
             before_stop=lambda: killed.append("pod deleted"),
         )
     assert killed == [] and cd.killed == set() and not fz.is_frozen
+
+
+def test_a_freeze_guard_still_starting_is_waited_for_before_the_freeze_and_its_clock(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a"}), FakeRegistry()
+    log: list[tuple[str, str]] = []
+    now = [0.0]
+
+    class Starting(FakeFreezer):
+        def ready(self) -> None:  # a private guard's Python start-up: 5 s on this clock, the pod unfrozen
+            assert not self.is_frozen
+            now[0] += 5.0
+            super().ready()
+
+        def freeze(self, *, deadline_s: float | None = None) -> None:
+            now[0] += 0.01
+            super().freeze()
+
+    result = checkpoint(
+        CheckpointRequest(containers=["a"], target=TARGET),
+        containerd=cd,
+        registry=reg,
+        paths=StatePaths(str(tmp_path)),
+        host=HOST,
+        freezer_for=lambda _pid: Starting("a", log, cd),
+        clock=lambda: now[0],
+    )
+    assert log[:2] == [("ready", "a"), ("freeze", "a")]
+    assert result.timings_ms["freezing_ms"] == pytest.approx(10.0)
+    assert result.timings_ms["freeze_ms"] < 1000  # the 5 s of start-up are not frozen time
+    assert result.timings_ms["total_ms"] >= 5000  # but they are the command's time
