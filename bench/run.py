@@ -74,7 +74,7 @@ def installed_like() -> None:
     """Compile the project's bytecode first, as `pip install` and the agent image do: the benchmarked
     commands then load it as an installed agent would. Without this, every module whose cached
     bytecode is missing or older than its source is compiled again by every command (never written
-    back where PYTHONDONTWRITEBYTECODE is set), ~0.1 s per command after a few edits."""
+    back where PYTHONDONTWRITEBYTECODE is set)."""
     sh([sys.executable, "-m", "compileall", "-q", str(REPO / "kubectl_snapshot"), str(REPO / "shim")])
 
 
