@@ -40,11 +40,11 @@ import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from kubectl_snapshot.adapters.registry.client import RegistryClient
+from kubectl_snapshot.core.autosave import parse_time
 from kubectl_snapshot.core.reference import Reference
 from tests.support.agent import installed_agent
 from tests.support.cluster import HACK, RUN_DIR, STATE_DIR, Cluster, _cluster_lock, _load, _running
@@ -155,8 +155,7 @@ def saves_since(cluster: Cluster, ns: str, policy: str, t: float) -> list[dict[s
     return [
         s
         for s in good_saves(cluster, ns, policy)
-        if datetime.strptime(s["metadata"]["creationTimestamp"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
-        >= math.ceil(t)
+        if (parse_time(s["metadata"]["creationTimestamp"]) or 0) >= math.ceil(t)
     ]
 
 

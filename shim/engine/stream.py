@@ -190,8 +190,9 @@ def push_chunks(
             raw = os.pread(fds[name], length, offset)
             if len(raw) != length:
                 raise OSError(f"{name} shrank while it was being packaged")
-            whole = hashlib.sha256() if sealer is not None else None
-            hashes = page_hashes(raw, whole=whole) if index is not None and keys and length % PAGE_SIZE == 0 else None
+            hashing = index is not None and bool(keys) and length % PAGE_SIZE == 0
+            whole = hashlib.sha256() if hashing and sealer is not None else None  # the key seed's digest
+            hashes = page_hashes(raw, whole=whole) if hashing else None
             key = keys[0] if keys else ""
             if index is not None and hashes is not None:
                 # the base of the same address range: found by the first page's window, or another
@@ -204,7 +205,7 @@ def push_chunks(
                             on_raw(length)
                         return chunk
             packed = _compressor().compress(raw)
-            if hashes is not None and whole is not None:  # sealed: the pages' digests name the content
+            if whole is not None:  # sealed: the pages' digests name the content
                 seed = key_seed(whole.digest(), length, len(packed))
             else:  # in clear this is the blob's digest
                 seed = hashlib.sha256(packed).digest()

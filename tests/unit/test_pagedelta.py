@@ -322,7 +322,6 @@ def test_window_keys_name_every_window_a_chunk_covers_first_page_first() -> None
 
 
 def test_the_sealed_key_seed_names_the_content_and_the_packer() -> None:
-
     def seed(raw: bytes | bytearray, packed_length: int = 100) -> bytes:
         whole = hashlib.sha256()
         page_hashes(raw, whole=whole)
