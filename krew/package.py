@@ -74,9 +74,9 @@ if sys.version_info < {MIN_PYTHON!r}:
     )
     sys.exit(1)
 
-from {ENTRY} import main
+from {ENTRY} import entry
 
-main()
+entry()
 '''
 
 

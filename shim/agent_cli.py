@@ -19,6 +19,7 @@ import click
 from kubectl_snapshot.adapters.keystore import FileKeyProvider
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
 from kubectl_snapshot.adapters.signatures import load_signing_key, load_trust, provenance_of
+from kubectl_snapshot.console import leave
 from kubectl_snapshot.console.errors import handle_errors
 from kubectl_snapshot.console.inspect import inspect_data, inspect_text
 from kubectl_snapshot.console.output import emit, output_option
@@ -378,8 +379,9 @@ def inspect_cmd(output: str, ref: str, trusted_keys: tuple[str, ...], **registry
 
 
 def main() -> None:
+    """The `ks-agent` program (tests call `cli` in-process instead)."""
     malloc.tune()  # chunk buffers reused from the heap, not mmapped and faulted in per chunk
-    cli(prog_name="ks-agent")
+    leave.run(lambda: cli(prog_name="ks-agent"))
 
 
 # --- the DaemonSet side -------------------------------------------------------------------------

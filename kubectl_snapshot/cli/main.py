@@ -38,6 +38,7 @@ from kubectl_snapshot.cli.params import (
     repository_default,
 )
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
+from kubectl_snapshot.console import leave
 from kubectl_snapshot.console.errors import handle_errors
 from kubectl_snapshot.console.inspect import inspect_data, inspect_text
 from kubectl_snapshot.console.output import emit, output_option
@@ -851,5 +852,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
 
 
+def entry() -> None:
+    """The `kubectl-snapshot` program: `main`, then a quick exit (console/leave.py)."""
+    leave.run(main)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

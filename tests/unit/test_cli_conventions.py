@@ -157,7 +157,7 @@ def plugin(*args: str, kubeconfig: Path | None = None) -> subprocess.CompletedPr
     env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"}
     env["KUBECONFIG"] = str(kubeconfig) if kubeconfig else "/nonexistent/kubeconfig"
     return subprocess.run(
-        [sys.executable, "-c", "from kubectl_snapshot.cli.main import main; main()", *args],
+        [sys.executable, "-c", "from kubectl_snapshot.cli.main import entry; entry()", *args],
         capture_output=True,
         text=True,
         cwd=REPO,

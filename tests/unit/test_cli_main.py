@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The entry point as kubectl runs it (main() maps usage errors itself)."""
     return subprocess.run(
-        [sys.executable, "-c", "from kubectl_snapshot.cli.main import main; main()", *args],
+        [sys.executable, "-c", "from kubectl_snapshot.cli.main import entry; entry()", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
