@@ -138,6 +138,11 @@ def _freeze(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dic
     ]
 
 
+def _decoded(n: float | None) -> str:
+    """How many CRIU images the hook decoded itself (the rest came from the agent's decode cache)."""
+    return "" if n is None else f" ({n:.0f} images decoded)"
+
+
 def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict[str, Any]) -> list[str]:
     b = ag.get("restore_breakdown") or {}
 
@@ -152,7 +157,7 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
         ms("restore_ms"),
         ms("create_ms"),
         ms("python_startup_ms"),
-        ms("image_check_ms"),
+        ms("image_check_ms") + _decoded(b.get("images_decoded_in_hook")),
         ms("runc_restore_ms"),
         _ms(raw.get("restore_s")),
         ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "-",
@@ -204,8 +209,9 @@ def markdown(result: dict[str, Any]) -> str:
         "Where an in-agent restore's time goes (medians): resolve (manifest, config, signature), download (every "
         "blob fetched, verified, decrypted, page files rebuilt), then containerd creating and starting the "
         "container: the runtime hook's create is the restore (its launcher starting Python on the hook, the CRIU "
-        "image check, `runc restore`); every other call containerd's shim makes goes from the launcher to runc "
-        "without Python (the count of calls per runc command during the last run's restore).",
+        "image check with the number of images it decoded itself, the rest coming from the agent's decode cache, "
+        "`runc restore`); every other call containerd's shim makes goes from the launcher to runc without Python "
+        "(the count of calls per runc command during the last run's restore).",
         "",
     ]
     parts_header = ["in-agent restore", "resolve", "download", "create + start", "hook create",

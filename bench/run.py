@@ -278,10 +278,13 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
         return None
     launches = [json.loads(line) for line in (hook / LAUNCHES).read_text().splitlines() if line.strip()]
     traces: dict[int, dict[str, float]] = {}
+    decoded: dict[int, int] = {}  # images the hook's check decoded itself (not from the agent's decode cache)
     with contextlib.suppress(FileNotFoundError):
         for line in (hook / TRACES).read_text().splitlines():
             t = json.loads(line)
             traces.setdefault(int(t["pid"]), {})[t["phase"]] = float(t["t"])
+            if "images_decoded" in t:
+                decoded[int(t["pid"])] = int(t["images_decoded"])
     calls: dict[str, int] = {}
     out: dict[str, Any] = {"calls": calls}
     for entry in launches:
@@ -292,6 +295,8 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
             begun = _launch_time(entry["time"])
             out["python_startup_ms"] = (ph["started"] - begun) * 1000
             out["image_check_ms"] = (ph["rootfs-diff"] - ph["image-check"]) * 1000
+            if int(entry["pid"]) in decoded:
+                out["images_decoded_in_hook"] = decoded[int(entry["pid"])]
             out["runc_restore_ms"] = (ph["after-restore"] - ph["runc-restore"]) * 1000
             out["create_ms"] = (ph.get("done", ph["after-restore"]) - begun) * 1000
     return out

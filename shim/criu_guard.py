@@ -30,11 +30,16 @@ restore create, never on ordinary containers.
 from __future__ import annotations
 
 import base64
+import contextlib
 import glob
+import hashlib
+import io
+import json
 import os
 import posixpath
 import struct
 import sys
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -299,7 +304,7 @@ def mount_problems(mounts: Sequence[Mapping[str, Any]], grant: BundleGrant) -> l
 # --- reading the images --------------------------------------------------------------------------
 
 
-def load_image(images: Any, path: str) -> list[dict[str, Any]]:
+def _read_image(path: str) -> bytes:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -307,15 +312,107 @@ def load_image(images: Any, path: str) -> list[dict[str, Any]]:
     with os.fdopen(fd, "rb") as f:
         if os.fstat(f.fileno()).st_size > MAX_IMAGE_BYTES:
             raise ImageGrantsMore(f"CRIU image {os.path.basename(path)} is too large", hint=_HINT)
-        try:
-            entries = images.load(f)["entries"]
-        except Exception as e:  # pycriu raises many kinds on bad input
-            raise ImageGrantsMore(
-                f"cannot decode CRIU image {os.path.basename(path)}: {type(e).__name__}: {e}", hint=_HINT
-            ) from e
+        return f.read(MAX_IMAGE_BYTES + 1)
+
+
+def _decode(images: Any, data: bytes, name: str) -> list[dict[str, Any]]:
+    try:
+        entries = images.load(io.BytesIO(data))["entries"]
+    except Exception as e:  # pycriu raises many kinds on bad input
+        raise ImageGrantsMore(f"cannot decode CRIU image {name}: {type(e).__name__}: {e}", hint=_HINT) from e
     if not isinstance(entries, list):
-        raise ImageGrantsMore(f"CRIU image {os.path.basename(path)} has no entries", hint=_HINT)
+        raise ImageGrantsMore(f"CRIU image {name} has no entries", hint=_HINT)
     return entries
+
+
+def load_image(images: Any, path: str) -> list[dict[str, Any]]:
+    return _decode(images, _read_image(path), os.path.basename(path))
+
+
+# --- the decode cache ----------------------------------------------------------------------------
+# Importing pycriu (its protobuf modules) is most of what the check costs the wrapper on every restore
+# create. The agent has pycriu loaded when it stages a restore, so it decodes the images the wrapper will
+# read and keeps each one's entries under the SHA-256 of the image's bytes, in a directory of its own
+# state dir (root's, never inside a staged tree a snapshot's layer is extracted into). The wrapper reads
+# the bytes, hashes them and takes the entries kept for exactly those bytes; any image the cache does not
+# hold (or holds unreadably) is decoded with pycriu as before. So what the check sees is pycriu's
+# decoding of the bytes it is about to restore, whoever decoded them: the cache is trusted for who
+# writes it (the agent, root) and bound to content, so a stale entry can only ever answer for the same
+# bytes. Entries unused for CACHE_MAX_AGE_S are pruned when the agent stages.
+
+CACHED_IMAGES = ("pstree.img", "seccomp.img", "inventory.img", "files.img", "core-*.img", "mountpoints-*.img")
+CACHE_MAX_AGE_S = 24 * 3600
+_CACHE_SUFFIX = ".json"
+
+
+class ImageReader:
+    """Decoded CRIU images: from the agent's decode cache (`cache_dir`) for bytes it has decoded, else
+    with pycriu (imported on the first image the cache lacks)."""
+
+    def __init__(self, cache_dir: str | None = None) -> None:
+        self.cache_dir = cache_dir
+        self.decoded_here = 0  # images this reader had to decode itself (tests, the bench's breakdown)
+
+    def load(self, path: str) -> list[dict[str, Any]]:
+        data = _read_image(path)
+        if self.cache_dir:
+            entries = _cached(self.cache_dir, hashlib.sha256(data).hexdigest())
+            if entries is not None:
+                return entries
+        self.decoded_here += 1
+        return _decode(pycriu_images(), data, os.path.basename(path))
+
+
+def _cached(cache_dir: str, digest: str) -> list[dict[str, Any]] | None:
+    try:
+        fd = os.open(os.path.join(cache_dir, digest + _CACHE_SUFFIX), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            entries = json.loads(f.read(MAX_IMAGE_BYTES))
+    except (OSError, ValueError):
+        return None
+    return entries if isinstance(entries, list) else None
+
+
+def cache_decoded(image_dir: str, cache_dir: str) -> int:
+    """Decode the images of `image_dir` that the check reads into `cache_dir` (the agent, when staging).
+    Best effort: an image that cannot be decoded is left to the wrapper, which refuses it. Returns how
+    many entries were written."""
+    images = pycriu_images()
+    os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+    _prune(cache_dir)
+    written = 0
+    for pattern in CACHED_IMAGES:
+        for path in sorted(glob.glob(os.path.join(glob.escape(image_dir), pattern))):
+            try:
+                data = _read_image(path)
+                target = os.path.join(cache_dir, hashlib.sha256(data).hexdigest() + _CACHE_SUFFIX)
+                if os.path.exists(target):
+                    os.utime(target)
+                    continue
+                entries = _decode(images, data, os.path.basename(path))
+                text = json.dumps(entries, separators=(",", ":"))
+                if json.loads(text) != entries:  # only what JSON carries exactly
+                    continue
+            except (ImageGrantsMore, OSError, TypeError, ValueError):
+                continue
+            tmp = f"{target}.{os.getpid()}.tmp"
+            with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "w") as f:
+                f.write(text)
+            os.replace(tmp, target)
+            written += 1
+    return written
+
+
+def _prune(cache_dir: str) -> None:
+    cutoff = time.time() - CACHE_MAX_AGE_S
+    with os.scandir(cache_dir) as it:
+        for e in it:
+            with contextlib.suppress(OSError):
+                if e.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(e.path)
 
 
 def host_lsms() -> frozenset[str]:
@@ -373,24 +470,26 @@ def _is_zombie(core: Mapping[str, Any]) -> bool:
     return int((core.get("tc") or {}).get("task_state") or 0) == TASK_DEAD
 
 
-def image_problems(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[str] | None = None) -> list[str]:
+def image_problems(
+    image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[str] | None = None, reader: ImageReader | None = None
+) -> list[str]:
     """Everything in the CRIU images of `image_dir` that grants more than the bundle `spec`."""
-    images = pycriu_images()
+    load = (reader or ImageReader()).load
     grant = bundle_grant(spec)
     lsms = host_lsms() if lsms is None else lsms
     problems: list[str] = []
-    pstree = load_image(images, os.path.join(image_dir, "pstree.img"))
+    pstree = load(os.path.join(image_dir, "pstree.img"))
     if not pstree:
         return ["pstree.img lists no process"]
     filters: list[Mapping[str, Any]] = []
     seccomp_img = os.path.join(image_dir, "seccomp.img")
     if os.path.lexists(seccomp_img):
-        for e in load_image(images, seccomp_img):
+        for e in load(seccomp_img):
             filters.extend(e.get("seccomp_filters") or ())
     task_ids: dict[int, Mapping[str, Any]] = {}
     for entry in pstree:
         pid = int(entry.get("pid") or 0)
-        leader = load_image(images, os.path.join(image_dir, f"core-{pid}.img"))
+        leader = load(os.path.join(image_dir, f"core-{pid}.img"))
         threads = entry.get("threads") or [pid]
         if leader and _is_zombie(leader[0]):
             # CRIU writes no thread ids for a zombie (its pstree entry holds whatever was in memory) and
@@ -402,7 +501,7 @@ def image_problems(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[s
                 continue
         for tid in threads:
             where = f"process {pid}" + (f" thread {tid}" if tid != pid else "")
-            core = leader if tid == pid else load_image(images, os.path.join(image_dir, f"core-{int(tid)}.img"))
+            core = leader if tid == pid else load(os.path.join(image_dir, f"core-{int(tid)}.img"))
             if not core:
                 problems.append(f"{where}: empty core image")
                 continue
@@ -414,7 +513,7 @@ def image_problems(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[s
     inventory = os.path.join(image_dir, "inventory.img")
     root_ids = None
     if os.path.lexists(inventory):
-        inv = load_image(images, inventory)
+        inv = load(inventory)
         root_ids = (inv[0].get("root_ids") if inv else None) or None
     if root_ids is None and pstree:
         root_ids = task_ids.get(int(pstree[0].get("pid") or 0))
@@ -422,13 +521,15 @@ def image_problems(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[s
     if not grant.user_namespace and glob.glob(os.path.join(glob.escape(image_dir), "userns-*.img")):
         problems.append("the images hold a user namespace (uid maps); the container's spec creates none")
     for path in sorted(glob.glob(os.path.join(glob.escape(image_dir), "mountpoints-*.img"))):
-        problems += mount_problems(load_image(images, path), grant)
+        problems += mount_problems(load(path), grant)
     return problems
 
 
-def check_images(image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[str] | None = None) -> None:
+def check_images(
+    image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[str] | None = None, reader: ImageReader | None = None
+) -> None:
     """Raise ImageGrantsMore listing (the first few of) what the images grant beyond the bundle."""
-    problems = image_problems(image_dir, spec, lsms=lsms)
+    problems = image_problems(image_dir, spec, lsms=lsms, reader=reader)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise ImageGrantsMore(

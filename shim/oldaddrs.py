@@ -15,7 +15,10 @@ import os
 import socket
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shim.criu_guard import ImageReader
 
 _FAMILIES = {int(socket.AF_INET): 4, int(socket.AF_INET6): 6, "INET": 4, "INET6": 6}
 
@@ -59,11 +62,11 @@ def connected_sources(entries: Iterable[Mapping[str, Any]]) -> list[str]:
     return sorted(found)
 
 
-def old_sources(image_dir: str) -> list[str]:
+def old_sources(image_dir: str, reader: ImageReader | None = None) -> list[str]:
     """connected_sources of a checkpoint directory's files.img ([] when there is none)."""
-    from shim.criu_guard import load_image, pycriu_images
+    from shim.criu_guard import ImageReader
 
     path = os.path.join(image_dir, "files.img")
     if not os.path.exists(path):
         return []
-    return connected_sources(load_image(pycriu_images(), path))
+    return connected_sources((reader or ImageReader()).load(path))

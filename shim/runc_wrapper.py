@@ -45,13 +45,13 @@ ANN_CONTAINER_TYPE = "io.kubernetes.cri.container-type"
 TRACE_ENV = "KUBECTL_SNAPSHOT_HOOK_TRACE"
 
 
-def trace(phase: str) -> None:
+def trace(phase: str, **facts: int) -> None:
     """With $KUBECTL_SNAPSHOT_HOOK_TRACE set (bench/run.py), append when this call reached `phase`:
     one JSON line (wall time, pid); the launcher's record of the same pid says when the call began."""
     path = os.environ.get(TRACE_ENV)
     if path:
         with contextlib.suppress(OSError), open(path, "a") as f:
-            f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "phase": phase}) + "\n")
+            f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "phase": phase, **facts}) + "\n")
 
 
 @dataclass(frozen=True)
@@ -275,12 +275,15 @@ def _restore(
 ) -> tuple[int, str]:
     """`runc restore` in place of `create`; returns (exit status, the error written to runc's log)."""
     trace("image-check")
+    decoded = 0
     try:
         # Issue 10: CRIU takes credentials, capabilities, seccomp, LSM labels, namespaces and
         # mounts from the images, not from this bundle; refuse images that ask for more.
-        from shim.criu_guard import check_images
+        from shim.criu_guard import ImageReader, check_images
 
-        check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec)
+        reader = ImageReader(paths.image_cache())  # the images the agent decoded when staging are not decoded here
+        check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec, reader=reader)
+        decoded = reader.decoded_here
     except SnapshotError as e:
         why = e.message if e.message.startswith("refusing to restore") else f"refusing to restore: {e.message}"
         msg = f"{why} (hint: {e.hint})" if e.hint else why
@@ -290,7 +293,7 @@ def _restore(
         msg = f"refusing to restore: checking the CRIU images failed: {type(e).__name__}: {e}"
         _log_error(inv, msg)
         return 1, msg
-    trace("rootfs-diff")
+    trace("rootfs-diff", images_decoded=decoded)
     try:
         _apply_diff(create.bundle, spec, staged)
     except SnapshotError as e:
@@ -336,14 +339,16 @@ def _restore(
     return 0, ""
 
 
-def _old_sources(staged: str) -> list[str]:
+def _old_sources(staged: str, paths: StatePaths) -> list[str]:
     """The old pod addresses this container's connections were made from ([] if the images say none).
 
     An image that cannot be read is left to the image check in _restore, which refuses it."""
     from shim.oldaddrs import old_sources
 
     try:
-        return old_sources(os.path.join(staged, C.CHECKPOINT_DIRECTORY))
+        from shim.criu_guard import ImageReader
+
+        return old_sources(os.path.join(staged, C.CHECKPOINT_DIRECTORY), ImageReader(paths.image_cache()))
     except SnapshotError:
         return []
 
@@ -394,7 +399,7 @@ def _create_in_restored_pod(
 
         def borrow() -> None:  # after the image check: only checked images name addresses
             if netns:
-                pod.borrow(netns, _old_sources(staged))
+                pod.borrow(netns, _old_sources(staged, paths))
 
         rc, msg = _restore(inv, runc, paths, create, spec, staged, borrow)
         if rc != 0:

@@ -38,7 +38,7 @@ from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, Opener
-from shim import hostfacts, safefs
+from shim import criu_guard, hostfacts, safefs
 from shim.archive import safe_extract
 from shim.engine.package import progress_counter
 from shim.engine.ports import Registry
@@ -196,6 +196,7 @@ def stage_artifact(
         # 2. ... before anything is extracted
         for record, target in zip(config.containers, staged_dirs, strict=True):
             _extract_fresh(blobs[record.layer_digest], target, extract_limits, opener, record.layer_digest)
+            _cache_decoded(os.path.join(target, C.CHECKPOINT_DIRECTORY), paths)
             if record.pages:
                 _fetch_pages(registry, artifact.reference, record, target, count, opener)
         if config.volumes_layer:
@@ -209,6 +210,13 @@ def stage_artifact(
         for path in blobs.values():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def _cache_decoded(image_dir: str, paths: StatePaths) -> None:
+    """Decode the images the wrapper's check reads, for it (shim/criu_guard.py, "the decode cache").
+    Best effort: without an entry the wrapper decodes the image itself, and refuses what it cannot."""
+    with contextlib.suppress(SnapshotError, OSError):
+        criu_guard.cache_decoded(image_dir, paths.image_cache())
 
 
 def opener_for(

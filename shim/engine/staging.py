@@ -60,5 +60,10 @@ class StatePaths:
         """The bases of page deltas, one file per repository + container (shim/engine/pageindex.py)."""
         return os.path.join(self.root, "page-index")
 
+    def image_cache(self) -> str:
+        """Decoded CRIU images by the SHA-256 of their bytes, written by the agent when it stages a
+        restore, read by the wrapper's image check (shim/criu_guard.py, "the decode cache")."""
+        return os.path.join(self.root, "image-cache")
+
     def downloads(self) -> str:
         return os.path.join(self.root, "downloads")

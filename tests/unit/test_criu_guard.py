@@ -383,3 +383,56 @@ def test_corrupt_images_are_refused_not_skipped(tmp_path: Path) -> None:
     (d / "core-1.img").symlink_to(d / "pstree.img")
     with pytest.raises(ImageGrantsMore, match="cannot open"):
         check_images(str(d), bundle(), lsms=NO_LSM)
+
+
+# --- the decode cache (the agent decodes at staging, the wrapper reads by content hash) -------------
+
+
+def _cached_reader(d: Path, cache: Path) -> criu_guard.ImageReader:
+    assert criu_guard.cache_decoded(str(d), str(cache)) >= 5  # pstree, inventory, seccomp, core, mountpoints
+    return criu_guard.ImageReader(str(cache))
+
+
+def test_cached_images_are_read_without_decoding_and_judged_the_same(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img", threads={1: [1], 2: [2]}, creds_by_tid={2: creds(33, 33, caps=[])})
+    reader = _cached_reader(d, tmp_path / "cache")
+    assert problems(d, bundle()) == image_problems(str(d), bundle(), lsms=NO_LSM, reader=reader) == []
+    assert reader.decoded_here == 0
+    nonroot = bundle(user={"uid": 1000, "gid": 1000}, caps=[])
+    assert image_problems(str(d), nonroot, lsms=NO_LSM, reader=reader) == problems(d, nonroot) != []
+
+
+def test_an_image_changed_after_caching_is_decoded_and_refused(tmp_path: Path) -> None:
+    """Entries are bound to the bytes they were decoded from: an edited image (or a cache entry that does
+    not belong to it) never answers for it."""
+    d = make_images(tmp_path / "img")
+    reader = _cached_reader(d, tmp_path / "cache")
+    make_images(d, creds_by_tid={1: creds(caps=list(ALL))})  # core-1.img now asks for every capability
+    out = image_problems(str(d), bundle(), lsms=NO_LSM, reader=reader)
+    assert reader.decoded_here == 1
+    assert any("CAP_SYS_ADMIN" in p for p in out), out
+
+
+def test_a_damaged_cache_entry_falls_back_to_decoding(tmp_path: Path) -> None:
+    d = make_images(tmp_path / "img", creds_by_tid={1: creds(caps=list(ALL))})
+    cache = tmp_path / "cache"
+    reader = _cached_reader(d, cache)
+    for entry in cache.iterdir():
+        entry.write_text("{not json")
+    assert any("CAP_SYS_ADMIN" in p for p in image_problems(str(d), bundle(), lsms=NO_LSM, reader=reader))
+    assert reader.decoded_here >= 5
+
+
+def test_entries_unused_for_a_day_are_pruned(tmp_path: Path) -> None:
+    import os
+    import time
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    old, fresh = cache / ("0" * 64 + ".json"), cache / ("1" * 64 + ".json")
+    for f in (old, fresh):
+        f.write_text("[]")
+    day_ago = time.time() - criu_guard.CACHE_MAX_AGE_S - 60
+    os.utime(old, (day_ago, day_ago))
+    criu_guard.cache_decoded(str(make_images(tmp_path / "img")), str(cache))
+    assert not old.exists() and fresh.exists()
