@@ -1,11 +1,17 @@
-"""Progress on stderr with tqdm: bytes moved, and the current phase; silent when not a terminal."""
+"""Progress on stderr with tqdm: bytes moved, and the current phase; silent when not a terminal.
+
+tqdm is imported only when a bar is shown: its import (with importlib.metadata for its version) is a
+visible part of a short command's start-up, and scripts and the agent's own work run without a terminal.
+"""
 
 from __future__ import annotations
 
 import sys
 from types import TracebackType
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 
 class Progress:
@@ -16,6 +22,8 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self.enabled:
+            from tqdm import tqdm
+
             self._bar = tqdm(
                 desc=self._description,
                 unit="B",
