@@ -54,6 +54,7 @@ from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.reference import Reference
+from shim import localapi
 from shim.runc_wrapper import TRACE_ENV, parse_invocation
 from tests.support.containerd import ContainerdDaemon, node_criu_config, node_kdat_cache
 from tests.support.images import python_image, python_tarball
@@ -303,13 +304,44 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
 
 
 def agent_checkpoint(
-    daemon: ContainerdDaemon, ref: str, cid: str, *, page_deltas: bool = True
+    daemon: ContainerdDaemon, ref: str, cid: str, *, page_deltas: bool = True, agent_socket: str = "none"
 ) -> tuple[float, dict[str, Any]]:
+    """`ks-agent checkpoint`'s wall time and JSON: served by the node's agent on `agent_socket` (see
+    served_agent), or standalone ("none")."""
     t = time.monotonic()
-    env = {**os.environ, C.ENV_PAGE_DELTAS: "1" if page_deltas else "0"}
+    env = {**os.environ, C.ENV_PAGE_DELTAS: "1" if page_deltas else "0", localapi.SOCKET_ENV: agent_socket}
     proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--to", ref, cid],
               env=env)  # fmt: skip
     return time.monotonic() - t, json.loads(proc.stdout)
+
+
+class ServedAgent:
+    """`ks-agent serve` for one containerd, as the DaemonSet's agent serves a node's (shim/localapi.py):
+    the measured `ks-agent checkpoint|restore` are its clients. Its log counts what it served, so a
+    request it declined (then run standalone) cannot pass for a served one."""
+
+    def __init__(self, daemon: ContainerdDaemon) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="ks-serve-", dir="/tmp"))
+        self.socket, self.log = str(self.dir / "agent.sock"), self.dir / "serve.log"
+        env = {**os.environ, C.ENV_PAGE_DELTAS: "1"}  # what the served clients set: the same environment
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [AGENT, "serve", "-a", daemon.address, "-n", daemon.namespace, "--socket", self.socket],
+                stderr=out, env=env,
+            )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.socket):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ks-agent serve did not start:\n{self.log.read_text()}")
+            time.sleep(0.05)
+
+    def served(self, command: str) -> int:
+        return sum(f"node-local {command} served" in line for line in self.log.read_text().splitlines())
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def kept_checkpoint(daemon: ContainerdDaemon, ref: str, cid: str) -> tuple[dict[str, Any], Path]:
@@ -368,10 +400,18 @@ def measure_agent(
     restores_internal: list[float] = []
     breakdowns: list[dict[str, Any]] = []
     out: dict[str, Any] = {}
-    with container(daemon, mib, kind) as (cid, ctl):
+    served = ServedAgent(daemon)
+    pushed_alone, restores_alone = [], []  # the same commands standalone (no agent serving them)
+    with contextlib.ExitStack() as stack:
+        stack.callback(served.close)
+        cid, ctl = stack.enter_context(container(daemon, mib, kind))
         ref = ""
+
+        def new_ref() -> str:
+            return f"{registry.host}/agent-{uuid.uuid4().hex[:8]}:v1"
+
         for i in range(runs + 1):
-            wall, res = agent_checkpoint(daemon, f"{registry.host}/agent-{uuid.uuid4().hex[:8]}:v1", cid)
+            wall, res = agent_checkpoint(daemon, new_ref(), cid, agent_socket=served.socket)
             ref = res["reference"]
             if i:
                 freeze.append(res["timingsMs"]["freeze_ms"] / 1000)
@@ -379,21 +419,25 @@ def measure_agent(
                 internal.append(res["timingsMs"]["total_ms"] / 1000)
                 sizes.append(res["size"])
                 out["timings_ms_last"] = res["timingsMs"]
-            wall, res = agent_checkpoint(
-                daemon, f"{registry.host}/agent-{uuid.uuid4().hex[:8]}:v1", cid, page_deltas=False
-            )
+            wall, res = agent_checkpoint(daemon, new_ref(), cid)
+            if i:
+                pushed_alone.append(wall)
+            wall, res = agent_checkpoint(daemon, new_ref(), cid, page_deltas=False)
             if i:
                 pushed_plain.append(wall)
                 internal_plain.append(res["timingsMs"]["total_ms"] / 1000)
+        if served.served("checkpoint") != runs + 1:
+            raise RuntimeError(f"the agent served {served.served('checkpoint')} of {runs + 1} checkpoints")
         hook_dir = Path(hook).parent
         for i in range(runs + 1):
             new = f"r-{uuid.uuid4().hex[:8]}"
             for log in (LAUNCHES, TRACES):
                 with contextlib.suppress(FileNotFoundError):
                     (hook_dir / log).unlink()
+            cmd = [AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", hook,
+                   "--runc-root", daemon.runc_root, "-o", "json", ref, new]  # fmt: skip
             t = time.monotonic()
-            proc = sh([AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", hook,
-                       "--runc-root", daemon.runc_root, "-o", "json", ref, new])  # fmt: skip
+            proc = sh(cmd, env={**os.environ, C.ENV_PAGE_DELTAS: "1", localapi.SOCKET_ENV: served.socket})
             if i:
                 restores.append(time.monotonic() - t)
                 timings = json.loads(proc.stdout)["timingsMs"]
@@ -401,6 +445,15 @@ def measure_agent(
                 breakdowns.append({**timings, **(hook_breakdown(hook_dir) or {})})
             with contextlib.suppress(Exception):
                 daemon.client().remove_container(new)
+            cmd[-1] = f"s-{uuid.uuid4().hex[:8]}"
+            t = time.monotonic()
+            sh(cmd, env={**os.environ, localapi.SOCKET_ENV: "none"})
+            if i:
+                restores_alone.append(time.monotonic() - t)
+            with contextlib.suppress(Exception):
+                daemon.client().remove_container(cmd[-1])
+        if served.served("restore") != runs + 1:
+            raise RuntimeError(f"the agent served {served.served('restore')} of {runs + 1} restores")
         # the same container dumped by runc alone (no containerd, no pause, no packaging): what CRIU
         # under runc costs for this container, a second reference for the freeze
         ns_root = next(p for p in Path(daemon.runc_root).iterdir() if (p / cid).is_dir())
@@ -424,11 +477,13 @@ def measure_agent(
         freeze_s=med(freeze),
         runc_checkpoint_s=med(runc_dumps),
         pushed_s=med(pushed),
+        pushed_standalone_s=med(pushed_alone),
         pushed_internal_s=med(internal),
         pushed_no_deltas_s=med(pushed_plain),
         pushed_internal_no_deltas_s=med(internal_plain),
         size_bytes=med(sizes),
         restore_s=med(restores),
+        restore_standalone_s=med(restores_alone),
         restore_internal_s=med(restores_internal),
         restore_breakdown=_median_breakdown(breakdowns),
     )

@@ -8,10 +8,14 @@ ks-agent inspect    REF [-o json|yaml]
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
@@ -28,15 +32,17 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.artifact import load_artifact
-from kubectl_snapshot.core.errors import InvalidArgument
+from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, render
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
-from shim import dumplock, freezer, guard, malloc
+from shim import dumplock, freezer, guard, localapi, malloc
+from shim.agent_text import checkpoint_text, restore_text
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
 
 F = TypeVar("F", bound=Callable[..., Any])
+log = logging.getLogger(__name__)
 DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
 
 
@@ -200,41 +206,91 @@ def checkpoint_cmd(
 
     The freeze is held through a freeze guard (shim/guard.py): if this process is killed or hangs past
     the freeze's deadline, the guard thaws the containers within moments."""
-    target = Reference.parse(to)
-    registry = make_registry(target, registry_opts)
-    sealer = None
-    if encrypt:
-        ns = key_namespace or namespace
-        sealer = Sealer(key_provider(key_dir).namespace_key(ns, create=True), ns)
-    sources = [
-        Reference.parse(m if m.startswith(target.registry + "/") else f"{target.registry}/{m}") for m in mount_from
-    ]
-    registry.add_mount_sources(sources)
     held = contextlib.nullcontext(guard.GuardClient(guard_socket)) if guard_socket else guard.private_guard()
     with held as guard_client, _client(address, namespace) as containerd, Progress("checkpoint") as bar:
-        result = checkpoint(
-            CheckpointRequest(
-                containers=containers,
-                target=target,
-                volumes=volumes,
-                stop=stop,
-                namespace=namespace,
-                tcp_established=not no_tcp_established,
-                keep_work=keep_work,
-                signing_key=load_signing_key(signing_key) if signing_key else None,
-                node=os.uname().nodename,
+        data = checkpoint_data(
+            _CheckpointArgs(
+                namespace,
+                to,
+                stop,
+                volumes,
+                no_tcp_established,
+                keep_work,
+                mount_from,
+                encrypt,
+                key_dir,
+                key_namespace,
+                signing_key,
+                containers,
+                registry_opts,
             ),
+            guard_client=guard_client,
             containerd=containerd,
-            registry=registry,
-            paths=StatePaths.from_env(),
-            freezer_for=guard_client.freezer_for,
-            memory_of=freezer.task_memory,
             on_phase=bar.phase,
             on_bytes=bar.advance,
-            sealer=sealer,
-            net_lock=dumplock.pod_network_locked,
         )
-    data = {
+    emit(data, output, checkpoint_text)
+
+
+@dataclass(frozen=True)
+class _CheckpointArgs:
+    namespace: str
+    to: str
+    stop: bool
+    volumes: tuple[str, ...]
+    no_tcp_established: bool
+    keep_work: bool
+    mount_from: tuple[str, ...]
+    encrypt: bool
+    key_dir: str | None
+    key_namespace: str | None
+    signing_key: str | None
+    containers: tuple[str, ...]
+    registry_opts: dict[str, Any]
+
+
+def checkpoint_data(
+    a: _CheckpointArgs,
+    *,
+    guard_client: Any,
+    containerd: Any,
+    on_phase: Callable[[str], None],
+    on_bytes: Callable[[int, int], None],
+) -> dict[str, Any]:
+    """`checkpoint`'s work and its result as data (run here, or by the node's agent for a client)."""
+    target = Reference.parse(a.to)
+    registry = make_registry(target, a.registry_opts)
+    sealer = None
+    if a.encrypt:
+        ns = a.key_namespace or a.namespace
+        sealer = Sealer(key_provider(a.key_dir).namespace_key(ns, create=True), ns)
+    sources = [
+        Reference.parse(m if m.startswith(target.registry + "/") else f"{target.registry}/{m}") for m in a.mount_from
+    ]
+    registry.add_mount_sources(sources)
+    result = checkpoint(
+        CheckpointRequest(
+            containers=a.containers,
+            target=target,
+            volumes=a.volumes,
+            stop=a.stop,
+            namespace=a.namespace,
+            tcp_established=not a.no_tcp_established,
+            keep_work=a.keep_work,
+            signing_key=load_signing_key(a.signing_key) if a.signing_key else None,
+            node=os.uname().nodename,
+        ),
+        containerd=containerd,
+        registry=registry,
+        paths=StatePaths.from_env(),
+        freezer_for=guard_client.freezer_for,
+        memory_of=freezer.task_memory,
+        on_phase=on_phase,
+        on_bytes=on_bytes,
+        sealer=sealer,
+        net_lock=dumplock.pod_network_locked,
+    )
+    return {
         "reference": str(result.reference),
         "tag": str(result.tagged),
         "encrypted": sealer is not None,
@@ -244,10 +300,9 @@ def checkpoint_cmd(
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
         "frozenBy": result.frozen_by,
         "containers": [c.name for c in result.config.containers],
-        "stopped": stop,
+        "stopped": a.stop,
         "signedBy": result.signed_by,
     }
-    emit(data, output, lambda d: d["reference"])
 
 
 @cli.command("restore")
@@ -308,40 +363,243 @@ def restore_cmd(
     **registry_opts: Any,
 ) -> None:
     """Pull REF, verify it and restore its containers as NAME... (one per snapshotted container)."""
-    source = Reference.parse(ref)
-    registry = make_registry(source, registry_opts)
-    if not runtime_binary:
+    with _client(address, namespace) as containerd, Progress("restore") as bar:
+        data = restore_data(
+            _RestoreArgs(
+                namespace,
+                volumes,
+                runtime_binary,
+                runc_root,
+                log_dir,
+                key_dir,
+                key_namespace,
+                trusted_keys,
+                allow_unverified,
+                ref,
+                names,
+                registry_opts,
+            ),
+            containerd=containerd,
+            on_phase=bar.phase,
+            on_bytes=bar.advance,
+        )
+    emit(data, output, restore_text)
+
+
+@dataclass(frozen=True)
+class _RestoreArgs:
+    namespace: str
+    volumes: tuple[str, ...]
+    runtime_binary: str
+    runc_root: str
+    log_dir: str
+    key_dir: str | None
+    key_namespace: str | None
+    trusted_keys: tuple[str, ...]
+    allow_unverified: bool
+    ref: str
+    names: tuple[str, ...]
+    registry_opts: dict[str, Any]
+
+
+def restore_data(
+    a: _RestoreArgs, *, containerd: Any, on_phase: Callable[[str], None], on_bytes: Callable[[int, int], None]
+) -> dict[str, Any]:
+    """`restore`'s work and its result as data (run here, or by the node's agent for a client)."""
+    source = Reference.parse(a.ref)
+    registry = make_registry(source, a.registry_opts)
+    if not a.runtime_binary:
         raise InvalidArgument(
             f"{C.WRAPPER_BINARY_NAME} was not found beside {sys.argv[0]} nor on PATH",
             hint=f"pass --runtime-binary /path/to/{C.WRAPPER_BINARY_NAME}",
         )
-    with _client(address, namespace) as containerd, Progress("restore") as bar:
-        result = restore(
-            RestoreRequest(
-                source=source,
-                new_ids=names,
-                runtime_binary=os.path.abspath(runtime_binary),
-                volumes=[os.path.abspath(v) for v in volumes],
-                runc_root=runc_root,
-                log_dir=log_dir,
-                trust=load_trust(list(trusted_keys), allow_unverified=allow_unverified),
-            ),
-            containerd=containerd,
-            registry=registry,
-            paths=StatePaths.from_env(),
-            namespace=namespace,
-            on_phase=bar.phase,
-            on_bytes=bar.advance,
-            keys=key_provider(key_dir),
-            key_namespace=key_namespace,
-        )
-    data = {
+    result = restore(
+        RestoreRequest(
+            source=source,
+            new_ids=a.names,
+            runtime_binary=os.path.abspath(a.runtime_binary),
+            volumes=[os.path.abspath(v) for v in a.volumes],
+            runc_root=a.runc_root,
+            log_dir=a.log_dir,
+            trust=load_trust(list(a.trusted_keys), allow_unverified=a.allow_unverified),
+        ),
+        containerd=containerd,
+        registry=registry,
+        paths=StatePaths.from_env(),
+        namespace=a.namespace,
+        on_phase=on_phase,
+        on_bytes=on_bytes,
+        keys=key_provider(a.key_dir),
+        key_namespace=a.key_namespace,
+    )
+    return {
         "reference": str(result.reference),
         "containers": [{"name": cid, "pid": pid} for cid, pid in result.containers],
         "provenance": result.provenance,
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
     }
-    emit(data, output, lambda d: "\n".join(f"{c['name']}\trunning (pid {c['pid']})" for c in d["containers"]))
+
+
+class WarmAgent:
+    """Serves `checkpoint` and `restore` for clients on the node-local socket (shim/localapi.py) with this
+    process's containerd connection and freeze guard: one request at a time, each answered as the
+    standalone command would have answered it, or declined where it could not be."""
+
+    def __init__(self, address: str, namespace: str, containerd: Any, guard_client: Any) -> None:
+        self.address, self.namespace = address, namespace
+        self.containerd, self.guard_client = containerd, guard_client
+        self._lock = threading.Lock()
+
+    def handle(self, request: dict[str, Any], send: localapi.Send) -> None:
+        why = self._unlike_here(request)
+        if why:
+            self._decline(send, why)
+            return
+        name = str(request["command"])
+        command = cli.commands[name]
+        try:
+            with command.make_context(name, [str(a) for a in request.get("argv") or ()]) as ctx:
+                params = dict(ctx.params)
+        except (click.exceptions.Exit, click.ClickException) as e:  # standalone, it prints the usage error
+            self._decline(send, f"usage: {e}")
+            return
+        if (params["address"], params["namespace"]) != (self.address, self.namespace):
+            self._decline(send, f"this agent serves containerd {self.address} namespace {self.namespace}")
+            return
+        with self._lock:
+            send({"phase": "queued"})
+            try:
+                data = self._run(name, params, send)
+            except SnapshotError as e:
+                log.info("node-local %s failed: %s", name, e.message)
+                send({"error": render(e), "exit": e.exit_code})
+                return
+            except Exception as e:
+                log.exception("node-local %s failed", name)
+                send({"error": f"error: internal error in the node's agent: {type(e).__name__}: {e}", "exit": 1})
+                return
+        log.info("node-local %s served: %s", name, data.get("reference"))
+        send({"result": data, "output": params["output"]})
+
+    @staticmethod
+    def _decline(send: localapi.Send, why: str) -> None:
+        log.info("node-local request declined (the client runs it itself): %s", why)
+        send({"declined": why})
+
+    def _unlike_here(self, request: dict[str, Any]) -> str:
+        if request.get("cwd") != os.getcwd():
+            return "another working directory"
+        env = request.get("env")
+        differ = localapi.env_differences(env if isinstance(env, dict) else {}, os.environ)
+        return f"other values of {', '.join(differ)}" if differ else ""
+
+    def _run(self, name: str, p: dict[str, Any], send: localapi.Send) -> dict[str, Any]:
+        sent = threading.Lock()
+        last, pending = [0.0], [0]
+
+        def on_bytes(n: int, total: int) -> None:  # progress lines at most every 50 ms (from worker threads)
+            with sent:
+                pending[0] += n
+                now = time.monotonic()
+                if now - last[0] < 0.05:
+                    return
+                last[0], count, pending[0] = now, pending[0], 0
+            send({"bytes": [count, total]})
+
+        def on_phase(phase: str) -> None:
+            send({"phase": phase})
+
+        registry_opts = {k: p[k] for k in ("plain_http", "registry_username", "registry_password", "docker_config")}
+        if name == "checkpoint":
+            own_guard = p["guard_socket"]
+            held = contextlib.nullcontext(guard.GuardClient(own_guard) if own_guard else self.guard_client)
+            with held as guard_client:
+                return checkpoint_data(
+                    _CheckpointArgs(
+                        p["namespace"],
+                        p["to"],
+                        p["stop"],
+                        p["volumes"],
+                        p["no_tcp_established"],
+                        p["keep_work"],
+                        p["mount_from"],
+                        p["encrypt"],
+                        p["key_dir"],
+                        p["key_namespace"],
+                        p["signing_key"],
+                        p["containers"],
+                        registry_opts,
+                    ),
+                    guard_client=guard_client,
+                    containerd=self.containerd,
+                    on_phase=on_phase,
+                    on_bytes=on_bytes,
+                )
+        return restore_data(
+            _RestoreArgs(
+                p["namespace"],
+                p["volumes"],
+                p["runtime_binary"],
+                p["runc_root"],
+                p["log_dir"],
+                p["key_dir"],
+                p["key_namespace"],
+                p["trusted_keys"],
+                p["allow_unverified"],
+                p["ref"],
+                p["names"],
+                registry_opts,
+            ),
+            containerd=self.containerd,
+            on_phase=on_phase,
+            on_bytes=on_bytes,
+        )
+
+
+def _socket_option(fn: F) -> F:
+    return click.option(
+        "--socket",
+        "socket_path",
+        default=lambda: localapi.socket_path(os.environ, StatePaths.from_env().root) or "",
+        show_default=f"${localapi.SOCKET_ENV}, else {localapi.SOCKET_NAME} in the state dir",
+        help="The node-local socket `ks-agent checkpoint|restore` reach this agent on (empty: none).",
+    )(fn)
+
+
+@cli.command("serve")
+@containerd_options
+@_socket_option
+@click.option(
+    "--guard-socket",
+    envvar=guard.ENV_SOCKET,
+    default="",
+    help="A running freeze guard's socket (default: a private guard for as long as this runs).",
+)
+@handle_errors
+def serve_cmd(address: str, namespace: str, socket_path: str, guard_socket: str) -> None:
+    """Serve `checkpoint` and `restore` for one containerd on the node-local socket, without Kubernetes
+    (the DaemonSet's `run` serves the node's containerd the same way)."""
+    import signal
+
+    if not socket_path:
+        raise InvalidArgument("no socket to serve on", hint=f"pass --socket PATH or set {localapi.SOCKET_ENV}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    held = (
+        contextlib.nullcontext(guard.GuardClient(guard_socket))
+        if guard_socket
+        else guard.private_guard(persistent=True)
+    )
+    with held as guard_client, _client(address, namespace) as containerd:
+        server = localapi.LocalServer(socket_path, WarmAgent(address, namespace, containerd, guard_client).handle)
+        server.start()
+        try:
+            while not stop.wait(1.0):
+                pass
+        finally:
+            server.stop()
 
 
 @cli.command("recover")
@@ -441,7 +699,35 @@ def run_cmd(kubeconfig: str | None, ready_file: str, **kw: Any) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = _node_settings(kw)
     kube = KubeClient.from_config(kubeconfig, None) if kubeconfig else KubeClient.in_cluster()
-    run(kube, settings, ready_file=ready_file, metrics_address=settings.metrics_bind_address)
+    with _node_local_api(settings):
+        run(kube, settings, ready_file=ready_file, metrics_address=settings.metrics_bind_address)
+
+
+@contextlib.contextmanager
+def _node_local_api(settings: Any) -> Iterator[None]:
+    """`ks-agent checkpoint|restore -n k8s.io` on this node (in the agent's container) served by this
+    agent: its containerd connection, its freeze guard (shim/localapi.py). Off with
+    $KUBECTL_SNAPSHOT_AGENT_SOCKET=none."""
+    path = localapi.socket_path(os.environ, settings.state_dir)
+    if not path:
+        yield
+        return
+    address, namespace = settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE
+    held = (
+        contextlib.nullcontext(guard.GuardClient(settings.guard_socket))
+        if settings.guard_socket
+        else guard.private_guard(persistent=True)
+    )
+    with held as guard_client, _client(address, namespace) as containerd:
+        server = localapi.LocalServer(path, WarmAgent(address, namespace, containerd, guard_client).handle)
+        try:
+            server.start()
+        except OSError as e:  # a convenience for node-level commands: the agent's work goes on without it
+            log.warning("no node-local API on %s: %s (ks-agent checkpoint|restore run standalone)", path, e)
+        try:
+            yield
+        finally:
+            server.stop()
 
 
 @cli.command("install-node")

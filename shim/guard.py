@@ -533,9 +533,10 @@ class GuardClient:
 
 
 @contextlib.contextmanager
-def private_guard(report: dict[str, Any] | None = None) -> Iterator[GuardClient]:
+def private_guard(report: dict[str, Any] | None = None, *, persistent: bool = False) -> Iterator[GuardClient]:
     """A guard of this process's own, for one standalone checkpoint: a child in its own session (so a
-    Ctrl-C or a kill of the CLI's process group does not reach it) that exits after its last hold."""
+    Ctrl-C or a kill of the CLI's process group does not reach it) that exits after its last hold.
+    `persistent`: one guard for many checkpoints (`ks-agent serve`), stopped when the block ends."""
     import shim
 
     tmp = tempfile.mkdtemp(prefix="kubectl-snapshot-guard-")
@@ -545,8 +546,9 @@ def private_guard(report: dict[str, Any] | None = None) -> Iterator[GuardClient]
         [os.path.dirname(os.path.dirname(os.path.abspath(shim.__file__))), env.get("PYTHONPATH", "")]
     ).rstrip(os.pathsep)
     log_file = open(os.path.join(tmp, "guard.log"), "wb")  # noqa: SIM115
+    lifetime = () if persistent else ("--once", "--idle-exit", "60")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shim.guard", "--socket", sock, "--state-dir", tmp, "--once", "--idle-exit", "60"],
+        [sys.executable, "-m", "shim.guard", "--socket", sock, "--state-dir", tmp, *lifetime],
         stdin=subprocess.DEVNULL,
         stdout=log_file,
         stderr=log_file,
@@ -574,6 +576,10 @@ def private_guard(report: dict[str, Any] | None = None) -> Iterator[GuardClient]
         if not waited:  # never asked to freeze anything: it holds nothing, stop it however far it got
             proc.kill()
             proc.wait()
+        elif persistent:  # every hold has ended with the work of the block: it holds nothing now
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
         else:
             # Every hold has ended by now; a --once guard exits after its last one, and after this
             # empty connection if it never held anything.

@@ -514,15 +514,19 @@ def _create_restored(
     from shim.containerd.client import RuncOptions  # the adapter's value type
 
     spec = restored_spec(rec, cid, namespace, config, req.volumes)
-    mounts = containerd.prepare_snapshot(req.snapshotter, cid, chain_id)
-    containerd.create_container(
-        cid,
-        image=rec.image,
-        spec=spec,
-        snapshotter=req.snapshotter,
-        snapshot_key=cid,
-        runc_options=RuncOptions(binary_name=req.runtime_binary, root=req.runc_root),
-    )
+    # Under a lease until the container holds it: a snapshot nothing references yet is garbage to a
+    # collection that containerd runs meanwhile (after another container's removal, say), which left
+    # the task's rootfs mount without its directories in a benchmark run.
+    with containerd.lease():
+        mounts = containerd.prepare_snapshot(req.snapshotter, cid, chain_id)
+        containerd.create_container(
+            cid,
+            image=rec.image,
+            spec=spec,
+            snapshotter=req.snapshotter,
+            snapshot_key=cid,
+            runc_options=RuncOptions(binary_name=req.runtime_binary, root=req.runc_root),
+        )
     os.makedirs(req.log_dir, exist_ok=True)
     log = "file://" + os.path.join(req.log_dir, f"{namespace}-{cid}.log")
     try:

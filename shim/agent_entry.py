@@ -1,0 +1,59 @@
+"""The `ks-agent` program: `checkpoint` and `restore` through the node's warm agent when one listens
+(shim/localapi.py), everything else, and those when no agent serves them, by `shim.agent_cli`.
+
+Only the standard library, the node-local API client and the console's output are imported before the
+request is answered: the point is not to pay the standalone command's start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from kubectl_snapshot.console import leave
+from kubectl_snapshot.core import constants as C
+from shim import localapi
+from shim.agent_text import checkpoint_text, restore_text
+
+TEXT = {"checkpoint": checkpoint_text, "restore": restore_text}
+
+
+def forwarded(argv: list[str]) -> int | None:
+    """Run `argv` through the node's agent: its exit status, or None when no agent serves it."""
+    if not argv or argv[0] not in localapi.COMMANDS or {"-h", "--help"} & set(argv):
+        return None
+    path = localapi.socket_path(os.environ, os.environ.get(C.ENV_STATE_DIR) or C.DEFAULT_STATE_DIR)
+    if path is None or not os.path.exists(path):
+        return None
+    from kubectl_snapshot.console.progress import Progress
+
+    command = argv[0]
+    with Progress(command) as bar:
+
+        def progress(msg: dict[str, Any]) -> None:
+            if "phase" in msg:
+                bar.phase(str(msg["phase"]))
+            elif isinstance(msg.get("bytes"), list) and len(msg["bytes"]) == 2:
+                bar.advance(int(msg["bytes"][0]), int(msg["bytes"][1]))
+
+        answer = localapi.forward(path, command, argv[1:], progress)
+    if answer is None or "declined" in answer:
+        return None
+    if "result" in answer:
+        from kubectl_snapshot.console.output import emit
+
+        emit(answer["result"], str(answer.get("output") or ""), TEXT[command])
+        return 0
+    print(str(answer.get("error") or "error: the node's agent gave no answer"), file=sys.stderr)
+    code = answer.get("exit")
+    return code if isinstance(code, int) and 0 < code < 256 else 1
+
+
+def main() -> None:
+    code = forwarded(sys.argv[1:])
+    if code is not None:
+        leave.leave(code)
+    from shim.agent_cli import main as standalone
+
+    standalone()

@@ -1,0 +1,14 @@
+"""What `ks-agent checkpoint` and `restore` print as text: the same lines whether the command ran here
+or the node's agent ran it for this client (shim/agent_entry.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def checkpoint_text(d: dict[str, Any]) -> str:
+    return str(d["reference"])
+
+
+def restore_text(d: dict[str, Any]) -> str:
+    return "\n".join(f"{c['name']}\trunning (pid {c['pid']})" for c in d["containers"])

@@ -1,0 +1,220 @@
+"""The agent's node-local socket: `ks-agent checkpoint|restore` run by the node's warm agent.
+
+`ks-agent` is a node tool like `ctr`, and like `ctr` it can be a thin client of the daemon already
+running on the node: the DaemonSet's `ks-agent run` (and `ks-agent serve`, the same without Kubernetes)
+listen on a Unix socket in the agent's state dir. A `checkpoint` or `restore` then skips what a fresh
+process pays before its first useful call (the interpreter, ~600 imported modules, a gRPC channel, a
+private freeze guard) and uses the agent's own freeze guard, containerd connection and page index.
+
+Trust: the socket is created 0600 by root in the agent's state dir, and the server accepts only peers
+whose credentials (SO_PEERCRED, given by the kernel) are root's, who could run the same command
+standalone. The server acts only on requests it would give the same answer to as a standalone run:
+the same containerd address and namespace, the same working directory and the same values of the
+environment variables the commands read; otherwise it declines and the client runs the command itself.
+
+Protocol: one JSON object per line. The client sends one request
+``{"v": 1, "command": ..., "argv": [...], "cwd": ..., "env": {...}}``; the server answers with any number
+of ``{"phase": NAME}`` and ``{"bytes": [N, TOTAL]}`` lines (progress), then exactly one of
+``{"result": DATA}``, ``{"error": TEXT, "exit": CODE}`` or ``{"declined": WHY}``.
+
+Standard library only: the client side runs before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import struct
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SOCKET_ENV = "KUBECTL_SNAPSHOT_AGENT_SOCKET"  # a path, or "none": always run standalone
+SOCKET_NAME = "agent.sock"
+VERSION = 1
+MAX_REQUEST = 1 << 20
+COMMANDS = ("checkpoint", "restore")
+# what the commands read from the environment: a request is served only where these are equal
+_ENV_PREFIXES = ("KUBECTL_SNAPSHOT_", "CONTAINERD_")
+_ENV_NAMES = ("DOCKER_CONFIG", "HOME")
+
+Send = Callable[[dict[str, Any]], None]
+Handler = Callable[[dict[str, Any], Send], None]
+
+
+def relevant_env(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if (k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES) and k != SOCKET_ENV}
+
+
+def env_differences(client: Mapping[str, str], server: Mapping[str, str]) -> list[str]:
+    """The names of the variables the commands read whose values differ between client and server."""
+    mine, theirs = relevant_env(server), relevant_env(client)
+    return sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+
+
+def peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", creds)
+    return int(uid)
+
+
+def _write(conn: socket.socket, msg: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(msg, separators=(",", ":")).encode() + b"\n")
+
+
+class LocalServer:
+    """Serves requests on `path` with `handler`, one thread per connection, until `stop`."""
+
+    def __init__(self, path: str, handler: Handler) -> None:
+        self.path = path
+        self._handler = handler
+        self._stop = threading.Event()
+        self._sock: socket.socket | None = None
+
+    def start(self) -> LocalServer:
+        os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # a dead agent's socket; bind refuses to reuse the name
+        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o077)
+        try:
+            srv.bind(self.path)
+        finally:
+            os.umask(old)
+        srv.listen(16)
+        srv.settimeout(0.5)
+        self._sock = srv
+        threading.Thread(target=self._accept, name="local-api", daemon=True).start()
+        log.info("node-local API on %s", self.path)
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def _accept(self) -> None:
+        assert self._sock is not None
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed by stop()
+            threading.Thread(target=self._serve, args=(conn,), name="local-api-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                uid = peer_uid(conn)
+                if uid != os.geteuid():
+                    _write(conn, {"error": f"error: the agent serves only uid {os.geteuid()}, not {uid}", "exit": 1})
+                    return
+                request = _read_request(conn)
+                if request is None:
+                    return
+                if request.get("v") != VERSION or request.get("command") not in COMMANDS:
+                    _write(conn, {"declined": f"unsupported request (version {request.get('v')!r})"})
+                    return
+                self._handler(request, _Sender(conn))
+            except (OSError, ValueError) as e:  # the client went away, or sent garbage
+                log.info("node-local API: connection ended: %s", e)
+
+
+class _Sender:
+    """Writes answer lines from any thread (progress comes from the packaging's workers). A client that
+    went away stops nothing: the work goes on to its end, as a standalone command's would after its
+    terminal closed, and what it did is in the agent's log."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self._conn, self._lock, self._gone = conn, threading.Lock(), False
+
+    def __call__(self, msg: dict[str, Any]) -> None:
+        with self._lock:
+            if self._gone:
+                return
+            try:
+                _write(self._conn, msg)
+            except OSError:
+                self._gone = True
+                log.info("node-local API: the client left; the work goes on")
+
+
+def _read_request(conn: socket.socket) -> dict[str, Any] | None:
+    buf = b""
+    while b"\n" not in buf:
+        piece = conn.recv(65536)
+        if not piece:
+            return None
+        buf += piece
+        if len(buf) > MAX_REQUEST:
+            raise ValueError("request too large")
+    request = json.loads(buf.split(b"\n", 1)[0])
+    return request if isinstance(request, dict) else None
+
+
+# --- the client ------------------------------------------------------------------------------------
+
+
+def socket_path(env: Mapping[str, str], state_dir: str) -> str | None:
+    """Where the node's agent listens (None: configured off)."""
+    value = env.get(SOCKET_ENV)
+    if value is not None and value.strip().lower() in ("", "none", "off"):
+        return None
+    return value or os.path.join(state_dir, SOCKET_NAME)
+
+
+def forward(
+    path: str,
+    command: str,
+    argv: list[str],
+    on_message: Callable[[dict[str, Any]], None],
+    *,
+    env: Mapping[str, str] | None = None,
+) -> dict[str, Any] | None:
+    """Send the request and pass every progress line to `on_message`; returns the final answer, or None
+    when no agent listens: then the caller runs the command itself. Once the request is sent, a broken
+    connection is an error answer, not None: the agent may have acted on it."""
+    request = {
+        "v": VERSION,
+        "command": command,
+        "argv": argv,
+        "cwd": os.getcwd(),
+        "env": relevant_env(os.environ if env is None else env),
+    }
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    with conn:
+        try:
+            conn.connect(path)
+        except OSError:
+            return None  # no agent (ENOENT), a dead one's socket (ECONNREFUSED), not ours (EACCES)
+        try:
+            _write(conn, request)
+            with conn.makefile("rb") as lines:
+                for line in lines:
+                    msg = json.loads(line)
+                    if not isinstance(msg, dict):
+                        raise ValueError("an answer that is not a JSON object")
+                    if "phase" in msg or "bytes" in msg:
+                        on_message(msg)
+                        continue
+                    return msg
+            why = "it closed the connection without an answer"
+        except (OSError, ValueError) as e:
+            why = str(e)
+    # The request may have been acted on: never run it a second time behind the user's back.
+    return {
+        "error": f"error: the node's agent ({path}) did not finish the {command}: {why}\n"
+        f"hint: check the agent's log and the containers' state; {SOCKET_ENV}=none runs the command "
+        "without the agent",
+        "exit": 1,
+    }

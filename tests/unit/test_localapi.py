@@ -1,0 +1,109 @@
+"""shim/localapi.py: the node-local socket's protocol, on real Unix sockets in this process (the commands
+it serves are tested end to end in tests/integration/test_agent_serve.py)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from shim import localapi
+from shim.agent_entry import forwarded
+
+
+def test_env_differences_name_only_what_the_commands_read() -> None:
+    server = {"KUBECTL_SNAPSHOT_STATE_DIR": "/s", "PATH": "/a", "HOME": "/root"}
+    client = {
+        "KUBECTL_SNAPSHOT_STATE_DIR": "/s",
+        "PATH": "/b",  # not read by the commands
+        "HOME": "/root",
+        "CONTAINERD_NAMESPACE": "k8s.io",
+        localapi.SOCKET_ENV: "/x.sock",  # how the client found the agent: never compared
+    }
+    assert localapi.env_differences(client, server) == ["CONTAINERD_NAMESPACE"]
+    assert localapi.env_differences({**client, "CONTAINERD_NAMESPACE": ""}, server) == ["CONTAINERD_NAMESPACE"]
+    client.pop("CONTAINERD_NAMESPACE")
+    assert localapi.env_differences(client, server) == []
+
+
+def test_socket_path() -> None:
+    assert localapi.socket_path({}, "/var/lib/ks") == "/var/lib/ks/agent.sock"
+    assert localapi.socket_path({localapi.SOCKET_ENV: "/run/a.sock"}, "/s") == "/run/a.sock"
+    for off in ("none", "", "OFF"):
+        assert localapi.socket_path({localapi.SOCKET_ENV: off}, "/s") is None
+
+
+def _serve(tmp_path: Path, handler: localapi.Handler) -> localapi.LocalServer:
+    return localapi.LocalServer(str(tmp_path / "s" / "agent.sock"), handler).start()
+
+
+def test_progress_then_the_answer(tmp_path: Path) -> None:
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: dict[str, Any], send: localapi.Send) -> None:
+        assert request["command"] == "checkpoint" and request["argv"] == ["--to", "r/x:y", "c1"]
+        assert request["cwd"] == os.getcwd()
+        workers = [threading.Thread(target=send, args=({"bytes": [i, 10]},)) for i in range(10)]
+        for w in workers:  # progress arrives from the packaging's threads: lines never interleave
+            w.start()
+        for w in workers:
+            w.join()
+        send({"phase": "upload"})
+        send({"result": {"reference": "r/x@sha256:" + "0" * 64}, "output": "json"})
+
+    server = _serve(tmp_path, handler)
+    try:
+        answer = localapi.forward(server.path, "checkpoint", ["--to", "r/x:y", "c1"], seen.append)
+    finally:
+        server.stop()
+    assert answer == {"result": {"reference": "r/x@sha256:" + "0" * 64}, "output": "json"}
+    assert sorted(m["bytes"][0] for m in seen if "bytes" in m) == list(range(10)) and seen[-1] == {"phase": "upload"}
+    assert not os.path.exists(server.path)
+
+
+def test_no_agent_is_none_but_a_broken_answer_is_an_error(tmp_path: Path) -> None:
+    """Before the request is sent the client may run the command itself; after, it must not: the agent
+    may have acted on it (a checkpoint with --stop, say)."""
+    assert localapi.forward(str(tmp_path / "nobody.sock"), "checkpoint", [], print) is None
+
+    def hang_up(request: dict[str, Any], send: localapi.Send) -> None:
+        send({"phase": "freeze"})  # then the agent dies
+
+    server = _serve(tmp_path, hang_up)
+    try:
+        answer = localapi.forward(server.path, "checkpoint", [], lambda m: None)
+    finally:
+        server.stop()
+    assert answer is not None and answer["exit"] == 1
+    assert "did not finish the checkpoint" in answer["error"] and "hint:" in answer["error"]
+
+
+def test_unknown_versions_and_commands_are_declined(tmp_path: Path) -> None:
+    server = _serve(tmp_path, lambda request, send: send({"result": {}}))
+    try:
+        for line in (b'{"v": 2, "command": "checkpoint"}\n', b'{"v": 1, "command": "install-node"}\n'):
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(server.path)
+                s.sendall(line)
+                assert b'"declined"' in s.makefile("rb").readline()
+    finally:
+        server.stop()
+
+
+def test_the_client_falls_back_when_declined_and_prints_errors(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    declined: dict[str, Any] = {"declined": "another working directory"}
+    failed: dict[str, Any] = {"error": "error: no such container\nhint: x", "exit": 1}
+    answers = iter([declined, failed])
+    server = _serve(tmp_path, lambda request, send: send(next(answers)))
+    monkeypatch.setenv(localapi.SOCKET_ENV, server.path)
+    try:
+        assert forwarded(["checkpoint", "--to", "r/x:y", "c1"]) is None  # declined: run standalone
+        assert forwarded(["checkpoint", "--to", "r/x:y", "c1"]) == 1
+        assert capsys.readouterr().err == "error: no such container\nhint: x\n"
+        assert forwarded(["inspect", "r/x:y"]) is None  # not a served command
+        assert forwarded(["checkpoint", "--help"]) is None
+    finally:
+        server.stop()
+    assert forwarded(["checkpoint", "c1"]) is None  # no agent listening
