@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from kubectl_snapshot.console import leave
+from kubectl_snapshot.console.formats import formatted
 from kubectl_snapshot.core import constants as C
 from shim import localapi
 from shim.agent_text import checkpoint_text, restore_text
@@ -41,9 +42,7 @@ def forwarded(argv: list[str]) -> int | None:
     if answer is None or "declined" in answer:
         return None
     if "result" in answer:
-        from kubectl_snapshot.console.output import emit
-
-        emit(answer["result"], str(answer.get("output") or ""), TEXT[command])
+        sys.stdout.write(formatted(answer["result"], str(answer.get("output") or "text"), TEXT[command]))
         return 0
     print(str(answer.get("error") or "error: the node's agent gave no answer"), file=sys.stderr)
     code = answer.get("exit")

@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
 
+from kubectl_snapshot.console.formats import FORMATS, formatted
 from kubectl_snapshot.core import jsonpath
 from kubectl_snapshot.core.errors import InvalidArgument
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-FORMATS = ("text", "wide", "name", "json", "yaml", "jsonpath=TEMPLATE")
 
 
 class OutputFormat(click.ParamType):  # type: ignore[type-arg,unused-ignore]
@@ -61,22 +59,5 @@ def emit(
     wide: Callable[[Any], str] | None = None,
     name: Callable[[Any], str] | None = None,
 ) -> None:
-    """Print `data` in `fmt`; `text` makes the human form, `wide` the wider one, `name` the `-o name` one
-    (kind.group/name lines). Commands without a name form print their text for `-o name`."""
-    if fmt == "json":
-        click.echo(json.dumps(data, indent=2, sort_keys=False))
-    elif fmt == "yaml":
-        import yaml  # only here: a command's start-up is part of every snapshot's time (docs/performance.md)
-
-        click.echo(yaml.safe_dump(data, sort_keys=False).rstrip())
-    elif fmt.startswith("jsonpath="):
-        click.echo(jsonpath.render(fmt[len("jsonpath=") :], data), nl=False)
-    elif fmt.startswith("jsonpath-as-json="):
-        results = jsonpath.values(fmt[len("jsonpath-as-json=") :], data)
-        click.echo(json.dumps(results, indent=4))
-    elif fmt == "wide":
-        click.echo((wide or text)(data))
-    elif fmt == "name":
-        click.echo((name or text)(data))
-    else:
-        click.echo(text(data))
+    """Print `data` in `fmt` (see `formatted`)."""
+    click.echo(formatted(data, fmt, text, wide=wide, name=name), nl=False)
