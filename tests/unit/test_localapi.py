@@ -107,3 +107,26 @@ def test_the_client_falls_back_when_declined_and_prints_errors(tmp_path: Path, m
     finally:
         server.stop()
     assert forwarded(["checkpoint", "c1"]) is None  # no agent listening
+
+
+def test_the_daemonsets_agent_serves_on_its_state_dir_and_goes_on_without(tmp_path: Path, monkeypatch: Any) -> None:
+    """`ks-agent run` listens on agent.sock in its node's state dir (here it declines a request for a
+    namespace other than k8s.io); where it cannot listen, the agent runs on without the socket."""
+    from types import SimpleNamespace
+
+    from shim.agent_cli import _node_local_api
+
+    monkeypatch.delenv(localapi.SOCKET_ENV, raising=False)
+    containerd = str(tmp_path / "containerd.sock")
+    settings = SimpleNamespace(
+        state_dir=str(tmp_path / "state"), containerd_socket=containerd, guard_socket=str(tmp_path / "guard.sock")
+    )
+    path = tmp_path / "state" / localapi.SOCKET_NAME
+    with _node_local_api(settings):
+        argv = ["-a", containerd, "-n", "default", "--to", "127.0.0.1:5000/x:y", "c1"]
+        answer = localapi.forward(str(path), "checkpoint", argv, lambda m: None)
+        assert answer is not None and "k8s.io" in answer["declined"]
+    assert not path.exists()
+    settings.state_dir = str(tmp_path / ("x" * 120))  # longer than a Unix socket's name may be
+    with _node_local_api(settings):
+        assert not (Path(settings.state_dir) / localapi.SOCKET_NAME).exists()
