@@ -57,7 +57,7 @@ from urllib.parse import quote
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
 from kubectl_snapshot.core.errors import FailedPrecondition
-from shim import freezer
+from shim import freezer, safefs
 
 if TYPE_CHECKING:
     import argparse
@@ -215,15 +215,7 @@ class Guard:
 
     def serve(self) -> None:
         os.makedirs(os.path.dirname(self.socket_path) or ".", exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.socket_path)
-        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o077)
-        try:
-            srv.bind(self.socket_path)
-        finally:
-            os.umask(old)
-        srv.listen(64)
+        srv = safefs.listen_unix(self.socket_path, 64)
         srv.settimeout(0.5)
         log.info("freeze guard listening on %s (cgroupfs %s)", self.socket_path, self.root)
         with srv:

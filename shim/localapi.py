@@ -17,7 +17,7 @@ Protocol: one JSON object per line. The client sends one request
 of ``{"phase": NAME}`` and ``{"bytes": [N, TOTAL]}`` lines (progress), then exactly one of
 ``{"result": DATA}``, ``{"error": TEXT, "exit": CODE}`` or ``{"declined": WHY}``.
 
-Standard library only: the client side runs before anything heavy is imported.
+Standard library only (and shim.safefs): the client side runs before anything heavy is imported.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ import struct
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from shim import safefs
 
 log = logging.getLogger(__name__)
 
@@ -78,15 +80,7 @@ class LocalServer:
 
     def start(self) -> LocalServer:
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)  # a dead agent's socket; bind refuses to reuse the name
-        srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o077)
-        try:
-            srv.bind(self.path)
-        finally:
-            os.umask(old)
-        srv.listen(16)
+        srv = safefs.listen_unix(self.path, 16)  # replaces a dead agent's socket
         srv.settimeout(0.5)
         self._sock = srv
         threading.Thread(target=self._accept, name="local-api", daemon=True).start()

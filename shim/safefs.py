@@ -20,6 +20,7 @@ import errno
 import os
 import platform
 import secrets
+import socket
 import stat
 import struct
 from collections.abc import Iterator
@@ -195,3 +196,23 @@ def read_file(dir_fd: int, rel: str, *, limit: int = 1 << 20) -> bytes:
         return out
     finally:
         os.close(fd)
+
+
+def listen_unix(path: str, backlog: int) -> socket.socket:
+    """A listening Unix socket at `path` that only its owner can connect to (a stale socket there is
+    replaced: bind refuses an existing name). The umask is set around bind so the socket never exists
+    with wider permissions; it is process-wide, so call this before other threads create files."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old = os.umask(0o077)
+        try:
+            srv.bind(path)
+        finally:
+            os.umask(old)
+        srv.listen(backlog)
+    except BaseException:
+        srv.close()
+        raise
+    return srv
