@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 import click
@@ -209,27 +209,23 @@ def checkpoint_cmd(
     held = contextlib.nullcontext(guard.GuardClient(guard_socket)) if guard_socket else guard.private_guard()
     with held as guard_client, _client(address, namespace) as containerd, Progress("checkpoint") as bar:
         data = checkpoint_data(
-            _CheckpointArgs(
-                namespace,
-                to,
-                stop,
-                volumes,
-                no_tcp_established,
-                keep_work,
-                mount_from,
-                encrypt,
-                key_dir,
-                key_namespace,
-                signing_key,
-                containers,
-                registry_opts,
-            ),
+            _args_from(_CheckpointArgs, click.get_current_context().params),
             guard_client=guard_client,
             containerd=containerd,
             on_phase=bar.phase,
             on_bytes=bar.advance,
         )
     emit(data, output, checkpoint_text)
+
+
+REGISTRY_OPTIONS = ("plain_http", "registry_username", "registry_password", "docker_config")
+A = TypeVar("A")
+
+
+def _args_from(cls: Callable[..., A], params: dict[str, Any]) -> A:
+    """A command's arguments from its parsed options, by name (the fields are named as the options)."""
+    names = [f.name for f in fields(cls) if f.name != "registry_opts"]  # type: ignore[arg-type]
+    return cls(**{n: params[n] for n in names}, registry_opts={k: params[k] for k in REGISTRY_OPTIONS})
 
 
 @dataclass(frozen=True)
@@ -365,20 +361,7 @@ def restore_cmd(
     """Pull REF, verify it and restore its containers as NAME... (one per snapshotted container)."""
     with _client(address, namespace) as containerd, Progress("restore") as bar:
         data = restore_data(
-            _RestoreArgs(
-                namespace,
-                volumes,
-                runtime_binary,
-                runc_root,
-                log_dir,
-                key_dir,
-                key_namespace,
-                trusted_keys,
-                allow_unverified,
-                ref,
-                names,
-                registry_opts,
-            ),
+            _args_from(_RestoreArgs, click.get_current_context().params),
             containerd=containerd,
             on_phase=bar.phase,
             on_bytes=bar.advance,
@@ -509,47 +492,19 @@ class WarmAgent:
         def on_phase(phase: str) -> None:
             send({"phase": phase})
 
-        registry_opts = {k: p[k] for k in ("plain_http", "registry_username", "registry_password", "docker_config")}
         if name == "checkpoint":
             own_guard = p["guard_socket"]
             held = contextlib.nullcontext(guard.GuardClient(own_guard) if own_guard else self.guard_client)
             with held as guard_client:
                 return checkpoint_data(
-                    _CheckpointArgs(
-                        p["namespace"],
-                        p["to"],
-                        p["stop"],
-                        p["volumes"],
-                        p["no_tcp_established"],
-                        p["keep_work"],
-                        p["mount_from"],
-                        p["encrypt"],
-                        p["key_dir"],
-                        p["key_namespace"],
-                        p["signing_key"],
-                        p["containers"],
-                        registry_opts,
-                    ),
+                    _args_from(_CheckpointArgs, p),
                     guard_client=guard_client,
                     containerd=self.containerd,
                     on_phase=on_phase,
                     on_bytes=on_bytes,
                 )
         return restore_data(
-            _RestoreArgs(
-                p["namespace"],
-                p["volumes"],
-                p["runtime_binary"],
-                p["runc_root"],
-                p["log_dir"],
-                p["key_dir"],
-                p["key_namespace"],
-                p["trusted_keys"],
-                p["allow_unverified"],
-                p["ref"],
-                p["names"],
-                registry_opts,
-            ),
+            _args_from(_RestoreArgs, p),
             containerd=self.containerd,
             on_phase=on_phase,
             on_bytes=on_bytes,

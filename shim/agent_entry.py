@@ -50,7 +50,12 @@ def forwarded(argv: list[str]) -> int | None:
 
 
 def main() -> None:
-    code = forwarded(sys.argv[1:])
+    try:
+        code = forwarded(sys.argv[1:])
+    except KeyboardInterrupt:
+        print("error: interrupted; if the node's agent had the request, it carries it through (its log says "
+              "how it ended)", file=sys.stderr)  # fmt: skip
+        leave.leave(130)
     if code is not None:
         leave.leave(code)
     from shim.agent_cli import main as standalone

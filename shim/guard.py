@@ -167,11 +167,14 @@ class _Hold:
 
 
 class Guard:
-    def __init__(self, socket_path: str, state_dir: str, *, once: bool = False, idle_exit_s: float = 0) -> None:
+    def __init__(
+        self, socket_path: str, state_dir: str, *, once: bool = False, idle_exit_s: float = 0, owner_pid: int = 0
+    ) -> None:
         self.socket_path = socket_path
         self.state_dir = state_dir
         self.once = once
         self.idle_exit_s = idle_exit_s
+        self.owner_pid = owner_pid  # a persistent private guard's process: exit, idle, once it is gone
         self.root = freezer.cgroupfs_root(_host_pid())  # refreshed before each check (_current_root)
         self._lock = threading.Lock()
         self._active = 0
@@ -237,6 +240,8 @@ class Guard:
         with self._lock:
             idle = self._active == 0
             if self.once and idle and self._served:
+                return True
+            if idle and self.owner_pid and not _alive(self.owner_pid):
                 return True
             return bool(self.idle_exit_s and idle and time.monotonic() - self._last_end > self.idle_exit_s)
 
@@ -524,6 +529,16 @@ class GuardClient:
         return GuardedFreezer(self, pid, fz) if fz is not None else None
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def private_guard(report: dict[str, Any] | None = None, *, persistent: bool = False) -> Iterator[GuardClient]:
     """A guard of this process's own, for one standalone checkpoint: a child in its own session (so a
@@ -538,7 +553,8 @@ def private_guard(report: dict[str, Any] | None = None, *, persistent: bool = Fa
         [os.path.dirname(os.path.dirname(os.path.abspath(shim.__file__))), env.get("PYTHONPATH", "")]
     ).rstrip(os.pathsep)
     log_file = open(os.path.join(tmp, "guard.log"), "wb")  # noqa: SIM115
-    lifetime = () if persistent else ("--once", "--idle-exit", "60")
+    # persistent: for as long as this process lives (a SIGKILL of it leaves no guard behind)
+    lifetime = ("--owner-pid", str(os.getpid())) if persistent else ("--once", "--idle-exit", "60")
     proc = subprocess.Popen(
         [sys.executable, "-m", "shim.guard", "--socket", sock, "--state-dir", tmp, *lifetime],
         stdin=subprocess.DEVNULL,
@@ -592,13 +608,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default="/run/kubectl-snapshot-guard/holds")
     p.add_argument("--once", action="store_true", help="Exit once every connection has ended (private guard).")
     p.add_argument("--idle-exit", type=float, default=0, help="Exit after this many idle seconds (0: never).")
+    p.add_argument("--owner-pid", type=int, default=0, help="Exit, once idle, when this process is gone.")
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s guard: %(message)s")
-    guard = Guard(args.socket, args.state_dir, once=args.once, idle_exit_s=args.idle_exit)
+    guard = Guard(args.socket, args.state_dir, once=args.once, idle_exit_s=args.idle_exit, owner_pid=args.owner_pid)
 
     def on_term(signum: int, _frame: Any) -> None:
         guard.shutdown(f"the freeze guard was stopped (signal {signum}) while the pod was frozen; it thawed it")

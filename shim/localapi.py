@@ -26,6 +26,7 @@ import contextlib
 import json
 import logging
 import os
+import queue
 import socket
 import struct
 import threading
@@ -40,6 +41,9 @@ SOCKET_ENV = "KUBECTL_SNAPSHOT_AGENT_SOCKET"  # a path, or "none": always run st
 SOCKET_NAME = "agent.sock"
 VERSION = 1
 MAX_REQUEST = 1 << 20
+REQUEST_WAIT_S = 30.0
+PROGRESS_BACKLOG = 64
+ANSWER_WAIT_S = 30.0
 COMMANDS = ("checkpoint", "restore")
 # what the commands read from the environment: a request is served only where these are equal
 _ENV_PREFIXES = ("KUBECTL_SNAPSHOT_", "CONTAINERD_")
@@ -113,33 +117,62 @@ class LocalServer:
                 if uid != os.geteuid():
                     _write(conn, {"error": f"error: the agent serves only uid {os.geteuid()}, not {uid}", "exit": 1})
                     return
+                conn.settimeout(REQUEST_WAIT_S)  # a client that connects and sends nothing holds no thread
                 request = _read_request(conn)
+                conn.settimeout(None)
                 if request is None:
                     return
                 if request.get("v") != VERSION or request.get("command") not in COMMANDS:
                     _write(conn, {"declined": f"unsupported request (version {request.get('v')!r})"})
                     return
-                self._handler(request, _Sender(conn))
+                sender = _Sender(conn)
+                try:
+                    self._handler(request, sender)
+                finally:
+                    sender.close()
             except (OSError, ValueError) as e:  # the client went away, or sent garbage
                 log.info("node-local API: connection ended: %s", e)
 
 
 class _Sender:
-    """Writes answer lines from any thread (progress comes from the packaging's workers). A client that
-    went away stops nothing: the work goes on to its end, as a standalone command's would after its
-    terminal closed, and what it did is in the agent's log."""
+    """Answer lines from any thread (progress comes from the packaging's workers), written by a thread of
+    its own: the work never waits for the client. Progress a client does not read fast enough is
+    dropped (at most PROGRESS_BACKLOG lines wait); the final answer is always queued, and `close` waits
+    up to ANSWER_WAIT_S for it to be written. A client that went away stops nothing: the work goes on
+    to its end, as a standalone command's would after its terminal closed; the agent's log says what it
+    did."""
 
     def __init__(self, conn: socket.socket) -> None:
-        self._conn, self._lock, self._gone = conn, threading.Lock(), False
+        self._conn = conn
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._waiting = 0
+        self._lock = threading.Lock()
+        self._writer = threading.Thread(target=self._write_all, name="local-api-send", daemon=True)
+        self._writer.start()
 
     def __call__(self, msg: dict[str, Any]) -> None:
+        progress = "phase" in msg or "bytes" in msg
         with self._lock:
-            if self._gone:
+            if progress and self._waiting >= PROGRESS_BACKLOG:
                 return
+            self._waiting += 1
+        self._queue.put(msg)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(ANSWER_WAIT_S)
+
+    def _write_all(self) -> None:
+        gone = False
+        while (msg := self._queue.get()) is not None:
+            with self._lock:
+                self._waiting -= 1
+            if gone:
+                continue
             try:
                 _write(self._conn, msg)
             except OSError:
-                self._gone = True
+                gone = True
                 log.info("node-local API: the client left; the work goes on")
 
 

@@ -233,3 +233,19 @@ def test_cgroup_paths_are_rebased_onto_the_current_host_process() -> None:
     )
     assert _rebase(old, "/sys/fs/cgroup") == "/sys/fs/cgroup/freezer/ks-n1/kubepods/pod1/c1"
     assert _rebase("/sys/fs/cgroup/freezer/x", "/proc/1/root/sys/fs/cgroup") == "/sys/fs/cgroup/freezer/x"
+
+
+def test_a_persistent_private_guard_leaves_with_its_owner(tmp_path: Path) -> None:
+    """`ks-agent serve`'s guard has no --once: it exits, idle, once the process that started it is gone
+    (a SIGKILL of the server leaves no guard behind), and not before."""
+    import subprocess
+    import sys
+
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        g = guard.Guard(str(tmp_path / "g.sock"), str(tmp_path / "holds"), owner_pid=owner.pid)
+        assert not g._should_exit()
+    finally:
+        owner.kill()
+        owner.wait()
+    assert g._should_exit()

@@ -130,3 +130,26 @@ def test_the_daemonsets_agent_serves_on_its_state_dir_and_goes_on_without(tmp_pa
     settings.state_dir = str(tmp_path / ("x" * 120))  # longer than a Unix socket's name may be
     with _node_local_api(settings):
         assert not (Path(settings.state_dir) / localapi.SOCKET_NAME).exists()
+
+
+def test_a_client_that_does_not_read_never_holds_up_the_work(tmp_path: Path) -> None:
+    """Progress goes through a queue and a writer thread: 20000 lines to a client that reads nothing
+    (its socket buffer fills after a few thousand) cost the work no wait; the surplus is dropped."""
+    done = threading.Event()
+
+    def chatty(request: dict[str, Any], send: localapi.Send) -> None:
+        for i in range(20000):
+            send({"bytes": [i, 20000]})
+        done.set()
+        send({"result": {}})
+
+    server = _serve(tmp_path, chatty)
+    try:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(server.path)
+            s.sendall(b'{"v": 1, "command": "checkpoint", "argv": []}\n')
+            assert done.wait(10)  # the client has not read a byte
+            lines = s.makefile("rb").read().splitlines()
+    finally:
+        server.stop()
+    assert 0 < len(lines) < 20000 and lines[-1] == b'{"result":{}}'
