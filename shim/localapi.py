@@ -6,7 +6,7 @@ listen on a Unix socket in the agent's state dir. A `checkpoint` or `restore` th
 process pays before its first useful call (the interpreter, ~600 imported modules, a gRPC channel, a
 private freeze guard) and uses the agent's own freeze guard, containerd connection and page index.
 
-Trust: the socket is created 0600 by root in the agent's state dir, and the server accepts only peers
+Trust: the socket is root's alone (created with umask 077 in the agent's state dir), and the server accepts only peers
 whose credentials (SO_PEERCRED, given by the kernel) are root's, who could run the same command
 standalone. The server acts only on requests it would give the same answer to as a standalone run:
 the same containerd address and namespace, the same working directory and the same values of the
@@ -45,9 +45,15 @@ REQUEST_WAIT_S = 30.0
 PROGRESS_BACKLOG = 64
 ANSWER_WAIT_S = 30.0
 COMMANDS = ("checkpoint", "restore")
-# what the commands read from the environment: a request is served only where these are equal
+# what the commands (and the libraries they use) read from the environment: a request is served only
+# where these are equal. Registry credentials (docker config, its credential helpers on PATH), TLS trust
+# and proxies (requests), temporary files, the code itself.
 _ENV_PREFIXES = ("KUBECTL_SNAPSHOT_", "CONTAINERD_")
-_ENV_NAMES = ("DOCKER_CONFIG", "HOME")
+_ENV_NAMES = (
+    "DOCKER_CONFIG", "HOME", "PATH", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE", "SSL_CERT_DIR",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
+    "TMPDIR", "PYTHONPATH",
+)  # fmt: skip
 
 Send = Callable[[dict[str, Any]], None]
 Handler = Callable[[dict[str, Any], Send], None]

@@ -14,10 +14,10 @@ from shim.agent_entry import forwarded
 
 
 def test_env_differences_name_only_what_the_commands_read() -> None:
-    server = {"KUBECTL_SNAPSHOT_STATE_DIR": "/s", "PATH": "/a", "HOME": "/root"}
+    server = {"KUBECTL_SNAPSHOT_STATE_DIR": "/s", "TERM": "xterm", "HOME": "/root"}
     client = {
         "KUBECTL_SNAPSHOT_STATE_DIR": "/s",
-        "PATH": "/b",  # not read by the commands
+        "TERM": "dumb",  # not read by the commands
         "HOME": "/root",
         "CONTAINERD_NAMESPACE": "k8s.io",
         localapi.SOCKET_ENV: "/x.sock",  # how the client found the agent: never compared
@@ -26,6 +26,9 @@ def test_env_differences_name_only_what_the_commands_read() -> None:
     assert localapi.env_differences({**client, "CONTAINERD_NAMESPACE": ""}, server) == ["CONTAINERD_NAMESPACE"]
     client.pop("CONTAINERD_NAMESPACE")
     assert localapi.env_differences(client, server) == []
+    # where a credential helper is found, TLS trust, proxies: requests and the docker config read them
+    for name in ("PATH", "REQUESTS_CA_BUNDLE", "HTTPS_PROXY", "no_proxy"):
+        assert localapi.env_differences({**client, name: "x"}, server) == [name]
 
 
 def test_socket_path() -> None:
