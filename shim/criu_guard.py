@@ -398,7 +398,7 @@ def cache_decoded(image_dir: str, cache_dir: str) -> int:
                     continue
             except (ImageGrantsMore, OSError, TypeError, ValueError):
                 continue
-            tmp = f"{target}.{os.getpid()}.tmp"
+            tmp = f"{target}.{os.urandom(6).hex()}.tmp"  # restores staged at once may decode the same image
             with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), "w") as f:
                 f.write(text)
             os.replace(tmp, target)
