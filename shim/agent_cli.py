@@ -127,6 +127,14 @@ def make_registry(ref: Reference, opts: dict[str, Any]) -> RegistryClient:
     return RegistryClient(credentials=store, plain_http=bool(opts.get("plain_http")))
 
 
+def _held_guard(socket_path: str, *, persistent: bool = False) -> contextlib.AbstractContextManager[Any]:
+    """The freeze guard at `socket_path` (the agent pod's guard container), else a private one: for one
+    checkpoint, or for as long as a serving process runs (`persistent`)."""
+    if socket_path:
+        return contextlib.nullcontext(guard.GuardClient(socket_path))
+    return guard.private_guard(persistent=persistent)
+
+
 def _client(address: str, namespace: str) -> Any:
     from shim.containerd.client import ContainerdClient
 
@@ -206,8 +214,11 @@ def checkpoint_cmd(
 
     The freeze is held through a freeze guard (shim/guard.py): if this process is killed or hangs past
     the freeze's deadline, the guard thaws the containers within moments."""
-    held = contextlib.nullcontext(guard.GuardClient(guard_socket)) if guard_socket else guard.private_guard()
-    with held as guard_client, _client(address, namespace) as containerd, Progress("checkpoint") as bar:
+    with (
+        _held_guard(guard_socket) as guard_client,
+        _client(address, namespace) as containerd,
+        Progress("checkpoint") as bar,
+    ):
         data = checkpoint_data(
             _args_from(_CheckpointArgs, click.get_current_context().params),
             guard_client=guard_client,
@@ -494,15 +505,13 @@ class WarmAgent:
 
         if name == "checkpoint":
             own_guard = p["guard_socket"]
-            held = contextlib.nullcontext(guard.GuardClient(own_guard) if own_guard else self.guard_client)
-            with held as guard_client:
-                return checkpoint_data(
-                    _args_from(_CheckpointArgs, p),
-                    guard_client=guard_client,
-                    containerd=self.containerd,
-                    on_phase=on_phase,
-                    on_bytes=on_bytes,
-                )
+            return checkpoint_data(
+                _args_from(_CheckpointArgs, p),
+                guard_client=guard.GuardClient(own_guard) if own_guard else self.guard_client,
+                containerd=self.containerd,
+                on_phase=on_phase,
+                on_bytes=on_bytes,
+            )
         return restore_data(
             _args_from(_RestoreArgs, p),
             containerd=self.containerd,
@@ -542,12 +551,7 @@ def serve_cmd(address: str, namespace: str, socket_path: str, guard_socket: str)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    held = (
-        contextlib.nullcontext(guard.GuardClient(guard_socket))
-        if guard_socket
-        else guard.private_guard(persistent=True)
-    )
-    with held as guard_client, _client(address, namespace) as containerd:
+    with _held_guard(guard_socket, persistent=True) as guard_client, _client(address, namespace) as containerd:
         server = localapi.LocalServer(socket_path, WarmAgent(address, namespace, containerd, guard_client).handle)
         server.start()
         try:
@@ -668,12 +672,7 @@ def _node_local_api(settings: Any) -> Iterator[None]:
         yield
         return
     address, namespace = settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE
-    held = (
-        contextlib.nullcontext(guard.GuardClient(settings.guard_socket))
-        if settings.guard_socket
-        else guard.private_guard(persistent=True)
-    )
-    with held as guard_client, _client(address, namespace) as containerd:
+    with _held_guard(settings.guard_socket, persistent=True) as guard_client, _client(address, namespace) as containerd:
         server = localapi.LocalServer(path, WarmAgent(address, namespace, containerd, guard_client).handle)
         try:
             server.start()

@@ -51,13 +51,6 @@ def output_option(fn: F) -> F:
     )(fn)
 
 
-def emit(
-    data: Any,
-    fmt: str,
-    text: Callable[[Any], str],
-    *,
-    wide: Callable[[Any], str] | None = None,
-    name: Callable[[Any], str] | None = None,
-) -> None:
-    """Print `data` in `fmt` (see `formatted`)."""
-    click.echo(formatted(data, fmt, text, wide=wide, name=name), nl=False)
+def emit(data: Any, fmt: str, text: Callable[[Any], str], **forms: Callable[[Any], str] | None) -> None:
+    """Print `data` in `fmt` (console/formats.py `formatted`: `wide=`, `name=` forms)."""
+    click.echo(formatted(data, fmt, text, **forms), nl=False)
