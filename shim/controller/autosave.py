@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 TICK_S = 1.0  # how often due saves are looked for
 POLL_S = 2.0  # how often a save in flight is read back
+RETENTION_RETRY_S = 30.0  # saves retention could not delete are tried again this often (also while suspended)
 NAME_ATTEMPTS = 5
 ORPHAN_SWEEP_S = 300.0  # saves of pods that are gone are looked at this often (max age only)
 
@@ -57,6 +58,7 @@ def field_manager(node: str) -> str:
 class _Pair:
     saves: list[A.Save]
     next_check: float = 0.0
+    retention_retry: float = 0.0  # when to try again deleting saves retention could not delete (0: nothing left)
     applied: dict[str, Any] = field(default_factory=dict)
 
 
@@ -188,6 +190,8 @@ class Autosave:
             self._dirty.add((ns, pname))
             self._finished(policy, pod, pair, current, interval, now)
             sched = A.schedule(pair.saves, interval, now)
+        elif pair.retention_retry and now >= pair.retention_retry:
+            self._retain(policy, pair, now)
         if spec.get("suspend") or now < sched.due:
             return
         created = self._create(policy, pod, workload)
@@ -216,13 +220,18 @@ class Autosave:
         raise AlreadyExists(f"pod {ns}/{pod['metadata']['name']}: every save name of this second is taken")
 
     def _finished(self, policy: Obj, pod: Obj, pair: _Pair, save: A.Save, interval: float, now: float) -> None:
-        ns, pname = self._key(policy)
         pod_name = pod["metadata"]["name"]
         if not save.good:
             sched = A.schedule(pair.saves, interval, now)
             retry = A.format_duration(max(0.0, sched.due - now))
             message = f"save {save.name} of pod {pod_name} failed: {save.message or 'no message'}; retry in {retry}"
             policy_event(self.kube, policy, K.EVENT_SNAPSHOT_FAILED, message, warning=True)
+        self._retain(policy, pair, now)
+
+    def _retain(self, policy: Obj, pair: _Pair, now: float) -> None:
+        """Delete what retention dooms among the pair's finished saves; what could not be deleted is
+        tried again RETENTION_RETRY_S later, whether or not another save is made meanwhile."""
+        ns, pname = self._key(policy)
         retention = (policy.get("spec") or {}).get("retention") or {}
         max_age = retention.get("maxAge")
         doomed = A.retention(
@@ -231,10 +240,13 @@ class Autosave:
             max_age_s=A.parse_duration(str(max_age), "maxAge") if max_age else None,
             now=now,
         )
+        pair.retention_retry = 0.0
         if not doomed:
             return
         deleted = self._delete_saves(policy, [s.name for s in doomed])
         pair.saves = [s for s in pair.saves if s.name not in deleted]
+        if len(deleted) < len(doomed):
+            pair.retention_retry = now + RETENTION_RETRY_S
         if deleted:
             log.info("policy %s/%s: retention deleted %s", ns, pname, ", ".join(sorted(deleted)))
 

@@ -141,15 +141,30 @@ def test_policy_saves_keeps_last_two_and_the_kept_one_restores(cluster, namespac
         raise AssertionError(f"{e}\n{diagnose(cluster, ns)}") from None
     cluster.kubectl("patch", K.POLICY_SINGULAR, POLICY, "-n", ns, "--type=merge", "-p", '{"spec":{"suspend":true}}')
 
+    def phase(o: dict[str, Any]) -> str:
+        return str((o.get("status") or {}).get("phase") or "")
+
     def settled() -> bool:
         now = saves(cluster, ns)
         for o in now:
             seen[o["metadata"]["name"]] = o
-        return len(now) == 2 and all((o.get("status") or {}).get("phase") in K.TERMINAL_PHASES for o in now)
+        if not all(phase(o) in K.TERMINAL_PHASES for o in now):
+            return False
+        # a save may fail on a loaded machine (the policy retries it); retention keeps a few of those
+        failed = [o for o in now if phase(o) != K.PHASE_SUCCEEDED]
+        return len(now) - len(failed) == 2 and len(failed) <= A.KEEP_FAILED
 
-    cluster.wait_for("retention to leave exactly 2 finished saves", settled, timeout=120)
-    kept = saves(cluster, ns)
-    assert all(o["status"]["phase"] == K.PHASE_SUCCEEDED for o in kept), [o["status"] for o in kept]
+    try:
+        cluster.wait_for("retention to leave exactly 2 good saves", settled, timeout=120)
+    except AssertionError as e:
+        states = [(o["metadata"]["name"], o.get("status") or {}) for o in saves(cluster, ns)]
+        listed = "\n".join(f"{name}: {st.get('phase')} {st.get('message', '')}" for name, st in states)
+        raise AssertionError(f"{e}\n{listed}\n{diagnose(cluster, ns)}") from None
+    remaining = saves(cluster, ns)
+    for o in remaining:
+        if phase(o) != K.PHASE_SUCCEEDED:
+            print(f"a failed save kept by retention: {o['metadata']['name']}: {o['status'].get('message')}")
+    kept = [o for o in remaining if phase(o) == K.PHASE_SUCCEEDED]
     kept_names = {o["metadata"]["name"] for o in kept}
     good = [o for o in seen.values() if o["status"].get("phase") == K.PHASE_SUCCEEDED]
     assert len(good) >= 4
@@ -177,7 +192,8 @@ def test_policy_saves_keeps_last_two_and_the_kept_one_restores(cluster, namespac
     stamp = A.parse_time(live["metadata"]["annotations"][K.ANN_LAST_SAVE])
     assert stamp is not None and time.time() - stamp < 120
     entry = next(p for p in cluster.get_json(K.POLICY_SINGULAR, POLICY, "-n", ns)["status"]["pods"])
-    assert entry["name"] == "counter" and entry["node"] == n1 and entry["lastResult"] == K.PHASE_SUCCEEDED
+    last = max(remaining, key=lambda o: o["metadata"]["creationTimestamp"] + o["metadata"]["name"])
+    assert entry["name"] == "counter" and entry["node"] == n1 and entry["lastResult"] == phase(last)
     assert entry["lastSnapshot"] == newest["metadata"]["name"] and entry["lastSize"] > 0
     listed = plugin("policy", "list", "-n", ns).stdout
     assert POLICY in listed and "app=counter" in listed

@@ -10,7 +10,7 @@ from typing import Any
 
 from kubectl_snapshot.core import autosave as A
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import AlreadyExists, NotFound
+from kubectl_snapshot.core.errors import AlreadyExists, NotFound, SnapshotError
 from kubectl_snapshot.core.provenance import signature_tag
 from kubectl_snapshot.core.reference import Reference
 from shim.controller.autosave import Autosave, delete_manifest
@@ -151,6 +151,43 @@ def test_retention_deletes_the_manifest_and_signature_then_the_object() -> None:
     a.tick()
     assert list(kube.snapshots) == [new]  # keepLast 1
     assert kube.calls == ["delete manifest sha256:55", "delete manifest sha256:11", f"delete podsnapshot {old}"]
+
+
+def test_retention_that_could_not_delete_tries_again_without_another_save() -> None:
+    clock = [1_500_000.0]
+    kube = FakeKube(clock)
+    down = [True]
+
+    class FlakyRegistry(FakeRegistry):
+        def delete_manifest(self, ref: Reference, digest: str) -> None:
+            if down[0]:
+                raise SnapshotError("registry unavailable")
+            super().delete_manifest(ref, digest)
+
+    a = Autosave(kube, "n1", registry_for=lambda ns, s, i: FlakyRegistry(kube.calls), clock=lambda: clock[0])
+    a.policy_changed(POLICY)
+    a.pod_changed(POD)
+    a.tick()
+    old = next(iter(kube.snapshots))
+    kube.finish(old, K.PHASE_SUCCEEDED, "sha256:" + "1" * 64)
+    clock[0] += 40
+    a.tick()  # the first is finished; the second one starts
+    new = next(n for n in kube.snapshots if n != old)
+    # the policy is suspended while the second save runs: no further save will come to retry retention
+    a.policy_changed({**POLICY, "spec": {**POLICY["spec"], "suspend": True}})
+    kube.finish(new, K.PHASE_SUCCEEDED, "sha256:" + "2" * 64)
+    clock[0] += 3
+    a.tick()
+    assert set(kube.snapshots) == {old, new}  # the registry refused: the save is kept
+    assert any(e.reason == "RetentionFailed" for e in kube.events)
+    down[0] = False
+    clock[0] += 10
+    a.tick()
+    assert set(kube.snapshots) == {old, new}  # not before the retry time
+    clock[0] += 30
+    a.tick()
+    assert list(kube.snapshots) == [new] and f"delete podsnapshot {old}" in kube.calls
+    assert len(kube.snapshots) == 1  # and, suspended, nothing new was saved
 
 
 def test_a_failed_save_is_retried_with_backoff_and_reported_on_the_policy() -> None:
