@@ -61,6 +61,9 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         # like for like: both standalone (a save without page deltas runs standalone, bench/run.py)
         "pushed_vs_no_deltas": _r(ag.get("pushed_standalone_s", ag.get("pushed_s")), ag.get("pushed_no_deltas_s")),
         "pushed_internal_vs_no_deltas": _r(ag.get("pushed_internal_s"), ag.get("pushed_internal_no_deltas_s")),
+        # containers created while the data downloads vs only after it (both served, alternated)
+        "restore_vs_late_create": _r(ag.get("restore_s"), ag.get("restore_late_create_s")),
+        "restore_internal_vs_late_create": _r(ag.get("restore_internal_s"), ag.get("restore_late_create_internal_s")),
     }
     pv, cv = d["pushed_vs_podman_export"], d["pushed_vs_ctr_checkpoint_push"]  # issue 16: 64 MiB included
     d["pushed_goal_met"] = None if d["pushed_vs_serial_bound"] is None else (
@@ -159,11 +162,13 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
 
     calls = b.get("hook_calls") or {}
     return [
+        f"{_fmt(d['restore_vs_late_create'])} (in-agent {_fmt(d['restore_internal_vs_late_create'])})",
         ms("total_ms"),
         ms("resolve_ms"),
         ms("download_ms"),
         ms("restore_ms"),
         ms("create_ms"),
+        ms("staged_wait_ms"),
         ms("python_startup_ms"),
         ms("image_check_ms") + _decoded(b.get("images_decoded_in_hook")),
         ms("runc_restore_ms"),
@@ -222,16 +227,20 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "Where an in-agent restore's time goes (medians): resolve (manifest, config, signature), download (every "
-        "blob fetched, verified, decrypted, page files rebuilt), then containerd creating and starting the "
-        "container: the runtime hook's create is the restore (its launcher starting Python on the hook, the CRIU "
-        "image check with the number of images it decoded itself, the rest coming from the agent's decode cache, "
-        "`runc restore`); every other call containerd's shim makes goes from the launcher to runc without Python "
-        "(the count of calls per runc command during the last run's restore).",
+        "blob fetched, verified, decrypted, page files rebuilt); meanwhile containerd creates the container and "
+        "starts its shim and the runtime hook, whose create waits at the staging gate until the data is complete "
+        "(hook waited); create + start is what is left after the download. The hook's create is the restore (its "
+        "launcher starting Python on the hook, the CRIU image check with the number of images it decoded itself, "
+        "the rest coming from the agent's decode cache, `runc restore`; hook create leaves out the wait); every "
+        "other call containerd's shim makes goes from the launcher to runc without Python (the count of calls per "
+        "runc command during the last run's restore). The first column: pull->running (served; in-agent) against "
+        "the same restores with the containers created only after the download "
+        "(KUBECTL_SNAPSHOT_EARLY_CREATE=0, served by a second agent, alternated).",
         "",
     ]
-    parts_header = ["in-agent restore", "resolve", "download", "create + start", "hook create",
-                    "hook: Python start-up", "hook: image check", "hook: runc restore", "raw criu restore",
-                    "hook calls"]  # fmt: skip
+    parts_header = ["pull->running vs created after the download", "in-agent restore", "resolve", "download",
+                    "create + start", "hook create", "hook waited", "hook: Python start-up", "hook: image check",
+                    "hook: runc restore", "raw criu restore", "hook calls"]  # fmt: skip
     lines += _table(result, parts_header, _restore_parts)
     errors = [
         f"- {row['kind']} {row['mib']} MiB {p}: {row[p]['error']}"

@@ -299,7 +299,10 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
             if int(entry["pid"]) in decoded:
                 out["images_decoded_in_hook"] = decoded[int(entry["pid"])]
             out["runc_restore_ms"] = (ph["after-restore"] - ph["runc-restore"]) * 1000
-            out["create_ms"] = (ph.get("done", ph["after-restore"]) - begun) * 1000
+            # created while the data downloaded: the hook waited at the staging gate (not part of its work)
+            waited = ph["staged"] - ph["started"] if "staged" in ph else 0.0
+            out["staged_wait_ms"] = waited * 1000
+            out["create_ms"] = (ph.get("done", ph["after-restore"]) - begun - waited) * 1000
     return out
 
 
@@ -320,10 +323,12 @@ class ServedAgent:
     the measured `ks-agent checkpoint|restore` are its clients. Its log counts what it served, so a
     request it declined (then run standalone) cannot pass for a served one."""
 
-    def __init__(self, daemon: ContainerdDaemon) -> None:
+    def __init__(self, daemon: ContainerdDaemon, extra_env: dict[str, str] | None = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="ks-serve-", dir="/tmp"))
         self.socket, self.log = str(self.dir / "agent.sock"), self.dir / "serve.log"
-        env = {**os.environ, C.ENV_PAGE_DELTAS: "1"}  # what the served clients set: the same environment
+        # what the served clients set: the same environment (an agent serves only requests made in its own)
+        self.env = {**os.environ, C.ENV_PAGE_DELTAS: "1", **(extra_env or {}), localapi.SOCKET_ENV: self.socket}
+        env = self.env
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 [AGENT, "serve", "-a", daemon.address, "-n", daemon.namespace, "--socket", self.socket],
@@ -402,8 +407,12 @@ def measure_agent(
     out: dict[str, Any] = {}
     served = ServedAgent(daemon)
     pushed_alone, restores_alone = [], []  # the same commands standalone (no agent serving them)
+    # restores whose containers are created only after the download (no staging gate), alternated
+    late = ServedAgent(daemon, {C.ENV_EARLY_CREATE: "0"})
+    restores_late, restores_late_internal = [], []
     with contextlib.ExitStack() as stack:
         stack.callback(served.close)
+        stack.callback(late.close)
         cid, ctl = stack.enter_context(container(daemon, mib, kind))
         ref = ""
 
@@ -437,7 +446,7 @@ def measure_agent(
             cmd = [AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", hook,
                    "--runc-root", daemon.runc_root, "-o", "json", ref, new]  # fmt: skip
             t = time.monotonic()
-            proc = sh(cmd, env={**os.environ, C.ENV_PAGE_DELTAS: "1", localapi.SOCKET_ENV: served.socket})
+            proc = sh(cmd, env=served.env)
             if i:
                 restores.append(time.monotonic() - t)
                 timings = json.loads(proc.stdout)["timingsMs"]
@@ -445,6 +454,14 @@ def measure_agent(
                 breakdowns.append({**timings, **(hook_breakdown(hook_dir) or {})})
             with contextlib.suppress(Exception):
                 daemon.client().remove_container(new)
+            cmd[-1] = f"l-{uuid.uuid4().hex[:8]}"
+            t = time.monotonic()
+            proc = sh(cmd, env=late.env)
+            if i:
+                restores_late.append(time.monotonic() - t)
+                restores_late_internal.append(json.loads(proc.stdout)["timingsMs"]["total_ms"] / 1000)
+            with contextlib.suppress(Exception):
+                daemon.client().remove_container(cmd[-1])
             cmd[-1] = f"s-{uuid.uuid4().hex[:8]}"
             t = time.monotonic()
             sh(cmd, env={**os.environ, localapi.SOCKET_ENV: "none"})
@@ -452,8 +469,9 @@ def measure_agent(
                 restores_alone.append(time.monotonic() - t)
             with contextlib.suppress(Exception):
                 daemon.client().remove_container(cmd[-1])
-        if served.served("restore") != runs + 1:
-            raise RuntimeError(f"the agent served {served.served('restore')} of {runs + 1} restores")
+        for agent_, what in ((served, "restores"), (late, "restores without early create")):
+            if agent_.served("restore") != runs + 1:
+                raise RuntimeError(f"the agent served {agent_.served('restore')} of {runs + 1} {what}")
         # the same container dumped by runc alone (no containerd, no pause, no packaging): what CRIU
         # under runc costs for this container, a second reference for the freeze
         ns_root = next(p for p in Path(daemon.runc_root).iterdir() if (p / cid).is_dir())
@@ -485,6 +503,8 @@ def measure_agent(
         restore_s=med(restores),
         restore_standalone_s=med(restores_alone),
         restore_internal_s=med(restores_internal),
+        restore_late_create_s=med(restores_late),
+        restore_late_create_internal_s=med(restores_late_internal),
         restore_breakdown=_median_breakdown(breakdowns),
     )
     return out

@@ -11,7 +11,10 @@ and passes every other call to the real runc (``exec``, so signals and exit code
 Every runc it runs is handed the node's installed CRIU (``--criu $KUBECTL_SNAPSHOT_CRIU``, set by the
 launcher that install-node writes), so a CRIU of the host, present or not, is never used.
 Staged data is found only by a key derived here: the container id, or the pod uid + container name
-that containerd's CRI plugin writes into the bundle's config.json annotations.
+that containerd's CRI plugin writes into the bundle's config.json annotations. A node-level restore
+creates its containers while their data still downloads: the ``create`` of a container whose id the
+agent gated (shim/engine/staging.py, "the staging gate") waits until the agent says the staged data is
+complete, and refuses to run anything if staging failed or the agent let go.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, criu_first_error, log_tail
-from shim.engine.staging import StatePaths
+from shim.engine.staging import StatePaths, wait_staged
 from shim.podrestore import PodRestore, netns_of
 
 _GLOBAL_WITH_VALUE = {"--log", "--log-format", "--root", "--criu", "--rootless"}
@@ -426,6 +429,12 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
     if inv.command == "create":
         create = parse_create(inv.args)
         spec = bundle_spec(create.bundle)
+        why = wait_staged(paths, create.container_id)  # created while its data downloads (node-level restore)
+        trace("staged")
+        if why is not None:
+            msg = f"refusing to restore: {why}"
+            _log_error(inv, msg)
+            return 1
         staged = find_staged(paths, create.container_id, spec)
         pod = _restored_pod(paths, spec)
         if pod is not None:

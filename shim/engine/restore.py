@@ -14,6 +14,7 @@ import copy
 import errno
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from shim import criu_guard, hostfacts, safefs
 from shim.archive import safe_extract
 from shim.engine.package import progress_counter
 from shim.engine.ports import Registry
-from shim.engine.staging import StatePaths, check_key
+from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, check_key
 from shim.engine.stream import fetch_chunks
 from shim.zstdio import open_zstd_reader
 
@@ -61,6 +62,7 @@ class RestoreRequest:
     log_dir: str = "/var/log/kubectl-snapshot"
     snapshotter: str = "overlayfs"
     trust: TrustPolicy = field(default_factory=TrustPolicy)  # default trusts nothing: all refused
+    early_create: bool = True  # create the containers while their data downloads (the staging gate)
 
 
 @dataclass
@@ -358,21 +360,31 @@ def restore(
     phase("download")
     t_dl = clock()
     staged = [paths.staged_by_id(cid) for cid in req.new_ids]
-    stage_artifact(
-        plan.artifact,
-        staged,
-        registry=registry,
-        paths=paths,
-        volume_targets=req.volumes,
-        on_bytes=on_bytes,
-        opener=opener,
-    )
+    early = _EarlyCreate.start(containerd, req, plan, staged, namespace, paths, clock) if req.early_create else None
+    try:
+        stage_artifact(
+            plan.artifact,
+            staged,
+            registry=registry,
+            paths=paths,
+            volume_targets=req.volumes,
+            on_bytes=on_bytes,
+            opener=opener,
+        )
+    except BaseException as e:
+        if early is not None:
+            with contextlib.suppress(OSError):  # the staging error is the one to report
+                early.abandon(f"{type(e).__name__}: {e}")
+        raise
     timings["download_ms"] = (clock() - t_dl) * 1000
 
     phase("restore")
     t_run = clock()
     try:
-        results = _create_all(containerd, req, plan, staged, namespace)
+        results = early.finish() if early is not None else None
+        timings["created_during_download"] = float(results is not None)
+        if results is None:  # not tried, or given up before the data was complete: in order, now
+            results = _create_all(containerd, req, plan, staged, namespace)
     finally:
         for sdir in staged:
             shutil.rmtree(sdir, ignore_errors=True)
@@ -457,6 +469,83 @@ def _create_all(
                 containerd.remove_container(cid)
         raise
     return results
+
+
+class _EarlyCreate:
+    """The restored containers created, in a thread, while their data downloads: containerd starts each
+    task's shim and the runtime hook meanwhile, and the hook's `create` waits at the container's staging
+    gate (shim/engine/staging.py) until the staged data is complete. Staging that fails answers the gates
+    with its error: the hooks refuse, and _create_all removes what it created."""
+
+    def __init__(self, gates: list[StagingGate], clock: Callable[[], float]) -> None:
+        self.gates = gates
+        self.clock = clock
+        self.results: list[tuple[str, int]] | None = None
+        self.error: BaseException | None = None
+        self.failed_at = self.answered_at = 0.0
+        self.thread: threading.Thread | None = None
+
+    @classmethod
+    def start(
+        cls,
+        containerd: Any,
+        req: RestoreRequest,
+        plan: _Plan,
+        staged: Sequence[str],
+        namespace: str,
+        paths: StatePaths,
+        clock: Callable[[], float],
+    ) -> _EarlyCreate | None:
+        gates: list[StagingGate] = []
+        try:
+            for cid in req.new_ids:
+                gates.append(StagingGate(paths, cid))
+        except OSError:
+            for g in gates:
+                g.close()
+            return None  # no gate, no early create: the containers are created after the download
+        early = cls(gates, clock)
+
+        def run() -> None:
+            try:
+                early.results = _create_all(containerd, req, plan, staged, namespace)
+            except BaseException as e:  # handed to the restore's own thread
+                early.error, early.failed_at = e, clock()
+
+        early.thread = threading.Thread(target=run, name="early-create", daemon=True)
+        early.thread.start()
+        return early
+
+    def _end(self, state: str, message: str = "") -> None:
+        self.answered_at = self.clock()
+        try:
+            for g in self.gates:
+                g.answer(state, message)
+        except OSError:  # unanswered: let go of the gates, and a waiting hook refuses at once
+            for g in self.gates:
+                g.close()
+            self.gates = []
+            raise
+        finally:
+            if self.thread is not None:
+                self.thread.join()
+            for g in self.gates:
+                g.close()
+
+    def abandon(self, why: str) -> None:
+        """Staging failed: the waiting hooks refuse, the containers created so far are removed."""
+        self._end(FAILED, why)
+
+    def finish(self) -> list[tuple[str, int]] | None:
+        """The staged data is complete: the containers as created and started; None when their creation
+        failed before the data was complete (a hook that gave up waiting, say): the caller creates them
+        again now. A failure after it is the restore's."""
+        self._end(READY)
+        if self.error is None:
+            return self.results
+        if self.failed_at < self.answered_at:
+            return None
+        raise self.error
 
 
 def _check_image(containerd: Any, rec: ContainerRecord) -> str:

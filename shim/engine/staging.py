@@ -7,8 +7,12 @@ follows a path named by the container or the snapshot.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kubectl_snapshot.core import constants as C
@@ -53,6 +57,11 @@ class StatePaths:
         """A restored pod's own state (shim.podrestore), beside its containers' staged dirs."""
         return os.path.join(self.root, C.STAGING_SUBDIR, "by-pod", check_key(pod_uid, "pod uid"))
 
+    def staging_gate(self, container_id: str) -> str:
+        """Held (flock) by an agent that created this container before its staging finished (see
+        StagingGate); the gate's ``.state`` beside it says when the staged data is complete."""
+        return os.path.join(self.root, C.STAGING_SUBDIR, "gates", check_key(container_id, "container id"))
+
     def restored_marker(self, container_id: str) -> str:
         return os.path.join(self.root, "restored", check_key(container_id, "container id"))
 
@@ -67,3 +76,106 @@ class StatePaths:
 
     def downloads(self) -> str:
         return os.path.join(self.root, "downloads")
+
+
+# --- the staging gate -------------------------------------------------------------------------------
+# A node-level restore creates its containers while their data downloads: containerd starts the task's
+# shim and the runtime hook meanwhile, and the hook's `create` waits here until the agent says the
+# staged data is complete (or that staging failed). The agent holds an exclusive flock on the gate for
+# as long as the answer may still come, so a hook never waits on an agent that is gone (whatever pid
+# namespace either runs in). The state is written by rename: a hook never reads half of it.
+
+READY = "ready"
+FAILED = "failed"
+GATE_WAIT_S = 60.0  # a hook waits at most this long (below containerd's create deadline, 120 s)
+
+
+class StagingGate:
+    """The agent's side: opened (and locked) before the containers are created, answered once."""
+
+    def __init__(self, paths: StatePaths, container_id: str) -> None:
+        self.path = paths.staging_gate(container_id)
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: another restore of this id (OSError)
+        except OSError:
+            os.close(self._fd)
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path + ".state")  # an answer left by an agent that died
+
+    def answer(self, state: str, message: str = "") -> None:
+        tmp = f"{self.path}.state.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(f"{state}\n{message}")
+        os.replace(tmp, self.path + ".state")
+
+    def close(self) -> None:
+        """The containers are created (or given up): nothing waits any more."""
+        for p in (self.path + ".state", self.path):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)
+        os.close(self._fd)
+
+
+def _gate_held(path: str) -> bool:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _gate_state(path: str) -> tuple[str, str] | None:
+    try:
+        with open(path + ".state") as f:
+            state, _, message = f.read().partition("\n")
+    except FileNotFoundError:
+        return None
+    return state, message
+
+
+def wait_staged(
+    paths: StatePaths,
+    container_id: str,
+    *,
+    timeout_s: float = GATE_WAIT_S,
+    poll_s: float = 0.002,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str | None:
+    """The hook's side: None once this container's staged data is complete (at once when no agent
+    gated it); otherwise why it will not be (staging failed, the agent is gone, or too slow)."""
+    try:
+        path = paths.staging_gate(container_id)
+    except InvalidArgument:
+        return None
+    if not os.path.exists(path):
+        return None
+    deadline = clock() + timeout_s
+    next_lock_check = 0.0
+    while True:
+        got = _gate_state(path)
+        if got is not None:
+            state, message = got
+            return None if state == READY else f"the agent's staging of this restore failed: {message or 'no reason'}"
+        now = clock()
+        if now >= next_lock_check:
+            next_lock_check = now + 0.05
+            if not _gate_held(path):
+                got = _gate_state(path)  # answered just before it let go
+                if got is not None and got[0] == READY:
+                    return None
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)  # a gate left by an agent that died: the next create is not held up
+                return "the agent staging this restore let go before the data was complete"
+        if now >= deadline:
+            return f"the staged data was not complete within {timeout_s:.0f} s"
+        sleep(poll_s)

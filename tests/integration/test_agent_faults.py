@@ -221,6 +221,8 @@ def test_tampered_blob_is_refused_before_extraction(containerd_a, containerd_b, 
     assert "digest" in proc.stderr.lower()
     state = Path(os.environ.get(C.ENV_STATE_DIR, C.DEFAULT_STATE_DIR))
     assert not (state / C.STAGING_SUBDIR / "by-id" / name).exists()
+    # the container created while the data downloaded was refused by its hook and removed; no gate is left
+    assert not (state / C.STAGING_SUBDIR / "gates" / name).exists()
     with pytest.raises(NotFound):
         client(containerd_b).get_container(name)
 

@@ -161,6 +161,8 @@ def test_counter_continues_on_a_second_containerd(containerd_a, containerd_b, re
     restored = agent(*restore_on(containerd_b), "-o", "json", ref, new)
     info = json.loads(restored.stdout)
     assert info["containers"][0]["name"] == new
+    # created while its data downloaded: the hook's create waited at the staging gate until it was complete
+    assert info["timingsMs"]["created_during_download"] == 1, info["timingsMs"]
     assert info["provenance"].startswith("signed by trusted key ")  # verified before any layer was fetched
     assert task_status(b, new) == "running"
     tok_after, v_after = read_counter(b, new)
