@@ -11,8 +11,7 @@ import contextlib
 import fcntl
 import os
 import re
-import time
-from collections.abc import Callable
+import threading
 from dataclasses import dataclass
 
 from kubectl_snapshot.core import constants as C
@@ -81,9 +80,10 @@ class StatePaths:
 # --- the staging gate -------------------------------------------------------------------------------
 # A node-level restore creates its containers while their data downloads: containerd starts the task's
 # shim and the runtime hook meanwhile, and the hook's `create` waits here until the agent says the
-# staged data is complete (or that staging failed). The agent holds an exclusive flock on the gate for
-# as long as the answer may still come, so a hook never waits on an agent that is gone (whatever pid
-# namespace either runs in). The state is written by rename: a hook never reads half of it.
+# staged data is complete (or that staging failed). The agent holds an exclusive flock on the gate until
+# it has written its answer (by rename: a hook never reads half of it); the hook blocks on a shared lock
+# of the same file, so it wakes the moment the agent lets go, and the kernel lets go for an agent that
+# dies (whatever pid namespace either runs in). Got the lock but no answer: the agent is gone.
 
 READY = "ready"
 FAILED = "failed"
@@ -106,10 +106,12 @@ class StagingGate:
             os.unlink(self.path + ".state")  # an answer left by an agent that died
 
     def answer(self, state: str, message: str = "") -> None:
+        """Write the answer, then let go: the waiting hook wakes and reads it."""
         tmp = f"{self.path}.state.{os.getpid()}"
         with open(tmp, "w") as f:
             f.write(f"{state}\n{message}")
         os.replace(tmp, self.path + ".state")
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         """The containers are created (or given up): nothing waits any more."""
@@ -119,63 +121,36 @@ class StagingGate:
         os.close(self._fd)
 
 
-def _gate_held(path: str) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def _gate_state(path: str) -> tuple[str, str] | None:
-    try:
-        with open(path + ".state") as f:
-            state, _, message = f.read().partition("\n")
-    except FileNotFoundError:
-        return None
-    return state, message
-
-
-def wait_staged(
-    paths: StatePaths,
-    container_id: str,
-    *,
-    timeout_s: float = GATE_WAIT_S,
-    poll_s: float = 0.002,
-    clock: Callable[[], float] = time.monotonic,
-    sleep: Callable[[float], None] = time.sleep,
-) -> str | None:
+def wait_staged(paths: StatePaths, container_id: str, *, timeout_s: float = GATE_WAIT_S) -> str | None:
     """The hook's side: None once this container's staged data is complete (at once when no agent
-    gated it); otherwise why it will not be (staging failed, the agent is gone, or too slow)."""
+    gated it); otherwise why it will not be (staging failed, the agent is gone, or too slow). The lock
+    is taken by a daemon thread, so the wait is bounded without signals; one that times out is left
+    blocked in the kernel and ends with the process."""
     try:
         path = paths.staging_gate(container_id)
     except InvalidArgument:
         return None
-    if not os.path.exists(path):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
         return None
-    deadline = clock() + timeout_s
-    next_lock_check = 0.0
-    while True:
-        got = _gate_state(path)
-        if got is not None:
-            state, message = got
-            return None if state == READY else f"the agent's staging of this restore failed: {message or 'no reason'}"
-        now = clock()
-        if now >= next_lock_check:
-            next_lock_check = now + 0.05
-            if not _gate_held(path):
-                got = _gate_state(path)  # answered just before it let go
-                if got is not None and got[0] == READY:
-                    return None
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)  # a gate left by an agent that died: the next create is not held up
-                return "the agent staging this restore let go before the data was complete"
-        if now >= deadline:
-            return f"the staged data was not complete within {timeout_s:.0f} s"
-        sleep(poll_s)
+    locked = threading.Event()
+
+    def lock() -> None:  # the lock only says that the agent let go: the file is closed once it is got
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        finally:
+            os.close(fd)
+        locked.set()
+
+    threading.Thread(target=lock, name="staging-gate", daemon=True).start()
+    if not locked.wait(timeout_s):
+        return f"the staged data was not complete within {timeout_s:g} s"  # the thread ends with the process
+    try:
+        with open(path + ".state") as f:
+            state, _, message = f.read().partition("\n")
+    except FileNotFoundError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a gate left by an agent that died: the next create is not held up
+        return "the agent staging this restore let go before the data was complete"
+    return None if state == READY else f"the agent's staging of this restore failed: {message or 'no reason'}"
