@@ -42,7 +42,11 @@ log = logging.getLogger(__name__)
 
 TICK_S = 1.0  # how often due saves are looked for
 POLL_S = 2.0  # how often a save in flight is read back
-RETENTION_RETRY_S = 30.0  # saves retention could not delete are tried again this often (also while suspended)
+# saves retention could not delete are tried again (also while suspended) after 30 s, then twice as
+# long after each failure up to 30 min: a registry that refuses deletes is not asked (nor an Event
+# recorded) every 30 s for ever
+RETENTION_RETRY_S = 30.0
+RETENTION_RETRY_MAX_S = 1800.0
 NAME_ATTEMPTS = 5
 ORPHAN_SWEEP_S = 300.0  # saves of pods that are gone are looked at this often (max age only)
 
@@ -59,6 +63,7 @@ class _Pair:
     saves: list[A.Save]
     next_check: float = 0.0
     retention_retry: float = 0.0  # when to try again deleting saves retention could not delete (0: nothing left)
+    retention_failures: int = 0  # retention passes in a row that left a doomed save undeleted
     applied: dict[str, Any] = field(default_factory=dict)
 
 
@@ -246,7 +251,11 @@ class Autosave:
         deleted = self._delete_saves(policy, [s.name for s in doomed])
         pair.saves = [s for s in pair.saves if s.name not in deleted]
         if len(deleted) < len(doomed):
-            pair.retention_retry = now + RETENTION_RETRY_S
+            pair.retention_failures += 1
+            backoff = RETENTION_RETRY_S * 2 ** min(pair.retention_failures - 1, 16)
+            pair.retention_retry = now + min(backoff, RETENTION_RETRY_MAX_S)
+        else:
+            pair.retention_failures = 0
         if deleted:
             log.info("policy %s/%s: retention deleted %s", ns, pname, ", ".join(sorted(deleted)))
 

@@ -179,12 +179,19 @@ def test_retention_that_could_not_delete_tries_again_without_another_save() -> N
     clock[0] += 3
     a.tick()
     assert set(kube.snapshots) == {old, new}  # the registry refused: the save is kept
-    assert any(e.reason == "RetentionFailed" for e in kube.events)
-    down[0] = False
+    failures = [e for e in kube.events if e.reason == "RetentionFailed"]
+    assert len(failures) == 1
     clock[0] += 10
     a.tick()
     assert set(kube.snapshots) == {old, new}  # not before the retry time
-    clock[0] += 30
+    clock[0] += 21
+    a.tick()  # 31 s after: tried again, refused again; the next try only 60 s later
+    assert len([e for e in kube.events if e.reason == "RetentionFailed"]) == 2
+    down[0] = False
+    clock[0] += 50
+    a.tick()
+    assert set(kube.snapshots) == {old, new}
+    clock[0] += 11
     a.tick()
     assert list(kube.snapshots) == [new] and f"delete podsnapshot {old}" in kube.calls
     assert len(kube.snapshots) == 1  # and, suspended, nothing new was saved
