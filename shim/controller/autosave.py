@@ -8,8 +8,9 @@ snapshot worker of the same node claims and runs them as it runs any other. What
   starts, so a restart neither skips nor doubles a save; never a second save while one is in flight;
   a failed save is retried after an exponential backoff capped at the interval (the pod is never
   touched: a save that fails leaves it running, as every failed snapshot does);
-- retention after each good save: the registry manifests (and their ``.sig`` signatures) of the
-  saves beyond the policy are deleted by digest, then their PodSnapshots;
+- retention after each finished save: the registry manifests (and their ``.sig`` signatures) of the
+  saves beyond the policy are deleted by digest, then their PodSnapshots; what could not be deleted is
+  tried again after a backoff even when no save follows (a suspended policy);
 - the policy's status: this node's entries in ``status.pods``, server-side applied with a field
   manager of its own (``kubectl-snapshot-agent/<node>``), so agents never overwrite each other and
   the entries of pods that left the node disappear with the next apply; Events on the policy for
@@ -263,7 +264,7 @@ class Autosave:
 
     def _delete_saves(self, policy: Obj, names: list[str]) -> set[str]:
         """Delete each save's manifest (and signature) from the registry, then its PodSnapshot; a save
-        whose manifest cannot be deleted is kept (and tried again after the next good save)."""
+        whose manifest cannot be deleted is kept (and tried again: `_retain`)."""
         ns = self._key(policy)[0]
         spec = policy.get("spec") or {}
         deleted: set[str] = set()
