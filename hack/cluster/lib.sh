@@ -218,10 +218,19 @@ oomScoreAdj: 0
 EOF
 }
 
+# The kubelet's device manager listens on a fixed host path, not under --root-dir, after removing what
+# is there: two kubelets reaching it at once race for it ("bind: address already in use", and the
+# loser exits: "Failed to start ContainerManager"). So a kubelet is started only once the one before
+# it has bound its socket (the path removed first, so that an old socket cannot pass for the new one).
+KS_DEVICE_PLUGIN_SOCK=/var/lib/kubelet/device-plugins/kubelet.sock
+
 ks_start_kubelet() {  # NODE BIN_DIR
   local node="$1" BIN="$2" ip
   ip="$(ks_node_ip "$node")"
+  rm -f "$KS_DEVICE_PLUGIN_SOCK"
   ks_start "kubelet-$node" "$BIN/kubelet" --config="$KS_DIR/$node/kubelet.yaml" \
     --kubeconfig="$KS_DIR/$node.kubeconfig" --root-dir="$KS_DIR/$node/kubelet" \
     --hostname-override="$node" --node-ip="$ip" --v=1
+  ks_wait 90 "the kubelet of $node to open its device plugin socket" test -S "$KS_DEVICE_PLUGIN_SOCK" \
+    || ks_die "the kubelet of $node did not start its device manager" "see $KS_DIR/logs/kubelet-$node.log"
 }

@@ -180,7 +180,7 @@ def cluster() -> Iterator[Cluster]:
                 )
             up = subprocess.run([str(HACK / "up.sh")], capture_output=True, text=True, timeout=3600, env=env)
             if up.returncode != 0:
-                pytest.fail(f"hack/cluster/up.sh failed ({up.returncode}):\n{up.stderr[-4000:]}")
+                pytest.fail(f"hack/cluster/up.sh failed ({up.returncode}):\n{up.stderr[-12000:]}")
             if "already running" not in up.stderr:
                 STARTED_MARK.touch()
             found = _load(STATE_DIR / "cluster.env")
