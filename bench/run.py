@@ -407,11 +407,11 @@ def measure_agent(
     out: dict[str, Any] = {}
     served = ServedAgent(daemon)
     pushed_alone, restores_alone = [], []  # the same commands standalone (no agent serving them)
-    # restores whose containers are created only after the download (no staging gate), alternated
-    late = ServedAgent(daemon, {C.ENV_EARLY_CREATE: "0"})
     restores_late, restores_late_internal = [], []
     with contextlib.ExitStack() as stack:
         stack.callback(served.close)
+        # restores whose containers are created only after the download (no staging gate), alternated
+        late = ServedAgent(daemon, {C.ENV_EARLY_CREATE: "0"})
         stack.callback(late.close)
         cid, ctl = stack.enter_context(container(daemon, mib, kind))
         ref = ""
