@@ -328,11 +328,10 @@ class ServedAgent:
         self.socket, self.log = str(self.dir / "agent.sock"), self.dir / "serve.log"
         # what the served clients set: the same environment (an agent serves only requests made in its own)
         self.env = {**os.environ, C.ENV_PAGE_DELTAS: "1", **(extra_env or {}), localapi.SOCKET_ENV: self.socket}
-        env = self.env
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 [AGENT, "serve", "-a", daemon.address, "-n", daemon.namespace, "--socket", self.socket],
-                stderr=out, env=env,
+                stderr=out, env=self.env,
             )  # fmt: skip
         deadline = time.monotonic() + 60
         while not os.path.exists(self.socket):
