@@ -32,7 +32,7 @@ from typing import Any
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, criu_first_error, log_tail
-from shim.engine.staging import StatePaths, wait_staged
+from shim.engine.staging import StatePaths, wait_pod_staged, wait_staged
 from shim.podrestore import PodRestore, netns_of
 
 _GLOBAL_WITH_VALUE = {"--log", "--log-format", "--root", "--criu", "--rootless"}
@@ -155,18 +155,26 @@ def bundle_spec(bundle: str) -> dict[str, Any]:
     return spec if isinstance(spec, dict) else {}
 
 
+def pod_key(spec: dict[str, Any]) -> tuple[str, str] | None:
+    """(pod uid, container name) of a Kubernetes pod's container, from containerd's CRI annotations."""
+    annotations = spec.get("annotations") or {}
+    uid, name = annotations.get(ANN_SANDBOX_UID), annotations.get(ANN_CONTAINER_NAME)
+    if annotations.get(ANN_CONTAINER_TYPE, "container") != "container" or not uid or not name:
+        return None
+    return str(uid), str(name)
+
+
 def find_staged(paths: StatePaths, container_id: str, spec: dict[str, Any]) -> str | None:
     """The staged snapshot directory for this container, if the agent prepared one."""
     with contextlib.suppress(SnapshotError):
         d = paths.staged_by_id(container_id)
         if os.path.isdir(os.path.join(d, C.CHECKPOINT_DIRECTORY)):
             return d
-    annotations = spec.get("annotations") or {}
-    uid, name = annotations.get(ANN_SANDBOX_UID), annotations.get(ANN_CONTAINER_NAME)
-    if annotations.get(ANN_CONTAINER_TYPE, "container") != "container" or not uid or not name:
+    key = pod_key(spec)
+    if key is None:
         return None
     with contextlib.suppress(SnapshotError):
-        d = paths.staged_by_pod(uid, name)
+        d = paths.staged_by_pod(*key)
         if os.path.isdir(os.path.join(d, C.CHECKPOINT_DIRECTORY)):
             return d
     return None
@@ -358,10 +366,10 @@ def _old_sources(staged: str, paths: StatePaths) -> list[str]:
 
 def _restored_pod(paths: StatePaths, spec: dict[str, Any]) -> tuple[PodRestore, str, str] | None:
     """(the pod's restore state, pod uid, container name) when this container belongs to a restored pod."""
-    annotations = spec.get("annotations") or {}
-    uid, name = annotations.get(ANN_SANDBOX_UID), annotations.get(ANN_CONTAINER_NAME)
-    if annotations.get(ANN_CONTAINER_TYPE, "container") != "container" or not uid or not name:
+    key = pod_key(spec)
+    if key is None:
         return None
+    uid, name = key
     try:
         directory = paths.pod_dir(uid)
     except SnapshotError:
@@ -429,7 +437,11 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
     if inv.command == "create":
         create = parse_create(inv.args)
         spec = bundle_spec(create.bundle)
-        why = wait_staged(paths, create.container_id)  # created while its data downloads (node-level restore)
+        # created while its data downloads: a node-level restore's gate, or a restored pod's
+        why = wait_staged(paths, create.container_id)
+        key = pod_key(spec)
+        if why is None and key is not None:
+            why = wait_pod_staged(paths, *key)
         trace("staged")
         if why is not None:
             msg = f"refusing to restore: {why}"

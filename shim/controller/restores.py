@@ -1,9 +1,14 @@
 """Stage restores for pods created on this node with the restore annotation.
 
 The pod was created by the user (RBAC applies); its injected gate init container waits until this
-agent has pulled and verified the snapshot, extracted each container's data where the runtime
-wrapper looks for it (by pod uid + container name) and put the emptyDir contents into the pod's
-volume dirs. Only then does the kubelet create the app containers, which the wrapper restores.
+agent has chosen and checked the save (provenance, the node's preflight, the pod's containers and
+volumes). Then the agent takes a staging gate for each of the pod's other containers
+(shim/engine/staging.py, "pod gates") and opens the pod's gate, so the kubelet creates the containers
+while the agent pulls and verifies the save, extracts each container's data where the runtime wrapper
+looks for it (by pod uid + container name) and puts the emptyDir contents into the pod's volume dirs.
+The wrapper's create waits at its staging gate until the agent answers: "ready" (restore what is
+staged, or for a resume that could not be staged, create it fresh) or "failed" (refuse: a restore
+never runs a container from scratch in its place).
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from shim.controller.resume import RESUME_WAIT_S, RestoreSource, Resumer, StartF
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.restore import RestoreLimits, VolumeTarget, opener_for, stage_artifact
-from shim.engine.staging import StatePaths, check_key
+from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, check_key
 from shim.metrics import AgentMetrics
 from shim.podrestore import PodRestore
 
@@ -108,6 +113,35 @@ def wrapper_refusal(pod: dict[str, Any], node: str) -> str:
         if waiting.get("reason") == "CreateContainerError" and WRAPPER_REFUSAL in message:
             return f"container {cs.get('name')}: {message[message.index(WRAPPER_REFUSAL) :]}"
     return ""
+
+
+def gated_containers(pod: dict[str, Any]) -> list[str]:
+    """Every container of the pod the kubelet may create once the pod's gate is open: its init
+    containers after the gate, and its app containers (none may run on half-written volumes)."""
+    spec = pod.get("spec") or {}
+    names = [c.get("name") for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]]
+    return [str(n) for n in names if n and n != K.GATE_CONTAINER]
+
+
+class _PodGates:
+    """The staging gates of one pod's containers (shim/engine/staging.py, "pod gates"), answered once."""
+
+    def __init__(self) -> None:
+        self._gates: list[StagingGate] = []
+
+    def take(self, paths: StatePaths, uid: str, names: list[str]) -> None:
+        for name in names:
+            self._gates.append(StagingGate(paths.pod_gate(uid, name)))
+
+    def answer(self, state: str, message: str = "") -> None:
+        """Answer every gate not answered yet, then let go of it (it stays for later creates)."""
+        for g in self._gates:
+            if not g.answered:
+                try:
+                    g.answer(state, message[:4000])
+                except OSError as e:  # its lock still goes with the fd: the hook then waits for a successor
+                    log.warning("could not answer the staging gate %s: %s", g.path, e)
+            g.release()
 
 
 class RestoreWorker:
@@ -188,6 +222,14 @@ class RestoreWorker:
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+        # a pod's staging gates go with its staged dir (or once that is gone: a resume that started fresh)
+        pod_gates = os.path.join(self.paths.root, C.STAGING_SUBDIR, "pod-gates")
+        for uid in _listdir(pod_gates):
+            path = os.path.join(pod_gates, uid)
+            if uid in active or _age(path, now) < GC_GRACE_S or os.path.lexists(os.path.join(by_pod, uid)):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
         downloads = self.paths.downloads()
         for name in _listdir(downloads):
             path = os.path.join(downloads, name)
@@ -242,6 +284,7 @@ class RestoreWorker:
             return False
         staged: list[str] = []
         src: RestoreSource | None = None
+        gates = _PodGates()
         try:
             chosen = source(pod)
             if isinstance(chosen, StartFresh):
@@ -282,6 +325,9 @@ class RestoreWorker:
             # Before anything is staged: the runtime wrapper restores the pod whole or not at all.
             PodRestore(self.paths.pod_dir(uid)).record([c.name for c in config.containers])
             self._record_owner(pod)  # for garbage collection once the pod is gone
+            # The kubelet creates the containers while the save downloads; each create waits at its gate.
+            gates.take(self.paths, uid, gated_containers(pod))
+            self._open_gate(gate, K.GATE_STAGED_FILE, f"staging {artifact.reference}\n")
             stage_artifact(
                 artifact,
                 staged,
@@ -291,29 +337,22 @@ class RestoreWorker:
                 limits=self.limits,
                 opener=opener,
             )
-        except SnapshotError as e:
+            gates.answer(READY)
+        except Exception as e:  # never leave a gate closed forever
+            if not isinstance(e, SnapshotError):
+                log.exception("restore of %s/%s failed", ns, name)
+            err = e if isinstance(e, SnapshotError) else SnapshotError(f"internal error: {e}")
             for d in staged:
                 shutil.rmtree(d, ignore_errors=True)
             if src is not None and src.resume:
-                return self._resume_failed(pod, gate, src, e)
-            self._fail(pod, gate, e)
+                return self._resume_failed(pod, gate, src, err, gates)
+            self._fail(pod, gate, err)
+            gates.answer(FAILED, render(err))
             return False
-        except Exception as e:  # never leave the gate closed forever
-            log.exception("restore of %s/%s failed", ns, name)
-            for d in staged:
-                shutil.rmtree(d, ignore_errors=True)
-            if src is not None and src.resume:
-                return self._resume_failed(pod, gate, src, SnapshotError(f"internal error: {e}"))
-            self._fail(pod, gate, SnapshotError(f"internal error: {e}"))
-            return False
-        try:
+        finally:
+            gates.answer(FAILED, "internal error: the agent's staging ended without an answer")  # if none yet
+        with contextlib.suppress(OSError, SnapshotError):  # a record for whoever reads the pod's gate volume
             self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
-        except (OSError, SnapshotError) as e:
-            for d in staged:
-                shutil.rmtree(d, ignore_errors=True)
-            err = e if isinstance(e, SnapshotError) else SnapshotError(f"could not open the gate: {e}")
-            self._fail(pod, None, err)
-            return False
         self._annotate(pod, K.RESTORE_STAGED)
         what = "resume from" if src.resume else "snapshot"
         pod_event(self.kube, pod, K.EVENT_RESTORE_STAGED, f"{what} {artifact.reference} staged on {self.settings.node}")
@@ -333,12 +372,18 @@ class RestoreWorker:
             return False
         return True
 
-    def _resume_failed(self, pod: dict[str, Any], gate: str, src: RestoreSource, err: SnapshotError) -> bool:
+    def _resume_failed(
+        self, pod: dict[str, Any], gate: str, src: RestoreSource, err: SnapshotError, gates: _PodGates
+    ) -> bool:
         """A resume that could not be staged: reported like a failed restore, then the pod starts fresh
         (nothing of the save is used; a workload's pod is never held in its gate by a bad save)."""
         pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, f"resume from {src.reference}: {render(err)}", warning=True)
         shutil.rmtree(self.paths.pod_dir(pod["metadata"]["uid"]), ignore_errors=True)  # no whole-pod record left
-        return self._start_fresh(pod, gate, f"resume from {src.reference} failed: {err.message}")
+        reason = f"resume from {src.reference} failed: {err.message}"
+        try:
+            return self._start_fresh(pod, gate, reason)
+        finally:  # nothing staged, no record: the wrapper creates the waiting containers as runc would
+            gates.answer(READY, f"no restore: {reason}")
 
     def _trust(self) -> TrustPolicy:
         """Read per restore: a rotated key or a changed policy applies as soon as its file lands."""

@@ -499,7 +499,7 @@ class _EarlyCreate:
         gates: list[StagingGate] = []
         try:
             for cid in req.new_ids:
-                gates.append(StagingGate(paths, cid))
+                gates.append(StagingGate(paths.staging_gate(cid)))
         except OSError:
             for g in gates:
                 g.close()

@@ -12,6 +12,7 @@ import fcntl
 import os
 import re
 import threading
+import time
 from dataclasses import dataclass
 
 from kubectl_snapshot.core import constants as C
@@ -61,6 +62,13 @@ class StatePaths:
         StagingGate); the gate's ``.state`` beside it says when the staged data is complete."""
         return os.path.join(self.root, C.STAGING_SUBDIR, "gates", check_key(container_id, "container id"))
 
+    def pod_gates(self, pod_uid: str) -> str:
+        """The staging gates of a Kubernetes pod's containers (StagingGate, "pod gates" below)."""
+        return os.path.join(self.root, C.STAGING_SUBDIR, "pod-gates", check_key(pod_uid, "pod uid"))
+
+    def pod_gate(self, pod_uid: str, container_name: str) -> str:
+        return os.path.join(self.pod_gates(pod_uid), check_key(container_name, "container name"))
+
     def restored_marker(self, container_id: str) -> str:
         return os.path.join(self.root, "restored", check_key(container_id, "container id"))
 
@@ -78,23 +86,36 @@ class StatePaths:
 
 
 # --- the staging gate -------------------------------------------------------------------------------
-# A node-level restore creates its containers while their data downloads: containerd starts the task's
-# shim and the runtime hook meanwhile, and the hook's `create` waits here until the agent says the
-# staged data is complete (or that staging failed). The agent holds an exclusive flock on the gate until
-# it has written its answer (by rename: a hook never reads half of it); the hook blocks on a shared lock
-# of the same file, so it wakes the moment the agent lets go, and the kernel lets go for an agent that
-# dies (whatever pid namespace either runs in). Got the lock but no answer: the agent is gone.
+# A restore creates its containers while their data downloads: containerd starts the task's shim and the
+# runtime hook meanwhile, and the hook's `create` waits here until the agent says the staged data is
+# complete (or that staging failed). The agent holds an exclusive flock on the gate until it has written
+# its answer (by rename: a hook never reads half of it); the hook blocks on a shared lock of the same
+# file, so it wakes the moment the agent lets go, and the kernel lets go for an agent that dies
+# (whatever pid namespace either runs in).
+#
+# Two kinds, one mechanism:
+# - node-level (`ks-agent restore`): keyed by the new container's id; the agent creates the containers
+#   itself, and removes the gate once they are created. Lock got but no answer: the agent is gone, the
+#   create is refused (nobody would create it again).
+# - pod gates (Kubernetes): keyed by pod uid + container name, taken for every container of the pod
+#   (but the gate init container) before the pod's gate volume says "go", so the kubelet creates the
+#   containers while the save downloads. They stay until the pod's staged data is collected: the
+#   kubelet may create a container again (after a refused create, or a restart), and each create reads
+#   the same answer. Lock got but no answer: the agent died while staging, and its successor stages the
+#   pod again and takes the gate again, so the hook keeps waiting (up to its bound) for an answer.
 
 READY = "ready"
 FAILED = "failed"
 GATE_WAIT_S = 60.0  # a hook waits at most this long (below containerd's create deadline, 120 s)
+POD_GATE_WAIT_S = 100.0  # the kubelet's runtime-request-timeout (2 min) bounds its StartContainer
+_RETAKE_POLL_S = 0.25  # a pod gate whose agent died: how often the hook looks for its successor
 
 
 class StagingGate:
     """The agent's side: opened (and locked) before the containers are created, answered once."""
 
-    def __init__(self, paths: StatePaths, container_id: str) -> None:
-        self.path = paths.staging_gate(container_id)
+    def __init__(self, path: str) -> None:
+        self.path = path
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
@@ -103,7 +124,8 @@ class StagingGate:
             os.close(self._fd)
             raise
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path + ".state")  # an answer left by an agent that died
+            os.unlink(self.path + ".state")  # an answer left by an agent that died (or an earlier staging)
+        self.answered = False
 
     def answer(self, state: str, message: str = "") -> None:
         """Write the answer, then let go: the waiting hook wakes and reads it."""
@@ -112,24 +134,35 @@ class StagingGate:
             f.write(f"{state}\n{message}")
         os.replace(tmp, self.path + ".state")
         fcntl.flock(self._fd, fcntl.LOCK_UN)
+        self.answered = True
+
+    def release(self) -> None:
+        """Close without removing (a pod gate: later creates of the container read the same answer)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def close(self) -> None:
         """The containers are created (or given up): nothing waits any more."""
         for p in (self.path + ".state", self.path):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
-        os.close(self._fd)
+        self.release()
 
 
-def wait_staged(paths: StatePaths, container_id: str, *, timeout_s: float = GATE_WAIT_S) -> str | None:
-    """The hook's side: None once this container's staged data is complete (at once when no agent
-    gated it); otherwise why it will not be (staging failed, the agent is gone, or too slow). The lock
-    is taken by a daemon thread, so the wait is bounded without signals; one that times out is left
-    blocked in the kernel and ends with the process."""
+def _read_answer(path: str) -> tuple[str, str] | None:
     try:
-        path = paths.staging_gate(container_id)
-    except InvalidArgument:
+        with open(path + ".state") as f:
+            state, _, message = f.read().partition("\n")
+    except FileNotFoundError:
         return None
+    return state, message
+
+
+def _wait_unlocked(path: str, timeout_s: float) -> bool | None:
+    """Wait until nobody holds the gate: None when there is no gate, False when the wait timed out.
+    The lock is taken by a daemon thread, so the wait is bounded without signals; one that times out
+    is left blocked in the kernel and ends with the process."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -144,13 +177,58 @@ def wait_staged(paths: StatePaths, container_id: str, *, timeout_s: float = GATE
         locked.set()
 
     threading.Thread(target=lock, name="staging-gate", daemon=True).start()
-    if not locked.wait(timeout_s):
-        return f"the staged data was not complete within {timeout_s:g} s"  # the thread ends with the process
+    return locked.wait(max(timeout_s, 0.0))
+
+
+def _verdict(answer: tuple[str, str]) -> str | None:
+    state, message = answer
+    return None if state == READY else f"the agent's staging of this restore failed: {message or 'no reason'}"
+
+
+def wait_staged(paths: StatePaths, container_id: str, *, timeout_s: float = GATE_WAIT_S) -> str | None:
+    """The hook's side of a node-level gate: None once this container's staged data is complete (at
+    once when no agent gated it); otherwise why it will not be (staging failed, the agent is gone, or
+    too slow)."""
     try:
-        with open(path + ".state") as f:
-            state, _, message = f.read().partition("\n")
-    except FileNotFoundError:
+        path = paths.staging_gate(container_id)
+    except InvalidArgument:
+        return None
+    unlocked = _wait_unlocked(path, timeout_s)
+    if unlocked is None:
+        return None
+    if not unlocked:
+        return f"the staged data was not complete within {timeout_s:g} s"
+    answer = _read_answer(path)
+    if answer is None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)  # a gate left by an agent that died: the next create is not held up
         return "the agent staging this restore let go before the data was complete"
-    return None if state == READY else f"the agent's staging of this restore failed: {message or 'no reason'}"
+    return _verdict(answer)
+
+
+def wait_pod_staged(
+    paths: StatePaths, pod_uid: str, container_name: str, *, timeout_s: float = POD_GATE_WAIT_S
+) -> str | None:
+    """The hook's side of a pod gate: None once the agent answered "ready" (at once when no agent gated
+    this container); otherwise why the create is refused. An agent that died while staging is waited
+    for: its successor takes the gate again."""
+    try:
+        path = paths.pod_gate(pod_uid, container_name)
+    except InvalidArgument:
+        return None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        unlocked = _wait_unlocked(path, max(deadline - time.monotonic(), 0.05))  # a free lock is got at once
+        if unlocked is None:
+            return None
+        answer = _read_answer(path) if unlocked else None
+        if answer is not None:
+            return _verdict(answer)
+        if time.monotonic() >= deadline:
+            return (
+                f"the staged data was not complete within {timeout_s:g} s"
+                if not unlocked
+                else "the agent staging this pod's restore let go before the data was complete, and no "
+                "agent took it up again"
+            )
+        time.sleep(_RETAKE_POLL_S)

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import tarfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -153,3 +154,72 @@ def test_create_with_edited_images_is_refused_on_the_bare_host_python(pyz: Path,
     assert proc.returncode == 1, proc.stderr
     assert calls(log) == []  # runc restore never ran
     assert "CAP_SYS_ADMIN" in json.loads(wlog.read_text().splitlines()[-1])["msg"]
+
+
+# --- a restored pod's containers are created while its save downloads (pod gates) -------------------
+
+POD_UID, POD_CONTAINER = "0b6b1c9e-gated-pod", "main"
+
+
+def _pod_bundle(tmp_path: Path) -> Path:
+    bundle = tmp_path / "bundle"
+    (bundle / "rootfs").mkdir(parents=True)
+    annotations = {"io.kubernetes.cri.sandbox-uid": POD_UID, "io.kubernetes.cri.container-name": POD_CONTAINER}
+    (bundle / "config.json").write_text(
+        json.dumps({**guard_bundle(), "root": {"path": "rootfs"}, "annotations": annotations})
+    )
+    return bundle
+
+
+def test_a_pod_containers_create_waits_for_its_staging_then_restores(pyz: Path, tmp_path: Path) -> None:
+    from shim.engine.staging import READY, StagingGate, StatePaths
+
+    runc, log = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    gate = StagingGate(StatePaths(str(state)).pod_gate(POD_UID, POD_CONTAINER))  # the agent, still downloading
+    bundle = _pod_bundle(tmp_path)
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "KUBECTL_SNAPSHOT_RUNC": str(runc)}
+    env["KUBECTL_SNAPSHOT_STATE_DIR"] = str(state)
+    argv = [str(HOST_PYTHON), "-I", "-S", str(pyz), "create", "--bundle", str(bundle), "c1"]
+    with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        time.sleep(1.5)
+        assert proc.poll() is None and calls(log) == []  # waiting at the gate; nothing of it ran
+        make_images(state / "staged" / "by-pod" / POD_UID / POD_CONTAINER / "checkpoint")
+        gate.answer(READY)
+        gate.release()
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    [restore] = calls(log)
+    assert restore[:2] == ["restore", "--detach"] and restore[-1] == "c1"
+
+
+def test_a_pod_containers_create_is_refused_when_its_staging_failed(pyz: Path, tmp_path: Path) -> None:
+    from shim.engine.staging import FAILED, StagingGate, StatePaths
+
+    runc, log = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    gate = StagingGate(StatePaths(str(state)).pod_gate(POD_UID, POD_CONTAINER))
+    gate.answer(FAILED, "DigestMismatch: blob sha256:ab did not match")
+    gate.release()
+    wlog = tmp_path / "wrapper.log"
+    bundle = _pod_bundle(tmp_path)
+    for _ in range(2):  # the kubelet creates it again: refused again, never started from its image
+        proc = run_pyz(pyz, runc, state, "--log", str(wlog), "create", "--bundle", str(bundle), "c1")
+        assert proc.returncode == 1, proc.stderr
+        assert calls(log) == []
+        msg = json.loads(wlog.read_text().splitlines()[-1])["msg"]
+        assert msg.startswith("refusing to restore") and "DigestMismatch" in msg
+
+
+def test_a_pod_container_of_a_resume_that_started_fresh_is_a_plain_create(pyz: Path, tmp_path: Path) -> None:
+    from shim.engine.staging import READY, StagingGate, StatePaths
+
+    runc, log = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    gate = StagingGate(StatePaths(str(state)).pod_gate(POD_UID, POD_CONTAINER))
+    gate.answer(READY, "no restore: resume from r/x@sha256:ab failed")  # nothing staged
+    gate.release()
+    argv = ["create", "--bundle", str(_pod_bundle(tmp_path)), "c1"]
+    proc = run_pyz(pyz, runc, state, *argv)
+    assert proc.returncode == 0, proc.stderr
+    assert calls(log) == [argv]

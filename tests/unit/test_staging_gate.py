@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, wait_staged
+from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, wait_pod_staged, wait_staged
 
 
 def test_a_container_no_agent_gated_is_not_held(tmp_path: Path) -> None:
@@ -23,7 +23,7 @@ def test_a_container_no_agent_gated_is_not_held(tmp_path: Path) -> None:
 
 def test_the_hook_waits_for_ready(tmp_path: Path) -> None:
     paths = StatePaths(str(tmp_path))
-    gate = StagingGate(paths, "c1")
+    gate = StagingGate(paths.staging_gate("c1"))
     timer = threading.Timer(0.2, gate.answer, args=(READY,))
     t = time.monotonic()
     timer.start()
@@ -38,7 +38,7 @@ def test_the_hook_waits_for_ready(tmp_path: Path) -> None:
 
 def test_failed_staging_is_refused_with_its_reason(tmp_path: Path) -> None:
     paths = StatePaths(str(tmp_path))
-    gate = StagingGate(paths, "c1")
+    gate = StagingGate(paths.staging_gate("c1"))
     gate.answer(FAILED, "DigestMismatch: blob sha256:ab did not match")
     why = wait_staged(paths, "c1")
     gate.close()
@@ -47,7 +47,7 @@ def test_failed_staging_is_refused_with_its_reason(tmp_path: Path) -> None:
 
 def test_an_agent_that_let_go_without_answering_is_not_waited_for(tmp_path: Path) -> None:
     paths = StatePaths(str(tmp_path))
-    gate = StagingGate(paths, "c1")
+    gate = StagingGate(paths.staging_gate("c1"))
     os.close(gate._fd)  # as when the agent dies: the kernel drops its lock
     t = time.monotonic()
     why = wait_staged(paths, "c1")
@@ -60,7 +60,7 @@ def test_an_agent_that_let_go_without_answering_is_not_waited_for(tmp_path: Path
 
 def test_ready_just_before_letting_go_counts(tmp_path: Path) -> None:
     paths = StatePaths(str(tmp_path))
-    gate = StagingGate(paths, "c1")
+    gate = StagingGate(paths.staging_gate("c1"))
     gate.answer(READY)
     os.close(gate._fd)
     assert wait_staged(paths, "c1") is None
@@ -68,7 +68,7 @@ def test_ready_just_before_letting_go_counts(tmp_path: Path) -> None:
 
 def test_a_slow_staging_is_given_up_at_the_deadline(tmp_path: Path) -> None:
     paths = StatePaths(str(tmp_path))
-    gate = StagingGate(paths, "c1")
+    gate = StagingGate(paths.staging_gate("c1"))
     t = time.monotonic()
     try:
         why = wait_staged(paths, "c1", timeout_s=0.3)
@@ -81,7 +81,7 @@ def test_an_answer_left_by_a_dead_agent_does_not_answer_the_next_restore(tmp_pat
     paths = StatePaths(str(tmp_path))
     Path(paths.staging_gate("c1")).parent.mkdir(parents=True)
     Path(paths.staging_gate("c1") + ".state").write_text("ready\n")
-    gate = StagingGate(paths, "c1")
+    gate = StagingGate(paths.staging_gate("c1"))
     try:
         why = wait_staged(paths, "c1", timeout_s=0.2)
     finally:
@@ -159,11 +159,104 @@ def test_a_creation_failing_after_the_data_was_complete_is_the_restores_error(
 
 def test_a_gate_another_restore_holds_is_not_taken(tmp_path: Path) -> None:
     paths = StatePaths(str(tmp_path))
-    first = StagingGate(paths, "c1")
+    first = StagingGate(paths.staging_gate("c1"))
     try:
         with pytest.raises(OSError):
-            StagingGate(paths, "c1")  # the agent then creates the containers after the download, as before
+            StagingGate(paths.staging_gate("c1"))  # the agent then creates the containers after the download, as before
         first.answer(READY)
         assert wait_staged(paths, "c1") is None  # the second attempt removed nothing of the first's
     finally:
         first.close()
+
+
+# --- pod gates: the kubelet creates a restored pod's containers while its save downloads -------------
+
+UID = "0b8f6c2e-1111-2222-3333-444455556666"
+
+
+def test_a_pod_container_no_agent_gated_is_not_held(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    assert wait_pod_staged(paths, UID, "app") is None
+    assert wait_pod_staged(paths, UID, "../app") is None  # not a key the agent gates
+
+
+def test_a_pod_gate_answers_every_create_of_its_container(tmp_path: Path) -> None:
+    """The kubelet creates a container again after a refused create or a restart: same answer."""
+    paths = StatePaths(str(tmp_path))
+    gate = StagingGate(paths.pod_gate(UID, "app"))
+    timer = threading.Timer(0.2, gate.answer, args=(FAILED, "DigestMismatch: blob sha256:ab"))
+    t = time.monotonic()
+    timer.start()
+    try:
+        why = wait_pod_staged(paths, UID, "app")
+    finally:
+        timer.join()
+        gate.release()
+    assert time.monotonic() - t >= 0.19
+    assert why is not None and "staging of this restore failed" in why and "DigestMismatch" in why
+    assert os.path.exists(paths.pod_gate(UID, "app"))  # kept: released, not removed
+    again = wait_pod_staged(paths, UID, "app", timeout_s=0.5)
+    assert again == why
+    assert wait_pod_staged(paths, UID, "other") is None  # gates are per container
+
+
+def test_a_pod_gate_whose_agent_died_waits_for_the_agent_that_stages_again(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    first = StagingGate(paths.pod_gate(UID, "app"))
+    result: list[str | None] = []
+    hook = threading.Thread(target=lambda: result.append(wait_pod_staged(paths, UID, "app", timeout_s=10)))
+    hook.start()
+    time.sleep(0.1)
+    os.close(first._fd)  # the agent dies while staging: the kernel drops its lock, no answer
+    time.sleep(0.6)
+    assert hook.is_alive()  # not refused: a successor stages the pod again
+    second = StagingGate(paths.pod_gate(UID, "app"))
+    second.answer(READY)
+    hook.join(5)
+    second.release()
+    assert result == [None]
+
+
+def test_a_pod_gate_whose_agent_died_is_refused_at_the_deadline(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    gate = StagingGate(paths.pod_gate(UID, "app"))
+    os.close(gate._fd)
+    why = wait_pod_staged(paths, UID, "app", timeout_s=0.5)
+    assert why is not None and "no agent took it up again" in why
+    assert os.path.exists(paths.pod_gate(UID, "app"))  # not removed: the next create waits again
+
+
+def test_a_slow_pod_staging_is_refused_at_the_deadline(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    gate = StagingGate(paths.pod_gate(UID, "app"))
+    try:
+        why = wait_pod_staged(paths, UID, "app", timeout_s=0.3)
+    finally:
+        gate.release()
+    assert why is not None and "not complete within 0.3 s" in why
+
+
+def test_the_restore_worker_gates_every_container_but_the_gate() -> None:
+    from kubectl_snapshot.core import kube as K
+    from shim.controller.restores import gated_containers
+
+    pod = {
+        "spec": {
+            "initContainers": [{"name": K.GATE_CONTAINER}, {"name": "setup"}],
+            "containers": [{"name": "app"}, {"name": "sidecar"}],
+        }
+    }
+    assert gated_containers(pod) == ["setup", "app", "sidecar"]
+
+
+def test_pod_gates_are_answered_once_and_kept(tmp_path: Path) -> None:
+    from shim.controller.restores import _PodGates
+
+    paths = StatePaths(str(tmp_path))
+    gates = _PodGates()
+    gates.take(paths, UID, ["app", "sidecar"])
+    with pytest.raises(OSError):
+        StagingGate(paths.pod_gate(UID, "app"))  # held while staging
+    gates.answer(READY, "no restore: the save was refused")
+    gates.answer(FAILED, "too late")  # the worker's final word changes nothing already answered
+    assert wait_pod_staged(paths, UID, "app") is None and wait_pod_staged(paths, UID, "sidecar") is None
