@@ -183,6 +183,13 @@ def kubelet_times(pod: dict[str, Any]) -> dict[str, str]:
     return out
 
 
+def staged_event(cluster: Cluster, ns: str, pod: str) -> str:
+    """The agent's RestoreStaged Event of the replacement: where its staging's time went."""
+    events = cluster.get_json("events", "-n", ns, "--field-selector", f"involvedObject.name={pod},reason=RestoreStaged")
+    messages = [str(e.get("message")) for e in events.get("items") or []]
+    return messages[-1] if messages else ""
+
+
 def one(cluster: Cluster, mib: int, interval: int) -> dict[str, Any]:
     n1, n2 = cluster.nodes[:2]
     ns = f"bench-recovery-{uuid.uuid4().hex[:6]}"
@@ -226,6 +233,7 @@ def one(cluster: Cluster, mib: int, interval: int) -> dict[str, Any]:
         return {
             "mib": mib,
             "replacement_kubelet_times": kubelet_times(rec.pod),
+            "agent_staging": staged_event(cluster, ns, pod),
             "interval_s": interval,
             "save_bytes": saved["status"].get("size"),
             "pulled_bytes": pulled,

@@ -115,6 +115,30 @@ def wrapper_refusal(pod: dict[str, Any], node: str) -> str:
     return ""
 
 
+class _Clock:
+    """Where a staging's time went, for its log line and RestoreStaged Event."""
+
+    LABELS = {
+        "choose": "choosing the save",
+        "check": "its config and provenance",
+        "volumes": "the pod's volumes",
+        "download": "download, verify, extract",
+    }
+
+    def __init__(self) -> None:
+        self.start = self.last = time.monotonic()
+        self.laps: list[tuple[str, float]] = []
+
+    def lap(self, what: str) -> None:
+        now = time.monotonic()
+        self.laps.append((what, now - self.last))
+        self.last = now
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{self.LABELS[w]} {s:.2f} s" for w, s in self.laps)
+        return f"in {self.last - self.start:.2f} s ({parts})"
+
+
 def gated_containers(pod: dict[str, Any]) -> list[str]:
     """Every container of the pod the kubelet may create once the pod's gate is open: its init
     containers after the gate, and its app containers (none may run on half-written volumes)."""
@@ -285,8 +309,10 @@ class RestoreWorker:
         staged: list[str] = []
         src: RestoreSource | None = None
         gates = _PodGates()
+        clock = _Clock()
         try:
             chosen = source(pod)
+            clock.lap("choose")
             if isinstance(chosen, StartFresh):
                 return self._start_fresh(pod, gate, chosen.reason)
             src = chosen
@@ -317,10 +343,12 @@ class RestoreWorker:
                 config.encryption is not None and config.encryption.namespace == allowed.source_namespace
             )
             opener = opener_for(config, self.keys, ns, other_namespace_ok=sealed_for_source)
+            clock.lap("check")
             restore_volume_names(pod, [v.name for v in config.volumes])
             root = host_view(self.settings.kubelet_root)
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
             self._wait_for_dirs(root, [gate, *(t.rel for t in targets)])
+            clock.lap("volumes")
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
             # Before anything is staged: the runtime wrapper restores the pod whole or not at all.
             PodRestore(self.paths.pod_dir(uid)).record([c.name for c in config.containers])
@@ -338,6 +366,7 @@ class RestoreWorker:
                 opener=opener,
             )
             gates.answer(READY)
+            clock.lap("download")
         except Exception as e:  # never leave a gate closed forever
             if not isinstance(e, SnapshotError):
                 log.exception("restore of %s/%s failed", ns, name)
@@ -355,7 +384,9 @@ class RestoreWorker:
             self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
         self._annotate(pod, K.RESTORE_STAGED)
         what = "resume from" if src.resume else "snapshot"
-        pod_event(self.kube, pod, K.EVENT_RESTORE_STAGED, f"{what} {artifact.reference} staged on {self.settings.node}")
+        message = f"{what} {artifact.reference} staged on {self.settings.node} {clock}"
+        log.info("%s/%s: %s", ns, name, message)
+        pod_event(self.kube, pod, K.EVENT_RESTORE_STAGED, message)
         return True
 
     def _start_fresh(self, pod: dict[str, Any], gate: str, reason: str) -> bool:
@@ -411,7 +442,7 @@ class RestoreWorker:
                     f"the kubelet did not set up the pod's volumes in {VOLUME_WAIT_S:.0f}s: {', '.join(missing)}",
                     hint="the pod needs the emptyDir volumes of the snapshot and the gate volume",
                 )
-            time.sleep(0.2)
+            time.sleep(0.05)  # the kubelet makes them just after it sees the pod, as this agent does
 
     def follow(self, pod: dict[str, Any]) -> bool:
         """A staged pod of this node: report it failed (once) when the wrapper could not restore it
