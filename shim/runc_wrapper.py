@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, criu_first_error, log_tail
 from shim.engine.staging import StatePaths, wait_pod_staged, wait_staged
 from shim.podrestore import PodRestore, netns_of
@@ -162,6 +163,14 @@ def pod_key(spec: dict[str, Any]) -> tuple[str, str] | None:
     if annotations.get(ANN_CONTAINER_TYPE, "container") != "container" or not uid or not name:
         return None
     return str(uid), str(name)
+
+
+def resuming(spec: dict[str, Any], container_name: str) -> bool:
+    """A container of a resuming pod (the resume-policy annotation, passed by containerd for the runtime
+    handler's pod_annotations): the agent takes its staging gate when it sees the pod. The gate init
+    container of a pod made before resumes went without one is not gated (it waits for the agent itself)."""
+    annotations = spec.get("annotations") or {}
+    return K.ANN_RESUME_POLICY in annotations and container_name != K.GATE_CONTAINER
 
 
 def find_staged(paths: StatePaths, container_id: str, spec: dict[str, Any]) -> str | None:
@@ -441,7 +450,7 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
         why = wait_staged(paths, create.container_id)
         key = pod_key(spec)
         if why is None and key is not None:
-            why = wait_pod_staged(paths, *key)
+            why = wait_pod_staged(paths, *key, expected=resuming(spec, key[1]))
         trace("staged")
         if why is not None:
             msg = f"refusing to restore: {why}"

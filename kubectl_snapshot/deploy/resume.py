@@ -5,8 +5,9 @@ resume from their predecessor's last save, without anyone editing the workload (
   SnapshotPolicy, bound to every SnapshotPolicy of the pod's namespace): a Pod CREATE whose controller
   is a StatefulSet, ReplicaSet or Job, selected by a policy with ``resume: true`` (matchLabels, and
   its workload when set), with no restore annotation and no init containers of its own, gets
-  ``runtimeClassName: kubectl-snapshot``, the gate volume and init container exactly as
-  ``core/podspec.restore_pod`` builds them, and ``kubectl-snapshot.io/resume-policy: <policy>``.
+  ``runtimeClassName: kubectl-snapshot`` and ``kubectl-snapshot.io/resume-policy: <policy>``; no
+  gate init container (the runtime wrapper holds the pod's containers at their create until the
+  node's agent has staged the save: shim/engine/staging.py, "pod gates").
   failurePolicy Ignore and parameterNotFoundAction Allow: a broken or missing policy never blocks a
   pod, and pods no policy selects are never touched.
 - ``kubectl-snapshot-resume-pods`` (ValidatingAdmissionPolicy): the resume-policy annotation is set at
@@ -25,7 +26,6 @@ from typing import Any
 
 from kubectl_snapshot.core import finalsave as F
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.podspec import gate_container
 from kubectl_snapshot.deploy.admission import API, _binding, _can, _deny, _match, _policy, _quote
 
 MUTATING_POLICY = "kubectl-snapshot-resume"
@@ -78,7 +78,7 @@ _MATCH_CONDITIONS = [
         f" || {_quote(K.ANN_RESUME_POLICY)} in object.metadata.annotations)",
     },
     {
-        # the agent stages only into pods whose only init container is its gate (podinfo.check_restore_pod)
+        # a resumed pod's init containers would run again from scratch before its restored app containers
         "name": "no-init-containers",
         "expression": "!has(object.spec.initContainers) || size(object.spec.initContainers) == 0",
     },
@@ -97,41 +97,17 @@ def _no_helm_delimiters(expr: str) -> str:
     return expr
 
 
-def _apply_configuration(gate_image: str) -> str:
-    """Mutation 1 (ApplyConfiguration, merged like server-side apply): the runtime class, the gate
-    volume, the gate init container without its command, the annotation. The command is an atomic
-    list, which an ApplyConfiguration may not set; mutation 2 adds it."""
-    gate = gate_container(gate_image)
-    mounts = ", ".join(
-        f"Object.spec.initContainers.volumeMounts{{name: {_cel(m['name'])}, mountPath: {_cel(m['mountPath'])}}}"
-        for m in gate["volumeMounts"]
-    )
-    requests = ", ".join(f"{_cel(k)}: {_cel(v)}" for k, v in gate["resources"]["requests"].items())
-    init = (
-        "Object.spec.initContainers{"
-        f"name: {_cel(gate['name'])}, image: {_cel(gate['image'])}, "
-        f"volumeMounts: [{mounts}], "
-        f"terminationMessagePolicy: {_cel(gate['terminationMessagePolicy'])}, "
-        f"resources: Object.spec.initContainers.resources{{requests: {{{requests}}}}}"
-        "}"
-    )
+def _apply_configuration() -> str:
+    """Mutation 1 (ApplyConfiguration, merged like server-side apply): the runtime class and the
+    annotation. No gate init container: the runtime wrapper holds each container of a resuming pod at
+    its create until the node's agent has staged the save or said to start fresh (containerd passes
+    the annotation to the wrapper: the runtime handler's ``pod_annotations``, node_install.dropin_toml)."""
     return _no_helm_delimiters(
         "Object{"
         f"metadata: Object.metadata{{annotations: {{{_cel(K.ANN_RESUME_POLICY)}: params.metadata.name}}}}, "
-        "spec: Object.spec{"
-        f"runtimeClassName: {_cel(K.RUNTIME_CLASS)}, "
-        f"volumes: [Object.spec.volumes{{name: {_cel(K.GATE_VOLUME)}, emptyDir: Object.spec.volumes.emptyDir{{}}}}], "
-        f"initContainers: [{init}]"
-        "}}"
+        f"spec: Object.spec{{runtimeClassName: {_cel(K.RUNTIME_CLASS)}}}"
+        "}"
     )
-
-
-def _command_patch(gate_image: str) -> str:
-    """Mutation 2 (JSONPatch): the gate's command. The gate is init container 0: the pod had none (a
-    match condition). (A list of strings: this API server panics on a JSONPatch value holding
-    objects, "reflect.Set: *structpb.Struct is not assignable to *structpb.Value".)"""
-    command = ", ".join(map(_cel, gate_container(gate_image)["command"]))
-    return _no_helm_delimiters(f'[JSONPatch{{op: "add", path: "/spec/initContainers/0/command", value: [{command}]}}]')
 
 
 _VARIABLES = [
@@ -166,7 +142,7 @@ def _final_save_hook() -> str:
     )
 
 
-def mutating_policy(labels: dict[str, str], gate_image: str) -> dict[str, Any]:
+def mutating_policy(labels: dict[str, str]) -> dict[str, Any]:
     return {
         "apiVersion": API,
         "kind": "MutatingAdmissionPolicy",
@@ -181,9 +157,8 @@ def mutating_policy(labels: dict[str, str], gate_image: str) -> dict[str, Any]:
             "mutations": [
                 {
                     "patchType": "ApplyConfiguration",
-                    "applyConfiguration": {"expression": _apply_configuration(gate_image)},
+                    "applyConfiguration": {"expression": _apply_configuration()},
                 },
-                {"patchType": "JSONPatch", "jsonPatch": {"expression": _command_patch(gate_image)}},
                 {"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": _final_save_hook()}},
             ],
         },
@@ -278,12 +253,12 @@ def roles(labels: dict[str, str]) -> list[dict[str, Any]]:
     return [agent_resume_role(labels), agent_resume_role_binding(labels)]
 
 
-def policies(labels: dict[str, str], gate_image: str) -> list[dict[str, Any]]:
+def policies(labels: dict[str, str]) -> list[dict[str, Any]]:
     """The resume admission policies (after the CRDs: the mutating policy's paramKind is SnapshotPolicy)."""
     validating = [resume_pods_policy(labels)]
     return [
         *validating,
         *(_binding(p["metadata"]["name"], labels) for p in validating),
-        mutating_policy(labels, gate_image),
+        mutating_policy(labels),
         mutating_binding(labels),
     ]

@@ -141,6 +141,8 @@ def dropin_toml(settings: NodeSettings) -> str:
         "version = 3\n"
         f"[{table}]\n"
         "  runtime_type = 'io.containerd.runc.v2'\n"
+        "  # a resuming pod's containers wait at their create for the agent (shim/engine/staging.py)\n"
+        f"  pod_annotations = ['{K.ANN_RESUME_POLICY}']\n"
         f"[{table}.options]\n"
         f"  BinaryName = '{settings.wrapper_launcher}'\n"
         "  SystemdCgroup = false\n"

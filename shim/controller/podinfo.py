@@ -123,6 +123,35 @@ def check_restore_pod(pod: dict[str, Any]) -> None:
         raise FailedPrecondition(f"{where} has ephemeral containers before its restore was staged", hint=hint)
 
 
+def has_gate(pod: dict[str, Any]) -> bool:
+    """A pod made with the gate init container (`kubectl snapshot restore`, or a resume admitted before
+    resumes went without one); a resuming pod without it is held by the runtime wrapper instead."""
+    inits = (pod.get("spec") or {}).get("initContainers") or []
+    return bool(inits) and inits[0].get("name") == K.GATE_CONTAINER
+
+
+def check_resume_pod(pod: dict[str, Any]) -> None:
+    """A resuming pod without the gate init container: the runtime wrapper holds each of its containers
+    at create until this agent answers, so none may have been created before (a node whose containerd
+    does not pass the resume annotation to the wrapper yet), and no ephemeral container runs there."""
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    where = f"pod {meta.get('namespace')}/{meta.get('name')}"
+    started = [
+        str(cs.get("name"))
+        for key in ("initContainerStatuses", "containerStatuses")
+        for cs in status.get(key) or []
+        if cs.get("containerID") or any(k in (cs.get("state") or {}) for k in ("running", "terminated"))
+    ]
+    if started:
+        raise FailedPrecondition(
+            f"{where}: container(s) {', '.join(started)} started before this node's agent took up the resume",
+            hint="the node's containerd must pass the resume annotation to the runtime "
+            "(runtime handler pod_annotations, written by `ks-agent install-node`; containerd restarted since)",
+        )
+    if spec.get("ephemeralContainers"):
+        raise FailedPrecondition(f"{where} has ephemeral containers before its resume was staged")
+
+
 def restore_volume_names(pod: dict[str, Any], names: list[str]) -> None:
     """Each volume the snapshot restores must be an emptyDir of this pod (never the gate)."""
     volumes = {v.get("name"): v for v in (pod.get("spec") or {}).get("volumes") or []}

@@ -36,7 +36,14 @@ from kubectl_snapshot.core.sealing import KeyProvider
 from shim import hostfacts, safefs
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
-from shim.controller.podinfo import check_restore_pod, empty_dir_rel, host_view, restore_volume_names
+from shim.controller.podinfo import (
+    check_restore_pod,
+    check_resume_pod,
+    empty_dir_rel,
+    has_gate,
+    host_view,
+    restore_volume_names,
+)
 from shim.controller.ports import Kube
 from shim.controller.resume import RESUME_WAIT_S, RestoreSource, Resumer, StartFresh
 from shim.controller.settings import NodeSettings
@@ -246,11 +253,11 @@ class RestoreWorker:
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
-        # a pod's staging gates go with its staged dir (or once that is gone: a resume that started fresh)
+        # a pod's staging gates stay as long as the pod (a container restarted later reads its answer again)
         pod_gates = os.path.join(self.paths.root, C.STAGING_SUBDIR, "pod-gates")
         for uid in _listdir(pod_gates):
             path = os.path.join(pod_gates, uid)
-            if uid in active or _age(path, now) < GC_GRACE_S or os.path.lexists(os.path.join(by_pod, uid)):
+            if uid in active or _age(path, now) < GC_GRACE_S or self._pod_still_here(path, uid):
                 continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
@@ -282,9 +289,10 @@ class RestoreWorker:
             return True
         return bool((pod.get("metadata") or {}).get("uid") == uid)
 
-    def _record_owner(self, pod: dict[str, Any]) -> None:
+    def _record_owner(self, pod: dict[str, Any], d: str | None = None) -> None:
+        """Name the pod that owns `d` (default: its staged dir), for garbage collection once it is gone."""
         meta = pod["metadata"]
-        d = os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod", check_key(meta["uid"], "pod uid"))
+        d = d or os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod", check_key(meta["uid"], "pod uid"))
         os.makedirs(d, mode=0o700, exist_ok=True)
         with open(os.path.join(d, POD_FILE), "w") as f:
             json.dump({"namespace": meta["namespace"], "name": meta["name"]}, f)
@@ -300,21 +308,38 @@ class RestoreWorker:
     def stage(self, pod: dict[str, Any], source: Callable[[dict[str, Any]], RestoreSource | StartFresh]) -> bool:
         meta = pod["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        gates = _PodGates()
+        gate: str | None = None  # the gate init container's volume (None: a resuming pod held by the wrapper)
         try:
-            check_restore_pod(pod)
-            gate = empty_dir_rel(uid, K.GATE_VOLUME)
-        except SnapshotError as e:  # not ours to touch: no write into any of its volumes
-            self._fail(pod, None, e)
+            if K.ANN_RESTORE_FROM in (meta.get("annotations") or {}) or has_gate(pod):
+                check_restore_pod(pod)
+                gate = empty_dir_rel(uid, K.GATE_VOLUME)
+            else:  # its containers wait at their create for these gates: take them first
+                gates.take(self.paths, uid, gated_containers(pod))
+                self._record_owner(pod, self.paths.pod_gates(uid))
+                try:
+                    check_resume_pod(pod)
+                except SnapshotError as e:  # what already runs there started fresh: so does the rest
+                    try:
+                        return self._start_fresh(pod, None, e.message)
+                    finally:
+                        gates.answer(READY, f"no restore: {e.message}")
+        except (SnapshotError, OSError) as e:  # not ours to touch: no write into any of its volumes
+            err = e if isinstance(e, SnapshotError) else SnapshotError(f"internal error: {e}")
+            self._fail(pod, None, err)
+            gates.answer(FAILED, render(err))
             return False
         staged: list[str] = []
         src: RestoreSource | None = None
-        gates = _PodGates()
         clock = _Clock()
         try:
             chosen = source(pod)
             clock.lap("choose")
             if isinstance(chosen, StartFresh):
-                return self._start_fresh(pod, gate, chosen.reason)
+                try:
+                    return self._start_fresh(pod, gate, chosen.reason)
+                finally:
+                    gates.answer(READY, f"no restore: {chosen.reason}")
             src = chosen
             ref = src.reference
             registry = registry_for(self.kube, ns, src.registry_secret, insecure=src.insecure)
@@ -347,15 +372,17 @@ class RestoreWorker:
             restore_volume_names(pod, [v.name for v in config.volumes])
             root = host_view(self.settings.kubelet_root)
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
-            self._wait_for_dirs(root, [gate, *(t.rel for t in targets)])
+            self._wait_for_dirs(root, [*([gate] if gate else []), *(t.rel for t in targets)])
             clock.lap("volumes")
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
             # Before anything is staged: the runtime wrapper restores the pod whole or not at all.
             PodRestore(self.paths.pod_dir(uid)).record([c.name for c in config.containers])
             self._record_owner(pod)  # for garbage collection once the pod is gone
             # The kubelet creates the containers while the save downloads; each create waits at its gate.
-            gates.take(self.paths, uid, gated_containers(pod))
-            self._open_gate(gate, K.GATE_STAGED_FILE, f"staging {artifact.reference}\n")
+            if gate is not None:
+                gates.take(self.paths, uid, gated_containers(pod))
+                self._record_owner(pod, self.paths.pod_gates(uid))
+                self._open_gate(gate, K.GATE_STAGED_FILE, f"staging {artifact.reference}\n")
             stage_artifact(
                 artifact,
                 staged,
@@ -380,8 +407,9 @@ class RestoreWorker:
             return False
         finally:
             gates.answer(FAILED, "internal error: the agent's staging ended without an answer")  # if none yet
-        with contextlib.suppress(OSError, SnapshotError):  # a record for whoever reads the pod's gate volume
-            self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
+        if gate is not None:
+            with contextlib.suppress(OSError, SnapshotError):  # a record for whoever reads the pod's gate volume
+                self._open_gate(gate, K.GATE_STAGED_FILE, f"staged {artifact.reference}\n")
         self._annotate(pod, K.RESTORE_STAGED)
         what = "resume from" if src.resume else "snapshot"
         message = f"{what} {artifact.reference} staged on {self.settings.node} {clock}"
@@ -389,11 +417,14 @@ class RestoreWorker:
         pod_event(self.kube, pod, K.EVENT_RESTORE_STAGED, message)
         return True
 
-    def _start_fresh(self, pod: dict[str, Any], gate: str, reason: str) -> bool:
-        """Open the gate with nothing staged: the runtime wrapper then creates the containers as runc would."""
+    def _start_fresh(self, pod: dict[str, Any], gate: str | None, reason: str) -> bool:
+        """Open the gate with nothing staged: the runtime wrapper then creates the containers as runc would
+        (a pod without the gate init container: the caller answers its staging gates)."""
         # said before the gate opens: whoever sees the pod run can read why it started fresh
         self._annotate(pod, K.RESTORE_SKIPPED_PREFIX + reason)
         pod_event(self.kube, pod, K.EVENT_RESUME_SKIPPED, f"the pod starts fresh: {reason}")
+        if gate is None:
+            return True
         try:
             self._wait_for_dirs(host_view(self.settings.kubelet_root), [gate])
             self._open_gate(gate, K.GATE_STAGED_FILE, f"no restore: {reason}\n")
@@ -404,7 +435,7 @@ class RestoreWorker:
         return True
 
     def _resume_failed(
-        self, pod: dict[str, Any], gate: str, src: RestoreSource, err: SnapshotError, gates: _PodGates
+        self, pod: dict[str, Any], gate: str | None, src: RestoreSource, err: SnapshotError, gates: _PodGates
     ) -> bool:
         """A resume that could not be staged: reported like a failed restore, then the pod starts fresh
         (nothing of the save is used; a workload's pod is never held in its gate by a bad save)."""

@@ -99,7 +99,9 @@ class StatePaths:
 #   create is refused (nobody would create it again).
 # - pod gates (Kubernetes): keyed by pod uid + container name, taken for every container of the pod
 #   (but the gate init container) before the pod's gate volume says "go", so the kubelet creates the
-#   containers while the save downloads. They stay until the pod's staged data is collected: the
+#   containers while the save downloads. A resuming pod (the resume-policy annotation, which containerd
+#   passes to the runtime) has no gate init container: the agent takes its gates as soon as it sees
+#   the pod, and the hook waits for them to appear. They stay until the pod's staged data is collected: the
 #   kubelet may create a container again (after a refused create, or a restart), and each create reads
 #   the same answer. Lock got but no answer: the agent died while staging, and its successor stages the
 #   pod again and takes the gate again, so the hook keeps waiting (up to its bound) for an answer.
@@ -109,6 +111,7 @@ FAILED = "failed"
 GATE_WAIT_S = 60.0  # a hook waits at most this long (below containerd's create deadline, 120 s)
 POD_GATE_WAIT_S = 100.0  # the kubelet's runtime-request-timeout (2 min) bounds its StartContainer
 _RETAKE_POLL_S = 0.25  # a pod gate whose agent died: how often the hook looks for its successor
+_APPEAR_POLL_S = 0.05  # a resuming pod's container, created before the agent took its gate
 
 
 class StagingGate:
@@ -207,16 +210,30 @@ def wait_staged(paths: StatePaths, container_id: str, *, timeout_s: float = GATE
 
 
 def wait_pod_staged(
-    paths: StatePaths, pod_uid: str, container_name: str, *, timeout_s: float = POD_GATE_WAIT_S
+    paths: StatePaths,
+    pod_uid: str,
+    container_name: str,
+    *,
+    expected: bool = False,
+    timeout_s: float = POD_GATE_WAIT_S,
 ) -> str | None:
     """The hook's side of a pod gate: None once the agent answered "ready" (at once when no agent gated
-    this container); otherwise why the create is refused. An agent that died while staging is waited
-    for: its successor takes the gate again."""
+    this container, unless the gate is `expected`: a resuming pod's, which the agent takes when it
+    sees the pod, so the hook waits for it to appear); otherwise why the create is refused. An agent
+    that died while staging is waited for: its successor takes the gate again."""
     try:
         path = paths.pod_gate(pod_uid, container_name)
     except InvalidArgument:
         return None
     deadline = time.monotonic() + timeout_s
+    if expected:
+        while not os.path.exists(path):
+            if time.monotonic() >= deadline:
+                return (
+                    f"the node's agent did not take up this resuming pod within {timeout_s:g} s "
+                    "(is the kubectl-snapshot agent running on this node?)"
+                )
+            time.sleep(_APPEAR_POLL_S)
     while True:
         unlocked = _wait_unlocked(path, max(deadline - time.monotonic(), 0.05))  # a free lock is got at once
         if unlocked is None:

@@ -165,24 +165,23 @@ def test_staged_data_of_pods_that_went_away_is_collected(tmp_path: Path) -> None
     assert kube.gets == 3  # only the old dirs were looked up, one GET each
 
 
-def test_a_pods_staging_gates_go_with_its_staged_data(tmp_path: Path) -> None:
-    kube = PodsKube({("a", "live"): "live-uid"})
+def test_a_pods_staging_gates_stay_as_long_as_the_pod(tmp_path: Path) -> None:
+    """A container restarted long after its restore reads its gate's answer again: the gates go only
+    with the pod (a resume that started fresh has no staged dir, and its gates must stay all the same)."""
+    kube = PodsKube({("a", "live"): "live-uid", ("a", "fresh"): "fresh-uid"})
     w = worker(tmp_path, kube)
-    staged_for(w, "gone-uid", "gone")
-    staged_for(w, "live-uid", "live")
     t = time.time() - GC_GRACE_S - 10
     gates = {}
-    for uid in ("gone-uid", "live-uid", "fresh-uid", "started-fresh-uid"):
+    for uid, name in (("gone-uid", "gone"), ("live-uid", "live"), ("fresh-uid", "fresh"), ("young-uid", "young")):
         g = Path(w.paths.pod_gate(uid, "c"))
-        g.parent.mkdir(parents=True)
+        w._record_owner({"metadata": {"uid": uid, "namespace": "a", "name": name}}, str(g.parent))
         g.write_bytes(b"")
-        if uid != "fresh-uid":
+        if uid != "young-uid":
             os.utime(g.parent, (t, t))
         gates[uid] = g.parent
-    w.collect_garbage()
-    # gone pod: with its staged dir; a resume that started fresh has no staged dir left: old enough, gone
-    assert not gates["gone-uid"].exists() and not gates["started-fresh-uid"].exists()
-    assert gates["live-uid"].exists() and gates["fresh-uid"].exists()
+    removed = w.collect_garbage()
+    assert removed == [str(gates["gone-uid"])]
+    assert gates["live-uid"].exists() and gates["fresh-uid"].exists() and gates["young-uid"].exists()
 
 
 def test_nothing_is_collected_while_the_api_server_is_down(tmp_path: Path) -> None:

@@ -8,7 +8,6 @@ import re
 from typing import Any
 
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.podspec import gate_container
 from kubectl_snapshot.deploy import admission, render, resume
 
 IMAGE = "reg.example/ks/agent@sha256:" + "c" * 64
@@ -36,30 +35,16 @@ def test_the_mutating_policy_never_blocks_and_takes_every_policy_of_the_namespac
     assert "initContainers" in conditions["no-init-containers"]
 
 
-def test_the_mutation_adds_exactly_the_restore_pods_gate() -> None:
-    apply, patch, _hook = objects()[("MutatingAdmissionPolicy", resume.MUTATING_POLICY)]["spec"]["mutations"]
-    assert apply["patchType"] == "ApplyConfiguration" and patch["patchType"] == "JSONPatch"
-    expr = apply["applyConfiguration"]["expression"] + patch["jsonPatch"]["expression"]
+def test_the_mutation_adds_the_runtime_class_and_the_annotation_and_no_gate() -> None:
+    apply, _hook = objects()[("MutatingAdmissionPolicy", resume.MUTATING_POLICY)]["spec"]["mutations"]
+    assert apply["patchType"] == "ApplyConfiguration"
+    expr = apply["applyConfiguration"]["expression"]
     assert "{{" not in expr and "}}" not in expr  # Helm's delimiters (the chart is generated)
     strings = [json.loads(s) for s in re.findall(r'"(?:[^"\\]|\\.)*"', expr)]
-    gate = gate_container(IMAGE)
-    assert gate["command"] == strings[strings.index("python3") : strings.index("python3") + 3]
-    for value in (
-        IMAGE,
-        gate["name"],
-        K.GATE_MOUNT,
-        K.GATE_VOLUME,
-        K.RUNTIME_CLASS,
-        K.ANN_RESUME_POLICY,
-        "10m",
-        "16Mi",
-    ):
-        assert value in strings, value
+    assert strings == [K.ANN_RESUME_POLICY, K.RUNTIME_CLASS]
     assert f"{json.dumps(K.ANN_RESUME_POLICY)}: params.metadata.name" in expr
-    assert "emptyDir: Object.spec.volumes.emptyDir{}" in expr
-    # the command (an atomic list) only through the JSONPatch, at the gate's index (the pod had no init containers)
-    assert "command" not in apply["applyConfiguration"]["expression"]
-    assert "/spec/initContainers/0/command" in strings
+    # the runtime wrapper holds the containers until the agent answers: no gate init container, no volume
+    assert "initContainers" not in expr and "volumes" not in expr and IMAGE not in expr
 
 
 def test_the_agent_may_change_only_provenance_on_podsnapshots_and_resume_annotations_are_guarded() -> None:

@@ -260,3 +260,108 @@ def test_pod_gates_are_answered_once_and_kept(tmp_path: Path) -> None:
     gates.answer(READY, "no restore: the save was refused")
     gates.answer(FAILED, "too late")  # the worker's final word changes nothing already answered
     assert wait_pod_staged(paths, UID, "app") is None and wait_pod_staged(paths, UID, "sidecar") is None
+
+
+# --- a resuming pod without a gate init container: the hook waits for the agent to take its gates ----
+
+
+def test_a_resuming_pods_container_waits_for_its_gate_to_appear(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    result: list[str | None] = []
+    hook = threading.Thread(target=lambda: result.append(wait_pod_staged(paths, UID, "app", expected=True)))
+    hook.start()
+    time.sleep(0.3)
+    assert hook.is_alive()  # no gate yet: the agent has not seen the pod
+    gate = StagingGate(paths.pod_gate(UID, "app"))
+    time.sleep(0.2)
+    assert hook.is_alive()  # taken, not answered
+    gate.answer(READY)
+    gate.release()
+    hook.join(5)
+    assert result == [None]
+
+
+def test_a_resuming_pod_no_agent_takes_up_is_refused_at_the_deadline(tmp_path: Path) -> None:
+    why = wait_pod_staged(StatePaths(str(tmp_path)), UID, "app", expected=True, timeout_s=0.3)
+    assert why is not None and "did not take up this resuming pod within 0.3 s" in why
+
+
+def test_the_hook_expects_a_gate_only_for_a_resuming_pods_containers() -> None:
+    from kubectl_snapshot.core import kube as K
+    from shim.runc_wrapper import resuming
+
+    assert resuming({"annotations": {K.ANN_RESUME_POLICY: "p"}}, "app")
+    assert not resuming({"annotations": {K.ANN_RESUME_POLICY: "p"}}, K.GATE_CONTAINER)  # a gated pod's own gate
+    assert not resuming({"annotations": {}}, "app") and not resuming({}, "app")
+
+
+class _Kube:
+    def __init__(self) -> None:
+        self.patches: list[dict[str, Any]] = []
+        self.events: list[tuple[str, str]] = []
+
+    def patch_pod_annotations(self, ns: str, name: str, annotations: dict[str, Any], *, status: bool = False) -> Any:
+        self.patches.append(annotations)
+        return {}
+
+    def create_event(self, ns: str, *, involved: Any, reason: str, message: str, **_: Any) -> Any:
+        self.events.append((reason, message))
+        return {}
+
+
+def _resuming_pod(**status: Any) -> dict[str, Any]:
+    from kubectl_snapshot.core import kube as K
+
+    return {
+        "metadata": {"name": "web-0", "namespace": "ns", "uid": UID, "annotations": {K.ANN_RESUME_POLICY: "p"}},
+        "spec": {"nodeName": "n1", "containers": [{"name": "app"}, {"name": "side"}]},
+        "status": status,
+    }
+
+
+def _worker(tmp_path: Path) -> Any:
+    from kubectl_snapshot.core.model import HostFacts
+    from shim.controller.restores import RestoreWorker
+    from shim.controller.settings import NodeSettings
+
+    kube = _Kube()
+    settings = NodeSettings(node="n1", state_root=str(tmp_path / "state"), kubelet_root=str(tmp_path / "k"))
+    return RestoreWorker(kube=kube, settings=settings, facts=HostFacts()), kube  # type: ignore[arg-type]
+
+
+def test_a_resuming_pod_with_no_save_has_its_containers_let_go_fresh(tmp_path: Path) -> None:
+    from kubectl_snapshot.core import kube as K
+    from shim.controller.resume import StartFresh
+
+    worker, kube = _worker(tmp_path)
+    seen: list[str | None] = []
+
+    def source(pod: dict[str, Any]) -> StartFresh:
+        # while the agent chooses, the containers the kubelet creates wait at their gates
+        for name in ("app", "side"):
+            assert os.path.exists(worker.paths.pod_gate(UID, name))
+        return StartFresh("no save of this pod yet")
+
+    assert worker.stage(_resuming_pod(), source)
+    for name in ("app", "side"):
+        seen.append(wait_pod_staged(worker.paths, UID, name, expected=True, timeout_s=1))
+    assert seen == [None, None]
+    assert kube.patches[-1][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_SKIPPED_PREFIX)
+
+
+def test_a_resuming_pod_whose_containers_already_run_starts_fresh_and_is_not_held(tmp_path: Path) -> None:
+    """A node whose containerd does not pass the annotation yet ran the containers at once: no staging
+    into a running pod, and its containers' later creates are not held."""
+    from kubectl_snapshot.core import kube as K
+
+    worker, kube = _worker(tmp_path)
+
+    def source(pod: dict[str, Any]) -> Any:
+        raise AssertionError("no save is chosen for a pod that already runs")
+
+    running = _resuming_pod(
+        containerStatuses=[{"name": "app", "containerID": "containerd://x", "state": {"running": {}}}]
+    )
+    assert worker.stage(running, source)
+    assert wait_pod_staged(worker.paths, UID, "app", expected=True, timeout_s=1) is None
+    assert "started before this node's agent took up the resume" in kube.patches[-1][K.ANN_RESTORE_STATUS]
