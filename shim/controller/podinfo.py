@@ -136,11 +136,14 @@ def check_resume_pod(pod: dict[str, Any]) -> None:
     does not pass the resume annotation to the wrapper yet), and no ephemeral container runs there."""
     meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
     where = f"pod {meta.get('namespace')}/{meta.get('name')}"
+    # a container waiting in (or refused by) the wrapper's create, as when an agent died while staging
+    # this pod, never started: it has no running state and no terminated state with a start time
     started = [
         str(cs.get("name"))
         for key in ("initContainerStatuses", "containerStatuses")
         for cs in status.get(key) or []
-        if cs.get("containerID") or any(k in (cs.get("state") or {}) for k in ("running", "terminated"))
+        for state in (cs.get("state") or {}, cs.get("lastState") or {})
+        if "running" in state or (state.get("terminated") or {}).get("startedAt")
     ]
     if started:
         raise FailedPrecondition(

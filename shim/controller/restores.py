@@ -317,6 +317,8 @@ class RestoreWorker:
             else:  # its containers wait at their create for these gates: take them first
                 gates.take(self.paths, uid, gated_containers(pod))
                 self._record_owner(pod, self.paths.pod_gates(uid))
+                # what an agent that died while staging this pod left (its containers wait at the gates)
+                shutil.rmtree(self.paths.pod_dir(uid), ignore_errors=True)
                 try:
                     check_resume_pod(pod)
                 except SnapshotError as e:  # what already runs there started fresh: so does the rest

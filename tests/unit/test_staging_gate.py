@@ -365,3 +365,23 @@ def test_a_resuming_pod_whose_containers_already_run_starts_fresh_and_is_not_hel
     assert worker.stage(running, source)
     assert wait_pod_staged(worker.paths, UID, "app", expected=True, timeout_s=1) is None
     assert "started before this node's agent took up the resume" in kube.patches[-1][K.ANN_RESTORE_STATUS]
+
+
+def test_an_agent_that_stages_a_resuming_pod_again_drops_what_its_predecessor_left(tmp_path: Path) -> None:
+    """The containers wait in the wrapper's create (created, not started): not mistaken for started,
+    and a half-staged save of the dead agent is never restored: the pod starts fresh here."""
+    from shim.controller.resume import StartFresh
+
+    worker, kube = _worker(tmp_path)
+    half = Path(worker.paths.staged_by_pod(UID, "app")) / "checkpoint"
+    half.mkdir(parents=True)
+    refused = {"terminated": {"exitCode": 128, "reason": "StartError", "startedAt": None}}
+    waiting = _resuming_pod(
+        containerStatuses=[
+            {"name": "app", "containerID": "containerd://x", "state": {"waiting": {}}, "lastState": refused}
+        ]
+    )
+    assert worker.stage(waiting, lambda pod: StartFresh("the save is gone"))
+    assert not half.exists()
+    assert wait_pod_staged(worker.paths, UID, "app", expected=True, timeout_s=1) is None
+    assert "the save is gone" in str(kube.patches[-1])
