@@ -8,7 +8,9 @@ while the agent pulls and verifies the save, extracts each container's data wher
 looks for it (by pod uid + container name) and puts the emptyDir contents into the pod's volume dirs.
 The wrapper's create waits at its staging gate until the agent answers: "ready" (restore what is
 staged, or for a resume that could not be staged, create it fresh) or "failed" (refuse: a restore
-never runs a container from scratch in its place).
+never runs a container from scratch in its place). A workload's resuming pod has no gate init
+container: the wrapper holds its containers because of its resume annotation, and the agent takes
+their gates as soon as it sees the pod, before it chooses the save.
 """
 
 from __future__ import annotations
