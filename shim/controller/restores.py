@@ -242,27 +242,22 @@ class RestoreWorker:
         """Remove staged data of pods that are gone (deleted before their containers were created, say)
         and downloads a crashed agent left; returns what was removed.
 
-        Each pod's staged dir records the pod's namespace and name (POD_FILE); only dirs older than
+        Each pod's staged dir (and its gates' dir) records the pod's namespace and name (POD_FILE); only dirs older than
         GC_GRACE_S and not in use are looked at, one GET each, so a steady agent lists nothing."""
         now = time.time() if now is None else now
         removed: list[str] = []
-        by_pod = os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod")
         with self._lock:
             active = set(self._active)
-        for uid in _listdir(by_pod):
-            path = os.path.join(by_pod, uid)
-            if uid in active or _age(path, now) < GC_GRACE_S or self._pod_still_here(path, uid):
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        # a pod's staging gates stay as long as the pod (a container restarted later reads its answer again)
-        pod_gates = os.path.join(self.paths.root, C.STAGING_SUBDIR, "pod-gates")
-        for uid in _listdir(pod_gates):
-            path = os.path.join(pod_gates, uid)
-            if uid in active or _age(path, now) < GC_GRACE_S or self._pod_still_here(path, uid):
-                continue
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+        # staged data, and the pod's staging gates (they stay as long as the pod: a container restarted
+        # later reads its answer again)
+        for kind in ("by-pod", "pod-gates"):
+            parent = os.path.join(self.paths.root, C.STAGING_SUBDIR, kind)
+            for uid in _listdir(parent):
+                path = os.path.join(parent, uid)
+                if uid in active or _age(path, now) < GC_GRACE_S or self._pod_still_here(path, uid):
+                    continue
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
         downloads = self.paths.downloads()
         for name in _listdir(downloads):
             path = os.path.join(downloads, name)
