@@ -101,10 +101,11 @@ class StatePaths:
 #   (but the gate init container) before the pod's gate volume says "go", so the kubelet creates the
 #   containers while the save downloads. A resuming pod (the resume-policy annotation, which containerd
 #   passes to the runtime) has no gate init container: the agent takes its gates as soon as it sees
-#   the pod, and the hook waits for them to appear. They stay until the pod's staged data is collected: the
-#   kubelet may create a container again (after a refused create, or a restart), and each create reads
-#   the same answer. Lock got but no answer: the agent died while staging, and its successor stages the
-#   pod again and takes the gate again, so the hook keeps waiting (up to its bound) for an answer.
+#   the pod, and the hook waits for them to appear. They stay as long as the pod (`.pod` beside them
+#   names it for garbage collection): the kubelet may create a container again (after a refused
+#   create, or a restart), and each create reads the same answer. Lock got but no answer: the agent
+#   died while staging, and its successor stages the pod again and takes the gate again, so the hook
+#   keeps waiting (up to its bound) for an answer.
 
 READY = "ready"
 FAILED = "failed"
