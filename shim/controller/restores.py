@@ -319,10 +319,7 @@ class RestoreWorker:
                 try:
                     check_resume_pod(pod)
                 except SnapshotError as e:  # what already runs there started fresh: so does the rest
-                    try:
-                        return self._start_fresh(pod, None, e.message)
-                    finally:
-                        gates.answer(READY, f"no restore: {e.message}")
+                    return self._start_fresh(pod, None, e.message, gates)
         except (SnapshotError, OSError) as e:  # not ours to touch: no write into any of its volumes
             err = e if isinstance(e, SnapshotError) else SnapshotError(f"internal error: {e}")
             self._fail(pod, None, err)
@@ -335,10 +332,7 @@ class RestoreWorker:
             chosen = source(pod)
             clock.lap("choose")
             if isinstance(chosen, StartFresh):
-                try:
-                    return self._start_fresh(pod, gate, chosen.reason)
-                finally:
-                    gates.answer(READY, f"no restore: {chosen.reason}")
+                return self._start_fresh(pod, gate, chosen.reason, gates)
             src = chosen
             ref = src.reference
             registry = registry_for(self.kube, ns, src.registry_secret, insecure=src.insecure)
@@ -416,9 +410,15 @@ class RestoreWorker:
         pod_event(self.kube, pod, K.EVENT_RESTORE_STAGED, message)
         return True
 
-    def _start_fresh(self, pod: dict[str, Any], gate: str | None, reason: str) -> bool:
-        """Open the gate with nothing staged: the runtime wrapper then creates the containers as runc would
-        (a pod without the gate init container: the caller answers its staging gates)."""
+    def _start_fresh(self, pod: dict[str, Any], gate: str | None, reason: str, gates: _PodGates) -> bool:
+        """Open the gate (the gate init container's, when the pod has one, and its containers' staging
+        gates) with nothing staged: the runtime wrapper then creates the containers as runc would."""
+        try:
+            return self._say_fresh(pod, gate, reason)
+        finally:  # nothing staged, no record: the wrapper creates the waiting containers as runc would
+            gates.answer(READY, f"no restore: {reason}")
+
+    def _say_fresh(self, pod: dict[str, Any], gate: str | None, reason: str) -> bool:
         # said before the gate opens: whoever sees the pod run can read why it started fresh
         self._annotate(pod, K.RESTORE_SKIPPED_PREFIX + reason)
         pod_event(self.kube, pod, K.EVENT_RESUME_SKIPPED, f"the pod starts fresh: {reason}")
@@ -440,11 +440,7 @@ class RestoreWorker:
         (nothing of the save is used; a workload's pod is never held in its gate by a bad save)."""
         pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, f"resume from {src.reference}: {render(err)}", warning=True)
         shutil.rmtree(self.paths.pod_dir(pod["metadata"]["uid"]), ignore_errors=True)  # no whole-pod record left
-        reason = f"resume from {src.reference} failed: {err.message}"
-        try:
-            return self._start_fresh(pod, gate, reason)
-        finally:  # nothing staged, no record: the wrapper creates the waiting containers as runc would
-            gates.answer(READY, f"no restore: {reason}")
+        return self._start_fresh(pod, gate, f"resume from {src.reference} failed: {err.message}", gates)
 
     def _trust(self) -> TrustPolicy:
         """Read per restore: a rotated key or a changed policy applies as soon as its file lands."""
