@@ -169,8 +169,9 @@ def pod_key(spec: dict[str, Any]) -> tuple[str, str] | None:
 
 def resuming(spec: dict[str, Any], container_name: str) -> bool:
     """A container of a resuming pod (the resume-policy annotation, passed by containerd for the runtime
-    handler's pod_annotations): the agent takes its staging gate when it sees the pod. The gate init
-    container of a pod made before resumes went without one is not gated (it waits for the agent itself)."""
+    handler's pod_annotations): the agent takes its staging gate when it sees the pod. A resuming pod's
+    gate init container (pods never restarted get one: deploy/resume.py) is not gated: it waits for the
+    agent itself, as long as the staging takes."""
     annotations = spec.get("annotations") or {}
     return K.ANN_RESUME_POLICY in annotations and container_name != K.GATE_CONTAINER
 

@@ -77,7 +77,7 @@ def render(
         keys.key_role(labels),
         keys.key_role_binding(labels),
         *admission.render(labels),
-        *resume.policies(labels),
+        *resume.policies(labels, settings.image),  # the gate image is the agent image
         agent.runtime_class(labels),
     ]
     if settings.per_node_paths:

@@ -7,7 +7,12 @@ resume from their predecessor's last save, without anyone editing the workload (
   its workload when set), with no restore annotation and no init containers of its own, gets
   ``runtimeClassName: kubectl-snapshot`` and ``kubectl-snapshot.io/resume-policy: <policy>``; no
   gate init container (the runtime wrapper holds the pod's containers at their create until the
-  node's agent has staged the save: shim/engine/staging.py, "pod gates").
+  node's agent has staged the save: shim/engine/staging.py, "pod gates"), except for a pod with
+  ``restartPolicy: Never``, which also gets the gate volume and init container exactly as
+  ``core/podspec.restore_pod`` builds them: the wrapper can hold a create only within the kubelet's
+  runtime request timeout, and a refused create (a save that stages longer, an agent not up yet) is
+  a StartError that fails a pod which is never restarted; a gate init container waits as long as the
+  staging takes.
   failurePolicy Ignore and parameterNotFoundAction Allow: a broken or missing policy never blocks a
   pod, and pods no policy selects are never touched.
 - ``kubectl-snapshot-resume-pods`` (ValidatingAdmissionPolicy): the resume-policy annotation is set at
@@ -26,6 +31,7 @@ from typing import Any
 
 from kubectl_snapshot.core import finalsave as F
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.podspec import gate_container
 from kubectl_snapshot.deploy.admission import API, _binding, _can, _deny, _match, _policy, _quote
 
 MUTATING_POLICY = "kubectl-snapshot-resume"
@@ -99,14 +105,56 @@ def _no_helm_delimiters(expr: str) -> str:
 
 def _apply_configuration() -> str:
     """Mutation 1 (ApplyConfiguration, merged like server-side apply): the runtime class and the
-    annotation. No gate init container: the runtime wrapper holds each container of a resuming pod at
-    its create until the node's agent has staged the save or said to start fresh (containerd passes
+    annotation. No gate init container here: the runtime wrapper holds each container of a resuming pod
+    at its create until the node's agent has staged the save or said to start fresh (containerd passes
     the annotation to the wrapper: the runtime handler's ``pod_annotations``, node_install.dropin_toml)."""
     return _no_helm_delimiters(
         "Object{"
         f"metadata: Object.metadata{{annotations: {{{_cel(K.ANN_RESUME_POLICY)}: params.metadata.name}}}}, "
         f"spec: Object.spec{{runtimeClassName: {_cel(K.RUNTIME_CLASS)}}}"
         "}"
+    )
+
+
+# Pods the kubelet never restarts wait in a gate init container (the module's docstring says why).
+NEVER_RESTARTED_CEL = "has(object.spec.restartPolicy) && object.spec.restartPolicy == 'Never'"
+
+
+def _gate_configuration(gate_image: str) -> str:
+    """Mutation 2 (ApplyConfiguration), pods never restarted only: the gate volume and the gate init
+    container without its command (an atomic list, which an ApplyConfiguration may not set; mutation
+    3 adds it)."""
+    gate = gate_container(gate_image)
+    mounts = ", ".join(
+        f"Object.spec.initContainers.volumeMounts{{name: {_cel(m['name'])}, mountPath: {_cel(m['mountPath'])}}}"
+        for m in gate["volumeMounts"]
+    )
+    requests = ", ".join(f"{_cel(k)}: {_cel(v)}" for k, v in gate["resources"]["requests"].items())
+    init = (
+        "Object.spec.initContainers{"
+        f"name: {_cel(gate['name'])}, image: {_cel(gate['image'])}, "
+        f"volumeMounts: [{mounts}], "
+        f"terminationMessagePolicy: {_cel(gate['terminationMessagePolicy'])}, "
+        f"resources: Object.spec.initContainers.resources{{requests: {{{requests}}}}}"
+        "}"
+    )
+    return _no_helm_delimiters(
+        f"{NEVER_RESTARTED_CEL} ? Object{{spec: Object.spec{{"
+        f"volumes: [Object.spec.volumes{{name: {_cel(K.GATE_VOLUME)}, emptyDir: Object.spec.volumes.emptyDir{{}}}}], "
+        f"initContainers: [{init}]"
+        "}} : Object{}"
+    )
+
+
+def _gate_command_patch(gate_image: str) -> str:
+    """Mutation 3 (JSONPatch), pods never restarted only: the gate's command. The gate is init container
+    0: the pod had none (a match condition). (A list of strings: this API server panics on a JSONPatch
+    value holding objects, "reflect.Set: *structpb.Struct is not assignable to *structpb.Value".) The
+    list is filtered, not a conditional, so that its type stays a list of JSONPatch either way."""
+    command = ", ".join(map(_cel, gate_container(gate_image)["command"]))
+    return _no_helm_delimiters(
+        f'[JSONPatch{{op: "add", path: "/spec/initContainers/0/command", value: [{command}]}}]'
+        f".filter(p, {NEVER_RESTARTED_CEL})"
     )
 
 
@@ -129,7 +177,7 @@ HOOK_CONDITION_CEL = f"variables.grace >= {F.MIN_GRACE_S} && {_NO_OWN_PRESTOP}"
 
 
 def _final_save_hook() -> str:
-    """Mutation 3 (ApplyConfiguration, merged by container name): the final save's preStop sleep on
+    """Mutation 4 (ApplyConfiguration, merged by container name): the final save's preStop sleep on
     every app container (core/finalsave.py); nothing when a container has a preStop of its own or the
     grace period is too short for a save."""
     hook = (
@@ -142,7 +190,7 @@ def _final_save_hook() -> str:
     )
 
 
-def mutating_policy(labels: dict[str, str]) -> dict[str, Any]:
+def mutating_policy(labels: dict[str, str], gate_image: str) -> dict[str, Any]:
     return {
         "apiVersion": API,
         "kind": "MutatingAdmissionPolicy",
@@ -159,6 +207,11 @@ def mutating_policy(labels: dict[str, str]) -> dict[str, Any]:
                     "patchType": "ApplyConfiguration",
                     "applyConfiguration": {"expression": _apply_configuration()},
                 },
+                {
+                    "patchType": "ApplyConfiguration",
+                    "applyConfiguration": {"expression": _gate_configuration(gate_image)},
+                },
+                {"patchType": "JSONPatch", "jsonPatch": {"expression": _gate_command_patch(gate_image)}},
                 {"patchType": "ApplyConfiguration", "applyConfiguration": {"expression": _final_save_hook()}},
             ],
         },
@@ -253,12 +306,12 @@ def roles(labels: dict[str, str]) -> list[dict[str, Any]]:
     return [agent_resume_role(labels), agent_resume_role_binding(labels)]
 
 
-def policies(labels: dict[str, str]) -> list[dict[str, Any]]:
+def policies(labels: dict[str, str], gate_image: str) -> list[dict[str, Any]]:
     """The resume admission policies (after the CRDs: the mutating policy's paramKind is SnapshotPolicy)."""
     validating = [resume_pods_policy(labels)]
     return [
         *validating,
         *(_binding(p["metadata"]["name"], labels) for p in validating),
-        mutating_policy(labels),
+        mutating_policy(labels, gate_image),
         mutating_binding(labels),
     ]

@@ -308,12 +308,15 @@ class RestoreWorker:
         gates = _PodGates()
         gate: str | None = None  # the gate init container's volume (None: a resuming pod held by the wrapper)
         try:
-            if K.ANN_RESTORE_FROM in (meta.get("annotations") or {}) or has_gate(pod):
+            gated = K.ANN_RESTORE_FROM in (meta.get("annotations") or {}) or has_gate(pod)
+            if gated:
                 check_restore_pod(pod)
                 gate = empty_dir_rel(uid, K.GATE_VOLUME)
-            else:  # its containers wait at their create for these gates: take them first
-                gates.take(self.paths, uid, gated_containers(pod))
-                self._record_owner(pod, self.paths.pod_gates(uid))
+            # Its containers wait at their create for these gates (those of a resuming pod wait for them
+            # to appear): taken first, so that every way out below answers them, starting fresh included.
+            gates.take(self.paths, uid, gated_containers(pod))
+            self._record_owner(pod, self.paths.pod_gates(uid))
+            if not gated:
                 # what an agent that died while staging this pod left (its containers wait at the gates)
                 shutil.rmtree(self.paths.pod_dir(uid), ignore_errors=True)
                 try:
@@ -373,8 +376,6 @@ class RestoreWorker:
             self._record_owner(pod)  # for garbage collection once the pod is gone
             # The kubelet creates the containers while the save downloads; each create waits at its gate.
             if gate is not None:
-                gates.take(self.paths, uid, gated_containers(pod))
-                self._record_owner(pod, self.paths.pod_gates(uid))
                 self._open_gate(gate, K.GATE_STAGED_FILE, f"staging {artifact.reference}\n")
             stage_artifact(
                 artifact,

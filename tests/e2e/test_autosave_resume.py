@@ -152,13 +152,20 @@ def test_indexed_job_pod_resumes_by_completion_index(cluster, namespace, agent, 
     )
     first = live_pod(cluster, ns, "job")
     name = first["metadata"]["name"]
+    # restartPolicy Never: a create the wrapper held past the kubelet's timeout would fail the pod for
+    # good, so this pod waits for the agent in the gate init container instead (deploy/resume.py)
+    assert [c["name"] for c in first["spec"]["initContainers"]] == [K.GATE_CONTAINER]
+    assert first["spec"]["runtimeClassName"] == K.RUNTIME_CLASS
+    assert pod_annotations(first)[K.ANN_RESTORE_STATUS].startswith(K.RESTORE_SKIPPED_PREFIX)  # nothing saved yet
     cluster.wait_for("the counter", lambda: counter_value(cluster, ns, name)[1] >= 5)
     tok, before = counter_value(cluster, ns, name)
     psnap = save(plugin, cluster, ns, name, "job")
     assert psnap["metadata"]["labels"][K.LABEL_COMPLETION_INDEX] == "0"
     cluster.kubectl("delete", "pod", name, "-n", ns, "--wait=true")
     second = live_pod(cluster, ns, "job", not_uids={first["metadata"]["uid"]})
+    assert [c["name"] for c in second["spec"]["initContainers"]] == [K.GATE_CONTAINER]
     assert_resumed(cluster, ns, second, tok, before)
+    assert second["status"]["phase"] == "Running" and not second["status"]["containerStatuses"][0]["restartCount"]
 
 
 def test_deployment_replacements_resume_distinct_saves(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]

@@ -8,6 +8,7 @@ import re
 from typing import Any
 
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import podspec
 from kubectl_snapshot.deploy import admission, render, resume
 
 IMAGE = "reg.example/ks/agent@sha256:" + "c" * 64
@@ -36,7 +37,7 @@ def test_the_mutating_policy_never_blocks_and_takes_every_policy_of_the_namespac
 
 
 def test_the_mutation_adds_the_runtime_class_and_the_annotation_and_no_gate() -> None:
-    apply, _hook = objects()[("MutatingAdmissionPolicy", resume.MUTATING_POLICY)]["spec"]["mutations"]
+    apply, _gate, _command, _hook = objects()[("MutatingAdmissionPolicy", resume.MUTATING_POLICY)]["spec"]["mutations"]
     assert apply["patchType"] == "ApplyConfiguration"
     expr = apply["applyConfiguration"]["expression"]
     assert "{{" not in expr and "}}" not in expr  # Helm's delimiters (the chart is generated)
@@ -45,6 +46,24 @@ def test_the_mutation_adds_the_runtime_class_and_the_annotation_and_no_gate() ->
     assert f"{json.dumps(K.ANN_RESUME_POLICY)}: params.metadata.name" in expr
     # the runtime wrapper holds the containers until the agent answers: no gate init container, no volume
     assert "initContainers" not in expr and "volumes" not in expr and IMAGE not in expr
+
+
+def test_only_pods_never_restarted_get_the_gate_init_container_of_a_restore_pod() -> None:
+    _apply, gate, command, _hook = objects()[("MutatingAdmissionPolicy", resume.MUTATING_POLICY)]["spec"]["mutations"]
+    never = "has(object.spec.restartPolicy) && object.spec.restartPolicy == 'Never'"
+    g = gate["applyConfiguration"]["expression"]
+    # a refused create fails a pod the kubelet never restarts: those wait in a gate init container instead
+    assert g.startswith(f"{never} ? Object{{spec: ") and g.endswith(" : Object{}")
+    assert "{{" not in g and "}}" not in g
+    strings = [json.loads(s) for s in re.findall(r'"(?:[^"\\]|\\.)*"', g)]
+    want = podspec.gate_container(IMAGE)
+    assert strings[:2] == [K.GATE_VOLUME, K.GATE_CONTAINER] and IMAGE in strings
+    assert want["terminationMessagePolicy"] in strings and K.GATE_MOUNT in strings
+    c = command["jsonPatch"]["expression"]
+    assert command["patchType"] == "JSONPatch" and c.endswith(f".filter(p, {never})")
+    [value] = re.findall(r"value: (\[.*\])\}\]\.filter", c, re.S)
+    assert json.loads(value) == want["command"]  # CEL's string literals here are JSON's
+    assert '"/spec/initContainers/0/command"' in c
 
 
 def test_the_agent_may_change_only_provenance_on_podsnapshots_and_resume_annotations_are_guarded() -> None:

@@ -385,3 +385,31 @@ def test_an_agent_that_stages_a_resuming_pod_again_drops_what_its_predecessor_le
     assert not half.exists()
     assert wait_pod_staged(worker.paths, UID, "app", expected=True, timeout_s=1) is None
     assert "the save is gone" in str(kube.patches[-1])
+
+
+def test_a_resuming_pod_with_a_gate_init_container_and_no_save_lets_its_containers_go_fresh(tmp_path: Path) -> None:
+    """Pods never restarted resume through the gate init container (deploy/resume.py); their app
+    containers still carry the resume annotation, so the wrapper waits for their gates to appear: the
+    agent takes them first and answers them when it starts the pod fresh, as for a pod without one."""
+    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core.podspec import gate_container
+    from shim.controller.podinfo import empty_dir_rel
+    from shim.controller.resume import StartFresh
+
+    worker, kube = _worker(tmp_path)
+    pod = _resuming_pod()
+    pod["spec"]["initContainers"] = [gate_container("reg.example/agent:1")]  # as the admission policy adds it
+    pod["spec"]["volumes"] = [{"name": K.GATE_VOLUME, "emptyDir": {}}]
+    gate_dir = tmp_path / "k" / empty_dir_rel(UID, K.GATE_VOLUME)
+    gate_dir.mkdir(parents=True)
+
+    def source(pod: dict[str, Any]) -> StartFresh:
+        for name in ("app", "side"):  # held from the start, not only once a save is being staged
+            assert os.path.exists(worker.paths.pod_gate(UID, name))
+        return StartFresh("no save of this pod yet")
+
+    assert worker.stage(pod, source)
+    assert (gate_dir / K.GATE_STAGED_FILE).read_text().startswith("no restore: no save of this pod yet")
+    for name in ("app", "side"):
+        assert wait_pod_staged(worker.paths, UID, name, expected=True, timeout_s=1) is None
+    assert kube.patches[-1][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_SKIPPED_PREFIX)
