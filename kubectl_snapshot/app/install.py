@@ -93,6 +93,33 @@ def install(
     step("installed", total, total)
 
 
+def runtime_pods(kube: Kube) -> list[Obj]:
+    """Pods of every namespace run by the project's runtime class whose containers may still run
+    (restored and resuming pods): containerd stops them through the runtime hook. (Pods cannot be
+    listed by runtime class on the server side.)"""
+    return [
+        p
+        for p in kube.list_pods(None)
+        if (p.get("spec") or {}).get("runtimeClassName") == K.RUNTIME_CLASS
+        and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+    ]
+
+
+def _namespaces_being_deleted(kube: Kube, names: set[str]) -> set[str]:
+    """Those of `names` being deleted (their pods are deleted next, by the namespace controller)."""
+    going = set()
+    for name in sorted(names):
+        ns = kube.get_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+        if ns is None or (ns.get("metadata") or {}).get("deletionTimestamp"):
+            going.add(name)
+    return going
+
+
+def _pod_names(pods: Sequence[Obj], limit: int = 10) -> str:
+    names = [f"{p['metadata'].get('namespace')}/{p['metadata'].get('name')}" for p in pods]
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
 def uninstall(
     objects: list[Obj],
     *,
@@ -101,15 +128,52 @@ def uninstall(
     on_step: StepFn | None = None,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
-) -> None:
-    """Undo the node installation on every node (a one-shot DaemonSet), then delete the objects."""
+    force: bool = False,
+) -> list[Obj]:
+    """Undo the node installation on every node (a one-shot DaemonSet), then delete the objects.
+
+    Not while pods of the project's runtime class may still run: containerd stops, kills and deletes
+    their containers through the runtime hook, so once it is gone they could not be stopped until the
+    agent is installed again (they would keep running, their pods stuck Terminating). Pods already
+    being deleted are waited for (within `timeout_s`); others refuse the uninstall, unless `force`.
+    Returns the pods left running under the runtime class (`force` only)."""
     from kubectl_snapshot.deploy.agent import cleanup_daemonset
 
     step = on_step or (lambda _w, _d, _t: None)
+    left: list[Obj] = []
+    if kube.get_daemonset(K.AGENT_NAMESPACE, K.AGENT_NAME) is not None:  # no hook on the nodes: nothing to wait for
+        step(f"wait for pods of runtime class {K.RUNTIME_CLASS} being deleted", 0, 3)
+        deadline = clock() + timeout_s
+        while True:
+            pods = runtime_pods(kube)
+            going_ns = _namespaces_being_deleted(kube, {str(p["metadata"].get("namespace")) for p in pods})
+            staying = [
+                p
+                for p in pods
+                if not p["metadata"].get("deletionTimestamp") and p["metadata"].get("namespace") not in going_ns
+            ]
+            if staying and not force:
+                raise FailedPrecondition(
+                    f"{len(staying)} pod(s) run under the {K.RUNTIME_CLASS} runtime class: {_pod_names(staying)}; "
+                    "without the runtime hook their containers could not be stopped or deleted",
+                    hint="delete them first (for a protected workload: delete or suspend the SnapshotPolicy that "
+                    "resumes it, then `kubectl rollout restart` it), or pass --force to leave them running",
+                )
+            if len(pods) == len(staying):
+                left = staying
+                break
+            if clock() > deadline:
+                raise Unavailable(
+                    f"timed out after {timeout_s:.0f}s waiting for pods of the {K.RUNTIME_CLASS} runtime class "
+                    f"to be deleted: {_pod_names([p for p in pods if p not in staying])}",
+                    hint="kubectl get pods -A -o wide; the agent stays installed until they are gone",
+                    retryable=False,
+                )
+            sleep(1.0)
     live = kube.get_daemonset(K.AGENT_NAMESPACE, K.AGENT_NAME)
     if live is not None:
         cleanup = cleanup_daemonset(live)
-        step("remove the runtime hook from every node", 0, 2)
+        step("remove the runtime hook from every node", 1, 3)
         kube.apply([cleanup])
         try:
             _wait(
@@ -122,8 +186,9 @@ def uninstall(
             )
         finally:
             kube.delete_objects([cleanup])
-    step("delete the objects", 1, 2)
+    step("delete the objects", 2, 3)
     kube.delete_objects(list(reversed(objects)))
+    return left
 
 
 def _wait(

@@ -683,19 +683,46 @@ def install_cmd(
 @cli.command("uninstall")
 @common_options
 @dry_run_option
-@click.option("--timeout", type=Duration(), default="5m", show_default=True, help="How long node clean-up may take.")
+@click.option(
+    "--timeout",
+    type=Duration(),
+    default="5m",
+    show_default=True,
+    help="How long pod deletion and node clean-up may take.",
+)
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Uninstall even while pods run under the kubectl-snapshot runtime class (their containers then "
+    "cannot be stopped until the agent is installed again).",
+)
 @output_option
 @handle_errors
-def uninstall_cmd(dry_run: str, timeout: float, output: str) -> None:
-    """Remove the runtime hook from every node, then what `install` created (PodSnapshots go with the CRD)."""
+def uninstall_cmd(dry_run: str, timeout: float, force: bool, output: str) -> None:
+    """Remove the runtime hook from every node, then what `install` created (PodSnapshots go with the CRD).
+
+    Waits for pods of the kubectl-snapshot runtime class that are being deleted, and refuses while others
+    run (restored and resuming pods): containerd stops their containers through the runtime hook.
+    """
     objects = install_app.render(None, {})
     names = [f"{o['kind']}/{o['metadata']['name']}" for o in reversed(objects)]
     if dry_run == "server":
         kube_client().delete_objects(list(reversed(objects)), dry_run=True)
     elif dry_run == "none":
         with RemoteProgress("uninstall") as bar:
-            install_app.uninstall(
-                objects, kube=kube_client(), timeout_s=timeout, on_step=lambda what, _d, _t: bar.step(what)
+            left = install_app.uninstall(
+                objects,
+                kube=kube_client(),
+                timeout_s=timeout,
+                force=force,
+                on_step=lambda what, _d, _t: bar.step(what),
+            )
+        if left:
+            click.echo(
+                f"warning: {len(left)} pod(s) left running under the {K.RUNTIME_CLASS} runtime class "
+                f"({', '.join(p['metadata']['namespace'] + '/' + p['metadata']['name'] for p in left)}): "
+                "their containers cannot be stopped until kubectl-snapshot is installed again",
+                err=True,
             )
     verb = "deleted" if dry_run == "none" else f"deleted ({dry_run} dry run)"
     emit(

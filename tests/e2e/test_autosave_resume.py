@@ -134,6 +134,12 @@ def test_statefulset_pod_resumes_by_name_and_migrates_without_a_duplicate(cluste
     assert len(pods(cluster, ns, "sts")) == 1
     assert_resumed(cluster, ns, third, tok, before)
 
+    # uninstall refuses while a pod runs under the runtime class (containerd stops it through the hook)
+    out = plugin("uninstall", check=False)
+    assert out.returncode != 0 and f"{ns}/sts-0" in out.stderr and "--force" in out.stderr, out.stderr
+    assert cluster.kubectl("get", "runtimeclass", K.RUNTIME_CLASS, check=False).returncode == 0  # nothing removed
+    cluster.kubectl("delete", "pod", "sts-0", "-n", ns, "--wait=true", timeout=120)  # still stopped through the hook
+
 
 def test_indexed_job_pod_resumes_by_completion_index(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
     ns = namespace

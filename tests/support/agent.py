@@ -151,7 +151,8 @@ def installed_agent(
     cluster: Cluster, workdir: Path, *, fail: Callable[[str], Any] = sys.exit
 ) -> Iterator[AgentInstall]:
     """The agent image built from this tree, installed with `kubectl snapshot install`; uninstalled
-    afterwards (and checked gone from the nodes). Also for scripts (bench/recovery.py)."""
+    afterwards (and checked gone from the nodes), or, when the cluster had an install already (`make
+    demo`'s), that install put back with its own image. Also for scripts (bench/recovery.py)."""
     build = subprocess.run(
         [str(REPO / "hack" / "build-agent-image.sh"), f"{cluster.registry}/kubectl-snapshot/agent:e2e"],
         capture_output=True,
@@ -178,19 +179,27 @@ def installed_agent(
     )
     conf = Path(criu_config.RUNC_CONF)
     conf_before = conf.read_text() if conf.exists() else None
-    _plugin(
-        cluster,
-        "install",
-        "--agent-image", image,
-        "--api-server", f"https://{cluster.api_host}:{cluster.api_port}",
-        "--node-config", str(node_config),
-        "--restart-command", f"{HACK / 'containerd-restart.sh'} {{node}}",
-        "--host-network",  # the cluster's registry listens on loopback only
-        "--timeout", "5m",
-    )  # fmt: skip
-    installed = AgentInstall(cluster, image)
-    for node in cluster.nodes:
-        installed.wait_ready(node)
+    # an install this session did not make (`make demo`'s, say) is put back afterwards, not removed:
+    # its restored pods keep their runtime hook
+    found_image = installed_image(cluster)
+
+    def install(agent_image: str) -> AgentInstall:
+        _plugin(
+            cluster,
+            "install",
+            "--agent-image", agent_image,
+            "--api-server", f"https://{cluster.api_host}:{cluster.api_port}",
+            "--node-config", str(node_config),
+            "--restart-command", f"{HACK / 'containerd-restart.sh'} {{node}}",
+            "--host-network",  # the cluster's registry listens on loopback only
+            "--timeout", "5m",
+        )  # fmt: skip
+        done = AgentInstall(cluster, agent_image)
+        for node in cluster.nodes:
+            done.wait_ready(node)
+        return done
+
+    installed = install(image)
     # install-node probed CRIU's nftables network lock on the host and wrote runc's CRIU configuration
     foreign = conf_before is not None and not criu_config.is_ours(conf_before)
     assert foreign or criu_config.is_ours(conf.read_text() if conf.exists() else None)
@@ -210,7 +219,13 @@ def installed_agent(
         tar_dumps = [r for n in cluster.nodes for r in tar_launches(n) if "--create" in r["args"]]
         assert tar_dumps or not checkpoints, "CRIU checkpointed containers but never ran the bundle's tar"
     finally:
-        _plugin(cluster, "uninstall", check=False)
+        if found_image is not None:
+            install(found_image)
+        else:
+            out = _plugin(cluster, "uninstall", check=False)
+            assert out.returncode == 0, f"kubectl-snapshot uninstall failed ({out.returncode}):\n{out.stderr[-4000:]}"
+    if found_image is not None:
+        return
     # uninstall is the inverse of install, on the nodes too: no runtime hook, no containerd drop-in
     for node in cluster.nodes:
         assert not (cluster.containerd_dropin_dir(node) / "kubectl-snapshot.toml").exists(), node
@@ -219,6 +234,15 @@ def installed_agent(
     assert after == conf_before if foreign else not criu_config.is_ours(after)
     assert kdat_native or criu_kdat.mount_at(criu_kdat.KDAT_FILE, _host_mounts()) is None
     assert not os.path.exists(criu_kdat.cache_dir(criu_kdat.KDAT_FILE))
+
+
+def installed_image(cluster: Cluster) -> str | None:
+    """The agent image of the install on the cluster, if there is one."""
+    got = cluster.kubectl("get", "daemonset", K.AGENT_NAME, "-n", K.AGENT_NAMESPACE, "-o", "json", check=False)
+    if got.returncode != 0:
+        return None
+    containers = json.loads(got.stdout)["spec"]["template"]["spec"]["containers"]
+    return next((str(c["image"]) for c in containers if c["name"] == "agent"), str(containers[0]["image"]))
 
 
 def _host_mounts() -> list[criu_kdat.Mount]:

@@ -13,7 +13,7 @@ from kubectl_snapshot.app import install as A
 from kubectl_snapshot.app.ports import Obj
 from kubectl_snapshot.cli import main as cli_main
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import Unavailable
+from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
 from kubectl_snapshot.deploy.agent import CLEANUP_NAME
 from tests.support.fakeplugin import Clock, FakeKube, snapshot
 
@@ -125,7 +125,82 @@ def test_uninstall_removes_the_hook_from_every_node_first_then_the_objects_in_re
     cleanup = kube.get("DaemonSet", K.AGENT_NAMESPACE, CLEANUP_NAME)
     assert cleanup is None and all(kube.get_object(o) is None for o in objects)
     assert kube.names(K.KIND) == []  # PodSnapshots go with their CRD
-    assert steps == ["remove the runtime hook from every node", "delete the objects"]
+    assert steps == [
+        f"wait for pods of runtime class {K.RUNTIME_CLASS} being deleted",
+        "remove the runtime hook from every node",
+        "delete the objects",
+    ]
+
+
+def _runtime_pod(name: str, ns: str = "team", **meta: Any) -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns, **meta},
+        "spec": {"runtimeClassName": K.RUNTIME_CLASS, "containers": [{"name": "app"}]},
+        "status": {"phase": "Running"},
+    }
+
+
+def test_uninstall_refuses_while_pods_run_under_the_runtime_class_and_changes_nothing() -> None:
+    """containerd stops those pods' containers through the runtime hook: without it they would keep
+    running, unkillable, their pods stuck Terminating."""
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)
+    ctl = Controllers(kube)
+    ctl.run(A.install, objects)
+    kube.add(_runtime_pod("restored"))
+    kube.add({**_runtime_pod("done"), "status": {"phase": "Succeeded"}})  # its containers exited: no hook needed
+    kube.add({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain", "namespace": "team"}, "spec": {}})
+    kube.journal.clear()
+    with pytest.raises(FailedPrecondition, match=r"1 pod\(s\) run under the kubectl-snapshot runtime class: team/rest"):
+        ctl.run(A.uninstall, objects)
+    assert kube.journal == []  # nothing applied, nothing deleted
+    assert all(kube.get_object(o) is not None for o in objects)
+    # --force: uninstalled all the same, and the pods left behind are said
+    left = A.uninstall(objects, kube=kube, sleep=ctl.sleep, clock=ctl.clock, force=True)
+    assert [p["metadata"]["name"] for p in left] == ["restored"]
+    assert all(kube.get_object(o) is None for o in objects)
+
+
+def test_uninstall_waits_for_pods_of_the_runtime_class_being_deleted() -> None:
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)
+    ctl = Controllers(kube)
+    ctl.run(A.install, objects)
+    kube.add(_runtime_pod("going", deletionTimestamp="2026-12-01T00:00:00Z"))
+    kube.journal.clear()
+    gone_after = [3]
+
+    def sleep(seconds: float) -> None:  # the kubelet stops the containers (through the hook) a few seconds later
+        ctl.sleep(seconds)
+        gone_after[0] -= 1
+        if gone_after[0] == 0:
+            del kube.objects[("v1", "Pod", "team", "going")]
+
+    # a pod of a namespace being deleted: the namespace controller deletes it next
+    kube.add(_runtime_pod("next", ns="old"))
+    kube.objects[("v1", "Namespace", "", "old")]["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"
+
+    def sleep_and_gc(seconds: float) -> None:
+        sleep(seconds)
+        kube.objects.pop(("v1", "Pod", "old", "next"), None)
+
+    A.uninstall(objects, kube=kube, sleep=sleep_and_gc, clock=ctl.clock)
+    assert kube.journal[:3] == ["sleep", "sleep", "sleep"]  # the hook stayed until the pods were gone
+    assert kube.journal[3] == f"apply {CLEANUP}"
+    assert all(kube.get_object(o) is None for o in objects)
+
+
+def test_uninstall_gives_up_waiting_for_a_pod_that_is_never_deleted() -> None:
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)
+    ctl = Controllers(kube)
+    ctl.run(A.install, objects)
+    kube.add(_runtime_pod("stuck", deletionTimestamp="2026-12-01T00:00:00Z"))
+    with pytest.raises(Unavailable, match="to be deleted: team/stuck"):
+        ctl.run(A.uninstall, objects, timeout_s=5)
+    assert all(kube.get_object(o) is not None for o in objects)  # the agent stays: the pod still needs it
 
 
 def test_a_node_cleanup_that_does_not_finish_leaves_the_installation_but_not_the_cleanup() -> None:
