@@ -156,8 +156,9 @@ def uninstall(
                 raise FailedPrecondition(
                     f"{len(staying)} pod(s) run under the {K.RUNTIME_CLASS} runtime class: {_pod_names(staying)}; "
                     "without the runtime hook their containers could not be stopped or deleted",
-                    hint="delete them first (for a protected workload: delete or suspend the SnapshotPolicy that "
-                    "resumes it, then `kubectl rollout restart` it), or pass --force to leave them running",
+                    hint="delete them first (for a protected workload: delete the SnapshotPolicy that resumes it "
+                    "or set its resume to false, then `kubectl rollout restart` it), "
+                    "or pass --force to leave them running",
                 )
             if len(pods) == len(staying):
                 left = staying
