@@ -69,6 +69,19 @@ def install(
 ) -> None:
     step = on_step or (lambda _w, _d, _t: None)
     total = len(objects) + 2
+    for ns in (o for o in objects if o.get("kind") == "Namespace"):
+        # a namespace still being deleted (an uninstall just before) takes no new objects: wait it out
+        live = kube.get_object(ns)
+        if live is not None and (live.get("metadata") or {}).get("deletionTimestamp"):
+            step(f"wait for namespace {ns['metadata']['name']} (being deleted) to be gone", 0, total)
+            _wait(
+                f"namespace {ns['metadata']['name']}, being deleted, to be gone",
+                functools.partial(_gone, kube, ns),
+                timeout_s=timeout_s,
+                sleep=sleep,
+                clock=clock,
+                hint=f"kubectl get namespace {ns['metadata']['name']} -o yaml (its status says what it waits for)",
+            )
     for i, obj in enumerate(objects):
         step(f"apply {obj.get('kind')} {obj.get('metadata', {}).get('name')}", i, total)
         kube.apply([obj])
@@ -206,6 +219,10 @@ def _wait(
         if clock() > deadline:
             raise Unavailable(f"timed out after {timeout_s:.0f}s waiting for {what}", hint=hint, retryable=False)
         sleep(1.0)
+
+
+def _gone(kube: Kube, obj: Obj) -> bool:
+    return kube.get_object(obj) is None
 
 
 def _crd_ready(kube: Kube, name: str) -> bool:

@@ -286,3 +286,24 @@ def test_uninstall_dry_runs_delete_nothing(monkeypatch: pytest.MonkeyPatch) -> N
     kube.journal.clear()
     result = cli(None, monkeypatch, "uninstall", "--dry-run=client")
     assert result.exit_code == 0 and kube.journal == []
+
+
+def test_install_waits_for_its_namespace_still_being_deleted_by_an_uninstall() -> None:
+    objects = A.render(None, {})
+    [ns] = [o for o in objects if o["kind"] == "Namespace"]
+    kube = FakeKube(crds=False)
+    kube.add({**ns, "metadata": {**ns["metadata"], "deletionTimestamp": "2026-12-01T00:00:00Z"}})
+    ctl = Controllers(kube)
+    sleeps = [0]
+
+    def sleep(seconds: float) -> None:  # the namespace controller finishes two seconds later
+        ctl.sleep(seconds)
+        sleeps[0] += 1
+        if sleeps[0] == 2:
+            del kube.objects[("v1", "Namespace", "", K.AGENT_NAMESPACE)]
+
+    steps: list[str] = []
+    A.install(objects, kube=kube, sleep=sleep, clock=ctl.clock, on_step=lambda w, _d, _t: steps.append(w))
+    assert steps[0] == f"wait for namespace {K.AGENT_NAMESPACE} (being deleted) to be gone"
+    assert kube.journal[:2] == ["sleep", "sleep"] and kube.journal[2].startswith("apply ")  # nothing before
+    assert all(kube.get_object(o) is not None for o in objects)
