@@ -361,32 +361,45 @@ def fetch_chunks(
                 )
             return raw
 
-        def one(job: tuple[str, Chunk]) -> None:
-            name, c = job
+        def one(job: tuple[Chunk, list[tuple[str, int]]]) -> None:
+            c, places = job  # c: the chunk at its first place
+            name = places[0][0]
             d = c.delta
             raw: bytes | bytearray = blob_bytes(c.digest, c.size, d.base_length if d else c.length, f"chunk of {name}")
             if d is not None:
                 delta = blob_bytes(d.digest, d.size, delta_raw_length(d.pages, d.copies), f"page delta of {name}")
                 where = f"page delta {d.digest} of {name} (offset {c.offset})"
                 raw = apply_delta(raw, delta, length=c.length, literals=d.pages, copies=d.copies, where=where)
-            view = memoryview(raw)
-            pos = c.offset
-            while view:
-                n = os.pwrite(fds[name], view, pos)
-                view, pos = view[n:], pos + n
+            for name, offset in places:
+                view = memoryview(raw)
+                pos = offset
+                while view:
+                    n = os.pwrite(fds[name], view, pos)
+                    view, pos = view[n:], pos + n
             got = c.size + (c.delta.size if c.delta is not None else 0)
-            total.add(got)
+            total.add(got)  # downloaded once
             if on_bytes is not None:
-                on_bytes(got)
+                on_bytes(got * len(places))  # the plan counts every use (restore.plan_space)
 
         # a chunk with a page delta holds its base, its delta and the rebuilt chunk at once
         n = workers or workers_for(max((_fetch_bytes(c) for f in files for c in f.chunks), default=0))
-        run_parallel(one, [(f.name, c) for f in files for c in f.chunks], workers=n, name="chunk-fetch")
+        run_parallel(one, list(_unique_chunks(files)), workers=n, name="chunk-fetch")
     finally:
         for fd in fds.values():
             os.close(fd)
         os.close(dfd)
     return total.value
+
+
+def _unique_chunks(files: Sequence[PagesFile]) -> Iterable[tuple[Chunk, list[tuple[str, int]]]]:
+    """Each distinct chunk content (the same blob, length and page delta) once, with every (page file,
+    offset) it fills, in the order of first use: memory a forked worker shares with its parent, or
+    repeated within one process, is downloaded, verified and opened once."""
+    places: dict[tuple[str, int, int, Delta | None], tuple[Chunk, list[tuple[str, int]]]] = {}
+    for f in files:
+        for c in f.chunks:
+            places.setdefault((c.digest, c.size, c.length, c.delta), (c, []))[1].append((f.name, c.offset))
+    return places.values()
 
 
 def _fetch_bytes(c: Chunk) -> int:
