@@ -171,7 +171,8 @@ def resuming(spec: dict[str, Any], container_name: str) -> bool:
     """A container of a resuming pod (the resume-policy annotation, passed by containerd for the runtime
     handler's pod_annotations): the agent takes its staging gate when it sees the pod. A resuming pod's
     gate init container (pods never restarted get one: deploy/resume.py) is not gated: it waits for the
-    agent itself, as long as the staging takes."""
+    agent itself, as long as the staging takes. (An app container of that name is not waited for to
+    appear either, but is held by the gate the agent takes for it.)"""
     annotations = spec.get("annotations") or {}
     return K.ANN_RESUME_POLICY in annotations and container_name != K.GATE_CONTAINER
 

@@ -150,10 +150,13 @@ class _Clock:
 
 def gated_containers(pod: dict[str, Any]) -> list[str]:
     """Every container of the pod the kubelet may create once the pod's gate is open: its init
-    containers after the gate, and its app containers (none may run on half-written volumes)."""
+    containers after the gate, and its app containers (none may run on half-written volumes), an app
+    container that happens to be named like the gate included (only the gate init container waits
+    for the agent by itself)."""
     spec = pod.get("spec") or {}
-    names = [c.get("name") for c in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]]
-    return [str(n) for n in names if n and n != K.GATE_CONTAINER]
+    inits = [c.get("name") for c in spec.get("initContainers") or [] if c.get("name") != K.GATE_CONTAINER]
+    names = [*inits, *(c.get("name") for c in spec.get("containers") or [])]
+    return [str(n) for n in names if n]
 
 
 class _PodGates:
