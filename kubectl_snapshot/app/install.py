@@ -148,24 +148,27 @@ def uninstall(
     Not while pods of the project's runtime class may still run: containerd stops, kills and deletes
     their containers through the runtime hook, so once it is gone they could not be stopped until the
     agent is installed again (they would keep running, their pods stuck Terminating). Pods already
-    being deleted are waited for (within `timeout_s`); others refuse the uninstall, unless `force`.
-    Returns the pods left running under the runtime class (`force` only)."""
+    being deleted are waited for (within `timeout_s`); others refuse the uninstall. `force` waits for
+    none and refuses nothing. Returns the pods left under the runtime class (`force` only)."""
     from kubectl_snapshot.deploy.agent import cleanup_daemonset
 
     step = on_step or (lambda _w, _d, _t: None)
     left: list[Obj] = []
-    if kube.get_daemonset(K.AGENT_NAMESPACE, K.AGENT_NAME) is not None:  # no hook on the nodes: nothing to wait for
+    if kube.get_daemonset(K.AGENT_NAMESPACE, K.AGENT_NAME) is None:
+        pass  # no hook on the nodes: nothing to wait for
+    elif force:  # none waited for (a pod of a node that is down is never deleted), none refused
+        left = runtime_pods(kube)
+    else:
         step(f"wait for pods of runtime class {K.RUNTIME_CLASS} being deleted", 0, 3)
         deadline = clock() + timeout_s
-        while True:
-            pods = runtime_pods(kube)
+        while pods := runtime_pods(kube):
             going_ns = _namespaces_being_deleted(kube, {str(p["metadata"].get("namespace")) for p in pods})
             staying = [
                 p
                 for p in pods
                 if not p["metadata"].get("deletionTimestamp") and p["metadata"].get("namespace") not in going_ns
             ]
-            if staying and not force:
+            if staying:
                 raise FailedPrecondition(
                     f"{len(staying)} pod(s) run under the {K.RUNTIME_CLASS} runtime class: {_pod_names(staying)}; "
                     "without the runtime hook their containers could not be stopped or deleted",
@@ -173,14 +176,12 @@ def uninstall(
                     "or set its resume to false, then `kubectl rollout restart` it), "
                     "or pass --force to leave them running",
                 )
-            if len(pods) == len(staying):
-                left = staying
-                break
             if clock() > deadline:
                 raise Unavailable(
                     f"timed out after {timeout_s:.0f}s waiting for pods of the {K.RUNTIME_CLASS} runtime class "
-                    f"to be deleted: {_pod_names([p for p in pods if p not in staying])}",
-                    hint="kubectl get pods -A -o wide; the agent stays installed until they are gone",
+                    f"to be deleted: {_pod_names(pods)}",
+                    hint="kubectl get pods -A -o wide (a pod of a node that is down is never deleted: --force "
+                    "uninstalls without waiting); the agent stays installed until they are gone",
                     retryable=False,
                 )
             sleep(1.0)

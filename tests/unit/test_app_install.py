@@ -307,3 +307,17 @@ def test_install_waits_for_its_namespace_still_being_deleted_by_an_uninstall() -
     assert steps[0] == f"wait for namespace {K.AGENT_NAMESPACE} (being deleted) to be gone"
     assert kube.journal[:2] == ["sleep", "sleep"] and kube.journal[2].startswith("apply ")  # nothing before
     assert all(kube.get_object(o) is not None for o in objects)
+
+
+def test_force_waits_for_no_pod_either_and_names_them_all() -> None:
+    """A pod of a node that is down stays Terminating for good: --force does not wait for it."""
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)
+    ctl = Controllers(kube)
+    ctl.run(A.install, objects)
+    kube.add(_runtime_pod("stuck", deletionTimestamp="2026-12-01T00:00:00Z"))
+    kube.add(_runtime_pod("running"))
+    kube.journal.clear()
+    left = A.uninstall(objects, kube=kube, sleep=ctl.sleep, clock=ctl.clock, force=True)
+    assert sorted(p["metadata"]["name"] for p in left) == ["running", "stuck"]
+    assert kube.journal[0] == f"apply {CLEANUP}"  # no wait before the hook's removal
