@@ -326,9 +326,11 @@ class RestoreWorker:
                     check_resume_pod(pod)
                 except SnapshotError as e:  # what already runs there started fresh: so does the rest
                     return self._start_fresh(pod, None, e.message, gates)
-        except (SnapshotError, OSError) as e:  # not ours to touch: no write into any of its volumes
+        except (SnapshotError, OSError) as e:
             err = e if isinstance(e, SnapshotError) else SnapshotError(f"internal error: {e}")
-            self._fail(pod, None, err)
+            # a pod that is not a restore pod is not ours to touch: no write into any of its volumes
+            # (`gate` is set only once check_restore_pod passed: then its gate says why)
+            self._fail(pod, gate, err)
             gates.answer(FAILED, render(err))
             return False
         staged: list[str] = []

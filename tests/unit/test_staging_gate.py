@@ -417,3 +417,25 @@ def test_a_resuming_pod_with_a_gate_init_container_and_no_save_lets_its_containe
     for name in ("app", "side"):
         assert wait_pod_staged(worker.paths, UID, name, expected=True, timeout_s=1) is None
     assert kube.patches[-1][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_SKIPPED_PREFIX)
+
+
+def test_a_restore_pod_whose_gates_cannot_be_taken_fails_and_its_gate_says_why(tmp_path: Path) -> None:
+    """Taken first now: a failure to take them still reaches the gate init container (it exits with it)."""
+    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core.podspec import gate_container
+    from shim.controller.podinfo import empty_dir_rel
+
+    worker, kube = _worker(tmp_path)
+    pod = _resuming_pod()
+    pod["metadata"]["annotations"] = {K.ANN_RESTORE_FROM: "reg.example/ns/app@sha256:" + "a" * 64}
+    pod["spec"]["initContainers"] = [gate_container("reg.example/agent:1")]
+    pod["spec"]["volumes"] = [{"name": K.GATE_VOLUME, "emptyDir": {}}]
+    gate_dir = tmp_path / "k" / empty_dir_rel(UID, K.GATE_VOLUME)
+    gate_dir.mkdir(parents=True)
+    held = StagingGate(worker.paths.pod_gate(UID, "app"))  # as if another staging held it
+    try:
+        assert not worker.stage(pod, lambda p: (_ for _ in ()).throw(AssertionError("no save is chosen")))
+    finally:
+        held.release()
+    assert (gate_dir / K.GATE_FAILED_FILE).exists()
+    assert kube.patches[-1][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_FAILED_PREFIX)
