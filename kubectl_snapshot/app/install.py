@@ -128,7 +128,8 @@ def _namespaces_being_deleted(kube: Kube, names: set[str]) -> set[str]:
     return going
 
 
-def _pod_names(pods: Sequence[Obj], limit: int = 10) -> str:
+def pod_names(pods: Sequence[Obj], limit: int = 10) -> str:
+    """`ns/name, ...` of at most `limit` pods, and how many more."""
     names = [f"{p['metadata'].get('namespace')}/{p['metadata'].get('name')}" for p in pods]
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
@@ -170,7 +171,7 @@ def uninstall(
             ]
             if staying:
                 raise FailedPrecondition(
-                    f"{len(staying)} pod(s) run under the {K.RUNTIME_CLASS} runtime class: {_pod_names(staying)}; "
+                    f"{len(staying)} pod(s) run under the {K.RUNTIME_CLASS} runtime class: {pod_names(staying)}; "
                     "without the runtime hook their containers could not be stopped or deleted",
                     hint="delete them first (for a protected workload: delete the SnapshotPolicy that resumes it "
                     "or set its resume to false, then `kubectl rollout restart` it), "
@@ -179,7 +180,7 @@ def uninstall(
             if clock() > deadline:
                 raise Unavailable(
                     f"timed out after {timeout_s:.0f}s waiting for pods of the {K.RUNTIME_CLASS} runtime class "
-                    f"to be deleted: {_pod_names(pods)}",
+                    f"to be deleted: {pod_names(pods)}",
                     hint="kubectl get pods -A -o wide (a pod of a node that is down is never deleted: --force "
                     "uninstalls without waiting); the agent stays installed until they are gone",
                     retryable=False,

@@ -720,7 +720,7 @@ def uninstall_cmd(dry_run: str, timeout: float, force: bool, output: str) -> Non
         if left:
             click.echo(
                 f"warning: {len(left)} pod(s) left running under the {K.RUNTIME_CLASS} runtime class "
-                f"({', '.join(p['metadata']['namespace'] + '/' + p['metadata']['name'] for p in left)}): "
+                f"({install_app.pod_names(left)}): "
                 "their containers cannot be stopped until kubectl-snapshot is installed again",
                 err=True,
             )

@@ -132,6 +132,15 @@ def test_uninstall_removes_the_hook_from_every_node_first_then_the_objects_in_re
     ]
 
 
+def _installed() -> tuple[list[Obj], FakeKube, Controllers]:
+    """The rendered objects, installed on a fake cluster whose controllers do their work."""
+    objects = A.render(None, {})
+    kube = FakeKube(crds=False)
+    ctl = Controllers(kube)
+    ctl.run(A.install, objects)
+    return objects, kube, ctl
+
+
 def _runtime_pod(name: str, ns: str = "team", **meta: Any) -> Obj:
     return {
         "apiVersion": "v1",
@@ -145,10 +154,7 @@ def _runtime_pod(name: str, ns: str = "team", **meta: Any) -> Obj:
 def test_uninstall_refuses_while_pods_run_under_the_runtime_class_and_changes_nothing() -> None:
     """containerd stops those pods' containers through the runtime hook: without it they would keep
     running, unkillable, their pods stuck Terminating."""
-    objects = A.render(None, {})
-    kube = FakeKube(crds=False)
-    ctl = Controllers(kube)
-    ctl.run(A.install, objects)
+    objects, kube, ctl = _installed()
     kube.add(_runtime_pod("restored"))
     kube.add({**_runtime_pod("done"), "status": {"phase": "Succeeded"}})  # its containers exited: no hook needed
     kube.add({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "plain", "namespace": "team"}, "spec": {}})
@@ -164,10 +170,7 @@ def test_uninstall_refuses_while_pods_run_under_the_runtime_class_and_changes_no
 
 
 def test_uninstall_waits_for_pods_of_the_runtime_class_being_deleted() -> None:
-    objects = A.render(None, {})
-    kube = FakeKube(crds=False)
-    ctl = Controllers(kube)
-    ctl.run(A.install, objects)
+    objects, kube, ctl = _installed()
     kube.add(_runtime_pod("going", deletionTimestamp="2026-12-01T00:00:00Z"))
     kube.journal.clear()
     gone_after = [3]
@@ -193,10 +196,7 @@ def test_uninstall_waits_for_pods_of_the_runtime_class_being_deleted() -> None:
 
 
 def test_uninstall_gives_up_waiting_for_a_pod_that_is_never_deleted() -> None:
-    objects = A.render(None, {})
-    kube = FakeKube(crds=False)
-    ctl = Controllers(kube)
-    ctl.run(A.install, objects)
+    objects, kube, ctl = _installed()
     kube.add(_runtime_pod("stuck", deletionTimestamp="2026-12-01T00:00:00Z"))
     with pytest.raises(Unavailable, match="to be deleted: team/stuck"):
         ctl.run(A.uninstall, objects, timeout_s=5)
@@ -311,10 +311,7 @@ def test_install_waits_for_its_namespace_still_being_deleted_by_an_uninstall() -
 
 def test_force_waits_for_no_pod_either_and_names_them_all() -> None:
     """A pod of a node that is down stays Terminating for good: --force does not wait for it."""
-    objects = A.render(None, {})
-    kube = FakeKube(crds=False)
-    ctl = Controllers(kube)
-    ctl.run(A.install, objects)
+    objects, kube, ctl = _installed()
     kube.add(_runtime_pod("stuck", deletionTimestamp="2026-12-01T00:00:00Z"))
     kube.add(_runtime_pod("running"))
     kube.journal.clear()
