@@ -9,7 +9,8 @@ import re
 import shutil
 import subprocess
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from kubectl_snapshot.core.errors import FailedPrecondition
@@ -18,10 +19,17 @@ from kubectl_snapshot.core.model import HostFacts
 _INTERESTING_CPU_FLAGS = ("avx", "avx2", "avx512f", "sse4_2", "aes", "sha_ni", "xsave", "xsaves", "fma")
 
 
-def find_binary(name: str, *, extra_dirs: tuple[str, ...] = ("/usr/sbin", "/usr/local/sbin", "/sbin")) -> str:
-    path = shutil.which(name) or next(
+_SBIN = ("/usr/sbin", "/usr/local/sbin", "/sbin")
+
+
+def find_binary_or_none(name: str, *, extra_dirs: tuple[str, ...] = _SBIN) -> str | None:
+    return shutil.which(name) or next(
         (os.path.join(d, name) for d in extra_dirs if os.access(os.path.join(d, name), os.X_OK)), None
     )
+
+
+def find_binary(name: str, *, extra_dirs: tuple[str, ...] = _SBIN) -> str:
+    path = find_binary_or_none(name, extra_dirs=extra_dirs)
     if path is None:
         raise FailedPrecondition(
             f"{name} is not installed on this node",
@@ -162,6 +170,53 @@ def gather(containerd_version: str = "", probe: HostProbe = HostProbe()) -> Host
         cgroup_version=cgroup_version(),
         cpu_flags=cpu_flags(),
     )
+
+
+# A warm agent's checkpoints and restores record and check the node's facts each time; `criu --version`
+# and `runc --version` are two processes (~15 ms on a busy 2-core node) whose answers change only when
+# the node's CRIU or runc is replaced: by install-node, which every agent start runs (a new process
+# asks afresh), or by hand, which the binaries' identity shows at once; the TTL bounds what is not
+# looked at here (a launcher whose bundle changed behind it, tools run in the host's mount namespace).
+FACTS_TTL_S = 60.0
+_facts_lock = threading.Lock()
+_facts: dict[tuple[str, HostProbe], tuple[float, tuple[tuple[str, int, int, int], ...], HostFacts]] = {}
+
+
+def gather_cached(
+    containerd_version: str = "", probe: HostProbe = HostProbe(), *, clock: Callable[[], float] = time.monotonic
+) -> HostFacts:
+    """gather(), remembered for up to FACTS_TTL_S while the CRIU and runc it ran are the same files; a
+    node without one of them is asked every time (installing it must show at once)."""
+    key = (containerd_version, probe)
+    ident = _tools_identity(probe)
+    now = clock()
+    with _facts_lock:
+        hit = _facts.get(key)
+    if hit is not None and ident is not None and hit[1] == ident and 0 <= now - hit[0] < FACTS_TTL_S:
+        return hit[2]
+    facts = gather(containerd_version, probe)
+    if ident is not None and facts.criu_version and facts.runc_version:
+        with _facts_lock:
+            _facts[key] = (now, ident, facts)
+    return facts
+
+
+def _tools_identity(probe: HostProbe) -> tuple[tuple[str, int, int, int], ...] | None:
+    """Which files `criu` and `runc` are (path, inode, size, mtime; nothing to compare through nsenter),
+    or None where one is not installed."""
+    if probe.exec_prefix:
+        return ()
+    out = []
+    for name in (probe.criu, probe.runc):
+        path = name if os.path.isabs(name) else find_binary_or_none(name)
+        if path is None:
+            return None
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        out.append((path, st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def preflight_problems(snapshot: HostFacts, here: HostFacts) -> list[str]:

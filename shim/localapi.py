@@ -17,25 +17,24 @@ Protocol: one JSON object per line. The client sends one request
 of ``{"phase": NAME}`` and ``{"bytes": [N, TOTAL]}`` lines (progress), then exactly one of
 ``{"result": DATA}``, ``{"error": TEXT, "exit": CODE}`` or ``{"declined": WHY}``.
 
-Standard library only (and shim.safefs): the client side runs before anything heavy is imported.
+Standard library only: the client side runs before anything heavy is imported, and imports nothing of
+the server's (logging, shim.safefs, threads): `ks-agent`'s start-up is part of every served command's time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
-import queue
 import socket
 import struct
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shim import safefs
-
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import logging
+    import queue
 
 SOCKET_ENV = "KUBECTL_SNAPSHOT_AGENT_SOCKET"  # a path, or "none": always run standalone
 SOCKET_NAME = "agent.sock"
@@ -57,6 +56,12 @@ _ENV_NAMES = (
 
 Send = Callable[[dict[str, Any]], None]
 Handler = Callable[[dict[str, Any], Send], None]
+
+
+def _log() -> logging.Logger:
+    import logging  # the server's only: the client never logs
+
+    return logging.getLogger(__name__)
 
 
 def relevant_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -90,11 +95,13 @@ class LocalServer:
 
     def start(self) -> LocalServer:
         os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+        from shim import safefs
+
         srv = safefs.listen_unix(self.path, 16)  # replaces a dead agent's socket
         srv.settimeout(0.5)
         self._sock = srv
         threading.Thread(target=self._accept, name="local-api", daemon=True).start()
-        log.info("node-local API on %s", self.path)
+        _log().info("node-local API on %s", self.path)
         return self
 
     def stop(self) -> None:
@@ -137,7 +144,7 @@ class LocalServer:
                 finally:
                     sender.close()
             except (OSError, ValueError) as e:  # the client went away, or sent garbage
-                log.info("node-local API: connection ended: %s", e)
+                _log().info("node-local API: connection ended: %s", e)
 
 
 class _Sender:
@@ -149,6 +156,8 @@ class _Sender:
     did."""
 
     def __init__(self, conn: socket.socket) -> None:
+        import queue
+
         self._conn = conn
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._waiting = 0
@@ -179,7 +188,7 @@ class _Sender:
                 _write(self._conn, msg)
             except OSError:
                 gone = True
-                log.info("node-local API: the client left; the work goes on")
+                _log().info("node-local API: the client left; the work goes on")
 
 
 def _read_request(conn: socket.socket) -> dict[str, Any] | None:

@@ -7,8 +7,6 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from kubectl_snapshot.core import jsonpath
-
 FORMATS = ("text", "wide", "name", "json", "yaml", "jsonpath=TEMPLATE")
 
 
@@ -30,8 +28,13 @@ def formatted(
 
         return yaml.safe_dump(data, sort_keys=False).rstrip() + "\n"
     if fmt.startswith("jsonpath="):
+        # only here: `ks-agent`'s node-local client formats its answer with nothing else imported
+        from kubectl_snapshot.core import jsonpath
+
         return jsonpath.render(fmt[len("jsonpath=") :], data)
     if fmt.startswith("jsonpath-as-json="):
+        from kubectl_snapshot.core import jsonpath
+
         results = jsonpath.values(fmt[len("jsonpath-as-json=") :], data)
         return json.dumps(results, indent=4) + "\n"
     if fmt == "wide":

@@ -250,7 +250,7 @@ def _preflight(
     image_digests = [_image_digest(containerd, info.image) for info in infos]
     if host is None:
         version, _ = containerd.version()
-        host = hostfacts.gather(containerd_version=version)
+        host = hostfacts.gather_cached(containerd_version=version)
     if not host.criu_version:
         raise FailedPrecondition("CRIU is not installed on this node", hint="run hack/install-node-deps.sh")
     plan = freeze_plan.plan(

@@ -437,7 +437,7 @@ def _resolve(req: RestoreRequest, containerd: Any, registry: Registry) -> _Plan:
             f"the snapshot has {len(config.volumes)} volume(s) but {len(req.volumes)} --volume dir(s) were given",
             hint="pass one --volume HOSTDIR per snapshotted volume, in order",
         )
-    problems = hostfacts.preflight_problems(config.host, hostfacts.gather())
+    problems = hostfacts.preflight_problems(config.host, hostfacts.gather_cached())
     if problems:
         raise FailedPrecondition(
             "this node cannot restore the snapshot: " + "; ".join(problems),
