@@ -51,7 +51,14 @@ class SignatureReader(Protocol):
 
 class SignatureWriter(Protocol):
     def push_blob(
-        self, ref: Reference, *, digest: str, size: int, path: str | None = None, data: bytes | None = None
+        self,
+        ref: Reference,
+        *,
+        digest: str,
+        size: int,
+        path: str | None = None,
+        data: bytes | None = None,
+        fresh: bool = False,
     ) -> bool: ...
     def push_manifest(self, ref: Reference, manifest: bytes, media_type: str) -> str: ...
 
@@ -63,7 +70,8 @@ def sign_snapshot(registry: SignatureWriter, ref: Reference, origin: Origin, key
     payload = simple_signing_payload(ref.name, ref.digest, origin, key.public.id)
     sig = signature_manifest([(payload, key.sign(payload))])
     tag = Reference(ref.registry, ref.repository, tag=signature_tag(ref.digest))
-    registry.push_blob(tag, digest=sig.manifest.layers[0].digest, size=len(payload), data=payload)
+    # the payload names this digest: nothing signed it before (at worst it is sent again), so no lookup
+    registry.push_blob(tag, digest=sig.manifest.layers[0].digest, size=len(payload), data=payload, fresh=True)
     registry.push_blob(tag, digest=sig.manifest.config.digest, size=len(sig.config), data=sig.config)
     registry.push_manifest(tag, sig.manifest.to_bytes(), C.OCI_MANIFEST)
     return tag

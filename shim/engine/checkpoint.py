@@ -763,7 +763,8 @@ def _push(
     chunk_type = layer_media_type(C.CHUNK_MEDIA_TYPE, config)
     delta_type, deltas = layer_media_type(C.DELTA_MEDIA_TYPE, config), delta_digests(all_pages)
     descs.extend(Descriptor(delta_type if d in deltas else chunk_type, d, sizes[d]) for d in chunk_digests(all_pages))
-    if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes):
+    # the config names this snapshot's creation time: no registry has it yet
+    if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes, fresh=True):
         sent += len(config_bytes)
     manifest = build_manifest(
         config=config_desc,

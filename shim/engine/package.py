@@ -13,6 +13,7 @@ import os
 import stat
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kubectl_snapshot.core import constants as C
@@ -77,17 +78,21 @@ def package_container(
     sealer: Sealer | None = None,
     index: PageIndex | None = None,
 ) -> PackagedContainer:
-    """Upload the container dump in `cdir` (checkpointctl layout): page chunks first, then the layer.
+    """Upload the container dump in `cdir` (checkpointctl layout): its page chunks and, beside them, its layer.
 
     With `sealer` every blob is encrypted before it is hashed and sent (core/sealing.py). With `index`
     (this repository's and container's bases, shim/engine/pageindex.py) chunks that changed a little
     are stored as page deltas, and the index is saved with this snapshot's bases once they are sent."""
     plans = plan_checkpoint(os.path.join(cdir, C.CHECKPOINT_DIRECTORY))
-    chunks = push_chunks(registry, ref, plans, on_raw=on_raw, sealer=sealer, index=index)
-    if index is not None:
-        index.save()
     exclude = [f"{C.CHECKPOINT_DIRECTORY}/{p.name}" for p in plans]
-    digest, size = push_tar_stream(registry, ref, cdir, exclude=exclude, on_raw=on_raw, sealer=sealer)
+    # The layer goes up beside the chunks: its registry round trips (upload start, data, commit) overlap
+    # theirs instead of following them; a small pod's snapshot is a dozen or so blobs in all.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-push") as pool:
+        layer = pool.submit(push_tar_stream, registry, ref, cdir, exclude=exclude, on_raw=on_raw, sealer=sealer)
+        chunks = push_chunks(registry, ref, plans, on_raw=on_raw, sealer=sealer, index=index)
+        if index is not None:
+            index.save()
+        digest, size = layer.result()
     return PackagedContainer(
         layer=PackagedBlob(digest, size),
         pages=chunks.files,

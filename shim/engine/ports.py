@@ -84,6 +84,7 @@ class Registry(Protocol):
         path: str | None = None,
         data: bytes | bytearray | None = None,
         progress: ProgressFn | None = None,
+        fresh: bool = False,
     ) -> bool: ...
     def push_blob_stream(
         self, ref: Reference, chunks: Iterable[bytes], *, progress: ProgressFn | None = None

@@ -83,6 +83,26 @@ def test_small_blob_round_trip_and_skip(registry: RegistryServer) -> None:
     assert client.read_blob(ref, digest) == data
 
 
+def test_fresh_blob_is_sent_without_asking(registry: RegistryServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fresh=True (a config just made): no existence check, one upload; sent again if it was there after all."""
+    client = fast_client()
+    ref = unique_ref(registry)
+    data, digest = blob(3000, seed=7)
+
+    def no_lookup(*_a: object, **_k: object) -> bool:
+        raise AssertionError("a fresh blob was looked up")
+
+    monkeypatch.setattr(client, "blob_exists", no_lookup)
+    assert client.push_blob(ref, digest=digest, size=len(data), data=data, fresh=True) is True
+    assert client.push_blob(ref, digest=digest, size=len(data), data=data, fresh=True) is True
+    monkeypatch.undo()
+    assert client.blob_exists(ref, digest)
+    assert client.read_blob(ref, digest) == data
+    bad = sha256_digest(b"other")
+    with pytest.raises(DigestMismatch):  # the registry still checks what it is given
+        client.push_blob(ref, digest=bad, size=len(data), data=data, fresh=True)
+
+
 def test_large_file_chunked_round_trip(registry: RegistryServer, tmp_path: Path) -> None:
     client = fast_client(chunk_size=8 * MiB, monolithic_max=4 * MiB)
     ref = unique_ref(registry)

@@ -97,6 +97,7 @@ class FakeRegistry:
         path: str | None = None,
         data: bytes | bytearray | None = None,
         progress: Any = None,
+        fresh: bool = False,
     ) -> bool:
         if self.fail_push:
             raise Unavailable("connection reset mid-push")

@@ -183,7 +183,14 @@ class MemoryRegistry:
         self.tags: dict[str, bytes] = {}
 
     def push_blob(
-        self, ref: Reference, *, digest: str, size: int, path: str | None = None, data: bytes | None = None
+        self,
+        ref: Reference,
+        *,
+        digest: str,
+        size: int,
+        path: str | None = None,
+        data: bytes | None = None,
+        fresh: bool = False,
     ) -> bool:
         self.blobs[digest] = data or b""
         return True

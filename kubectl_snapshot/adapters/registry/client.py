@@ -360,17 +360,20 @@ class RegistryClient:
         path: str | None = None,
         data: bytes | bytearray | None = None,
         progress: ProgressFn | None = None,
+        fresh: bool = False,
     ) -> bool:
-        """Upload a blob from `path` or `data` unless the registry has it. True when uploaded."""
+        """Upload a blob from `path` or `data` unless the registry has it. True when uploaded.
+
+        `fresh`: content the caller has just made and the registry cannot have yet (a snapshot's config,
+        which names its creation time): uploaded without asking first (one round trip less; a blob the
+        registry had after all is only sent again)."""
         validate_digest(digest)
         if (path is None) == (data is None):
             raise InvalidArgument("push_blob needs exactly one of path= or data=")
         actual = os.path.getsize(path) if path is not None else len(data or b"")
         if actual != size:
             raise InvalidArgument(f"push blob {digest}: the source has {actual} bytes, not {size}")
-        if self.blob_exists(ref, digest):
-            return False
-        if self._mount(ref, digest):
+        if not fresh and (self.blob_exists(ref, digest) or self._mount(ref, digest)):
             return False
         prog = Progress(progress)
         attempt = 0
