@@ -8,11 +8,13 @@ Shared by the agent (signs after push, verifies before it downloads any layer) a
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.artifact import Artifact, load_artifact
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
 from kubectl_snapshot.core.model import SnapshotConfig
 from kubectl_snapshot.core.oci import parse_manifest
@@ -97,9 +99,30 @@ def read_signatures(registry: SignatureReader, ref: Reference) -> list[Signature
     return out
 
 
-def verify_snapshot(registry: SignatureReader, ref: Reference, policy: TrustPolicy) -> Verdict:
-    """Whether a trusted key signed exactly ref's digest (never raises for an untrusted signature)."""
-    return evaluate(read_signatures(registry, ref), ref.digest or "", policy)
+def load_signed(registry: SignatureReader, ref: Reference) -> tuple[Artifact, list[SignatureCandidate]]:
+    """The artifact (core.artifact.load_artifact) and its signatures, read while the config downloads:
+    a restore's round trips before its first layer are the manifest's, then the config's and the
+    signature's side by side. Nothing is trusted here: verify_for_restore judges them."""
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="signatures") as pool:
+        pending: list[Future[list[SignatureCandidate]]] = []
+
+        def look_up(pinned: Reference) -> None:
+            pending.append(pool.submit(read_signatures, registry, pinned))
+
+        artifact = load_artifact(registry, ref, on_pinned=look_up)
+        return artifact, pending[0].result()
+
+
+def verify_snapshot(
+    registry: SignatureReader,
+    ref: Reference,
+    policy: TrustPolicy,
+    signatures: Sequence[SignatureCandidate] | None = None,
+) -> Verdict:
+    """Whether a trusted key signed exactly ref's digest (never raises for an untrusted signature);
+    `signatures`: ref's, already read (load_signed), else they are read here."""
+    found = read_signatures(registry, ref) if signatures is None else list(signatures)
+    return evaluate(found, ref.digest or "", policy)
 
 
 # --- keys on disk (the agent's mounted Secret and ConfigMap, or a node operator's files) -------------
@@ -177,11 +200,17 @@ def provenance_of(registry: SignatureReader, ref: Reference, policy: TrustPolicy
         return Provenance(Verdict(False, e.message), error=f"signatures unreadable: {e.message}")
 
 
-def verify_for_restore(registry: SignatureReader, ref: Reference, config_namespace: str, pod_uid: str,
-                       policy: TrustPolicy) -> Verdict:  # fmt: skip
+def verify_for_restore(
+    registry: SignatureReader,
+    ref: Reference,
+    config_namespace: str,
+    pod_uid: str,
+    policy: TrustPolicy,
+    signatures: Sequence[SignatureCandidate] | None = None,
+) -> Verdict:
     """Before any layer is downloaded: a trusted signature of exactly this digest whose signed origin
     is the one the config states; or, where an administrator's policy allows it, an unverified one."""
-    verdict = verify_snapshot(registry, ref, policy)
+    verdict = verify_snapshot(registry, ref, policy, signatures)
     require_trusted(verdict, policy, str(ref))
     if verdict.claim is not None:
         check_claim_matches(verdict.claim, namespace=config_namespace, pod_uid=pod_uid, what=str(ref))
@@ -201,6 +230,7 @@ def authorize_restore(
     target_namespace: str,
     policy: TrustPolicy,
     grants_of: Callable[[str], Iterable[Grant]],
+    signatures: Sequence[SignatureCandidate] | None = None,
 ) -> Authorized:
     """Signature, origin and namespace binding, in that order, before any layer is downloaded.
 
@@ -209,7 +239,7 @@ def authorize_restore(
     """
     pod = config.pod
     config_ns = pod.namespace if pod is not None else config.namespace
-    verdict = verify_for_restore(registry, ref, config_ns, pod.uid if pod is not None else "", policy)
+    verdict = verify_for_restore(registry, ref, config_ns, pod.uid if pod is not None else "", policy, signatures)
     source = verdict.claim.origin.namespace if verdict.claim is not None else config_ns
     grants = [] if source == target_namespace else list(grants_of(source))
     allowed = check_namespace(source, target_namespace, ref.name, grants)

@@ -6,6 +6,7 @@ only manifest + config are read, layers stay in the registry.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,7 +31,11 @@ class Artifact:
     config: SnapshotConfig
 
 
-def load_artifact(registry: ManifestReader, ref: Reference) -> Artifact:
+def load_artifact(
+    registry: ManifestReader, ref: Reference, *, on_pinned: Callable[[Reference], None] | None = None
+) -> Artifact:
+    """The manifest and config of `ref`, validated; `on_pinned` gets the reference pinned by the
+    manifest's digest before the config is read (to look up its signatures meanwhile)."""
     body, _media_type, digest = registry.get_manifest(ref)
     manifest = parse_manifest(body)
     if manifest.artifact_type != C.ARTIFACT_TYPE or manifest.config.media_type != C.CONFIG_MEDIA_TYPE:
@@ -41,6 +46,8 @@ def load_artifact(registry: ManifestReader, ref: Reference) -> Artifact:
     if manifest.config.size > MAX_CONFIG_BYTES:
         raise FailedPrecondition(f"snapshot config of {ref} is too large ({manifest.config.size} bytes)")
     pinned = Reference(ref.registry, ref.repository, tag=ref.tag, digest=digest)
+    if on_pinned is not None:
+        on_pinned(pinned)
     config = parse_config(registry.read_blob(pinned, manifest.config.digest, max_size=MAX_CONFIG_BYTES))
     check_layers_match(config, [layer.digest for layer in manifest.layers])
     return Artifact(pinned, manifest, config)

@@ -26,10 +26,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kubectl_snapshot.adapters.signatures import authorize_restore, load_trust
+from kubectl_snapshot.adapters.signatures import authorize_restore, load_signed, load_trust
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError, render
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
@@ -344,11 +343,13 @@ class RestoreWorker:
             src = chosen
             ref = src.reference
             registry = registry_for(self.kube, ns, src.registry_secret, insecure=src.insecure)
-            artifact = load_artifact(registry, ref)
+            artifact, signatures = load_signed(registry, ref)
             config = artifact.config
             # provenance before anything else is fetched: signed by a key the cluster trusts, exactly
             # this digest, from this namespace or one that granted it (docs/security.md)
-            allowed = authorize_restore(registry, artifact.reference, config, ns, self._trust(), self._grants)
+            allowed = authorize_restore(
+                registry, artifact.reference, config, ns, self._trust(), self._grants, signatures
+            )
             log.info("restore of %s into %s/%s allowed: %s", artifact.reference, ns, name, allowed.reason)
             problems = hostfacts.preflight_problems(config.host, self.facts)
             if problems:

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubectl_snapshot.adapters.signatures import verify_for_restore
+from kubectl_snapshot.adapters.signatures import load_signed, verify_for_restore
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core.artifact import Artifact, load_artifact
+from kubectl_snapshot.core.artifact import Artifact
 from kubectl_snapshot.core.errors import (
     CriuFailed,
     FailedPrecondition,
@@ -419,13 +419,13 @@ def _resolve(req: RestoreRequest, containerd: Any, registry: Registry) -> _Plan:
             f"the runtime wrapper {req.runtime_binary!r} is not executable",
             hint="install kubectl-snapshot on this node (it provides ks-runc)",
         )
-    artifact = load_artifact(registry, req.source)
+    artifact, signatures = load_signed(registry, req.source)
     config = artifact.config
     # Provenance first: a signature by a trusted key of exactly this digest, agreeing with the config.
     # A node-level restore is an operator's (root) action: no namespace binding here (see restores.py).
     pod_uid = config.pod.uid if config.pod is not None else ""
     origin_ns = config.pod.namespace if config.pod is not None else config.namespace
-    verdict = verify_for_restore(registry, artifact.reference, origin_ns, pod_uid, req.trust)
+    verdict = verify_for_restore(registry, artifact.reference, origin_ns, pod_uid, req.trust, signatures)
     if len(req.new_ids) != len(config.containers):
         raise InvalidArgument(
             f"the snapshot has {len(config.containers)} container(s) "

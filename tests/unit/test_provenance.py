@@ -7,10 +7,11 @@ import json
 
 import pytest
 
-from kubectl_snapshot.adapters.signatures import authorize_restore, sign_snapshot
+from kubectl_snapshot.adapters.signatures import authorize_restore, load_signed, sign_snapshot, verify_for_restore
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import NotFound, PermissionDenied
 from kubectl_snapshot.core.model import ContainerRecord, HostFacts, PodRecord, SnapshotConfig
-from kubectl_snapshot.core.oci import sha256_digest
+from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
 from kubectl_snapshot.core.provenance import (
     ANN_COSIGN_SIGNATURE,
     COSIGN_TYPE,
@@ -240,3 +241,30 @@ def test_authorize_restore_end_to_end(key: SigningKey) -> None:
     # a config edited to claim the target namespace no longer matches its signature
     with pytest.raises(PermissionDenied, match="signed as taken in namespace 'team-a'"):
         authorize_restore(reg, ref, pod_config("team-c"), "team-c", policy, lambda ns: [])
+
+
+def test_load_signed_reads_the_signatures_of_the_pinned_digest(key: SigningKey) -> None:
+    """load_signed: the artifact pinned by its manifest's digest, and that digest's signatures (read
+    while the config is); an unsigned one has none, and verification still decides."""
+    reg = MemoryRegistry()
+    cfg = pod_config("team-a")
+    body = cfg.to_bytes()
+    reg.push_blob(Reference("r", "snaps"), digest=sha256_digest(body), size=len(body), data=body)
+    manifest = build_manifest(
+        config=Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(body), len(body)),
+        layers=[Descriptor(C.CHECKPOINT_LAYER_MEDIA_TYPE, DIGEST, 1)],
+        artifact_type=C.ARTIFACT_TYPE,
+        annotations={},
+    ).to_bytes()
+    tagged = Reference("127.0.0.1:5000", "snaps", tag="v1")
+    pinned_digest = reg.push_manifest(tagged, manifest, C.OCI_MANIFEST)
+    artifact, found = load_signed(reg, tagged)
+    assert artifact.reference.digest == pinned_digest and artifact.config == cfg
+    assert found == []
+    sign_snapshot(reg, artifact.reference, Origin(namespace="team-a", pod="web", pod_uid="u1"), key)
+    artifact, found = load_signed(reg, tagged)
+    assert len(found) == 1
+    policy = TrustPolicy((key.public,))
+    assert verify_for_restore(reg, artifact.reference, "team-a", "u1", policy, found).verified
+    with pytest.raises(PermissionDenied, match="not signed"):  # what was read decides, nothing else
+        verify_for_restore(reg, artifact.reference, "team-a", "u1", policy, [])
