@@ -177,6 +177,27 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
     ]
 
 
+def _checkpoint_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict[str, Any]) -> list[str]:
+    b = ag.get("checkpoint_breakdown") or {}
+
+    def ms(key: str) -> str:
+        return "-" if b.get(key) is None else f"{b[key]:.0f} ms"
+
+    outside = None if b.get("wall_ms") is None or b.get("total_ms") is None else b["wall_ms"] - b["total_ms"]
+    return [
+        ms("wall_ms"),
+        "-" if outside is None else f"{outside:.0f} ms",
+        ms("total_ms"),
+        ms("preflight_ms"),
+        ms("freeze_ms"),
+        ms("criu_ms"),
+        ms("package_ms"),
+        ms("upload_ms"),
+        ms("sign_ms"),
+        " / ".join(_ms(raw.get(k)) for k in ("dump_s", "zstd_s", "sha_s", "upload_s")),
+    ]
+
+
 def markdown(result: dict[str, Any]) -> str:
     m = result["machine"]
     lines = [
@@ -242,6 +263,19 @@ def markdown(result: dict[str, Any]) -> str:
                     "create + start", "hook create", "hook waited", "hook: Python start-up", "hook: image check",
                     "hook: runc restore", "raw criu restore", "hook calls"]  # fmt: skip
     lines += _table(result, parts_header, _restore_parts)
+    lines += [
+        "",
+        "Where a served checkpoint's time goes (medians): the command's wall time, of which outside the agent's "
+        "own timing (the client's start-up, the request, the answer) and in-agent: preflight (the containers, "
+        "the registry, the node's facts, the liveness budgets), the freeze (of which CRIU under runc), package "
+        "(page chunks compressed, hashed and pushed, the layer of CRIU's other images beside them), upload "
+        "(config, manifest and signature, of which signing); last, the serial bound's parts.",
+        "",
+    ]
+    ckpt_header = ["checkpoint->pushed", "outside the agent", "in-agent", "preflight", "freeze", "of which CRIU",
+                   "package", "config, manifest, signature", "of which signing",
+                   "serial bound parts (dump / zstd / sha256 / upload)"]  # fmt: skip
+    lines += _table(result, ckpt_header, _checkpoint_parts)
     errors = [
         f"- {row['kind']} {row['mib']} MiB {p}: {row[p]['error']}"
         for row in result["rows"]

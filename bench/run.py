@@ -403,6 +403,7 @@ def measure_agent(
     pushed_plain, internal_plain = [], []  # full saves without page hashing (no page deltas), alternated
     restores_internal: list[float] = []
     breakdowns: list[dict[str, Any]] = []
+    ckpt_breakdowns: list[dict[str, Any]] = []  # the served checkpoints' own timings, + the wall time
     out: dict[str, Any] = {}
     served = ServedAgent(daemon)
     pushed_alone, restores_alone = [], []  # the same commands standalone (no agent serving them)
@@ -427,6 +428,7 @@ def measure_agent(
                 internal.append(res["timingsMs"]["total_ms"] / 1000)
                 sizes.append(res["size"])
                 out["timings_ms_last"] = res["timingsMs"]
+                ckpt_breakdowns.append({**res["timingsMs"], "wall_ms": wall * 1000})
             wall, res = agent_checkpoint(daemon, new_ref(), cid)
             if i:
                 pushed_alone.append(wall)
@@ -505,6 +507,7 @@ def measure_agent(
         restore_late_create_s=med(restores_late),
         restore_late_create_internal_s=med(restores_late_internal),
         restore_breakdown=_median_breakdown(breakdowns),
+        checkpoint_breakdown=_median_breakdown(ckpt_breakdowns),
     )
     return out
 

@@ -167,11 +167,12 @@ def checkpoint(
     )  # fmt: skip
     if on_plan is not None:
         on_plan(pre.plan)
+    preflight_ms = (clock() - t0) * 1000
 
     snapshot_id = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
     work = paths.work_dir(snapshot_id)
     os.makedirs(work, mode=0o700)
-    timings: dict[str, float] = {}
+    timings: dict[str, float] = {"preflight_ms": preflight_ms}
     frozen: list[str] = []
     try:
         frozen, volume_tar = _freeze_and_dump(req, names, pre, containerd, work, phase, clock, timings, net_lock)
@@ -377,8 +378,10 @@ def _package_and_push(
     t_up = clock()
     result = _push(req.target, config, records, packaged, volumes_layer, registry)
     if req.signing_key is not None:
+        t_sign = clock()
         sign_snapshot(registry, result.reference, _origin(req, config), req.signing_key)
         result.signed_by = req.signing_key.public.id
+        timings["sign_ms"] = (clock() - t_sign) * 1000  # part of upload_ms
     timings["upload_ms"] = (clock() - t_up) * 1000
     return result
 
