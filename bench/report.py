@@ -165,7 +165,7 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
         f"{_fmt(d['restore_vs_late_create'])} (in-agent {_fmt(d['restore_internal_vs_late_create'])})",
         ms("total_ms"),
         ms("resolve_ms"),
-        ms("download_ms"),
+        ms("download_ms") + (f" ({ms('layers_ms')} / {ms('extract_ms')} / {ms('pages_ms')})" if "pages_ms" in b else ""),
         ms("restore_ms"),
         ms("create_ms"),
         ms("staged_wait_ms"),
@@ -248,7 +248,9 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "Where an in-agent restore's time goes (medians): resolve (manifest, config, signature), download (every "
-        "blob fetched, verified, decrypted, page files rebuilt); meanwhile containerd creates the container and "
+        "blob fetched, verified, decrypted, page files rebuilt; in parentheses: the layer of CRIU's other images "
+        "downloaded / extracted, decode cache filled / page files rebuilt from their chunks); meanwhile containerd "
+        "creates the container and "
         "starts its shim and the runtime hook, whose create waits at the staging gate until the data is complete "
         "(hook waited); create + start is what is left after the download. The hook's create is the restore (its "
         "launcher starting Python on the hook, the CRIU image check with the number of images it decoded itself, "

@@ -60,6 +60,15 @@ def trace(phase: str, **facts: int) -> None:
             f.write(json.dumps({"t": time.time(), "pid": os.getpid(), "phase": phase, **facts}) + "\n")
 
 
+def trace_copy(path: str) -> None:
+    """With $KUBECTL_SNAPSHOT_HOOK_TRACE set: keep a copy of `path` (CRIU's restore.log, removed with the
+    staging dir) beside the trace file, for the bench's split of `runc restore` (bench/criu_phases.py)."""
+    trace_path = os.environ.get(TRACE_ENV)
+    if trace_path:
+        with contextlib.suppress(OSError):
+            shutil.copyfile(path, f"{trace_path}.{os.path.basename(path)}")
+
+
 @dataclass(frozen=True)
 class Invocation:
     global_args: list[str]
@@ -357,6 +366,7 @@ def _restore(
     os.makedirs(os.path.dirname(marker), exist_ok=True)
     with open(marker, "w") as f:
         f.write(staged)
+    trace_copy(os.path.join(staged, C.RESTORE_LOG_FILE))
     # Used once: a later re-create of this container (a restart) starts it afresh.
     shutil.rmtree(staged, ignore_errors=True)
     trace("done")

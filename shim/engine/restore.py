@@ -154,6 +154,7 @@ def stage_artifact(
     on_bytes: BytesFn | None = None,
     opener: Opener | None = None,
     limits: RestoreLimits | None = None,
+    timings: dict[str, float] | None = None,
 ) -> None:
     """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets.
 
@@ -161,9 +162,13 @@ def stage_artifact(
     against its digest before it is written (shim/engine/stream.py). Nothing is downloaded before the
     declared sizes passed `limits` and the staging filesystem's free space (plan_space, check_space).
     An encrypted snapshot needs its `opener` (`opener_for`): each blob is decrypted after its digest is
-    verified, every segment authenticated before its bytes reach the extraction.
+    verified, every segment authenticated before its bytes reach the extraction. `timings` gets the
+    milliseconds of its steps (layers_ms: downloaded; extract_ms: extracted, decode cache filled;
+    pages_ms: page files rebuilt).
     """
     config = artifact.config
+    spent = timings if timings is not None else {}
+    clock = time.monotonic
     if (config.encryption is None) != (opener is None):
         raise FailedPrecondition(
             "the snapshot is encrypted but no key was given"
@@ -179,6 +184,7 @@ def stage_artifact(
     extract_limits = ExtractLimits(max_total_bytes=extract_cap, max_member_bytes=extract_cap)
     count = progress_counter(on_bytes, plan.download_bytes)
     blobs: dict[str, str] = {}
+    t = clock()
     try:
         # 1. every blob downloaded and verified ...
         for d in wanted:
@@ -196,11 +202,16 @@ def stage_artifact(
                     progress=count,
                 )
         # 2. ... before anything is extracted
+        spent["layers_ms"] = (clock() - t) * 1000
         for record, target in zip(config.containers, staged_dirs, strict=True):
+            t = clock()
             _extract_fresh(blobs[record.layer_digest], target, extract_limits, opener, record.layer_digest)
             _cache_decoded(os.path.join(target, C.CHECKPOINT_DIRECTORY), paths)
+            spent["extract_ms"] = spent.get("extract_ms", 0.0) + (clock() - t) * 1000
             if record.pages:
+                t = clock()
                 _fetch_pages(registry, artifact.reference, record, target, count, opener)
+                spent["pages_ms"] = spent.get("pages_ms", 0.0) + (clock() - t) * 1000
         if config.volumes_layer:
             for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
                 _extract_volume(blobs[config.volumes_layer], vol.name, vtarget, opener, config.volumes_layer)
@@ -370,6 +381,7 @@ def restore(
             volume_targets=req.volumes,
             on_bytes=on_bytes,
             opener=opener,
+            timings=timings,
         )
     except BaseException as e:
         if early is not None:
