@@ -161,11 +161,12 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
         return "-" if b.get(key) is None else f"{b[key]:.0f} ms"
 
     calls = b.get("hook_calls") or {}
+    split = f" ({ms('layers_ms')} / {ms('extract_ms')} / {ms('pages_ms')})" if b.get("pages_ms") else ""
     return [
         f"{_fmt(d['restore_vs_late_create'])} (in-agent {_fmt(d['restore_internal_vs_late_create'])})",
         ms("total_ms"),
         ms("resolve_ms"),
-        ms("download_ms") + (f" ({ms('layers_ms')} / {ms('extract_ms')} / {ms('pages_ms')})" if b.get("pages_ms") else ""),
+        ms("download_ms") + split,
         ms("restore_ms"),
         ms("create_ms"),
         ms("staged_wait_ms"),
