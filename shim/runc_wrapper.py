@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kubectl_snapshot.console import leave
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, criu_first_error, log_tail
@@ -490,11 +491,14 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
 
 
 def main() -> None:
+    """containerd's shim waits for this process to end before the container is created: it ends without
+    the interpreter's teardown (console/leave.py)."""
     try:
-        sys.exit(run(sys.argv[1:]))
+        code = run(sys.argv[1:])
     except InvalidArgument as e:
         print(f"kubectl-snapshot-runc: {e}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
+    leave.leave(code)
 
 
 if __name__ == "__main__":
