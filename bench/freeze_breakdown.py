@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import os
 import re
 import shutil
@@ -51,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.autosave import Agent, guard_process, host_workload
+from bench.criulog import log_gaps, stamps
 from bench.run import CRIU, container
 from kubectl_snapshot.core.reference import Reference
 from shim import criu_kdat
@@ -96,12 +96,6 @@ def run_timed(cmd: list[str]) -> float:
     return time.monotonic() - t
 
 
-def stamps(log: str) -> list[tuple[float, str]]:
-    return [
-        (float(m.group(1)), m.group(2)) for line in log.splitlines() if (m := re.match(r"\((\d+\.\d+)\) ?(.*)", line))
-    ]
-
-
 def phases(log: str) -> dict[str, float]:
     """Seconds CRIU spent in each phase of PHASES, from the dump.log's time stamps (a phase that did not
     appear gets 0; its time goes to the one before)."""
@@ -119,13 +113,6 @@ def phases(log: str) -> dict[str, float]:
         out[name] = t_next - t
     out["total"] = end
     return out
-
-
-def log_gaps(log: str, n: int) -> list[tuple[float, str, str]]:
-    """The `n` longest pauses between consecutive dump.log lines: (seconds, line before, line after)."""
-    lines = stamps(log)
-    gaps = [(b[0] - a[0], a[1][:90], b[1][:90]) for a, b in itertools.pairwise(lines)]
-    return sorted(gaps, reverse=True)[:n]
 
 
 def med(xs: list[float]) -> float:

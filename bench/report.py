@@ -172,7 +172,7 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
         ms("staged_wait_ms"),
         ms("python_startup_ms"),
         ms("image_check_ms") + _decoded(b.get("images_decoded_in_hook")),
-        ms("runc_restore_ms"),
+        ms("runc_restore_ms") + (f" (CRIU's log {ms('criu_restore_log_ms')})" if b.get("criu_restore_log_ms") else ""),
         _ms(raw.get("restore_s")),
         ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "-",
     ]
@@ -266,6 +266,13 @@ def markdown(result: dict[str, Any]) -> str:
                     "create + start", "hook create", "hook waited", "hook: Python start-up", "hook: image check",
                     "hook: runc restore", "raw criu restore", "hook calls"]  # fmt: skip
     lines += _table(result, parts_header, _restore_parts)
+    breakdowns = [((row.get("agent") or {}).get("restore_breakdown") or {}) for row in result["rows"]]
+    gaps = [(row, b.get("restore_log_gaps")) for row, b in zip(result["rows"], breakdowns, strict=True)]
+    if any(g for _, g in gaps):
+        lines += ["", "The longest pauses in the last restore's CRIU log (runc restore), per workload:", ""]
+        for row, g in gaps:
+            for sec, before, after in g or []:
+                lines.append(f"- {row['kind']} {row['mib']} MiB: {sec * 1000:.1f} ms between `{before}` and `{after}`")
     lines += [
         "",
         "Where a served checkpoint's time goes (medians): the command's wall time, of which outside the agent's "

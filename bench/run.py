@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import pagediff, report
+from bench import criulog, pagediff, report
 from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
@@ -261,6 +261,7 @@ def runtime_hook(work: Path) -> str:
 
 
 LAUNCHES, TRACES = "launches.jsonl", "traces.jsonl"
+RESTORE_LOG = TRACES + ".restore.log"  # CRIU's restore.log, kept by the traced hook (runc_wrapper.trace_copy)
 _CREATE_PHASES = {"started", "image-check", "rootfs-diff", "runc-restore", "after-restore"}
 
 
@@ -303,6 +304,12 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
             waited = ph["staged"] - ph["started"] if "staged" in ph else 0.0
             out["staged_wait_ms"] = waited * 1000
             out["create_ms"] = (ph.get("done", ph["after-restore"]) - begun - waited) * 1000
+    with contextlib.suppress(FileNotFoundError):
+        log = (hook / RESTORE_LOG).read_text(errors="replace")
+        criu = criulog.span(log)
+        if criu is not None:  # runc restore = CRIU (its log's first to last line) + runc around it
+            out["criu_restore_log_ms"] = criu * 1000
+            out["restore_log_gaps"] = criulog.log_gaps(log, 6)
     return out
 
 
@@ -441,7 +448,7 @@ def measure_agent(
         hook_dir = Path(hook).parent
         for i in range(runs + 1):
             new = f"r-{uuid.uuid4().hex[:8]}"
-            for log in (LAUNCHES, TRACES):
+            for log in (LAUNCHES, TRACES, RESTORE_LOG):
                 with contextlib.suppress(FileNotFoundError):
                     (hook_dir / log).unlink()
             cmd = [AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", hook,
@@ -518,6 +525,8 @@ def _median_breakdown(items: Sequence[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {k: med([float(it[k]) for it in items if k in it]) for k in keys}
     if items and "calls" in items[-1]:
         out["hook_calls"] = items[-1]["calls"]
+    if items and "restore_log_gaps" in items[-1]:
+        out["restore_log_gaps"] = items[-1]["restore_log_gaps"]
     return out
 
 
