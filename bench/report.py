@@ -161,7 +161,11 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
         return "-" if b.get(key) is None else f"{b[key]:.0f} ms"
 
     calls = b.get("hook_calls") or {}
-    split = f" ({ms('layers_ms')} / {ms('extract_ms')} / {ms('pages_ms')})" if b.get("pages_ms") else ""
+    split = (
+        f" ({ms('layers_ms')} / {ms('extract_ms')} / {ms('pages_ms')}, {ms('pages_wait_ms')} after)"
+        if b.get("pages_ms")
+        else ""
+    )
     return [
         f"{_fmt(d['restore_vs_late_create'])} (in-agent {_fmt(d['restore_internal_vs_late_create'])})",
         ms("total_ms"),
@@ -250,8 +254,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "Where an in-agent restore's time goes (medians): resolve (manifest, config, signature), download (every "
         "blob fetched, verified, decrypted, page files rebuilt; in parentheses: the layer of CRIU's other images "
-        "downloaded / extracted, decode cache filled / page files rebuilt from their chunks); meanwhile containerd "
-        "creates the container and "
+        "downloaded / extracted, decode cache filled / page files rebuilt from their chunks meanwhile, and how long "
+        "that went on after the extraction); meanwhile containerd creates the container and "
         "starts its shim and the runtime hook, whose create waits at the staging gate until the data is complete "
         "(hook waited); create + start is what is left after the download. The hook's create is the restore (its "
         "launcher starting Python on the hook, the CRIU image check with the number of images it decoded itself, "

@@ -14,9 +14,11 @@ import copy
 import errno
 import os
 import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,13 +160,14 @@ def stage_artifact(
 ) -> None:
     """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets.
 
-    Format v2 page files are then rebuilt from their chunks by parallel workers, each chunk verified
-    against its digest before it is written (shim/engine/stream.py). Nothing is downloaded before the
+    Format v2 page files are rebuilt from their chunks meanwhile by parallel workers, each chunk verified
+    against its digest before it is written (shim/engine/stream.py), and linked into place once their
+    container's layer is extracted. Nothing is downloaded before the
     declared sizes passed `limits` and the staging filesystem's free space (plan_space, check_space).
     An encrypted snapshot needs its `opener` (`opener_for`): each blob is decrypted after its digest is
     verified, every segment authenticated before its bytes reach the extraction. `timings` gets the
     milliseconds of its steps (layers_ms: downloaded; extract_ms: extracted, decode cache filled;
-    pages_ms: page files rebuilt).
+    pages_ms: page files rebuilt, beside those; pages_wait_ms: what was left of that after the extraction).
     """
     config = artifact.config
     spent = timings if timings is not None else {}
@@ -184,45 +187,74 @@ def stage_artifact(
     extract_limits = ExtractLimits(max_total_bytes=extract_cap, max_member_bytes=extract_cap)
     count = progress_counter(on_bytes, plan.download_bytes)
     blobs: dict[str, str] = {}
+    # Each container's page files download beside its layer, into a private directory next to its
+    # staged one, and are moved into place once the layer is extracted: a small pod's restore does not
+    # wait for the layer's round trips, its extraction and the decode cache before its first chunk.
+    stop = threading.Event()
+    aside: list[tuple[str, Future[float]] | None] = []
     t = clock()
     try:
-        # 1. every blob downloaded and verified ...
-        for d in wanted:
-            if d.digest in blobs:
-                continue
-            path = os.path.join(downloads, d.digest.replace(":", "-") + f".{os.getpid()}.part")
-            with open(path, "wb") as out:
-                blobs[d.digest] = path
-                registry.fetch_blob(
-                    artifact.reference,
-                    d.digest,
-                    out,
-                    expected_size=d.size,
-                    max_size=d.size,
-                    progress=count,
-                )
-        # 2. ... before anything is extracted
-        spent["layers_ms"] = (clock() - t) * 1000
-        for record, target in zip(config.containers, staged_dirs, strict=True):
-            t = clock()
-            _extract_fresh(blobs[record.layer_digest], target, extract_limits, opener, record.layer_digest)
-            _cache_decoded(os.path.join(target, C.CHECKPOINT_DIRECTORY), paths)
-            spent["extract_ms"] = spent.get("extract_ms", 0.0) + (clock() - t) * 1000
-            if record.pages:
-                t = clock()
-                _fetch_pages(registry, artifact.reference, record, target, count, opener)
-                spent["pages_ms"] = spent.get("pages_ms", 0.0) + (clock() - t) * 1000
-        if config.volumes_layer:
-            for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
-                _extract_volume(blobs[config.volumes_layer], vol.name, vtarget, opener, config.volumes_layer)
-    except BaseException:
-        for target in staged_dirs:
-            shutil.rmtree(target, ignore_errors=True)
-        raise
-    finally:
-        for path in blobs.values():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pages") as pool:
+            try:
+                for record, target in zip(config.containers, staged_dirs, strict=True):
+                    if record.pages:
+                        pdir = _pages_dir(target)
+                        aside.append((pdir, pool.submit(_fetch_pages, registry, artifact.reference, record, pdir, count,
+                                                        opener, stop)))  # fmt: skip
+                    else:
+                        aside.append(None)
+                # 1. every blob downloaded and verified ...
+                for d in wanted:
+                    if d.digest in blobs:
+                        continue
+                    path = os.path.join(downloads, d.digest.replace(":", "-") + f".{os.getpid()}.part")
+                    with open(path, "wb") as out:
+                        blobs[d.digest] = path
+                        registry.fetch_blob(
+                            artifact.reference,
+                            d.digest,
+                            out,
+                            expected_size=d.size,
+                            max_size=d.size,
+                            progress=count,
+                        )
+                # 2. ... before anything is extracted
+                spent["layers_ms"] = (clock() - t) * 1000
+                for record, target, pending in zip(config.containers, staged_dirs, aside, strict=True):
+                    t = clock()
+                    _extract_fresh(blobs[record.layer_digest], target, extract_limits, opener, record.layer_digest)
+                    _cache_decoded(os.path.join(target, C.CHECKPOINT_DIRECTORY), paths)
+                    spent["extract_ms"] = spent.get("extract_ms", 0.0) + (clock() - t) * 1000
+                    if pending is not None:
+                        t = clock()
+                        fetched_ms = pending[1].result()
+                        _place_pages(record, pending[0], target)
+                        spent["pages_ms"] = spent.get("pages_ms", 0.0) + fetched_ms
+                        spent["pages_wait_ms"] = spent.get("pages_wait_ms", 0.0) + (clock() - t) * 1000
+                if config.volumes_layer:
+                    for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
+                        _extract_volume(blobs[config.volumes_layer], vol.name, vtarget, opener, config.volumes_layer)
+            except BaseException:
+                stop.set()  # no further chunk is begun; the pool's exit waits for those in flight
+                for target in staged_dirs:
+                    shutil.rmtree(target, ignore_errors=True)
+                raise
+            finally:
+                for path in blobs.values():
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+    finally:  # after the pool's exit: nothing writes there any more
+        for pending in aside:
+            if pending is not None:
+                shutil.rmtree(pending[0], ignore_errors=True)
+
+
+def _pages_dir(target: str) -> str:
+    """A fresh private directory beside `target` (same filesystem: its files are linked into place)
+    whose name no staged container's can have (check_key: never a leading dot)."""
+    parent = os.path.dirname(target)
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    return tempfile.mkdtemp(prefix=".pages-", dir=parent)
 
 
 def _cache_decoded(image_dir: str, paths: StatePaths) -> None:
@@ -269,27 +301,47 @@ def _fetch_pages(
     registry: Registry,
     ref: Reference,
     record: ContainerRecord,
-    target: str,
+    pages_dir: str,
     count: Callable[[int], None] | None,
-    opener: Opener | None = None,
-) -> None:
+    opener: Opener | None,
+    stop: threading.Event,
+) -> float:
+    """The container's page files rebuilt from their chunks in `pages_dir`; returns the milliseconds."""
+    t = time.monotonic()
+    fetch_chunks(registry, ref, record.pages, pages_dir, on_bytes=count, opener=opener, cancelled=stop)
+    return (time.monotonic() - t) * 1000
+
+
+def _place_pages(record: ContainerRecord, pages_dir: str, target: str) -> None:
+    """Link the rebuilt page files into the extracted layer's checkpoint/ (made if the layer has none);
+    refused where the layer made it something else than a directory, or carries a page file itself."""
     cp = os.path.join(target, C.CHECKPOINT_DIRECTORY)
     with contextlib.suppress(FileExistsError):
         os.mkdir(cp, 0o700)
     try:
-        fetch_chunks(registry, ref, record.pages, cp, on_bytes=count, opener=opener)
-    except NotADirectoryError as e:
-        raise UnsafeArchive(
-            f"container {record.name!r}: {C.CHECKPOINT_DIRECTORY}/ in its layer is not a directory",
-            hint="the snapshot is corrupted or was crafted; do not restore it",
-        ) from e
+        dst = os.open(cp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
-        if e.errno == errno.ELOOP:
+        what = "a symlink" if e.errno == errno.ELOOP else "not a directory"
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise UnsafeArchive(
-                f"container {record.name!r}: {C.CHECKPOINT_DIRECTORY}/ in its layer is a symlink",
+                f"container {record.name!r}: {C.CHECKPOINT_DIRECTORY}/ in its layer is {what}",
                 hint="the snapshot is corrupted or was crafted; do not restore it",
             ) from e
         raise
+    src = os.open(pages_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        for f in record.pages:
+            try:
+                os.link(f.name, f.name, src_dir_fd=src, dst_dir_fd=dst, follow_symlinks=False)
+            except FileExistsError:
+                raise UnsafeArchive(
+                    f"{f.name} is both in the container layer and stored as chunks",
+                    hint="the snapshot is corrupted or was crafted; do not restore it",
+                ) from None
+            os.unlink(f.name, dir_fd=src)
+    finally:
+        os.close(src)
+        os.close(dst)
 
 
 def _extract_fresh(

@@ -305,9 +305,11 @@ def fetch_chunks(
     workers: int | None = None,
     on_bytes: CountFn | None = None,
     opener: Opener | None = None,
+    cancelled: threading.Event | None = None,
 ) -> int:
     """Recreate each page file in `checkpoint_dir` (an existing directory, not a symlink) from its
-    chunks; returns the compressed bytes downloaded.
+    chunks; returns the compressed bytes downloaded. Once `cancelled` is set, no further chunk is
+    begun (FetchCancelled is raised).
 
     Each chunk is downloaded whole (a few MiB at most), verified against its digest and size by the
     registry client, decrypted (`opener`: every segment authenticated) and decompressed and checked to
@@ -362,6 +364,8 @@ def fetch_chunks(
             return raw
 
         def one(job: tuple[Chunk, list[tuple[str, int]]]) -> None:
+            if cancelled is not None and cancelled.is_set():
+                raise FetchCancelled("the restore's staging stopped")
             c, places = job  # c: the chunk at its first place
             name = places[0][0]
             d = c.delta
@@ -389,6 +393,10 @@ def fetch_chunks(
             os.close(fd)
         os.close(dfd)
     return total.value
+
+
+class FetchCancelled(Exception):
+    """fetch_chunks stopped early on request (the rest of the staging failed)."""
 
 
 def _unique_chunks(files: Sequence[PagesFile]) -> Iterable[tuple[Chunk, list[tuple[str, int]]]]:

@@ -1,0 +1,112 @@
+"""stage_artifact against the real loopback registry: page files download beside the layer and are
+linked into its checkpoint/ once it is extracted; a layer that carries a page file itself, or makes
+checkpoint/ a symlink, is refused and nothing staged is left behind."""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import uuid
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from kubectl_snapshot.adapters.registry import RegistryClient, sha256_digest
+from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.artifact import Artifact
+from kubectl_snapshot.core.chunks import Chunk, PagesFile
+from kubectl_snapshot.core.errors import UnsafeArchive
+from kubectl_snapshot.core.model import ContainerRecord, DumpStats, HostFacts, SnapshotConfig
+from kubectl_snapshot.core.oci import Descriptor, Manifest
+from kubectl_snapshot.core.reference import Reference
+from shim.engine.restore import stage_artifact
+from shim.engine.staging import StatePaths
+from tests.support.registry import RegistryServer, registry
+
+pytestmark = pytest.mark.integration
+PAGES = bytes(range(256)) * 64 + os.urandom(3 * 4096)  # 4 pages, part compressible
+
+
+def _layer(members: dict[str, bytes | str]) -> bytes:
+    """tar+zstd of `members`: bytes are files, a str is a symlink's target."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name, content in members.items():
+            info = tarfile.TarInfo(name)
+            if isinstance(content, str):
+                info.type, info.linkname = tarfile.SYMTYPE, content
+                tar.addfile(info)
+            else:
+                info.size = len(content)
+                tar.addfile(info, io.BytesIO(content))
+    return zstandard.ZstdCompressor().compress(buf.getvalue())
+
+
+def _artifact(registry: RegistryServer, layer: bytes) -> Artifact:
+    client = RegistryClient()
+    ref = Reference.parse(f"{registry.host}/staging/{uuid.uuid4().hex[:10]}:v1")
+    chunk = zstandard.ZstdCompressor().compress(PAGES)
+    for blob in (layer, chunk):
+        client.push_blob(ref, digest=sha256_digest(blob), size=len(blob), data=blob)
+    pages = PagesFile("pages-1.img", len(PAGES), (Chunk(0, len(PAGES), sha256_digest(chunk), len(chunk)),))
+    rec = ContainerRecord(
+        name="app", id="app", image="i", image_digest="", layer_digest=sha256_digest(layer), spec={},
+        stats=DumpStats(memory_bytes=len(PAGES)), pages=(pages,),
+    )  # fmt: skip
+    config = SnapshotConfig(group="g", namespace="n", created="", containers=(rec,), host=HostFacts())
+    layers = (
+        Descriptor(C.CHECKPOINT_LAYER_MEDIA_TYPE, sha256_digest(layer), len(layer)),
+        Descriptor(C.CHUNK_MEDIA_TYPE, sha256_digest(chunk), len(chunk)),
+    )
+    manifest = Manifest(config=Descriptor(C.CONFIG_MEDIA_TYPE, "sha256:" + "b" * 64, 2), layers=layers)
+    return Artifact(ref, manifest, config)
+
+
+def _stage(registry: RegistryServer, tmp_path: Path, layer: bytes) -> tuple[Path, dict[str, float]]:
+    paths = StatePaths(str(tmp_path / "state"))
+    target = Path(paths.staged_by_id("restored"))
+    timings: dict[str, float] = {}
+    stage_artifact(_artifact(registry, layer), [str(target)], registry=RegistryClient(), paths=paths, timings=timings)
+    return target, timings
+
+
+def _leftovers(target: Path) -> list[str]:
+    return sorted(p.name for p in target.parent.iterdir() if p.name.startswith(".pages-"))
+
+
+def test_page_files_are_rebuilt_beside_the_layer_and_linked_into_place(
+    registry: RegistryServer, tmp_path: Path
+) -> None:
+    layer = _layer({f"{C.CHECKPOINT_DIRECTORY}/core-1.img": b"core", "config.dump": b"{}"})
+    target, timings = _stage(registry, tmp_path, layer)
+    assert (target / C.CHECKPOINT_DIRECTORY / "pages-1.img").read_bytes() == PAGES
+    assert (target / C.CHECKPOINT_DIRECTORY / "core-1.img").read_bytes() == b"core"
+    assert (target / C.CHECKPOINT_DIRECTORY / "pages-1.img").stat().st_nlink == 1
+    assert _leftovers(target) == []
+    assert {"layers_ms", "extract_ms", "pages_ms", "pages_wait_ms"} <= timings.keys()
+
+
+def test_a_layer_without_a_checkpoint_directory_gets_one(registry: RegistryServer, tmp_path: Path) -> None:
+    target, _ = _stage(registry, tmp_path, _layer({"config.dump": b"{}"}))
+    assert (target / C.CHECKPOINT_DIRECTORY / "pages-1.img").read_bytes() == PAGES
+    assert _leftovers(target) == []
+
+
+def test_a_page_file_in_the_layer_too_is_refused(registry: RegistryServer, tmp_path: Path) -> None:
+    layer = _layer({f"{C.CHECKPOINT_DIRECTORY}/pages-1.img": b"not from a verified chunk"})
+    target = Path(StatePaths(str(tmp_path / "state")).staged_by_id("restored"))
+    with pytest.raises(UnsafeArchive, match="both in the container layer and stored as chunks"):
+        _stage(registry, tmp_path, layer)
+    assert not target.exists() and _leftovers(target) == []
+
+
+def test_a_checkpoint_symlink_in_the_layer_is_refused(registry: RegistryServer, tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = Path(StatePaths(str(tmp_path / "state")).staged_by_id("restored"))
+    with pytest.raises(UnsafeArchive):
+        _stage(registry, tmp_path, _layer({C.CHECKPOINT_DIRECTORY: str(outside)}))
+    assert list(outside.iterdir()) == []  # nothing was written through it
+    assert not target.exists() and _leftovers(target) == []
