@@ -29,16 +29,17 @@ from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.oci import is_digest
 
 PAGE_SIZE = 4096
-# 4 MiB: a small process's snapshot is a few blobs (a 64 MiB one about 16), since each costs registry
-# round trips whatever its size; page deltas keep its increments at the pages that changed
-# (bench/run.py at 64 MiB, docs/performance.md)
+# 4 MiB: the span of the smallest dumps (under ~48 MiB of pages); a page file smaller than this stays
+# in the container's layer
 MIN_SPAN = 4 << 20
 # 8 MiB: a change of 1% of a 2 GiB heap (one ~20 MiB region) touches at most 4 spans (32 MiB), so an
 # autosave uploads <= 2x what changed (bench/autosave.py); 16 MiB spans sent 3 x 16 MiB in 29% of saves
 MAX_SPAN = 8 << 20
-# per snapshot: each blob costs a few registry round trips and file operations (measured: tens of ms
-# on a busy 2-core VM), so few enough blobs for that, small enough that 5% of changed memory stays ~5%
-TARGET_CHUNKS = 64
+# per snapshot: each blob costs registry round trips and file operations whatever its size (tens of ms
+# on a busy 2-core VM), and page deltas keep increments at the pages that changed whatever the span:
+# so a small pod's snapshot is a few blobs (a 64 MiB one 8 of 8 MiB; 16 of 4 MiB packaged and pushed
+# slower, bench/run.py at 64 MiB, docs/performance.md), a large one many of MAX_SPAN
+TARGET_CHUNKS = 8
 MAX_CHUNK_BYTES = 16 << 20  # a restore holds a few chunks in memory: refuse bigger ones (snapshots made
 # before MAX_SPAN was 8 MiB have 16 MiB chunks)
 MAX_PAGES_FILE_BYTES = 1 << 40
