@@ -135,6 +135,7 @@ def measure(
     rows = (AGENT, FREEZING, CRIU_PART, DIFF, THAW, REST, RUNC, RAW)
     steps: dict[str, dict[str, list[float]]] = {v: {k: [] for k in rows} for v in variants}
     logs: dict[str, dict[str, list[float]]] = {v: {} for v in variants}
+    agent_logs: dict[str, dict[str, list[float]]] = {v: {} for v in variants}  # the agent's own dump.log
     fallback: dict[str, list[float]] = {"pause": [], "resume": [], "freezer write": []}
     last_log: dict[str, str] = {}
 
@@ -165,6 +166,9 @@ def measure(
                     for k, v in parts.items():
                         add(steps[variant], k, v / 1000, keep)
                     if s["work"] is not None:
+                        for log in Path(s["work"]).rglob("dump.log"):
+                            for k, v in phases(log.read_text(errors="replace")).items():
+                                add(agent_logs[variant], k, v, keep)
                         shutil.rmtree(s["work"], ignore_errors=True)
 
                 def runc_step(variant: str = variant, keep: bool = keep) -> None:
@@ -207,6 +211,7 @@ def measure(
         "runs": {v: {k: d[k] for k in (AGENT, RUNC)} for v, d in steps.items()},
         "steps": {v: {k: med(xs) for k, xs in d.items()} for v, d in steps.items()},
         "phases": {v: {k: med(xs) for k, xs in d.items()} for v, d in logs.items()},
+        "agent_phases": {v: {k: med(xs) for k, xs in d.items()} for v, d in agent_logs.items()},
         "fallback": {k: med(xs) for k, xs in fallback.items()},
         "gaps": {v: log_gaps(log, n_gaps) for v, log in last_log.items()},
     }
@@ -243,12 +248,19 @@ def report(mib: int, kind: str, runs: int, res: dict[str, Any]) -> None:
         each = "; ".join(f"{k}: " + ", ".join(f"{x * 1000:.0f}" for x in res["runs"][v][k]) for k in (AGENT, RUNC))
         print(f"\nEach run, ms ({v}): {each}")
 
-    print("\nCRIU under runc (the direct runc checkpoint), by its dump.log:\n")
+    print("\nCRIU under runc (the direct runc checkpoint; in parentheses the agent's, of its frozen container),")
+    print("by their dump.logs:\n")
     print(_row(["phase", *variants, "per container", "a node can avoid it"]))
     print(_row(["---"] * (len(variants) + 3)))
+    agent = res.get("agent_phases") or {}
+
+    def cell(v: str, name: str) -> str:
+        mine = (agent.get(v) or {}).get(name)
+        return _ms(res["phases"][v].get(name, 0.0)) + ("" if mine is None else f" ({_ms(mine)})")
+
     for name, _, grows, avoid in [*PHASES, (RUNC_OUTSIDE, "", "fixed", "no")]:
-        print(_row([name, *(_ms(res["phases"][v].get(name, 0.0)) for v in variants), grows, avoid]))
-    print(_row(["CRIU's log, start to end", *(_ms(res["phases"][v].get("total", 0.0)) for v in variants), "", ""]))
+        print(_row([name, *(cell(v, name) for v in variants), grows, avoid]))
+    print(_row(["CRIU's log, start to end", *(cell(v, "total") for v in variants), "", ""]))
 
     fb = res["fallback"]
     print(
