@@ -182,6 +182,11 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
     ]
 
 
+def _code(text: str) -> str:
+    """A log line as inline code (CRIU's lines hold backticks and tabs)."""
+    return "``" + " ".join(text.split()) + "``"
+
+
 def _checkpoint_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict[str, Any]) -> list[str]:
     b = ag.get("checkpoint_breakdown") or {}
 
@@ -276,7 +281,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "The longest pauses in the last restore's CRIU log (runc restore), per workload:", ""]
         for row, g in gaps:
             for sec, before, after in g or []:
-                lines.append(f"- {row['kind']} {row['mib']} MiB: {sec * 1000:.1f} ms between `{before}` and `{after}`")
+                where = f"{_code(before)} and {_code(after)}"
+                lines.append(f"- {row['kind']} {row['mib']} MiB: {sec * 1000:.1f} ms between {where}")
     lines += [
         "",
         "Where a served checkpoint's time goes (medians): the command's wall time, of which outside the agent's "
