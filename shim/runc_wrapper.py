@@ -50,6 +50,7 @@ ANN_CONTAINER_TYPE = "io.kubernetes.cri.container-type"
 
 
 TRACE_ENV = "KUBECTL_SNAPSHOT_HOOK_TRACE"
+CRIU_RESTORE_OUTPUTS = (C.RESTORE_LOG_FILE, "stats-restore")  # what CRIU writes into its --work-path
 
 
 def trace(phase: str, **facts: int) -> None:
@@ -63,7 +64,7 @@ def trace(phase: str, **facts: int) -> None:
 
 def trace_copy(path: str) -> None:
     """With $KUBECTL_SNAPSHOT_HOOK_TRACE set: keep a copy of `path` (CRIU's restore.log, removed with the
-    staging dir) beside the trace file, for the bench's split of `runc restore` (bench/criu_phases.py)."""
+    staging dir) beside the trace file, for the bench's split of `runc restore` (bench/run.py)."""
     trace_path = os.environ.get(TRACE_ENV)
     if trace_path:
         with contextlib.suppress(OSError):
@@ -339,6 +340,17 @@ def _restore(
             prepare()
         except OSError as e:
             msg = f"preparing the pod's network for the restore failed: {e}"
+            _log_error(inv, msg)
+            return 1, msg
+    # CRIU writes its log and stats into its work dir, the staged dir, which came from the snapshot's
+    # layer: a file of those names planted there (a symlink to one of the checked images, say) must not
+    # receive CRIU's writes
+    for name in CRIU_RESTORE_OUTPUTS:
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(staged, name))
+        except OSError as e:  # a directory of that name: refused, CRIU could not write there
+            msg = f"refusing to restore: the snapshot's layer holds {name} ({e.strerror})"
             _log_error(inv, msg)
             return 1, msg
     log_offset = _log_size(inv)

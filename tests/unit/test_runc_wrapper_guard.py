@@ -23,16 +23,25 @@ from tests.unit.test_criu_guard import ALL, bundle, creds, make_images
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_create(tmp_path: Path, spec: dict[str, object], **image_kw: object) -> tuple[int, str, Path]:
+def run_create(
+    tmp_path: Path, spec: dict[str, object], *, plant: str | None = None, **image_kw: object
+) -> tuple[int, str, Path]:
+    """The wrapper's create of a staged restore; `plant`: a restore.log symlink to it in the staged dir.
+    The fake runc records its arguments and, as CRIU does, appends to restore.log in its --work-path."""
     state = tmp_path / "state"
     cid = "c1"
     make_images(state / "staged" / "by-id" / cid / "checkpoint", **image_kw)  # type: ignore[arg-type]
+    if plant is not None:
+        (state / "staged" / "by-id" / cid / "restore.log").symlink_to(plant)
     b = tmp_path / "bundle"
     (b / "rootfs").mkdir(parents=True)
     (b / "config.json").write_text(json.dumps(spec))
     ran = tmp_path / "runc-ran"
     fake = tmp_path / "runc"
-    fake.write_text(f'#!/bin/sh\necho "$@" > {ran}\n')
+    fake.write_text(
+        f'#!/bin/sh\necho "$@" > {ran}\n'
+        'while [ $# -gt 0 ]; do [ "$1" = --work-path ] && echo criu-log >> "$2/restore.log"; shift; done\n'
+    )
     fake.chmod(0o755)
     log = tmp_path / "runc.log"
     env = {**os.environ, "KUBECTL_SNAPSHOT_STATE_DIR": str(state), "KUBECTL_SNAPSHOT_RUNC": str(fake)}
@@ -52,6 +61,14 @@ def test_matching_images_go_on_to_runc_restore(tmp_path: Path) -> None:
     assert rc == 0, log
     args = ran.read_text().split()
     assert args[:3] == ["--log", str(tmp_path / "runc.log"), "restore"], args
+
+
+def test_a_planted_restore_log_receives_nothing(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"kept")
+    rc, log, ran = run_create(tmp_path, bundle(), plant=str(victim))
+    assert rc == 0, log
+    assert ran.exists() and victim.read_bytes() == b"kept"
 
 
 def test_edited_capabilities_stop_the_restore_with_the_reason_in_runcs_log(tmp_path: Path) -> None:
