@@ -13,7 +13,7 @@ if [ ! -f "$stamp" ]; then
   .venv/bin/pip install -q --upgrade pip
   # The checkout goes on sys.path by a .pth path entry ("compat"), as an installed package costs a
   # process nothing: setuptools' default editable finder is imported by every process at start-up (with
-  # pathlib, fnmatch, re: ~15 ms), which bench/ would count in every `ks-agent` it times. Where a
+  # pathlib, fnmatch, re), which bench/ would count in every `ks-agent` it times. Where a
   # setuptools no longer offers compat mode, the default one.
   .venv/bin/pip install -q -e '.[dev]' --config-settings editable_mode=compat 2>/dev/null \
     || .venv/bin/pip install -q -e '.[dev]'

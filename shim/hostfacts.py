@@ -173,7 +173,7 @@ def gather(containerd_version: str = "", probe: HostProbe = HostProbe()) -> Host
 
 
 # A warm agent's checkpoints and restores record and check the node's facts each time; `criu --version`
-# and `runc --version` are two processes (~15 ms on a busy 2-core node) whose answers change only when
+# and `runc --version` are two processes, started on every request, whose answers change only when
 # the node's CRIU or runc is replaced: by install-node, which every agent start runs (a new process
 # asks afresh), or by hand, which the binaries' identity shows at once; the TTL bounds what is not
 # looked at here (a launcher whose bundle changed behind it, tools run in the host's mount namespace).

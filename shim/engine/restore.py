@@ -193,60 +193,63 @@ def stage_artifact(
     stop = threading.Event()
     aside: list[tuple[str, Future[float]] | None] = []
     t = clock()
-    try:
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pages") as pool:
-            try:
-                for record, target in zip(config.containers, staged_dirs, strict=True):
-                    if record.pages:
-                        pdir = _pages_dir(target)
-                        aside.append((pdir, pool.submit(_fetch_pages, registry, artifact.reference, record, pdir, count,
-                                                        opener, stop)))  # fmt: skip
-                    else:
-                        aside.append(None)
-                # 1. every blob downloaded and verified ...
-                for d in wanted:
-                    if d.digest in blobs:
-                        continue
-                    path = os.path.join(downloads, d.digest.replace(":", "-") + f".{os.getpid()}.part")
-                    with open(path, "wb") as out:
-                        blobs[d.digest] = path
-                        registry.fetch_blob(
-                            artifact.reference,
-                            d.digest,
-                            out,
-                            expected_size=d.size,
-                            max_size=d.size,
-                            progress=count,
-                        )
-                # 2. ... before anything is extracted
-                spent["layers_ms"] = (clock() - t) * 1000
-                for record, target, pending in zip(config.containers, staged_dirs, aside, strict=True):
+    with contextlib.ExitStack() as stack:
+        stack.callback(_remove_pages_dirs, aside)  # last, after the pool's exit: nothing writes there any more
+        pool = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="pages"))
+        try:
+            for record, target in zip(config.containers, staged_dirs, strict=True):
+                if record.pages:
+                    pdir = _pages_dir(target)
+                    aside.append((pdir, pool.submit(_fetch_pages, registry, artifact.reference, record, pdir, count,
+                                                    opener, stop)))  # fmt: skip
+                else:
+                    aside.append(None)
+            # 1. every blob downloaded and verified ...
+            for d in wanted:
+                if d.digest in blobs:
+                    continue
+                path = os.path.join(downloads, d.digest.replace(":", "-") + f".{os.getpid()}.part")
+                with open(path, "wb") as out:
+                    blobs[d.digest] = path
+                    registry.fetch_blob(
+                        artifact.reference,
+                        d.digest,
+                        out,
+                        expected_size=d.size,
+                        max_size=d.size,
+                        progress=count,
+                    )
+            # 2. ... before anything is extracted
+            spent["layers_ms"] = (clock() - t) * 1000
+            for record, target, pending in zip(config.containers, staged_dirs, aside, strict=True):
+                t = clock()
+                _extract_fresh(blobs[record.layer_digest], target, extract_limits, opener, record.layer_digest)
+                _cache_decoded(os.path.join(target, C.CHECKPOINT_DIRECTORY), paths)
+                spent["extract_ms"] = spent.get("extract_ms", 0.0) + (clock() - t) * 1000
+                if pending is not None:
                     t = clock()
-                    _extract_fresh(blobs[record.layer_digest], target, extract_limits, opener, record.layer_digest)
-                    _cache_decoded(os.path.join(target, C.CHECKPOINT_DIRECTORY), paths)
-                    spent["extract_ms"] = spent.get("extract_ms", 0.0) + (clock() - t) * 1000
-                    if pending is not None:
-                        t = clock()
-                        fetched_ms = pending[1].result()
-                        _place_pages(record, pending[0], target)
-                        spent["pages_ms"] = spent.get("pages_ms", 0.0) + fetched_ms
-                        spent["pages_wait_ms"] = spent.get("pages_wait_ms", 0.0) + (clock() - t) * 1000
-                if config.volumes_layer:
-                    for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
-                        _extract_volume(blobs[config.volumes_layer], vol.name, vtarget, opener, config.volumes_layer)
-            except BaseException:
-                stop.set()  # no further chunk is begun; the pool's exit waits for those in flight
-                for target in staged_dirs:
-                    shutil.rmtree(target, ignore_errors=True)
-                raise
-            finally:
-                for path in blobs.values():
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(path)
-    finally:  # after the pool's exit: nothing writes there any more
-        for pending in aside:
-            if pending is not None:
-                shutil.rmtree(pending[0], ignore_errors=True)
+                    fetched_ms = pending[1].result()
+                    _place_pages(record, pending[0], target)
+                    spent["pages_ms"] = spent.get("pages_ms", 0.0) + fetched_ms
+                    spent["pages_wait_ms"] = spent.get("pages_wait_ms", 0.0) + (clock() - t) * 1000
+            if config.volumes_layer:
+                for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
+                    _extract_volume(blobs[config.volumes_layer], vol.name, vtarget, opener, config.volumes_layer)
+        except BaseException:
+            stop.set()  # no further chunk is begun; the pool's exit waits for those in flight
+            for target in staged_dirs:
+                shutil.rmtree(target, ignore_errors=True)
+            raise
+        finally:
+            for path in blobs.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+
+
+def _remove_pages_dirs(aside: Sequence[tuple[str, Future[float]] | None]) -> None:
+    for pending in aside:
+        if pending is not None:
+            shutil.rmtree(pending[0], ignore_errors=True)
 
 
 def _pages_dir(target: str) -> str:
