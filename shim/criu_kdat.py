@@ -25,7 +25,10 @@ After a reboot the tmpfs and the bind mount are gone; the placeholder left is em
 as stale and removes, and the agent's init container (install-node) arranges it again. install-node
 regenerates the file each time (a new CRIU build gets its own). uninstall-node undoes all of it
 (several nodes of one host share /run: the first uninstall takes the cache from the others, which only
-makes their CRIU probe again).
+makes their CRIU probe again). Such nodes' install-node runs take turns: each holds an exclusive flock
+on the cache file's directory (/run itself, so nothing is left behind) while it changes the mounts; two
+at once (every agent restarted together) would unmount each other's bind, and the one that failed would
+remove the cache for both.
 
 The work runs in a child process (``python -m shim.criu_kdat``) that joins the host's mount namespace
 (setns) when the agent runs in a container: mounts must be made there, and no host tool is used.
@@ -36,11 +39,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 KDAT_FILE = "/run/criu.kdat"  # upstream's and Debian's RUNDIR; kdat_path() reads it off a binary
@@ -52,6 +58,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 CLONE_NEWNS = 0x00020000
+LOCK_WAIT_S = 150.0  # another node's ensure (a `criu check`) takes about a second; the caller waits 180 s
 
 
 @dataclass(frozen=True)
@@ -184,6 +191,27 @@ def _remove_placeholder(kdat: str) -> None:
             os.unlink(kdat)
 
 
+@contextlib.contextmanager
+def _host_lock(kdat: str, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
+    """Exclusive flock on the directory of the cache file (in the host's mount namespace): one ensure or
+    remove at a time among the nodes that share it. Raises TimeoutError when another holds it too long."""
+    fd = os.open(os.path.dirname(kdat) or "/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    held = os.path.dirname(kdat)
+                    raise TimeoutError(f"another install-node held {held} for {wait_s:.0f} s") from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def do_ensure(criu: str, kdat: str) -> KdatResult:
     mounts, where = _mounts(), cache_dir(kdat)
     what = decide(kdat, mounts)
@@ -254,12 +282,16 @@ def main(argv: list[str] | None = None) -> int:
     if a.host_pid:
         _join_host(a.host_pid)
     try:
-        res = do_ensure(a.criu, a.kdat) if a.action == "ensure" else do_remove(a.kdat)
-    except OSError as e:
+        with _host_lock(a.kdat):
+            try:
+                res = do_ensure(a.criu, a.kdat) if a.action == "ensure" else do_remove(a.kdat)
+            except OSError as e:
+                res = KdatResult(a.kdat, "failed", str(e))
+                if a.action == "ensure":  # nothing half made is left: CRIU then probes as before
+                    with contextlib.suppress(OSError):
+                        do_remove(a.kdat)
+    except OSError as e:  # the lock (TimeoutError is one): nothing was changed
         res = KdatResult(a.kdat, "failed", str(e))
-        if a.action == "ensure":  # nothing half made is left: CRIU then probes as before
-            with contextlib.suppress(OSError):
-                do_remove(a.kdat)
     print(json.dumps(res.__dict__))
     return 0
 

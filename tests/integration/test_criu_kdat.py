@@ -11,6 +11,8 @@ left and the same dump probes again. Runs under the shared lock (it changes the 
 
 from __future__ import annotations
 
+import concurrent.futures
+import fcntl
 import json
 import os
 import shutil
@@ -131,3 +133,28 @@ def test_a_node_whose_run_is_a_tmpfs_is_left_to_criu() -> None:
     result, count = proc.stdout.strip().splitlines()
     assert json.loads(result)["state"] == "native", proc.stdout
     assert count == "0"
+
+
+def test_install_nodes_sharing_run_take_turns(settings: NodeSettings) -> None:
+    """Nodes of one host share /run (the e2e cluster's two nodes; every agent restarted at once runs
+    install-node on both together). Each ensure waits for the flock on /run: none unmounts another's
+    bind mid-way (the one that failed used to remove the cache for all), and the cache is there after."""
+    del settings  # for its skips and its uninstall afterwards
+    fd = os.open(os.path.dirname(KDAT), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another install-node at work
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            waiting = ex.submit(criu_kdat.ensure, "/usr/sbin/criu")
+            time.sleep(1.5)  # an unserialised ensure (a `criu check`) is done well within this
+            assert not waiting.done() and criu_kdat.mount_at(KDAT, mounts()) is None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            assert waiting.result(timeout=120).state == "mounted"
+    finally:
+        os.close(fd)
+    for _ in range(4):  # three at once, a few times over: every one mounts, one bind stays
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            states = [r.state for r in ex.map(lambda _: criu_kdat.ensure("/usr/sbin/criu"), range(3))]
+        assert states == ["mounted"] * 3, states
+        assert sum(m.mount_point == KDAT for m in mounts()) == 1
+    assert criu_kdat.remove().state == "removed"
+    assert criu_kdat.mount_at(KDAT, mounts()) is None and not os.path.exists(criu_kdat.cache_dir(KDAT))

@@ -209,7 +209,9 @@ def installed_agent(
     # mount namespace) put CRIU's kernel-feature cache on a tmpfs bound on /run/criu.kdat (shim/criu_kdat.py)
     kdat_native = criu_kdat.decide(criu_kdat.KDAT_FILE, _host_mounts()) == "native"
     bound = criu_kdat.mount_at(criu_kdat.KDAT_FILE, _host_mounts())
-    assert kdat_native or (bound is not None and bound.source == criu_kdat.SOURCE), bound
+    assert kdat_native or (bound is not None and bound.source == criu_kdat.SOURCE), (
+        f"after install, {criu_kdat.KDAT_FILE} is not the kdat cache install-node binds there: {bound}"
+    )
     try:
         yield installed
         # every CRIU that ran during the session was the installed one, handed to runc with --criu
