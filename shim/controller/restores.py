@@ -242,7 +242,7 @@ class RestoreWorker:
 
     def collect_garbage(self, *, now: float | None = None) -> list[str]:
         """Remove staged data of pods that are gone (deleted before their containers were created, say)
-        and downloads a crashed agent left; returns what was removed.
+        and the downloads and node-level staging a crashed agent left; returns what was removed.
 
         Each pod's staged dir (and its gates' dir) records the pod's namespace and name (POD_FILE); only dirs older than
         GC_GRACE_S and not in use are looked at, one GET each, so a steady agent lists nothing."""
@@ -260,16 +260,18 @@ class RestoreWorker:
                     continue
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
-        downloads = self.paths.downloads()
-        for name in _listdir(downloads):
-            path = os.path.join(downloads, name)
-            if _age(path, now) >= DOWNLOAD_GC_S:
-                if os.path.isdir(path) and not os.path.islink(path):
-                    shutil.rmtree(path, ignore_errors=True)
-                else:
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                removed.append(path)
+        # partial downloads, and a node-level restore's staged container dirs and private page dirs
+        # (`.pages-*`): each is consumed or removed within its restore; one this old outlived an agent
+        for parent in (self.paths.downloads(), os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-id")):
+            for name in _listdir(parent):
+                path = os.path.join(parent, name)
+                if _age(path, now) >= DOWNLOAD_GC_S:
+                    if os.path.isdir(path) and not os.path.islink(path):
+                        shutil.rmtree(path, ignore_errors=True)
+                    else:
+                        with contextlib.suppress(OSError):
+                            os.unlink(path)
+                    removed.append(path)
         return removed
 
     def _pod_still_here(self, path: str, uid: str) -> bool:

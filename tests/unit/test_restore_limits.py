@@ -157,11 +157,18 @@ def test_staged_data_of_pods_that_went_away_is_collected(tmp_path: Path) -> None
     stale = time.time() - DOWNLOAD_GC_S - 10
     os.utime(downloads / "sha256-x.123.part", (stale, stale))
     (downloads / "sha256-y.124.part").write_bytes(b"y")  # a restore running now
+    # a node-level restore's staging that a crashed agent left (its container and page dirs), and one now
+    by_id = Path(w.paths.staged_by_id("cid-old")).parent
+    for name in ("cid-old", ".pages-abc", "cid-now", ".pages-now"):
+        (by_id / name / "checkpoint").mkdir(parents=True)
+        if name.endswith("old") or name == ".pages-abc":
+            os.utime(by_id / name, (stale, stale))
     removed = w.collect_garbage()
     assert not gone.exists() and not replaced.exists()
     assert live.exists() and fresh.exists()  # live pod; too young to judge
     assert sorted(os.listdir(downloads)) == ["sha256-y.124.part"]
-    assert len(removed) == 3
+    assert sorted(os.listdir(by_id)) == [".pages-now", "cid-now"]
+    assert len(removed) == 5
     assert kube.gets == 3  # only the old dirs were looked up, one GET each
 
 
