@@ -65,18 +65,49 @@ class SignatureWriter(Protocol):
     def push_manifest(self, ref: Reference, manifest: bytes, media_type: str) -> str: ...
 
 
-def sign_snapshot(registry: SignatureWriter, ref: Reference, origin: Origin, key: SigningKey) -> Reference:
-    """Push the `.sig` image for ref (pinned by digest); returns the signature's tag reference."""
+@dataclass(frozen=True)
+class PendingSignature:
+    """A `.sig` image whose blobs are in the registry and whose tag is not (publish_signature)."""
+
+    tag: Reference
+    manifest: bytes
+
+
+def push_signature_blobs(
+    registry: SignatureWriter, ref: Reference, origin: Origin, key: SigningKey
+) -> PendingSignature:
+    """Sign `ref` (pinned by digest: its manifest need not be pushed yet) and upload the `.sig` image's two
+    blobs side by side; nothing is tagged. A checkpoint does this beside its own config, before its tag."""
     if not ref.digest:
         raise InvalidArgument(f"{ref}: only a snapshot pinned by digest can be signed")
     payload = simple_signing_payload(ref.name, ref.digest, origin, key.public.id)
     sig = signature_manifest([(payload, key.sign(payload))])
     tag = Reference(ref.registry, ref.repository, tag=signature_tag(ref.digest))
-    # the payload names this digest: nothing signed it before (at worst it is sent again), so no lookup
-    registry.push_blob(tag, digest=sig.manifest.layers[0].digest, size=len(payload), data=payload, fresh=True)
-    registry.push_blob(tag, digest=sig.manifest.config.digest, size=len(sig.config), data=sig.config)
-    registry.push_manifest(tag, sig.manifest.to_bytes(), C.OCI_MANIFEST)
-    return tag
+    # both name this digest (the payload; the config lists the payload's): nothing sent them before (at worst
+    # one is sent again), so no lookups
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sig-config") as pool:
+        config = pool.submit(
+            registry.push_blob,
+            tag,
+            digest=sig.manifest.config.digest,
+            size=len(sig.config),
+            data=sig.config,
+            fresh=True,
+        )
+        registry.push_blob(tag, digest=sig.manifest.layers[0].digest, size=len(payload), data=payload, fresh=True)
+        config.result()
+    return PendingSignature(tag, sig.manifest.to_bytes())
+
+
+def publish_signature(registry: SignatureWriter, pending: PendingSignature) -> Reference:
+    """Tag the `.sig` image (its blobs pushed by push_signature_blobs); returns the tag's reference."""
+    registry.push_manifest(pending.tag, pending.manifest, C.OCI_MANIFEST)
+    return pending.tag
+
+
+def sign_snapshot(registry: SignatureWriter, ref: Reference, origin: Origin, key: SigningKey) -> Reference:
+    """Push the `.sig` image for ref (pinned by digest); returns the signature's tag reference."""
+    return publish_signature(registry, push_signature_blobs(registry, ref, origin, key))
 
 
 def read_signatures(registry: SignatureReader, ref: Reference) -> list[SignatureCandidate]:

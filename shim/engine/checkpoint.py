@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from kubectl_snapshot.adapters.signatures import sign_snapshot
+from kubectl_snapshot.adapters.signatures import PendingSignature, publish_signature, push_signature_blobs
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes, delta_digests, has_deltas
@@ -376,12 +376,23 @@ def _package_and_push(
     if sealer is not None:
         config = replace(config, encryption=sealer.info(config.blob_digests()))
     t_up = clock()
-    result = _push(req.target, config, records, packaged, volumes_layer, registry)
-    if req.signing_key is not None:
-        t_sign = clock()
-        sign_snapshot(registry, result.reference, _origin(req, config), req.signing_key)
-        result.signed_by = req.signing_key.public.id
-        timings["sign_ms"] = (clock() - t_sign) * 1000  # part of upload_ms
+    key = req.signing_key
+    signed: Callable[[Reference], PendingSignature] | None = None
+    if key is not None:
+
+        def signed(pinned: Reference) -> PendingSignature:
+            t_sign = clock()
+            try:
+                return push_signature_blobs(registry, pinned, _origin(req, config), key)
+            finally:
+                timings["sign_ms"] = (clock() - t_sign) * 1000  # beside the config's upload
+
+    result, pending = _push(req.target, config, records, packaged, volumes_layer, registry, signed)
+    if pending is not None and key is not None:
+        t_tag = clock()
+        publish_signature(registry, pending)
+        result.signed_by = key.public.id
+        timings["sign_ms"] = timings.get("sign_ms", 0.0) + (clock() - t_tag) * 1000  # part of upload_ms
     timings["upload_ms"] = (clock() - t_up) * 1000
     return result
 
@@ -733,8 +744,13 @@ def _push(
     packaged: Sequence[PackagedContainer],
     volumes_layer: PackagedBlob | None,
     registry: Registry,
-) -> CheckpointResult:
-    """Config and manifest, after every blob is in the registry: no tag ever points at a partial snapshot."""
+    signed: Callable[[Reference], PendingSignature] | None = None,
+) -> tuple[CheckpointResult, PendingSignature | None]:
+    """Config and manifest, after every blob is in the registry: no tag ever points at a partial snapshot.
+
+    `signed`: signs the snapshot (pinned by its manifest's digest, known before the push) and uploads the
+    signature's blobs, beside the config's upload; the snapshot is tagged only once they are in (a
+    signature that cannot be stored leaves no tag behind). The signature's tag is the caller's to push."""
     config_bytes = config.to_bytes()
     config_desc = Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
     descs = [
@@ -766,20 +782,18 @@ def _push(
     chunk_type = layer_media_type(C.CHUNK_MEDIA_TYPE, config)
     delta_type, deltas = layer_media_type(C.DELTA_MEDIA_TYPE, config), delta_digests(all_pages)
     descs.extend(Descriptor(delta_type if d in deltas else chunk_type, d, sizes[d]) for d in chunk_digests(all_pages))
-    # the config names this snapshot's creation time: no registry has it yet
-    if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes, fresh=True):
-        sent += len(config_bytes)
     manifest = build_manifest(
         config=config_desc,
         layers=descs,
         artifact_type=C.ARTIFACT_TYPE,
         annotations=manifest_annotations(config),
-    )
-    digest = registry.push_manifest(target, manifest.to_bytes(), C.OCI_MANIFEST)
-    return CheckpointResult(
-        reference=replace(target, tag=None, digest=digest),
-        tagged=target,
-        config=config,
-        size=stored,
-        uploaded=sent,
-    )
+    ).to_bytes()
+    pinned = replace(target, tag=None, digest=sha256_digest(manifest))
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sign") as pool:
+        signing = pool.submit(signed, pinned) if signed is not None else None
+        # the config names this snapshot's creation time: no registry has it yet
+        if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes, fresh=True):
+            sent += len(config_bytes)
+        pending = signing.result() if signing is not None else None
+    registry.push_manifest(target, manifest, C.OCI_MANIFEST)
+    return CheckpointResult(reference=pinned, tagged=target, config=config, size=stored, uploaded=sent), pending

@@ -219,6 +219,22 @@ def test_pushed_snapshot_is_signed_and_holds_no_environment(tmp_path: Path) -> N
     assert sig.config.digest in reg.blobs  # the registry needs the config blob before the manifest
 
 
+def test_a_signature_that_cannot_be_stored_leaves_no_tag_and_the_pod_running(tmp_path: Path) -> None:
+    """The signature's blobs go up beside the config, before the snapshot's tag: when they fail, the
+    snapshot is never tagged (nothing unsigned is left under the name) and the containers run on."""
+
+    class SigBlobsFail(FakeRegistry):
+        def push_blob(self, ref: Reference, **kw: Any) -> bool:
+            if (ref.tag or "").endswith(".sig"):
+                raise Unavailable("connection reset mid-push")
+            return super().push_blob(ref, **kw)
+
+    cd, reg = FakeContainerd({"a"}), SigBlobsFail()
+    with pytest.raises(Unavailable):
+        run(cd, reg, tmp_path, containers=["a"], signing_key=SigningKey.generate())
+    assert reg.manifests == {} and cd.paused == set() and cd.killed == set()
+
+
 def test_unsigned_without_a_key(tmp_path: Path) -> None:
     cd, reg = FakeContainerd({"a"}), FakeRegistry()
     result = run(cd, reg, tmp_path, containers=["a"])
