@@ -465,6 +465,12 @@ def _create_in_restored_pod(
         return 0
 
 
+def _load_restore_code() -> None:
+    """Import what a restore needs after the gate opens (the image check, the pod's old addresses)."""
+    import shim.criu_guard
+    import shim.oldaddrs  # noqa: F401
+
+
 def run(argv: Sequence[str]) -> int:  # returns only for create/start of a restore
     trace("started")
     inv = parse_invocation(argv)
@@ -473,11 +479,12 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
     if inv.command == "create":
         create = parse_create(inv.args)
         spec = bundle_spec(create.bundle)
-        # created while its data downloads: a node-level restore's gate, or a restored pod's
-        why = wait_staged(paths, create.container_id)
+        # created while its data downloads: a node-level restore's gate, or a restored pod's; while it
+        # waits, the image check's code is loaded (only where there is a gate: an ordinary create does not)
+        why = wait_staged(paths, create.container_id, meanwhile=_load_restore_code)
         key = pod_key(spec)
         if why is None and key is not None:
-            why = wait_pod_staged(paths, *key, expected=resuming(spec, key[1]))
+            why = wait_pod_staged(paths, *key, expected=resuming(spec, key[1]), meanwhile=_load_restore_code)
         trace("staged")
         if why is not None:
             msg = f"refusing to restore: {why}"

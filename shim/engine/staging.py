@@ -13,6 +13,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kubectl_snapshot.core import constants as C
@@ -163,10 +164,12 @@ def _read_answer(path: str) -> tuple[str, str] | None:
     return state, message
 
 
-def _wait_unlocked(path: str, timeout_s: float) -> bool | None:
+def _wait_unlocked(path: str, timeout_s: float, meanwhile: Callable[[], object] | None = None) -> bool | None:
     """Wait until nobody holds the gate: None when there is no gate, False when the wait timed out.
     The lock is taken by a daemon thread, so the wait is bounded without signals; one that times out
-    is left blocked in the kernel and ends with the process."""
+    is left blocked in the kernel and ends with the process. `meanwhile` runs while the lock is waited
+    for (only where there is a gate; its errors are ignored: what it prepares is done again later)."""
+    deadline = time.monotonic() + max(timeout_s, 0.0)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -181,7 +184,10 @@ def _wait_unlocked(path: str, timeout_s: float) -> bool | None:
         locked.set()
 
     threading.Thread(target=lock, name="staging-gate", daemon=True).start()
-    return locked.wait(max(timeout_s, 0.0))
+    if meanwhile is not None:
+        with contextlib.suppress(Exception):
+            meanwhile()
+    return locked.wait(max(deadline - time.monotonic(), 0.0))
 
 
 def _verdict(answer: tuple[str, str]) -> str | None:
@@ -189,15 +195,21 @@ def _verdict(answer: tuple[str, str]) -> str | None:
     return None if state == READY else f"the agent's staging of this restore failed: {message or 'no reason'}"
 
 
-def wait_staged(paths: StatePaths, container_id: str, *, timeout_s: float = GATE_WAIT_S) -> str | None:
+def wait_staged(
+    paths: StatePaths,
+    container_id: str,
+    *,
+    timeout_s: float = GATE_WAIT_S,
+    meanwhile: Callable[[], object] | None = None,
+) -> str | None:
     """The hook's side of a node-level gate: None once this container's staged data is complete (at
     once when no agent gated it); otherwise why it will not be (staging failed, the agent is gone, or
-    too slow)."""
+    too slow). `meanwhile`: what the hook can do while it waits (run only where there is a gate)."""
     try:
         path = paths.staging_gate(container_id)
     except InvalidArgument:
         return None
-    unlocked = _wait_unlocked(path, timeout_s)
+    unlocked = _wait_unlocked(path, timeout_s, meanwhile)
     if unlocked is None:
         return None
     if not unlocked:
@@ -217,6 +229,7 @@ def wait_pod_staged(
     *,
     expected: bool = False,
     timeout_s: float = POD_GATE_WAIT_S,
+    meanwhile: Callable[[], object] | None = None,
 ) -> str | None:
     """The hook's side of a pod gate: None once the agent answered "ready" (at once when no agent gated
     this container, unless the gate is `expected`: a resuming pod's, which the agent takes when it
@@ -236,7 +249,8 @@ def wait_pod_staged(
                 )
             time.sleep(_APPEAR_POLL_S)
     while True:
-        unlocked = _wait_unlocked(path, max(deadline - time.monotonic(), 0.05))  # a free lock is got at once
+        unlocked = _wait_unlocked(path, max(deadline - time.monotonic(), 0.05), meanwhile)  # a free lock: at once
+        meanwhile = None
         if unlocked is None:
             return None
         answer = _read_answer(path) if unlocked else None

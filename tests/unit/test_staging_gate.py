@@ -36,6 +36,38 @@ def test_the_hook_waits_for_ready(tmp_path: Path) -> None:
     assert not os.path.exists(paths.staging_gate("c1")) and not os.path.exists(paths.staging_gate("c1") + ".state")
 
 
+def test_the_hook_prepares_while_it_waits_only_where_there_is_a_gate(tmp_path: Path) -> None:
+    """`meanwhile` (the hook loads the image check's code) runs during the wait, not after it; never for
+    an ungated create; its failure does not change the answer; the deadline counts its time too."""
+    paths = StatePaths(str(tmp_path))
+    ran: list[bool] = []
+    gate = StagingGate(paths.staging_gate("c1"))
+    timer = threading.Timer(0.3, gate.answer, args=(READY,))
+    timer.start()
+    try:
+        assert wait_staged(paths, "c1", meanwhile=lambda: ran.append(gate.answered)) is None
+    finally:
+        timer.join()
+        gate.close()
+    assert ran == [False]  # before the agent answered
+    assert wait_staged(paths, "plain", meanwhile=lambda: ran.append(True)) is None and ran == [False]
+
+    def broken() -> None:
+        raise ImportError("no module named shim.criu_guard")
+
+    gate = StagingGate(paths.staging_gate("c2"))
+    gate.answer(READY)
+    os.close(gate._fd)
+    assert wait_staged(paths, "c2", meanwhile=broken) is None
+    slow = StagingGate(paths.staging_gate("c3"))
+    t = time.monotonic()
+    try:
+        why = wait_staged(paths, "c3", timeout_s=0.3, meanwhile=lambda: time.sleep(0.2))
+    finally:
+        slow.close()
+    assert why is not None and 0.29 <= time.monotonic() - t < 0.45, why
+
+
 def test_failed_staging_is_refused_with_its_reason(tmp_path: Path) -> None:
     paths = StatePaths(str(tmp_path))
     gate = StagingGate(paths.staging_gate("c1"))
