@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 from kubectl_snapshot.console import leave
 from kubectl_snapshot.console.formats import formatted
 from kubectl_snapshot.core import constants as C
 from shim import localapi
 from shim.agent_text import checkpoint_text, restore_text
+
+TYPE_CHECKING = False  # typing is not imported at run time: the client's start-up (ks-agent)
+if TYPE_CHECKING:
+    from typing import Any
 
 TEXT = {"checkpoint": checkpoint_text, "restore": restore_text}
 

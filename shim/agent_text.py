@@ -3,7 +3,9 @@ or the node's agent ran it for this client (shim/agent_entry.py)."""
 
 from __future__ import annotations
 
-from typing import Any
+TYPE_CHECKING = False  # typing is not imported at run time: the client's start-up (ks-agent)
+if TYPE_CHECKING:
+    from typing import Any
 
 
 def checkpoint_text(d: dict[str, Any]) -> str:

@@ -30,11 +30,12 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
 
+TYPE_CHECKING = False  # typing is not imported at run time: the client's start-up (ks-agent)
 if TYPE_CHECKING:
     import logging
     import queue
+    from typing import Any
 
 SOCKET_ENV = "KUBECTL_SNAPSHOT_AGENT_SOCKET"  # a path, or "none": always run standalone
 SOCKET_NAME = "agent.sock"
@@ -54,8 +55,8 @@ _ENV_NAMES = (
     "TMPDIR", "PYTHONPATH",
 )  # fmt: skip
 
-Send = Callable[[dict[str, Any]], None]
-Handler = Callable[[dict[str, Any], Send], None]
+Send = Callable[[dict[str, "Any"]], None]
+Handler = Callable[[dict[str, "Any"], Send], None]
 
 
 def _log() -> logging.Logger:

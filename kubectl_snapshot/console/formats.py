@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+
+TYPE_CHECKING = False  # typing is not imported at run time: the client's start-up (ks-agent)
+if TYPE_CHECKING:
+    from typing import Any
 
 FORMATS = ("text", "wide", "name", "json", "yaml", "jsonpath=TEMPLATE")
 

@@ -22,7 +22,10 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import NoReturn
+
+TYPE_CHECKING = False  # typing is not imported at run time: the client's start-up (ks-agent)
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 
 def exit_code(code: object) -> int:

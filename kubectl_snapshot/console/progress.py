@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import sys
 from types import TracebackType
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False  # typing is not imported at run time: the client's start-up (ks-agent)
 
 if TYPE_CHECKING:
     from tqdm import tqdm

@@ -7,7 +7,9 @@ Upstream vocabulary is reused where it exists: checkpointctl's archive names and
 
 from __future__ import annotations
 
-from typing import Final
+TYPE_CHECKING = False  # typing is not imported at run time: the client's start-up (ks-agent)
+if TYPE_CHECKING:
+    from typing import Final
 
 # v2 = v1 + memory pages as content-addressed chunks; v3 = v2 + a cosign signature beside it and no
 # process.env in the recorded runtime specs; v4 = v3 + page deltas (a chunk = a base chunk + the pages

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -156,3 +158,14 @@ def test_a_client_that_does_not_read_never_holds_up_the_work(tmp_path: Path) -> 
     finally:
         server.stop()
     assert 0 < len(lines) < 20000 and lines[-1] == b'{"result":{}}'
+
+
+def test_the_client_imports_only_what_forwarding_needs() -> None:
+    """`ks-agent checkpoint|restore` served by the warm agent: its start-up is part of every served save and
+    restore. The client side loads the standard library's basics, the local API and the console's
+    output, nothing of the server's (logging, grpc, the engine) and not even typing (annotations only)."""
+    code = "import sys, shim.agent_entry, kubectl_snapshot.console.progress; print(' '.join(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    heavy = {"typing", "logging", "dataclasses", "grpc", "requests", "urllib3", "click", "tqdm", "shim.engine"}
+    assert not heavy & set(out), sorted(heavy & set(out))
+    assert not [m for m in out if m.startswith(("shim.engine.", "kubectl_snapshot.adapters", "shim.controller"))]
