@@ -1,6 +1,6 @@
 """Sign a pushed snapshot and verify one, with the signatures where cosign keeps them; keys and trust on disk.
 
-Shared by the agent (signs after push, verifies before it downloads any layer) and the plugin
+Shared by the agent (signs beside the push, before the tag; verifies before it downloads any layer) and the plugin
 (`inspect` shows the verdict). The rules are in `core.provenance`; this module only moves bytes
 (the registry is a port; key and trust files are read from the paths given).
 """

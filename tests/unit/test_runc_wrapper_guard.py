@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,6 +62,32 @@ def test_matching_images_go_on_to_runc_restore(tmp_path: Path) -> None:
     assert rc == 0, log
     args = ran.read_text().split()
     assert args[:3] == ["--log", str(tmp_path / "runc.log"), "restore"], args
+
+
+def test_the_used_staged_dir_is_gone_at_once_and_deleted_in_the_background(tmp_path: Path) -> None:
+    """After the restore the staged dir is no longer there under its name when create returns (a re-create
+    starts afresh); its files are deleted by a detached process that keeps none of the hook's output
+    open (run_create reads the hook's output to its end), and nothing is left in the end."""
+    rc, log, _ = run_create(tmp_path, bundle())
+    assert rc == 0, log
+    by_id = tmp_path / "state" / "staged" / "by-id"
+    assert not (by_id / "c1").exists()
+    deadline = time.monotonic() + 10
+    while os.listdir(by_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.listdir(by_id) == []
+
+
+def test_a_staged_dir_that_cannot_be_renamed_is_removed_in_place(tmp_path: Path) -> None:
+    from shim.runc_wrapper import remove_detached
+
+    staged = tmp_path / "c1"
+    (staged / "checkpoint").mkdir(parents=True)
+    (staged / "checkpoint" / "pages-1.img").write_bytes(b"x" * 8192)
+    (tmp_path / f".removing-c1-{os.getpid()}").mkdir()  # the trash name is taken: rename fails
+    (tmp_path / f".removing-c1-{os.getpid()}" / "other").write_bytes(b"")
+    remove_detached(str(staged))
+    assert not staged.exists()
 
 
 def test_a_planted_restore_log_receives_nothing(tmp_path: Path) -> None:
