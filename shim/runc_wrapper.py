@@ -389,8 +389,8 @@ def _restore(
 def remove_detached(path: str) -> None:
     """Take `path` (a used staged dir) away at once and delete it in a detached process.
 
-    Freeing the page files is the file system's work (about 20 ms for 64 MiB on these VMs' ext4), and
-    containerd's create waits for this process: the dir is renamed to a dot name beside it (atomic; no
+    Freeing the page files is the file system's work, which grows with the snapshot, and containerd's
+    create waits for this process: the dir is renamed to a dot name beside it (atomic; no
     staged dir has a leading dot, so nothing finds it again) and removed by a grandchild that holds none
     of this process's descriptors (containerd reads this process's output to its end). Whatever stops
     that grandchild leaves the dot dir to the agent's garbage collection; any failure before it: removed
