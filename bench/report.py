@@ -189,6 +189,7 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
         ms("python_startup_ms"),
         ms("image_check_ms") + _decoded(b.get("images_decoded_in_hook")),
         ms("runc_restore_ms") + (f" (CRIU's log {ms('criu_restore_log_ms')})" if b.get("criu_restore_log_ms") else ""),
+        ms("after_restore_ms"),
         _ms(raw.get("restore_s")),
         ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "-",
     ]
@@ -277,7 +278,8 @@ def markdown(result: dict[str, Any]) -> str:
         "starts its shim and the runtime hook, whose create waits at the staging gate until the data is complete "
         "(hook waited); create + start is what is left after the download. The hook's create is the restore (its "
         "launcher starting Python on the hook, the CRIU image check with the number of images it decoded itself, "
-        "the rest coming from the agent's decode cache, `runc restore`; hook create leaves out the wait); every "
+        "the rest coming from the agent's decode cache, `runc restore`, what the hook does after it: the pod's "
+        "loopback, the restored marker, the used staged dir taken away; hook create leaves out the wait); every "
         "other call containerd's shim makes goes from the launcher to runc without Python (the count of calls per "
         "runc command during the last run's restore). The first column: pull->running (served; in-agent) against "
         "the same restores with the containers created only after the download "
@@ -286,7 +288,7 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     parts_header = ["pull->running vs created after the download", "in-agent restore", "resolve", "download",
                     "create + start", "hook create", "hook waited", "hook: Python start-up", "hook: image check",
-                    "hook: runc restore", "raw criu restore", "hook calls"]  # fmt: skip
+                    "hook: runc restore", "hook: after it", "raw criu restore", "hook calls"]  # fmt: skip
     lines += _table(result, parts_header, _restore_parts)
     breakdowns = [((row.get("agent") or {}).get("restore_breakdown") or {}) for row in result["rows"]]
     gaps = [(row, b.get("restore_log_gaps")) for row, b in zip(result["rows"], breakdowns, strict=True)]

@@ -300,6 +300,8 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
             if int(entry["pid"]) in decoded:
                 out["images_decoded_in_hook"] = decoded[int(entry["pid"])]
             out["runc_restore_ms"] = (ph["after-restore"] - ph["runc-restore"]) * 1000
+            if "done" in ph:  # the pod's loopback, the marker, the used staged dir taken away
+                out["after_restore_ms"] = (ph["done"] - ph["after-restore"]) * 1000
             # created while the data downloaded: the hook waited at the staging gate (not part of its work)
             waited = ph["staged"] - ph["started"] if "staged" in ph else 0.0
             out["staged_wait_ms"] = waited * 1000
