@@ -168,12 +168,19 @@ def _wait_unlocked(path: str, timeout_s: float, meanwhile: Callable[[], object] 
     """Wait until nobody holds the gate: None when there is no gate, False when the wait timed out.
     The lock is taken by a daemon thread, so the wait is bounded without signals; one that times out
     is left blocked in the kernel and ends with the process. `meanwhile` runs while the lock is waited
-    for (only where there is a gate; its errors are ignored: what it prepares is done again later)."""
+    for (only where the gate is held; its errors are ignored: what it prepares is done again later)."""
     deadline = time.monotonic() + max(timeout_s, 0.0)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return None
+    try:  # a gate nobody holds (answered long ago: a restarted container reads it again) is passed at once
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pass
+    else:
+        os.close(fd)
+        return True
     locked = threading.Event()
 
     def lock() -> None:  # the lock only says that the agent let go: the file is closed once it is got

@@ -38,7 +38,8 @@ def test_the_hook_waits_for_ready(tmp_path: Path) -> None:
 
 def test_the_hook_prepares_while_it_waits_only_where_there_is_a_gate(tmp_path: Path) -> None:
     """`meanwhile` (the hook loads the image check's code) runs during the wait, not after it; never for
-    an ungated create; its failure does not change the answer; the deadline counts its time too."""
+    an ungated create or a gate already let go; its failure does not change the answer; the deadline
+    counts its time too."""
     paths = StatePaths(str(tmp_path))
     ran: list[bool] = []
     gate = StagingGate(paths.staging_gate("c1"))
@@ -57,8 +58,14 @@ def test_the_hook_prepares_while_it_waits_only_where_there_is_a_gate(tmp_path: P
 
     gate = StagingGate(paths.staging_gate("c2"))
     gate.answer(READY)
-    os.close(gate._fd)
-    assert wait_staged(paths, "c2", meanwhile=broken) is None
+    os.close(gate._fd)  # answered and let go: passed at once, nothing prepared
+    assert wait_staged(paths, "c2", meanwhile=lambda: ran.append(True)) is None and ran == [False]
+    gate = StagingGate(paths.staging_gate("c4"))
+    threading.Timer(0.2, gate.answer, args=(READY,)).start()
+    try:
+        assert wait_staged(paths, "c4", meanwhile=broken) is None
+    finally:
+        gate.close()
     slow = StagingGate(paths.staging_gate("c3"))
     t = time.monotonic()
     try:
