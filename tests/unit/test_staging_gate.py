@@ -43,7 +43,7 @@ def test_the_hook_prepares_while_it_waits_only_where_there_is_a_gate(tmp_path: P
     paths = StatePaths(str(tmp_path))
     ran: list[bool] = []
     gate = StagingGate(paths.staging_gate("c1"))
-    timer = threading.Timer(0.3, gate.answer, args=(READY,))
+    timer = threading.Timer(1.0, gate.answer, args=(READY,))
     timer.start()
     try:
         assert wait_staged(paths, "c1", meanwhile=lambda: ran.append(gate.answered)) is None
@@ -68,11 +68,11 @@ def test_the_hook_prepares_while_it_waits_only_where_there_is_a_gate(tmp_path: P
         gate.close()
     slow = StagingGate(paths.staging_gate("c3"))
     t = time.monotonic()
-    try:
-        why = wait_staged(paths, "c3", timeout_s=0.3, meanwhile=lambda: time.sleep(0.2))
+    try:  # the deadline counts the meanwhile's 1.5 s: given up then, not at 1.5 + 1.0 s
+        why = wait_staged(paths, "c3", timeout_s=1.0, meanwhile=lambda: time.sleep(1.5))
     finally:
         slow.close()
-    assert why is not None and 0.29 <= time.monotonic() - t < 0.45, why
+    assert why is not None and 1.49 <= time.monotonic() - t < 2.3, why
 
 
 def test_failed_staging_is_refused_with_its_reason(tmp_path: Path) -> None:
