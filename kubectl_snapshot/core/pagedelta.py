@@ -32,6 +32,8 @@ import struct
 from dataclasses import dataclass
 from typing import Protocol
 
+import xxhash
+
 from kubectl_snapshot.core.chunks import PAGE_SIZE, delta_raw_length
 from kubectl_snapshot.core.errors import DigestMismatch
 
@@ -43,7 +45,7 @@ MAX_DELTA_FRACTION = 0.5
 # ... or up to this share while at least 3/4 of the delta changed since the previous snapshot
 MAX_LARGE_DELTA_FRACTION = 0.875
 _PIECE = 2047  # below CPython's HASHLIB_GIL_MINSIZE (2048): see page_hashes
-PAGE_HASH_BYTES = 16  # truncated sha256 (SHA-NI makes it the fastest hash here; 128 bits: no accidents)
+PAGE_HASH_BYTES = 16  # XXH3-128 (clear scopes) or truncated sha256 (sealed scopes): 128 bits, no accidents
 _HINT = "the snapshot is corrupted or was crafted; do not restore it"
 
 
@@ -65,12 +67,30 @@ class _Hash(Protocol):
     def update(self, data: bytes, /) -> None: ...
 
 
-def page_hashes(raw: bytes | bytearray | memoryview, *, whole: _Hash | None = None) -> bytes:
-    """The concatenated PAGE_HASH_BYTES-byte hashes of every page of `raw` (a multiple of PAGE_SIZE).
+def page_hashes(raw: bytes | bytearray | memoryview) -> bytes:
+    """The concatenated PAGE_HASH_BYTES-byte hashes of every page of `raw` (a multiple of PAGE_SIZE):
+    XXH3-128, what a clear scope's page index compares to tell changed pages from unchanged ones.
 
-    `whole`: a hash object fed each page's full sha256, in order: a collision-resistant digest of the
-    whole of `raw` for the price of one more call per page (the sealed chunk's key seed, shim/engine/
-    stream.py), where a second pass over the bytes would cost a full sha256 of the chunk."""
+    Why not a cryptographic hash: these hashes only decide which pages a node sends; they name no
+    blob and no key (every stored byte is still named by its blob's sha256 in the signed config). A
+    collision would put the base's old page in the next snapshot, and only the memory being saved can
+    cause one: a process that could craft it can write any content into its own memory anyway, and a
+    scope is one repository and container. By accident: 2^-128 per page pair. What it buys: one C call
+    per page, ~8x cheaper than sha256 with SHA-NI in Python (`page_digests`), for every page of every
+    save (docs/performance.md, "Page hashes without SHA-256")."""
+    if len(raw) % PAGE_SIZE:
+        raise ValueError("page hashes need whole pages")
+    h = xxhash.xxh3_128_digest
+    with memoryview(raw) as view:
+        return b"".join([h(view[i : i + PAGE_SIZE]) for i in range(0, len(view), PAGE_SIZE)])
+
+
+def page_digests(raw: bytes | bytearray | memoryview, whole: _Hash) -> bytes:
+    """Like `page_hashes`, with truncated sha256 per page, for a sealed scope: `whole` is fed each
+    page's full sha256, in order, a collision-resistant digest of the whole of `raw` that a sealed
+    chunk's convergent key derives from (shim/engine/stream.key_seed), where a second pass over the
+    bytes would cost a full sha256 of the chunk. A sealed scope keeps these throughout: its index
+    never mixes the two kinds of hash (the scope names the key, shim/engine/pageindex.scope_key)."""
     if len(raw) % PAGE_SIZE:
         raise ValueError("page hashes need whole pages")
     out = bytearray()
@@ -86,8 +106,7 @@ def page_hashes(raw: bytes | bytearray | memoryview, *, whole: _Hash | None = No
             h.update(view[i + 2 * _PIECE : i + PAGE_SIZE])
             d = h.digest()
             out += d[:PAGE_HASH_BYTES]
-            if whole is not None:
-                whole.update(d)
+            whole.update(d)
     return bytes(out)
 
 

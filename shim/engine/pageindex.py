@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from kubectl_snapshot.core.chunks import PAGE_SIZE
 from kubectl_snapshot.core.oci import is_digest
 
-MAGIC = b"KSPIDX1\n"
+# v2: a clear scope's page hashes are XXH3-128 (v1: truncated sha256); a v1 file is not read (full
+# chunks once, then v2)
+MAGIC = b"KSPIDX2\n"
 MAX_FILE_BYTES = 128 << 20  # page hashes are 1/256 of the memory (twice for deltas): 16 GiB containers
 MAX_FILES = 256
 _LEN = struct.Struct("<I")

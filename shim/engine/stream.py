@@ -30,7 +30,14 @@ import zstandard
 
 from kubectl_snapshot.core.chunks import PAGE_SIZE, Chunk, Delta, PagesFile, delta_raw_length
 from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
-from kubectl_snapshot.core.pagedelta import apply_delta, encode_delta, page_hashes, plan_delta, worth_a_delta
+from kubectl_snapshot.core.pagedelta import (
+    apply_delta,
+    encode_delta,
+    page_digests,
+    page_hashes,
+    plan_delta,
+    worth_a_delta,
+)
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener, Sealer
 from shim.archive import tar_directory
@@ -90,7 +97,7 @@ _SEED_LABEL = b"kubectl-snapshot/chunk-seed/pages/v1\0"
 
 def key_seed(page_digest: bytes, raw_length: int, packed_length: int) -> bytes:
     """The seed of a sealed chunk's convergent data key when its pages were hashed anyway: derived from
-    the sha256 of every page (`page_digest`, see core/pagedelta.page_hashes) and the packer, which
+    the sha256 of every page (`page_digest`, see core/pagedelta.page_digests) and the packer, which
     together determine the compressed plaintext, so no second sha256 pass over the chunk is needed
     (the registry still needs one over the ciphertext)."""
     return hashlib.sha256(
@@ -192,7 +199,12 @@ def push_chunks(
                 raise OSError(f"{name} shrank while it was being packaged")
             hashing = index is not None and bool(keys) and length % PAGE_SIZE == 0
             whole = hashlib.sha256() if hashing and sealer is not None else None  # the key seed's digest
-            hashes = page_hashes(raw, whole=whole) if hashing else None
+            if not hashing:
+                hashes = None
+            elif whole is not None:  # sealed: the pages' sha256s also name the content (the key's seed)
+                hashes = page_digests(raw, whole)
+            else:
+                hashes = page_hashes(raw)
             key = keys[0] if keys else ""
             if index is not None and hashes is not None:
                 # the base of the same address range: found by the first page's window, or another

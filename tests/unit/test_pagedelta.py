@@ -35,6 +35,7 @@ from kubectl_snapshot.core.pagedelta import (
     PAGE_HASH_BYTES,
     apply_delta,
     encode_delta,
+    page_digests,
     page_hashes,
     plan_delta,
     worth_a_delta,
@@ -82,12 +83,23 @@ def test_pages_are_matched_by_address_when_the_range_gains_and_loses_pages() -> 
     assert apply_delta(base, delta, length=len(new), literals=11, copies=2, where="t") == new
 
 
-def test_page_hashes_are_truncated_sha256_of_each_page() -> None:
+def test_page_hashes_are_xxh3_128_of_each_page_and_page_digests_truncated_sha256() -> None:
     import hashlib
 
+    import xxhash
+
     a = chunk(3)
-    want = b"".join(hashlib.sha256(a[i * PAGE_SIZE : (i + 1) * PAGE_SIZE]).digest()[:PAGE_HASH_BYTES] for i in range(3))
-    assert page_hashes(a) == want
+    pages = [a[i * PAGE_SIZE : (i + 1) * PAGE_SIZE] for i in range(3)]
+    assert page_hashes(a) == b"".join(xxhash.xxh3_128_digest(p) for p in pages)
+    assert len(page_hashes(a)) == 3 * PAGE_HASH_BYTES
+    whole = hashlib.sha256()
+    assert page_digests(a, whole) == b"".join(hashlib.sha256(p).digest()[:PAGE_HASH_BYTES] for p in pages)
+    changed = bytearray(a)
+    changed[2 * PAGE_SIZE + 4095] ^= 1  # the last byte of the last page
+    assert page_hashes(changed)[: 2 * PAGE_HASH_BYTES] == page_hashes(a)[: 2 * PAGE_HASH_BYTES]
+    assert page_hashes(changed)[2 * PAGE_HASH_BYTES :] != page_hashes(a)[2 * PAGE_HASH_BYTES :]
+    with pytest.raises(ValueError):
+        page_digests(b"x" * 100, hashlib.sha256())
 
 
 def test_an_unchanged_chunk_is_its_base_and_inconsistent_inputs_give_no_plan() -> None:
@@ -324,7 +336,7 @@ def test_window_keys_name_every_window_a_chunk_covers_first_page_first() -> None
 def test_the_sealed_key_seed_names_the_content_and_the_packer() -> None:
     def seed(raw: bytes | bytearray, packed_length: int = 100) -> bytes:
         whole = hashlib.sha256()
-        page_hashes(raw, whole=whole)
+        page_digests(raw, whole)
         return key_seed(whole.digest(), len(raw), packed_length)
 
     a = chunk(4)
@@ -335,7 +347,7 @@ def test_the_sealed_key_seed_names_the_content_and_the_packer() -> None:
     assert seed(a[: 3 * PAGE_SIZE]) != seed(a)
     assert seed(a, 101) != seed(a)  # another packing of the same pages: another key
     whole = hashlib.sha256()
-    page_hashes(a, whole=whole)  # the digest of the pages' full sha256s, not of the bytes
+    page_digests(a, whole)  # the digest of the pages' full sha256s, not of the bytes
     assert (
         whole.digest()
         == hashlib.sha256(
