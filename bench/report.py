@@ -217,6 +217,7 @@ def _checkpoint_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any]
     )  # fmt: skip
     return [
         ms("wall_ms"),
+        ahead,
         "-" if outside is None else f"{outside:.0f} ms",
         ms("total_ms"),
         ms("preflight_ms"),
@@ -226,7 +227,6 @@ def _checkpoint_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any]
         ms("upload_ms"),
         ms("sign_ms"),
         " / ".join(_ms(raw.get(k)) for k in ("dump_s", "zstd_s", "sha_s", "upload_s")),
-        ahead,
     ]
 
 
@@ -310,19 +310,19 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "Where a served checkpoint's time goes (medians): the command's wall time, of which outside the agent's "
-        "own timing (the client's start-up, the request, the answer) and in-agent: preflight (the containers, "
+        "own timing (the client's start-up, the request, the answer) and in-agent; against the same checkpoints "
+        "served by a second agent that compresses nothing during the dump (KUBECTL_SNAPSHOT_PACK_AHEAD=0, "
+        "alternated): checkpoint->pushed, the freeze, and how many page chunks were compressed during the dump "
+        "(of all, and how many of them packaging took); preflight (the containers, "
         "the registry, the node's facts, the liveness budgets), the freeze (of which CRIU under runc), package "
         "(page chunks compressed, hashed and pushed, the layer of CRIU's other images beside them), upload "
-        "(config, manifest and signature, of which signing); the serial bound's parts; last, against the same "
-        "checkpoints served by a second agent that compresses nothing during the dump (KUBECTL_SNAPSHOT_PACK_AHEAD=0, "
-        "alternated): checkpoint->pushed and the freeze, and the page chunks compressed during the dump (of all "
-        "chunks; how many of them packaging took) over the measured runs.",
+        "(config, manifest and signature, of which signing); last, the serial bound's parts.",
         "",
     ]
-    ckpt_header = ["checkpoint->pushed", "outside the agent", "in-agent", "preflight", "freeze", "of which CRIU",
+    ckpt_header = ["checkpoint->pushed", "vs nothing packed during the dump", "outside the agent", "in-agent",
+                   "preflight", "freeze", "of which CRIU",
                    "package", "config, manifest, signature", "of which signing",
-                   "serial bound parts (dump / zstd / sha256 / upload)",
-                   "vs nothing packed during the dump"]  # fmt: skip
+                   "serial bound parts (dump / zstd / sha256 / upload)"]  # fmt: skip
     lines += _table(result, ckpt_header, _checkpoint_parts)
     errors = [
         f"- {row['kind']} {row['mib']} MiB {p}: {row[p]['error']}"
