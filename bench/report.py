@@ -64,9 +64,6 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         # like for like: both standalone (a save without page deltas runs standalone, bench/run.py)
         "pushed_vs_no_deltas": _r(ag.get("pushed_standalone_s", ag.get("pushed_s")), ag.get("pushed_no_deltas_s")),
         "pushed_internal_vs_no_deltas": _r(ag.get("pushed_internal_s"), ag.get("pushed_internal_no_deltas_s")),
-        # page chunks compressed during the dump's tail vs only after the thaw (both served, alternated)
-        "pushed_vs_no_ahead": _r(ag.get("pushed_s"), ag.get("pushed_no_ahead_s")),
-        "freeze_vs_no_ahead": _r(ag.get("freeze_s"), ag.get("freeze_no_ahead_s")),
         # containers created while the data downloads vs only after it (both served, alternated)
         "restore_vs_late_create": _r(ag.get("restore_s"), ag.get("restore_late_create_s")),
         "restore_internal_vs_late_create": _r(ag.get("restore_internal_s"), ag.get("restore_late_create_internal_s")),
@@ -210,14 +207,8 @@ def _checkpoint_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any]
         return "-" if b.get(key) is None else f"{b[key]:.0f} ms"
 
     outside = None if b.get("wall_ms") is None or b.get("total_ms") is None else b["wall_ms"] - b["total_ms"]
-    pa = ag.get("packed_ahead")
-    ahead = "-" if d.get("pushed_vs_no_ahead") is None else (
-        f"{_fmt(d['pushed_vs_no_ahead'])}; freeze {_fmt(d['freeze_vs_no_ahead'])}"
-        + ("" if not pa else f"; chunks {pa[0]} of {pa[1]} ({pa[2]} used)")
-    )  # fmt: skip
     return [
         ms("wall_ms"),
-        ahead,
         "-" if outside is None else f"{outside:.0f} ms",
         ms("total_ms"),
         ms("preflight_ms"),
@@ -310,17 +301,13 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "Where a served checkpoint's time goes (medians): the command's wall time, of which outside the agent's "
-        "own timing (the client's start-up, the request, the answer) and in-agent; against the same checkpoints "
-        "served by a second agent that compresses nothing during the dump (KUBECTL_SNAPSHOT_PACK_AHEAD=0, "
-        "alternated): checkpoint->pushed, the freeze, and how many page chunks were compressed during the dump "
-        "(of all, and how many of them packaging took); preflight (the containers, "
+        "own timing (the client's start-up, the request, the answer) and in-agent: preflight (the containers, "
         "the registry, the node's facts, the liveness budgets), the freeze (of which CRIU under runc), package "
         "(page chunks compressed, hashed and pushed, the layer of CRIU's other images beside them), upload "
         "(config, manifest and signature, of which signing); last, the serial bound's parts.",
         "",
     ]
-    ckpt_header = ["checkpoint->pushed", "vs nothing packed during the dump", "outside the agent", "in-agent",
-                   "preflight", "freeze", "of which CRIU",
+    ckpt_header = ["checkpoint->pushed", "outside the agent", "in-agent", "preflight", "freeze", "of which CRIU",
                    "package", "config, manifest, signature", "of which signing",
                    "serial bound parts (dump / zstd / sha256 / upload)"]  # fmt: skip
     lines += _table(result, ckpt_header, _checkpoint_parts)

@@ -33,7 +33,6 @@ import contextlib
 import json
 import os
 import platform
-import re
 import shutil
 import signal
 import statistics
@@ -317,19 +316,12 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
 
 
 def agent_checkpoint(
-    daemon: ContainerdDaemon,
-    ref: str,
-    cid: str,
-    *,
-    page_deltas: bool = True,
-    agent_socket: str = "none",
-    extra_env: dict[str, str] | None = None,
+    daemon: ContainerdDaemon, ref: str, cid: str, *, page_deltas: bool = True, agent_socket: str = "none"
 ) -> tuple[float, dict[str, Any]]:
     """`ks-agent checkpoint`'s wall time and JSON: served by the node's agent on `agent_socket` (see
     served_agent), or standalone ("none")."""
     t = time.monotonic()
-    env = {**os.environ, C.ENV_PAGE_DELTAS: "1" if page_deltas else "0", **(extra_env or {})}
-    env[localapi.SOCKET_ENV] = agent_socket
+    env = {**os.environ, C.ENV_PAGE_DELTAS: "1" if page_deltas else "0", localapi.SOCKET_ENV: agent_socket}
     proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--to", ref, cid],
               env=env)  # fmt: skip
     return time.monotonic() - t, json.loads(proc.stdout)
@@ -358,13 +350,6 @@ class ServedAgent:
 
     def served(self, command: str) -> int:
         return sum(f"node-local {command} served" in line for line in self.log.read_text().splitlines())
-
-    def packed_ahead(self) -> list[tuple[int, int, int]]:
-        """Per checkpoint served: (chunks compressed during the dump, chunks in all, taken by packaging)."""
-        return [
-            (int(m[1]), int(m[2]), int(m[3]))
-            for m in re.finditer(r"(\d+) of (\d+) chunks compressed during the dump, (\d+) used", self.log.read_text())
-        ]
 
     def close(self) -> None:
         self.proc.terminate()
@@ -425,7 +410,6 @@ def measure_agent(
     os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
     pushed_plain, internal_plain = [], []  # full saves without page hashing (no page deltas), alternated
-    pushed_no_ahead, freeze_no_ahead = [], []  # served saves compressing nothing during the dump, alternated
     restores_internal: list[float] = []
     breakdowns: list[dict[str, Any]] = []
     ckpt_breakdowns: list[dict[str, Any]] = []  # the served checkpoints' own timings, + the wall time
@@ -435,10 +419,8 @@ def measure_agent(
     restores_late, restores_late_internal = [], []
     with contextlib.ExitStack() as stack:
         stack.callback(served.close)
-        # restores whose containers are created only after the download (no staging gate), and
-        # checkpoints that compress nothing during the dump (shim/engine/packahead.py), alternated
-        without = {C.ENV_EARLY_CREATE: "0", C.ENV_PACK_AHEAD: "0"}
-        late = ServedAgent(daemon, without)
+        # restores whose containers are created only after the download (no staging gate), alternated
+        late = ServedAgent(daemon, {C.ENV_EARLY_CREATE: "0"})
         stack.callback(late.close)
         cid, ctl = stack.enter_context(container(daemon, mib, kind))
         ref = ""
@@ -456,10 +438,6 @@ def measure_agent(
                 sizes.append(res["size"])
                 out["timings_ms_last"] = res["timingsMs"]
                 ckpt_breakdowns.append({**res["timingsMs"], "wall_ms": wall * 1000})
-            wall, res = agent_checkpoint(daemon, new_ref(), cid, agent_socket=late.socket, extra_env=without)
-            if i:
-                pushed_no_ahead.append(wall)
-                freeze_no_ahead.append(res["timingsMs"]["freeze_ms"] / 1000)
             wall, res = agent_checkpoint(daemon, new_ref(), cid)
             if i:
                 pushed_alone.append(wall)
@@ -467,13 +445,8 @@ def measure_agent(
             if i:
                 pushed_plain.append(wall)
                 internal_plain.append(res["timingsMs"]["total_ms"] / 1000)
-        for agent_ in (served, late):
-            if agent_.served("checkpoint") != runs + 1:
-                raise RuntimeError(f"the agent served {agent_.served('checkpoint')} of {runs + 1} checkpoints")
-        if late.packed_ahead():
-            raise RuntimeError(f"{C.ENV_PACK_AHEAD}=0 and yet chunks were compressed during the dump")
-        ahead = served.packed_ahead()[1:]  # after the warm-up
-        out["packed_ahead"] = [sum(c[k] for c in ahead) for k in range(3)] if ahead else None
+        if served.served("checkpoint") != runs + 1:
+            raise RuntimeError(f"the agent served {served.served('checkpoint')} of {runs + 1} checkpoints")
         hook_dir = Path(hook).parent
         for i in range(runs + 1):
             new = f"r-{uuid.uuid4().hex[:8]}"
@@ -536,8 +509,6 @@ def measure_agent(
         pushed_internal_s=med(internal),
         pushed_no_deltas_s=med(pushed_plain),
         pushed_internal_no_deltas_s=med(internal_plain),
-        pushed_no_ahead_s=med(pushed_no_ahead),
-        freeze_no_ahead_s=med(freeze_no_ahead),
         size_bytes=med(sizes),
         restore_s=med(restores),
         restore_standalone_s=med(restores_alone),

@@ -97,7 +97,5 @@ STAGING_SUBDIR: Final = "staged"
 ENV_STATE_DIR: Final = "KUBECTL_SNAPSHOT_STATE_DIR"
 # "0": store every changed chunk whole (no page deltas, no page hashing; bench/run.py compares both)
 ENV_PAGE_DELTAS: Final = "KUBECTL_SNAPSHOT_PAGE_DELTAS"
-# "0": page chunks are compressed only after the thaw (none during the dump's tail, shim/engine/packahead.py)
-ENV_PACK_AHEAD: Final = "KUBECTL_SNAPSHOT_PACK_AHEAD"
 # "0": a node-level restore creates its containers only after their data is staged (no staging gate)
 ENV_EARLY_CREATE: Final = "KUBECTL_SNAPSHOT_EARLY_CREATE"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import shutil
 import signal
@@ -58,13 +57,10 @@ from shim.engine.package import (
     progress_counter,
     tree_bytes,
 )
-from shim.engine.packahead import PackAhead
 from shim.engine.pageindex import PageIndex, scope_key
 from shim.engine.ports import Containerd, Freezer, FreezerFor, Registry
 from shim.engine.staging import StatePaths
 from shim.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
-
-log = logging.getLogger(__name__)
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]  # (new bytes, total bytes)
@@ -178,25 +174,16 @@ def checkpoint(
     os.makedirs(work, mode=0o700)
     timings: dict[str, float] = {"preflight_ms": preflight_ms}
     frozen: list[str] = []
-    # per container: its page chunks compressed on an idle core while the rest of its dump runs
-    ahead: dict[str, PackAhead] = {}
     try:
-        frozen, volume_tar = _freeze_and_dump(
-            req, names, pre, containerd, work, phase, clock, timings, net_lock, ahead
-        )  # fmt: skip
-        # Everything below runs after the resume: hashing and upload never extend the freeze (the
-        # compression packed ahead ran only on a core nothing else wanted).
+        frozen, volume_tar = _freeze_and_dump(req, names, pre, containerd, work, phase, clock, timings, net_lock)
+        # Everything below runs after the resume: compression, hashing and upload never extend the freeze.
         phase("upload")
-        result = _package_and_push(
-            req, names, pre, registry, work, on_bytes, sealer, volume_tar, clock, timings, paths, ahead
-        )  # fmt: skip
+        result = _package_and_push(req, names, pre, registry, work, on_bytes, sealer, volume_tar, clock, timings, paths)
     except BaseException:
         if frozen:
             _resume_all(containerd, frozen, pre.direct)
         raise
     finally:
-        for a in ahead.values():
-            a.stop()  # before the work dir goes
         if not req.keep_work:
             shutil.rmtree(work, ignore_errors=True)
 
@@ -283,7 +270,6 @@ def _freeze_and_dump(
     clock: Callable[[], float],
     timings: dict[str, float],
     net_lock: NetLockFn | None,
-    ahead: dict[str, PackAhead] | None = None,
 ) -> tuple[list[str], str | None]:
     """Freeze every container, dump them (under the shared network's lock), capture the volumes, and
     thaw them again unless `stop`. Returns the containers still frozen (with `stop`) and the volume tar.
@@ -307,7 +293,7 @@ def _freeze_and_dump(
         phase("dump")
         _test_hold([pre.direct[c] for c in frozen if c in pre.direct])
         with net_lock(pre.pids) if net_lock is not None else contextlib.nullcontext():
-            _dump_all(containerd, req, names, pre.upperdirs, work, clock, timings, ahead)
+            _dump_all(containerd, req, names, pre.upperdirs, work, clock, timings)
         t_volumes = clock()
         volume_tar = _capture_volumes(req, work) if req.volumes else None
         timings["volumes_ms"] = (clock() - t_volumes) * 1000
@@ -336,15 +322,11 @@ def _package_and_push(
     clock: Callable[[], float],
     timings: dict[str, float],
     paths: StatePaths | None = None,
-    ahead: Mapping[str, PackAhead] | None = None,
 ) -> CheckpointResult:
     """Compress, hash (and seal) what was dumped, push blobs, config and manifest, and sign it.
 
-    With `paths` page deltas are used (shim/engine/pageindex.py: the node's bases live there); with
-    `ahead`, chunks compressed during the dump are taken as they are."""
+    With `paths` page deltas are used (shim/engine/pageindex.py: the node's bases live there)."""
     t_pack = clock()
-    for a in (ahead or {}).values():
-        a.stop()
     on_raw = progress_counter(on_bytes, tree_bytes(work))
     records, packaged = [], []
     for cid, name, info, image_digest in zip(req.containers, names, pre.infos, pre.image_digests, strict=True):
@@ -356,13 +338,7 @@ def _package_and_push(
             key_id = sealer.key.key_id if sealer is not None else None
             scope = scope_key(req.target.registry, req.target.repository, name, key_id)
             index = PageIndex.load(paths.page_index(), scope)
-        pack_ahead = (ahead or {}).get(name)
-        pc = package_container(
-            registry, req.target, cdir, on_raw=on_raw, sealer=sealer, index=index, ahead=pack_ahead
-        )  # fmt: skip
-        if pack_ahead is not None:
-            log.info("%s: %d of %d chunks compressed during the dump, %d used", name, pack_ahead.chunks,
-                     sum(len(p.chunks) for p in pc.pages), pack_ahead.used)  # fmt: skip
+        pc = package_container(registry, req.target, cdir, on_raw=on_raw, sealer=sealer, index=index)
         records.append(
             ContainerRecord(
                 name=name,
@@ -600,7 +576,6 @@ def _dump_all(
     work: str,
     clock: Callable[[], float] = time.monotonic,
     timings: dict[str, float] | None = None,
-    ahead: dict[str, PackAhead] | None = None,
 ) -> None:
     """Dump every (already frozen) container; in parallel for a group, since each CRIU dump is
     mostly one core's work. Every dump has finished, well or not, before the first error is raised,
@@ -612,12 +587,10 @@ def _dump_all(
         for cid, name, upper in zip(req.containers, names, upperdirs, strict=True)
     ]
     if len(jobs) == 1:
-        _dump_one(containerd, *jobs[0], req, clock, steps, ahead)
+        _dump_one(containerd, *jobs[0], req, clock, steps)
         return
     with ThreadPoolExecutor(max_workers=min(len(jobs), os.cpu_count() or 1), thread_name_prefix="dump") as pool:
-        futures = [
-            pool.submit(_dump_one, containerd, cid, cdir, upper, req, clock, steps, ahead) for cid, cdir, upper in jobs
-        ]
+        futures = [pool.submit(_dump_one, containerd, cid, cdir, upper, req, clock, steps) for cid, cdir, upper in jobs]
     errors = [f.exception() for f in futures if f.exception() is not None]
     if errors:
         raise errors[0]  # type: ignore[misc]
@@ -645,18 +618,12 @@ def _dump_one(
     req: CheckpointRequest,
     clock: Callable[[], float] = time.monotonic,
     steps: dict[str, float] | None = None,
-    ahead: dict[str, PackAhead] | None = None,
 ) -> None:
     """CRIU (through runc) dumps the frozen container, then its writable layer is captured, still frozen.
     `upper` is the upperdir the preflight found (a running container's rootfs snapshot does not move):
-    no containerd round trip while the workload is frozen. With `ahead` the dump's page files are
-    compressed on an idle core as soon as CRIU has closed them (shim/engine/packahead.py)."""
+    no containerd round trip while the workload is frozen."""
     image_path = os.path.join(cdir, C.CHECKPOINT_DIRECTORY)
     os.makedirs(image_path, mode=0o700)
-    if ahead is not None and os.environ.get(C.ENV_PACK_AHEAD, "1") != "0":
-        started = PackAhead.start(image_path)
-        if started is not None:
-            ahead[os.path.basename(cdir)] = started
     t = clock()
     containerd.checkpoint_task(
         cid,

@@ -21,7 +21,6 @@ from kubectl_snapshot.core.chunks import PagesFile
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
 from shim.engine.chunks import plan_checkpoint
-from shim.engine.packahead import PackAhead
 from shim.engine.pageindex import PageIndex
 from shim.engine.ports import Registry
 from shim.engine.stream import push_chunks, push_file_stream, push_tar_stream
@@ -78,21 +77,19 @@ def package_container(
     on_raw: CountFn | None = None,
     sealer: Sealer | None = None,
     index: PageIndex | None = None,
-    ahead: PackAhead | None = None,
 ) -> PackagedContainer:
     """Upload the container dump in `cdir` (checkpointctl layout): its page chunks and, beside them, its layer.
 
     With `sealer` every blob is encrypted before it is hashed and sent (core/sealing.py). With `index`
     (this repository's and container's bases, shim/engine/pageindex.py) chunks that changed a little
-    are stored as page deltas, and the index is saved with this snapshot's bases once they are sent.
-    With `ahead` (stopped), chunks compressed while the dump ran are not compressed again."""
+    are stored as page deltas, and the index is saved with this snapshot's bases once they are sent."""
     plans = plan_checkpoint(os.path.join(cdir, C.CHECKPOINT_DIRECTORY))
     exclude = [f"{C.CHECKPOINT_DIRECTORY}/{p.name}" for p in plans]
     # The layer goes up beside the chunks: its registry round trips (upload start, data, commit) overlap
     # theirs instead of following them; a small pod's snapshot is a dozen or so blobs in all.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="layer-push") as pool:
         layer = pool.submit(push_tar_stream, registry, ref, cdir, exclude=exclude, on_raw=on_raw, sealer=sealer)
-        chunks = push_chunks(registry, ref, plans, on_raw=on_raw, sealer=sealer, index=index, ahead=ahead)
+        chunks = push_chunks(registry, ref, plans, on_raw=on_raw, sealer=sealer, index=index)
         if index is not None:
             index.save()
         digest, size = layer.result()

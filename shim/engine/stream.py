@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar
 
 import zstandard
 
@@ -46,9 +46,6 @@ from shim.engine.pageindex import BaseChunk, PageIndex
 from shim.engine.ports import Registry
 from shim.pipes import iter_produced
 from shim.zstdio import open_zstd_writer
-
-if TYPE_CHECKING:
-    from shim.engine.packahead import PackAhead
 
 ZSTD_LEVEL = 1  # the fastest useful level (PLATFORM.md)
 WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # I/O waits overlap with the other workers' CPU
@@ -115,11 +112,6 @@ def _compressor() -> zstandard.ZstdCompressor:
     return c
 
 
-def compress_chunk(raw: bytes | bytearray) -> bytes:
-    """A page chunk (or delta) as it is stored: one zstd frame (ZSTD_LEVEL, checksum, content size)."""
-    return _compressor().compress(raw)
-
-
 def run_parallel(fn: Callable[[J], R], jobs: Sequence[J], *, workers: int, name: str) -> list[R]:
     """fn over jobs on a thread pool, results in job order; the first failure cancels what has not
     started and is raised once the running jobs are done."""
@@ -150,7 +142,6 @@ def push_chunks(
     on_raw: CountFn | None = None,
     sealer: Sealer | None = None,
     index: PageIndex | None = None,
-    ahead: PackAhead | None = None,
 ) -> PushedChunks:
     """Compress, hash and upload every planned chunk (in parallel); returns the chunk records.
 
@@ -160,8 +151,7 @@ def push_chunks(
     page of a chunk is hashed; a chunk whose base the registry still has and from which few enough of
     its pages differ (core/pagedelta.worth_a_delta) is stored as that base plus a page delta (none at
     all when no page differs: then nothing is compressed either); the index collects this snapshot's
-    bases. With `ahead` (stopped) a chunk compressed during the dump (shim/engine/packahead.py) is
-    taken instead of compressing it again, if it comes from this very page file.
+    bases.
     """
     uploaded, stored = _Counter(), _Counter()
     fds = {p.name: os.open(p.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) for p in plans}
@@ -194,7 +184,7 @@ def push_chunks(
         stored.add(base.size)
         if plan.identical:
             return Chunk(offset, len(raw), base.digest, base.size)
-        packed = compress_chunk(encode_delta(raw, plan))
+        packed = _compressor().compress(encode_delta(raw, plan))
         blob, digest = seal(packed, hashlib.sha256(packed).digest())
         send(blob, digest)
         delta = Delta(digest, len(blob), len(plan.literals), len(plan.copies), base.length)
@@ -226,12 +216,11 @@ def push_chunks(
                         if on_raw is not None:
                             on_raw(length)
                         return chunk
-            got = ahead.take(name, offset, length, fds[name]) if ahead is not None else None
-            packed = got.data if got is not None else compress_chunk(raw)
+            packed = _compressor().compress(raw)
             if whole is not None:  # sealed: the pages' digests name the content
                 seed = key_seed(whole.digest(), length, len(packed))
             else:  # in clear this is the blob's digest
-                seed = got.sha256 if got is not None else hashlib.sha256(packed).digest()
+                seed = hashlib.sha256(packed).digest()
             blob, digest = seal(packed, seed)
             send(blob, digest)
             if index is not None and hashes is not None:
