@@ -27,10 +27,8 @@ reader knows the exact size of both blobs before it decompresses anything (hosti
 
 from __future__ import annotations
 
-import hashlib
 import struct
 from dataclasses import dataclass
-from typing import Protocol
 
 import xxhash
 
@@ -44,8 +42,7 @@ _COPY = struct.Struct("<III")
 MAX_DELTA_FRACTION = 0.5
 # ... or up to this share while at least 3/4 of the delta changed since the previous snapshot
 MAX_LARGE_DELTA_FRACTION = 0.875
-_PIECE = 2047  # below CPython's HASHLIB_GIL_MINSIZE (2048): see page_hashes
-PAGE_HASH_BYTES = 16  # XXH3-128 (clear scopes) or truncated sha256 (sealed scopes): 128 bits, no accidents
+PAGE_HASH_BYTES = 16  # XXH3-128: no accidents
 _HINT = "the snapshot is corrupted or was crafted; do not restore it"
 
 
@@ -63,51 +60,22 @@ class DeltaPlan:
         return not self.literals and self.copies == ((0, 0, self.pages),)
 
 
-class _Hash(Protocol):
-    def update(self, data: bytes, /) -> None: ...
-
-
 def page_hashes(raw: bytes | bytearray | memoryview) -> bytes:
     """The concatenated PAGE_HASH_BYTES-byte hashes of every page of `raw` (a multiple of PAGE_SIZE):
-    XXH3-128, what a clear scope's page index compares to tell changed pages from unchanged ones.
+    XXH3-128, what a page index compares to tell changed pages from unchanged ones.
 
     Why not a cryptographic hash: these hashes only decide which pages a node sends; they name no
     blob and no key (every stored byte is still named by its blob's sha256 in the signed config). A
     collision would put the base's old page in the next snapshot, and only the memory being saved can
     cause one: a process that could craft it can write any content into its own memory anyway, and a
     scope is one repository and container. By accident: 2^-128 per page pair. What it buys: one C call
-    per page, ~8x cheaper than sha256 with SHA-NI in Python (`page_digests`), for every page of every
-    save (docs/performance.md, "Page hashes without SHA-256")."""
+    per page, ~8x cheaper than a truncated sha256 of each page in Python (SHA-NI; what it replaced),
+    for every page of every save (docs/performance.md, "Page hashes without SHA-256")."""
     if len(raw) % PAGE_SIZE:
         raise ValueError("page hashes need whole pages")
     h = xxhash.xxh3_128_digest
     with memoryview(raw) as view:
         return b"".join([h(view[i : i + PAGE_SIZE]) for i in range(0, len(view), PAGE_SIZE)])
-
-
-def page_digests(raw: bytes | bytearray | memoryview, whole: _Hash) -> bytes:
-    """Like `page_hashes`, with truncated sha256 per page, for a sealed scope: `whole` is fed each
-    page's full sha256, in order, a collision-resistant digest of the whole of `raw` that a sealed
-    chunk's convergent key derives from (shim/engine/stream.key_seed), where a second pass over the
-    bytes would cost a full sha256 of the chunk. A sealed scope keeps these throughout: its index
-    never mixes the two kinds of hash (the scope names the key, shim/engine/pageindex.scope_key)."""
-    if len(raw) % PAGE_SIZE:
-        raise ValueError("page hashes need whole pages")
-    out = bytearray()
-    sha = hashlib.sha256
-    # Each page is fed in pieces under hashlib's GIL-release threshold (2048 bytes): hashing a 4 KiB
-    # page in one call drops and retakes the GIL per page, which next to the packaging's other threads
-    # cost more than the hashing itself in a thread-pool experiment. Same digest; the GIL stays held
-    # for the few microseconds a page takes (docs/performance.md, "Page-level increments").
-    with memoryview(raw) as view:
-        for i in range(0, len(view), PAGE_SIZE):
-            h = sha(view[i : i + _PIECE])
-            h.update(view[i + _PIECE : i + 2 * _PIECE])
-            h.update(view[i + 2 * _PIECE : i + PAGE_SIZE])
-            d = h.digest()
-            out += d[:PAGE_HASH_BYTES]
-            whole.update(d)
-    return bytes(out)
 
 
 def page_addresses(layout: bytes) -> list[int]:

@@ -15,10 +15,9 @@ it, the header in the AAD refuses a changed segment size.
 
 Data keys: a layer gets a random key; a page chunk gets a *convergent* key,
 ``HMAC(namespace key, "chunk" || seed)``, so the same chunk content in the same namespace seals to the
-same ciphertext, the same digest, and is found in the registry by the incremental upload. The seed is a
-collision-resistant digest that determines the plaintext: its sha256, or (when the agent hashed every
-page anyway, shim/engine/stream.key_seed) a digest of the pages' sha256s and the compressor's identity.
-Each key is used for exactly one plaintext, so the index-based nonces never repeat under one key.
+same ciphertext, the same digest, and is found in the registry by the incremental upload. The seed is
+the plaintext's sha256 (collision resistant, and it determines the plaintext), so each key is used for
+exactly one plaintext and the index-based nonces never repeat under one key.
 
 Wrapping: ``AES-256-GCM(wrap key, random nonce, dek, aad = label || namespace || ciphertext digest)``:
 a wrapped key opens only with its namespace's key and only for the blob whose digest it names.

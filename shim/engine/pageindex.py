@@ -3,7 +3,7 @@
 Per scope (one snapshot repository + one container name + the sealing key, or none) one file in the
 agent's state directory lists, for every chunk the last snapshot of that scope stored or reused as a
 base: its layout key (which virtual addresses its pages hold, shim/engine/chunks.py), the base blob's
-digest and size, the seed its data key derives from when sealed (shim/engine/stream.key_seed),
+digest and size, the seed its data key derives from when sealed (core/sealing.Sealer.seal_chunk),
 a short hash of each of its pages (core/pagedelta.py) and, when that snapshot stored the chunk as a
 delta, the page hashes of that version too (what changed since the last snapshot decides whether a
 large delta is worth sending, core/pagedelta.worth_a_delta). The next snapshot of the scope compares
@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from kubectl_snapshot.core.chunks import PAGE_SIZE
 from kubectl_snapshot.core.oci import is_digest
 
-# v2: a clear scope's page hashes are XXH3-128 (v1: truncated sha256); a v1 file is not read (full
-# chunks once, then v2)
+# v2: page hashes are XXH3-128 (v1: truncated sha256); a v1 file is not read (full chunks once, then v2)
 MAGIC = b"KSPIDX2\n"
 MAX_FILE_BYTES = 128 << 20  # page hashes are 1/256 of the memory (twice for deltas): 16 GiB containers
 MAX_FILES = 256
@@ -42,7 +41,7 @@ class BaseChunk:
     size: int
     length: int  # raw bytes of the chunk
     # what a sealed chunk's data key derives from (core/sealing.Sealer.seal_chunk): the sha256 of the
-    # compressed chunk, or for chunks sealed since the key seed of shim/engine/stream.key_seed
+    # compressed chunk
     seed: bytes
     hashes: bytes  # PAGE_HASH_BYTES per page
     layout: bytes  # which virtual addresses its pages hold (core/chunks.span_layouts)

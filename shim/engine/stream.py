@@ -30,14 +30,7 @@ import zstandard
 
 from kubectl_snapshot.core.chunks import PAGE_SIZE, Chunk, Delta, PagesFile, delta_raw_length
 from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
-from kubectl_snapshot.core.pagedelta import (
-    apply_delta,
-    encode_delta,
-    page_digests,
-    page_hashes,
-    plan_delta,
-    worth_a_delta,
-)
+from kubectl_snapshot.core.pagedelta import apply_delta, encode_delta, page_hashes, plan_delta, worth_a_delta
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener, Sealer
 from shim.archive import tar_directory
@@ -87,22 +80,6 @@ class _Counter:
 
 
 _local = threading.local()
-
-# Everything that decides the compressed bytes of a chunk besides its raw bytes: part of a sealed
-# chunk's key seed (below), so that one data key never seals two different plaintexts, even across
-# an agent upgrade that compresses the same memory differently.
-_PACKER = f"zstd {zstandard.ZSTD_VERSION} level {ZSTD_LEVEL} checksum content-size single-thread".encode()
-_SEED_LABEL = b"kubectl-snapshot/chunk-seed/pages/v1\0"
-
-
-def key_seed(page_digest: bytes, raw_length: int, packed_length: int) -> bytes:
-    """The seed of a sealed chunk's convergent data key when its pages were hashed anyway: derived from
-    the sha256 of every page (`page_digest`, see core/pagedelta.page_digests) and the packer, which
-    together determine the compressed plaintext, so no second sha256 pass over the chunk is needed
-    (the registry still needs one over the ciphertext)."""
-    return hashlib.sha256(
-        _SEED_LABEL + _PACKER + b"\0" + raw_length.to_bytes(8, "big") + packed_length.to_bytes(8, "big") + page_digest
-    ).digest()
 
 
 def _compressor() -> zstandard.ZstdCompressor:
@@ -198,13 +175,7 @@ def push_chunks(
             if len(raw) != length:
                 raise OSError(f"{name} shrank while it was being packaged")
             hashing = index is not None and bool(keys) and length % PAGE_SIZE == 0
-            whole = hashlib.sha256() if hashing and sealer is not None else None  # the key seed's digest
-            if not hashing:
-                hashes = None
-            elif whole is not None:  # sealed: the pages' sha256s also name the content (the key's seed)
-                hashes = page_digests(raw, whole)
-            else:
-                hashes = page_hashes(raw)
+            hashes = page_hashes(raw) if hashing else None
             key = keys[0] if keys else ""
             if index is not None and hashes is not None:
                 # the base of the same address range: found by the first page's window, or another
@@ -217,10 +188,8 @@ def push_chunks(
                             on_raw(length)
                         return chunk
             packed = _compressor().compress(raw)
-            if whole is not None:  # sealed: the pages' digests name the content
-                seed = key_seed(whole.digest(), length, len(packed))
-            else:  # in clear this is the blob's digest
-                seed = hashlib.sha256(packed).digest()
+            # in clear the blob's digest; sealed, what its convergent data key derives from
+            seed = hashlib.sha256(packed).digest()
             blob, digest = seal(packed, seed)
             send(blob, digest)
             if index is not None and hashes is not None:

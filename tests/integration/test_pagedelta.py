@@ -202,7 +202,7 @@ def test_sealed_deltas_round_trip_through_the_registry_and_a_lost_base_means_a_f
     _, first = save()
     assert all(c.delta is None for c in first.files[0].chunks)
     # convergent without the node's memory: another node (no page index) seals the same pages to the
-    # same blobs (the key seed comes from the page hashes, shim/engine/stream.key_seed)
+    # same blobs (the key seed is the compressed chunk's sha256)
     _, elsewhere = save(str(tmp_path / "index-of-another-node"))
     assert [c.digest for c in elsewhere.files[0].chunks] == [c.digest for c in first.files[0].chunks]
     assert elsewhere.uploaded == 0

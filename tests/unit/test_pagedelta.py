@@ -35,14 +35,12 @@ from kubectl_snapshot.core.pagedelta import (
     PAGE_HASH_BYTES,
     apply_delta,
     encode_delta,
-    page_digests,
     page_hashes,
     plan_delta,
     worth_a_delta,
 )
 from shim.engine import pageindex
 from shim.engine.pageindex import BaseChunk, PageIndex
-from shim.engine.stream import key_seed
 
 D = ["sha256:" + c * 64 for c in "0123456789abcdef"]
 
@@ -83,23 +81,17 @@ def test_pages_are_matched_by_address_when_the_range_gains_and_loses_pages() -> 
     assert apply_delta(base, delta, length=len(new), literals=11, copies=2, where="t") == new
 
 
-def test_page_hashes_are_xxh3_128_of_each_page_and_page_digests_truncated_sha256() -> None:
-    import hashlib
-
+def test_page_hashes_are_xxh3_128_of_each_page() -> None:
     import xxhash
 
     a = chunk(3)
     pages = [a[i * PAGE_SIZE : (i + 1) * PAGE_SIZE] for i in range(3)]
     assert page_hashes(a) == b"".join(xxhash.xxh3_128_digest(p) for p in pages)
     assert len(page_hashes(a)) == 3 * PAGE_HASH_BYTES
-    whole = hashlib.sha256()
-    assert page_digests(a, whole) == b"".join(hashlib.sha256(p).digest()[:PAGE_HASH_BYTES] for p in pages)
     changed = bytearray(a)
     changed[2 * PAGE_SIZE + 4095] ^= 1  # the last byte of the last page
     assert page_hashes(changed)[: 2 * PAGE_HASH_BYTES] == page_hashes(a)[: 2 * PAGE_HASH_BYTES]
     assert page_hashes(changed)[2 * PAGE_HASH_BYTES :] != page_hashes(a)[2 * PAGE_HASH_BYTES :]
-    with pytest.raises(ValueError):
-        page_digests(b"x" * 100, hashlib.sha256())
 
 
 def test_an_unchanged_chunk_is_its_base_and_inconsistent_inputs_give_no_plan() -> None:
@@ -333,24 +325,27 @@ def test_window_keys_name_every_window_a_chunk_covers_first_page_first() -> None
     assert len(window_keys("pages-1.img", span, layout((0, 16 * 100)))) == MAX_WINDOW_KEYS
 
 
-def test_the_sealed_key_seed_names_the_content_and_the_packer() -> None:
-    def seed(raw: bytes | bytearray, packed_length: int = 100) -> bytes:
-        whole = hashlib.sha256()
-        page_digests(raw, whole)
-        return key_seed(whole.digest(), len(raw), packed_length)
+def test_sealed_chunks_converge_with_and_without_a_page_index(tmp_path: Path) -> None:
+    """The same pages seal to the same blobs whether or not the agent hashes pages for page deltas (the
+    data key's seed is the compressed chunk's sha256 either way), so an agent with page deltas off, or a
+    node without an index, still finds what another one stored."""
+    from kubectl_snapshot.core.reference import Reference
+    from kubectl_snapshot.core.sealing import LocalNamespaceKey, Sealer
+    from shim.engine.chunks import plan_checkpoint
+    from shim.engine.pageindex import PageIndex
+    from shim.engine.stream import push_chunks
+    from tests.support.fakenode import FakeRegistry
+    from tests.unit.test_chunks import write_pagemap
 
-    a = chunk(4)
-    changed = bytearray(a)
-    changed[3 * PAGE_SIZE + 17] ^= 1  # one byte of the last page
-    assert seed(a) == seed(bytes(a))
-    assert seed(bytes(changed)) != seed(a)
-    assert seed(a[: 3 * PAGE_SIZE]) != seed(a)
-    assert seed(a, 101) != seed(a)  # another packing of the same pages: another key
-    whole = hashlib.sha256()
-    page_digests(a, whole)  # the digest of the pages' full sha256s, not of the bytes
-    assert (
-        whole.digest()
-        == hashlib.sha256(
-            b"".join(hashlib.sha256(a[i : i + PAGE_SIZE]).digest() for i in range(0, len(a), PAGE_SIZE))
-        ).digest()
-    )
+    n = 2048 + 7
+    (tmp_path / "pages-1.img").write_bytes(chunk(n))
+    write_pagemap(tmp_path / "pagemap-1.img", 1, [{1: 0x7F0000000000, 4: 4, 5: n}])
+    plans = plan_checkpoint(str(tmp_path))
+    assert len(plans[0].spans) > 1 and all(plans[0].keys)
+    key = LocalNamespaceKey(bytes(range(32)))
+    ref = Reference.parse("registry.test/app:v1")
+    index = PageIndex.load(str(tmp_path / "index"), "scope")
+    with_index = push_chunks(FakeRegistry(), ref, plans, sealer=Sealer(key, "ns"), index=index)
+    without = push_chunks(FakeRegistry(), ref, plans, sealer=Sealer(key, "ns"))
+    assert [c.digest for c in with_index.files[0].chunks] == [c.digest for c in without.files[0].chunks]
+    assert len(index._new) == len(plans[0].spans)  # the pages were hashed for the next save
