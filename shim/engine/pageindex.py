@@ -2,7 +2,8 @@
 
 Per scope (one snapshot repository + one container name + the sealing key, or none) one file in the
 agent's state directory lists, for every chunk the last snapshot of that scope stored or reused as a
-base: its layout key (which virtual addresses its pages hold, shim/engine/chunks.py), the base blob's
+base: its layout key (the first address window it covers, shim/engine/chunks.window_keys; the other
+windows it covers are aliases of it, so a chunk cut differently next time still finds it), the base blob's
 digest and size, the seed its data key derives from when sealed (core/sealing.Sealer.seal_chunk),
 a short hash of each of its pages (core/pagedelta.py) and, when that snapshot stored the chunk as a
 delta, the page hashes of that version too (what changed since the last snapshot decides whether a
@@ -23,6 +24,7 @@ import json
 import os
 import struct
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kubectl_snapshot.core.chunks import PAGE_SIZE
@@ -57,27 +59,40 @@ def scope_key(registry: str, repository: str, container: str, key_id: str | None
 class PageIndex:
     """The bases of one scope: read once before a snapshot's chunks, written once after them."""
 
-    def __init__(self, path: str | None, entries: dict[str, BaseChunk] | None = None) -> None:
+    def __init__(
+        self, path: str | None, entries: dict[str, BaseChunk] | None = None, aliases: dict[str, str] | None = None
+    ) -> None:
         self.path = path
         self._old = dict(entries or {})
+        self._old_aliases = dict(aliases or {})
         self._new: dict[str, BaseChunk] = {}
+        self._new_aliases: dict[str, str] = {}
         self._lock = threading.Lock()
 
     @classmethod
     def load(cls, directory: str, scope: str) -> PageIndex:
         path = os.path.join(directory, scope + ".idx")
         try:
-            entries = _read(path)
-        except (OSError, ValueError, KeyError, TypeError, struct.error):
-            entries = {}  # a cache: anything wrong with it means full chunks this time
-        return cls(path, entries)
+            entries, aliases = _read(path)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error):
+            entries, aliases = {}, {}  # a cache: anything wrong with it means full chunks this time
+        return cls(path, entries, aliases)
 
     def get(self, layout: str) -> BaseChunk | None:
-        return self._old.get(layout)
+        """The base stored under this window key, or under the chunk that also covered this window."""
+        base = self._old.get(layout)
+        if base is None and layout in self._old_aliases:
+            base = self._old.get(self._old_aliases[layout])
+        return base
 
-    def put(self, layout: str, base: BaseChunk) -> None:
+    def put(self, layout: str, base: BaseChunk, also: Iterable[str] = ()) -> None:
+        """Keep `base` under the chunk's first window key `layout`, and findable by the other windows
+        the chunk covers (`also`): a later chunk cut differently (a few pages more in front of the
+        range make a small chunk of the first window) still finds its base by a window it shares."""
         with self._lock:
             self._new[layout] = base
+            for k in also:
+                self._new_aliases.setdefault(k, layout)
 
     def __len__(self) -> int:
         return len(self._old)
@@ -87,11 +102,11 @@ class PageIndex:
         if self.path is None:
             return
         with contextlib.suppress(OSError, ValueError):
-            _write(self.path, self._new)
+            _write(self.path, self._new, self._new_aliases)
             _prune(os.path.dirname(self.path))
 
 
-def _read(path: str) -> dict[str, BaseChunk]:
+def _read(path: str) -> tuple[dict[str, BaseChunk], dict[str, str]]:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     with os.fdopen(fd, "rb") as f:
         data = f.read(MAX_FILE_BYTES + 1)
@@ -120,17 +135,25 @@ def _read(path: str) -> dict[str, BaseChunk]:
         out[key] = BaseChunk(digest, int(size), int(length), bytes.fromhex(seed), parts[1], parts[0], last)
     if pos != len(blob):
         raise ValueError("page index has trailing bytes")
-    return out
+    aliases: dict[str, str] = {}
+    for k, v in meta.get("aliases", {}).items():
+        if not (isinstance(k, str) and isinstance(v, str)):
+            raise ValueError("bad page index alias")
+        if v in out and k not in out:
+            aliases[k] = v
+    return out, aliases
 
 
-def _write(path: str, entries: dict[str, BaseChunk]) -> None:
+def _write(path: str, entries: dict[str, BaseChunk], aliases: dict[str, str] | None = None) -> None:
     parts: list[bytes] = []
     entries_meta = []
     for k, b in entries.items():
         mine = [b.layout, b.hashes, *(b.last or ())]
         parts.extend(mine)
         entries_meta.append([k, b.digest, b.size, b.length, b.seed.hex(), [len(p) for p in mine]])
-    head = json.dumps({"entries": entries_meta}, separators=(",", ":")).encode()
+    # a window that is some chunk's first is found as that chunk's; only the others are aliases
+    kept = {k: v for k, v in (aliases or {}).items() if v in entries and k not in entries}
+    head = json.dumps({"entries": entries_meta, "aliases": kept}, separators=(",", ":")).encode()
     body = b"".join([_LEN.pack(len(head)), head, *parts])
     if len(body) + len(MAGIC) + 32 > MAX_FILE_BYTES:
         with contextlib.suppress(FileNotFoundError):

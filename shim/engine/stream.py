@@ -180,10 +180,15 @@ def push_chunks(
             if index is not None and hashes is not None:
                 # the base of the same address range: found by the first page's window, or another
                 # window the chunk covers (its first pages may be new, or pieces merged differently)
+                tried: set[str] = set()
                 for base in filter(None, map(index.get, keys)):
+                    if base.digest in tried:
+                        continue
+                    tried.add(base.digest)
                     chunk = as_delta(raw, offset, base, layout, hashes)
                     if chunk is not None:  # still the base (deltas never chain); remember this version too
-                        index.put(key, replace(base, last=(layout, hashes) if chunk.delta is not None else None))
+                        last = (layout, hashes) if chunk.delta is not None else None
+                        index.put(key, replace(base, last=last), also=keys[1:])
                         if on_raw is not None:
                             on_raw(length)
                         return chunk
@@ -193,7 +198,7 @@ def push_chunks(
             blob, digest = seal(packed, seed)
             send(blob, digest)
             if index is not None and hashes is not None:
-                index.put(key, BaseChunk(digest, len(blob), length, seed, hashes, layout))
+                index.put(key, BaseChunk(digest, len(blob), length, seed, hashes, layout), also=keys[1:])
             if on_raw is not None:
                 on_raw(length)
             return Chunk(offset, length, digest, len(blob))
