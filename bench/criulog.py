@@ -24,3 +24,16 @@ def span(log: str) -> float | None:
     """Seconds from CRIU's first to its last log line (None: no time stamps)."""
     lines = stamps(log)
     return lines[-1][0] if lines else None
+
+
+def action_wait(log: str, action: str) -> float | None:
+    """Seconds CRIU spent in its action scripts for `action` ("Running <action> scripts" to the next
+    line after the scripts' own lines); None when it did not run that action."""
+    lines = stamps(log)
+    for i, (t, text) in enumerate(lines):
+        if text == f"Running {action} scripts":
+            for t2, after in lines[i + 1 :]:
+                if not after.startswith("\t"):  # "\tRPC" (runc's notification), "\t[script]"
+                    return t2 - t
+            return None
+    return None

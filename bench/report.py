@@ -188,7 +188,9 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
         ms("staged_wait_ms"),
         ms("python_startup_ms"),
         ms("image_check_ms") + _decoded(b.get("images_decoded_in_hook")),
-        ms("runc_restore_ms") + (f" (CRIU's log {ms('criu_restore_log_ms')})" if b.get("criu_restore_log_ms") else ""),
+        ms("runc_restore_ms")
+        + (f" (CRIU's log {ms('criu_restore_log_ms')})" if b.get("criu_restore_log_ms") else "")
+        + (f", of which waiting for the pages {ms('criu_pages_wait_ms')}" if "criu_pages_wait_ms" in b else ""),
         ms("after_restore_ms"),
         _ms(raw.get("restore_s")),
         ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "-",
@@ -275,8 +277,10 @@ def markdown(result: dict[str, Any]) -> str:
         "blob fetched, verified, decrypted, page files rebuilt; in parentheses: the layer of CRIU's other images "
         "downloaded / extracted, decode cache filled / page files rebuilt from their chunks meanwhile, and how long "
         "that went on after the extraction); meanwhile containerd creates the container and "
-        "starts its shim and the runtime hook, whose create waits at the staging gate until the data is complete "
-        "(hook waited); create + start is what is left after the download. The hook's create is the restore (its "
+        "starts its shim and the runtime hook, whose create waits at the staging gate until all but the page files "
+        "is staged (hook waited), then starts `runc restore`, whose CRIU waits for the page files after restoring "
+        "the namespaces and mounts (of which waiting for the pages); create + start is what is left after the "
+        "download. The hook's create is the restore (its "
         "launcher starting Python on the hook, the CRIU image check with the number of images it decoded itself, "
         "the rest coming from the agent's decode cache, `runc restore`, what the hook does after it: the pod's "
         "loopback, the restored marker, the used staged dir taken away; hook create leaves out the wait); every "

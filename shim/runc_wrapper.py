@@ -36,7 +36,7 @@ from kubectl_snapshot.console import leave
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, criu_first_error, log_tail
-from shim.engine.staging import StatePaths, wait_pod_staged, wait_staged
+from shim.engine.staging import PendingPages, StatePaths, wait_pod_staged, wait_staged_images
 from shim.podrestore import PodRestore, netns_of
 
 _GLOBAL_WITH_VALUE = {"--log", "--log-format", "--root", "--criu", "--rootless"}
@@ -50,6 +50,10 @@ ANN_CONTAINER_TYPE = "io.kubernetes.cri.container-type"
 
 
 TRACE_ENV = "KUBECTL_SNAPSHOT_HOOK_TRACE"
+LAUNCHER_ENV = "KUBECTL_SNAPSHOT_LAUNCHER"  # set by the node bundle's launcher: its own path (hack/launcher)
+PAGES_GATE_ENV = "KUBECTL_SNAPSHOT_PAGES_GATE"  # read by the launcher as CRIU's action script (pagesgate.go)
+PAGES_DEADLINE_ENV = "KUBECTL_SNAPSHOT_PAGES_DEADLINE"
+CRIU_CONFIG_ENV = "CRIU_CONFIG_FILE"  # CRIU reads it at start-up, also as runc's `criu swrk`
 CRIU_RESTORE_OUTPUTS = (C.RESTORE_LOG_FILE, "stats-restore")  # what CRIU writes into its --work-path
 
 
@@ -307,8 +311,11 @@ def _restore(
     spec: dict[str, Any],
     staged: str,
     prepare: Callable[[], None] | None = None,
+    pages: PendingPages | None = None,
 ) -> tuple[int, str]:
-    """`runc restore` in place of `create`; returns (exit status, the error written to runc's log)."""
+    """`runc restore` in place of `create`; returns (exit status, the error written to runc's log).
+    `pages`: the page files are still to come (a two-phase gate): CRIU waits for them (early_restore_env),
+    or this waits before `runc restore`."""
     trace("image-check")
     decoded = 0
     try:
@@ -353,11 +360,25 @@ def _restore(
             msg = f"refusing to restore: the snapshot's layer holds {name} ({e.strerror})"
             _log_error(inv, msg)
             return 1, msg
+    env = None
+    if pages is not None:
+        env = early_restore_env(paths, staged, pages)
+        if env is None:  # no action script for CRIU here: the page files first, then `runc restore`
+            late = pages.wait()
+            if late is not None:
+                msg = f"refusing to restore: {late}"
+                _log_error(inv, msg)
+                return 1, msg
     log_offset = _log_size(inv)
     trace("runc-restore")
-    proc = subprocess.run(restore_command(runc, inv, create, staged), check=False)
+    proc = subprocess.run(restore_command(runc, inv, create, staged), check=False, env=env)
     trace("after-restore")
     if proc.returncode != 0:
+        failed = pages.failure() if pages is not None else None
+        if failed is not None:  # CRIU's action script aborted the restore: staging failed meanwhile
+            msg = f"refusing to restore: {failed}"
+            _log_error(inv, msg)
+            return proc.returncode, msg
         tail = first = ""
         with (
             contextlib.suppress(OSError),
@@ -384,6 +405,49 @@ def _restore(
     remove_detached(staged)
     trace("done")
     return 0, ""
+
+
+def early_restore_env(paths: StatePaths, staged: str, pages: PendingPages) -> dict[str, str] | None:
+    """The environment for a `runc restore` started before the page files are in place: CRIU (runc's
+    `criu swrk` inherits it) reads CRIU_CONFIG_FILE, whose one line names the node bundle's launcher as
+    its action script, which waits at the pages gate at "post-setup-namespaces", after the namespaces
+    and mounts and before any page file is opened (hack/launcher/pagesgate.go). None (wait here
+    first) without the launcher, where the operator set CRIU_CONFIG_FILE, or where CRIU would read page
+    files earlier: the SysV shared memory of an IPC namespace is filled while it is restored."""
+    launcher = os.environ.get(LAUNCHER_ENV, "")
+    if not os.path.isabs(launcher) or not os.access(launcher, os.X_OK) or os.environ.get(CRIU_CONFIG_ENV):
+        return None
+    try:
+        names = os.listdir(os.path.join(staged, C.CHECKPOINT_DIRECTORY))
+    except OSError:
+        return None
+    if any(n.startswith("ipcns-shm-") for n in names):
+        return None
+    try:
+        conf = _action_config(paths, launcher)
+    except OSError:
+        return None
+    return {
+        **os.environ,
+        CRIU_CONFIG_ENV: conf,
+        PAGES_GATE_ENV: pages.gate,
+        PAGES_DEADLINE_ENV: f"{pages.deadline:.3f}",
+    }
+
+
+def _action_config(paths: StatePaths, launcher: str) -> str:
+    """The CRIU configuration naming `launcher` as its action script, in the agent's state dir (written
+    when it differs; by rename, so a concurrent hook never reads half of it)."""
+    path = os.path.join(paths.root, "criu-early-restore.conf")
+    text = f"action-script {launcher}\n"
+    with contextlib.suppress(OSError), open(path) as f:
+        if f.read() == text:
+            return path
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+    return path
 
 
 def remove_detached(path: str) -> None:
@@ -515,7 +579,7 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
         spec = bundle_spec(create.bundle)
         # created while its data downloads: a node-level restore's gate, or a restored pod's; while it
         # waits, the image check's code is loaded (only where there is a gate: an ordinary create does not)
-        why = wait_staged(paths, create.container_id, meanwhile=_load_restore_code)
+        why, pages = wait_staged_images(paths, create.container_id, meanwhile=_load_restore_code)
         key = pod_key(spec)
         if why is None and key is not None:
             why = wait_pod_staged(paths, *key, expected=resuming(spec, key[1]), meanwhile=_load_restore_code)
@@ -526,12 +590,18 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
             return 1
         staged = find_staged(paths, create.container_id, spec)
         pod = _restored_pod(paths, spec)
+        if pages is not None and (pod is not None or staged is None):  # only a plain restore starts early
+            why = pages.wait()
+            if why is not None:
+                _log_error(inv, f"refusing to restore: {why}")
+                return 1
+            pages = None
         if pod is not None:
             rc = _create_in_restored_pod(inv, runc, paths, create, spec, staged, *pod)
             if rc is not None:
                 return rc
         elif staged is not None:
-            return _restore(inv, runc, paths, create, spec, staged)[0]
+            return _restore(inv, runc, paths, create, spec, staged, pages=pages)[0]
     elif inv.command in ("start", "delete") and inv.args:
         cid = inv.args[-1]
         with contextlib.suppress(SnapshotError):

@@ -20,7 +20,10 @@
 // runc command line containerd's shim gave it: every call the hook would only pass on to runc (state,
 // kill, exec, start, delete) goes to runc here, with the installed CRIU, without starting Python; the
 // start of a restored container (its marker under the state dir) succeeds here, as the hook's would;
-// create, and anything unexpected, goes to the hook. See runcPassthrough.
+// create, and anything unexpected, goes to the hook. See runcPassthrough. The hook learns the launcher's
+// path (KUBECTL_SNAPSHOT_LAUNCHER), which it names as CRIU's action script when it starts a restore
+// before the page files are complete: run by CRIU without arguments, the launcher waits at the
+// restore's pages gate (pagesgate.go).
 package main
 
 import (
@@ -44,7 +47,10 @@ type config struct {
 	Log         string            `json:"log"`
 }
 
-const maxLog = 1 << 20
+const (
+	maxLog      = 1 << 20
+	launcherEnv = "KUBECTL_SNAPSHOT_LAUNCHER"
+)
 
 func fail(format string, a ...any) {
 	fmt.Fprintf(os.Stderr, "kubectl-snapshot launcher: "+format+"\n", a...)
@@ -77,6 +83,9 @@ func record(path string, args []string) {
 }
 
 func main() {
+	if isCriuAction(os.Args[1:], os.Getenv) {
+		runCriuAction() // CRIU's action script of an early restore (pagesgate.go): no launch configuration
+	}
 	self, err := os.Executable()
 	if err != nil {
 		fail("cannot find my own path: %v", err)
@@ -117,6 +126,8 @@ func main() {
 		record(c.Log, os.Args[1:])
 	}
 	if c.RuncHook {
+		// the hook names this launcher as CRIU's action script of an early restore (pagesgate.go)
+		env = append(withoutKey(env, launcherEnv), launcherEnv+"="+self)
 		if runc, args, ok := runcPassthrough(os.Args[1:], lookup(env)); ok {
 			if runc == "" {
 				os.Exit(0) // the start of a restored container: it is running already
@@ -131,6 +142,16 @@ func main() {
 	}
 	err = syscall.Exec(argv[0], argv, env)
 	fail("exec %s: %v", argv[0], err)
+}
+
+func withoutKey(env []string, key string) []string {
+	kept := env[:0:0]
+	for _, kv := range env {
+		if !strings.HasPrefix(kv, key+"=") {
+			kept = append(kept, kv)
+		}
+	}
+	return kept
 }
 
 func hasGzip(args []string) bool {

@@ -157,6 +157,7 @@ def stage_artifact(
     opener: Opener | None = None,
     limits: RestoreLimits | None = None,
     timings: dict[str, float] | None = None,
+    on_images: Callable[[], None] | None = None,
 ) -> None:
     """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets.
 
@@ -168,6 +169,8 @@ def stage_artifact(
     verified, every segment authenticated before its bytes reach the extraction. `timings` gets the
     milliseconds of its steps (layers_ms: downloaded; extract_ms: extracted, decode cache filled;
     pages_ms: page files rebuilt, beside those; pages_wait_ms: what was left of that after the extraction).
+    `on_images` is called once everything but the page files is in place, when page files are still to
+    come (a two-phase staging gate's first answer, shim/engine/staging.py).
     """
     config = artifact.config
     spent = timings if timings is not None else {}
@@ -221,20 +224,25 @@ def stage_artifact(
                     )
             # 2. ... before anything is extracted
             spent["layers_ms"] = (clock() - t) * 1000
+            t = clock()
             for record, target, pending in zip(config.containers, staged_dirs, aside, strict=True):
-                t = clock()
                 _extract_fresh(blobs[record.layer_digest], target, extract_limits, opener, record.layer_digest)
+                if pending is not None:
+                    os.close(_checkpoint_dir(record, target))  # made, and checked, before the pages' place is announced
                 _cache_decoded(os.path.join(target, C.CHECKPOINT_DIRECTORY), paths)
-                spent["extract_ms"] = spent.get("extract_ms", 0.0) + (clock() - t) * 1000
+            if config.volumes_layer:
+                for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
+                    _extract_volume(blobs[config.volumes_layer], vol.name, vtarget, opener, config.volumes_layer)
+            spent["extract_ms"] = (clock() - t) * 1000
+            if on_images is not None and any(p is not None and not p[1].done() for p in aside):
+                on_images()  # everything but the page files: the hooks may start CRIU (it waits for them)
+            for record, target, pending in zip(config.containers, staged_dirs, aside, strict=True):
                 if pending is not None:
                     t = clock()
                     fetched_ms = pending[1].result()
                     _place_pages(record, pending[0], target)
                     spent["pages_ms"] = spent.get("pages_ms", 0.0) + fetched_ms
                     spent["pages_wait_ms"] = spent.get("pages_wait_ms", 0.0) + (clock() - t) * 1000
-            if config.volumes_layer:
-                for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
-                    _extract_volume(blobs[config.volumes_layer], vol.name, vtarget, opener, config.volumes_layer)
         except BaseException:
             stop.set()  # no further chunk is begun; the pool's exit waits for those in flight
             for target in staged_dirs:
@@ -315,14 +323,14 @@ def _fetch_pages(
     return (time.monotonic() - t) * 1000
 
 
-def _place_pages(record: ContainerRecord, pages_dir: str, target: str) -> None:
-    """Link the rebuilt page files into the extracted layer's checkpoint/ (made if the layer has none);
-    refused where the layer made it something else than a directory, or carries a page file itself."""
+def _checkpoint_dir(record: ContainerRecord, target: str) -> int:
+    """The extracted layer's checkpoint/ (made if the layer has none), opened; refused where the layer
+    made it something else than a directory, or carries one of the page files itself."""
     cp = os.path.join(target, C.CHECKPOINT_DIRECTORY)
     with contextlib.suppress(FileExistsError):
         os.mkdir(cp, 0o700)
     try:
-        dst = os.open(cp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(cp, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         what = "a symlink" if e.errno == errno.ELOOP else "not a directory"
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
@@ -331,7 +339,27 @@ def _place_pages(record: ContainerRecord, pages_dir: str, target: str) -> None:
                 hint="the snapshot is corrupted or was crafted; do not restore it",
             ) from e
         raise
-    src = os.open(pages_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    for f in record.pages:
+        try:
+            os.stat(f.name, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        os.close(fd)
+        raise UnsafeArchive(
+            f"{f.name} is both in the container layer and stored as chunks",
+            hint="the snapshot is corrupted or was crafted; do not restore it",
+        )
+    return fd
+
+
+def _place_pages(record: ContainerRecord, pages_dir: str, target: str) -> None:
+    """Link the rebuilt page files into the extracted layer's checkpoint/ (_checkpoint_dir)."""
+    dst = _checkpoint_dir(record, target)
+    try:
+        src = os.open(pages_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except BaseException:
+        os.close(dst)
+        raise
     try:
         for f in record.pages:
             try:
@@ -437,6 +465,7 @@ def restore(
             on_bytes=on_bytes,
             opener=opener,
             timings=timings,
+            on_images=early.images_staged if early is not None else None,
         )
     except BaseException as e:
         if early is not None:
@@ -566,7 +595,7 @@ class _EarlyCreate:
         gates: list[StagingGate] = []
         try:
             for cid in req.new_ids:
-                gates.append(StagingGate(paths.staging_gate(cid)))
+                gates.append(StagingGate(paths.staging_gate(cid), two_phase=True))
         except OSError:
             for g in gates:
                 g.close()
@@ -598,6 +627,12 @@ class _EarlyCreate:
                 self.thread.join()
             for g in self.gates:
                 g.close()
+
+    def images_staged(self) -> None:
+        """All but the page files is staged: each hook may check its images and start `runc restore`,
+        whose CRIU waits at the gate's pages lock for finish() (shim/engine/staging.py, "two phases")."""
+        for g in self.gates:
+            g.answer_images()
 
     def abandon(self, why: str) -> None:
         """Staging failed: the waiting hooks refuse, the containers created so far are removed."""

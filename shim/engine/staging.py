@@ -107,9 +107,20 @@ class StatePaths:
 #   create, or a restart), and each create reads the same answer. Lock got but no answer: the agent
 #   died while staging, and its successor stages the pod again and takes the gate again, so the hook
 #   keeps waiting (up to its bound) for an answer.
+#
+# Two phases (node-level gates): CRIU reads a container's page files only after it restored the
+# container's namespaces and mounts, which takes runc and CRIU about as long as a small pod's pages take
+# to download. So the agent answers IMAGES on the gate once every layer is extracted (the CRIU images,
+# the rootfs diff, the volumes: everything but the page files) and keeps a second lock, the pages gate
+# (`<gate>.pages`), until the page files are in place, then answers there. The hook checks the images and
+# starts `runc restore` at once, with CRIU's action script (the node bundle's launcher,
+# hack/launcher/pagesgate.go) waiting at the pages gate at "post-setup-namespaces", before any page file
+# is opened; CRIU aborts the restore (and kills what it restored) unless the answer there is READY. A
+# hook without that action script waits for the pages gate itself before `runc restore`.
 
 READY = "ready"
 FAILED = "failed"
+IMAGES = "images"  # phase one of a two-phase gate: all but the page files staged; they follow at its pages gate
 GATE_WAIT_S = 60.0  # a hook waits at most this long (below containerd's create deadline, 120 s)
 POD_GATE_WAIT_S = 100.0  # the kubelet's runtime-request-timeout (2 min) bounds its StartContainer
 _RETAKE_POLL_S = 0.25  # a pod gate whose agent died: how often the hook looks for its successor
@@ -119,40 +130,77 @@ _APPEAR_POLL_S = 0.05  # a resuming pod's container, created before the agent to
 class StagingGate:
     """The agent's side: opened (and locked) before the containers are created, answered once."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, two_phase: bool = False) -> None:
         self.path = path
         os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._fd = self._pages_fd = -1
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: another restore of this id (OSError)
+            if two_phase:  # first: a gate whose images are answered still holds it (and keeps its answer)
+                self._pages_fd = _take(pages_gate(self.path))
+            self._fd = _take(self.path)  # held: another restore of this id (OSError)
         except OSError:
-            os.close(self._fd)
+            self.release()
             raise
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path + ".state")  # an answer left by an agent that died (or an earlier staging)
-        self.answered = False
+        self.answered = self.images_answered = False
+
+    def answer_images(self) -> None:
+        """Phase one (a two-phase gate; otherwise nothing): everything but the page files is staged. The
+        hook may check the images and start `runc restore`; its CRIU waits at the pages gate."""
+        if self._pages_fd < 0 or self.answered or self.images_answered:
+            return
+        _answer(self.path, self._fd, IMAGES)
+        self.images_answered = True
 
     def answer(self, state: str, message: str = "") -> None:
-        """Write the answer, then let go: the waiting hook wakes and reads it."""
-        tmp = f"{self.path}.state.{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(f"{state}\n{message}")
-        os.replace(tmp, self.path + ".state")
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        """Write the answer, then let go: the waiting hook wakes and reads it (after answer_images, at
+        the pages gate, which CRIU's action script or the hook waits at)."""
+        if not self.images_answered:
+            _answer(self.path, self._fd, state, message)
+        if self._pages_fd >= 0:
+            _answer(pages_gate(self.path), self._pages_fd, state, message)
         self.answered = True
 
     def release(self) -> None:
         """Close without removing (a pod gate: later creates of the container read the same answer)."""
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        for fd in (self._fd, self._pages_fd):
+            if fd >= 0:
+                os.close(fd)
+        self._fd = self._pages_fd = -1
 
     def close(self) -> None:
         """The containers are created (or given up): nothing waits any more."""
-        for p in (self.path + ".state", self.path):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(p)
+        for gate in (pages_gate(self.path), self.path):
+            for p in (gate + ".state", gate):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
         self.release()
+
+
+def pages_gate(gate: str) -> str:
+    """The second lock of a two-phase gate: held by the agent until the page files are in place."""
+    return gate + ".pages"
+
+
+def _take(path: str) -> int:
+    """Open and lock (exclusively, at once or OSError) a gate file; an answer left beside it by an agent
+    that died (or an earlier staging) is removed."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path + ".state")
+    return fd
+
+
+def _answer(path: str, fd: int, state: str, message: str = "") -> None:
+    tmp = f"{path}.state.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(f"{state}\n{message}")
+    os.replace(tmp, path + ".state")  # a hook never reads half of it
+    fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _read_answer(path: str) -> tuple[str, str] | None:
@@ -202,6 +250,66 @@ def _verdict(answer: tuple[str, str]) -> str | None:
     return None if state == READY else f"the agent's staging of this restore failed: {message or 'no reason'}"
 
 
+@dataclass(frozen=True)
+class PendingPages:
+    """Phase two of a node-level gate, as the hook sees it: the CRIU images are staged, the page files
+    are not yet. `gate`: the pages gate (held by the agent until it answers there); `deadline`: the
+    POSIX time by which the hook's whole wait ends (the first phase's bound)."""
+
+    gate: str
+    deadline: float
+
+    def wait(self) -> str | None:
+        """Wait here (a hook without CRIU's action script): None once the page files are in place."""
+        unlocked = _wait_unlocked(self.gate, self.deadline - time.time())
+        if not unlocked:
+            return (
+                "the staged page files were not complete in time"
+                if unlocked is not None
+                else "the agent staging this restore let go before the page files were complete"
+            )
+        answer = _read_answer(self.gate)
+        if answer is None:
+            return "the agent staging this restore let go before the page files were complete"
+        return _verdict(answer)
+
+    def failure(self) -> str | None:
+        """The agent's answer at once, where it says that staging failed (why a restore was aborted)."""
+        answer = _read_answer(self.gate)
+        return _verdict(answer) if answer is not None and answer[0] != IMAGES else None
+
+
+def wait_staged_images(
+    paths: StatePaths,
+    container_id: str,
+    *,
+    timeout_s: float = GATE_WAIT_S,
+    meanwhile: Callable[[], object] | None = None,
+) -> tuple[str | None, PendingPages | None]:
+    """The hook's side of a node-level gate: (None, None) once this container's staged data is complete
+    (at once when no agent gated it); (None, pending) once all but its page files is (two phases: the
+    pages follow at `pending`); (why, None) when it will not be (staging failed, the agent is gone, or
+    too slow). `meanwhile`: what the hook can do while it waits (run only where there is a gate)."""
+    try:
+        path = paths.staging_gate(container_id)
+    except InvalidArgument:
+        return None, None
+    deadline = time.time() + max(timeout_s, 0.0)
+    unlocked = _wait_unlocked(path, timeout_s, meanwhile)
+    if unlocked is None:
+        return None, None
+    if not unlocked:
+        return f"the staged data was not complete within {timeout_s:g} s", None
+    answer = _read_answer(path)
+    if answer is None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # a gate left by an agent that died: the next create is not held up
+        return "the agent staging this restore let go before the data was complete", None
+    if answer[0] == IMAGES:
+        return None, PendingPages(pages_gate(path), deadline)
+    return _verdict(answer), None
+
+
 def wait_staged(
     paths: StatePaths,
     container_id: str,
@@ -209,24 +317,9 @@ def wait_staged(
     timeout_s: float = GATE_WAIT_S,
     meanwhile: Callable[[], object] | None = None,
 ) -> str | None:
-    """The hook's side of a node-level gate: None once this container's staged data is complete (at
-    once when no agent gated it); otherwise why it will not be (staging failed, the agent is gone, or
-    too slow). `meanwhile`: what the hook can do while it waits (run only where there is a gate)."""
-    try:
-        path = paths.staging_gate(container_id)
-    except InvalidArgument:
-        return None
-    unlocked = _wait_unlocked(path, timeout_s, meanwhile)
-    if unlocked is None:
-        return None
-    if not unlocked:
-        return f"the staged data was not complete within {timeout_s:g} s"
-    answer = _read_answer(path)
-    if answer is None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # a gate left by an agent that died: the next create is not held up
-        return "the agent staging this restore let go before the data was complete"
-    return _verdict(answer)
+    """wait_staged_images, then the page files too: None once all of the staged data is complete."""
+    why, pending = wait_staged_images(paths, container_id, timeout_s=timeout_s, meanwhile=meanwhile)
+    return pending.wait() if pending is not None else why
 
 
 def wait_pod_staged(

@@ -38,7 +38,7 @@ import pytest
 from shim import dumplock
 from shim.controller.node_install import install, uninstall
 from shim.controller.settings import NodeSettings
-from shim.engine.staging import StatePaths
+from shim.engine.staging import FAILED, READY, StagingGate, StatePaths
 from shim.podrestore import LOCK_TABLE, RELEASED_FILE, PodRestore
 from tests.support.bundle import REPO, real_bundle
 from tests.support.nft import nft_tables
@@ -103,15 +103,17 @@ def tripped(wire: Path) -> list[str]:
 def masked(wire: Path, script: str, *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Run `script` (busybox sh: the test's driver) in a mount namespace where every host program of
     HOST_BINARIES is the tripwire. The programs under test run with `$NOPATH` (an empty directory) as PATH."""
+    argv, env = masked_command(wire, script)
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def masked_command(wire: Path, script: str) -> tuple[list[str], dict[str, str]]:
     masks = "".join(f"mount --bind {wire} {p} && " for p in HOST_BINARIES)
     # and the host's Python packages (Debian's pycriu and protobuf): the hook brings its own
     masks += "".join(f"mount --bind {wire.parent / 'empty'} {d} && " for d in HOST_PY_PACKAGES if os.path.isdir(d))
-    return subprocess.run(
+    return (
         ["unshare", "-m", "--propagation", "private", str(BUSYBOX.resolve()), "sh", "-c", masks + script],
-        env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "NOPATH": str(wire.parent / "empty")},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "NOPATH": str(wire.parent / "empty")},
     )
 
 
@@ -275,6 +277,92 @@ def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, t
     # "parent" is not CRIU's command line)
     tars = [json.loads(line) for line in Path(node.wrapper_dir, "tar.launches").read_text().splitlines()]
     assert any("--create" in r["args"] for r in tars) and any("--extract" in r["args"] for r in tars), tars
+
+
+@pytest.mark.parametrize("answer", [READY, FAILED])
+def test_runc_restore_starts_before_the_page_files_and_criu_waits_for_them(
+    node: NodeSettings, tripwire: Path, tmp_path: Path, answer: str
+) -> None:
+    """A two-phase staging gate (shim/engine/staging.py): the agent announces the CRIU images while the
+    page files are still missing. The installed hook starts `runc restore` at once; CRIU restores the
+    container's namespaces and mounts and then waits in its action script (the launcher) at the pages
+    gate. Pages in place and "ready": the restore goes on and the counter continues; "failed": CRIU
+    aborts, nothing of the container runs, and the hook reports the agent's reason."""
+    counter = tmp_path / "counter"
+    counter.mkdir()
+    bundle = tmp_path / "bundle"
+    make_bundle(bundle, counter)
+    root = tmp_path / "runc-root"
+    old, new = f"nb-po-{os.getpid()}", f"nb-pn-{os.getpid()}"
+    paths = StatePaths(node.state_dir)
+    staged = Path(paths.staged_by_id(new))
+    image = staged / "checkpoint"
+    image.mkdir(parents=True)
+    hook = f"PATH=$NOPATH {node.wrapper_launcher} --root {root}"
+    aside = tmp_path / "pages"
+    aside.mkdir()
+    gate = StagingGate(paths.staging_gate(new), two_phase=True)
+    try:
+        proc = masked(
+            tripwire,
+            f"{hook} run -d --bundle {bundle} --pid-file {tmp_path}/old.pid {old} </dev/null >/dev/null 2>&1 && "
+            f"sleep 1 && {hook} checkpoint --image-path {image} --work-path {staged} {old} && "
+            f"while [ -e /proc/$(cat {tmp_path}/old.pid) ]; do sleep 0.1; done",
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr + _log(staged / "dump.log")
+        value = int((counter / "n").read_text())
+        pages = sorted(image.glob("pages-*.img"))
+        assert pages
+        for f in pages:
+            f.rename(aside / f.name)  # still downloading
+        gate.answer_images()
+        argv, env = masked_command(
+            tripwire,
+            f"{hook} create --bundle {bundle} --pid-file {tmp_path}/new.pid {new} </dev/null >/dev/null "
+            f"2>{tmp_path}/create.err",
+        )
+        create = subprocess.Popen(argv, env=env)
+        try:
+            log = staged / "restore.log"
+            deadline = time.monotonic() + 60
+            while "Running post-setup-namespaces scripts" not in (log.read_text() if log.exists() else ""):
+                assert create.poll() is None, (tmp_path / "create.err").read_text()
+                assert time.monotonic() < deadline, "CRIU did not reach the container's namespaces"
+                time.sleep(0.05)
+            time.sleep(0.5)
+            # CRIU waits at the pages gate: the hook's create has not returned, no page was read
+            assert create.poll() is None
+            assert "Running post-restore scripts" not in log.read_text()
+            if answer == READY:
+                for f in pages:
+                    (aside / f.name).rename(f)
+                gate.answer(READY)
+            else:
+                gate.answer(FAILED, "DigestMismatch: chunk sha256:ab did not match")
+            rc = create.wait(timeout=60)
+        finally:
+            if create.poll() is None:
+                create.kill()
+        err = (tmp_path / "create.err").read_text()
+        if answer == READY:
+            assert rc == 0, err + _log(log)
+            proc = masked(tripwire, f"{hook} start {new} && cat /proc/$(cat {tmp_path}/new.pid)/comm")
+            assert proc.returncode == 0 and proc.stdout.strip() == "sh", proc.stdout + proc.stderr
+            time.sleep(1)
+            assert int((counter / "n").read_text()) > value  # it kept counting from where it was
+        else:
+            assert rc != 0
+            assert "refusing to restore" in err and "DigestMismatch: chunk sha256:ab did not match" in err, err
+            state = subprocess.run(["runc", "--root", str(root), "state", new], capture_output=True, text=True)
+            assert state.returncode != 0 or '"running"' not in state.stdout, state.stdout  # nothing of it runs
+            time.sleep(0.5)
+            assert int((counter / "n").read_text()) == value  # and nothing counts
+        assert tripped(tripwire) == []  # the action script was the bundle's launcher: no host tool ran
+    finally:
+        gate.close()
+        shutil.rmtree(staged, ignore_errors=True)
+        subprocess.run(["runc", "--root", str(root), "delete", "--force", new], capture_output=True, check=False)
+        subprocess.run(["runc", "--root", str(root), "delete", "--force", old], capture_output=True, check=False)
 
 
 def _log(path: Path) -> str:

@@ -7,8 +7,11 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import threading
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zstandard
@@ -110,3 +113,67 @@ def test_a_checkpoint_symlink_in_the_layer_is_refused(registry: RegistryServer, 
         _stage(registry, tmp_path, _layer({C.CHECKPOINT_DIRECTORY: str(outside)}))
     assert list(outside.iterdir()) == []  # nothing was written through it
     assert not target.exists() and _leftovers(target) == []
+
+
+class _SlowChunks(RegistryClient):
+    """The real client; a page chunk's download is held until `release` is set (a slow link)."""
+
+    def __init__(self, chunk_digests: set[str]) -> None:
+        super().__init__()
+        self.chunks = chunk_digests
+        self.release = threading.Event()
+
+    def fetch_blob(self, ref: Reference, digest: str, out: Any, **kw: Any) -> Any:
+        if digest in self.chunks:
+            assert self.release.wait(30)
+        return super().fetch_blob(ref, digest, out, **kw)
+
+
+def test_the_images_are_announced_before_the_page_files_arrive(registry: RegistryServer, tmp_path: Path) -> None:
+    """on_images (a two-phase gate's first answer): called once, with the layer extracted and checkpoint/
+    in place, while the page files are still downloading; they are linked in afterwards."""
+    layer = _layer({f"{C.CHECKPOINT_DIRECTORY}/core-1.img": b"core", "config.dump": b"{}"})
+    artifact = _artifact(registry, layer)
+    client = _SlowChunks({c.digest for c in artifact.config.containers[0].pages[0].chunks})
+    paths = StatePaths(str(tmp_path / "state"))
+    target = Path(paths.staged_by_id("restored"))
+    seen: list[tuple[bool, bool]] = []
+
+    def on_images() -> None:
+        cp = target / C.CHECKPOINT_DIRECTORY
+        seen.append(((cp / "core-1.img").exists(), (cp / "pages-1.img").exists()))
+        client.release.set()
+
+    stage_artifact(artifact, [str(target)], registry=client, paths=paths, on_images=on_images)
+    assert seen == [(True, False)]
+    assert (target / C.CHECKPOINT_DIRECTORY / "pages-1.img").read_bytes() == PAGES
+
+
+def test_no_announcement_when_the_page_files_were_there_first(registry: RegistryServer, tmp_path: Path) -> None:
+    artifact = _artifact(registry, _layer({"config.dump": b"{}"}))
+    paths = StatePaths(str(tmp_path / "state"))
+    target = Path(paths.staged_by_id("restored"))
+    client = _SlowChunks(set())
+    layer_digest = artifact.config.containers[0].layer_digest
+    fetched: list[str] = []
+    original = client.fetch_blob
+
+    def layer_last(ref: Reference, digest: str, out: Any, **kw: Any) -> Any:
+        if digest == layer_digest:  # the layer waits until the page file is rebuilt beside it
+            deadline = time.monotonic() + 30
+            while not fetched or not [
+                p for p in target.parent.glob(".pages-*/pages-1.img") if p.stat().st_size == len(PAGES)
+            ]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            time.sleep(0.5)  # and its worker has returned
+        result = original(ref, digest, out, **kw)
+        if digest != layer_digest:
+            fetched.append(digest)
+        return result
+
+    client.fetch_blob = layer_last  # type: ignore[method-assign]
+    called: list[bool] = []
+    stage_artifact(artifact, [str(target)], registry=client, paths=paths, on_images=lambda: called.append(True))
+    assert called == []  # nothing to announce: the staged data is complete, one answer does
+    assert (target / C.CHECKPOINT_DIRECTORY / "pages-1.img").read_bytes() == PAGES

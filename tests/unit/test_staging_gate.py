@@ -13,7 +13,16 @@ from typing import Any
 
 import pytest
 
-from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, wait_pod_staged, wait_staged
+from shim.engine.staging import (
+    FAILED,
+    READY,
+    StagingGate,
+    StatePaths,
+    pages_gate,
+    wait_pod_staged,
+    wait_staged,
+    wait_staged_images,
+)
 
 
 def test_a_container_no_agent_gated_is_not_held(tmp_path: Path) -> None:
@@ -478,3 +487,98 @@ def test_a_restore_pod_whose_gates_cannot_be_taken_fails_and_its_gate_says_why(t
         held.release()
     assert (gate_dir / K.GATE_FAILED_FILE).exists()
     assert kube.patches[-1][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_FAILED_PREFIX)
+
+
+# --- two phases: the CRIU images first, the page files at the pages gate -------------------------------
+
+
+def test_a_two_phase_gate_announces_the_images_then_the_pages(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
+    try:
+        gate.answer_images()
+        why, pending = wait_staged_images(paths, "c1", timeout_s=5)
+        assert why is None and pending is not None
+        assert pending.gate == pages_gate(paths.staging_gate("c1"))
+        assert time.time() < pending.deadline <= time.time() + 5
+        assert pending.failure() is None  # nothing said about the pages yet
+        timer = threading.Timer(0.2, gate.answer, args=(READY,))
+        t = time.monotonic()
+        timer.start()
+        assert pending.wait() is None
+        assert time.monotonic() - t >= 0.19  # it waited for the page files' answer
+        timer.join()
+        assert wait_staged(paths, "c1") is None  # a later look: complete
+    finally:
+        gate.close()
+    assert os.listdir(os.path.dirname(paths.staging_gate("c1"))) == []  # both gates and both answers removed
+
+
+def test_staging_that_fails_after_the_images_fails_the_pages_gate(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
+    try:
+        gate.answer_images()
+        _, pending = wait_staged_images(paths, "c1")
+        assert pending is not None
+        gate.answer(FAILED, "DigestMismatch: chunk sha256:ab did not match")
+        for why in (pending.wait(), pending.failure(), wait_staged(paths, "c1")):
+            assert why is not None and "DigestMismatch" in why
+    finally:
+        gate.close()
+
+
+def test_an_agent_that_dies_between_the_phases_refuses_the_restore(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
+    gate.answer_images()
+    _, pending = wait_staged_images(paths, "c1")
+    assert pending is not None
+    gate.release()  # the kernel lets go of a dead agent's locks; no answer at the pages gate
+    why = pending.wait()
+    assert why is not None and "let go before the page files were complete" in why
+    assert pending.failure() is None
+
+
+def test_the_pages_wait_keeps_the_first_phases_deadline(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
+    try:
+        gate.answer_images()
+        _, pending = wait_staged_images(paths, "c1", timeout_s=0.3)
+        assert pending is not None
+        t = time.monotonic()
+        why = pending.wait()
+        assert why is not None and "not complete in time" in why
+        assert time.monotonic() - t < 2
+    finally:
+        gate.close()
+
+
+def test_a_one_phase_gate_ignores_the_images_announcement(tmp_path: Path) -> None:
+    """Pod gates (and a gate whose pages were there in time) answer once; answer_images does nothing."""
+    paths = StatePaths(str(tmp_path))
+    gate = StagingGate(paths.staging_gate("c1"))
+    try:
+        gate.answer_images()
+        assert not gate.images_answered
+        gate.answer(READY)
+        assert wait_staged_images(paths, "c1") == (None, None)
+        assert not os.path.exists(pages_gate(paths.staging_gate("c1")))
+    finally:
+        gate.close()
+
+
+def test_a_second_two_phase_gate_of_the_same_id_is_refused(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    first = StagingGate(paths.staging_gate("c1"), two_phase=True)
+    try:
+        with pytest.raises(OSError):
+            StagingGate(paths.staging_gate("c1"), two_phase=True)
+        first.answer_images()
+        with pytest.raises(OSError):  # the pages lock is still held
+            StagingGate(paths.staging_gate("c1"), two_phase=True)
+        why, pending = wait_staged_images(paths, "c1")  # the first's answer is untouched
+        assert why is None and pending is not None
+    finally:
+        first.close()
