@@ -67,6 +67,7 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         # containers created while the data downloads vs only after it (both served, alternated)
         "restore_vs_late_create": _r(ag.get("restore_s"), ag.get("restore_late_create_s")),
         "restore_internal_vs_late_create": _r(ag.get("restore_internal_s"), ag.get("restore_late_create_internal_s")),
+        "restore_vs_one_phase": _r(ag.get("restore_s"), ag.get("restore_one_phase_s")),
     }
     # <= 1.5x the bound and faster than ctr; from 512 MiB also faster than podman (the goal before issue 16,
     # whose small-pod goal names the bound and ctr only)
@@ -180,6 +181,7 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
     )
     return [
         f"{_fmt(d['restore_vs_late_create'])} (in-agent {_fmt(d['restore_internal_vs_late_create'])})",
+        _fmt(d["restore_vs_one_phase"]),
         ms("total_ms"),
         ms("resolve_ms"),
         ms("download_ms") + split,
@@ -287,10 +289,13 @@ def markdown(result: dict[str, Any]) -> str:
         "other call containerd's shim makes goes from the launcher to runc without Python (the count of calls per "
         "runc command during the last run's restore). The first column: pull->running (served; in-agent) against "
         "the same restores with the containers created only after the download "
-        "(KUBECTL_SNAPSHOT_EARLY_CREATE=0, served by a second agent, alternated).",
+        "(KUBECTL_SNAPSHOT_EARLY_CREATE=0, served by a second agent, alternated); the second: against the same "
+        "restores with the hook's `runc restore` started only after all of the data, page files included "
+        "(KUBECTL_SNAPSHOT_EARLY_RESTORE=0, a third agent, alternated).",
         "",
     ]
-    parts_header = ["pull->running vs created after the download", "in-agent restore", "resolve", "download",
+    parts_header = ["pull->running vs created after the download", "vs runc restore after all data",
+                    "in-agent restore", "resolve", "download",
                     "create + start", "hook create", "hook waited", "hook: Python start-up", "hook: image check",
                     "hook: runc restore", "hook: after it", "raw criu restore", "hook calls"]  # fmt: skip
     lines += _table(result, parts_header, _restore_parts)

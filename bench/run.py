@@ -421,11 +421,15 @@ def measure_agent(
     served = ServedAgent(daemon)
     pushed_alone, restores_alone = [], []  # the same commands standalone (no agent serving them)
     restores_late, restores_late_internal = [], []
+    restores_one_phase: list[float] = []
     with contextlib.ExitStack() as stack:
         stack.callback(served.close)
         # restores whose containers are created only after the download (no staging gate), alternated
         late = ServedAgent(daemon, {C.ENV_EARLY_CREATE: "0"})
         stack.callback(late.close)
+        # restores whose hooks wait for all of the data before `runc restore` (one-phase gates), alternated
+        one_phase = ServedAgent(daemon, {C.ENV_EARLY_RESTORE: "0"})
+        stack.callback(one_phase.close)
         cid, ctl = stack.enter_context(container(daemon, mib, kind))
         ref = ""
 
@@ -476,6 +480,13 @@ def measure_agent(
                 restores_late_internal.append(json.loads(proc.stdout)["timingsMs"]["total_ms"] / 1000)
             with contextlib.suppress(Exception):
                 daemon.client().remove_container(cmd[-1])
+            cmd[-1] = f"o-{uuid.uuid4().hex[:8]}"
+            t = time.monotonic()
+            sh(cmd, env=one_phase.env)
+            if i:
+                restores_one_phase.append(time.monotonic() - t)
+            with contextlib.suppress(Exception):
+                daemon.client().remove_container(cmd[-1])
             cmd[-1] = f"s-{uuid.uuid4().hex[:8]}"
             t = time.monotonic()
             sh(cmd, env={**os.environ, localapi.SOCKET_ENV: "none"})
@@ -483,7 +494,11 @@ def measure_agent(
                 restores_alone.append(time.monotonic() - t)
             with contextlib.suppress(Exception):
                 daemon.client().remove_container(cmd[-1])
-        for agent_, what in ((served, "restores"), (late, "restores without early create")):
+        for agent_, what in (
+            (served, "restores"),
+            (late, "restores without early create"),
+            (one_phase, "restores with one-phase gates"),
+        ):
             if agent_.served("restore") != runs + 1:
                 raise RuntimeError(f"the agent served {agent_.served('restore')} of {runs + 1} {what}")
         # the same container dumped by runc alone (no containerd, no pause, no packaging): what CRIU
@@ -519,6 +534,7 @@ def measure_agent(
         restore_internal_s=med(restores_internal),
         restore_late_create_s=med(restores_late),
         restore_late_create_internal_s=med(restores_late_internal),
+        restore_one_phase_s=med(restores_one_phase),
         restore_breakdown=_median_breakdown(breakdowns),
         checkpoint_breakdown=_median_breakdown(ckpt_breakdowns),
     )

@@ -417,6 +417,7 @@ def restore_data(
             log_dir=a.log_dir,
             trust=load_trust(list(a.trusted_keys), allow_unverified=a.allow_unverified),
             early_create=os.environ.get(C.ENV_EARLY_CREATE, "1") != "0",
+            early_restore=os.environ.get(C.ENV_EARLY_RESTORE, "1") != "0",
         ),
         containerd=containerd,
         registry=registry,

@@ -99,3 +99,6 @@ ENV_STATE_DIR: Final = "KUBECTL_SNAPSHOT_STATE_DIR"
 ENV_PAGE_DELTAS: Final = "KUBECTL_SNAPSHOT_PAGE_DELTAS"
 # "0": a node-level restore creates its containers only after their data is staged (no staging gate)
 ENV_EARLY_CREATE: Final = "KUBECTL_SNAPSHOT_EARLY_CREATE"
+# "0": the hook of such a container waits for all of its data, page files included, before `runc restore`
+# (one-phase staging gate; bench/run.py compares both)
+ENV_EARLY_RESTORE: Final = "KUBECTL_SNAPSHOT_EARLY_RESTORE"

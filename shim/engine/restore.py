@@ -65,6 +65,7 @@ class RestoreRequest:
     snapshotter: str = "overlayfs"
     trust: TrustPolicy = field(default_factory=TrustPolicy)  # default trusts nothing: all refused
     early_create: bool = True  # create the containers while their data downloads (the staging gate)
+    early_restore: bool = True  # ... and start `runc restore` before the page files are in place (two phases)
 
 
 @dataclass
@@ -454,7 +455,12 @@ def restore(
     phase("download")
     t_dl = clock()
     staged = [paths.staged_by_id(cid) for cid in req.new_ids]
-    early = _EarlyCreate.start(containerd, req, plan, staged, namespace, paths, clock) if req.early_create else None
+    early = (
+        _EarlyCreate.start(containerd, req, plan, staged, namespace, paths, clock, two_phase=req.early_restore)
+        if req.early_create
+        else None
+    )
+    on_images = early.images_staged if early is not None and req.early_restore else None
     try:
         stage_artifact(
             plan.artifact,
@@ -465,7 +471,7 @@ def restore(
             on_bytes=on_bytes,
             opener=opener,
             timings=timings,
-            on_images=early.images_staged if early is not None else None,
+            on_images=on_images,
         )
     except BaseException as e:
         if early is not None:
@@ -591,11 +597,13 @@ class _EarlyCreate:
         namespace: str,
         paths: StatePaths,
         clock: Callable[[], float],
+        *,
+        two_phase: bool = True,
     ) -> _EarlyCreate | None:
         gates: list[StagingGate] = []
         try:
             for cid in req.new_ids:
-                gates.append(StagingGate(paths.staging_gate(cid), two_phase=True))
+                gates.append(StagingGate(paths.staging_gate(cid), two_phase=two_phase))
         except OSError:
             for g in gates:
                 g.close()
