@@ -234,7 +234,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{m['criu']}, {m['runc']}, {m['containerd']}, {m['podman'] or 'no podman'}; "
         f"runc's CRIU configuration {m.get('criu_config', 'n/a')}; "
         f"CRIU's kdat cache {m.get('criu_kdat', 'n/a')}; load average at the end "
-        f"{', '.join(f'{x:.2f}' for x in m['loadavg'])}; {m['time']}.",
+        f"{', '.join(f'{x:.2f}' for x in m['loadavg'])}; {m['time']}."
+        + (f" **The registry is behind a {m['link']} link** (bench/throttle.py)." if m.get("link") else ""),
         f"Each figure: median of {result['rows'][0]['runs'] if result['rows'] else '?'} runs after one warm-up; "
         "every absolute number is shown next to the bound or peer it is divided by, measured in the same run.",
         "",

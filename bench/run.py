@@ -50,6 +50,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import criulog, pagediff, report
+from bench.throttle import LinkedRegistry, ThrottledLink
 from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
@@ -671,6 +672,12 @@ def main() -> None:
     )
     ap.add_argument("--quick", action="store_true", help="64 and 512 MiB only")
     ap.add_argument("--no-peers", action="store_true", help="skip podman and ctr")
+    ap.add_argument(
+        "--link-mbps",
+        type=float,
+        default=0,
+        help="put the registry behind a link of this many Mbit/s (a loopback proxy, bench/throttle.py)",
+    )
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args()
     # a SIGTERM (timeout, kill) unwinds like ^C: daemons stopped, workloads killed, CRIU config removed
@@ -692,6 +699,8 @@ def main() -> None:
     daemon.start()
     other.start()
     registry.start()
+    link = ThrottledLink(registry.host, a.link_mbps) if a.link_mbps > 0 else None
+    reached: Any = LinkedRegistry(registry, link) if link is not None else registry  # what every client uses
     rows = []
     hook = runtime_hook(work)
     started = time.monotonic()
@@ -703,19 +712,23 @@ def main() -> None:
             for mib in sizes:
                 print(f"[bench] {kind} {mib} MiB", file=sys.stderr)
                 row: dict[str, Any] = {"kind": kind, "mib": mib, "runs": a.runs}
-                row["raw"] = raw_bounds(work, registry, mib, kind, a.runs)
-                row["agent"] = measure_agent(daemon, registry, mib, kind, a.runs, hook, a.incr_runs)
+                row["raw"] = raw_bounds(work, reached, mib, kind, a.runs)
+                row["agent"] = measure_agent(daemon, reached, mib, kind, a.runs, hook, a.incr_runs)
                 if not a.no_peers:
                     if pimage and "i" in pimage:
                         row["podman"] = peer(lambda: measure_podman(work, pimage["i"], mib, kind, a.runs), "podman")  # noqa: B023 (called at once)
-                    row["ctr"] = peer(lambda: measure_ctr(daemon, other, registry, mib, kind, a.runs), "ctr")  # noqa: B023 (called at once)
+                    row["ctr"] = peer(lambda: measure_ctr(daemon, other, reached, mib, kind, a.runs), "ctr")  # noqa: B023 (called at once)
                 rows.append(row)
     finally:
         daemon.stop()
         other.stop()
+        if link is not None:
+            link.close()
         registry.stop()
         shutil.rmtree(work, ignore_errors=True)
         facts = machine_facts()
+        if link is not None:
+            facts["link"] = f"{a.link_mbps:g} Mbit/s"
         facts["criu_config"] = f"{conf.path}: {conf.state}" if conf else "n/a"
         facts["criu_kdat"] = f"{kdat.path}: {kdat.state}" if kdat else "n/a"
         stack.close()
