@@ -14,7 +14,9 @@ Staged data is found only by a key derived here: the container id, or the pod ui
 that containerd's CRI plugin writes into the bundle's config.json annotations. A node-level restore
 creates its containers while their data still downloads: the ``create`` of a container whose id the
 agent gated (shim/engine/staging.py, "the staging gate") waits until the agent says the staged data is
-complete, and refuses to run anything if staging failed or the agent let go. A restored pod's containers
+complete, and refuses to run anything if staging failed or the agent let go; once the agent says that
+all but the page files is staged it starts ``runc restore``, whose CRIU waits for the page files after the
+namespaces and mounts (early_restore_env; staging.py "two phases"). A restored pod's containers
 wait the same way at their pod gates (pod uid + container name); a resuming pod's (its resume annotation,
 which containerd passes for the handler's ``pod_annotations``) also wait for the agent to take them up.
 """
