@@ -56,6 +56,7 @@ LAUNCHER_ENV = "KUBECTL_SNAPSHOT_LAUNCHER"  # set by the node bundle's launcher:
 PAGES_GATE_ENV = "KUBECTL_SNAPSHOT_PAGES_GATE"  # read by the launcher as CRIU's action script (pagesgate.go)
 PAGES_DEADLINE_ENV = "KUBECTL_SNAPSHOT_PAGES_DEADLINE"
 CRIU_CONFIG_ENV = "CRIU_CONFIG_FILE"  # CRIU reads it at start-up, also as runc's `criu swrk`
+FAILURE_ANSWER_WAIT_S = 2.0  # an early restore that failed: how long to wait for the agent to say why
 CRIU_RESTORE_OUTPUTS = (C.RESTORE_LOG_FILE, "stats-restore")  # what CRIU writes into its --work-path
 
 
@@ -376,7 +377,7 @@ def _restore(
     proc = subprocess.run(restore_command(runc, inv, create, staged), check=False, env=env)
     trace("after-restore")
     if proc.returncode != 0:
-        failed = pages.failure() if pages is not None else None
+        failed = pages.failure(wait_s=FAILURE_ANSWER_WAIT_S) if pages is not None else None
         if failed is not None:  # CRIU's action script aborted the restore: staging failed meanwhile
             msg = f"refusing to restore: {failed}"
             _log_error(inv, msg)

@@ -273,8 +273,12 @@ class PendingPages:
             return "the agent staging this restore let go before the page files were complete"
         return _verdict(answer)
 
-    def failure(self) -> str | None:
-        """The agent's answer at once, where it says that staging failed (why a restore was aborted)."""
+    def failure(self, wait_s: float = 0.0) -> str | None:
+        """The agent's answer, where it says that staging failed (why a restore was aborted); waited for
+        up to `wait_s` while the agent still holds the gate (a failed staging removes the staged dir
+        before it answers, so CRIU may fail first)."""
+        if wait_s > 0:
+            _wait_unlocked(self.gate, min(wait_s, max(self.deadline - time.time(), 0.0)))
         answer = _read_answer(self.gate)
         return _verdict(answer) if answer is not None and answer[0] != IMAGES else None
 

@@ -582,3 +582,24 @@ def test_a_second_two_phase_gate_of_the_same_id_is_refused(tmp_path: Path) -> No
         assert why is None and pending is not None
     finally:
         first.close()
+
+
+def test_a_failed_restore_waits_briefly_for_the_agents_reason(tmp_path: Path) -> None:
+    """CRIU can fail before the agent answers (a failed staging removes the staged dir first): the hook
+    waits a little for the reason, and not at all once the gate is free."""
+    paths = StatePaths(str(tmp_path))
+    gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
+    try:
+        gate.answer_images()
+        _, pending = wait_staged_images(paths, "c1")
+        assert pending is not None
+        timer = threading.Timer(0.3, gate.answer, args=(FAILED, "DigestMismatch: chunk sha256:ab"))
+        timer.start()
+        assert pending.failure() is None  # not yet said
+        why = pending.failure(wait_s=5)
+        timer.join()
+        assert why is not None and "DigestMismatch" in why
+        t = time.monotonic()
+        assert pending.failure(wait_s=5) == why and time.monotonic() - t < 1  # a free gate: at once
+    finally:
+        gate.close()
