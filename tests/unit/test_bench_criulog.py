@@ -1,0 +1,58 @@
+"""bench/criulog.action_wait (CRIU's wait in an action script, read from restore.log) and
+bench/throttle.ThrottledLink (a bandwidth-limited loopback link) on real sockets."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from bench import criulog
+from bench.throttle import ThrottledLink
+
+LOG = """(00.100000) Running setup-namespaces scripts
+(00.100010) \tRPC
+(00.110000) Wait until namespaces are created
+(00.130466) Running post-setup-namespaces scripts
+(00.130494) \tRPC
+(00.130731) \t[/opt/ks/kubectl-snapshot-runc]
+(00.638578)      1: Preparing info about shared resources
+(00.700000) Running post-restore scripts
+"""
+
+
+def test_the_wait_runs_from_the_actions_line_to_the_first_line_after_its_scripts() -> None:
+    waited = criulog.action_wait(LOG, "post-setup-namespaces")
+    assert waited is not None and abs(waited - 0.508112) < 1e-9
+    setup = criulog.action_wait(LOG, "setup-namespaces")
+    assert setup is not None and abs(setup - 0.01) < 1e-9
+    assert criulog.action_wait(LOG, "pre-resume") is None  # not run
+    assert criulog.action_wait("(00.1) Running post-restore scripts\n", "post-restore") is None  # nothing after
+
+
+def test_the_link_passes_the_bytes_at_its_rate() -> None:
+    payload = bytes(range(256)) * (4 << 10)  # 1 MiB
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(16)
+            conn.sendall(payload)
+
+    threading.Thread(target=serve, daemon=True).start()
+    link = ThrottledLink(f"127.0.0.1:{server.getsockname()[1]}", 40)  # 5 MB/s: 1 MiB takes >= 0.2 s
+    try:
+        host, _, port = link.host.rpartition(":")
+        with socket.create_connection((host, int(port))) as c:
+            t = time.monotonic()
+            c.sendall(b"go")
+            got = bytearray()
+            while data := c.recv(1 << 16):
+                got += data
+            took = time.monotonic() - t
+    finally:
+        link.close()
+        server.close()
+    assert bytes(got) == payload
+    assert took >= 0.19, took
