@@ -74,7 +74,9 @@ def test_agent_cost_does_not_grow_with_podsnapshots_of_other_nodes(cluster, agen
     report = f"10: {few}\n1000: {many}\nagent logs:\n{logs}"
     # Start-up lists only this node's objects: the bytes do not follow the 990 others (~1 KiB each).
     assert many.startup_list_bytes < few.startup_list_bytes + 50_000, report
-    assert many.startup_requests <= few.startup_requests + 4, report
+    # Requests: a per-object look would add ~990; the restart window also holds the old agents' last
+    # requests and the new ones' start-up, which vary by a few from run to run.
+    assert many.startup_requests <= few.startup_requests + 10, report
     # Steady state: the same few requests a minute (watches re-opened from their resourceVersion, the
     # node facts), whatever the number of objects elsewhere; a re-list of 1000 objects would show.
     assert 0 < many.steady_requests_per_min <= few.steady_requests_per_min + 4, report
