@@ -37,8 +37,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kubectl_snapshot.adapters.kube import KubeClient
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import NotFound
+from shim.controller.restores import POD_FILE
 from tests.support.cluster import STATE_DIR, Cluster, _load
 
 SCALE_LABEL = "kubectl-snapshot.io/scale-test"
@@ -203,9 +205,6 @@ def settled(cluster: Cluster, quiet_s: float = 5.0, timeout_s: float = 300.0) ->
     return last
 
 
-AGENT_STATE = Path("/var/lib/kubectl-snapshot")  # the agents' state dirs, one per node (hostPath)
-
-
 def remove_leftovers(cluster: Cluster, kube: KubeClient) -> list[str]:
     """Staged data of restored pods that are gone, left by earlier restores on the nodes: what the agents'
     garbage collection removes once it is 10 minutes old, one GET each (shim/controller/restores.py).
@@ -214,10 +213,10 @@ def remove_leftovers(cluster: Cluster, kube: KubeClient) -> list[str]:
     removed = []
     for node in cluster.nodes:
         for kind in ("by-pod", "pod-gates"):
-            parent = AGENT_STATE / node / "staged" / kind
+            parent = Path(C.DEFAULT_STATE_DIR) / node / C.STAGING_SUBDIR / kind  # the agents' hostPath
             for d in sorted(parent.glob("*")) if parent.is_dir() else []:
                 try:
-                    owner = json.loads((d / ".pod").read_text())
+                    owner = json.loads((d / POD_FILE).read_text())
                     pod = kube.get_pod(str(owner["namespace"]), str(owner["name"]))
                 except NotFound:
                     pod = None

@@ -213,12 +213,28 @@ def test_the_hook_launcher_passes_plain_runc_calls_on_without_python(node: NodeS
     ]
 
 
-def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, tripwire: Path, tmp_path: Path) -> None:
+def counter_bundle(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(the counter's directory, its bundle, a runc root) for a busybox loop that counts into it."""
     counter = tmp_path / "counter"
     counter.mkdir()
     bundle = tmp_path / "bundle"
     make_bundle(bundle, counter)
-    root = tmp_path / "runc-root"
+    return counter, bundle, tmp_path / "runc-root"
+
+
+def run_and_checkpoint(wire: Path, hook: str, bundle: Path, tmp_path: Path, old: str, staged: Path) -> None:
+    """Run the counter as `old` through `hook`, then checkpoint it (stopped) into staged/checkpoint."""
+    proc = masked(
+        wire,
+        f"{hook} run -d --bundle {bundle} --pid-file {tmp_path}/old.pid {old} </dev/null >/dev/null 2>&1 && "
+        f"sleep 1 && {hook} checkpoint --image-path {staged}/checkpoint --work-path {staged} {old} && "
+        f"while [ -e /proc/$(cat {tmp_path}/old.pid) ]; do sleep 0.1; done",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr + _log(staged / "dump.log")
+
+
+def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, tripwire: Path, tmp_path: Path) -> None:
+    counter, bundle, root = counter_bundle(tmp_path)
     old, new = f"nb-old-{os.getpid()}", f"nb-new-{os.getpid()}"
     staged = StatePaths(node.state_dir).staged_by_id(new)
     image = Path(staged) / "checkpoint"
@@ -236,13 +252,7 @@ def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, t
     hook = f"PATH=$NOPATH KUBECTL_SNAPSHOT_RUNC={runc} {node.wrapper_launcher} --root {root}"
     before = len(launches(node))
     try:
-        proc = masked(
-            tripwire,
-            f"{hook} run -d --bundle {bundle} --pid-file {tmp_path}/old.pid {old} </dev/null >/dev/null 2>&1 && "
-            f"sleep 1 && {hook} checkpoint --image-path {image} --work-path {staged} {old} && "
-            f"while [ -e /proc/$(cat {tmp_path}/old.pid) ]; do sleep 0.1; done",
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr + _log(Path(staged) / "dump.log")
+        run_and_checkpoint(tripwire, hook, bundle, tmp_path, old, Path(staged))
         value = int((counter / "n").read_text())
         proc = masked(
             tripwire,
@@ -288,11 +298,7 @@ def test_runc_restore_starts_before_the_page_files_and_criu_waits_for_them(
     container's namespaces and mounts and then waits in its action script (the launcher) at the pages
     gate. Pages in place and "ready": the restore goes on and the counter continues; "failed": CRIU
     aborts, nothing of the container runs, and the hook reports the agent's reason."""
-    counter = tmp_path / "counter"
-    counter.mkdir()
-    bundle = tmp_path / "bundle"
-    make_bundle(bundle, counter)
-    root = tmp_path / "runc-root"
+    counter, bundle, root = counter_bundle(tmp_path)
     old, new = f"nb-po-{os.getpid()}", f"nb-pn-{os.getpid()}"
     paths = StatePaths(node.state_dir)
     staged = Path(paths.staged_by_id(new))
@@ -303,13 +309,7 @@ def test_runc_restore_starts_before_the_page_files_and_criu_waits_for_them(
     aside.mkdir()
     gate = StagingGate(paths.staging_gate(new), two_phase=True)
     try:
-        proc = masked(
-            tripwire,
-            f"{hook} run -d --bundle {bundle} --pid-file {tmp_path}/old.pid {old} </dev/null >/dev/null 2>&1 && "
-            f"sleep 1 && {hook} checkpoint --image-path {image} --work-path {staged} {old} && "
-            f"while [ -e /proc/$(cat {tmp_path}/old.pid) ]; do sleep 0.1; done",
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr + _log(staged / "dump.log")
+        run_and_checkpoint(tripwire, hook, bundle, tmp_path, old, staged)
         value = int((counter / "n").read_text())
         pages = sorted(image.glob("pages-*.img"))
         assert pages

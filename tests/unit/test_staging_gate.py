@@ -3,10 +3,11 @@ data downloads; the hook's create waits until the agent answers, and never runs 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from shim.engine.staging import (
     FAILED,
     READY,
+    PendingPages,
     StagingGate,
     StatePaths,
     pages_gate,
@@ -492,13 +494,22 @@ def test_a_restore_pod_whose_gates_cannot_be_taken_fails_and_its_gate_says_why(t
 # --- two phases: the CRIU images first, the page files at the pages gate -------------------------------
 
 
-def test_a_two_phase_gate_announces_the_images_then_the_pages(tmp_path: Path) -> None:
-    paths = StatePaths(str(tmp_path))
+@contextlib.contextmanager
+def images_announced(paths: StatePaths, timeout_s: float = 60.0) -> Iterator[tuple[StagingGate, PendingPages]]:
+    """The agent's two-phase gate of container c1 with the images announced, and the hook's view of it."""
     gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
     try:
         gate.answer_images()
-        why, pending = wait_staged_images(paths, "c1", timeout_s=5)
+        why, pending = wait_staged_images(paths, "c1", timeout_s=timeout_s)
         assert why is None and pending is not None
+        yield gate, pending
+    finally:
+        gate.close()
+
+
+def test_a_two_phase_gate_announces_the_images_then_the_pages(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    with images_announced(paths, timeout_s=5) as (gate, pending):
         assert pending.gate == pages_gate(paths.staging_gate("c1"))
         assert time.time() < pending.deadline <= time.time() + 5
         assert pending.failure() is None  # nothing said about the pages yet
@@ -509,50 +520,31 @@ def test_a_two_phase_gate_announces_the_images_then_the_pages(tmp_path: Path) ->
         assert time.monotonic() - t >= 0.19  # it waited for the page files' answer
         timer.join()
         assert wait_staged(paths, "c1") is None  # a later look: complete
-    finally:
-        gate.close()
     assert os.listdir(os.path.dirname(paths.staging_gate("c1"))) == []  # both gates and both answers removed
 
 
 def test_staging_that_fails_after_the_images_fails_the_pages_gate(tmp_path: Path) -> None:
     paths = StatePaths(str(tmp_path))
-    gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
-    try:
-        gate.answer_images()
-        _, pending = wait_staged_images(paths, "c1")
-        assert pending is not None
+    with images_announced(paths) as (gate, pending):
         gate.answer(FAILED, "DigestMismatch: chunk sha256:ab did not match")
         for why in (pending.wait(), pending.failure(), wait_staged(paths, "c1")):
             assert why is not None and "DigestMismatch" in why
-    finally:
-        gate.close()
 
 
 def test_an_agent_that_dies_between_the_phases_refuses_the_restore(tmp_path: Path) -> None:
-    paths = StatePaths(str(tmp_path))
-    gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
-    gate.answer_images()
-    _, pending = wait_staged_images(paths, "c1")
-    assert pending is not None
-    gate.release()  # the kernel lets go of a dead agent's locks; no answer at the pages gate
-    why = pending.wait()
-    assert why is not None and "let go before the page files were complete" in why
-    assert pending.failure() is None
+    with images_announced(StatePaths(str(tmp_path))) as (gate, pending):
+        gate.release()  # the kernel lets go of a dead agent's locks; no answer at the pages gate
+        why = pending.wait()
+        assert why is not None and "let go before the page files were complete" in why
+        assert pending.failure() is None
 
 
 def test_the_pages_wait_keeps_the_first_phases_deadline(tmp_path: Path) -> None:
-    paths = StatePaths(str(tmp_path))
-    gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
-    try:
-        gate.answer_images()
-        _, pending = wait_staged_images(paths, "c1", timeout_s=0.3)
-        assert pending is not None
+    with images_announced(StatePaths(str(tmp_path)), timeout_s=0.3) as (_, pending):
         t = time.monotonic()
         why = pending.wait()
         assert why is not None and "not complete in time" in why
         assert time.monotonic() - t < 2
-    finally:
-        gate.close()
 
 
 def test_a_one_phase_gate_ignores_the_images_announcement(tmp_path: Path) -> None:
@@ -587,12 +579,7 @@ def test_a_second_two_phase_gate_of_the_same_id_is_refused(tmp_path: Path) -> No
 def test_a_failed_restore_waits_briefly_for_the_agents_reason(tmp_path: Path) -> None:
     """CRIU can fail before the agent answers (a failed staging removes the staged dir first): the hook
     waits a little for the reason, and not at all once the gate is free."""
-    paths = StatePaths(str(tmp_path))
-    gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
-    try:
-        gate.answer_images()
-        _, pending = wait_staged_images(paths, "c1")
-        assert pending is not None
+    with images_announced(StatePaths(str(tmp_path))) as (gate, pending):
         timer = threading.Timer(0.3, gate.answer, args=(FAILED, "DigestMismatch: chunk sha256:ab"))
         timer.start()
         assert pending.failure() is None  # not yet said
@@ -601,5 +588,3 @@ def test_a_failed_restore_waits_briefly_for_the_agents_reason(tmp_path: Path) ->
         assert why is not None and "DigestMismatch" in why
         t = time.monotonic()
         assert pending.failure(wait_s=5) == why and time.monotonic() - t < 1  # a free gate: at once
-    finally:
-        gate.close()
