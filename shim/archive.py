@@ -26,8 +26,6 @@ import stat
 import sys
 import tarfile
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import IO, BinaryIO, Protocol, Self, cast
 
 from kubectl_snapshot.core.errors import UnsafeArchive
 from kubectl_snapshot.core.safepath import ExtractLimits, check_member_name, check_symlink_target
@@ -43,18 +41,28 @@ _HINT = "the snapshot is corrupted or was crafted; do not restore it, and take a
 _SETID = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX
 
 
-class ByteSink(Protocol):
-    """Anything with write(bytes): a file, a socket wrapper, HashingWriter, a zstd writer."""
+# The runtime hook applies rootfs diffs with this module: typing and dataclasses are not imported at
+# run time (shim/runc_wrapper.py, "what it imports at start").
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import IO, BinaryIO, Protocol, Self
 
-    def write(self, data: bytes, /) -> object: ...
+    class ByteSink(Protocol):
+        """Anything with write(bytes): a file, a socket wrapper, HashingWriter, a zstd writer."""
+
+        def write(self, data: bytes, /) -> object: ...
+
+else:
+    ByteSink = object  # at run time only annotations name it
 
 
-@dataclass(frozen=True)
 class ExtractReport:
     """What an extraction wrote: member count and regular-file bytes."""
 
-    members: int
-    bytes: int
+    __slots__ = ("bytes", "members")
+
+    def __init__(self, *, members: int, bytes: int) -> None:
+        self.members, self.bytes = members, bytes
 
 
 def _unsafe(name: str, why: str) -> UnsafeArchive:
@@ -90,7 +98,8 @@ class _CappedTarInfo(tarfile.TarInfo):
         header_types = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE, tarfile.XGLTYPE)
         if self.type in header_types and self.size > MAX_HEADER_BYTES:
             raise _unsafe(self.name, f"extended header of {self.size} bytes (limit {MAX_HEADER_BYTES})")
-        return cast(tarfile.TarInfo, super()._proc_member(tarfile_))  # type: ignore[misc]
+        info: tarfile.TarInfo = super()._proc_member(tarfile_)  # type: ignore[misc]
+        return info
 
 
 class _Tree:
@@ -248,15 +257,31 @@ def safe_extract(
     return ExtractReport(members=run.members, bytes=run.total)
 
 
-@dataclass(frozen=True)
 class _Options:
-    only: str | None
-    limits: ExtractLimits
-    allow_absolute_symlinks: bool
-    chown: bool
-    allow_special_modes: bool
-    allow_fifos: bool
-    overwrite: bool
+    __slots__ = (
+        "allow_absolute_symlinks",
+        "allow_fifos",
+        "allow_special_modes",
+        "chown",
+        "limits",
+        "only",
+        "overwrite",
+    )
+
+    def __init__(
+        self,
+        *,
+        only: str | None,
+        limits: ExtractLimits,
+        allow_absolute_symlinks: bool,
+        chown: bool,
+        allow_special_modes: bool,
+        allow_fifos: bool,
+        overwrite: bool,
+    ) -> None:
+        self.only, self.limits, self.chown, self.overwrite = only, limits, chown, overwrite
+        self.allow_absolute_symlinks = allow_absolute_symlinks
+        self.allow_special_modes, self.allow_fifos = allow_special_modes, allow_fifos
 
 
 class _Extraction:
@@ -454,7 +479,8 @@ def tar_directories(
     recorded only within one tree, so each tree extracts on its own (one volume per tree)."""
     # Not a `with`: on error the end-of-archive blocks must not be written after a partial member.
     # "w" on a forward-only sink (tarfile's "w|" re-buffers every byte through 10 KiB slices).
-    tf = tarfile.TarFile(fileobj=cast(IO[bytes], _TellingWriter(out)), mode="w", format=tarfile.PAX_FORMAT)
+    sink: IO[bytes] = _TellingWriter(out)  # type: ignore[assignment]  # tarfile needs write and tell
+    tf = tarfile.TarFile(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT)
     tf.copybufsize = CHUNK  # type: ignore[attr-defined]  # stdlib default: 16 KiB copies
     for arcname, src in sources:
         _add_tree(tf, src, arcname, follow_symlinks=follow_symlinks, on_entry=on_entry)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import glob
-import hashlib
 import io
 import json
 import os
@@ -40,11 +39,18 @@ import posixpath
 import struct
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from kubectl_snapshot.core.errors import PermissionDenied
+
+try:  # CPython 3.11's built-in sha256: the hook does not load OpenSSL (hashlib's import) for its cache keys
+    from _sha256 import sha256  # type: ignore[import-not-found,unused-ignore]
+except ImportError:  # 3.12 renamed it
+    from hashlib import sha256
+
+TYPE_CHECKING = False  # the hook's start-up: typing is not imported at run time
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Mapping, Sequence
+    from typing import Any
 
 MAX_IMAGE_BYTES = 64 << 20
 # linux/capability.h, in bit order
@@ -96,25 +102,62 @@ class ImageGrantsMore(PermissionDenied):
     """The staged CRIU images grant more than the container's bundle."""
 
 
-@dataclass(frozen=True)
 class BundleGrant:
-    """What config.json lets the container's processes have."""
+    """What config.json lets the container's processes have (bundle_grant). A plain class: the hook
+    imports no dataclasses (shim/runc_wrapper.py, "what it imports at start")."""
 
-    uid: int
-    gids: frozenset[int]  # the primary gid and additionalGids
-    bounding: int
-    effective: int
-    permitted: int
-    inheritable: int
-    ambient: int
-    seccomp: bool
-    no_new_privs: bool
-    apparmor: str
-    selinux: str
-    user_namespace: bool
-    mounts: Mapping[str, Mapping[str, Any]]  # destination -> the bundle's mount
-    masked: frozenset[str]
-    readonly: frozenset[str]
+    __slots__ = (
+        "ambient",
+        "apparmor",
+        "bounding",
+        "effective",
+        "gids",
+        "inheritable",
+        "masked",
+        "mounts",
+        "no_new_privs",
+        "permitted",
+        "readonly",
+        "seccomp",
+        "selinux",
+        "uid",
+        "user_namespace",
+    )
+
+    def __init__(
+        self,
+        *,
+        uid: int,
+        gids: frozenset[int],  # the primary gid and additionalGids
+        bounding: int,
+        effective: int,
+        permitted: int,
+        inheritable: int,
+        ambient: int,
+        seccomp: bool,
+        no_new_privs: bool,
+        apparmor: str,
+        selinux: str,
+        user_namespace: bool,
+        mounts: Mapping[str, Mapping[str, Any]],  # destination -> the bundle's mount
+        masked: frozenset[str],
+        readonly: frozenset[str],
+    ) -> None:
+        self.uid = uid
+        self.gids = gids
+        self.bounding = bounding
+        self.effective = effective
+        self.permitted = permitted
+        self.inheritable = inheritable
+        self.ambient = ambient
+        self.seccomp = seccomp
+        self.no_new_privs = no_new_privs
+        self.apparmor = apparmor
+        self.selinux = selinux
+        self.user_namespace = user_namespace
+        self.mounts = mounts
+        self.masked = masked
+        self.readonly = readonly
 
 
 def _mask(names: Iterable[Any]) -> int:
@@ -356,7 +399,7 @@ class ImageReader:
     def load(self, path: str) -> list[dict[str, Any]]:
         data = _read_image(path)
         if self.cache_dir:
-            entries = _cached(self.cache_dir, hashlib.sha256(data).hexdigest())
+            entries = _cached(self.cache_dir, sha256(data).hexdigest())
             if entries is not None:
                 return entries
         self.decoded_here += 1
@@ -388,7 +431,7 @@ def cache_decoded(image_dir: str, cache_dir: str) -> int:
         for path in sorted(glob.glob(os.path.join(glob.escape(image_dir), pattern))):
             try:
                 data = _read_image(path)
-                target = os.path.join(cache_dir, hashlib.sha256(data).hexdigest() + _CACHE_SUFFIX)
+                target = os.path.join(cache_dir, sha256(data).hexdigest() + _CACHE_SUFFIX)
                 if os.path.exists(target):
                     os.utime(target)
                     continue

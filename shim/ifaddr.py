@@ -1,14 +1,13 @@
-"""Interface addresses and the loopback device, through rtnetlink and ioctl in-process (no `ip`).
+"""Interface addresses, through rtnetlink in-process (no `ip`).
 
-What a restore does in a pod's (or a container's own) network namespace: list the local addresses,
-lend an old pod address to ``lo`` and take it back (shim/podrestore.py), bring ``lo`` up
-(shim/runc_wrapper.py). Call these from a thread in the namespace (shim/netns.py).
+What a restore does in a pod's network namespace: list the local addresses, lend an old pod address to
+``lo`` and take it back (shim/podrestore.py). Call these from a thread in the namespace (shim/netns.py).
+Bringing ``lo`` up is shim/loopback.py's.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import ipaddress
 import socket
 import struct
@@ -19,9 +18,6 @@ RTM_NEWADDR, RTM_DELADDR, RTM_GETADDR = 20, 21, 22
 IFA_ADDRESS, IFA_LOCAL = 1, 2
 IFA_F_NODAD = 0x02
 IFADDRMSG = struct.Struct("=BBBBI")  # family, prefixlen, flags, scope, index
-SIOCGIFFLAGS, SIOCSIFFLAGS = 0x8913, 0x8914
-IFF_UP = 0x1
-IFREQ = struct.Struct("16sH22x")
 
 
 def local_addresses() -> set[str]:
@@ -64,17 +60,3 @@ def add_address(cidr: str, device: str = "lo") -> bool:
 def del_address(cidr: str, device: str = "lo") -> None:
     """`ip addr del CIDR dev DEVICE`."""
     _request(RTM_DELADDR, 0, cidr, device)
-
-
-def loopback_up() -> None:
-    """`ip link set lo up` in this thread's network namespace."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        _, flags = IFREQ.unpack(fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, IFREQ.pack(b"lo", 0)))
-        if not flags & IFF_UP:
-            fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, IFREQ.pack(b"lo", flags | IFF_UP))
-
-
-def loopback_is_up() -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        _, flags = IFREQ.unpack(fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, IFREQ.pack(b"lo", 0)))
-    return bool(flags & IFF_UP)

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
-from typing import TypeVar
+
+TYPE_CHECKING = False  # the runtime hook imports this: typing is not imported at run time
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import TypeVar
+
+    T = TypeVar("T")
 
 CLONE_NEWNET = 0x40000000
-T = TypeVar("T")
 
 
 def setns_net(fd: int) -> None:

@@ -24,11 +24,14 @@ import os
 import shutil
 import stat
 from collections.abc import Sequence
-from typing import BinaryIO
 
 from kubectl_snapshot.core.errors import FailedPrecondition, UnsafeArchive
 from kubectl_snapshot.core.safepath import ExtractLimits, check_container_path
 from shim.archive import ByteSink, safe_extract, tar_directory
+
+TYPE_CHECKING = False  # the runtime hook applies diffs with this: typing is not imported at run time
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 OPAQUE_XATTRS = ("trusted.overlay.opaque", "user.overlay.opaque")
 _DATA_ELSEWHERE_XATTRS = (

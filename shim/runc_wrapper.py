@@ -26,20 +26,25 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
 
 from kubectl_snapshot.console import leave
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, criu_first_error, log_tail
 from shim.engine.staging import PendingPages, StatePaths, wait_pod_staged, wait_staged_images
-from shim.podrestore import PodRestore, netns_of
+
+# The hook runs on every container create and its start-up is on a restore's critical path: at start
+# it imports what json needs anyway (re, enum, functools, collections) and this project's few modules,
+# never typing, dataclasses, subprocess or shutil (bench/run.py's restore breakdown shows the hook's
+# start-up); what only a restore needs is imported when it is needed.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from typing import Any
+
+    from shim.podrestore import PodRestore
 
 _GLOBAL_WITH_VALUE = {"--log", "--log-format", "--root", "--criu", "--rootless"}
 _CREATE_WITH_VALUE = {"--bundle", "-b", "--console-socket", "--pid-file", "--preserve-fds"}
@@ -74,15 +79,19 @@ def trace_copy(path: str) -> None:
     staging dir) beside the trace file, for the bench's split of `runc restore` (bench/run.py)."""
     trace_path = os.environ.get(TRACE_ENV)
     if trace_path:
+        import shutil
+
         with contextlib.suppress(OSError):
             shutil.copyfile(path, f"{trace_path}.{os.path.basename(path)}")
 
 
-@dataclass(frozen=True)
 class Invocation:
-    global_args: list[str]
-    command: str
-    args: list[str]
+    """runc's command line: global options, the subcommand, its arguments."""
+
+    __slots__ = ("args", "command", "global_args")
+
+    def __init__(self, global_args: list[str], command: str, args: list[str]) -> None:
+        self.global_args, self.command, self.args = global_args, command, args
 
 
 def parse_invocation(argv: Sequence[str]) -> Invocation:
@@ -101,13 +110,21 @@ def parse_invocation(argv: Sequence[str]) -> Invocation:
     return Invocation(global_args, "", [])
 
 
-@dataclass(frozen=True)
 class CreateArgs:
-    container_id: str
-    bundle: str
-    pid_file: str | None
-    console_socket: str | None
-    passthrough_flags: list[str]
+    """`runc create`'s arguments, as the restore needs them."""
+
+    __slots__ = ("bundle", "console_socket", "container_id", "passthrough_flags", "pid_file")
+
+    def __init__(
+        self,
+        container_id: str,
+        bundle: str,
+        pid_file: str | None,
+        console_socket: str | None,
+        passthrough_flags: list[str],
+    ) -> None:
+        self.container_id, self.bundle, self.pid_file = container_id, bundle, pid_file
+        self.console_socket, self.passthrough_flags = console_socket, passthrough_flags
 
 
 def parse_create(args: Sequence[str]) -> CreateArgs:
@@ -261,10 +278,10 @@ def _loopback_up(create: CreateArgs, spec: dict[str, Any]) -> None:
             pid = int(f.read().strip())
     except (OSError, ValueError):
         return
-    from shim import ifaddr, netns  # in-process (ioctl from a thread in the namespace): no host `ip`
+    from shim import loopback, netns  # in-process (ioctl from a thread in the namespace): no host `ip`
 
     try:
-        netns.run_in(f"/proc/{pid}/ns/net", ifaddr.loopback_up)
+        netns.run_in(f"/proc/{pid}/ns/net", loopback.loopback_up)
     except OSError as e:
         print(f"kubectl-snapshot-runc: bringing lo up in the restored container failed: {e}", file=sys.stderr)
 
@@ -374,14 +391,14 @@ def _restore(
                 return 1, msg
     log_offset = _log_size(inv)
     trace("runc-restore")
-    proc = subprocess.run(restore_command(runc, inv, create, staged), check=False, env=env)
+    returncode = run_waited(restore_command(runc, inv, create, staged), env)
     trace("after-restore")
-    if proc.returncode != 0:
+    if returncode != 0:
         failed = pages.failure(wait_s=FAILURE_ANSWER_WAIT_S) if pages is not None else None
         if failed is not None:  # CRIU's action script aborted the restore: staging failed meanwhile
             msg = f"refusing to restore: {failed}"
             _log_error(inv, msg)
-            return proc.returncode, msg
+            return returncode, msg
         tail = first = ""
         with (
             contextlib.suppress(OSError),
@@ -392,12 +409,12 @@ def _restore(
         if tail:
             # the tail ends with what follows any failure (cgroupd's "recv req error"): name the cause
             cause = f"; first error: {first}" if first and first not in tail.splitlines()[-1:] else ""
-            msg = f"criu restore failed (exit {proc.returncode}){cause}; restore.log tail:\n{tail}"
+            msg = f"criu restore failed (exit {returncode}){cause}; restore.log tail:\n{tail}"
         else:  # runc failed before CRIU started (a bind mount's source is gone, say)
             why = _runc_errors_since(inv, log_offset) or "no error message in runc's log"
-            msg = f"runc restore failed before CRIU ran (exit {proc.returncode}): {why}"
+            msg = f"runc restore failed before CRIU ran (exit {returncode}): {why}"
         _log_error(inv, msg)
-        return proc.returncode, msg
+        return returncode, msg
     _loopback_up(create, spec)
     marker = paths.restored_marker(create.container_id)
     os.makedirs(os.path.dirname(marker), exist_ok=True)
@@ -408,6 +425,30 @@ def _restore(
     remove_detached(staged)
     trace("done")
     return 0, ""
+
+
+def run_waited(cmd: list[str], env: dict[str, str] | None) -> int:
+    """Run `cmd` (an absolute path first) and wait: its exit status, -N for signal N (subprocess.run's
+    returncode, without importing subprocess). The child keeps stdin, stdout and stderr, which are the
+    shim's; every other descriptor is closed, as subprocess's close_fds does."""
+    import signal  # before the fork: the child only resets SIGPIPE, closes and execs
+
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # Python ignores it; runc gets the default
+            os.closerange(3, os.sysconf("SC_OPEN_MAX"))
+            if env is None:
+                os.execv(cmd[0], cmd)
+            else:
+                os.execve(cmd[0], cmd, env)
+        except BaseException as e:
+            with contextlib.suppress(BaseException):
+                os.write(2, f"kubectl-snapshot-runc: cannot run {cmd[0]}: {e}\n".encode())
+        finally:
+            os._exit(127)
+    _, status = os.waitpid(pid, 0)  # retried on EINTR by Python itself
+    return os.waitstatus_to_exitcode(status)
 
 
 def early_restore_env(paths: StatePaths, staged: str, pages: PendingPages) -> dict[str, str] | None:
@@ -463,6 +504,8 @@ def remove_detached(path: str) -> None:
     that grandchild leaves the dot dir to the agent's garbage collection; any failure before it: removed
     here, as before."""
     trash = os.path.join(os.path.dirname(path), f".removing-{os.path.basename(path)}-{os.getpid()}")
+    import shutil  # the grandchild's, or a failure's: not on the way to containerd's start
+
     try:
         os.rename(path, trash)
     except OSError:
@@ -511,8 +554,12 @@ def _restored_pod(paths: StatePaths, spec: dict[str, Any]) -> tuple[PodRestore, 
         directory = paths.pod_dir(uid)
     except SnapshotError:
         return None
+    if not os.path.isdir(directory):
+        return None
+    from shim.podrestore import PodRestore  # a restored pod's container: its state dir exists
+
     pod = PodRestore(directory)
-    if not os.path.isdir(directory) or pod.containers() is None:
+    if pod.containers() is None:
         return None
     return pod, uid, name
 
@@ -529,6 +576,8 @@ def _create_in_restored_pod(
     name: str,
 ) -> int | None:
     """All or nothing, one network lock for the whole pod (shim/podrestore.py)."""
+    from shim.podrestore import netns_of
+
     with pod.mutex():
         why = pod.refusal(name, staged is not None)
         if why is not None:
@@ -567,9 +616,16 @@ def _create_in_restored_pod(
 
 
 def _load_restore_code() -> None:
-    """Import what a restore needs after the gate opens (the image check, the pod's old addresses)."""
+    """Import what a restore needs after the gate opens: the image check."""
+    import shim.criu_guard  # noqa: F401
+
+
+def _load_pod_restore_code() -> None:
+    """Import what a restored pod's container needs after its gate opens: the image check, the pod's
+    state and its old addresses."""
     import shim.criu_guard
-    import shim.oldaddrs  # noqa: F401
+    import shim.oldaddrs
+    import shim.podrestore  # noqa: F401
 
 
 def run(argv: Sequence[str]) -> int:  # returns only for create/start of a restore
@@ -585,7 +641,7 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
         why, pages = wait_staged_images(paths, create.container_id, meanwhile=_load_restore_code)
         key = pod_key(spec)
         if why is None and key is not None:
-            why = wait_pod_staged(paths, *key, expected=resuming(spec, key[1]), meanwhile=_load_restore_code)
+            why = wait_pod_staged(paths, *key, expected=resuming(spec, key[1]), meanwhile=_load_pod_restore_code)
         trace("staged")
         if why is not None:
             msg = f"refusing to restore: {why}"

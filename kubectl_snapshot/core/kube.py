@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Final
+TYPE_CHECKING = False  # typing is not imported at run time: the runtime hook's start-up
+if TYPE_CHECKING:
+    from typing import Final
 
 GROUP: Final = "kubectl-snapshot.io"
 VERSION: Final = "v1alpha1"

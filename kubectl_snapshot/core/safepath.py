@@ -9,7 +9,6 @@ the filesystem, whether such a name is acceptable; ``shim/archive.py`` then perf
 from __future__ import annotations
 
 import posixpath
-from dataclasses import dataclass
 
 from kubectl_snapshot.core.errors import UnsafeArchive
 
@@ -18,13 +17,31 @@ NAME_MAX = 255
 _HINT = "the snapshot is corrupted or was crafted; do not restore it, and take a new snapshot"
 
 
-@dataclass(frozen=True)
 class ExtractLimits:
-    """Caps that stop decompression and tar bombs before they fill the node's disk."""
+    """Caps that stop decompression and tar bombs before they fill the node's disk. A plain class: the
+    runtime hook extracts a rootfs diff with it and imports no dataclasses (shim/runc_wrapper.py)."""
 
-    max_total_bytes: int = 64 << 30
-    max_members: int = 1_000_000
-    max_member_bytes: int = 64 << 30
+    __slots__ = ("max_member_bytes", "max_members", "max_total_bytes")
+    max_total_bytes: int
+    max_members: int
+    max_member_bytes: int
+
+    def __init__(
+        self, *, max_total_bytes: int = 64 << 30, max_members: int = 1_000_000, max_member_bytes: int = 64 << 30
+    ) -> None:
+        set_ = object.__setattr__  # immutable, as a shared default argument must be
+        set_(self, "max_total_bytes", max_total_bytes)
+        set_(self, "max_members", max_members)
+        set_(self, "max_member_bytes", max_member_bytes)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"ExtractLimits is immutable: cannot set {name}")
+
+    def __repr__(self) -> str:
+        return (
+            f"ExtractLimits(max_total_bytes={self.max_total_bytes}, max_members={self.max_members}, "
+            f"max_member_bytes={self.max_member_bytes})"
+        )
 
 
 def _unsafe(name: str, why: str) -> UnsafeArchive:

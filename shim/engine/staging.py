@@ -13,11 +13,15 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import InvalidArgument
+
+# The runtime hook imports this at every container create: no dataclasses, no typing at run time
+# (shim/runc_wrapper.py, "what it imports at start").
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -31,9 +35,22 @@ def check_key(value: str, what: str) -> str:
     return value
 
 
-@dataclass(frozen=True)
 class StatePaths:
-    root: str = C.DEFAULT_STATE_DIR
+    """The agent's state dir (`root`) and the paths under it, each from a key checked here."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, root: str = C.DEFAULT_STATE_DIR) -> None:
+        self.root = root
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, StatePaths) and other.root == self.root
+
+    def __hash__(self) -> int:
+        return hash(self.root)
+
+    def __repr__(self) -> str:
+        return f"StatePaths(root={self.root!r})"
 
     @classmethod
     def from_env(cls) -> StatePaths:
@@ -250,14 +267,15 @@ def _verdict(answer: tuple[str, str]) -> str | None:
     return None if state == READY else f"the agent's staging of this restore failed: {message or 'no reason'}"
 
 
-@dataclass(frozen=True)
 class PendingPages:
     """Phase two of a node-level gate, as the hook sees it: the CRIU images are staged, the page files
     are not yet. `gate`: the pages gate (held by the agent until it answers there); `deadline`: the
     POSIX time by which the hook's whole wait ends (the first phase's bound)."""
 
-    gate: str
-    deadline: float
+    __slots__ = ("deadline", "gate")
+
+    def __init__(self, gate: str, deadline: float) -> None:
+        self.gate, self.deadline = gate, deadline
 
     def wait(self) -> str | None:
         """Wait here (a hook without CRIU's action script): None once the page files are in place."""

@@ -73,6 +73,24 @@ def test_zipapp_holds_only_the_wrapper_closure(pyz: Path) -> None:
     assert pyz.read_bytes().startswith(b"#!/usr/bin/python3")
 
 
+# Modules whose import takes milliseconds each on a node's bare python3 (`python3 -X importtime` shows
+# it): none of them is on the way from a restore's create to `runc restore` and back
+# (shim/runc_wrapper.py, "what it imports at start").
+SLOW_IMPORTS = {"typing", "dataclasses", "inspect", "subprocess", "socket", "ipaddress", "hashlib"}
+# what a node-level restore's create imports: the hook, the image check, the rootfs diff, lo brought up
+RESTORE_PATH = ("shim.runc_wrapper", "shim.criu_guard", "shim.rootfs_diff", "shim.loopback", "shim.netns")
+
+
+def test_the_restore_path_imports_no_slow_module(pyz: Path) -> None:
+    code = (
+        f"import sys; sys.path.insert(0, {str(pyz)!r}); import {', '.join(RESTORE_PATH)}; "
+        "print(' '.join(sorted(sys.modules)))"
+    )
+    proc = subprocess.run([str(HOST_PYTHON), "-I", "-S", "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert not SLOW_IMPORTS & set(proc.stdout.split())
+
+
 def test_build_is_reproducible(pyz: Path, tmp_path: Path) -> None:
     again = tmp_path / "again.pyz"
     subprocess.run([str(HOST_PYTHON), str(BUILD), str(again)], check=True, capture_output=True, timeout=120)

@@ -104,4 +104,4 @@ def test_limits_defaults_are_frozen() -> None:
     assert lim.max_members == 1_000_000
     assert lim.max_total_bytes == 64 << 30
     with pytest.raises(AttributeError):
-        lim.max_members = 1  # type: ignore[misc]
+        lim.max_members = 1
