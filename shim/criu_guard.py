@@ -385,6 +385,8 @@ def load_image(images: Any, path: str) -> list[dict[str, Any]]:
 
 CACHED_IMAGES = ("pstree.img", "seccomp.img", "inventory.img", "files.img", "core-*.img", "mountpoints-*.img")
 CACHE_MAX_AGE_S = 24 * 3600
+PRUNE_EVERY_S = 600.0
+_pruned_at: dict[str, float] = {}  # cache dir -> when this process last pruned it (time.monotonic)
 _CACHE_SUFFIX = ".json"
 
 
@@ -450,6 +452,13 @@ def cache_decoded(image_dir: str, cache_dir: str) -> int:
 
 
 def _prune(cache_dir: str) -> None:
+    """Remove entries unused for CACHE_MAX_AGE_S: at most once per PRUNE_EVERY_S per dir in this process
+    (a stat of every entry, on a restore's way to its containers, is not worth doing on every stage)."""
+    now = time.monotonic()
+    last = _pruned_at.get(cache_dir)
+    if last is not None and now - last < PRUNE_EVERY_S:
+        return
+    _pruned_at[cache_dir] = now
     cutoff = time.time() - CACHE_MAX_AGE_S
     with os.scandir(cache_dir) as it:
         for e in it:

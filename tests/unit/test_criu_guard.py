@@ -423,7 +423,7 @@ def test_a_damaged_cache_entry_falls_back_to_decoding(tmp_path: Path) -> None:
     assert reader.decoded_here >= 5
 
 
-def test_entries_unused_for_a_day_are_pruned(tmp_path: Path) -> None:
+def test_entries_unused_for_a_day_are_pruned(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import os
     import time
 
@@ -436,3 +436,10 @@ def test_entries_unused_for_a_day_are_pruned(tmp_path: Path) -> None:
     os.utime(old, (day_ago, day_ago))
     criu_guard.cache_decoded(str(make_images(tmp_path / "img")), str(cache))
     assert not old.exists() and fresh.exists()
+    # at most once per PRUNE_EVERY_S: the next stage soon after leaves an expired entry to a later one
+    os.utime(fresh, (day_ago, day_ago))
+    criu_guard.cache_decoded(str(make_images(tmp_path / "img2")), str(cache))
+    assert fresh.exists()
+    monkeypatch.setattr(criu_guard, "PRUNE_EVERY_S", 0.0)
+    criu_guard.cache_decoded(str(make_images(tmp_path / "img3")), str(cache))
+    assert not fresh.exists()
