@@ -250,7 +250,10 @@ def markdown(result: dict[str, Any]) -> str:
         "warm agent (`ks-agent serve`, as the DaemonSet's agent serves a node; shim/localapi.py); standalone: the "
         "same command with no agent to serve it (its own process start-up, imports, gRPC channel and freeze "
         "guard); in-agent: the agent's own timing of the work. Goals: at most 1.5x the bound and faster than "
-        f"ctr; from {SMALL_POD_MIB} MiB also faster than podman (below it, issue 16's small pods: bound and ctr).",
+        f"ctr; from {SMALL_POD_MIB} MiB also faster than podman (below it, issue 16's small pods: bound and ctr). "
+        "The bounds' parts (each timed on its own) are measured between the product's runs: one run of the "
+        "checkpoint's parts after each run of the checkpoints, one of the restore's after each run of the "
+        "restores (bench/run.py RawBound).",
     ]
     size_header = ["size vs RSS", "size vs zstd -1 of raw images", "goal <=1.05x",
                    "2nd snapshot after 1% changed: vs 1st; vs changed pages",

@@ -122,76 +122,116 @@ def rss_bytes(pid: int) -> int:
 # --- raw CRIU and the serial bounds ---------------------------------------------------------------
 
 
+class RawBound:
+    """The serial bound of one workload, one run of its parts per call: a host process holding the
+    workload, its raw `criu dump`, `tar | zstd -1 -T0`, sha256sum and the registry upload (checkpoint);
+    once the process is gone (stop), the download of the last dump's blob, `zstd -d | tar x` and a raw
+    `criu restore` of that dump (restore). bench/run.py calls these between the product's runs, so that
+    a bound and what it is divided by are measured alternately, on the same machine at the same time."""
+
+    CHECKPOINT_PARTS = ("dump", "zstd", "sha", "upload")
+    RESTORE_PARTS = ("download", "unzstd", "restore")
+
+    def __init__(self, work: Path, registry: RegistryServer, mib: int, kind: str) -> None:
+        self.work, self.host = work, registry.host
+        self.ctl = Path(tempfile.mkdtemp(dir=work))
+        self.dumps = Path(tempfile.mkdtemp(prefix="raw-", dir=work))
+        self.reg = RegistryClient()
+        self.samples: dict[str, list[float]] = {k: [] for k in (*self.CHECKPOINT_PARTS, *self.RESTORE_PARTS)}
+        self.facts: dict[str, Any] = {}
+        self.last: tuple[Path, Reference, str, int] | None = None  # the last dump, and its blob in the registry
+        self.opts = ["--tcp-established", "--file-locks"]
+        self.proc = subprocess.Popen(
+            [HOST_PY, *workload_args(self.ctl, mib, kind)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        try:
+            wait_file(self.ctl / "ready")
+            self.facts["rss_bytes"] = rss_bytes(self.proc.pid)
+        except BaseException:
+            self.close()
+            raise
+
+    def checkpoint(self, *, keep: bool = True) -> None:
+        """One dump of the running process and its packaging, each part timed on its own (`keep`: record
+        the times; False for a warm-up)."""
+        d = Path(tempfile.mkdtemp(prefix="d", dir=self.dumps))
+        t_dump = timed(sh, [CRIU, "dump", "-t", str(self.proc.pid), "-D", str(d), "--leave-running", *self.opts,
+                            "-o", "dump.log"])  # fmt: skip
+        blob = self.work / "raw.tar.zst"
+        t_z = timed(sh, ["sh", "-c", f"tar -C {d} -cf - . | zstd -1 -T0 -q -c > {blob}"])
+        t = time.monotonic()
+        digest = "sha256:" + sh(["sha256sum", str(blob)]).stdout.split()[0]
+        t_sha = time.monotonic() - t
+        ref = Reference.parse(f"{self.host}/raw-{uuid.uuid4().hex[:8]}:x")
+        size = blob.stat().st_size
+        t_up = timed(self.reg.push_blob, ref, digest=digest, size=size, path=str(blob))
+        blob.unlink()
+        self.facts["images_bytes"] = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        self.facts["zstd_bytes"] = size
+        if self.last is not None:
+            shutil.rmtree(self.last[0], ignore_errors=True)
+        self.last = (d, ref, digest, size)
+        if keep:
+            for k, v in zip(self.CHECKPOINT_PARTS, (t_dump, t_z, t_sha, t_up), strict=True):
+                self.samples[k].append(v)
+
+    def stop(self) -> None:
+        """The process goes: CRIU restores it with its own pid."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, 9)
+        with contextlib.suppress(Exception):
+            self.proc.wait(timeout=5)
+
+    def restore(self, *, keep: bool = True) -> None:
+        """The last dump's blob downloaded and unpacked, and the dump restored by raw CRIU (then killed)."""
+        if self.last is None:
+            raise RuntimeError("no dump to restore: checkpoint() first")
+        d, ref, digest, size = self.last
+        dl = self.work / "dl.tar.zst"
+        with open(dl, "wb") as f:
+            t_dl = timed(self.reg.fetch_blob, ref, digest, f, expected_size=size)
+        x = Path(tempfile.mkdtemp(prefix="x", dir=self.work))
+        t_unz = timed(sh, ["sh", "-c", f"zstd -d -q -c {dl} | tar -C {x} -xf -"])
+        shutil.rmtree(x)
+        dl.unlink()
+        t = timed(lambda: sh([CRIU, "restore", "-D", str(d), "--restore-detached", *self.opts, "-o", "r.log"]))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, 9)
+        _wait_gone(self.proc.pid)
+        if keep:
+            for k, v in zip(self.RESTORE_PARTS, (t_dl, t_unz, t), strict=True):
+                self.samples[k].append(v)
+
+    def summary(self) -> dict[str, Any]:
+        """The sizes, and each part's median over the recorded runs (`<part>_s`)."""
+        return {**self.facts, **{f"{k}_s": med(v) for k, v in self.samples.items()}}
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dumps, ignore_errors=True)
+        shutil.rmtree(self.ctl, ignore_errors=True)
+
+
 def raw_bounds(
     work: Path, registry: RegistryServer, mib: int, kind: str, runs: int, *, restore: bool = True
 ) -> dict[str, Any]:
-    """The serial bound's parts (dump, tar|zstd -1, sha256, upload; with `restore` also download,
-    unzstd and a raw ``criu restore``), each timed on its own: medians of `runs` after a warm-up."""
-    ctl = Path(tempfile.mkdtemp(dir=work))
-    proc = subprocess.Popen(
-        [HOST_PY, *workload_args(ctl, mib, kind)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    reg = RegistryClient()
-    m: dict[str, list[float]] = {k: [] for k in ("dump", "zstd", "sha", "upload", "download", "unzstd", "restore")}
-    out: dict[str, Any] = {}
-    dumps = work / "raw"
+    """The serial bound's parts measured on their own, one after the other (RawBound; bench/autosave.py):
+    medians of `runs` after a warm-up; with `restore` also the restore's parts."""
+    bound = RawBound(work, registry, mib, kind)
     try:
-        wait_file(ctl / "ready")
-        out["rss_bytes"] = rss_bytes(proc.pid)
-        opts = ["--tcp-established", "--file-locks", "-o", "dump.log"]
         for i in range(runs + 1):
-            d = dumps / f"d{i}"
-            d.mkdir(parents=True)
-            t_dump = timed(sh, [CRIU, "dump", "-t", str(proc.pid), "-D", str(d), "--leave-running", *opts])
-            blob = work / f"raw{i}.tar.zst"
-            t_z = timed(sh, ["sh", "-c", f"tar -C {d} -cf - . | zstd -1 -T0 -q -c > {blob}"])
-            t = time.monotonic()
-            digest = "sha256:" + sh(["sha256sum", str(blob)]).stdout.split()[0]
-            t_sha = time.monotonic() - t
-            ref = Reference.parse(f"{registry.host}/raw-{uuid.uuid4().hex[:8]}:x")
-            size = blob.stat().st_size
-            t_up = timed(reg.push_blob, ref, digest=digest, size=size, path=str(blob))
-            dl = work / "dl.tar.zst"
-            with open(dl, "wb") as f:
-                t_dl = timed(reg.fetch_blob, ref, digest, f, expected_size=size)
-            x = work / "x"
-            x.mkdir()
-            t_unz = timed(sh, ["sh", "-c", f"zstd -d -q -c {dl} | tar -C {x} -xf -"])
-            shutil.rmtree(x)
-            dl.unlink()
-            if i:
-                for k, v in zip(("dump", "zstd", "sha", "upload", "download", "unzstd"),
-                                (t_dump, t_z, t_sha, t_up, t_dl, t_unz), strict=True):  # fmt: skip
-                    m[k].append(v)
-            out["images_bytes"] = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
-            out["zstd_bytes"] = size
-            blob.unlink()
-            if i < runs:
-                shutil.rmtree(d)
-        # raw restore of the last dump (the original must be gone: CRIU restores the same pid)
-        proc.kill()
-        proc.wait()
-        last = dumps / f"d{runs}"
-        for i in range(runs + 1 if restore else 0):
-            t = timed(lambda: sh([CRIU, "restore", "-D", str(last), "--restore-detached", *opts[:2], "-o", "r.log"]))
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(proc.pid, 9)
-            _wait_gone(proc.pid)
-            if i:
-                m["restore"].append(t)
+            bound.checkpoint(keep=i > 0)
+        if restore:
+            bound.stop()
+            for i in range(runs + 1):
+                bound.restore(keep=i > 0)
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(proc.pid, 9)
-        with contextlib.suppress(Exception):
-            proc.wait(timeout=5)
-        shutil.rmtree(dumps, ignore_errors=True)
-        shutil.rmtree(ctl, ignore_errors=True)
-    out.update({f"{k}_s": med(v) for k, v in m.items()})
-    return out
+        bound.close()
+    return bound.summary()
 
 
 def _wait_gone(pid: int, timeout: float = 10) -> None:
@@ -411,7 +451,10 @@ def measure_agent(
     runs: int,
     hook: str = WRAPPER,
     incr_runs: int = 1,
+    bound: RawBound | None = None,
 ) -> dict[str, Any]:
+    """The product's runs; with `bound`, one run of the serial bound's parts after each run of the
+    product's checkpoints and restores (alternated: both measured on the machine as it is then)."""
     os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
     pushed_plain, internal_plain = [], []  # full saves without page hashing (no page deltas), alternated
@@ -454,9 +497,13 @@ def measure_agent(
             if i:
                 pushed_plain.append(wall)
                 internal_plain.append(res["timingsMs"]["total_ms"] / 1000)
+            if bound is not None:
+                bound.checkpoint(keep=i > 0)
         if served.served("checkpoint") != runs + 1:
             raise RuntimeError(f"the agent served {served.served('checkpoint')} of {runs + 1} checkpoints")
         hook_dir = Path(hook).parent
+        if bound is not None:
+            bound.stop()  # its raw restores need its pid
         for i in range(runs + 1):
             new = f"r-{uuid.uuid4().hex[:8]}"
             for log in (LAUNCHES, TRACES, RESTORE_LOG):
@@ -495,6 +542,8 @@ def measure_agent(
                 restores_alone.append(time.monotonic() - t)
             with contextlib.suppress(Exception):
                 daemon.client().remove_container(cmd[-1])
+            if bound is not None:
+                bound.restore(keep=i > 0)
         for agent_, what in (
             (served, "restores"),
             (late, "restores without early create"),
@@ -712,8 +761,13 @@ def main() -> None:
             for mib in sizes:
                 print(f"[bench] {kind} {mib} MiB", file=sys.stderr)
                 row: dict[str, Any] = {"kind": kind, "mib": mib, "runs": a.runs}
-                row["raw"] = raw_bounds(work, reached, mib, kind, a.runs)
-                row["agent"] = measure_agent(daemon, reached, mib, kind, a.runs, hook, a.incr_runs)
+                # the serial bound's parts are measured between the product's runs (RawBound)
+                bound = RawBound(work, reached, mib, kind)
+                try:
+                    row["agent"] = measure_agent(daemon, reached, mib, kind, a.runs, hook, a.incr_runs, bound)
+                finally:
+                    bound.close()
+                row["raw"] = bound.summary()
                 if not a.no_peers:
                     if pimage and "i" in pimage:
                         row["podman"] = peer(lambda: measure_podman(work, pimage["i"], mib, kind, a.runs), "podman")  # noqa: B023 (called at once)
