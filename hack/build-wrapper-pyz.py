@@ -65,7 +65,9 @@ def _compiled(rel: Path, source: bytes) -> bytes | None:
 def _add(zf: zipfile.ZipFile, name: str, data: bytes) -> None:
     info = zipfile.ZipInfo(name, date_time=EPOCH)
     info.external_attr = 0o644 << 16
-    info.compress_type = zipfile.ZIP_DEFLATED
+    # stored, not deflated: every module the hook imports would be inflated at each container create
+    # (and zipimport would import zlib first); the archive's size does not matter on a node
+    info.compress_type = zipfile.ZIP_STORED
     zf.writestr(info, data)
 
 
