@@ -380,15 +380,11 @@ def _restore(
             msg = f"refusing to restore: the snapshot's layer holds {name} ({e.strerror})"
             _log_error(inv, msg)
             return 1, msg
-    env = None
-    if pages is not None:
-        env = early_restore_env(paths, staged, pages)
-        if env is None:  # no action script for CRIU here: the page files first, then `runc restore`
-            late = pages.wait()
-            if late is not None:
-                msg = f"refusing to restore: {late}"
-                _log_error(inv, msg)
-                return 1, msg
+    env, late = restore_env(paths, staged, pages)
+    if late is not None:
+        msg = f"refusing to restore: {late}"
+        _log_error(inv, msg)
+        return 1, msg
     log_offset = _log_size(inv)
     trace("runc-restore")
     returncode = run_waited(restore_command(runc, inv, create, staged), env)
@@ -430,13 +426,15 @@ def _restore(
 def run_waited(cmd: list[str], env: dict[str, str] | None) -> int:
     """Run `cmd` (an absolute path first) and wait: its exit status, -N for signal N (subprocess.run's
     returncode, without importing subprocess). The child keeps stdin, stdout and stderr, which are the
-    shim's; every other descriptor is closed, as subprocess's close_fds does."""
+    shim's; every other descriptor is closed, and SIGPIPE and SIGXFSZ are the defaults again, as
+    subprocess's close_fds and restore_signals do."""
     import signal  # before the fork: the child only resets SIGPIPE, closes and execs
 
     pid = os.fork()
     if pid == 0:
         try:
-            signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # Python ignores it; runc gets the default
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores both; runc gets the defaults
+                signal.signal(sig, signal.SIG_DFL)
             os.closerange(3, os.sysconf("SC_OPEN_MAX"))
             if env is None:
                 os.execv(cmd[0], cmd)
@@ -449,6 +447,19 @@ def run_waited(cmd: list[str], env: dict[str, str] | None) -> int:
             os._exit(127)
     _, status = os.waitpid(pid, 0)  # retried on EINTR by Python itself
     return os.waitstatus_to_exitcode(status)
+
+
+def restore_env(paths: StatePaths, staged: str, pages: PendingPages | None) -> tuple[dict[str, str] | None, str | None]:
+    """(the environment for `runc restore`, None: the hook's own; why not to restore, or None). With the
+    page files still to come, CRIU waits for them at its action script where it can (early_restore_env);
+    where it cannot, or where the agent has answered already (no action script to pay for), the hook
+    waits here first."""
+    if pages is None:
+        return None, None
+    env = None if pages.settled() else early_restore_env(paths, staged, pages)
+    if env is None:  # no action script for CRIU: the page files first, then `runc restore`
+        return None, pages.wait()
+    return env, None
 
 
 def early_restore_env(paths: StatePaths, staged: str, pages: PendingPages) -> dict[str, str] | None:

@@ -14,7 +14,8 @@ import pytest
 
 from kubectl_snapshot.core import constants as C
 from shim import runc_wrapper as W
-from shim.engine.staging import PendingPages, StatePaths
+from shim.engine.staging import FAILED, READY, PendingPages, StatePaths
+from tests.unit.test_staging_gate import images_announced
 
 
 @pytest.fixture
@@ -87,3 +88,25 @@ def test_the_hook_waits_for_the_pages_itself(
     else:  # CRIU fills SysV shared memory from the page files while it restores the IPC namespace
         (staged / C.CHECKPOINT_DIRECTORY / "ipcns-shm-11.img").write_bytes(b"x")
     assert W.early_restore_env(StatePaths(str(tmp_path / "state")), str(staged), _pending(tmp_path)) is None
+
+
+def test_the_pages_still_to_come_go_to_criu_and_those_in_already_do_not(
+    tmp_path: Path, staged: Path, launcher: Path
+) -> None:
+    """restore_env: CRIU waits at its action script only for page files the agent has not answered yet;
+    answered ones cost no action script (a process start per CRIU action), and a failure is a refusal."""
+    paths = StatePaths(str(tmp_path / "state"))
+    assert W.restore_env(paths, str(staged), None) == (None, None)  # one phase: the pages are in
+    with images_announced(paths) as (gate, pending):
+        assert not pending.settled()
+        env, why = W.restore_env(paths, str(staged), pending)
+        assert why is None and env is not None and env[W.PAGES_GATE_ENV] == pending.gate
+        gate.answer(READY)
+        assert pending.settled()
+        assert W.restore_env(paths, str(staged), pending) == (None, None)
+    with images_announced(paths) as (gate, pending):
+        gate.answer(FAILED, "a chunk did not match its digest")
+        env, why = W.restore_env(paths, str(staged), pending)
+        assert env is None and why is not None and "a chunk did not match its digest" in why
+    # the agent gone before it answered: settled, and refused
+    assert W.restore_env(paths, str(staged), pending)[1] is not None

@@ -30,10 +30,12 @@ def test_a_signal_is_a_negative_status() -> None:
     assert run_waited([PY, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], None) == -signal.SIGKILL
 
 
-def test_only_stdio_is_inherited_and_sigpipe_is_the_default(tmp_path: Path) -> None:
+def test_only_stdio_is_inherited_and_sigpipe_and_sigxfsz_are_the_defaults(tmp_path: Path) -> None:
     """As subprocess's close_fds and restore_signals: runc gets the shim's stdio, no descriptor of the
-    hook's, and SIGPIPE as the default (Python ignores it; an ignored signal stays ignored across exec)."""
+    hook's, and SIGPIPE and SIGXFSZ as the defaults (Python ignores them; an ignored signal stays ignored
+    across exec)."""
     assert signal.getsignal(signal.SIGPIPE) == signal.SIG_IGN  # this Python's, as the hook's
+    assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN
     r, w = os.pipe()
     os.set_inheritable(w, True)  # what a descriptor passed down (not close-on-exec) looks like
     out = tmp_path / "seen"
@@ -46,8 +48,8 @@ def test_only_stdio_is_inherited_and_sigpipe_is_the_default(tmp_path: Path) -> N
         os.close(w)
     fds = {int(f) for f in Path(f"{out}.fds").read_text().split()}
     assert w not in fds and r not in fds
-    ignored = next(line for line in out.read_text().splitlines() if line.startswith("SigIgn:"))
-    assert not int(ignored.split()[1], 16) & (1 << (signal.SIGPIPE - 1))
+    ignored = int(next(line for line in out.read_text().splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+    assert not ignored & (1 << (signal.SIGPIPE - 1)) and not ignored & (1 << (signal.SIGXFSZ - 1))
 
 
 def test_a_program_that_cannot_be_run_is_127(tmp_path: Path) -> None:
