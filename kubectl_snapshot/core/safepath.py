@@ -37,6 +37,12 @@ class ExtractLimits:
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"ExtractLimits is immutable: cannot set {name}")
 
+    def __copy__(self) -> ExtractLimits:  # immutable: a copy is the same value (as a tuple's)
+        return self
+
+    def __deepcopy__(self, memo: dict[int, object]) -> ExtractLimits:
+        return self
+
     def __repr__(self) -> str:
         return (
             f"ExtractLimits(max_total_bytes={self.max_total_bytes}, max_members={self.max_members}, "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from kubectl_snapshot.core.errors import FailedPrecondition, UnsafeArchive
@@ -105,3 +107,4 @@ def test_limits_defaults_are_frozen() -> None:
     assert lim.max_total_bytes == 64 << 30
     with pytest.raises(AttributeError):
         lim.max_members = 1
+    assert copy.deepcopy(lim) is lim and copy.copy(lim) is lim  # a value: copies are the same object
