@@ -428,7 +428,7 @@ def run_waited(cmd: list[str], env: dict[str, str] | None) -> int:
     returncode, without importing subprocess). The child keeps stdin, stdout and stderr, which are the
     shim's; every other descriptor is closed, and SIGPIPE and SIGXFSZ are the defaults again, as
     subprocess's close_fds and restore_signals do."""
-    import signal  # before the fork: the child only resets SIGPIPE, closes and execs
+    import signal  # before the fork: the child only resets two signals, closes descriptors and execs
 
     pid = os.fork()
     if pid == 0:
