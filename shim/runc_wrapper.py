@@ -37,8 +37,9 @@ from shim.engine.staging import PendingPages, StatePaths, wait_pod_staged, wait_
 
 # The hook runs on every container create and its start-up is on a restore's critical path: at start
 # it imports what json needs anyway (re, enum, functools, collections) and this project's few modules,
-# never typing, dataclasses, subprocess or shutil (bench/run.py's restore breakdown shows the hook's
-# start-up); what only a restore needs is imported when it is needed.
+# never typing, dataclasses, subprocess or shutil; what only a restore needs is imported when it is
+# needed (shutil then comes with tarfile where a rootfs diff is applied). tests/integration/
+# test_wrapper_pyz.py pins the restore path's imports; bench/run.py's restore breakdown shows the start-up.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
