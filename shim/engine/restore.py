@@ -47,7 +47,7 @@ from shim.archive import safe_extract
 from shim.engine.package import progress_counter
 from shim.engine.ports import Registry
 from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, check_key
-from shim.engine.stream import download_bytes, fetch_chunks
+from shim.engine.stream import fetch_chunks
 from shim.zstdio import open_zstd_reader
 
 PhaseFn = Callable[[str], None]
@@ -118,7 +118,7 @@ def plan_space(artifact: Artifact) -> SpacePlan:
                 f"{rec.stats.memory_bytes} bytes of memory the snapshot recorded (chunks reused beyond it)",
                 hint="the snapshot is corrupted or was crafted; do not restore it",
             )
-        download += sum(c.size + (c.delta.size if c.delta else 0) for p in rec.pages for c in p.chunks)
+        download += _chunk_bytes(rec)
         # pages stored as chunks are written once; otherwise the memory is inside the (compressed) layer
         written += pages if rec.pages else max(rec.stats.memory_bytes, layers[rec.layer_digest].size)
     return SpacePlan(download, written)
@@ -199,7 +199,7 @@ def stage_artifact(
     extract_cap = check_space(plan, downloads, limits or RestoreLimits())
     extract_limits = ExtractLimits(max_total_bytes=extract_cap, max_member_bytes=extract_cap)
     count = progress_counter(on_bytes, plan.download_bytes)
-    pages = _PagesProgress(sum(download_bytes(r.pages) for r in config.containers), clock)
+    pages = _PagesProgress(sum(_chunk_bytes(r) for r in config.containers), count, clock)
     blobs: dict[str, str] = {}
     # Each container's page files download beside its layer, into a private directory next to its
     # staged one, and are moved into place once the layer is extracted: a small pod's restore does not
@@ -214,8 +214,8 @@ def stage_artifact(
             for record, target in zip(config.containers, staged_dirs, strict=True):
                 if record.pages:
                     pdir = _pages_dir(target)
-                    aside.append((pdir, pool.submit(_fetch_pages, registry, artifact.reference, record, pdir, count,
-                                                    opener, stop, pages.arrived)))  # fmt: skip
+                    aside.append((pdir, pool.submit(_fetch_pages, registry, artifact.reference, record, pdir,
+                                                    pages.add, opener, stop)))  # fmt: skip
                 else:
                     aside.append(None)
             # 1. every blob downloaded and verified ...
@@ -330,13 +330,10 @@ def _fetch_pages(
     count: Callable[[int], None] | None,
     opener: Opener | None,
     stop: threading.Event,
-    arrived: Callable[[int], None] | None = None,
 ) -> float:
     """The container's page files rebuilt from their chunks in `pages_dir`; returns the milliseconds."""
     t = time.monotonic()
-    fetch_chunks(
-        registry, ref, record.pages, pages_dir, on_bytes=count, opener=opener, cancelled=stop, on_arrival=arrived
-    )
+    fetch_chunks(registry, ref, record.pages, pages_dir, on_bytes=count, opener=opener, cancelled=stop)
     return (time.monotonic() - t) * 1000
 
 
@@ -720,22 +717,30 @@ def pages_remaining_s(done: int, total: int, elapsed_s: float) -> float | None:
 
 
 class _PagesProgress:
-    """The page files' chunks as they come off the wire (compressed bytes, each distinct chunk once)."""
+    """The page files' chunks as they come (their compressed bytes, each use counted as the plan does),
+    passed on to the restore's progress counter."""
 
-    def __init__(self, total: int, clock: Callable[[], float]) -> None:
-        self.total, self.clock = total, clock
+    def __init__(self, total: int, count: Callable[[int], None] | None, clock: Callable[[], float]) -> None:
+        self.total, self.count, self.clock = total, count, clock
         self.done = 0
         self.started = clock()
         self.lock = threading.Lock()
 
-    def arrived(self, n: int) -> None:
+    def add(self, n: int) -> None:
         with self.lock:
             self.done += n
+        if self.count is not None:
+            self.count(n)
 
     def remaining_s(self) -> float | None:
         with self.lock:
             done = self.done
         return pages_remaining_s(done, self.total, self.clock() - self.started)
+
+
+def _chunk_bytes(record: ContainerRecord) -> int:
+    """The compressed bytes of a container's page chunks and deltas, each use counted (plan_space)."""
+    return sum(c.size + (c.delta.size if c.delta else 0) for p in record.pages for c in p.chunks)
 
 
 def _check_image(containerd: Any, rec: ContainerRecord) -> str:

@@ -292,12 +292,10 @@ def fetch_chunks(
     on_bytes: CountFn | None = None,
     opener: Opener | None = None,
     cancelled: threading.Event | None = None,
-    on_arrival: CountFn | None = None,
 ) -> int:
     """Recreate each page file in `checkpoint_dir` (an existing directory, not a symlink) from its
     chunks; returns the compressed bytes downloaded. Once `cancelled` is set, no further chunk is
-    begun (FetchCancelled is raised). `on_bytes` gets each chunk's bytes once it is written (every use
-    counted), `on_arrival` the bytes as they come off the wire (download_bytes of them in all).
+    begun (FetchCancelled is raised).
 
     Each chunk is downloaded whole (a few MiB at most), verified against its digest and size by the
     registry client, decrypted (`opener`: every segment authenticated) and decompressed and checked to
@@ -329,7 +327,7 @@ def fetch_chunks(
         def blob_bytes(digest: str, size: int, raw_length: int, what: str) -> bytes:
             """Download one blob whole, verified (digest, size), opened, decompressed, exactly `raw_length`."""
             buf = io.BytesIO()
-            registry.fetch_blob(ref, digest, buf, expected_size=size, max_size=size, progress=on_arrival)
+            registry.fetch_blob(ref, digest, buf, expected_size=size, max_size=size)
             if opener is None:
                 blob: bytes | bytearray | memoryview = buf.getvalue()
             else:  # decrypted into this worker's scratch buffer, reused chunk after chunk
@@ -385,11 +383,6 @@ def fetch_chunks(
 
 class FetchCancelled(Exception):
     """fetch_chunks stopped early on request (the rest of the staging failed)."""
-
-
-def download_bytes(files: Sequence[PagesFile]) -> int:
-    """The compressed bytes fetch_chunks downloads for `files`: each distinct chunk (and its delta) once."""
-    return sum(c.size + (c.delta.size if c.delta is not None else 0) for c, _ in _unique_chunks(files))
 
 
 def _unique_chunks(files: Sequence[PagesFile]) -> Iterable[tuple[Chunk, list[tuple[str, int]]]]:

@@ -8,11 +8,9 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core.chunks import Chunk, PagesFile
 from kubectl_snapshot.core.errors import InvalidArgument
 from shim.engine import restore as R
 from shim.engine.staging import StagingGate, StatePaths, wait_staged_images
-from shim.engine.stream import download_bytes
 
 
 def test_the_page_files_time_still_to_come_at_the_rate_they_came() -> None:
@@ -29,23 +27,17 @@ def test_criu_starts_first_where_the_page_files_are_far_off() -> None:
     assert R.criu_first(None, 0.25)  # not one chunk yet: a slow link
 
 
-def test_the_progress_counts_the_bytes_off_the_wire() -> None:
+def test_the_progress_counts_the_chunks_and_passes_them_on() -> None:
     now = [10.0]
-    p = R._PagesProgress(1000, lambda: now[0])
+    seen: list[int] = []
+    p = R._PagesProgress(1000, seen.append, lambda: now[0])
     assert p.remaining_s() is None
-    p.arrived(200)
-    p.arrived(50)
+    p.add(200)
+    p.add(50)
     now[0] = 10.5
     assert p.remaining_s() == pytest.approx(1.5)  # 250 bytes in 0.5 s: 750 more take 1.5 s
-
-
-def test_what_the_page_files_download_counts_each_distinct_chunk_once() -> None:
-    a = Chunk(offset=0, length=4096, digest="sha256:" + "a" * 64, size=100)
-    b = Chunk(offset=4096, length=4096, digest="sha256:" + "b" * 64, size=30)
-    again = Chunk(offset=8192, length=4096, digest="sha256:" + "a" * 64, size=100)  # a's content again
-    files = [PagesFile("pages-1.img", 12288, (a, b, again)), PagesFile("pages-2.img", 4096, (a,))]
-    assert download_bytes(files) == 130
-    assert download_bytes([]) == 0
+    assert seen == [200, 50]
+    R._PagesProgress(10, None, lambda: 0.0).add(10)  # no progress counter: nothing to pass on
 
 
 @pytest.mark.parametrize(
