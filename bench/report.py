@@ -167,16 +167,6 @@ def _decoded(n: float | None) -> str:
     return "" if n is None else f" ({n:.0f} images decoded)"
 
 
-def _criu_first(first: list[float | None], remaining: list[float | None]) -> str:
-    """In how many runs CRIU started before the page files were in place, and how far off they were
-    expected when the rest was staged (the agent's choice: shim/engine/restore.py criu_first)."""
-    if not first:
-        return "-"
-    known = [v for v in remaining if v is not None]
-    span = f" ({min(known):.0f}-{max(known):.0f} ms off)" if known else ""
-    return f"{sum(1 for v in first if v)} of {len(first)}{span}"
-
-
 def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dict[str, Any]) -> list[str]:
     b = ag.get("restore_breakdown") or {}
 
@@ -195,7 +185,6 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
         ms("total_ms"),
         ms("resolve_ms"),
         ms("download_ms") + split,
-        _criu_first(ag.get("restore_criu_first") or [], ag.get("restore_pages_remaining_ms") or []),
         ms("restore_ms"),
         ms("create_ms"),
         ms("staged_wait_ms"),
@@ -297,9 +286,7 @@ def markdown(result: dict[str, Any]) -> str:
         "starts its shim and the runtime hook, whose create waits at the staging gate until all but the page files "
         "is staged (hook waited), then starts `runc restore`, whose CRIU waits for the page files after restoring "
         "the namespaces and mounts (of which waiting for the pages); create + start is what is left after the "
-        "download. CRIU first: in how many runs the agent let CRIU start before the page files were in place "
-        "(where they were still at least 250 ms off at the rate their chunks had come: shim/engine/restore.py "
-        "criu_first), with how far off they were expected. The hook's create is the restore (its "
+        "download. The hook's create is the restore (its "
         "launcher starting Python on the hook, the CRIU image check with the number of images it decoded itself, "
         "the rest coming from the agent's decode cache, `runc restore`, what the hook does after it: the pod's "
         "loopback, the restored marker, the used staged dir taken away; hook create leaves out the wait); every "
@@ -312,7 +299,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     parts_header = ["pull->running vs created after the download", "vs runc restore after all data",
-                    "in-agent restore", "resolve", "download", "CRIU first (pages then)",
+                    "in-agent restore", "resolve", "download",
                     "create + start", "hook create", "hook waited", "hook: Python start-up", "hook: image check",
                     "hook: runc restore", "hook: after it", "raw criu restore", "hook calls"]  # fmt: skip
     lines += _table(result, parts_header, _restore_parts)

@@ -586,9 +586,6 @@ def measure_agent(
         restore_late_create_internal_s=med(restores_late_internal),
         restore_one_phase_s=med(restores_one_phase),
         restore_breakdown=_median_breakdown(breakdowns),
-        # per run: whether CRIU started before the page files, and how far off they were expected then
-        restore_criu_first=[b.get("criu_first") for b in breakdowns],
-        restore_pages_remaining_ms=[b.get("pages_remaining_ms") for b in breakdowns],
         checkpoint_breakdown=_median_breakdown(ckpt_breakdowns),
     )
     return out

@@ -38,7 +38,7 @@ from kubectl_snapshot.core.sealing import Sealer
 from shim import dumplock, freezer, guard, localapi, malloc
 from shim.agent_text import checkpoint_text, restore_text
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
-from shim.engine.restore import RestoreRequest, early_restore_options, restore
+from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -417,7 +417,7 @@ def restore_data(
             log_dir=a.log_dir,
             trust=load_trust(list(a.trusted_keys), allow_unverified=a.allow_unverified),
             early_create=os.environ.get(C.ENV_EARLY_CREATE, "1") != "0",
-            **early_restore_options(os.environ.get(C.ENV_EARLY_RESTORE, "")),
+            early_restore=os.environ.get(C.ENV_EARLY_RESTORE, "1") != "0",
         ),
         containerd=containerd,
         registry=registry,

@@ -453,12 +453,11 @@ def run_waited(cmd: list[str], env: dict[str, str] | None) -> int:
 def restore_env(paths: StatePaths, staged: str, pages: PendingPages | None) -> tuple[dict[str, str] | None, str | None]:
     """(the environment for `runc restore`, None: the hook's own; why not to restore, or None). With the
     page files still to come, CRIU waits for them at its action script where it can (early_restore_env);
-    where it cannot, where the agent has answered already (no action script to pay for), or where the
-    agent asked for the page files first (its node's CPUs busy with the download), the hook waits here
-    first."""
+    where it cannot, or where the agent has answered already (no action script to pay for), the hook
+    waits here first."""
     if pages is None:
         return None, None
-    env = None if not pages.criu_first or pages.settled() else early_restore_env(paths, staged, pages)
+    env = None if pages.settled() else early_restore_env(paths, staged, pages)
     if env is None:  # no action script for CRIU: the page files first, then `runc restore`
         return None, pages.wait()
     return env, None

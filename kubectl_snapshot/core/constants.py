@@ -100,6 +100,5 @@ ENV_PAGE_DELTAS: Final = "KUBECTL_SNAPSHOT_PAGE_DELTAS"
 # "0": a node-level restore creates its containers only after their data is staged (no staging gate)
 ENV_EARLY_CREATE: Final = "KUBECTL_SNAPSHOT_EARLY_CREATE"
 # "0": the hook of such a container waits for all of its data, page files included, before `runc restore`
-# (one-phase staging gate; bench/run.py compares both); "1": its CRIU starts before the page files are in
-# place whatever the node's CPUs do; unset or "auto": it does where a CPU sat idle during the download
+# (one-phase staging gate; bench/run.py compares both)
 ENV_EARLY_RESTORE: Final = "KUBECTL_SNAPSHOT_EARLY_RESTORE"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
-import functools
 import os
 import shutil
 import tempfile
@@ -52,9 +51,6 @@ from shim.zstdio import open_zstd_reader
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]
-# CRIU starts before the page files are in place where they are still at least this far off (restore's
-# criu_first): about what runc's and CRIU's set-up of a container and CRIU's action scripts take here
-CRIU_FIRST_PAGES_S = 0.25
 DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -70,9 +66,6 @@ class RestoreRequest:
     trust: TrustPolicy = field(default_factory=TrustPolicy)  # default trusts nothing: all refused
     early_create: bool = True  # create the containers while their data downloads (the staging gate)
     early_restore: bool = True  # ... and start `runc restore` before the page files are in place (two phases)
-    # ... where the page files are still at least this many seconds off when the rest is staged (None:
-    # always; criu_first); otherwise the hooks check the images meanwhile and wait for the page files
-    criu_first_pages_s: float | None = CRIU_FIRST_PAGES_S
 
 
 @dataclass
@@ -118,7 +111,7 @@ def plan_space(artifact: Artifact) -> SpacePlan:
                 f"{rec.stats.memory_bytes} bytes of memory the snapshot recorded (chunks reused beyond it)",
                 hint="the snapshot is corrupted or was crafted; do not restore it",
             )
-        download += _chunk_bytes(rec)
+        download += sum(c.size + (c.delta.size if c.delta else 0) for p in rec.pages for c in p.chunks)
         # pages stored as chunks are written once; otherwise the memory is inside the (compressed) layer
         written += pages if rec.pages else max(rec.stats.memory_bytes, layers[rec.layer_digest].size)
     return SpacePlan(download, written)
@@ -165,7 +158,7 @@ def stage_artifact(
     opener: Opener | None = None,
     limits: RestoreLimits | None = None,
     timings: dict[str, float] | None = None,
-    on_images: Callable[[float | None], None] | None = None,
+    on_images: Callable[[], None] | None = None,
 ) -> None:
     """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets.
 
@@ -176,11 +169,9 @@ def stage_artifact(
     An encrypted snapshot needs its `opener` (`opener_for`): each blob is decrypted after its digest is
     verified, every segment authenticated before its bytes reach the extraction. `timings` gets the
     milliseconds of its steps (layers_ms: downloaded; extract_ms: extracted, decode cache filled;
-    pages_ms: page files rebuilt, beside those; pages_wait_ms: what was left of that after the extraction;
-    pages_remaining_ms: how long that was expected to be then, at the rate the chunks had come).
+    pages_ms: page files rebuilt, beside those; pages_wait_ms: what was left of that after the extraction).
     `on_images` is called once everything but the page files is in place, when page files are still to
-    come (a two-phase staging gate's first answer, shim/engine/staging.py), with that expectation in
-    seconds (None: no chunk had come yet).
+    come (a two-phase staging gate's first answer, shim/engine/staging.py).
     """
     config = artifact.config
     spent = timings if timings is not None else {}
@@ -199,7 +190,6 @@ def stage_artifact(
     extract_cap = check_space(plan, downloads, limits or RestoreLimits())
     extract_limits = ExtractLimits(max_total_bytes=extract_cap, max_member_bytes=extract_cap)
     count = progress_counter(on_bytes, plan.download_bytes)
-    pages = _PagesProgress(sum(_chunk_bytes(r) for r in config.containers), count, clock)
     blobs: dict[str, str] = {}
     # Each container's page files download beside its layer, into a private directory next to its
     # staged one, and are moved into place once the layer is extracted: a small pod's restore does not
@@ -214,8 +204,8 @@ def stage_artifact(
             for record, target in zip(config.containers, staged_dirs, strict=True):
                 if record.pages:
                     pdir = _pages_dir(target)
-                    aside.append((pdir, pool.submit(_fetch_pages, registry, artifact.reference, record, pdir,
-                                                    pages.add, opener, stop)))  # fmt: skip
+                    aside.append((pdir, pool.submit(_fetch_pages, registry, artifact.reference, record, pdir, count,
+                                                    opener, stop)))  # fmt: skip
                 else:
                     aside.append(None)
             # 1. every blob downloaded and verified ...
@@ -246,10 +236,7 @@ def stage_artifact(
                     _extract_volume(blobs[config.volumes_layer], vol.name, vtarget, opener, config.volumes_layer)
             spent["extract_ms"] = (clock() - t) * 1000
             if on_images is not None and any(p is not None and not p[1].done() for p in aside):
-                remaining = pages.remaining_s()
-                if remaining is not None:
-                    spent["pages_remaining_ms"] = remaining * 1000
-                on_images(remaining)  # everything but the page files: the hooks may start CRIU (it waits for them)
+                on_images()  # everything but the page files: the hooks may start CRIU (it waits for them)
             for record, target, pending in zip(config.containers, staged_dirs, aside, strict=True):
                 if pending is not None:
                     t = clock()
@@ -473,9 +460,7 @@ def restore(
         if req.early_create
         else None
     )
-    on_images = None
-    if early is not None and req.early_restore:
-        on_images = functools.partial(early.pages_to_come, req.criu_first_pages_s, timings)
+    on_images = early.images_staged if early is not None and req.early_restore else None
     try:
         stage_artifact(
             plan.artifact,
@@ -651,19 +636,11 @@ class _EarlyCreate:
             for g in self.gates:
                 g.close()
 
-    def images_staged(self, *, criu_first: bool = True) -> None:
+    def images_staged(self) -> None:
         """All but the page files is staged: each hook may check its images and start `runc restore`,
-        whose CRIU waits at the gate's pages lock for finish() (shim/engine/staging.py, "two phases");
-        without `criu_first`, the hooks wait for finish() before `runc restore`."""
+        whose CRIU waits at the gate's pages lock for finish() (shim/engine/staging.py, "two phases")."""
         for g in self.gates:
-            g.answer_images(criu_first=criu_first)
-
-    def pages_to_come(self, threshold_s: float | None, timings: dict[str, float], remaining_s: float | None) -> None:
-        """images_staged, CRIU first where the page files are still at least `threshold_s` off
-        (`remaining_s`, criu_first); the choice goes into `timings` (criu_first)."""
-        first = criu_first(remaining_s, threshold_s)
-        timings["criu_first"] = float(first)
-        self.images_staged(criu_first=first)
+            g.answer_images()
 
     def abandon(self, why: str) -> None:
         """Staging failed: the waiting hooks refuse, the containers created so far are removed."""
@@ -679,68 +656,6 @@ class _EarlyCreate:
         if self.failed_at < self.answered_at:
             return None
         raise self.error
-
-
-def early_restore_options(setting: str) -> dict[str, Any]:
-    """RestoreRequest's early_restore and criu_first_pages_s from KUBECTL_SNAPSHOT_EARLY_RESTORE."""
-    value = setting.strip().lower()
-    if value in ("", "auto"):
-        return {"early_restore": True, "criu_first_pages_s": CRIU_FIRST_PAGES_S}
-    if value == "1":
-        return {"early_restore": True, "criu_first_pages_s": None}
-    if value == "0":
-        return {"early_restore": False}
-    raise InvalidArgument(
-        f"{C.ENV_EARLY_RESTORE}={setting!r} is not a setting",
-        hint="use 0 (CRIU after all of the data), 1 (CRIU before the page files) or auto (where they are far off)",
-    )
-
-
-def criu_first(remaining_s: float | None, threshold_s: float | None) -> bool:
-    """Whether CRIU starts before the page files are in place: always without a threshold, and where no
-    chunk has come yet; otherwise where the page files are still at least `threshold_s` off. Started
-    first, runc's and CRIU's set-up of the container (its namespaces, mounts, a `tar` per tmpfs) hides
-    behind the wait for them; where they are nearly in (a small pod from a registry on or next to the
-    node, whose download is CPU work), CRIU reaches its gate about when they arrive, and what it adds is
-    its action scripts (a process start per CRIU action) and its set-up's CPU beside the download's."""
-    return threshold_s is None or remaining_s is None or remaining_s >= threshold_s
-
-
-def pages_remaining_s(done: int, total: int, elapsed_s: float) -> float | None:
-    """How long the page files' chunks still take at the rate they have come (`done` of `total` bytes in
-    `elapsed_s`); None before the first chunk (no rate yet), 0 once all are in."""
-    if done >= total:
-        return 0.0
-    if done <= 0:
-        return None
-    return elapsed_s * (total - done) / done
-
-
-class _PagesProgress:
-    """The page files' chunks as they come (their compressed bytes, each use counted as the plan does),
-    passed on to the restore's progress counter."""
-
-    def __init__(self, total: int, count: Callable[[int], None] | None, clock: Callable[[], float]) -> None:
-        self.total, self.count, self.clock = total, count, clock
-        self.done = 0
-        self.started = clock()
-        self.lock = threading.Lock()
-
-    def add(self, n: int) -> None:
-        with self.lock:
-            self.done += n
-        if self.count is not None:
-            self.count(n)
-
-    def remaining_s(self) -> float | None:
-        with self.lock:
-            done = self.done
-        return pages_remaining_s(done, self.total, self.clock() - self.started)
-
-
-def _chunk_bytes(record: ContainerRecord) -> int:
-    """The compressed bytes of a container's page chunks and deltas, each use counted (plan_space)."""
-    return sum(c.size + (c.delta.size if c.delta else 0) for p in record.pages for c in p.chunks)
 
 
 def _check_image(containerd: Any, rec: ContainerRecord) -> str:

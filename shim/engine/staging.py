@@ -138,7 +138,6 @@ class StatePaths:
 READY = "ready"
 FAILED = "failed"
 IMAGES = "images"  # phase one of a two-phase gate: all but the page files staged; they follow at its pages gate
-PAGES_FIRST = "pages-first"  # IMAGES's message where CRIU is not to start before the page files are in place
 GATE_WAIT_S = 60.0  # a hook waits at most this long (below containerd's create deadline, 120 s)
 POD_GATE_WAIT_S = 100.0  # the kubelet's runtime-request-timeout (2 min) bounds its StartContainer
 _RETAKE_POLL_S = 0.25  # a pod gate whose agent died: how often the hook looks for its successor
@@ -161,14 +160,12 @@ class StagingGate:
             raise
         self.answered = self.images_answered = False
 
-    def answer_images(self, *, criu_first: bool = True) -> None:
+    def answer_images(self) -> None:
         """Phase one (a two-phase gate; otherwise nothing): everything but the page files is staged. The
-        hook may check the images and start `runc restore`; its CRIU waits at the pages gate. Without
-        `criu_first` the hook checks the images meanwhile but waits for the page files itself before
-        `runc restore` (the node's CPUs are busy with the download: shim/cpuidle.py)."""
+        hook may check the images and start `runc restore`; its CRIU waits at the pages gate."""
         if self._pages_fd < 0 or self.answered or self.images_answered:
             return
-        _answer(self.path, self._fd, IMAGES, "" if criu_first else PAGES_FIRST)
+        _answer(self.path, self._fd, IMAGES)
         self.images_answered = True
 
     def answer(self, state: str, message: str = "") -> None:
@@ -273,13 +270,12 @@ def _verdict(answer: tuple[str, str]) -> str | None:
 class PendingPages:
     """Phase two of a node-level gate, as the hook sees it: the CRIU images are staged, the page files
     are not yet. `gate`: the pages gate (held by the agent until it answers there); `deadline`: the
-    POSIX time by which the hook's whole wait ends (the first phase's bound); `criu_first`: whether the
-    agent lets CRIU start before the page files are in place (its action script waiting for them)."""
+    POSIX time by which the hook's whole wait ends (the first phase's bound)."""
 
-    __slots__ = ("criu_first", "deadline", "gate")
+    __slots__ = ("deadline", "gate")
 
-    def __init__(self, gate: str, deadline: float, *, criu_first: bool = True) -> None:
-        self.gate, self.deadline, self.criu_first = gate, deadline, criu_first
+    def __init__(self, gate: str, deadline: float) -> None:
+        self.gate, self.deadline = gate, deadline
 
     def settled(self) -> bool:
         """Whether the agent has let go of the pages gate already (answered, or gone): then wait() returns
@@ -348,7 +344,7 @@ def wait_staged_images(
             os.unlink(path)  # a gate left by an agent that died: the next create is not held up
         return "the agent staging this restore let go before the data was complete", None
     if answer[0] == IMAGES:
-        return None, PendingPages(pages_gate(path), deadline, criu_first=answer[1] != PAGES_FIRST)
+        return None, PendingPages(pages_gate(path), deadline)
     return _verdict(answer), None
 
 

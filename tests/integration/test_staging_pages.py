@@ -131,24 +131,21 @@ class _SlowChunks(RegistryClient):
 
 def test_the_images_are_announced_before_the_page_files_arrive(registry: RegistryServer, tmp_path: Path) -> None:
     """on_images (a two-phase gate's first answer): called once, with the layer extracted and checkpoint/
-    in place, while the page files are still downloading (no chunk in yet: how long they take is not
-    known); they are linked in afterwards."""
+    in place, while the page files are still downloading; they are linked in afterwards."""
     layer = _layer({f"{C.CHECKPOINT_DIRECTORY}/core-1.img": b"core", "config.dump": b"{}"})
     artifact = _artifact(registry, layer)
     client = _SlowChunks({c.digest for c in artifact.config.containers[0].pages[0].chunks})
     paths = StatePaths(str(tmp_path / "state"))
     target = Path(paths.staged_by_id("restored"))
-    seen: list[tuple[bool, bool, float | None]] = []
+    seen: list[tuple[bool, bool]] = []
 
-    def on_images(remaining_s: float | None) -> None:
+    def on_images() -> None:
         cp = target / C.CHECKPOINT_DIRECTORY
-        seen.append(((cp / "core-1.img").exists(), (cp / "pages-1.img").exists(), remaining_s))
+        seen.append(((cp / "core-1.img").exists(), (cp / "pages-1.img").exists()))
         client.release.set()
 
-    timings: dict[str, float] = {}
-    stage_artifact(artifact, [str(target)], registry=client, paths=paths, on_images=on_images, timings=timings)
-    assert seen == [(True, False, None)]
-    assert "pages_remaining_ms" not in timings
+    stage_artifact(artifact, [str(target)], registry=client, paths=paths, on_images=on_images)
+    assert seen == [(True, False)]
     assert (target / C.CHECKPOINT_DIRECTORY / "pages-1.img").read_bytes() == PAGES
 
 
@@ -176,7 +173,7 @@ def test_no_announcement_when_the_page_files_were_there_first(registry: Registry
         return result
 
     client.fetch_blob = layer_last  # type: ignore[method-assign]
-    called: list[float | None] = []
-    stage_artifact(artifact, [str(target)], registry=client, paths=paths, on_images=called.append)
+    called: list[bool] = []
+    stage_artifact(artifact, [str(target)], registry=client, paths=paths, on_images=lambda: called.append(True))
     assert called == []  # nothing to announce: the staged data is complete, one answer does
     assert (target / C.CHECKPOINT_DIRECTORY / "pages-1.img").read_bytes() == PAGES

@@ -7,7 +7,6 @@ tests/integration/test_node_bundle.py."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -111,23 +110,3 @@ def test_the_pages_still_to_come_go_to_criu_and_those_in_already_do_not(
         assert env is None and why is not None and "a chunk did not match its digest" in why
     # the agent gone before it answered: settled, and refused
     assert W.restore_env(paths, str(staged), pending)[1] is not None
-
-
-def test_the_hook_waits_for_the_pages_itself_where_the_agent_asks_for_them_first(
-    tmp_path: Path, staged: Path, launcher: Path
-) -> None:
-    """The agent found the node's CPUs busy with the download (shim/cpuidle.py): the hook starts
-    `runc restore` only once the page files are in place, without CRIU's action script."""
-    paths = StatePaths(str(tmp_path / "state"))
-    with images_announced(paths, criu_first=False) as (gate, pending):
-        assert W.early_restore_env(paths, str(staged), pending) is not None  # CRIU could have waited ...
-        answered = threading.Timer(0.3, gate.answer, args=(READY,))
-        t = time.monotonic()
-        answered.start()
-        assert W.restore_env(paths, str(staged), pending) == (None, None)  # ... but the hook waited
-        assert time.monotonic() - t >= 0.29
-        answered.join()
-    with images_announced(paths, criu_first=False) as (gate, pending):
-        threading.Timer(0.1, gate.answer, args=(FAILED, "a chunk did not match its digest")).start()
-        env, why = W.restore_env(paths, str(staged), pending)
-        assert env is None and why is not None and "a chunk did not match its digest" in why

@@ -495,13 +495,11 @@ def test_a_restore_pod_whose_gates_cannot_be_taken_fails_and_its_gate_says_why(t
 
 
 @contextlib.contextmanager
-def images_announced(
-    paths: StatePaths, timeout_s: float = 60.0, *, criu_first: bool = True
-) -> Iterator[tuple[StagingGate, PendingPages]]:
+def images_announced(paths: StatePaths, timeout_s: float = 60.0) -> Iterator[tuple[StagingGate, PendingPages]]:
     """The agent's two-phase gate of container c1 with the images announced, and the hook's view of it."""
     gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
     try:
-        gate.answer_images(criu_first=criu_first)
+        gate.answer_images()
         why, pending = wait_staged_images(paths, "c1", timeout_s=timeout_s)
         assert why is None and pending is not None
         yield gate, pending
@@ -523,27 +521,6 @@ def test_a_two_phase_gate_announces_the_images_then_the_pages(tmp_path: Path) ->
         timer.join()
         assert wait_staged(paths, "c1") is None  # a later look: complete
     assert os.listdir(os.path.dirname(paths.staging_gate("c1"))) == []  # both gates and both answers removed
-
-
-def test_the_images_announced_say_whether_criu_may_start_before_the_page_files(tmp_path: Path) -> None:
-    """The agent's choice (shim/engine/restore.py criu_first) reaches the hook with the first answer; the
-    second answer is the same either way."""
-    paths = StatePaths(str(tmp_path))
-    for criu_first in (True, False):
-        with images_announced(paths, criu_first=criu_first) as (gate, pending):
-            assert pending.criu_first is criu_first
-            assert not pending.settled()
-            gate.answer(READY)
-            assert pending.wait() is None
-    # an agent from before the choice answered "images" with no message: CRIU first, as it was then
-    gate = StagingGate(paths.staging_gate("c1"), two_phase=True)
-    try:
-        Path(paths.staging_gate("c1") + ".state").write_text("images\n")
-        gate.release()  # let go, answered as an older agent would have
-        _, older = wait_staged_images(paths, "c1", timeout_s=1)
-        assert older is not None and older.criu_first
-    finally:
-        gate.close()
 
 
 def test_staging_that_fails_after_the_images_fails_the_pages_gate(tmp_path: Path) -> None:
