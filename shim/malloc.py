@@ -14,7 +14,6 @@ Nothing happens where the C library is not glibc.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -25,8 +24,9 @@ SETTINGS = ((M_ARENA_MAX, 2), (M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 6
 def tune() -> bool:
     """Apply SETTINGS with mallopt(3); False where there is no glibc mallopt (nothing changed)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        # the symbols the interpreter is linked with (dlopen(NULL)): the C library's, without
+        # ctypes.util.find_library, which runs `ldconfig -p` (a process start on every agent command)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
