@@ -42,10 +42,13 @@ import time
 
 from kubectl_snapshot.core.errors import PermissionDenied
 
-try:  # CPython 3.11's built-in sha256: the hook does not load OpenSSL (hashlib's import) for its cache keys
-    from _sha256 import sha256  # type: ignore[import-not-found,unused-ignore]
-except ImportError:  # 3.12 renamed it
-    from hashlib import sha256
+try:  # CPython's own sha256: the hook does not load OpenSSL (hashlib's import) for its cache keys
+    from _sha256 import sha256  # type: ignore[import-not-found,unused-ignore]  # up to 3.11
+except ImportError:
+    try:
+        from _sha2 import sha256  # type: ignore[import-not-found,no-redef,unused-ignore]  # 3.12 and later
+    except ImportError:  # a build without CPython's own hashes
+        from hashlib import sha256  # type: ignore[assignment,unused-ignore]
 
 TYPE_CHECKING = False  # the hook's start-up: typing is not imported at run time
 if TYPE_CHECKING:
