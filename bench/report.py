@@ -233,7 +233,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Machine: {m['cpus']} CPUs ({m['cpu_model']}), {m['memory_bytes'] >> 30} GiB, kernel {m['kernel']}, "
         f"{m['criu']}, {m['runc']}, {m['containerd']}, {m['podman'] or 'no podman'}; "
         f"runc's CRIU configuration {m.get('criu_config', 'n/a')}; "
-        f"CRIU's kdat cache {m.get('criu_kdat', 'n/a')}; load average at the end "
+        f"CRIU's kdat cache {m.get('criu_kdat', 'n/a')}; expedited RCU grace periods: "
+        f"{m.get('rcu_expedite', 'n/a')}; load average at the end "
         f"{', '.join(f'{x:.2f}' for x in m['loadavg'])}; {m['time']}."
         + (f" **The registry is behind a {m['link']} link** (bench/throttle.py)." if m.get("link") else ""),
         f"Each figure: median of {result['rows'][0]['runs'] if result['rows'] else '?'} runs after one warm-up; "

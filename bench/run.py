@@ -57,7 +57,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.reference import Reference
 from shim import localapi
 from shim.runc_wrapper import TRACE_ENV, parse_invocation
-from tests.support.containerd import ContainerdDaemon, node_criu_config, node_kdat_cache
+from tests.support.containerd import ContainerdDaemon, node_criu_config, node_kdat_cache, node_rcu_expedite
 from tests.support.images import python_image, python_tarball
 from tests.support.registry import RegistryServer
 from tests.support.signing import signing_env
@@ -736,12 +736,14 @@ def main() -> None:
     kinds = a.kinds.split(",")
     work = Path(tempfile.mkdtemp(prefix="ksbench-", dir="/var/tmp"))
     # The node as install-node leaves it (runc's CRIU configuration: nftables network lock; CRIU's
-    # kernel-feature cache on a tmpfs where /run is not one); runc reads the configuration for podman's
-    # checkpoints too, and every CRIU of the same build loads the cache, so the peers and the raw
-    # bounds run with the same CRIU as the agent.
+    # kernel-feature cache on a tmpfs where /run is not one; RCU grace periods expedited during the
+    # product's dumps and restores, shim/rcu.py: not during the peers' or the bounds'); runc reads the
+    # configuration for podman's checkpoints too, and every CRIU of the same build loads the cache, so
+    # the peers and the raw bounds run with the same CRIU as the agent.
     stack = contextlib.ExitStack()
     conf = stack.enter_context(node_criu_config())
     kdat = stack.enter_context(node_kdat_cache())
+    expedite = stack.enter_context(node_rcu_expedite(STATE))
     daemon = ContainerdDaemon("bench", work / "ctrd")
     other = ContainerdDaemon("bench-b", work / "ctrd-b")
     registry = RegistryServer(work / "registry")
@@ -785,6 +787,7 @@ def main() -> None:
             facts["link"] = f"{a.link_mbps:g} Mbit/s"
         facts["criu_config"] = f"{conf.path}: {conf.state}" if conf else "n/a"
         facts["criu_kdat"] = f"{kdat.path}: {kdat.state}" if kdat else "n/a"
+        facts["rcu_expedite"] = expedite
         stack.close()
     result = {"machine": facts, "elapsed_s": time.monotonic() - started, "rows": rows}
     out = Path(a.out)

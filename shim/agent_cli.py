@@ -138,7 +138,8 @@ def _held_guard(socket_path: str, *, persistent: bool = False) -> contextlib.Abs
 def _client(address: str, namespace: str) -> Any:
     from shim.containerd.client import ContainerdClient
 
-    return ContainerdClient(address, namespace)
+    # the node's state dir: RCU grace periods expedited while it dumps (shim/rcu.py)
+    return ContainerdClient(address, namespace, state_dir=StatePaths.from_env().root)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -719,6 +720,8 @@ def install_node_cmd(wrapper_pyz: str, bundle: str, **kw: Any) -> None:
     if r.kdat is not None:
         k = r.kdat
         click.echo(f"CRIU kernel-feature cache {k.path}: {k.state}" + (f" ({k.detail})" if k.detail else ""))
+    if r.rcu:
+        click.echo(f"expedited RCU grace periods: {r.rcu}")
 
 
 @cli.command("uninstall-node")

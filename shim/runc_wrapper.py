@@ -8,6 +8,7 @@ RuntimeClass) exactly like runc. For a container with staged snapshot data in th
 - ``start``: does nothing (the restored process is already running);
 
 and passes every other call to the real runc (``exec``, so signals and exit codes are runc's own).
+Its ``runc restore`` runs with the node's RCU grace periods expedited (shim/rcu.py).
 Every runc it runs is handed the node's installed CRIU (``--criu $KUBECTL_SNAPSHOT_CRIU``, set by the
 launcher that install-node writes), so a CRIU of the host, present or not, is never used.
 Staged data is found only by a key derived here: the container id, or the pod uid + container name
@@ -388,7 +389,10 @@ def _restore(
         return 1, msg
     log_offset = _log_size(inv)
     trace("runc-restore")
-    returncode = run_waited(restore_command(runc, inv, create, staged), env)
+    from shim import rcu  # CRIU's mount namespaces wait for RCU grace periods: expedited meanwhile
+
+    with rcu.expedited(paths.root):
+        returncode = run_waited(restore_command(runc, inv, create, staged), env)
     trace("after-restore")
     if returncode != 0:
         failed = pages.failure(wait_s=FAILURE_ANSWER_WAIT_S) if pages is not None else None

@@ -40,6 +40,7 @@ from kubectl_snapshot.core.errors import (
     Unavailable,
     log_tail,
 )
+from shim import rcu
 from shim.containerd import imageconfig
 from shim.containerd.api.services.containers.v1 import containers_pb2, containers_pb2_grpc
 from shim.containerd.api.services.content.v1 import content_pb2, content_pb2_grpc
@@ -180,12 +181,19 @@ class ContainerdClient:
     """
 
     def __init__(
-        self, address: str, namespace: str, *, timeout: float = 30.0, checkpointer: RuncCheckpointer | None = None
+        self,
+        address: str,
+        namespace: str,
+        *,
+        timeout: float = 30.0,
+        checkpointer: RuncCheckpointer | None = None,
+        state_dir: str = "",
     ) -> None:
         self.address = address.removeprefix("unix://")
         self.namespace = namespace
         self.timeout = timeout
         self.checkpointer = checkpointer  # set: runc checkpoint with the installed CRIU (runc_checkpoint.py)
+        self.state_dir = state_dir  # set: RCU grace periods expedited during a checkpoint (shim/rcu.py)
         self._lease: str | None = None
         self._channel = grpc.insecure_channel(
             "unix://" + self.address,
@@ -398,18 +406,22 @@ class ContainerdClient:
         With `exit` the task stops after the dump, else it keeps running. A CRIU failure raises
         CriuFailed whose details are the tail of dump.log.
         """
+        args = CheckpointArgs(image_path, work_path, exit, open_tcp, file_locks, external_unix_sockets, terminal)
+        with rcu.expedited(self.state_dir or None):  # CRIU's mount namespaces wait for RCU grace periods
+            self._checkpoint(cid, args, timeout)
+
+    def _checkpoint(self, cid: str, a: CheckpointArgs, timeout: float | None) -> None:
         if self.checkpointer is not None:
-            args = CheckpointArgs(image_path, work_path, exit, open_tcp, file_locks, external_unix_sockets, terminal)
-            self._checkpoint_with_runc(cid, args, timeout or max(self.timeout, 600.0))
+            self._checkpoint_with_runc(cid, a, timeout or max(self.timeout, 600.0))
             return
         opts = oci_pb2.CheckpointOptions(
-            exit=exit,
-            open_tcp=open_tcp,
-            external_unix_sockets=external_unix_sockets,
-            terminal=terminal,
-            file_locks=file_locks,
-            image_path=image_path,
-            work_path=work_path,
+            exit=a.exit,
+            open_tcp=a.open_tcp,
+            external_unix_sockets=a.external_unix_sockets,
+            terminal=a.terminal,
+            file_locks=a.file_locks,
+            image_path=a.image_path,
+            work_path=a.work_path,
         )
         req = tasks_pb2.CheckpointTaskRequest(container_id=cid, options=_pack(opts, c.RUNC_CHECKPOINT_OPTIONS_TYPE))
         what = f"checkpoint container {cid!r}"
@@ -421,8 +433,9 @@ class ContainerdClient:
                 raise err from None
             raise CriuFailed(
                 f"{what}: CRIU dump failed: {e.details()}",
-                hint=f"see the CRIU log in {work_path}/{c.DUMP_LOG_FILE}; `criu check` tells what this kernel supports",
-                details=_read_dump_log(work_path),
+                hint=f"see the CRIU log in {a.work_path}/{c.DUMP_LOG_FILE}; "
+                "`criu check` tells what this kernel supports",
+                details=_read_dump_log(a.work_path),
             ) from None
 
     def _checkpoint_with_runc(self, cid: str, args: CheckpointArgs, timeout: float) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
-from shim import criu_config, criu_kdat
+from shim import criu_config, criu_kdat, rcu
 from shim.controller.settings import NodeSettings
 from shim.criu_guard import PYCRIU_PATH_ENV
 from shim.hostfacts import host_pid
@@ -62,6 +62,7 @@ class InstallResult:
     bundle: str = ""
     criu: str = ""
     kdat: criu_kdat.KdatResult | None = None
+    rcu: str = ""  # RCU grace periods during dumps and restores (shim/rcu.py): what prepare() found
 
 
 @dataclass(frozen=True)
@@ -278,8 +279,9 @@ def install(settings: NodeSettings, *, wrapper_pyz: str | None = None, bundle: s
     conf = criu_config.ensure(_host_path(settings.criu_config), criu=settings.criu)
     # Regenerated on every install (a new CRIU build gets its own cache); runs in the host's mount namespace.
     kdat = criu_kdat.ensure(settings.criu, kdat=settings.criu_kdat, host_pid=host_pid()) if settings.criu_kdat else None
+    expedite = rcu.prepare(settings.state_dir, enable=rcu.enabled(os.environ))
     return InstallResult(
-        settings.wrapper_launcher, dropin, changed, restarted, conf, installed.path, settings.criu, kdat
+        settings.wrapper_launcher, dropin, changed, restarted, conf, installed.path, settings.criu, kdat, expedite
     )
 
 
@@ -290,6 +292,8 @@ def uninstall(settings: NodeSettings) -> None:
         os.unlink(dropin)
     shutil.rmtree(settings.wrapper_dir, ignore_errors=True)
     criu_config.remove(_host_path(settings.criu_config))
+    with contextlib.suppress(OSError):
+        rcu.prepare(settings.state_dir, enable=False)  # a switch our holders left on is put back
     if settings.criu_kdat:
         criu_kdat.remove(kdat=settings.criu_kdat, host_pid=host_pid())
     if existed and settings.restart_command:

@@ -94,7 +94,10 @@ class SnapshotWorker:
         )
         self.containerd: ContainerdFor = containerd or (
             lambda checkpointer: ContainerdClient(
-                settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE, checkpointer=checkpointer
+                settings.containerd_socket,
+                K.CONTAINERD_K8S_NAMESPACE,
+                checkpointer=checkpointer,
+                state_dir=settings.state_dir,  # RCU grace periods expedited while it dumps (shim/rcu.py)
             )
         )
         self.on_saved = on_saved  # after every good save: (PodSnapshot, pod); autosave's last-save annotation

@@ -78,7 +78,7 @@ def test_zipapp_holds_only_the_wrapper_closure(pyz: Path) -> None:
 # (shim/runc_wrapper.py, "what it imports at start").
 SLOW_IMPORTS = {"typing", "dataclasses", "inspect", "subprocess", "socket", "ipaddress", "hashlib"}
 # what a node-level restore's create imports: the hook, the image check, the rootfs diff, lo brought up
-RESTORE_PATH = ("shim.runc_wrapper", "shim.criu_guard", "shim.rootfs_diff", "shim.loopback", "shim.netns")
+RESTORE_PATH = ("shim.runc_wrapper", "shim.criu_guard", "shim.rootfs_diff", "shim.loopback", "shim.netns", "shim.rcu")
 
 
 def test_the_restore_path_imports_no_slow_module(pyz: Path) -> None:
@@ -241,3 +241,39 @@ def test_a_pod_container_of_a_resume_that_started_fresh_is_a_plain_create(pyz: P
     proc = run_pyz(pyz, runc, state, *argv)
     assert proc.returncode == 0, proc.stderr
     assert calls(log) == [argv]
+
+
+def _kernel_switch() -> str:
+    try:
+        return Path("/sys/kernel/rcu_expedited").read_text().strip()
+    except OSError:
+        return ""
+
+
+def test_runc_restore_runs_with_expedited_grace_periods(pyz: Path, tmp_path: Path) -> None:
+    """The hook's `runc restore` runs while the node's RCU switch is on (the real kernel's), which is off
+    again afterwards (shim/rcu.py); without the node's directory nothing is switched."""
+    if os.geteuid() != 0 or _kernel_switch() != "0" or Path("/sys/kernel/rcu_normal").read_text().strip() != "0":
+        pytest.skip("needs root and a kernel whose rcu_expedited is 0 and rcu_normal 0")
+    log = tmp_path / "seen.jsonl"
+    runc = tmp_path / "runc"
+    runc.write_text(
+        f"#!{HOST_PYTHON}\nimport json, sys\n"
+        "v = open('/sys/kernel/rcu_expedited').read().strip()\n"
+        f"open({str(log)!r}, 'a').write(json.dumps([v, *sys.argv[1:3]]) + '\\n')\n"
+    )
+    runc.chmod(0o755)
+    state = tmp_path / "state"
+    for cid, expedite in (("c1", True), ("c2", False)):
+        make_images(state / "staged" / "by-id" / cid / "checkpoint")
+        bundle = tmp_path / f"bundle-{cid}"
+        (bundle / "rootfs").mkdir(parents=True)
+        (bundle / "config.json").write_text(json.dumps({**guard_bundle(), "root": {"path": "rootfs"}}))
+        if expedite:
+            os.makedirs(state / "rcu-expedite")  # as install-node leaves it
+        else:  # KUBECTL_SNAPSHOT_EXPEDITE_RCU=0 at install-node: no directory
+            (state / "rcu-expedite").rename(tmp_path / "gone")
+        proc = run_pyz(pyz, runc, state, "create", "--bundle", str(bundle), cid)
+        assert proc.returncode == 0, proc.stderr
+        assert calls(log)[-1] == ["1" if expedite else "0", "restore", "--detach"]
+        assert _kernel_switch() == "0"

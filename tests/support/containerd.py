@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core.errors import SnapshotError
-from shim import criu_config, criu_kdat
+from shim import criu_config, criu_kdat, rcu
 from shim.containerd.client import ContainerdClient, RuncOptions
 
 CONTAINERD = "/usr/local/bin/containerd"
@@ -282,6 +282,20 @@ def node_kdat_cache() -> Iterator[criu_kdat.KdatResult | None]:
     finally:
         if result.state == "mounted" and not had:
             criu_kdat.remove()
+
+
+@contextlib.contextmanager
+def node_rcu_expedite(state_dir: Path) -> Iterator[str]:
+    """RCU grace periods expedited during the product's dumps and restores, as install-node leaves a
+    node (shim/rcu.py: the directory under the state dir); the directory is removed afterwards if this
+    made it, and a switch its holders left on is put back."""
+    had = Path(rcu.directory(str(state_dir))).is_dir()
+    state = rcu.prepare(str(state_dir), enable=True)
+    try:
+        yield state
+    finally:
+        if not had:
+            rcu.prepare(str(state_dir), enable=False)
 
 
 @pytest.fixture(scope="session")
