@@ -55,7 +55,7 @@ from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.reference import Reference
-from shim import localapi
+from shim import localapi, rcu
 from shim.runc_wrapper import TRACE_ENV, parse_invocation
 from tests.support.containerd import ContainerdDaemon, node_criu_config, node_kdat_cache, node_rcu_expedite
 from tests.support.images import python_image, python_tarball
@@ -743,7 +743,8 @@ def main() -> None:
     stack = contextlib.ExitStack()
     conf = stack.enter_context(node_criu_config())
     kdat = stack.enter_context(node_kdat_cache())
-    expedite = stack.enter_context(node_rcu_expedite(STATE))
+    # KUBECTL_SNAPSHOT_EXPEDITE_RCU=0: the node as install-node leaves it with that opt-out (to compare)
+    expedite = stack.enter_context(node_rcu_expedite(STATE)) if rcu.enabled(os.environ) else f"off ({rcu.ENV}=0)"
     daemon = ContainerdDaemon("bench", work / "ctrd")
     other = ContainerdDaemon("bench-b", work / "ctrd-b")
     registry = RegistryServer(work / "registry")

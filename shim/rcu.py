@@ -9,11 +9,12 @@ set to 1 the kernel expedites those waits (an IPI to the busy CPUs instead of wa
 pass a quiescent state).
 
 That switch is node-wide, so it is on only while one of this node's dumps or restores is in flight.
-Each of them (the agent's ``runc checkpoint``, the runtime hook's ``runc checkpoint`` and ``runc
-restore``: different processes) holds a token in the node's directory (``<state dir>/rcu-expedite``)
-for as long as its runc runs: the first token sets the switch, the last one puts it back. A token is a
-file its holder keeps flock()ed: one whose lock can be taken belongs to a holder that is gone (killed,
-say) and is removed by whoever looks next (each acquire and release, and the agent's start).
+Each of them (the agent's dump, whether it runs ``runc checkpoint`` itself or containerd's runtime
+runs it for the agent's Tasks.Checkpoint call, and the runtime hook's ``runc restore``: different
+processes) holds a token in the node's directory (``<state dir>/rcu-expedite``) for as long as it runs:
+the first token sets the switch, the last one puts it back. A token is a file its holder keeps
+flock()ed: one whose lock can be taken belongs to a holder that is gone (killed, say) and is removed
+by whoever looks next (each acquire and release, and the agent's start).
 
 Left alone: a node whose switch was already on (someone else's setting: never put back), a node with
 ``rcu_normal`` set (it asks for normal grace periods, real-time nodes do), and a node whose directory
