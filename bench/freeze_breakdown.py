@@ -53,7 +53,7 @@ from bench.autosave import Agent, guard_process, host_workload
 from bench.criulog import log_gaps, stamps
 from bench.run import CRIU, container
 from kubectl_snapshot.core.reference import Reference
-from shim import criu_kdat
+from shim import criu_kdat, rcu
 from tests.support.containerd import ContainerdDaemon, node_criu_config
 from tests.support.registry import RegistryServer
 
@@ -68,7 +68,13 @@ PHASES: list[tuple[str, str, str, str]] = [
     ("mount namespace (mounts; tmpfs contents by tar)", r"Obtaining task auvx", "fixed (per mount)", "no"),
     ("IPC, UTS, network namespaces (links, addresses, rules)", r"Dumping \d+\(\d+\)'s namespaces", "fixed", "no"),
     ("cgroups, inventory", r"Namespaces dump complete", "fixed", "no"),
-    ("network unlock (nftables, runc's notification)", r"Running post-dump scripts", "fixed", "no"),
+    # mostly not nftables: an RCU grace period where CRIU's mount namespaces go (performance.md, session 18)
+    (
+        "network unlock, runc's notification (an RCU wait)",
+        r"Running post-dump scripts",
+        "fixed",
+        "yes, the RCU wait: expedited grace periods (the agent's dumps, shim/rcu.py; --expedite-rcu)",
+    ),
     ("thaw, stats", r"Unfreezing tasks", "fixed", "no"),
 ]
 RUNC_OUTSIDE = "runc outside CRIU's log (runc start, its state, CRIU's start, exit)"
@@ -275,12 +281,24 @@ def report(mib: int, kind: str, runs: int, res: dict[str, Any]) -> None:
                 print(f"| {_ms(sec)} | `{before}` | `{after}` |")
 
 
+def _switch() -> str:
+    try:
+        return Path("/sys/kernel/rcu_expedited").read_text().strip()
+    except OSError:
+        return ""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="64", help="MiB of touched memory, comma-separated")
     ap.add_argument("--kind", default="random", choices=("random", "objects"))
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--gaps", type=int, default=0, help="also list the N longest pauses in the last dump.log")
+    ap.add_argument(
+        "--expedite-rcu",
+        action="store_true",
+        help="RCU grace periods expedited for the whole run, every dump alike (shim/rcu.py's switch, put back after)",
+    )
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     mounts = criu_kdat.parse_mountinfo(Path("/proc/self/mountinfo").read_text())
@@ -294,6 +312,11 @@ def main() -> None:
         if not native:  # leave the machine's arrangement as it was found
             stack.callback(lambda: criu_kdat.ensure(CRIU) if had_cache else criu_kdat.remove())
         conf = stack.enter_context(node_criu_config())
+        expedite = "normal grace periods"
+        if a.expedite_rcu:  # one token held throughout: the agent's dumps, runc's and the raw dump alike
+            os.makedirs(rcu.directory(str(work)))
+            token = stack.enter_context(rcu.expedited(str(work)))
+            expedite = "expedited" if token and (token.switched or _switch() == "1") else "could not expedite"
         daemon = ContainerdDaemon("freeze", work / "ctrd")
         registry = RegistryServer(work / "registry")
         daemon.start()
@@ -305,6 +328,7 @@ def main() -> None:
         for mib in (int(x) for x in a.sizes.split(",")):
             results[mib] = measure(daemon, agent, registry, work, mib, a.kind, a.runs, variants, a.gaps)
     print(f"CRIU {CRIU}; runc's CRIU configuration {conf.path}: {conf.state}" if conf else f"CRIU {CRIU}")
+    print(f"RCU grace periods: {expedite}")
     for mib, res in results.items():
         report(mib, a.kind, a.runs, res)
 
