@@ -1,10 +1,10 @@
 """Expedited RCU grace periods while this node's CRIU runs under runc (a dump, a restore).
 
-CRIU under runc sets up and tears down mount namespaces (the container's, and its own service
-namespace); every teardown waits in the kernel for an RCU grace period (``synchronize_rcu`` when
-mounts are released). On the project's VMs (HZ=250, lazy RCU) one such wait was 12-18 ms, inside the
-frozen window of every dump and on the way to every restored container's start (bench/run.py; raw
-CRIU of a host process has none: it restores no mount namespace). With ``/sys/kernel/rcu_expedited``
+CRIU under runc waits in the kernel for RCU grace periods that a raw CRIU of a host process does not:
+most likely where it tears down mount namespaces (the container's, and its own service namespace;
+mounts released wait for a grace period), not traced in the kernel. On the project's VMs (HZ=250,
+lazy RCU) one such wait was 12-18 ms, inside the frozen window of every dump and on the way to every
+restored container's start (bench/run.py, bench/freeze_breakdown.py --expedite-rcu). With ``/sys/kernel/rcu_expedited``
 set to 1 the kernel expedites those waits (an IPI to the busy CPUs instead of waiting for each to
 pass a quiescent state).
 
