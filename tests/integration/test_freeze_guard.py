@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -219,11 +220,45 @@ def test_a_killed_standalone_checkpoint_is_thawed_by_its_private_guard(counter, 
             assert cli.poll() is None and time.monotonic() < deadline, "the checkpoint did not freeze"
             time.sleep(0.01)
         assert_frozen(fz, pid)
+        guard_pid, guard_dir = private_guard_of(cli.pid)
         t0 = time.monotonic()
         cli.send_signal(signal.SIGKILL)
         cli.wait()
         assert seconds_until_thawed(fz, t0) < 2.0
         assert_goes_on(pid, before)
+        # The guard exits once its last hold is gone; its directory (socket gone, the log) stays as the
+        # record of what it did for a caller that died, which this test reads and then removes.
+        deadline = time.monotonic() + 5
+        while os.path.exists(f"/proc/{guard_pid}") and _state(guard_pid) != "Z":
+            assert time.monotonic() < deadline, "the private guard did not exit after its last hold"
+            time.sleep(0.05)
+        log = (guard_dir / "guard.log").read_text()
+        assert "the agent went away while the pod was frozen" in log and "the freeze guard thawed it" in log, log
+        assert not (guard_dir / "guard.sock").exists()
+        shutil.rmtree(guard_dir)
+
+
+def _state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return "gone"
+
+
+def private_guard_of(parent: int) -> tuple[int, Path]:
+    """The private guard a standalone checkpoint started (a child of `parent`) and its directory."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"shim.guard" in argv:
+            sock = Path(argv[argv.index(b"--socket") + 1].decode())
+            assert sock.parent.name.startswith("kubectl-snapshot-guard-"), sock
+            return int(entry.name), sock.parent
+    raise AssertionError(f"no private guard among the children of {parent}")
 
 
 def test_a_private_guard_starts_beside_the_caller_and_one_never_asked_to_freeze_is_stopped() -> None:

@@ -6,7 +6,10 @@ session's key and `restore`/`inspect` trust it (KUBECTL_SNAPSHOT_SIGNING_KEY / _
 
 from __future__ import annotations
 
+import atexit
 import functools
+import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +36,17 @@ def write_key(directory: Path, name: str) -> KeyFiles:
 
 @functools.cache
 def session_key() -> KeyFiles:
-    return write_key(Path(tempfile.mkdtemp(prefix="ks-signing-")), "session")
+    """One key per process (a test session, a bench run), removed when the process that made it exits
+    (not by a forked child's exit)."""
+    directory = Path(tempfile.mkdtemp(prefix="ks-signing-"))
+    owner = os.getpid()
+
+    def remove() -> None:
+        if os.getpid() == owner:
+            shutil.rmtree(directory, ignore_errors=True)
+
+    atexit.register(remove)
+    return write_key(directory, "session")
 
 
 def signing_env() -> dict[str, str]:
