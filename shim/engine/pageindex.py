@@ -12,8 +12,12 @@ page hashes and uploads only the pages that changed.
 
 It is a cache and nothing more: a missing, unreadable, corrupt (checksum) or oversized file means full
 chunks, never a failed or wrong snapshot; writes are atomic (temporary file + rename); the directory
-keeps the MAX_FILES most recently used scopes. A base is used only after the registry confirms that
-the target repository still has its blob.
+keeps the most recently used scopes, at most MAX_FILES of them and at most the node's byte budget
+(KUBECTL_SNAPSHOT_PAGE_INDEX_MIB, default DEFAULT_BUDGET_MIB: a scope's file is about 1/256 of its
+container's memory, twice that with deltas, so the default covers some 128-256 GiB of saved memory
+on a node); the scope just saved is always kept. A scope pruned away only means full chunks at its
+next save. A base is used only after the registry confirms that the target repository still has its
+blob.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kubectl_snapshot.core.chunks import PAGE_SIZE
@@ -34,6 +38,8 @@ from kubectl_snapshot.core.oci import is_digest
 MAGIC = b"KSPIDX2\n"
 MAX_FILE_BYTES = 128 << 20  # page hashes are 1/256 of the memory (twice for deltas): 16 GiB containers
 MAX_FILES = 256
+ENV_BUDGET_MIB = "KUBECTL_SNAPSHOT_PAGE_INDEX_MIB"
+DEFAULT_BUDGET_MIB = 1024
 _LEN = struct.Struct("<I")
 
 
@@ -103,7 +109,7 @@ class PageIndex:
             return
         with contextlib.suppress(OSError, ValueError):
             _write(self.path, self._new, self._new_aliases)
-            _prune(os.path.dirname(self.path))
+            _prune(os.path.dirname(self.path), keep=os.path.basename(self.path))
 
 
 def _read(path: str) -> tuple[dict[str, BaseChunk], dict[str, str]]:
@@ -172,12 +178,26 @@ def _write(path: str, entries: dict[str, BaseChunk], aliases: dict[str, str] | N
         raise
 
 
-def _prune(directory: str) -> None:
+def budget_bytes(environ: Mapping[str, str] = os.environ) -> int:
+    """The node's byte budget for page indexes (a positive whole number of MiB; anything else: the default)."""
+    raw = environ.get(ENV_BUDGET_MIB, "").strip()
+    mib = int(raw) if raw.isdigit() and 0 < int(raw) <= 1 << 30 else DEFAULT_BUDGET_MIB
+    return mib << 20
+
+
+def _prune(directory: str, keep: str) -> None:
+    """Keep `keep` and, newest first, the other scopes up to MAX_FILES files and the byte budget; the
+    first that does not fit and every older one go."""
     files = []
     for name in os.listdir(directory):
         if name.endswith(".idx"):
             with contextlib.suppress(FileNotFoundError):
-                files.append((os.stat(os.path.join(directory, name), follow_symlinks=False).st_mtime, name))
-    for _, name in sorted(files, reverse=True)[MAX_FILES:]:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, name))
+                st = os.stat(os.path.join(directory, name), follow_symlinks=False)
+                files.append((name != keep, -st.st_mtime, st.st_size, name))
+    budget, count, used, full = budget_bytes(), 0, 0, False
+    for not_kept, _age, size, name in sorted(files):
+        count, used = count + 1, used + size
+        full = full or (not_kept and (count > MAX_FILES or used > budget))
+        if full:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(directory, name))

@@ -321,6 +321,33 @@ def test_the_page_index_keeps_the_most_recent_scopes(tmp_path: Path, monkeypatch
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s3.idx", "s4.idx", "s5.idx"]
 
 
+def test_the_page_index_keeps_the_newest_scopes_within_the_node_byte_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(pageindex.ENV_BUDGET_MIB, "1")
+    for i in range(5):  # scopes of 400 KiB: two fit in 1 MiB beside the one being saved
+        (tmp_path / f"old{i}.idx").write_bytes(b"x" * (400 << 10))
+        os.utime(tmp_path / f"old{i}.idx", (1000 + i, 1000 + i))
+    (tmp_path / "other.txt").write_bytes(b"x" * (2 << 20))  # not an index: never touched
+    idx = PageIndex.load(str(tmp_path), "now")
+    idx.put("a", base())
+    idx.save()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["now.idx", "old3.idx", "old4.idx", "other.txt"]
+    # the scope just saved stays even when it alone is over the budget (and its clock is behind): the rest go
+    (tmp_path / "big.idx").write_bytes(b"x" * (3 << 20))
+    os.utime(tmp_path / "big.idx", (1, 1))
+    pageindex._prune(str(tmp_path), keep="big.idx")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.idx", "other.txt"]
+
+
+@pytest.mark.parametrize(
+    ("value", "mib"), [("", 1024), ("0", 1024), ("-5", 1024), ("abc", 1024), (" 64 ", 64), ("2048", 2048)]
+)
+def test_the_page_index_budget_is_a_positive_number_of_mib_else_the_default(value: str, mib: int) -> None:
+    assert pageindex.budget_bytes({pageindex.ENV_BUDGET_MIB: value}) == mib << 20
+    assert pageindex.budget_bytes({}) == pageindex.DEFAULT_BUDGET_MIB << 20
+
+
 def test_scopes_differ_by_repository_container_and_key() -> None:
     k = pageindex.scope_key("r:5000", "repo", "app", None)
     assert k != pageindex.scope_key("r:5000", "repo2", "app", None)
