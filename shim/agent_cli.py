@@ -307,6 +307,7 @@ def checkpoint_data(
         "mounted": len(registry.mounted),
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
         "frozenBy": result.frozen_by,
+        "dumpedTo": "memory" if result.work_in_memory else "disk",
         "containers": [c.name for c in result.config.containers],
         "stopped": a.stop,
         "signedBy": result.signed_by,

@@ -254,7 +254,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                             "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
                             "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
                         }
-                        | {"volumeMounts": [*volume_mounts, guard_mount, *provenance_mounts()]},
+                        | {"volumeMounts": [*volume_mounts, guard_mount, memory_work_mount(), *provenance_mounts()]},
                         {
                             "name": "guard",
                             "image": settings.image,
@@ -267,11 +267,28 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                             "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
                         },
                     ],
-                    "volumes": [*volumes, {"name": "guard", "emptyDir": {}}, *provenance_volumes()],
+                    "volumes": [
+                        *volumes,
+                        {"name": "guard", "emptyDir": {}},
+                        memory_work_volume(),
+                        *provenance_volumes(),
+                    ],
                 },
             },
         },
     }
+
+
+def memory_work_volume() -> dict[str, Any]:
+    """The host's tmpfs directory for dumps that clearly fit in memory (shim/memwork.py): a host path,
+    because containerd's runtime writes a dump there from the host's mount namespace; the agent uses it
+    only if it is a tmpfs and root's alone, else the state dir on disk."""
+    return {"name": "memory-work", "hostPath": {"path": C.DEFAULT_MEMORY_WORK_DIR, "type": "DirectoryOrCreate"}}
+
+
+def memory_work_mount() -> dict[str, Any]:
+    """Into the agent container only, at the same path."""
+    return {"name": "memory-work", "mountPath": C.DEFAULT_MEMORY_WORK_DIR}
 
 
 def provenance_volumes() -> list[dict[str, Any]]:

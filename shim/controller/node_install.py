@@ -40,7 +40,7 @@ from typing import Any
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
-from shim import criu_config, criu_kdat, rcu
+from shim import criu_config, criu_kdat, memwork, rcu
 from shim.controller.settings import NodeSettings
 from shim.criu_guard import PYCRIU_PATH_ENV
 from shim.hostfacts import host_pid
@@ -294,6 +294,7 @@ def uninstall(settings: NodeSettings) -> None:
     criu_config.remove(_host_path(settings.criu_config))
     with contextlib.suppress(OSError):
         rcu.prepare(settings.state_dir, enable=False)  # a switch our holders left on is put back
+    memwork.remove_area(_host_path(memwork.area_dir(settings.state_dir)))  # dumps in memory (none unless killed)
     if settings.criu_kdat:
         criu_kdat.remove(kdat=settings.criu_kdat, host_pid=host_pid())
     if existed and settings.restart_command:

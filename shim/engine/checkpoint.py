@@ -46,7 +46,7 @@ from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest
 from kubectl_snapshot.core.provenance import Origin, SigningKey
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
-from shim import hostfacts, safefs
+from shim import hostfacts, memwork, safefs
 from shim.archive import tar_directories
 from shim.criu_images import summarize_checkpoint
 from shim.engine.package import (
@@ -102,6 +102,7 @@ class CheckpointResult:
     frozen_by: str = ""  # "cgroup freezer", "containerd" or both: how the containers were paused
     plan: freeze_plan.FreezePlan | None = None  # expected freeze and deadline
     signed_by: str = ""  # id of the key that signed it ("" when unsigned)
+    work_in_memory: bool = False  # the dump was written to the node's memory work area (shim/memwork.py)
 
 
 def _now_rfc3339() -> str:
@@ -170,22 +171,28 @@ def checkpoint(
     preflight_ms = (clock() - t0) * 1000
 
     snapshot_id = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
-    work = paths.work_dir(snapshot_id)
-    os.makedirs(work, mode=0o700)
     timings: dict[str, float] = {"preflight_ms": preflight_ms}
     frozen: list[str] = []
-    try:
-        frozen, volume_tar = _freeze_and_dump(req, names, pre, containerd, work, phase, clock, timings, net_lock)
-        # Everything below runs after the resume: compression, hashing and upload never extend the freeze.
-        phase("upload")
-        result = _package_and_push(req, names, pre, registry, work, on_bytes, sealer, volume_tar, clock, timings, paths)
-    except BaseException:
-        if frozen:
-            _resume_all(containerd, frozen, pre.direct)
-        raise
-    finally:
-        if not req.keep_work:
-            shutil.rmtree(work, ignore_errors=True)
+    # the dump in memory where it clearly fits (shim/memwork.py), else in the state dir on disk
+    with memwork.reserve(paths.root, snapshot_id, _expected_dump(req, pre)) as in_memory:
+        work = in_memory or paths.work_dir(snapshot_id)
+        if in_memory is None:
+            os.makedirs(work, mode=0o700)
+        try:
+            frozen, volume_tar = _freeze_and_dump(req, names, pre, containerd, work, phase, clock, timings, net_lock)
+            # Everything below runs after the resume: compression, hashing and upload never extend the freeze.
+            phase("upload")
+            result = _package_and_push(
+                req, names, pre, registry, work, on_bytes, sealer, volume_tar, clock, timings, paths
+            )
+        except BaseException:
+            if frozen:
+                _resume_all(containerd, frozen, pre.direct)
+            raise
+        finally:
+            if not req.keep_work:
+                shutil.rmtree(work, ignore_errors=True)
+    result.work_in_memory = in_memory is not None
 
     if req.stop:
         phase("stop")
@@ -210,6 +217,21 @@ class _Preflight:
     image_digests: list[str]
     host: HostFacts
     plan: freeze_plan.FreezePlan
+    memory: int | None = None  # the containers' resident memory (None: not measured)
+
+
+def _expected_dump(req: CheckpointRequest, pre: _Preflight) -> int | None:
+    """The dump's expected bytes (memory + writable layers) where they are known and the dump may go to
+    memory: not for volumes (their size is the tenant's), nor a work dir kept for inspection."""
+    if pre.memory is None or req.volumes or req.keep_work:
+        return None
+    total = pre.memory
+    for upper in pre.upperdirs:
+        size = memwork.tree_size(upper) if upper is not None else 0
+        if size is None:
+            return None
+        total += size
+    return total
 
 
 def _preflight(
@@ -257,7 +279,9 @@ def _preflight(
     plan = freeze_plan.plan(
         memory, stop=req.stop, budgets=req.probe_budgets, ignore_liveness=req.ignore_liveness
     )  # raises when a liveness probe would restart a container before the freeze ends
-    return _Preflight(infos, upperdirs, pids, direct, image_digests, host, plan)
+    return _Preflight(
+        infos, upperdirs, pids, direct, image_digests, host, plan, memory if memory_of is not None else None
+    )
 
 
 def _freeze_and_dump(
@@ -530,10 +554,8 @@ def recover_interrupted(
     """
     root = os.path.dirname(paths.work_dir("x"))
     thawed: list[str] = []
-    if not os.path.isdir(root):
-        return thawed
-    for entry in sorted(os.listdir(root)):
-        work = os.path.join(root, entry)
+    works = [os.path.join(root, e) for e in sorted(os.listdir(root))] if os.path.isdir(root) else []
+    for work in works + memwork.leftovers(paths.root):  # on disk, and in the memory work area
         try:
             with open(os.path.join(work, FROZEN_FILE)) as f:
                 cids = [str(c) for c in json.load(f)]

@@ -199,6 +199,37 @@ def test_snapshot_without_stop_leaves_the_original_running(containerd_a, registr
     assert "process(es)" in text and "pages" in text
 
 
+def test_a_small_dump_goes_through_memory_and_one_the_node_keeps_on_disk_too(  # type: ignore[no-untyped-def]
+    containerd_a, containerd_b, registry, cleanup
+):
+    """A dump that clearly fits goes to the node's memory work area (shim/memwork.py), restores like any
+    other, and leaves nothing there; with KUBECTL_SNAPSHOT_MEMORY_WORK_MIB=0 it goes to the state dir."""
+    from shim import memwork
+    from shim.engine.staging import StatePaths
+
+    a, b = client(containerd_a), client(containerd_b)
+    image = busybox_image(containerd_a)
+    busybox_image(containerd_b)
+    cid, new = unique("inmem"), unique("inmem2")
+    cleanup(a, cid)
+    cleanup(b, new)
+    start_counter(a, containerd_a, cid, image)
+    tok_before, _ = read_counter(a, cid)
+    area = memwork.area_dir(StatePaths.from_env().root)
+    on_disk = agent(
+        "checkpoint", *on(containerd_a), "-o", "json", "--to", registry.ref("inmem", "disk"), cid,
+        env={memwork.ENV_MIB: "0"},
+    )  # fmt: skip
+    assert json.loads(on_disk.stdout)["dumpedTo"] == "disk"
+    to = registry.ref("inmem", "v1")
+    out = json.loads(agent("checkpoint", *on(containerd_a), "-o", "json", "--to", to, cid).stdout)
+    assert out["dumpedTo"] == "memory", out
+    assert not os.path.exists(area)
+    agent(*restore_on(containerd_b), out["reference"], new)
+    tok_after, _ = read_counter(b, new)
+    assert tok_after == tok_before
+
+
 HEAP_SERVER = r"""
 import hashlib, os, socket
 heap = bytearray(os.urandom(200 << 20))

@@ -201,13 +201,15 @@ def test_daemonset_defaults() -> None:
         # containerd refuses HostToContainer when the host's / is a private mount (hosts without systemd)
         assert all("mountPropagation" not in vm for vm in c["volumeMounts"])
         # host paths at the same path inside; directories, never the socket file (containerd restarts)
+        # the agent alone writes dumps that fit in memory to the host's tmpfs (shim/memwork.py)
+        memory_work = {"/dev/shm/kubectl-snapshot": "/dev/shm/kubectl-snapshot"} if c["name"] == "agent" else {}
         assert {p: v["hostPath"]["path"] for p, v in m.items() if "hostPath" in v} == {
             "/var/lib/kubectl-snapshot": "/var/lib/kubectl-snapshot",
             "/opt/kubectl-snapshot": "/opt/kubectl-snapshot",
             "/var/lib/kubelet": "/var/lib/kubelet",
             "/run/containerd": "/run/containerd",
             "/etc/containerd/conf.d": "/etc/containerd/conf.d",
-        }
+        } | memory_work
         assert m["/run/containerd"]["hostPath"]["type"] == "Directory"
         assert m["/var/lib/kubectl-snapshot"]["hostPath"]["type"] == "DirectoryOrCreate"
     [init] = spec["initContainers"]
@@ -247,6 +249,7 @@ def test_daemonset_for_two_nodes_on_one_machine() -> None:
         "/var/lib/ks-cluster",
         "/etc/kubectl-snapshot/nodes",
         "/run/kubectl-snapshot-guard",
+        "/dev/shm/kubectl-snapshot",  # one per machine: each node's agent keys its own directory in it
         K.SIGNING_KEY_DIR,
         K.TRUST_DIR,
     }
