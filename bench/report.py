@@ -221,6 +221,7 @@ def _checkpoint_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any]
         ms("package_ms"),
         ms("upload_ms"),
         ms("sign_ms"),
+        ag.get("dumped_to") or "-",
         " / ".join(_ms(raw.get(k)) for k in ("dump_s", "zstd_s", "sha_s", "upload_s")),
     ]
 
@@ -234,7 +235,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{m['criu']}, {m['runc']}, {m['containerd']}, {m['podman'] or 'no podman'}; "
         f"runc's CRIU configuration {m.get('criu_config', 'n/a')}; "
         f"CRIU's kdat cache {m.get('criu_kdat', 'n/a')}; expedited RCU grace periods: "
-        f"{m.get('rcu_expedite', 'n/a')}; load average at the end "
+        f"{m.get('rcu_expedite', 'n/a')}; dumps in memory: {m.get('memory_work', 'n/a')}; load average at the end "
         f"{', '.join(f'{x:.2f}' for x in m['loadavg'])}; {m['time']}."
         + (f" **The registry is behind a {m['link']} link** (bench/throttle.py)." if m.get("link") else ""),
         f"Each figure: median of {result['rows'][0]['runs'] if result['rows'] else '?'} runs after one warm-up; "
@@ -318,11 +319,12 @@ def markdown(result: dict[str, Any]) -> str:
         "own timing (the client's start-up, the request, the answer) and in-agent: preflight (the containers, "
         "the registry, the node's facts, the liveness budgets), the freeze (of which CRIU under runc), package "
         "(page chunks compressed, hashed and pushed, the layer of CRIU's other images beside them), upload "
-        "(config, manifest and signature, of which signing); last, the serial bound's parts.",
+        "(config, manifest and signature, of which signing); where the dumps went (the node's tmpfs or the "
+        "state dir on disk, shim/memwork.py); last, the serial bound's parts.",
         "",
     ]
     ckpt_header = ["checkpoint->pushed", "outside the agent", "in-agent", "preflight", "freeze", "of which CRIU",
-                   "package", "config, manifest, signature", "of which signing",
+                   "package", "config, manifest, signature", "of which signing", "dumped to",
                    "serial bound parts (dump / zstd / sha256 / upload)"]  # fmt: skip
     lines += _table(result, ckpt_header, _checkpoint_parts)
     errors = [

@@ -55,7 +55,7 @@ from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.reference import Reference
-from shim import localapi, rcu
+from shim import localapi, memwork, rcu
 from shim.runc_wrapper import TRACE_ENV, parse_invocation
 from tests.support.containerd import ContainerdDaemon, node_criu_config, node_kdat_cache, node_rcu_expedite
 from tests.support.images import python_image, python_tarball
@@ -461,6 +461,7 @@ def measure_agent(
     restores_internal: list[float] = []
     breakdowns: list[dict[str, Any]] = []
     ckpt_breakdowns: list[dict[str, Any]] = []  # the served checkpoints' own timings, + the wall time
+    dumped_to: set[str] = set()  # where the served checkpoints' dumps went (shim/memwork.py)
     out: dict[str, Any] = {}
     served = ServedAgent(daemon)
     pushed_alone, restores_alone = [], []  # the same commands standalone (no agent serving them)
@@ -490,6 +491,7 @@ def measure_agent(
                 sizes.append(res["size"])
                 out["timings_ms_last"] = res["timingsMs"]
                 ckpt_breakdowns.append({**res["timingsMs"], "wall_ms": wall * 1000})
+                dumped_to.add(res.get("dumpedTo", "disk"))
             wall, res = agent_checkpoint(daemon, new_ref(), cid)
             if i:
                 pushed_alone.append(wall)
@@ -587,6 +589,7 @@ def measure_agent(
         restore_one_phase_s=med(restores_one_phase),
         restore_breakdown=_median_breakdown(breakdowns),
         checkpoint_breakdown=_median_breakdown(ckpt_breakdowns),
+        dumped_to=" and ".join(sorted(dumped_to)),
     )
     return out
 
@@ -789,6 +792,7 @@ def main() -> None:
         facts["criu_config"] = f"{conf.path}: {conf.state}" if conf else "n/a"
         facts["criu_kdat"] = f"{kdat.path}: {kdat.state}" if kdat else "n/a"
         facts["rcu_expedite"] = expedite
+        facts["memory_work"] = f"{memwork.ENV_MIB}={memwork.limit_bytes() >> 20}"
         stack.close()
     result = {"machine": facts, "elapsed_s": time.monotonic() - started, "rows": rows}
     out = Path(a.out)
