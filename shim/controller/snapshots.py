@@ -318,6 +318,11 @@ class SnapshotWorker:
             pod_meta["namespace"], pod_meta["name"], timings_ms=r.timings_ms, size=r.size, uploaded=r.uploaded
         )
         message = f"snapshot {meta['name']} pushed as {r.reference} ({S.human_bytes(r.size)})"
+        log.info(
+            "%s/%s: %s; frozen %.0f ms, dumped to %s",
+            meta["namespace"], meta["name"], message, r.timings_ms.get("freeze_ms", 0.0),
+            "memory" if r.work_in_memory else "disk",
+        )  # fmt: skip
         snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_SUCCEEDED, message)
         pod_event(self.kube, pod, K.EVENT_SNAPSHOT_SUCCEEDED, message)
         if self.on_saved is not None and not (obj.get("spec") or {}).get("stop"):

@@ -99,6 +99,14 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     assert psnap["status"]["frozenBy"] == "cgroup freezer", psnap["status"]
     # the dump ran the CRIU that install-node put in the node's directory (runc --criu), not the host's
     assert_installed_criu_ran(n1, "checkpoint", launched[n1])
+    # a small pod's dump went to the host's tmpfs the DaemonSet mounts (shim/memwork.py), not the disk
+    logs = cluster.kubectl(
+        "logs", "-n", "kubectl-snapshot-system", "-l", "app.kubernetes.io/name=kubectl-snapshot-agent", "-c", "agent",
+        "--tail=-1", check=False,
+    ).stdout  # fmt: skip
+    mine = [line for line in logs.splitlines() if f"{namespace}/{psnap['metadata']['name']}: snapshot" in line]
+    assert mine and all(line.endswith("dumped to memory") for line in mine), logs[-3000:]
+    assert "dumps go to disk, not memory" not in logs, logs[-3000:]
     listed = cluster.get_json("podsnapshots", "-n", namespace)["items"]
     assert [x["metadata"]["name"] for x in listed] == [psnap["metadata"]["name"]]
 
