@@ -178,6 +178,13 @@ def remove_area(area: str) -> None:
         os.rmdir(os.path.dirname(area))
 
 
+def tidy(state_root: str) -> None:
+    """The agent's area and the base, if nothing is in them (after recover_interrupted's removals)."""
+    with _lock:
+        if not _reserved:
+            _remove_empty(area_dir(state_root))
+
+
 def leftovers(state_root: str) -> list[str]:
     """Work directories a killed agent left in its memory area (recover_interrupted reads and removes
     them); none where the area is not there or not ours."""

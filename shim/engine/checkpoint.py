@@ -578,6 +578,7 @@ def recover_interrupted(
         if net_unlock is not None and pids:
             net_unlock(pids)
         shutil.rmtree(work, ignore_errors=True)
+    memwork.tidy(paths.root)
     return thawed
 
 

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from shim import freezer
-from tests.integration.test_agent_roundtrip import AGENT, cleanup, client, on, start_counter, unique
+from shim import freezer, memwork
+from shim.engine.staging import StatePaths
+from tests.integration.test_agent_roundtrip import AGENT, agent, cleanup, client, on, start_counter, unique
 from tests.support.containerd import containerd_a
 from tests.support.images import busybox_image
 from tests.support.registry import registry
@@ -236,6 +237,13 @@ def test_a_killed_standalone_checkpoint_is_thawed_by_its_private_guard(counter, 
         assert "the agent went away while the pod was frozen" in log and "the freeze guard thawed it" in log, log
         assert not (guard_dir / "guard.sock").exists()
         shutil.rmtree(guard_dir)
+        # the killed command's dump stays where it was written (the node's memory work area, a small
+        # container's) until `recover`, which the agent runs at its start, removes it
+        left = memwork.leftovers(StatePaths.from_env().root)
+        assert left, "the killed checkpoint's work dir should be in the memory work area"
+        assert "nothing to recover" in agent("recover", *on(daemon)).stdout  # the guard thawed it already
+        assert not set(left) & set(memwork.leftovers(StatePaths.from_env().root))
+    assert not os.path.exists(memwork.area_dir(StatePaths.from_env().root))  # nothing left in memory
 
 
 def _state(pid: int) -> str:

@@ -108,7 +108,7 @@ def test_leftovers_are_listed_for_recovery_only_in_the_agents_own_area(base: Pat
     cd = FakeContainerd({"a"})
     cd.pause_task("a")  # the agent died while "a" was frozen and its dump was in memory
     assert recover_interrupted(cd, StatePaths(str(tmp_path))) == ["a"]
-    assert cd.paused == set() and not (area / "123-abc").exists()
+    assert cd.paused == set() and not area.exists()  # its dump, then the emptied area
     assert (other / "123-abc").exists()  # another agent's
 
 
