@@ -61,22 +61,38 @@ def area_dir(state_root: str, environ: Mapping[str, str] = os.environ) -> str:
 
 
 def tree_size(path: str, max_entries: int = MAX_TREE_ENTRIES) -> int | None:
-    """Bytes of the regular files under `path` (links not followed); None past max_entries entries."""
-    total, seen, stack = 0, 0, [path]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for e in it:
-                    seen += 1
-                    if seen > max_entries:
-                        return None
-                    st = e.stat(follow_symlinks=False)
-                    if stat.S_ISDIR(st.st_mode):
-                        stack.append(e.path)
-                    elif stat.S_ISREG(st.st_mode):
-                        total += st.st_size
-        except FileNotFoundError:
-            continue
+    """Bytes of the regular files under `path`, a tree the workload writes: walked through directory
+    fds opened with O_NOFOLLOW, so a directory swapped for a link meanwhile is never followed. None past
+    max_entries entries, or when the tree changed under the walk."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fds = [os.open(path, flags)]
+    except FileNotFoundError:
+        return 0
+    except OSError:
+        return None
+    total, seen = 0, 0
+    try:
+        while fds:
+            fd = fds.pop()
+            try:
+                with os.scandir(fd) as it:
+                    for e in it:
+                        seen += 1
+                        if seen > max_entries:
+                            return None
+                        st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
+                        if stat.S_ISDIR(st.st_mode):
+                            fds.append(os.open(e.name, flags, dir_fd=fd))
+                        elif stat.S_ISREG(st.st_mode):
+                            total += st.st_size
+            finally:
+                os.close(fd)
+    except OSError:  # changed under the walk (the workload runs): not sized, the disk
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
     return total
 
 

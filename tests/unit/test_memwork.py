@@ -120,6 +120,25 @@ def test_the_writable_layer_is_sized_without_following_links(tmp_path: Path) -> 
     assert memwork.tree_size(str(tmp_path)) == 1024
     assert memwork.tree_size(str(tmp_path), max_entries=2) is None
     assert memwork.tree_size(str(tmp_path / "missing")) == 0
+    assert memwork.tree_size(str(tmp_path / "link")) is None  # the top itself a link: not followed
+
+
+def test_a_directory_swapped_for_a_link_under_the_walk_is_not_followed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "upper" / "d").mkdir(parents=True)
+    (tmp_path / "host").mkdir()
+    (tmp_path / "host" / "big").write_bytes(b"x" * 4096)
+    real_open = os.open
+
+    def swap_then_open(name: str, flags: int, *a: object, **kw: object) -> int:
+        if name == "d" and (tmp_path / "upper" / "d").is_dir():  # between the walk's lstat and its open
+            (tmp_path / "upper" / "d").rmdir()
+            (tmp_path / "upper" / "d").symlink_to(tmp_path / "host")
+        return real_open(name, flags, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", swap_then_open)
+    assert memwork.tree_size(str(tmp_path / "upper")) is None  # never 4096 (the host's file)
 
 
 def test_settings() -> None:
