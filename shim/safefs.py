@@ -198,21 +198,34 @@ def read_file(dir_fd: int, rel: str, *, limit: int = 1 << 20) -> bytes:
         os.close(fd)
 
 
+SUN_PATH_MAX = 107  # sockaddr_un's sun_path, less its terminating NUL
+
+
 def listen_unix(path: str, backlog: int) -> socket.socket:
     """A listening Unix socket at `path` that only its owner can connect to (a stale socket there is
-    replaced: bind refuses an existing name). The umask is set around bind so the socket never exists
-    with wider permissions; it is process-wide, so call this before other threads create files."""
+    replaced). The umask is set around bind so the socket never exists with wider permissions; it is
+    process-wide, so call this before other threads create files. The socket is bound under a
+    temporary name and renamed to `path` once it listens: whoever waits for `path` to exist (a freeze
+    guard's client) never connects between bind and listen (ECONNREFUSED)."""
+    tmp = path + ".new"
+    if len(os.fsencode(tmp)) > SUN_PATH_MAX:
+        tmp = path  # no room for the temporary name: bound in place, as the name allows
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        os.unlink(tmp)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         old = os.umask(0o077)
         try:
-            srv.bind(path)
+            srv.bind(tmp)
         finally:
             os.umask(old)
         srv.listen(backlog)
+        if tmp != path:
+            os.rename(tmp, path)  # replaces a stale socket at once
     except BaseException:
         srv.close()
+        with contextlib.suppress(OSError):
+            if tmp != path:
+                os.unlink(tmp)
         raise
     return srv

@@ -129,3 +129,42 @@ def test_write_file_takes_plain_names_only(tree: tuple[Path, Path], name: str) -
     root, _ = tree
     with safefs.opened_dir(str(root), "vol") as fd, pytest.raises(UnsafePath):
         safefs.write_file(fd, name, b"x")
+
+
+def test_a_unix_socket_appears_at_its_path_only_once_it_listens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Who waits for the path to exist (a freeze guard's client) must never meet a socket that is bound
+    but not yet listening (ECONNREFUSED): the name appears by rename, after listen."""
+    import socket
+    import stat
+
+    path = tmp_path / "guard.sock"
+    path.write_text("stale")  # a dead server's leftover is replaced
+    seen: list[bool] = []
+    real_rename = os.rename
+
+    def rename(src: str, dst: str) -> None:
+        assert dst == str(path) and path.read_text() == "stale"  # not there before the rename
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.connect(src)  # already listening under the temporary name
+            seen.append(True)
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with safefs.listen_unix(str(path), 4) as srv:
+        assert seen == [True]
+        assert stat.S_ISSOCK(path.lstat().st_mode) and oct(path.lstat().st_mode & 0o777) == "0o700"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["guard.sock"]
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.connect(str(path))
+            srv.accept()[0].close()
+
+
+def test_a_unix_socket_whose_temporary_name_would_be_too_long_is_bound_in_place(tmp_path: Path) -> None:
+    long_dir = tmp_path / ("d" * max(1, safefs.SUN_PATH_MAX - len(str(tmp_path)) - 9))
+    long_dir.mkdir()
+    path = long_dir / "g.sock"
+    assert len(str(path)) <= safefs.SUN_PATH_MAX < len(str(path)) + len(".new")
+    with safefs.listen_unix(str(path), 4):
+        assert sorted(p.name for p in long_dir.iterdir()) == ["g.sock"]
