@@ -161,6 +161,9 @@ def reserve(state_root: str, snapshot_id: str, expected: int | None) -> Iterator
                     _remove_empty(area)
     except OSError as e:
         chosen = None
+        with _lock:
+            if area not in _reserved:
+                _remove_empty(area)  # what this call made (a directory planted by someone else stays)
         if area not in _warned:
             _warned.add(area)
             log.warning("dumps go to disk, not memory: %s", e)

@@ -78,6 +78,7 @@ def test_a_directory_not_on_a_tmpfs_is_not_used(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv(memwork.ENV_DIR, str(tmp_path / "area"))
     with memwork.reserve(str(tmp_path / "state"), "1-a", MIB) as d:
         assert d is None
+    assert not (tmp_path / "area").exists()  # what the check made is gone again
 
 
 @pytest.mark.parametrize("plant", ["world-writable", "symlink"])
