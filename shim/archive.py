@@ -101,6 +101,62 @@ class _CappedTarInfo(tarfile.TarInfo):
         info: tarfile.TarInfo = super()._proc_member(tarfile_)  # type: ignore[misc]
         return info
 
+    # Sparse members: only the format tar_directory writes (PAX, GNU 1.0), its map read strictly.
+    # (tarfile's own reader takes any int() for a number and fails with a bare ValueError on a map
+    # cut short; the older formats are refused.)
+    def _proc_sparse(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
+        raise _unsafe(self.name, "old GNU sparse member (not a format kubectl-snapshot writes)")
+
+    def _proc_gnusparse_00(self, next_: tarfile.TarInfo, pax_headers: dict[str, str], buf: bytes) -> None:
+        raise _unsafe(next_.name, "GNU sparse 0.0 member (not a format kubectl-snapshot writes)")
+
+    def _proc_gnusparse_01(self, next_: tarfile.TarInfo, pax_headers: dict[str, str]) -> None:
+        raise _unsafe(next_.name, "GNU sparse 0.1 member (not a format kubectl-snapshot writes)")
+
+    def _proc_gnusparse_10(
+        self, next_: tarfile.TarInfo, pax_headers: dict[str, str], tarfile_: tarfile.TarFile
+    ) -> None:
+        name = pax_headers.get("GNU.sparse.name", next_.name)
+        if "size" in pax_headers:  # tarfile would then skip the member by its real size, not its stored one
+            raise _unsafe(name, "sparse member with a size header")
+        stored = next_.size  # the header's size: the map block(s) and the data regions
+        try:
+            realsize = _decimal(pax_headers.get("GNU.sparse.realsize", ""))
+        except ValueError:
+            raise _unsafe(name, "sparse member without a valid GNU.sparse.realsize") from None
+        fileobj = tarfile_.fileobj
+        buf, numbers, count = b"", list[int](), -1
+        while count < 0 or len(numbers) < 2 * count:
+            while b"\n" not in buf:
+                if len(buf) > 40 or fileobj.tell() - next_.offset_data >= stored:
+                    raise _unsafe(name, "sparse map cut short or malformed")
+                block = fileobj.read(_BLOCK)
+                if len(block) != _BLOCK:
+                    raise _unsafe(name, "sparse map cut short")
+                buf += block
+            field, buf = buf.split(b"\n", 1)
+            try:
+                value = _decimal(field.decode("ascii"))
+            except (UnicodeDecodeError, ValueError):
+                raise _unsafe(name, "sparse map holds something other than decimal numbers") from None
+            if count < 0:
+                if value > MAX_SPARSE_SEGMENTS + 1:
+                    raise _unsafe(name, f"sparse map of {value} regions (limit {MAX_SPARSE_SEGMENTS})")
+                count = value
+            else:
+                numbers.append(value)
+        sparse = list(zip(numbers[::2], numbers[1::2], strict=True))
+        map_bytes = fileobj.tell() - next_.offset_data
+        end = 0
+        for off, n in sparse:
+            if off < end or off + n > realsize:
+                raise _unsafe(name, "sparse map with regions out of order, overlapping or past the file's size")
+            end = off + n
+        if map_bytes + sum(n for _, n in sparse) > stored:
+            raise _unsafe(name, "sparse map names more data than the member holds")
+        next_.offset_data = fileobj.tell()
+        setattr(next_, "sparse", sparse)  # noqa: B010 (typeshed has tarfile's sparse map as bytes)
+
 
 class _Tree:
     """dest opened once; every path below it is reached through O_NOFOLLOW directory fds."""
@@ -320,9 +376,11 @@ class _Extraction:
                 raise _unsafe(m.name, "non-directory member replacing the destination itself")
             return None
         if m.isreg():
-            if m.size > o.limits.max_member_bytes:
-                raise _unsafe(name, f"{m.size} bytes, over the per-member limit")
-            self.total += m.size
+            regions = sparse_regions(m)
+            data = m.size if regions is None else sum(n for _, n in regions)  # holes take no space
+            if data > o.limits.max_member_bytes:
+                raise _unsafe(name, f"{data} bytes, over the per-member limit")
+            self.total += data
             if self.total > o.limits.max_total_bytes:
                 raise _unsafe(name, f"archive exceeds the {o.limits.max_total_bytes}-byte limit")
             if m.mode & _SETID and not o.allow_special_modes:
@@ -390,16 +448,52 @@ def _write_file(
         if src is None:  # pragma: no cover - isreg() members always have data
             raise _unsafe(name, "no data")
         with src:
-            while chunk := src.read(CHUNK):
-                view = memoryview(chunk)
-                while view:
-                    view = view[os.write(fd, view) :]
+            regions = sparse_regions(m)
+            if regions is None:
+                while chunk := src.read(CHUNK):
+                    view = memoryview(chunk)
+                    while view:
+                        view = view[os.write(fd, view) :]
+            else:  # the data regions where they were; the holes stay holes
+                _write_regions(src, fd, regions)
+                os.ftruncate(fd, m.size)
         if chown:
             os.fchown(fd, m.uid, m.gid)
         os.fchmod(fd, m.mode & 0o7777)  # after chown, which clears setuid bits
         os.utime(fd, ns=_ns(m.mtime))
     finally:
         os.close(fd)
+
+
+def sparse_regions(m: tarfile.TarInfo) -> list[tuple[int, int]] | None:
+    """A sparse member's (offset, length) data regions; None for any other member."""
+    regions: list[tuple[int, int]] | None = getattr(m, "sparse", None)
+    return regions
+
+
+def _write_regions(src: IO[bytes], fd: int, regions: list[tuple[int, int]]) -> None:
+    """Each (offset, length) region of a sparse member from tarfile's unbuffered member reader (its
+    holes are never read: they would come back as zeros), in order: the archive is only read forward."""
+    raw = getattr(src, "raw", src)
+    for off, n in regions:
+        raw.seek(off)
+        pos, left = off, n
+        while left:
+            chunk = raw.read(min(CHUNK, left))
+            if not chunk:
+                raise _unsafe(str(getattr(raw, "name", "")), "sparse member cut short")
+            view = memoryview(chunk)
+            while view:
+                written = os.pwrite(fd, view, pos)
+                view, pos = view[written:], pos + written
+            left -= len(chunk)
+
+
+def _decimal(text: str) -> int:
+    """A non-negative decimal of at most 20 digits (no sign, spaces or underscores, which int() takes)."""
+    if not (0 < len(text) <= 20 and text.isascii() and text.isdigit()):
+        raise ValueError(text)
+    return int(text)
 
 
 def _hardlink(tree: _Tree, m: tarfile.TarInfo, name: str, regular: set[str], *, overwrite: bool) -> None:
@@ -594,9 +688,112 @@ def _add_regular(
             return
         if fst.st_nlink > 1:
             links[key] = arc
+        segments = _sparse_segments(ffd, fst, path)
+        if segments is not None:
+            _add_sparse(tf, ffd, arc, fst, segments)
+            return
         ti = _tarinfo(arc, fst, tarfile.REGTYPE)
         ti.size = fst.st_size
         tf.addfile(ti, f)
+
+
+# --- sparse files -------------------------------------------------------------------------------
+# A file with holes (ftruncate past its end, a preallocated image, a database file) is recorded as a
+# PAX sparse member, GNU format 1.0 (what GNU tar writes with --sparse --sparse-version=1.0, and what
+# CPython's tarfile and Go's archive/tar read): its data regions only, so neither the archive nor the
+# restored file holds its holes as zeros. Written densely, a 2 GiB file holding 8 KiB of data took
+# 6.5 s and 2 GiB of tar here, during the freeze: a workload could make the node write any size.
+SPARSE_MAJOR, SPARSE_MINOR = "1", "0"
+# At most this many data regions per file: the map is read into memory whole on restore. A file
+# with more is refused at capture (checked before anything of it is written).
+MAX_SPARSE_SEGMENTS = 1 << 16
+_SPARSE_PLACEHOLDER = "GNUSparseFile.0/data"  # the header's own name; the real one is GNU.sparse.name
+_BLOCK = tarfile.BLOCKSIZE
+
+
+def _sparse_segments(fd: int, st: os.stat_result, path: str) -> list[tuple[int, int]] | None:
+    """The (offset, length) data regions of a file with holes, ending with (size, 0) when a hole ends
+    it (as GNU tar writes); None for a file without holes (or a filesystem that cannot tell): dense."""
+    size = st.st_size
+    if size == 0 or st.st_blocks * 512 >= size:
+        return None
+    segments: list[tuple[int, int]] = []
+    pos = 0
+    try:
+        while pos < size:
+            try:
+                start = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as e:
+                if e.errno == errno.ENXIO:  # no data after pos: a hole to the end
+                    break
+                raise
+            if start >= size:
+                break
+            end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+            if end <= start:  # pragma: no cover - the kernel always reports a hole at the end
+                return None
+            segments.append((start, end - start))
+            if len(segments) > MAX_SPARSE_SEGMENTS:
+                raise UnsafeArchive(
+                    f"{path!r} is a sparse file of more than {MAX_SPARSE_SEGMENTS} separate data regions",
+                    hint="kubectl-snapshot records at most that many regions per file; keep such a file "
+                    "out of what is snapshotted (e.g. a volume that is not captured) or write it densely",
+                )
+            pos = end
+    except OSError as e:
+        if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # no SEEK_DATA here: read it whole
+            return None
+        raise
+    if segments == [(0, size)]:
+        return None
+    if not segments or sum(segments[-1]) < size:
+        segments.append((size, 0))
+    return segments
+
+
+def _add_sparse(tf: tarfile.TarFile, fd: int, arc: str, st: os.stat_result, segments: list[tuple[int, int]]) -> None:
+    text = f"{len(segments)}\n" + "".join(f"{off}\n{n}\n" for off, n in segments)
+    mapping = text.encode("ascii")
+    mapping += b"\0" * (-len(mapping) % _BLOCK)
+    ti = _tarinfo(_SPARSE_PLACEHOLDER, st, tarfile.REGTYPE)
+    ti.pax_headers = {
+        "GNU.sparse.major": SPARSE_MAJOR,
+        "GNU.sparse.minor": SPARSE_MINOR,
+        "GNU.sparse.name": arc,
+        "GNU.sparse.realsize": str(st.st_size),
+    }
+    ti.size = len(mapping) + sum(n for _, n in segments)
+    tf.addfile(ti, _SparseReader(fd, mapping, segments, arc))  # read() is all addfile uses
+
+
+class _SparseReader:
+    """The member's data: the map block(s), then each data region read from the file (pread)."""
+
+    def __init__(self, fd: int, mapping: bytes, segments: list[tuple[int, int]], name: str) -> None:
+        self._fd, self._head, self._name = fd, mapping, name
+        self._todo = [(off, n) for off, n in segments if n]
+
+    def read(self, size: int = -1) -> bytes:
+        out: list[bytes] = []
+        want = size if size >= 0 else 1 << 62
+        while want > 0 and (self._head or self._todo):
+            if self._head:
+                piece, self._head = self._head[:want], self._head[want:]
+            else:
+                off, n = self._todo[0]
+                piece = os.pread(self._fd, min(want, n), off)
+                if not piece:
+                    raise UnsafeArchive(
+                        f"{self._name!r} shrank while it was being archived",
+                        hint="archive only frozen or quiescent trees",
+                        retryable=True,
+                    )
+                self._todo[0] = (off + len(piece), n - len(piece))
+                if self._todo[0][1] == 0:
+                    self._todo.pop(0)
+            out.append(piece)
+            want -= len(piece)
+        return b"".join(out)
 
 
 def _tarinfo(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:

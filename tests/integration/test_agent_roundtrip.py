@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -19,6 +20,7 @@ import pytest
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.reference import Reference
+from shim.archive import sparse_regions
 from shim.containerd.client import ContainerdClient
 from tests.support.containerd import ContainerdDaemon, containerd_a, containerd_b
 from tests.support.images import busybox_image, python_image
@@ -228,6 +230,63 @@ def test_a_small_dump_goes_through_memory_and_one_the_node_keeps_on_disk_too(  #
     agent(*restore_on(containerd_b), out["reference"], new)
     tok_after, _ = read_counter(b, new)
     assert tok_after == tok_before
+
+
+SPARSE_OFFSET = 3_000_000_000
+
+
+def first_layer_rootfs_members(ref: str) -> tuple[int, dict[str, tarfile.TarInfo]]:
+    """(bytes of rootfs-diff.tar in the container's layer, the diff's members), read as streams."""
+    import io
+
+    import zstandard
+
+    from kubectl_snapshot.core.oci import parse_manifest
+
+    reg = RegistryClient()
+    r = Reference.parse(ref)
+    body, _, _ = reg.get_manifest(r)
+    buf = io.BytesIO()
+    reg.fetch_blob(r, parse_manifest(body).layers[0].digest, buf)
+    buf.seek(0)
+    with zstandard.ZstdDecompressor().stream_reader(buf) as z, tarfile.open(fileobj=z, mode="r|") as outer:
+        for m in outer:
+            if m.name == "rootfs-diff.tar":
+                with tarfile.open(fileobj=outer.extractfile(m), mode="r|") as inner:
+                    return m.size, {i.name: i for i in inner}
+    raise AssertionError("no rootfs-diff.tar in the container's layer")
+
+
+def test_a_sparse_file_in_the_writable_layer_keeps_its_holes(containerd_a, containerd_b, registry, cleanup):  # type: ignore[no-untyped-def]
+    """A 4 GiB file holding 6 bytes: captured as its data (not 4 GiB written while the pod is frozen),
+    the dump still in memory (its size is what the files hold), restored with its holes."""
+    a, b = client(containerd_a), client(containerd_b)
+    image = busybox_image(containerd_a)
+    busybox_image(containerd_b)
+    cid, new = unique("sparse"), unique("sparse2")
+    cleanup(a, cid)
+    cleanup(b, new)
+    make = (
+        f"truncate -s 4G /sparse.img && printf marker | dd of=/sparse.img bs=1 seek={SPARSE_OFFSET} conv=notrunc "
+        "2>/dev/null && "
+    )
+    a.run_container(cid, image=image, args=["sh", "-c", make + COUNTER], runc_options=containerd_a.runc_options)
+    wait_for(lambda: read_counter(a, cid)[1] >= 5, what="the counter to start")
+    to = registry.ref("sparse", "v1")
+    out = json.loads(agent("checkpoint", *on(containerd_a), "-o", "json", "--to", to, cid).stdout)
+    assert out["dumpedTo"] == "memory", out  # sized by what the layer holds, not its 4 GiB of holes
+    diff_bytes, members = first_layer_rootfs_members(out["reference"])
+    assert diff_bytes < 1 << 20, diff_bytes
+    img = members["sparse.img"]
+    regions = sparse_regions(img)
+    assert img.size == 4 << 30 and regions is not None and sum(n for _, n in regions) <= 8192, regions
+    agent(*restore_on(containerd_b), out["reference"], new)
+    code, stat_out, err = b.exec_in_task(new, ["stat", "-c", "%s %b", "/sparse.img"])
+    assert code == 0, err
+    size, blocks = map(int, stat_out.split())
+    assert size == 4 << 30 and blocks <= 64, (size, blocks)  # a few KiB on disk, not 4 GiB
+    code, data, err = b.exec_in_task(new, ["dd", "if=/sparse.img", "bs=1", f"skip={SPARSE_OFFSET}", "count=6"])
+    assert code == 0 and data == b"marker", (data, err)
 
 
 HEAP_SERVER = r"""
