@@ -618,6 +618,7 @@ def measure_ctr(
     python_image(other)
     ckpt, restore, refs = [], [], []
     ctl = Path(tempfile.mkdtemp(dir=STATE))  # the restored copies bind-mount it too
+    before = _ctrd_checkpoint_dirs()
     try:
         with container(daemon, mib, kind, ctl) as (cid, _ctl):
             for i in range(runs + 1):
@@ -642,7 +643,18 @@ def measure_ctr(
                 sh([*there, "images", "rm", ref])
     finally:
         shutil.rmtree(ctl, ignore_errors=True)
+        for d in _ctrd_checkpoint_dirs() - before:  # the workload's memory, left by containerd's restores
+            shutil.rmtree(d, ignore_errors=True)
     return {"checkpoint_push_s": med(ckpt), "pull_restore_s": med(restore)}
+
+
+def _ctrd_checkpoint_dirs() -> set[Path]:
+    """containerd unpacks a checkpoint to restore into $XDG_RUNTIME_DIR (or the temp dir)/ctrd-checkpoint*
+    and never removes it (its Tasks.Create, containerd 2.x)."""
+    bases = {Path(tempfile.gettempdir()), Path("/tmp")}
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        bases.add(Path(os.environ["XDG_RUNTIME_DIR"]))
+    return {d for b in bases for d in b.glob("ctrd-checkpoint*") if d.is_dir() and not d.is_symlink()}
 
 
 def podman_image() -> str:
