@@ -99,12 +99,16 @@ def tree_size(path: str, max_entries: int = MAX_TREE_ENTRIES) -> int | None:
     return total
 
 
+def _owned(st: os.stat_result) -> bool:
+    """A real directory (not a link) of this user's that no one else may write."""
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 def _private_dir(path: str) -> bool:
     """`path` is (made) a real directory of this user's that no one else may write."""
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    st = os.lstat(path)
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    return _owned(os.lstat(path))
 
 
 def _mem_available() -> tuple[int, int]:
@@ -138,7 +142,7 @@ def reserve(state_root: str, snapshot_id: str, expected: int | None) -> Iterator
     """A fresh work directory in memory for a dump of `expected` bytes, or None (use the disk). The
     directory and its reservation go when the block ends."""
     limit = limit_bytes()
-    if expected is None or limit <= 0:
+    if expected is None or limit <= 0 or dump_bytes(expected) > limit:  # the disk, without touching the area
         yield None
         return
     area = area_dir(state_root)
@@ -215,6 +219,6 @@ def leftovers(state_root: str) -> list[str]:
         st = os.lstat(area)
     except OSError:
         return []
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+    if not _owned(st):
         return []
     return [os.path.join(area, e) for e in sorted(os.listdir(area))]

@@ -72,6 +72,17 @@ def test_unknown_sizes_a_limit_of_zero_and_dumps_over_the_limit_go_to_disk(
     assert not base.exists()
 
 
+def test_a_dump_over_the_limit_on_its_own_never_touches_the_area(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def touched(area: str) -> bool:
+        raise AssertionError(f"{area} was checked for a dump that cannot fit")
+
+    monkeypatch.setattr(memwork, "_usable", touched)
+    with memwork.reserve(str(tmp_path), "1-a", 256 * MIB) as d:  # 256 + 1/8 + 16 MiB > the 256 MiB limit
+        assert d is None
+
+
 def test_a_directory_not_on_a_tmpfs_is_not_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if _on_tmpfs(str(tmp_path)):
         pytest.skip("the test's temporary directory is on a tmpfs here")
