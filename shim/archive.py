@@ -385,6 +385,10 @@ class _Extraction:
                 raise _unsafe(name, f"archive exceeds the {o.limits.max_total_bytes}-byte limit")
             if m.mode & _SETID and not o.allow_special_modes:
                 raise _unsafe(name, f"setuid/setgid/sticky mode {m.mode:o}")
+        if m.isreg() or m.isdir():
+            attrs = _member_xattrs(m, name)  # checked before anything is written
+            if FILE_CAPS in attrs and not o.allow_special_modes:  # privileges: only a rootfs diff restores them
+                m.pax_headers = {k: v for k, v in m.pax_headers.items() if k != XATTR_RECORD + FILE_CAPS}
         return name
 
     def place(self, tf: tarfile.TarFile, m: tarfile.TarInfo, name: str) -> None:
@@ -460,9 +464,34 @@ def _write_file(
         if chown:
             os.fchown(fd, m.uid, m.gid)
         os.fchmod(fd, m.mode & 0o7777)  # after chown, which clears setuid bits
+        _set_xattrs(fd, m, name)  # after chown and the data, which clear file capabilities
         os.utime(fd, ns=_ns(m.mtime))
     finally:
         os.close(fd)
+
+
+def _member_xattrs(m: tarfile.TarInfo, name: str) -> dict[str, bytes]:
+    """The kept extended attributes a member records, checked (count, size); others are ignored."""
+    out: dict[str, bytes] = {}
+    for key, value in m.pax_headers.items():
+        if not key.startswith(XATTR_RECORD) or not kept_xattr(attr := key[len(XATTR_RECORD) :]):
+            continue
+        raw = value.encode("utf-8", "surrogateescape")
+        if len(raw) > MAX_XATTR_BYTES:
+            raise _unsafe(name, f"extended attribute {attr!r} of {len(raw)} bytes")
+        out[attr] = raw
+    if len(out) > MAX_XATTRS:
+        raise _unsafe(name, f"{len(out)} extended attributes (limit {MAX_XATTRS})")
+    return out
+
+
+def _set_xattrs(fd: int, m: tarfile.TarInfo, name: str) -> None:
+    for attr, value in _member_xattrs(m, name).items():
+        try:
+            os.setxattr(fd, attr, value)
+        except OSError as e:  # a filesystem without user attributes (an older tmpfs) loses only those
+            if not (attr.startswith("user.") and e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP)):
+                raise
 
 
 def sparse_regions(m: tarfile.TarInfo) -> list[tuple[int, int]] | None:
@@ -526,6 +555,7 @@ def _finish_dirs(tree: _Tree, dirs: list[tuple[str, tarfile.TarInfo]], *, chown:
             if chown:
                 os.fchown(fd, m.uid, m.gid)
             os.fchmod(fd, m.mode & 0o7777)
+            _set_xattrs(fd, m, name)
             os.utime(fd, ns=_ns(m.mtime))
         finally:
             os.close(fd)
@@ -619,7 +649,9 @@ def _add_tree(
                 if on_entry is not None and not on_entry(path, st, cfd):
                     os.close(cfd)
                     continue
-                tf.addfile(_tarinfo(arc, st, tarfile.DIRTYPE))
+                ti = _tarinfo(arc, st, tarfile.DIRTYPE)
+                ti.pax_headers = _xattr_records(cfd, path)
+                tf.addfile(ti)
                 if follow_symlinks:
                     visited.add((st.st_dev, st.st_ino))
                 stack.append((cfd, path, sorted(os.listdir(cfd), key=_sort_key)))
@@ -688,13 +720,58 @@ def _add_regular(
             return
         if fst.st_nlink > 1:
             links[key] = arc
+        xattrs = _xattr_records(ffd, path)
         segments = _sparse_segments(ffd, fst, path)
         if segments is not None:
-            _add_sparse(tf, ffd, arc, fst, segments)
+            _add_sparse(tf, ffd, arc, fst, segments, xattrs)
             return
         ti = _tarinfo(arc, fst, tarfile.REGTYPE)
         ti.size = fst.st_size
+        ti.pax_headers = xattrs
         tf.addfile(ti, f)
+
+
+# --- extended attributes ------------------------------------------------------------------------
+# Recorded as PAX `SCHILY.xattr.NAME` records (what GNU tar --xattrs, Go's archive/tar and
+# containers/storage write): file capabilities (`setcap` on a binary in the writable layer: without
+# them it would no longer bind its port or open its raw socket after a restore), POSIX ACLs and user
+# attributes. Never overlay's own (`trusted.overlay.*`, `user.overlay.*`: the upperdir's markers,
+# handled as whiteouts and opaque dirs), nor `trusted.*` or security labels, which belong to the node.
+XATTR_RECORD = "SCHILY.xattr."
+FILE_CAPS = "security.capability"
+_XATTRS_KEPT = (FILE_CAPS, "system.posix_acl_access", "system.posix_acl_default")
+MAX_XATTRS = 64  # per file: more is refused at capture and on restore
+MAX_XATTR_BYTES = 64 << 10  # the kernel's own limit for one value
+
+
+def kept_xattr(name: str) -> bool:
+    return name in _XATTRS_KEPT or (name.startswith("user.") and not name.startswith("user.overlay."))
+
+
+def _xattr_records(fd: int, path: str) -> dict[str, str]:
+    """The kept extended attributes of the open file `fd` as PAX records (values as bytes decoded with
+    surrogateescape: tarfile writes them back byte for byte), sorted by name."""
+    try:
+        names = sorted(n for n in os.listxattr(fd) if kept_xattr(n))
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOTSUP):
+            return {}
+        raise
+    if len(names) > MAX_XATTRS:
+        raise UnsafeArchive(
+            f"{path!r} has {len(names)} extended attributes (at most {MAX_XATTRS} are recorded per file)",
+            hint="remove the extended attributes the workload does not need",
+        )
+    records: dict[str, str] = {}
+    for name in names:
+        try:
+            value = os.getxattr(fd, name)
+        except OSError as e:
+            if e.errno == errno.ENODATA:  # removed between the listing and the read
+                continue
+            raise
+        records[XATTR_RECORD + name] = value.decode("utf-8", "surrogateescape")
+    return records
 
 
 # --- sparse files -------------------------------------------------------------------------------
@@ -751,7 +828,9 @@ def _sparse_segments(fd: int, st: os.stat_result, path: str) -> list[tuple[int, 
     return segments
 
 
-def _add_sparse(tf: tarfile.TarFile, fd: int, arc: str, st: os.stat_result, segments: list[tuple[int, int]]) -> None:
+def _add_sparse(
+    tf: tarfile.TarFile, fd: int, arc: str, st: os.stat_result, segments: list[tuple[int, int]], xattrs: dict[str, str]
+) -> None:
     text = f"{len(segments)}\n" + "".join(f"{off}\n{n}\n" for off, n in segments)
     mapping = text.encode("ascii")
     mapping += b"\0" * (-len(mapping) % _BLOCK)
@@ -761,6 +840,7 @@ def _add_sparse(tf: tarfile.TarFile, fd: int, arc: str, st: os.stat_result, segm
         "GNU.sparse.minor": SPARSE_MINOR,
         "GNU.sparse.name": arc,
         "GNU.sparse.realsize": str(st.st_size),
+        **xattrs,
     }
     ti.size = len(mapping) + sum(n for _, n in segments)
     tf.addfile(ti, _SparseReader(fd, mapping, segments, arc))  # read() is all addfile uses

@@ -289,6 +289,46 @@ def test_a_sparse_file_in_the_writable_layer_keeps_its_holes(containerd_a, conta
     assert code == 0 and data == b"marker", (data, err)
 
 
+XATTR_WORKLOAD = r"""
+import os, struct, time
+with open("/tmp/tool", "wb") as f:
+    f.write(b"#!/bin/sh\n")
+os.chmod("/tmp/tool", 0o755)
+# cap_net_bind_service, permitted and effective (struct vfs_cap_data, revision 2), as `setcap` writes it
+os.setxattr("/tmp/tool", "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 10, 0, 0, 0))
+os.setxattr("/tmp/tool", "user.note", b"kept")
+open("/tmp/ready", "w").write("1")
+while True:
+    time.sleep(0.05)
+"""
+READ_XATTRS = (
+    "import os; print(os.getxattr('/tmp/tool', 'security.capability').hex(), "
+    "os.getxattr('/tmp/tool', 'user.note').decode())"
+)
+
+
+def test_file_capabilities_and_user_attributes_in_the_writable_layer_come_back(  # type: ignore[no-untyped-def]
+    containerd_a, containerd_b, registry, cleanup
+):
+    """`setcap` on a file the workload wrote: without its capabilities the restored program could no
+    longer bind its port."""
+    a, b = client(containerd_a), client(containerd_b)
+    image = python_image(containerd_a)
+    python_image(containerd_b)
+    cid, new = unique("xattr"), unique("xattr2")
+    cleanup(a, cid)
+    cleanup(b, new)
+    a.run_container(cid, image=image, args=["python3", "-c", XATTR_WORKLOAD], runc_options=containerd_a.runc_options)
+    wait_for(lambda: a.exec_in_task(cid, ["cat", "/tmp/ready"])[0] == 0, timeout=60, what="the workload")
+    code, before, err = a.exec_in_task(cid, ["python3", "-c", READ_XATTRS])
+    assert code == 0, err
+    ref = agent("checkpoint", *on(containerd_a), "--to", registry.ref("xattr", "v1"), cid).stdout.strip()
+    agent(*restore_on(containerd_b), ref, new)
+    code, after, err = b.exec_in_task(new, ["python3", "-c", READ_XATTRS])
+    assert code == 0, err
+    assert after == before and after.split()[1] == b"kept", (before, after)
+
+
 HEAP_SERVER = r"""
 import hashlib, os, socket
 heap = bytearray(os.urandom(200 << 20))
