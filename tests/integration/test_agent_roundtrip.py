@@ -209,12 +209,7 @@ def test_a_small_dump_goes_through_memory_and_one_the_node_keeps_on_disk_too(  #
     from shim import memwork
     from shim.engine.staging import StatePaths
 
-    a, b = client(containerd_a), client(containerd_b)
-    image = busybox_image(containerd_a)
-    busybox_image(containerd_b)
-    cid, new = unique("inmem"), unique("inmem2")
-    cleanup(a, cid)
-    cleanup(b, new)
+    a, b, image, cid, new = pair(containerd_a, containerd_b, cleanup, "inmem", busybox_image)
     start_counter(a, containerd_a, cid, image)
     tok_before, _ = read_counter(a, cid)
     area = memwork.area_dir(StatePaths.from_env().root)
@@ -260,12 +255,7 @@ def first_layer_rootfs_members(ref: str) -> tuple[int, dict[str, tarfile.TarInfo
 def test_a_sparse_file_in_the_writable_layer_keeps_its_holes(containerd_a, containerd_b, registry, cleanup):  # type: ignore[no-untyped-def]
     """A 4 GiB file holding 6 bytes: captured as its data (not 4 GiB written while the pod is frozen),
     the dump still in memory (its size is what the files hold), restored with its holes."""
-    a, b = client(containerd_a), client(containerd_b)
-    image = busybox_image(containerd_a)
-    busybox_image(containerd_b)
-    cid, new = unique("sparse"), unique("sparse2")
-    cleanup(a, cid)
-    cleanup(b, new)
+    a, b, image, cid, new = pair(containerd_a, containerd_b, cleanup, "sparse", busybox_image)
     make = (
         f"truncate -s 4G /sparse.img && printf marker | dd of=/sparse.img bs=1 seek={SPARSE_OFFSET} conv=notrunc "
         "2>/dev/null && "
@@ -287,6 +277,37 @@ def test_a_sparse_file_in_the_writable_layer_keeps_its_holes(containerd_a, conta
     assert size == 4 << 30 and blocks <= 64, (size, blocks)  # a few KiB on disk, not 4 GiB
     code, data, err = b.exec_in_task(new, ["dd", "if=/sparse.img", "bs=1", f"skip={SPARSE_OFFSET}", "count=6"])
     assert code == 0 and data == b"marker", (data, err)
+
+
+Cleanup = Callable[[ContainerdClient, str], None]
+
+
+def pair(
+    da: ContainerdDaemon,
+    db: ContainerdDaemon,
+    cleanup: Cleanup,
+    prefix: str,
+    image_of: Callable[[ContainerdDaemon], str],
+) -> tuple[ContainerdClient, ContainerdClient, str, str, str]:
+    """(client a, client b, the image both have, a container name on a, one for its restore on b); both
+    containers are removed after the test."""
+    a, b = client(da), client(db)
+    image = image_of(da)
+    assert image_of(db) == image
+    cid, new = unique(prefix), unique(f"{prefix}-restored")
+    cleanup(a, cid)
+    cleanup(b, new)
+    return a, b, image, cid, new
+
+
+def python_pair(
+    da: ContainerdDaemon, db: ContainerdDaemon, cleanup: Cleanup, prefix: str, script: str
+) -> tuple[ContainerdClient, ContainerdClient, str, str]:
+    """pair(), with `python3 -c script` running on a once it wrote /tmp/ready."""
+    a, b, image, cid, new = pair(da, db, cleanup, prefix, python_image)
+    a.run_container(cid, image=image, args=["python3", "-c", script], runc_options=da.runc_options)
+    wait_for(lambda: a.exec_in_task(cid, ["cat", "/tmp/ready"])[0] == 0, timeout=60, what=f"the {prefix} workload")
+    return a, b, cid, new
 
 
 XATTR_WORKLOAD = r"""
@@ -312,14 +333,7 @@ def test_file_capabilities_and_user_attributes_in_the_writable_layer_come_back( 
 ):
     """`setcap` on a file the workload wrote: without its capabilities the restored program could no
     longer bind its port."""
-    a, b = client(containerd_a), client(containerd_b)
-    image = python_image(containerd_a)
-    python_image(containerd_b)
-    cid, new = unique("xattr"), unique("xattr2")
-    cleanup(a, cid)
-    cleanup(b, new)
-    a.run_container(cid, image=image, args=["python3", "-c", XATTR_WORKLOAD], runc_options=containerd_a.runc_options)
-    wait_for(lambda: a.exec_in_task(cid, ["cat", "/tmp/ready"])[0] == 0, timeout=60, what="the workload")
+    a, b, cid, new = python_pair(containerd_a, containerd_b, cleanup, "xattr", XATTR_WORKLOAD)
     code, before, err = a.exec_in_task(cid, ["python3", "-c", READ_XATTRS])
     assert code == 0, err
     ref = agent("checkpoint", *on(containerd_a), "--to", registry.ref("xattr", "v1"), cid).stdout.strip()
@@ -343,14 +357,7 @@ ASK = "import socket; s=socket.create_connection(('127.0.0.1', 8080), timeout=10
 
 
 def test_python_heap_and_listening_socket_survive(containerd_a, containerd_b, registry, cleanup):  # type: ignore[no-untyped-def]
-    a, b = client(containerd_a), client(containerd_b)
-    image = python_image(containerd_a)
-    assert python_image(containerd_b) == image
-    cid, new = unique("heap"), unique("heap-restored")
-    cleanup(a, cid)
-    cleanup(b, new)
-    a.run_container(cid, image=image, args=["python3", "-c", HEAP_SERVER], runc_options=containerd_a.runc_options)
-    wait_for(lambda: a.exec_in_task(cid, ["cat", "/tmp/ready"])[0] == 0, timeout=60, what="the heap server")
+    a, b, cid, new = python_pair(containerd_a, containerd_b, cleanup, "heap", HEAP_SERVER)
     code, out, err = a.exec_in_task(cid, ["python3", "-c", ASK])
     assert code == 0, err
     checksum, pid = out.decode().split()

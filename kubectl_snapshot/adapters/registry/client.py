@@ -27,7 +27,7 @@ import requests
 
 from kubectl_snapshot.adapters.registry.auth import CredentialStore
 from kubectl_snapshot.adapters.registry.token import TokenAuth
-from kubectl_snapshot.adapters.registry.transport import Body, RetryPolicy, Transport
+from kubectl_snapshot.adapters.registry.transport import Body, RetryPolicy, Transport, new_session
 from kubectl_snapshot.adapters.registry.upload import Progress, ProgressFn, Window
 from kubectl_snapshot.core import constants
 from kubectl_snapshot.core.errors import (
@@ -95,7 +95,7 @@ class RegistryClient:
         self.monolithic_max = monolithic_max
         self.retry = RetryPolicy(retries=retries, backoff=backoff)
         self._sleep = sleep
-        session = session or requests.Session()
+        session = session or new_session()
         self.auth = TokenAuth(credentials or CredentialStore(), session=session, timeout=timeout, plain_http=plain_http)
         self.transport = Transport(
             auth=self.auth,

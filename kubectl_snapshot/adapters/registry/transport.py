@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import email.utils
 import logging
+import os
 import time
+import urllib.request
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
@@ -161,6 +163,44 @@ def error_for_status(resp: requests.Response, what: str, registry: str, *, has_c
     return Internal(msg)
 
 
+def new_session() -> requests.Session:
+    """The session registry clients share (TokenAuth's token requests too)."""
+    session = requests.Session()
+    # Chunks are uploaded and fetched by up to 16 threads: keep a connection per thread alive
+    # (requests' default pool of 10 would drop and reopen the surplus on every request).
+    for prefix in ("http://", "https://"):
+        session.mount(prefix, requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=POOL_SIZE))
+    read_environment_once(session)
+    return session
+
+
+def read_environment_once(session: requests.Session, environ: Mapping[str, str] = os.environ) -> None:
+    """What requests would look up in the environment on every request, looked up once, where that is
+    the same: with `trust_env` requests reads every variable of the process twice per request for
+    proxy settings (a third of a small blob upload's client CPU here; a pod's environment holds every
+    service of its namespace besides), and a netrc file. Where neither is there, only the CA bundle
+    variables remain, and they become the session's `verify`; otherwise nothing changes."""
+    if urllib.request.getproxies_environment() or _netrc_file(environ) is not None:
+        return
+    bundle = environ.get("REQUESTS_CA_BUNDLE") or environ.get("CURL_CA_BUNDLE")
+    if bundle and session.verify is True:
+        session.verify = bundle
+    session.trust_env = False
+
+
+def _netrc_file(environ: Mapping[str, str]) -> str | None:
+    """The netrc file requests would read credentials from (requests.utils.get_netrc_auth), if any."""
+    candidates = [environ["NETRC"]] if environ.get("NETRC") else ["~/.netrc", "~/_netrc"]
+    for c in candidates:
+        try:
+            path = os.path.expanduser(c)
+        except KeyError:  # no home directory
+            continue
+        if os.path.exists(path):
+            return path
+    return None
+
+
 class Transport:
     """A requests.Session bound to the project's registry rules."""
 
@@ -174,13 +214,7 @@ class Transport:
         session: requests.Session | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        if session is None:
-            session = requests.Session()
-            # Chunks are uploaded and fetched by up to 16 threads: keep a connection per thread alive
-            # (requests' default pool of 10 would drop and reopen the surplus on every request).
-            for prefix in ("http://", "https://"):
-                session.mount(prefix, requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=POOL_SIZE))
-        self.session = session
+        self.session = session or new_session()
         self.session.headers.setdefault("User-Agent", USER_AGENT)
         self.auth = auth
         self.plain_http = plain_http
