@@ -219,6 +219,7 @@ def _checkpoint_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any]
         ms("freeze_ms"),
         ms("criu_ms"),
         ms("package_ms"),
+        ms("package_cpu_ms"),
         ms("upload_ms"),
         ms("sign_ms"),
         ag.get("dumped_to") or "-",
@@ -318,14 +319,15 @@ def markdown(result: dict[str, Any]) -> str:
         "Where a served checkpoint's time goes (medians): the command's wall time, of which outside the agent's "
         "own timing (the client's start-up, the request, the answer) and in-agent: preflight (the containers, "
         "the registry, the node's facts, the liveness budgets), the freeze (of which CRIU under runc), package "
-        "(page chunks compressed, hashed and pushed, the layer of CRIU's other images beside them), upload "
+        "(page chunks compressed, hashed and pushed, the layer of CRIU's other images beside them; and the CPU "
+        "time the agent's process spent meanwhile, all threads: compression, hashing, the registry client), upload "
         "(config, manifest and signature, of which signing); where the dumps went (the node's tmpfs or the "
         "state dir on disk, shim/memwork.py); last, the serial bound's parts.",
         "",
     ]
     ckpt_header = ["checkpoint->pushed", "outside the agent", "in-agent", "preflight", "freeze", "of which CRIU",
-                   "package", "config, manifest, signature", "of which signing", "dumped to",
-                   "serial bound parts (dump / zstd / sha256 / upload)"]  # fmt: skip
+                   "package", "agent CPU while packaging", "config, manifest, signature", "of which signing",
+                   "dumped to", "serial bound parts (dump / zstd / sha256 / upload)"]  # fmt: skip
     lines += _table(result, ckpt_header, _checkpoint_parts)
     errors = [
         f"- {row['kind']} {row['mib']} MiB {p}: {row[p]['error']}"

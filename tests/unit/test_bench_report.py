@@ -12,16 +12,18 @@ def test_log_lines_stay_one_code_span() -> None:
 
 def test_checkpoint_parts_split_the_wall_time() -> None:
     parts = {"wall_ms": 545.0, "total_ms": 503.0, "preflight_ms": 13.0, "freeze_ms": 164.0, "criu_ms": 156.0,
-             "package_ms": 273.0, "upload_ms": 46.0, "sign_ms": 28.0}  # fmt: skip
+             "package_ms": 273.0, "package_cpu_ms": 331.0, "upload_ms": 46.0, "sign_ms": 28.0}  # fmt: skip
     ag = {"checkpoint_breakdown": parts, "dumped_to": "memory"}
     raw = {"dump_s": 0.053, "zstd_s": 0.172, "sha_s": 0.031, "upload_s": 0.039}
     cells = report._checkpoint_parts({}, {}, ag, raw)
     assert cells[:3] == ["545 ms", "42 ms", "503 ms"]
-    assert cells[8] == "28 ms"
-    assert cells[9] == "memory"
-    assert cells[10].count("ms") == 4
+    assert cells[6:8] == ["273 ms", "331 ms"]
+    assert cells[9] == "28 ms"
+    assert cells[10] == "memory"
+    assert cells[11].count("ms") == 4
     assert report._checkpoint_parts({}, {}, {}, raw)[1] == "-"  # no breakdown: nothing made up
-    assert report._checkpoint_parts({}, {}, {}, raw)[9] == "-"
+    assert report._checkpoint_parts({}, {}, {}, raw)[7] == "-"  # an agent from before package_cpu_ms
+    assert report._checkpoint_parts({}, {}, {}, raw)[10] == "-"
 
 
 def _row(mib: int, *, podman: float, ctr: float, freeze: float, runc: float) -> dict[str, object]:
