@@ -778,8 +778,9 @@ def _xattr_records(fd: int, path: str) -> dict[str, str]:
 # A file with holes (ftruncate past its end, a preallocated image, a database file) is recorded as a
 # PAX sparse member, GNU format 1.0 (what GNU tar writes with --sparse --sparse-version=1.0, and what
 # CPython's tarfile and Go's archive/tar read): its data regions only, so neither the archive nor the
-# restored file holds its holes as zeros. Written densely, a 2 GiB file holding 8 KiB of data took
-# 6.5 s and 2 GiB of tar here, during the freeze: a workload could make the node write any size.
+# restored file holds its holes as zeros. Written densely, a file truncated to 4 GiB holding 6 bytes
+# was written out in full while the pod was frozen, until the freeze guard's deadline failed the
+# snapshot (tests/integration/test_agent_roundtrip.py): a workload could make the node write any size.
 SPARSE_MAJOR, SPARSE_MINOR = "1", "0"
 # At most this many data regions per file: the map is read into memory whole on restore. A file
 # with more is refused at capture (checked before anything of it is written).
