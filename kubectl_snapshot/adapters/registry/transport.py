@@ -177,9 +177,10 @@ def new_session() -> requests.Session:
 def read_environment_once(session: requests.Session, environ: Mapping[str, str] = os.environ) -> None:
     """What requests would look up in the environment on every request, looked up once, where that is
     the same: with `trust_env` requests reads every variable of the process twice per request for
-    proxy settings (a third of a small blob upload's client CPU here; a pod's environment holds every
-    service of its namespace besides), and a netrc file. Where neither is there, only the CA bundle
-    variables remain, and they become the session's `verify`; otherwise nothing changes."""
+    proxy settings (a fifth of a request's client CPU in a small environment, two thirds with 400 more
+    variables such as a pod's service links: bench/client_cpu.py), and a netrc file. Where neither is
+    there, only the CA bundle variables remain, and they become the session's `verify`; otherwise
+    nothing changes."""
     if urllib.request.getproxies_environment() or _netrc_file(environ) is not None:
         return
     bundle = environ.get("REQUESTS_CA_BUNDLE") or environ.get("CURL_CA_BUNDLE")
