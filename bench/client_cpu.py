@@ -34,6 +34,10 @@ from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core.reference import Reference
 from tests.support.registry import RegistryServer
 
+# what Kubernetes sets for each service of a pod's namespace (enableServiceLinks), after SVC_
+SERVICE_SUFFIXES = ("SERVICE_HOST", "SERVICE_PORT", "PORT", "PORT_80_TCP", "PORT_80_TCP_PROTO", "PORT_80_TCP_PORT",
+                    "PORT_80_TCP_ADDR")  # fmt: skip
+
 
 def cpu_per_head(client: RegistryClient, ref: Reference, digest: str, n: int) -> float:
     start = time.process_time()
@@ -56,8 +60,8 @@ def main() -> None:
         blob = os.urandom(1024)
         digest = "sha256:" + hashlib.sha256(blob).hexdigest()
         RegistryClient().push_blob(ref, digest=digest, size=len(blob), data=blob)
-        suffixes = ("SERVICE_HOST", "SERVICE_PORT", "PORT", "PORT_80_TCP", "PORT_80_TCP_PROTO", "PORT_80_TCP_PORT")
-        services = {f"SVC{i // 7}_{(*suffixes, 'PORT_80_TCP_ADDR')[i % 7]}": "10.96.0.1" for i in range(a.service_vars)}
+        services = {f"SVC{i // len(SERVICE_SUFFIXES)}_{SERVICE_SUFFIXES[i % len(SERVICE_SUFFIXES)]}": "10.96.0.1"
+                    for i in range(a.service_vars)}  # fmt: skip
         print(f"environment: {len(os.environ)} variables, then {len(os.environ) + len(services)}")
         for label, extra in (("as is", {}), (f"+{a.service_vars} service variables", services)):
             with mock.patch.dict(os.environ, extra):

@@ -459,7 +459,7 @@ def _write_file(
                     while view:
                         view = view[os.write(fd, view) :]
             else:  # the data regions where they were; the holes stay holes
-                _write_regions(src, fd, regions)
+                _write_regions(src, fd, regions, name)
                 os.ftruncate(fd, m.size)
         if chown:
             os.fchown(fd, m.uid, m.gid)
@@ -500,7 +500,7 @@ def sparse_regions(m: tarfile.TarInfo) -> list[tuple[int, int]] | None:
     return regions
 
 
-def _write_regions(src: IO[bytes], fd: int, regions: list[tuple[int, int]]) -> None:
+def _write_regions(src: IO[bytes], fd: int, regions: list[tuple[int, int]], name: str) -> None:
     """Each (offset, length) region of a sparse member from tarfile's unbuffered member reader (its
     holes are never read: they would come back as zeros), in order: the archive is only read forward."""
     raw = getattr(src, "raw", src)
@@ -510,7 +510,7 @@ def _write_regions(src: IO[bytes], fd: int, regions: list[tuple[int, int]]) -> N
         while left:
             chunk = raw.read(min(CHUNK, left))
             if not chunk:
-                raise _unsafe(str(getattr(raw, "name", "")), "sparse member cut short")
+                raise _unsafe(name, "sparse member cut short")
             view = memoryview(chunk)
             while view:
                 written = os.pwrite(fd, view, pos)
