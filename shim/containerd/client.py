@@ -173,6 +173,15 @@ def _read_dump_log(work_path: str) -> str | None:
 _DEADLINE_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 
 
+def _deadline_passed(e: grpc.RpcError) -> bool:
+    """The call's own deadline: DEADLINE_EXCEEDED, CANCELLED when containerd resets the stream first, or
+    UNKNOWN carrying containerd's "context deadline exceeded" (seen once in CI on a Wait)."""
+    code = e.code()
+    return code in _DEADLINE_CODES or (
+        code == grpc.StatusCode.UNKNOWN and "context deadline exceeded" in (e.details() or "")
+    )
+
+
 class ContainerdClient:
     """A connection to one containerd socket, acting in one containerd namespace.
 
@@ -471,7 +480,7 @@ class ContainerdClient:
         try:
             r = self._tasks.Wait(tasks_pb2.WaitRequest(container_id=cid), timeout=timeout, metadata=self._metadata())
         except grpc.RpcError as e:
-            if e.code() in _DEADLINE_CODES and timeout is not None:
+            if _deadline_passed(e) and timeout is not None:
                 raise FailedPrecondition(
                     f"wait for task of {cid!r}: still running after {timeout}s",
                     hint="kill it first, or wait longer",
@@ -529,7 +538,7 @@ class ContainerdClient:
                 except grpc.RpcError as e:
                     # The deadline shows up as DEADLINE_EXCEEDED, or as CANCELLED when containerd,
                     # which sees the same deadline, resets the stream first.
-                    if e.code() not in _DEADLINE_CODES:
+                    if not _deadline_passed(e):
                         raise self._error(e, what) from None
                     with contextlib.suppress(SnapshotError):
                         self._call(
