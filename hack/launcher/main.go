@@ -33,6 +33,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"runtime"
 	"strings"
 	"syscall"
 	"time"
@@ -51,6 +52,16 @@ const (
 	maxLog      = 1 << 20
 	launcherEnv = "KUBECTL_SNAPSHOT_LAUNCHER"
 )
+
+// init locks the main goroutine to the process's first thread, the thread group's leader, so that
+// every execve below comes from the leader. An execve from any other thread first kills the leader
+// (de_thread): until that thread has taken the leader's pid, /proc/PID is a zombie with no descriptors
+// and no exe. runc reads /proc/PID/fd/0-2 of the CRIU it has just started ("readlink /proc/PID/fd/0:
+// no such file or directory"); with a Go launcher exec'ing from a non-leader thread that read failed
+// about once in a thousand starts on a busy 2-vCPU host, and the restore with it (launcher_test.go).
+func init() {
+	runtime.LockOSThread()
+}
 
 func fail(format string, a ...any) {
 	fmt.Fprintf(os.Stderr, "kubectl-snapshot launcher: "+format+"\n", a...)

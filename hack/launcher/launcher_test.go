@@ -1,0 +1,72 @@
+package main
+
+import (
+	"encoding/json"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// TestExecKeepsTheProcessVisible starts the built launcher as runc starts CRIU (and reads
+// /proc/PID/fd/0 right after, as runc's getPipeFds does) many times, polling the process until it has
+// become its target. An execve from a thread other than the leader shows /proc/PID as a zombie without
+// descriptors for a moment (de_thread); init's runtime.LockOSThread keeps the exec on the leader.
+func TestExecKeepsTheProcessVisible(t *testing.T) {
+	if _, err := os.Stat("/proc/self/fd/0"); err != nil {
+		t.Skip("no /proc")
+	}
+	target, err := filepath.EvalSymlinks("/bin/sleep")
+	if err != nil {
+		t.Skip("no /bin/sleep")
+	}
+	dir := t.TempDir()
+	launcher := filepath.Join(dir, "criu")
+	build := exec.Command("go", "build", "-o", launcher, ".")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	conf, _ := json.Marshal(config{Argv: []string{target}, Log: filepath.Join(dir, "launches")})
+	if err := os.WriteFile(launcher+".launch", conf, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	devnull, err := os.Open(os.DevNull)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer devnull.Close()
+	const runs = 400
+	for i := 0; i < runs; i++ {
+		p, err := os.StartProcess(launcher, []string{launcher, "5"}, &os.ProcAttr{Files: []*os.File{devnull, devnull, devnull}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		proc := "/proc/" + strconv.Itoa(p.Pid)
+		deadline := time.Now().Add(5 * time.Second)
+		for {
+			if _, err := os.Readlink(proc + "/fd/0"); err != nil {
+				_ = p.Kill()
+				_, _ = p.Wait()
+				if errors.Is(err, syscall.ENOENT) {
+					t.Fatalf("run %d of %d: %v: the launcher's pid showed no descriptors while it exec'd", i+1, runs, err)
+				}
+				t.Fatal(err)
+			}
+			if exe, err := os.Readlink(proc + "/exe"); err == nil && exe == target {
+				break
+			}
+			if time.Now().After(deadline) {
+				_ = p.Kill()
+				_, _ = p.Wait()
+				t.Fatalf("run %d: the launcher did not exec %s", i+1, target)
+			}
+		}
+		_ = p.Kill()
+		_, _ = p.Wait()
+	}
+}
