@@ -45,7 +45,9 @@ _SETID = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX
 # run time (shim/runc_wrapper.py, "what it imports at start").
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import IO, BinaryIO, Protocol, Self
+    from typing import IO, Any, BinaryIO, Protocol, Self
+
+    from _typeshed import SupportsRead
 
     class ByteSink(Protocol):
         """Anything with write(bytes): a file, a socket wrapper, HashingWriter, a zstd writer."""
@@ -577,6 +579,7 @@ def tar_directory(
     arcname: str = "",
     follow_symlinks: bool = False,
     on_entry: EntryFilter | None = None,
+    limits: ExtractLimits = ExtractLimits(),  # noqa: B008 (immutable: safe default)
 ) -> None:
     """Write a deterministic PAX tar of the tree at `src` into `out` (a stream; never seeks).
 
@@ -588,8 +591,10 @@ def tar_directory(
     symlinks in its own tree cannot make us read host files. `on_entry(relpath, lstat, fd)` (fd is
     an open fd for directories and regular files, else None) may return False to leave an entry out
     (and, for a directory, its contents). `src` may be a directory fd (borrowed, not closed).
+    A tree that safe_extract would refuse under `limits` (more entries, a bigger file, more data) is
+    refused here, before it is stored: a snapshot nobody can restore is not taken.
     """
-    tar_directories([(arcname, src)], out, follow_symlinks=follow_symlinks, on_entry=on_entry)
+    tar_directories([(arcname, src)], out, follow_symlinks=follow_symlinks, on_entry=on_entry, limits=limits)
 
 
 def tar_directories(
@@ -598,17 +603,53 @@ def tar_directories(
     *,
     follow_symlinks: bool = False,
     on_entry: EntryFilter | None = None,
+    limits: ExtractLimits = ExtractLimits(),  # noqa: B008 (immutable: safe default)
 ) -> None:
     """One tar of several trees, each under its own `arcname` (see tar_directory); hard links are
     recorded only within one tree, so each tree extracts on its own (one volume per tree)."""
     # Not a `with`: on error the end-of-archive blocks must not be written after a partial member.
     # "w" on a forward-only sink (tarfile's "w|" re-buffers every byte through 10 KiB slices).
     sink: IO[bytes] = _TellingWriter(out)  # type: ignore[assignment]  # tarfile needs write and tell
-    tf = tarfile.TarFile(fileobj=sink, mode="w", format=tarfile.PAX_FORMAT)
+    tf = _BudgetedTarFile(limits, fileobj=sink, mode="w", format=tarfile.PAX_FORMAT)
     tf.copybufsize = CHUNK  # type: ignore[attr-defined]  # stdlib default: 16 KiB copies
     for arcname, src in sources:
         _add_tree(tf, src, arcname, follow_symlinks=follow_symlinks, on_entry=on_entry)
     tf.close()
+
+
+class _BudgetedTarFile(tarfile.TarFile):
+    """A TarFile that refuses, before writing it, the member past what safe_extract admits under the
+    same limits: the member count, one member's data and the archive's data (a sparse member's data
+    regions, not its holes), so that every archive written here can be restored."""
+
+    def __init__(self, limits: ExtractLimits, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._limits = limits
+        self._members = self._total = 0
+
+    def addfile(self, tarinfo: tarfile.TarInfo, fileobj: SupportsRead[bytes] | None = None) -> None:
+        limits = self._limits
+        name = tarinfo.pax_headers.get("GNU.sparse.name", tarinfo.name)
+        self._members += 1
+        if self._members > limits.max_members:
+            raise UnsafeArchive(
+                f"more than {limits.max_members} files and directories to archive (at {name!r}); "
+                "a restore refuses more",
+                hint="keep the count of files in the container's writable layer and its captured volumes "
+                "under that limit (many small files belong on a persistent volume, which is not captured)",
+            )
+        if tarinfo.isreg():
+            # a sparse member's size counts its map block(s) too: its data is its regions'
+            data = fileobj.data_bytes if isinstance(fileobj, _SparseReader) else tarinfo.size
+            self._total += data
+            if data > limits.max_member_bytes or self._total > limits.max_total_bytes:
+                what = "this file" if data > limits.max_member_bytes else "the archive"
+                cap = limits.max_member_bytes if data > limits.max_member_bytes else limits.max_total_bytes
+                raise UnsafeArchive(
+                    f"{name!r}: {what} would hold more than {cap} bytes of data; a restore refuses more",
+                    hint="keep such data on a persistent volume, which is not captured",
+                )
+        super().addfile(tarinfo, fileobj)
 
 
 def _add_tree(
@@ -853,6 +894,7 @@ class _SparseReader:
     def __init__(self, fd: int, mapping: bytes, segments: list[tuple[int, int]], name: str) -> None:
         self._fd, self._head, self._name = fd, mapping, name
         self._todo = [(off, n) for off, n in segments if n]
+        self.data_bytes = sum(n for _, n in segments)  # the member's data, as safe_extract counts it
 
     def read(self, size: int = -1) -> bytes:
         out: list[bytes] = []
