@@ -257,8 +257,8 @@ def _corrupt_input_errors() -> tuple[type[BaseException], ...]:
     return (tarfile.TarError, EOFError, *((zstd.ZstdError,) if zstd is not None else ()))
 
 
-def _ns(mtime: float) -> tuple[int, int]:
-    ns = int(mtime * 1_000_000_000)
+def _ns(m: tarfile.TarInfo) -> tuple[int, int]:
+    ns = mtime_ns(m)
     return ns, ns
 
 
@@ -439,7 +439,7 @@ def _set_meta_nofollow(pfd: int, leaf: str, m: tarfile.TarInfo, *, chown: bool, 
         os.chown(leaf, m.uid, m.gid, dir_fd=pfd, follow_symlinks=False)
     if mode:  # fifos only: Linux cannot chmod a symlink itself
         os.chmod(leaf, m.mode & 0o777, dir_fd=pfd, follow_symlinks=False)
-    os.utime(leaf, ns=_ns(m.mtime), dir_fd=pfd, follow_symlinks=False)
+    os.utime(leaf, ns=_ns(m), dir_fd=pfd, follow_symlinks=False)
 
 
 def _write_file(
@@ -467,7 +467,7 @@ def _write_file(
             os.fchown(fd, m.uid, m.gid)
         os.fchmod(fd, m.mode & 0o7777)  # after chown, which clears setuid bits
         _set_xattrs(fd, m, name)  # after chown and the data, which clear file capabilities
-        os.utime(fd, ns=_ns(m.mtime))
+        os.utime(fd, ns=_ns(m))
     finally:
         os.close(fd)
 
@@ -558,7 +558,7 @@ def _finish_dirs(tree: _Tree, dirs: list[tuple[str, tarfile.TarInfo]], *, chown:
                 os.fchown(fd, m.uid, m.gid)
             os.fchmod(fd, m.mode & 0o7777)
             _set_xattrs(fd, m, name)
-            os.utime(fd, ns=_ns(m.mtime))
+            os.utime(fd, ns=_ns(m))
         finally:
             os.close(fd)
 
@@ -580,11 +580,13 @@ def tar_directory(
     follow_symlinks: bool = False,
     on_entry: EntryFilter | None = None,
     limits: ExtractLimits = ExtractLimits(),  # noqa: B008 (immutable: safe default)
+    exact_mtimes: bool = True,
 ) -> None:
     """Write a deterministic PAX tar of the tree at `src` into `out` (a stream; never seeks).
 
-    Entries are sorted by byte order; modes, uid/gid, whole-second mtimes, symlinks, hard links
-    (as tar links) and device/fifo nodes are recorded; user/group names are left empty so the bytes
+    Entries are sorted by byte order; modes, uid/gid, mtimes (to the nanosecond: a PAX `mtime` record
+    for a fraction of a second, unless `exact_mtimes` is False), symlinks, hard links (as tar links)
+    and device/fifo nodes are recorded; user/group names are left empty so the bytes
     do not depend on the host's passwd; sockets are skipped. `arcname` prefixes every name and adds a
     directory entry for the root; with "" the root itself is not recorded. Without
     `follow_symlinks` every file is opened with O_NOFOLLOW below directory fds, so a workload racing
@@ -594,7 +596,14 @@ def tar_directory(
     A tree that safe_extract would refuse under `limits` (more entries, a bigger file, more data) is
     refused here, before it is stored: a snapshot nobody can restore is not taken.
     """
-    tar_directories([(arcname, src)], out, follow_symlinks=follow_symlinks, on_entry=on_entry, limits=limits)
+    tar_directories(
+        [(arcname, src)],
+        out,
+        follow_symlinks=follow_symlinks,
+        on_entry=on_entry,
+        limits=limits,
+        exact_mtimes=exact_mtimes,
+    )
 
 
 def tar_directories(
@@ -604,30 +613,34 @@ def tar_directories(
     follow_symlinks: bool = False,
     on_entry: EntryFilter | None = None,
     limits: ExtractLimits = ExtractLimits(),  # noqa: B008 (immutable: safe default)
+    exact_mtimes: bool = True,
 ) -> None:
     """One tar of several trees, each under its own `arcname` (see tar_directory); hard links are
     recorded only within one tree, so each tree extracts on its own (one volume per tree)."""
     # Not a `with`: on error the end-of-archive blocks must not be written after a partial member.
     # "w" on a forward-only sink (tarfile's "w|" re-buffers every byte through 10 KiB slices).
     sink: IO[bytes] = _TellingWriter(out)  # type: ignore[assignment]  # tarfile needs write and tell
-    tf = _BudgetedTarFile(limits, fileobj=sink, mode="w", format=tarfile.PAX_FORMAT)
+    tf = _CaptureTarFile(limits, exact_mtimes, fileobj=sink, mode="w", format=tarfile.PAX_FORMAT)
     tf.copybufsize = CHUNK  # type: ignore[attr-defined]  # stdlib default: 16 KiB copies
     for arcname, src in sources:
         _add_tree(tf, src, arcname, follow_symlinks=follow_symlinks, on_entry=on_entry)
     tf.close()
 
 
-class _BudgetedTarFile(tarfile.TarFile):
+class _CaptureTarFile(tarfile.TarFile):
     """A TarFile that refuses, before writing it, the member past what safe_extract admits under the
     same limits: the member count, one member's data and the archive's data (a sparse member's data
-    regions, not its holes), so that every archive written here can be restored."""
+    regions, not its holes), so that every archive written here can be restored. Without
+    `exact_mtimes` members keep whole-second mtimes (no PAX record for the fraction)."""
 
-    def __init__(self, limits: ExtractLimits, **kwargs: Any) -> None:
+    def __init__(self, limits: ExtractLimits, exact_mtimes: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._limits = limits
+        self._limits, self._exact_mtimes = limits, exact_mtimes
         self._members = self._total = 0
 
     def addfile(self, tarinfo: tarfile.TarInfo, fileobj: SupportsRead[bytes] | None = None) -> None:
+        if not self._exact_mtimes:
+            tarinfo.pax_headers.pop("mtime", None)
         limits = self._limits
         name = tarinfo.pax_headers.get("GNU.sparse.name", tarinfo.name)
         self._members += 1
@@ -691,7 +704,7 @@ def _add_tree(
                     os.close(cfd)
                     continue
                 ti = _tarinfo(arc, st, tarfile.DIRTYPE)
-                ti.pax_headers = _xattr_records(cfd, path)
+                ti.pax_headers.update(_xattr_records(cfd, path))
                 tf.addfile(ti)
                 if follow_symlinks:
                     visited.add((st.st_dev, st.st_ino))
@@ -768,7 +781,7 @@ def _add_regular(
             return
         ti = _tarinfo(arc, fst, tarfile.REGTYPE)
         ti.size = fst.st_size
-        ti.pax_headers = xattrs
+        ti.pax_headers.update(xattrs)
         tf.addfile(ti, f)
 
 
@@ -878,6 +891,7 @@ def _add_sparse(
     mapping += b"\0" * (-len(mapping) % _BLOCK)
     ti = _tarinfo(_SPARSE_PLACEHOLDER, st, tarfile.REGTYPE)
     ti.pax_headers = {
+        **ti.pax_headers,
         "GNU.sparse.major": SPARSE_MAJOR,
         "GNU.sparse.minor": SPARSE_MINOR,
         "GNU.sparse.name": arc,
@@ -926,4 +940,26 @@ def _tarinfo(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
     ti.uid, ti.gid = st.st_uid, st.st_gid
     ti.uname = ti.gname = ""
     ti.mtime = int(st.st_mtime)
+    if st.st_mtime_ns >= 0 and st.st_mtime_ns % NS:  # the fraction: a PAX record (whole seconds: none)
+        ti.pax_headers = {"mtime": mtime_record(st.st_mtime_ns)}
     return ti
+
+
+NS = 1_000_000_000
+
+
+def mtime_record(ns: int) -> str:
+    """A PAX `mtime` record of `ns` nanoseconds (>= 0): seconds, then the fraction without trailing
+    zeros, as GNU tar --format=posix writes it ("1700000000.5")."""
+    sec, frac = divmod(ns, NS)
+    return f"{sec}.{frac:09d}".rstrip("0").rstrip(".")
+
+
+def mtime_ns(m: tarfile.TarInfo) -> int:
+    """The member's mtime in nanoseconds: exact from its PAX record (a float would round it), else the
+    header's (whole seconds, or what tarfile parsed)."""
+    raw = m.pax_headers.get("mtime", "")
+    sec, _, frac = raw.partition(".")
+    if 0 < len(sec) <= 12 and sec.isascii() and sec.isdigit() and len(frac) <= 9 and (not frac or frac.isdigit()):
+        return int(sec) * NS + int(frac.ljust(9, "0") or 0)
+    return int(m.mtime * NS)

@@ -250,6 +250,7 @@ def push_tar_stream(
                 src,
                 _Counting(zw, on_raw),
                 on_entry=(lambda path, _st, _fd: path not in skip) if skip else None,
+                exact_mtimes=False,  # CRIU's images and the agent's files: their times are nobody's state
             )
 
     return _push_produced(registry, ref, produce, sealer)

@@ -318,13 +318,14 @@ os.chmod("/tmp/tool", 0o755)
 # cap_net_bind_service, permitted and effective (struct vfs_cap_data, revision 2), as `setcap` writes it
 os.setxattr("/tmp/tool", "security.capability", struct.pack("<IIIII", 0x02000001, 1 << 10, 0, 0, 0))
 os.setxattr("/tmp/tool", "user.note", b"kept")
+os.utime("/tmp/tool", ns=(1796300000123456789, 1796300000123456789))  # a fraction of a second comes back too
 open("/tmp/ready", "w").write("1")
 while True:
     time.sleep(0.05)
 """
 READ_XATTRS = (
     "import os; print(os.getxattr('/tmp/tool', 'security.capability').hex(), "
-    "os.getxattr('/tmp/tool', 'user.note').decode())"
+    "os.getxattr('/tmp/tool', 'user.note').decode(), os.stat('/tmp/tool').st_mtime_ns)"
 )
 
 
@@ -332,7 +333,7 @@ def test_file_capabilities_and_user_attributes_in_the_writable_layer_come_back( 
     containerd_a, containerd_b, registry, cleanup
 ):
     """`setcap` on a file the workload wrote: without its capabilities the restored program could no
-    longer bind its port."""
+    longer bind its port. Its mtime comes back to the nanosecond."""
     a, b, cid, new = python_pair(containerd_a, containerd_b, cleanup, "xattr", XATTR_WORKLOAD)
     code, before, err = a.exec_in_task(cid, ["python3", "-c", READ_XATTRS])
     assert code == 0, err
@@ -340,7 +341,7 @@ def test_file_capabilities_and_user_attributes_in_the_writable_layer_come_back( 
     agent(*restore_on(containerd_b), ref, new)
     code, after, err = b.exec_in_task(new, ["python3", "-c", READ_XATTRS])
     assert code == 0, err
-    assert after == before and after.split()[1] == b"kept", (before, after)
+    assert after == before and after.split()[1:] == [b"kept", b"1796300000123456789"], (before, after)
 
 
 HEAP_SERVER = r"""
