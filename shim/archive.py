@@ -955,11 +955,19 @@ def mtime_record(ns: int) -> str:
     return f"{sec}.{frac:09d}".rstrip("0").rstrip(".")
 
 
+_NS_RANGE = (-(1 << 63), (1 << 63) - 1)  # what os.utime takes (a crafted 1e30, inf or nan would raise)
+
+
 def mtime_ns(m: tarfile.TarInfo) -> int:
     """The member's mtime in nanoseconds: exact from its PAX record (a float would round it), else the
-    header's (whole seconds, or what tarfile parsed)."""
+    header's (whole seconds, or what tarfile parsed); held within what the kernel takes."""
     raw = m.pax_headers.get("mtime", "")
     sec, _, frac = raw.partition(".")
     if 0 < len(sec) <= 12 and sec.isascii() and sec.isdigit() and len(frac) <= 9 and (not frac or frac.isdigit()):
-        return int(sec) * NS + int(frac.ljust(9, "0") or 0)
-    return int(m.mtime * NS)
+        ns = int(sec) * NS + int(frac.ljust(9, "0"))
+    else:
+        try:
+            ns = int(m.mtime * NS)
+        except (OverflowError, ValueError):  # inf, nan
+            ns = 0
+    return max(_NS_RANGE[0], min(ns, _NS_RANGE[1]))

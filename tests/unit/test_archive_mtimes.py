@@ -90,3 +90,22 @@ def test_a_record_of_another_shape_falls_back_to_tarfiles_reading(raw: str) -> N
     m.mtime = 42.5
     m.pax_headers = {"mtime": raw}
     assert mtime_ns(m) == 42_500_000_000
+
+
+@pytest.mark.parametrize("raw", ["999999999999.5", "1e30", "inf", "-inf", "nan", "-1e30"])
+def test_a_crafted_time_is_held_within_what_the_kernel_takes(tmp_path: Path, raw: str) -> None:
+    """Before: a PAX mtime of 1e30, inf or nan made the extraction raise OverflowError/ValueError."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "dest").mkdir()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        ti = tarfile.TarInfo("f")
+        ti.size = 1
+        ti.pax_headers = {"mtime": raw}
+        t.addfile(ti, io.BytesIO(b"x"))
+    buf.seek(0)
+    with tarfile.open(fileobj=buf) as t:
+        assert -(1 << 63) <= mtime_ns(t.getmember("f")) < 1 << 63
+    buf.seek(0)
+    safe_extract(buf, str(tmp_path / "dest"))
+    assert (tmp_path / "dest" / "f").read_bytes() == b"x"
