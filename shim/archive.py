@@ -639,8 +639,8 @@ class _CaptureTarFile(tarfile.TarFile):
         self._members = self._total = 0
 
     def addfile(self, tarinfo: tarfile.TarInfo, fileobj: SupportsRead[bytes] | None = None) -> None:
-        if not self._exact_mtimes:
-            tarinfo.pax_headers.pop("mtime", None)
+        if not self._exact_mtimes and "mtime" in tarinfo.pax_headers:
+            tarinfo.pax_headers = {k: v for k, v in tarinfo.pax_headers.items() if k != "mtime"}
         limits = self._limits
         name = tarinfo.pax_headers.get("GNU.sparse.name", tarinfo.name)
         self._members += 1
@@ -704,7 +704,7 @@ def _add_tree(
                     os.close(cfd)
                     continue
                 ti = _tarinfo(arc, st, tarfile.DIRTYPE)
-                ti.pax_headers.update(_xattr_records(cfd, path))
+                ti.pax_headers = {**ti.pax_headers, **_xattr_records(cfd, path)}
                 tf.addfile(ti)
                 if follow_symlinks:
                     visited.add((st.st_dev, st.st_ino))
@@ -781,7 +781,7 @@ def _add_regular(
             return
         ti = _tarinfo(arc, fst, tarfile.REGTYPE)
         ti.size = fst.st_size
-        ti.pax_headers.update(xattrs)
+        ti.pax_headers = {**ti.pax_headers, **xattrs}
         tf.addfile(ti, f)
 
 

@@ -21,9 +21,9 @@ T = 1_796_300_000  # a time in seconds
 NS = 1_000_000_000
 
 
-def pack(src: Path, **kwargs: bool) -> bytes:
+def pack(src: Path, *, exact_mtimes: bool = True) -> bytes:
     out = io.BytesIO()
-    tar_directory(str(src), out, **kwargs)
+    tar_directory(str(src), out, exact_mtimes=exact_mtimes)
     return out.getvalue()
 
 
