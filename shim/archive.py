@@ -655,13 +655,13 @@ class _CaptureTarFile(tarfile.TarFile):
             # a sparse member's size counts its map block(s) too: its data is its regions'
             data = fileobj.data_bytes if isinstance(fileobj, _SparseReader) else tarinfo.size
             self._total += data
-            if data > limits.max_member_bytes or self._total > limits.max_total_bytes:
-                what = "this file" if data > limits.max_member_bytes else "the archive"
-                cap = limits.max_member_bytes if data > limits.max_member_bytes else limits.max_total_bytes
-                raise UnsafeArchive(
-                    f"{name!r}: {what} would hold more than {cap} bytes of data; a restore refuses more",
-                    hint="keep such data on a persistent volume, which is not captured",
-                )
+            for what, held, cap in (("this file", data, limits.max_member_bytes),
+                                    ("the archive", self._total, limits.max_total_bytes)):  # fmt: skip
+                if held > cap:
+                    raise UnsafeArchive(
+                        f"{name!r}: {what} would hold more than {cap} bytes of data; a restore refuses more",
+                        hint="keep such data on a persistent volume, which is not captured",
+                    )
         super().addfile(tarinfo, fileobj)
 
 

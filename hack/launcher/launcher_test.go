@@ -3,6 +3,7 @@ package main
 import (
 	"encoding/json"
 	"errors"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -42,31 +43,36 @@ func TestExecKeepsTheProcessVisible(t *testing.T) {
 	defer devnull.Close()
 	const runs = 400
 	for i := 0; i < runs; i++ {
-		p, err := os.StartProcess(launcher, []string{launcher, "5"}, &os.ProcAttr{Files: []*os.File{devnull, devnull, devnull}})
-		if err != nil {
-			t.Fatal(err)
+		if err := startAndPoll(launcher, devnull, target); err != nil {
+			t.Fatalf("run %d of %d: %v", i+1, runs, err)
 		}
-		proc := "/proc/" + strconv.Itoa(p.Pid)
-		deadline := time.Now().Add(5 * time.Second)
-		for {
-			if _, err := os.Readlink(proc + "/fd/0"); err != nil {
-				_ = p.Kill()
-				_, _ = p.Wait()
-				if errors.Is(err, syscall.ENOENT) {
-					t.Fatalf("run %d of %d: %v: the launcher's pid showed no descriptors while it exec'd", i+1, runs, err)
-				}
-				t.Fatal(err)
-			}
-			if exe, err := os.Readlink(proc + "/exe"); err == nil && exe == target {
-				break
-			}
-			if time.Now().After(deadline) {
-				_ = p.Kill()
-				_, _ = p.Wait()
-				t.Fatalf("run %d: the launcher did not exec %s", i+1, target)
-			}
-		}
+	}
+}
+
+// startAndPoll starts the launcher and reads /proc/PID/fd/0 until the process has exec'd `target`.
+func startAndPoll(launcher string, devnull *os.File, target string) error {
+	p, err := os.StartProcess(launcher, []string{launcher, "5"}, &os.ProcAttr{Files: []*os.File{devnull, devnull, devnull}})
+	if err != nil {
+		return err
+	}
+	defer func() {
 		_ = p.Kill()
 		_, _ = p.Wait()
+	}()
+	proc := "/proc/" + strconv.Itoa(p.Pid)
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		if _, err := os.Readlink(proc + "/fd/0"); err != nil {
+			if errors.Is(err, syscall.ENOENT) {
+				return fmt.Errorf("%w: the launcher's pid showed no descriptors while it exec'd", err)
+			}
+			return err
+		}
+		if exe, err := os.Readlink(proc + "/exe"); err == nil && exe == target {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("the launcher did not exec %s", target)
+		}
 	}
 }

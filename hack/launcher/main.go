@@ -58,7 +58,7 @@ const (
 // (de_thread): until that thread has taken the leader's pid, /proc/PID is a zombie with no descriptors
 // and no exe. runc reads /proc/PID/fd/0-2 of the CRIU it has just started ("readlink /proc/PID/fd/0:
 // no such file or directory"); with a Go launcher exec'ing from a non-leader thread that read failed
-// about once in a thousand starts on a busy 2-vCPU host, and the restore with it (launcher_test.go).
+// now and then on a busy host, and the restore with it (launcher_test.go catches it within 400 starts).
 func init() {
 	runtime.LockOSThread()
 }

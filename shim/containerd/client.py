@@ -536,8 +536,6 @@ class ContainerdClient:
                         metadata=self._metadata(),
                     )
                 except grpc.RpcError as e:
-                    # The deadline shows up as DEADLINE_EXCEEDED, or as CANCELLED when containerd,
-                    # which sees the same deadline, resets the stream first.
                     if not _deadline_passed(e):
                         raise self._error(e, what) from None
                     with contextlib.suppress(SnapshotError):
