@@ -12,9 +12,10 @@
 // before anything of the host's). With "gzipFilter" (tar's launcher) it does tar's --gzip itself:
 // GNU tar runs its compressor through /bin/sh, which a node may not have, so the launcher starts tar
 // without --gzip and compresses (--create) or decompresses (--extract) the archive stream in-process,
-// in the same format. With "log" it first appends one JSON line (time, pid, its arguments and the command line of
-// its parent) to that file: the record of which CRIU a runc really ran (the file is cut to its newest
-// half beyond 1 MiB).
+// in the same format; CRIU's own tar calls for small tmpfs trees it does entirely (tmpfstar.go). With
+// "log" it first appends one JSON line (time, pid, its arguments and the command line of its parent)
+// to that file: the record of which CRIU a runc really ran (the file is cut to its newest half beyond
+// 1 MiB).
 //
 // With "runcHook" (the runtime hook's launcher, whose argv is the hook's Python) it first looks at the
 // runc command line containerd's shim gave it: every call the hook would only pass on to runc (state,
@@ -149,7 +150,10 @@ func main() {
 	}
 	argv := append(append([]string{}, c.Argv...), os.Args[1:]...)
 	if c.GzipFilter && hasGzip(os.Args[1:]) {
-		os.Exit(gzipFilter(argv, env))
+		if create, dir, ok := criuTarCall(os.Args[1:], os.Getenv); ok {
+			os.Exit(runCriuTar(create, dir, argv, env)) // tmpfstar.go: CRIU's tmpfs trees without GNU tar
+		}
+		os.Exit(gzipFilter(argv, env, os.Stdin))
 	}
 	err = syscall.Exec(argv[0], argv, env)
 	fail("exec %s: %v", argv[0], err)
@@ -174,9 +178,9 @@ func hasGzip(args []string) bool {
 	return false
 }
 
-// gzipFilter runs argv (tar) without --gzip, its archive stream going through gzip here; returns the
-// exit status to exit with (tar's own).
-func gzipFilter(argv []string, env []string) int {
+// gzipFilter runs argv (tar) without --gzip, its archive stream going through gzip here (--extract:
+// read from in); returns the exit status to exit with (tar's own).
+func gzipFilter(argv []string, env []string, in io.Reader) int {
 	create := false
 	kept := make([]string, 0, len(argv))
 	for _, a := range argv {
@@ -211,7 +215,7 @@ func gzipFilter(argv []string, env []string) int {
 		_ = r.Close()
 	} else {
 		_ = r.Close()
-		zr, err := gzip.NewReader(os.Stdin)
+		zr, err := gzip.NewReader(in)
 		if err == nil {
 			_, err = io.Copy(w, zr)
 		}

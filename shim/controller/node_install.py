@@ -12,7 +12,9 @@ this step copies it under the node's own directory:
                                                     with bin/ first in PATH
     /opt/kubectl-snapshot/NODE/bin/tar              static launcher: the bundle's GNU tar, which CRIU runs
                                                     by name for tmpfs mounts; the launcher does its --gzip
-                                                    (GNU tar runs gzip through /bin/sh): no host tar, gzip, sh
+                                                    (GNU tar runs gzip through /bin/sh): no host tar, gzip, sh;
+                                                    trees of directories, device nodes, symlinks and empty
+                                                    files it archives and extracts itself (tmpfstar.go)
     /opt/kubectl-snapshot/NODE/*.launch             what each launcher execs (JSON)
     /opt/kubectl-snapshot/NODE/install.json         what is installed, where it came from
 

@@ -289,6 +289,43 @@ def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, t
     assert any("--create" in r["args"] for r in tars) and any("--extract" in r["args"] for r in tars), tars
 
 
+def test_the_containers_tmpfs_mounts_go_without_gnu_tar(node: NodeSettings, tripwire: Path, tmp_path: Path) -> None:
+    """CRIU's tar calls for a container's tmpfs mounts (/dev, /dev/shm, the masked /proc and /sys
+    directories) are done by the tar launcher itself (hack/launcher/tmpfstar.go): with the bundle's GNU
+    tar replaced by the tripwire, the container is still checkpointed and restored, and the tripwire
+    never ran."""
+    counter, bundle, root = counter_bundle(tmp_path)
+    old, new = f"nt-old-{os.getpid()}", f"nt-new-{os.getpid()}"
+    staged = StatePaths(node.state_dir).staged_by_id(new)
+    (Path(staged) / "checkpoint").mkdir(parents=True)
+    launch = Path(node.wrapper_dir, "bin", "tar.launch")
+    saved = launch.read_text()
+    launch.write_text(json.dumps({**json.loads(saved), "argv": [str(tripwire)]}))
+    tar_log = Path(node.wrapper_dir, "tar.launches")
+    before = len(tar_log.read_text().splitlines()) if tar_log.exists() else 0
+    hook = f"PATH=$NOPATH {node.wrapper_launcher} --root {root}"
+    try:
+        run_and_checkpoint(tripwire, hook, bundle, tmp_path, old, Path(staged))
+        value = int((counter / "n").read_text())
+        proc = masked(
+            tripwire,
+            f"{hook} create --bundle {bundle} --pid-file {tmp_path}/new.pid {new} </dev/null >/dev/null 2>&1 && "
+            f"{hook} start {new} && cat /proc/$(cat {tmp_path}/new.pid)/comm",
+        )
+        assert proc.returncode == 0, proc.stdout + proc.stderr + "\n".join(tripped(tripwire))
+        assert proc.stdout.strip() == "sh"
+        time.sleep(1)
+        assert int((counter / "n").read_text()) > value
+    finally:
+        launch.write_text(saved)
+        subprocess.run(["runc", "--root", str(root), "delete", "--force", new], capture_output=True, check=False)
+        subprocess.run(["runc", "--root", str(root), "delete", "--force", old], capture_output=True, check=False)
+    calls = [json.loads(line)["args"] for line in tar_log.read_text().splitlines()[before:]]
+    dumps, restores = sum("--create" in a for a in calls), sum("--extract" in a for a in calls)
+    assert dumps >= 2 and restores == dumps, calls  # /dev and the masked directories, each both ways
+    assert tripped(tripwire) == []  # GNU tar (the tripwire now) never ran
+
+
 @pytest.mark.parametrize("answer", [READY, FAILED])
 def test_runc_restore_starts_before_the_page_files_and_criu_waits_for_them(
     node: NodeSettings, tripwire: Path, tmp_path: Path, answer: str
