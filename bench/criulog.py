@@ -37,3 +37,20 @@ def action_wait(log: str, action: str) -> float | None:
                     return t2 - t
             return None
     return None
+
+
+def tmpfs_mounts(log: str) -> tuple[int, float]:
+    """How many tmpfs mounts CRIU restored and the seconds they took: each from its ``Mounting tmpfs @N``
+    line to CRIU's next line about that mount (its contents are put back by `tar` in between)."""
+    lines = stamps(log)
+    count, total = 0, 0.0
+    for i, (t, text) in enumerate(lines):
+        m = re.search(r"Mounting tmpfs @(\d+)", text)
+        if m is None:
+            continue
+        done = re.compile(rf"mnt-0*{m.group(1)} for {m.group(1)}$")
+        for t2, after in lines[i + 1 :]:
+            if done.search(after):
+                count, total = count + 1, total + (t2 - t)
+                break
+    return count, total

@@ -41,6 +41,8 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         if ag.get("freeze_s") is None or raw.get("dump_s") is None
         else ag["freeze_s"] <= 1.1 * raw["dump_s"] + 0.030,
         "freeze_vs_runc_checkpoint": _r(ag.get("freeze_s"), ag.get("runc_checkpoint_s")),
+        "freeze_vs_gnu_tar": _r(ag.get("freeze_s"), ag.get("freeze_gnu_tar_s")),
+        "pushed_vs_gnu_tar": _r(ag.get("pushed_s"), ag.get("pushed_gnu_tar_s")),
         "serial_bound_s": serial,
         "pushed_vs_serial_bound": _r(ag.get("pushed_s"), serial),
         "pushed_internal_vs_serial_bound": _r(ag.get("pushed_internal_s"), serial),
@@ -159,6 +161,8 @@ def _freeze(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dic
         _fmt(d["freeze_vs_runc_checkpoint"]),
         _verdict(d["freeze_vs_runc_goal_met"]),
         _ms(raw.get("dump_s")),
+        f"{_fmt(d['freeze_vs_gnu_tar'])} ({_ms(ag.get('freeze_s'))} / {_ms(ag.get('freeze_gnu_tar_s'))}); "
+        f"checkpoint->pushed {_fmt(d['pushed_vs_gnu_tar'])}",
     ]
 
 
@@ -192,7 +196,8 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
         ms("image_check_ms") + _decoded(b.get("images_decoded_in_hook")),
         ms("runc_restore_ms")
         + (f" (CRIU's log {ms('criu_restore_log_ms')})" if b.get("criu_restore_log_ms") else "")
-        + (f", of which waiting for the pages {ms('criu_pages_wait_ms')}" if "criu_pages_wait_ms" in b else ""),
+        + (f", of which waiting for the pages {ms('criu_pages_wait_ms')}" if "criu_pages_wait_ms" in b else "")
+        + (f", {b['criu_tmpfs_mounts']:.0f} tmpfs mounts {ms('criu_tmpfs_ms')}" if b.get("criu_tmpfs_mounts") else ""),
         ms("after_restore_ms"),
         _ms(raw.get("restore_s")),
         ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "-",
@@ -236,7 +241,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"{m['criu']}, {m['runc']}, {m['containerd']}, {m['podman'] or 'no podman'}; "
         f"runc's CRIU configuration {m.get('criu_config', 'n/a')}; "
         f"CRIU's kdat cache {m.get('criu_kdat', 'n/a')}; expedited RCU grace periods: "
-        f"{m.get('rcu_expedite', 'n/a')}; dumps in memory: {m.get('memory_work', 'n/a')}; load average at the end "
+        f"{m.get('rcu_expedite', 'n/a')}; dumps in memory: {m.get('memory_work', 'n/a')}; "
+        f"CRIU's tar: {m.get('criu_tar', 'n/a')}; load average at the end "
         f"{', '.join(f'{x:.2f}' for x in m['loadavg'])}; {m['time']}."
         + (f" **The registry is behind a {m['link']} link** (bench/throttle.py)." if m.get("link") else ""),
         f"Each figure: median of {result['rows'][0]['runs'] if result['rows'] else '?'} runs after one warm-up; "
@@ -274,11 +280,14 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "The freeze against a second reference: `runc checkpoint --leave-running` of the same container, run "
         "directly (CRIU under runc with the container's namespaces, mounts and cgroups; no containerd, no pause, "
-        "no rootfs diff).",
+        "no rootfs diff). Last, the freeze and checkpoint->pushed against the same checkpoints with every `tar` "
+        "call CRIU makes for the container's tmpfs mounts run by GNU tar (KUBECTL_SNAPSHOT_NATIVE_TAR=0, a "
+        "second agent, alternated) instead of by the node bundle's launcher itself (bench/criu_tar.py).",
         "",
     ]
     freeze_header = ["freeze", "runc checkpoint of the same container", "freeze / runc checkpoint",
-                     "goal <=1.1x+10ms", "raw criu dump of the host process"]  # fmt: skip
+                     "goal <=1.1x+10ms", "raw criu dump of the host process",
+                     "vs CRIU's tmpfs tar calls by GNU tar"]  # fmt: skip
     lines += _table(result, freeze_header, _freeze)
     lines += [
         "",
@@ -288,7 +297,8 @@ def markdown(result: dict[str, Any]) -> str:
         "that went on after the extraction); meanwhile containerd creates the container and "
         "starts its shim and the runtime hook, whose create waits at the staging gate until all but the page files "
         "is staged (hook waited), then starts `runc restore`, whose CRIU waits for the page files after restoring "
-        "the namespaces and mounts (of which waiting for the pages); create + start is what is left after the "
+        "the namespaces and mounts (of which waiting for the pages; and the tmpfs mounts CRIU restored, with the "
+        "time their `tar` calls took: bench/criu_tar.py); create + start is what is left after the "
         "download. The hook's create is the restore (its "
         "launcher starting Python on the hook, the CRIU image check with the number of images it decoded itself, "
         "the rest coming from the agent's decode cache, `runc restore`, what the hook does after it: the pod's "

@@ -270,6 +270,37 @@ def container(daemon: ContainerdDaemon, mib: int, kind: str, ctl_dir: Path | Non
             shutil.rmtree(ctl, ignore_errors=True)
 
 
+def _build_launcher(dest: Path) -> bool:
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    if not os.path.exists(go):
+        return False
+    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    repo = Path(__file__).resolve().parent.parent
+    sh([go, "build", "-trimpath", "-o", str(dest), "."], cwd=repo / "hack/launcher", env=env)
+    return True
+
+
+NATIVE_TAR_ENV = "KUBECTL_SNAPSHOT_NATIVE_TAR"
+NO_NATIVE_TAR = {NATIVE_TAR_ENV: "0"}
+
+
+def criu_tar(work: Path) -> str:
+    """CRIU's `tar` as the node bundle has it (hack/launcher as ``bin/tar``, first in CRIU's PATH): the
+    launcher archives and extracts the containers' small tmpfs trees itself and runs GNU tar (here the
+    host's) for anything else, or for everything with KUBECTL_SNAPSHOT_NATIVE_TAR=0. Put first in PATH
+    for the whole run, so every CRIU (the agent's, the peers', the references') runs the same tar.
+    Returns what the results say about it."""
+    gnu = shutil.which("tar")
+    tar = work / "bin" / "tar"
+    if gnu is None or not _build_launcher(tar):
+        return "the host's GNU tar (no Go to build the launcher)"
+    Path(f"{tar}.launch").write_text(json.dumps({"argv": [gnu], "gzipFilter": True}))
+    os.environ["PATH"] = f"{tar.parent}:{os.environ.get('PATH', '')}"
+    native = "off: GNU tar behind it" if os.environ.get(NATIVE_TAR_ENV) == "0" else "on"
+    return f"the node bundle's launcher, tmpfs trees in-process {native}"
+
+
 def runtime_hook(work: Path) -> str:
     """The runtime hook as nodes run it: the static launcher (hack/launcher, built here) in front of the
     hook's zipapp (hack/build-wrapper-pyz.py) on a bare ``python3 -I -S``; the launcher passes runc's
@@ -283,8 +314,7 @@ def runtime_hook(work: Path) -> str:
     hook = work / "hook"
     hook.mkdir(parents=True, exist_ok=True)
     launcher, pyz = hook / "kubectl-snapshot-runc", hook / "kubectl-snapshot-runc.pyz"
-    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
-    sh([go, "build", "-trimpath", "-o", str(launcher), "."], cwd=repo / "hack/launcher", env=env)
+    _build_launcher(launcher)
     sh([HOST_PY, str(repo / "hack/build-wrapper-pyz.py"), str(pyz)])
     config = {
         "argv": [HOST_PY, "-I", "-S", "-B", str(pyz)],
@@ -357,16 +387,26 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
             if waited is not None:
                 out["criu_pages_wait_ms"] = waited * 1000
             out["restore_log_gaps"] = criulog.log_gaps(log, 6)
+            # the container's tmpfs mounts, each with its contents put back by CRIU's `tar` (bench/criu_tar.py)
+            out["criu_tmpfs_mounts"], tmpfs_s = criulog.tmpfs_mounts(log)
+            out["criu_tmpfs_ms"] = tmpfs_s * 1000
     return out
 
 
 def agent_checkpoint(
-    daemon: ContainerdDaemon, ref: str, cid: str, *, page_deltas: bool = True, agent_socket: str = "none"
+    daemon: ContainerdDaemon,
+    ref: str,
+    cid: str,
+    *,
+    page_deltas: bool = True,
+    agent_socket: str = "none",
+    extra_env: dict[str, str] | None = None,
 ) -> tuple[float, dict[str, Any]]:
     """`ks-agent checkpoint`'s wall time and JSON: served by the node's agent on `agent_socket` (see
-    served_agent), or standalone ("none")."""
+    served_agent; `extra_env` as that agent has it), or standalone ("none")."""
     t = time.monotonic()
-    env = {**os.environ, C.ENV_PAGE_DELTAS: "1" if page_deltas else "0", localapi.SOCKET_ENV: agent_socket}
+    env = {**os.environ, C.ENV_PAGE_DELTAS: "1" if page_deltas else "0", **(extra_env or {})}
+    env[localapi.SOCKET_ENV] = agent_socket
     proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--to", ref, cid],
               env=env)  # fmt: skip
     return time.monotonic() - t, json.loads(proc.stdout)
@@ -458,6 +498,7 @@ def measure_agent(
     os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
     pushed_plain, internal_plain = [], []  # full saves without page hashing (no page deltas), alternated
+    freeze_gnu, pushed_gnu = [], []  # CRIU's tmpfs tar calls all run by GNU tar (NATIVE_TAR=0), alternated
     restores_internal: list[float] = []
     breakdowns: list[dict[str, Any]] = []
     ckpt_breakdowns: list[dict[str, Any]] = []  # the served checkpoints' own timings, + the wall time
@@ -475,6 +516,9 @@ def measure_agent(
         # restores whose hooks wait for all of the data before `runc restore` (one-phase gates), alternated
         one_phase = ServedAgent(daemon, {C.ENV_EARLY_RESTORE: "0"})
         stack.callback(one_phase.close)
+        # checkpoints whose CRIU has GNU tar do every tmpfs mount's tar call (criu_tar), alternated
+        gnu_tar = ServedAgent(daemon, NO_NATIVE_TAR)
+        stack.callback(gnu_tar.close)
         cid, ctl = stack.enter_context(container(daemon, mib, kind))
         ref = ""
 
@@ -499,6 +543,10 @@ def measure_agent(
             if i:
                 pushed_plain.append(wall)
                 internal_plain.append(res["timingsMs"]["total_ms"] / 1000)
+            wall, res = agent_checkpoint(daemon, new_ref(), cid, agent_socket=gnu_tar.socket, extra_env=NO_NATIVE_TAR)
+            if i:
+                freeze_gnu.append(res["timingsMs"]["freeze_ms"] / 1000)
+                pushed_gnu.append(wall)
             if bound is not None:
                 bound.checkpoint(keep=i > 0)
         if served.served("checkpoint") != runs + 1:
@@ -575,6 +623,8 @@ def measure_agent(
     out.update(
         freeze_s=med(freeze),
         runc_checkpoint_s=med(runc_dumps),
+        freeze_gnu_tar_s=med(freeze_gnu),
+        pushed_gnu_tar_s=med(pushed_gnu),
         pushed_s=med(pushed),
         pushed_standalone_s=med(pushed_alone),
         pushed_internal_s=med(internal),
@@ -756,6 +806,7 @@ def main() -> None:
     # configuration for podman's checkpoints too, and every CRIU of the same build loads the cache, so
     # the peers and the raw bounds run with the same CRIU as the agent.
     stack = contextlib.ExitStack()
+    tar = criu_tar(work)  # before the daemons start: they and everything below inherit its PATH
     conf = stack.enter_context(node_criu_config())
     kdat = stack.enter_context(node_kdat_cache())
     # KUBECTL_SNAPSHOT_EXPEDITE_RCU=0: the node as install-node leaves it with that opt-out (to compare)
@@ -805,6 +856,7 @@ def main() -> None:
         facts["criu_kdat"] = f"{kdat.path}: {kdat.state}" if kdat else "n/a"
         facts["rcu_expedite"] = expedite
         facts["memory_work"] = f"{memwork.ENV_MIB}={memwork.limit_bytes() >> 20}"
+        facts["criu_tar"] = tar
         stack.close()
     result = {"machine": facts, "elapsed_s": time.monotonic() - started, "rows": rows}
     out = Path(a.out)

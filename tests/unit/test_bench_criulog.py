@@ -1,4 +1,4 @@
-"""bench/criulog.action_wait (CRIU's wait in an action script, read from restore.log) and
+"""bench/criulog.action_wait (CRIU's wait in an action script, read from restore.log), tmpfs_mounts and
 bench/throttle.ThrottledLink (a bandwidth-limited loopback link) on real sockets."""
 
 from __future__ import annotations
@@ -28,6 +28,25 @@ def test_the_wait_runs_from_the_actions_line_to_the_first_line_after_its_scripts
     assert setup is not None and abs(setup - 0.01) < 1e-9
     assert criulog.action_wait(LOG, "pre-resume") is None  # not run
     assert criulog.action_wait("(00.1) Running post-restore scripts\n", "post-restore") is None  # nothing after
+
+
+TMPFS = """(00.032907)      1: mnt-v2: Mount 79 is detected as dir-mount
+(00.032913)      1: mnt-v2: \tMounting tmpfs @79 (0)
+(00.033000) cg: unrelated line of another process
+(00.049655)      1: mnt-v2: Create plain mountpoint /tmp/.criu.mntns.JYCZgg/mnt-0000000079 for 79
+(00.049729)      1: mnt-v2: \tMounting devpts @80 (0)
+(00.049807)      1: mnt-v2: \tMounting tmpfs @81 (0)
+(00.056130)      1: mnt-v2: Create plain mountpoint /tmp/.criu.mntns.JYCZgg/mnt-0000000081 for 81
+(00.057000)      1: mnt-v2: \tMounting tmpfs @8 (0)
+(00.058000)      1: mnt-v2: Create plain mountpoint /tmp/.criu.mntns.JYCZgg/mnt-0000000081 for 81
+"""
+
+
+def test_tmpfs_mounts_run_from_mounting_to_that_mounts_next_line() -> None:
+    count, seconds = criulog.tmpfs_mounts(TMPFS)
+    # @79 16.742 ms + @81 6.323 ms; @8 has no line of its own after it (81's does not count for it)
+    assert count == 2 and abs(seconds - (0.016742 + 0.006323)) < 1e-9
+    assert criulog.tmpfs_mounts("") == (0, 0.0)
 
 
 def test_the_link_passes_the_bytes_at_its_rate() -> None:

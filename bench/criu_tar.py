@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""CRIU's `tar` calls for a container's tmpfs mounts: the node bundle's launcher doing them itself
+against the same launcher running GNU tar (as before session 22), alternated in one run.
+
+    sudo .venv/bin/python bench/criu_tar.py [--rounds 40]
+
+CRIU saves and restores each tmpfs mount of a container by running `tar` (criu/mount.c), one process
+after the other: inside the freeze on a checkpoint, before the processes come back on a restore. A
+container under runc has several (/dev, /dev/shm, /run, the cgroup tmpfs, the masked /proc and /sys
+directories: 9 in bench/run.py's containers, counted from CRIU's restore.log). This times each call as
+CRIU makes it (a new process; for a dump the mount as fd 0 and the image as stdout; for a restore the
+image as stdin into a fresh tmpfs) for three trees: a container's /dev as runc fills it, the cgroup
+tmpfs, and an empty mount (a masked path, /dev/shm, /run). The launcher is hack/launcher built here,
+the GNU tar behind it the host's (the node bundle's is a copy of the same Debian package, run through
+the bundle's loader). Prints the median wall time of each call both ways and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+DUMP = ["--create", "--gzip", "--no-unquote", "--no-wildcards", "--one-file-system", "--check-links",
+        "--preserve-permissions", "--sparse", "--numeric-owner", "--directory", "/proc/self/fd/0", "."]  # fmt: skip
+NATIVE_ENV = "KUBECTL_SNAPSHOT_NATIVE_TAR"
+
+
+def _mount_tmpfs(path: Path, mode: str) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"mode={mode}", "kst-bench", str(path)], check=True)
+
+
+def _dev(root: Path) -> None:
+    """What runc puts in a container's /dev (libcontainer/rootfs_linux.go: default devices and links)."""
+    for d in ("pts", "shm", "mqueue"):
+        (root / d).mkdir()
+    for name, (major, minor) in {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8),
+                                 "urandom": (1, 9), "tty": (5, 0)}.items():  # fmt: skip
+        os.mknod(root / name, 0o020666, os.makedev(major, minor))
+        os.chmod(root / name, 0o666)
+    links = {"fd": "/proc/self/fd", "stdin": "/proc/self/fd/0", "stdout": "/proc/self/fd/1",
+             "stderr": "/proc/self/fd/2", "ptmx": "pts/ptmx", "core": "/proc/kcore"}  # fmt: skip
+    for name, target in links.items():
+        os.symlink(target, root / name)
+
+
+def _cgroup(root: Path) -> None:
+    """runc's cgroup v1 tmpfs: a mount point per hierarchy, links for the joined ones."""
+    for d in ("blkio", "cpu,cpuacct", "cpuset", "devices", "freezer", "memory", "pids", "systemd", "unified"):
+        (root / d).mkdir()
+    os.symlink("cpu,cpuacct", root / "cpu")
+    os.symlink("cpu,cpuacct", root / "cpuacct")
+
+
+def _launcher(work: Path) -> Path:
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    tar = shutil.which("tar")
+    if not os.path.exists(go) or tar is None:
+        sys.exit("error: needs Go (to build hack/launcher) and GNU tar")
+    out = work / "bin" / "tar"
+    out.parent.mkdir(parents=True)
+    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
+    repo = Path(__file__).resolve().parent.parent
+    subprocess.run([go, "build", "-trimpath", "-o", str(out), "."], cwd=repo / "hack/launcher", env=env, check=True)
+    Path(f"{out}.launch").write_text(json.dumps({"argv": [tar], "gzipFilter": True}))
+    return out
+
+
+def _dump(launcher: Path, root: Path, image: Path, env: dict[str, str]) -> float:
+    """One dump call: the mount as fd 0, the image as stdout; its wall time."""
+    fd0 = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with open(image, "wb") as out:
+            t = time.perf_counter()
+            subprocess.run([str(launcher), *DUMP], stdin=fd0, stdout=out, env=env, check=True)
+            return time.perf_counter() - t
+    finally:
+        os.close(fd0)
+
+
+def _restore(launcher: Path, image: Path, dst: Path, env: dict[str, str]) -> float:
+    """One restore call into dst (a fresh tmpfs): the image as stdin; its wall time."""
+    args = [str(launcher), "--extract", "--gzip", "--no-unquote", "--no-wildcards", "--directory", str(dst)]
+    with open(image, "rb") as inp:
+        t = time.perf_counter()
+        subprocess.run(args, stdin=inp, env=env, check=True)
+        return time.perf_counter() - t
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=40)
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("error: needs root (tmpfs mounts, device nodes)")
+    work = Path(tempfile.mkdtemp(prefix="kscriutar-", dir="/var/tmp"))
+    mounts: list[Path] = []
+    try:
+        launcher = _launcher(work)
+        trees: dict[str, Path] = {}
+        for name, fill in (("/dev", _dev), ("cgroup tmpfs", _cgroup), ("empty", None)):
+            root = work / f"src-{len(trees)}"
+            _mount_tmpfs(root, "755")
+            mounts.append(root)
+            if fill is not None:
+                fill(root)
+            trees[name] = root
+        ways = {"launcher": {**os.environ, NATIVE_ENV: "1"}, "GNU tar": {**os.environ, NATIVE_ENV: "0"}}
+        times: dict[tuple[str, str, str], list[float]] = {}
+        dst = work / "dst"
+        _mount_tmpfs(dst, "700")
+        mounts.append(dst)
+        for r in range(a.rounds):
+            for way in list(ways) if r % 2 == 0 else list(ways)[::-1]:
+                env = ways[way]
+                for name, root in trees.items():
+                    image = work / "image"
+                    times.setdefault((name, "dump", way), []).append(_dump(launcher, root, image, env))
+                    subprocess.run(["umount", str(dst)], check=True)
+                    _mount_tmpfs(dst, "700")
+                    times.setdefault((name, "restore", way), []).append(_restore(launcher, image, dst, env))
+        print(f"median of {a.rounds} calls each, alternated (wall time of the call as CRIU makes it):")
+        for name in trees:
+            for call in ("dump", "restore"):
+                mine = statistics.median(times[(name, call, "launcher")]) * 1000
+                theirs = statistics.median(times[(name, call, "GNU tar")]) * 1000
+                print(f"  {name:13} {call:8} launcher {mine:6.2f} ms, GNU tar {theirs:6.2f} ms: {mine / theirs:.2f}x")
+    finally:
+        for m in reversed(mounts):
+            subprocess.run(["umount", "-l", str(m)], check=False)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
