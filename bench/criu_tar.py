@@ -2,7 +2,7 @@
 """CRIU's `tar` calls for a container's tmpfs mounts: the node bundle's launcher doing them itself
 against the same launcher running GNU tar (as before session 22), alternated in one run.
 
-    sudo .venv/bin/python bench/criu_tar.py [--rounds 40]
+    sudo .venv/bin/python bench/criu_tar.py [--rounds 40] [--containers 20]
 
 CRIU saves and restores each tmpfs mount of a container by running `tar` (criu/mount.c), one process
 after the other: inside the freeze on a checkpoint, before the processes come back on a restore. A
@@ -13,6 +13,11 @@ image as stdin into a fresh tmpfs) for three trees: a container's /dev as runc f
 tmpfs, and an empty mount (a masked path, /dev/shm, /run). The launcher is hack/launcher built here,
 the GNU tar behind it the host's (the node bundle's is a copy of the same Debian package, run through
 the bundle's loader). Prints the median wall time of each call both ways and the ratio.
+
+Then, with --containers N, whole containers: a busybox container under runc (its /dev, /dev/shm and
+runc's masked paths are its tmpfs mounts), `runc checkpoint --leave-running` of it and `runc restore`
+of that image into a new container, N times each way alternated, CRIU (the host's) finding the
+launcher first in PATH as the node bundle's CRIU does. Prints the medians and ratios of both.
 """
 
 from __future__ import annotations
@@ -95,9 +100,66 @@ def _restore(launcher: Path, image: Path, dst: Path, env: dict[str, str]) -> flo
         return time.perf_counter() - t
 
 
+BUSYBOX = Path("/bin/busybox")
+
+
+def _bundle(work: Path) -> Path:
+    """A busybox container that sleeps; CRIU's network lock as install-node configures it."""
+    bundle = work / "bundle"
+    bindir = bundle / "rootfs" / "bin"
+    bindir.mkdir(parents=True)
+    shutil.copy(BUSYBOX, bindir / "busybox")
+    for name in ("sh", "sleep"):
+        (bindir / name).symlink_to("busybox")
+    subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["process"].update(terminal=False, args=["sleep", "100000"])
+    spec["root"]["readonly"] = False
+    (bundle / "criu.conf").write_text("network-lock nftables\n")
+    spec["annotations"] = {"org.criu.config": str(bundle / "criu.conf")}
+    (bundle / "config.json").write_text(json.dumps(spec))
+    return bundle
+
+
+def _containers(work: Path, n: int, ways: dict[str, dict[str, str]]) -> None:
+    if shutil.which("runc") is None or not BUSYBOX.exists():
+        sys.exit("error: --containers needs runc and busybox-static")
+    bundle, root = _bundle(work), work / "runc-root"
+    runc = ["runc", "--root", str(root)]
+    base = f"kscriutar-{os.getpid()}"
+    subprocess.run([*runc, "run", "-d", "--bundle", str(bundle), base], check=True, stdin=subprocess.DEVNULL,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    times: dict[tuple[str, str], list[float]] = {}
+    try:
+        for r in range(n + 1):  # one warm-up round
+            for way in list(ways) if r % 2 == 0 else list(ways)[::-1]:
+                image, new = work / f"img-{r}-{way[0]}", f"{base}-{r}-{way[0]}"
+                t = time.perf_counter()
+                subprocess.run([*runc, "checkpoint", "--leave-running", "--image-path", str(image), "--work-path",
+                                str(image), base], env=ways[way], check=True)  # fmt: skip
+                dumped = time.perf_counter() - t
+                t = time.perf_counter()
+                subprocess.run([*runc, "restore", "-d", "--image-path", str(image), "--work-path", str(image),
+                                "--bundle", str(bundle), new], env=ways[way], check=True,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)  # fmt: skip
+                restored = time.perf_counter() - t
+                subprocess.run([*runc, "delete", "--force", new], check=True)
+                shutil.rmtree(image)
+                if r:
+                    times.setdefault(("runc checkpoint", way), []).append(dumped)
+                    times.setdefault(("runc restore", way), []).append(restored)
+    finally:
+        subprocess.run([*runc, "delete", "--force", base], check=False)
+    print(f"a busybox container under runc, median of {n} each, alternated:")
+    for call in ("runc checkpoint", "runc restore"):
+        mine, theirs = (statistics.median(times[(call, w)]) * 1000 for w in ways)
+        print(f"  {call:16} launcher {mine:6.1f} ms, GNU tar {theirs:6.1f} ms: {mine / theirs:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--containers", type=int, default=0, help="whole containers under runc, each way")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("error: needs root (tmpfs mounts, device nodes)")
@@ -133,6 +195,9 @@ def main() -> None:
                 mine = statistics.median(times[(name, call, "launcher")]) * 1000
                 theirs = statistics.median(times[(name, call, "GNU tar")]) * 1000
                 print(f"  {name:13} {call:8} launcher {mine:6.2f} ms, GNU tar {theirs:6.2f} ms: {mine / theirs:.2f}x")
+        if a.containers:
+            path = f"{launcher.parent}:{os.environ.get('PATH', '')}"
+            _containers(work, a.containers, {w: {**e, "PATH": path} for w, e in ways.items()})
     finally:
         for m in reversed(mounts):
             subprocess.run(["umount", "-l", str(m)], check=False)
