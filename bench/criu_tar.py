@@ -17,12 +17,15 @@ the bundle's loader). Prints the median wall time of each call both ways and the
 Then, with --containers N, whole containers: a busybox container under runc (its /dev, /dev/shm and
 runc's masked paths are its tmpfs mounts), `runc checkpoint --leave-running` of it and `runc restore`
 of that image into a new container, N times each way alternated, CRIU (the host's) finding the
-launcher first in PATH as the node bundle's CRIU does. Prints the medians and ratios of both.
+launcher first in PATH as the node bundle's CRIU does. Prints the medians and ratios of both, and how
+far apart CRIU started its tar calls during a checkpoint (the launcher's own records: each call's
+start), the call and CRIU's work between two calls.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 DUMP = ["--create", "--gzip", "--no-unquote", "--no-wildcards", "--one-file-system", "--check-links",
@@ -75,7 +79,8 @@ def _launcher(work: Path) -> Path:
     env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
     repo = Path(__file__).resolve().parent.parent
     subprocess.run([go, "build", "-trimpath", "-o", str(out), "."], cwd=repo / "hack/launcher", env=env, check=True)
-    Path(f"{out}.launch").write_text(json.dumps({"argv": [tar], "gzipFilter": True}))
+    # "log": the launcher records each call's start (pid, time), what --containers reads
+    Path(f"{out}.launch").write_text(json.dumps({"argv": [tar], "gzipFilter": True, "log": str(work / "launches")}))
     return out
 
 
@@ -121,6 +126,17 @@ def _bundle(work: Path) -> Path:
     return bundle
 
 
+def _starts(log: Path) -> list[float]:
+    """The launcher's records: when each call started (POSIX time)."""
+    if not log.exists():
+        return []
+    out = []
+    for line in log.read_text().splitlines():
+        head, _, frac = json.loads(line)["time"].rstrip("Z").partition(".")
+        out.append(datetime.fromisoformat(head).replace(tzinfo=UTC).timestamp() + float("0." + (frac or "0")))
+    return out
+
+
 def _containers(work: Path, n: int, ways: dict[str, dict[str, str]]) -> None:
     if shutil.which("runc") is None or not BUSYBOX.exists():
         sys.exit("error: --containers needs runc and busybox-static")
@@ -134,10 +150,12 @@ def _containers(work: Path, n: int, ways: dict[str, dict[str, str]]) -> None:
         for r in range(n + 1):  # one warm-up round
             for way in list(ways) if r % 2 == 0 else list(ways)[::-1]:
                 image, new = work / f"img-{r}-{way[0]}", f"{base}-{r}-{way[0]}"
+                before = len(_starts(work / "launches"))
                 t = time.perf_counter()
                 subprocess.run([*runc, "checkpoint", "--leave-running", "--image-path", str(image), "--work-path",
                                 str(image), base], env=ways[way], check=True)  # fmt: skip
                 dumped = time.perf_counter() - t
+                starts = _starts(work / "launches")[before:]
                 t = time.perf_counter()
                 subprocess.run([*runc, "restore", "-d", "--image-path", str(image), "--work-path", str(image),
                                 "--bundle", str(bundle), new], env=ways[way], check=True,
@@ -148,12 +166,19 @@ def _containers(work: Path, n: int, ways: dict[str, dict[str, str]]) -> None:
                 if r:
                     times.setdefault(("runc checkpoint", way), []).append(dumped)
                     times.setdefault(("runc restore", way), []).append(restored)
+                    times.setdefault(("apart", way), []).extend(b - a for a, b in itertools.pairwise(starts))
     finally:
         subprocess.run([*runc, "delete", "--force", base], check=False)
     print(f"a busybox container under runc, median of {n} each, alternated:")
     for call in ("runc checkpoint", "runc restore"):
         mine, theirs = (statistics.median(times[(call, w)]) * 1000 for w in ways)
         print(f"  {call:16} launcher {mine:6.1f} ms, GNU tar {theirs:6.1f} ms: {mine / theirs:.2f}x")
+    calls = len(times[("apart", "launcher")]) // n + 1
+    apart = [statistics.median(times[("apart", w)]) * 1000 for w in ways]
+    print(
+        f"  tar calls in a checkpoint: {calls}, started a median {apart[0]:.1f} ms apart with the launcher doing "
+        f"them, {apart[1]:.1f} ms through GNU tar"
+    )
 
 
 def main() -> None:

@@ -41,8 +41,6 @@ def derive(row: dict[str, Any]) -> dict[str, Any]:
         if ag.get("freeze_s") is None or raw.get("dump_s") is None
         else ag["freeze_s"] <= 1.1 * raw["dump_s"] + 0.030,
         "freeze_vs_runc_checkpoint": _r(ag.get("freeze_s"), ag.get("runc_checkpoint_s")),
-        "freeze_vs_gnu_tar": _r(ag.get("freeze_s"), ag.get("freeze_gnu_tar_s")),
-        "pushed_vs_gnu_tar": _r(ag.get("pushed_s"), ag.get("pushed_gnu_tar_s")),
         "serial_bound_s": serial,
         "pushed_vs_serial_bound": _r(ag.get("pushed_s"), serial),
         "pushed_internal_vs_serial_bound": _r(ag.get("pushed_internal_s"), serial),
@@ -161,8 +159,6 @@ def _freeze(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dic
         _fmt(d["freeze_vs_runc_checkpoint"]),
         _verdict(d["freeze_vs_runc_goal_met"]),
         _ms(raw.get("dump_s")),
-        f"{_fmt(d['freeze_vs_gnu_tar'])} ({_ms(ag.get('freeze_s'))} / {_ms(ag.get('freeze_gnu_tar_s'))}); "
-        f"checkpoint->pushed {_fmt(d['pushed_vs_gnu_tar'])}",
     ]
 
 
@@ -280,14 +276,11 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         "The freeze against a second reference: `runc checkpoint --leave-running` of the same container, run "
         "directly (CRIU under runc with the container's namespaces, mounts and cgroups; no containerd, no pause, "
-        "no rootfs diff). Last, the freeze and checkpoint->pushed against the same checkpoints with every `tar` "
-        "call CRIU makes for the container's tmpfs mounts run by GNU tar (KUBECTL_SNAPSHOT_NATIVE_TAR=0, a "
-        "second agent, alternated) instead of by the node bundle's launcher itself (bench/criu_tar.py).",
+        "no rootfs diff).",
         "",
     ]
     freeze_header = ["freeze", "runc checkpoint of the same container", "freeze / runc checkpoint",
-                     "goal <=1.1x+10ms", "raw criu dump of the host process",
-                     "vs CRIU's tmpfs tar calls by GNU tar"]  # fmt: skip
+                     "goal <=1.1x+10ms", "raw criu dump of the host process"]  # fmt: skip
     lines += _table(result, freeze_header, _freeze)
     lines += [
         "",

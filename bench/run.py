@@ -282,7 +282,6 @@ def _build_launcher(dest: Path) -> bool:
 
 
 NATIVE_TAR_ENV = "KUBECTL_SNAPSHOT_NATIVE_TAR"
-NO_NATIVE_TAR = {NATIVE_TAR_ENV: "0"}
 
 
 def criu_tar(work: Path) -> str:
@@ -295,7 +294,8 @@ def criu_tar(work: Path) -> str:
     tar = work / "bin" / "tar"
     if gnu is None or not _build_launcher(tar):
         return "the host's GNU tar (no Go to build the launcher)"
-    Path(f"{tar}.launch").write_text(json.dumps({"argv": [gnu], "gzipFilter": True}))
+    # its record of each call, as install-node configures it
+    Path(f"{tar}.launch").write_text(json.dumps({"argv": [gnu], "gzipFilter": True, "log": str(work / "tar.launches")}))
     os.environ["PATH"] = f"{tar.parent}:{os.environ.get('PATH', '')}"
     native = "off: GNU tar behind it" if os.environ.get(NATIVE_TAR_ENV) == "0" else "on"
     return f"the node bundle's launcher, tmpfs trees in-process {native}"
@@ -394,19 +394,12 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
 
 
 def agent_checkpoint(
-    daemon: ContainerdDaemon,
-    ref: str,
-    cid: str,
-    *,
-    page_deltas: bool = True,
-    agent_socket: str = "none",
-    extra_env: dict[str, str] | None = None,
+    daemon: ContainerdDaemon, ref: str, cid: str, *, page_deltas: bool = True, agent_socket: str = "none"
 ) -> tuple[float, dict[str, Any]]:
     """`ks-agent checkpoint`'s wall time and JSON: served by the node's agent on `agent_socket` (see
-    served_agent; `extra_env` as that agent has it), or standalone ("none")."""
+    served_agent), or standalone ("none")."""
     t = time.monotonic()
-    env = {**os.environ, C.ENV_PAGE_DELTAS: "1" if page_deltas else "0", **(extra_env or {})}
-    env[localapi.SOCKET_ENV] = agent_socket
+    env = {**os.environ, C.ENV_PAGE_DELTAS: "1" if page_deltas else "0", localapi.SOCKET_ENV: agent_socket}
     proc = sh([AGENT, "checkpoint", "-a", daemon.address, "-n", daemon.namespace, "-o", "json", "--to", ref, cid],
               env=env)  # fmt: skip
     return time.monotonic() - t, json.loads(proc.stdout)
@@ -498,7 +491,6 @@ def measure_agent(
     os.environ.update(signing_env())  # the agent signs each snapshot and verifies it before a restore, as in use
     freeze, pushed, internal, sizes, restores, runc_dumps = [], [], [], [], [], []
     pushed_plain, internal_plain = [], []  # full saves without page hashing (no page deltas), alternated
-    freeze_gnu, pushed_gnu = [], []  # CRIU's tmpfs tar calls all run by GNU tar (NATIVE_TAR=0), alternated
     restores_internal: list[float] = []
     breakdowns: list[dict[str, Any]] = []
     ckpt_breakdowns: list[dict[str, Any]] = []  # the served checkpoints' own timings, + the wall time
@@ -516,9 +508,6 @@ def measure_agent(
         # restores whose hooks wait for all of the data before `runc restore` (one-phase gates), alternated
         one_phase = ServedAgent(daemon, {C.ENV_EARLY_RESTORE: "0"})
         stack.callback(one_phase.close)
-        # checkpoints whose CRIU has GNU tar do every tmpfs mount's tar call (criu_tar), alternated
-        gnu_tar = ServedAgent(daemon, NO_NATIVE_TAR)
-        stack.callback(gnu_tar.close)
         cid, ctl = stack.enter_context(container(daemon, mib, kind))
         ref = ""
 
@@ -543,10 +532,6 @@ def measure_agent(
             if i:
                 pushed_plain.append(wall)
                 internal_plain.append(res["timingsMs"]["total_ms"] / 1000)
-            wall, res = agent_checkpoint(daemon, new_ref(), cid, agent_socket=gnu_tar.socket, extra_env=NO_NATIVE_TAR)
-            if i:
-                freeze_gnu.append(res["timingsMs"]["freeze_ms"] / 1000)
-                pushed_gnu.append(wall)
             if bound is not None:
                 bound.checkpoint(keep=i > 0)
         if served.served("checkpoint") != runs + 1:
@@ -623,8 +608,6 @@ def measure_agent(
     out.update(
         freeze_s=med(freeze),
         runc_checkpoint_s=med(runc_dumps),
-        freeze_gnu_tar_s=med(freeze_gnu),
-        pushed_gnu_tar_s=med(pushed_gnu),
         pushed_s=med(pushed),
         pushed_standalone_s=med(pushed_alone),
         pushed_internal_s=med(internal),
