@@ -26,16 +26,7 @@ func TestExecKeepsTheProcessVisible(t *testing.T) {
 		t.Skip("no /bin/sleep")
 	}
 	dir := t.TempDir()
-	launcher := filepath.Join(dir, "criu")
-	build := exec.Command("go", "build", "-o", launcher, ".")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
-	conf, _ := json.Marshal(config{Argv: []string{target}, Log: filepath.Join(dir, "launches")})
-	if err := os.WriteFile(launcher+".launch", conf, 0o644); err != nil {
-		t.Fatal(err)
-	}
+	launcher := buildLauncher(t, filepath.Join(dir, "criu"), config{Argv: []string{target}, Log: filepath.Join(dir, "launches")})
 	devnull, err := os.Open(os.DevNull)
 	if err != nil {
 		t.Fatal(err)
@@ -47,6 +38,21 @@ func TestExecKeepsTheProcessVisible(t *testing.T) {
 			t.Fatalf("run %d of %d: %v", i+1, runs, err)
 		}
 	}
+}
+
+// buildLauncher builds the launcher at path with its launch configuration beside it.
+func buildLauncher(t *testing.T, path string, c config) string {
+	t.Helper()
+	build := exec.Command("go", "build", "-o", path, ".")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("go build: %v\n%s", err, out)
+	}
+	conf, _ := json.Marshal(c)
+	if err := os.WriteFile(path+".launch", conf, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	return path
 }
 
 // startAndPoll starts the launcher and reads /proc/PID/fd/0 until the process has exec'd `target`.

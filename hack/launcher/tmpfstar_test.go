@@ -5,7 +5,6 @@ import (
 	"bytes"
 	"compress/gzip"
 	"crypto/rand"
-	"encoding/json"
 	"fmt"
 	"io"
 	"os"
@@ -37,24 +36,9 @@ func tarLaunchers(t *testing.T) (native, gnu string) {
 		t.Skip("no GNU tar")
 	}
 	dir := t.TempDir()
-	bin := filepath.Join(dir, "launcher")
-	build := exec.Command("go", "build", "-o", bin, ".")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("go build: %v\n%s", err, out)
-	}
-	for name, argv := range map[string]string{"native": "/bin/false", "gnu": gnuTar} {
-		path := filepath.Join(dir, name)
-		raw, _ := os.ReadFile(bin)
-		if err := os.WriteFile(path, raw, 0o755); err != nil {
-			t.Fatal(err)
-		}
-		conf, _ := json.Marshal(config{Argv: []string{argv}, GzipFilter: true})
-		if err := os.WriteFile(path+".launch", conf, 0o644); err != nil {
-			t.Fatal(err)
-		}
-	}
-	return filepath.Join(dir, "native"), filepath.Join(dir, "gnu")
+	native = buildLauncher(t, filepath.Join(dir, "native"), config{Argv: []string{"/bin/false"}, GzipFilter: true})
+	gnu = buildLauncher(t, filepath.Join(dir, "gnu"), config{Argv: []string{gnuTar}, GzipFilter: true})
+	return native, gnu
 }
 
 func tmpfs(t *testing.T, options string) string {

@@ -233,6 +233,15 @@ def run_and_checkpoint(wire: Path, hook: str, bundle: Path, tmp_path: Path, old:
     assert proc.returncode == 0, proc.stdout + proc.stderr + _log(staged / "dump.log")
 
 
+def create_and_start(wire: Path, hook: str, bundle: Path, tmp_path: Path, new: str) -> subprocess.CompletedProcess[str]:
+    """Create (the restore) and start `new` through `hook`; prints the restored process's name."""
+    return masked(
+        wire,
+        f"{hook} create --bundle {bundle} --pid-file {tmp_path}/new.pid {new} </dev/null >/dev/null 2>&1 && "
+        f"{hook} start {new} && cat /proc/$(cat {tmp_path}/new.pid)/comm",
+    )
+
+
 def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, tripwire: Path, tmp_path: Path) -> None:
     counter, bundle, root = counter_bundle(tmp_path)
     old, new = f"nb-old-{os.getpid()}", f"nb-new-{os.getpid()}"
@@ -254,11 +263,7 @@ def test_checkpoint_and_restore_through_the_installed_hook(node: NodeSettings, t
     try:
         run_and_checkpoint(tripwire, hook, bundle, tmp_path, old, Path(staged))
         value = int((counter / "n").read_text())
-        proc = masked(
-            tripwire,
-            f"{hook} create --bundle {bundle} --pid-file {tmp_path}/new.pid {new} </dev/null >/dev/null 2>&1 && "
-            f"{hook} start {new} && cat /proc/$(cat {tmp_path}/new.pid)/comm",
-        )
+        proc = create_and_start(tripwire, hook, bundle, tmp_path, new)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.strip() == "sh"  # the restored loop, not a fresh container
         # the restored container owns its network namespace: the hook brought its lo up (in-process)
@@ -307,11 +312,7 @@ def test_the_containers_tmpfs_mounts_go_without_gnu_tar(node: NodeSettings, trip
     try:
         run_and_checkpoint(tripwire, hook, bundle, tmp_path, old, Path(staged))
         value = int((counter / "n").read_text())
-        proc = masked(
-            tripwire,
-            f"{hook} create --bundle {bundle} --pid-file {tmp_path}/new.pid {new} </dev/null >/dev/null 2>&1 && "
-            f"{hook} start {new} && cat /proc/$(cat {tmp_path}/new.pid)/comm",
-        )
+        proc = create_and_start(tripwire, hook, bundle, tmp_path, new)
         assert proc.returncode == 0, proc.stdout + proc.stderr + "\n".join(tripped(tripwire))
         assert proc.stdout.strip() == "sh"
         time.sleep(1)
