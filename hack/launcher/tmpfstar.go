@@ -30,6 +30,7 @@ import (
 	"hash/crc32"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -51,26 +52,14 @@ func criuTarCall(args []string, getenv func(string) string) (create bool, dir st
 	}
 	dump := []string{"--create", "--gzip", "--no-unquote", "--no-wildcards", "--one-file-system", "--check-links",
 		"--preserve-permissions", "--sparse", "--numeric-owner", "--directory", "/proc/self/fd/0", "."}
-	if equal(args, dump) {
+	if slices.Equal(args, dump) {
 		return true, "/proc/self/fd/0", true
 	}
 	restore := []string{"--extract", "--gzip", "--no-unquote", "--no-wildcards", "--directory"}
-	if len(args) == len(restore)+1 && equal(args[:len(restore)], restore) && strings.HasPrefix(args[len(restore)], "/") {
+	if len(args) == len(restore)+1 && slices.Equal(args[:len(restore)], restore) && strings.HasPrefix(args[len(restore)], "/") {
 		return false, args[len(restore)], true
 	}
 	return false, "", false
-}
-
-func equal(a, b []string) bool {
-	if len(a) != len(b) {
-		return false
-	}
-	for i := range a {
-		if a[i] != b[i] {
-			return false
-		}
-	}
-	return true
 }
 
 // runCriuTar does CRIU's tar call here where the tree or the archive qualifies, else runs GNU tar
