@@ -34,12 +34,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import launcher
 
 DUMP = ["--create", "--gzip", "--no-unquote", "--no-wildcards", "--one-file-system", "--check-links",
         "--preserve-permissions", "--sparse", "--numeric-owner", "--directory", "/proc/self/fd/0", "."]  # fmt: skip
-NATIVE_ENV = "KUBECTL_SNAPSHOT_NATIVE_TAR"
 
 
 def _mount_tmpfs(path: Path, mode: str) -> None:
@@ -70,17 +72,11 @@ def _cgroup(root: Path) -> None:
 
 
 def _launcher(work: Path) -> Path:
-    go = shutil.which("go") or "/usr/local/go/bin/go"
     tar = shutil.which("tar")
-    if not os.path.exists(go) or tar is None:
-        sys.exit("error: needs Go (to build hack/launcher) and GNU tar")
     out = work / "bin" / "tar"
-    out.parent.mkdir(parents=True)
-    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
-    repo = Path(__file__).resolve().parent.parent
-    subprocess.run([go, "build", "-trimpath", "-o", str(out), "."], cwd=repo / "hack/launcher", env=env, check=True)
-    # "log": the launcher records each call's start (pid, time), what --containers reads
-    Path(f"{out}.launch").write_text(json.dumps({"argv": [tar], "gzipFilter": True, "log": str(work / "launches")}))
+    # its record of each call's start (pid, time), what --containers reads
+    if tar is None or not launcher.build_tar(out, tar, work / "launches"):
+        sys.exit("error: needs Go (to build hack/launcher) and GNU tar")
     return out
 
 
@@ -130,11 +126,7 @@ def _starts(log: Path) -> list[float]:
     """The launcher's records: when each call started (POSIX time)."""
     if not log.exists():
         return []
-    out = []
-    for line in log.read_text().splitlines():
-        head, _, frac = json.loads(line)["time"].rstrip("Z").partition(".")
-        out.append(datetime.fromisoformat(head).replace(tzinfo=UTC).timestamp() + float("0." + (frac or "0")))
-    return out
+    return [launcher.launch_time(json.loads(line)["time"]) for line in log.read_text().splitlines()]
 
 
 def _containers(work: Path, n: int, ways: dict[str, dict[str, str]]) -> None:
@@ -191,7 +183,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kscriutar-", dir="/var/tmp"))
     mounts: list[Path] = []
     try:
-        launcher = _launcher(work)
+        tar = _launcher(work)
         trees: dict[str, Path] = {}
         for name, fill in (("/dev", _dev), ("cgroup tmpfs", _cgroup), ("empty", None)):
             root = work / f"src-{len(trees)}"
@@ -200,7 +192,8 @@ def main() -> None:
             if fill is not None:
                 fill(root)
             trees[name] = root
-        ways = {"launcher": {**os.environ, NATIVE_ENV: "1"}, "GNU tar": {**os.environ, NATIVE_ENV: "0"}}
+        env_of = launcher.NATIVE_TAR_ENV
+        ways = {"launcher": {**os.environ, env_of: "1"}, "GNU tar": {**os.environ, env_of: "0"}}
         times: dict[tuple[str, str, str], list[float]] = {}
         dst = work / "dst"
         _mount_tmpfs(dst, "700")
@@ -210,10 +203,10 @@ def main() -> None:
                 env = ways[way]
                 for name, root in trees.items():
                     image = work / "image"
-                    times.setdefault((name, "dump", way), []).append(_dump(launcher, root, image, env))
+                    times.setdefault((name, "dump", way), []).append(_dump(tar, root, image, env))
                     subprocess.run(["umount", str(dst)], check=True)
                     _mount_tmpfs(dst, "700")
-                    times.setdefault((name, "restore", way), []).append(_restore(launcher, image, dst, env))
+                    times.setdefault((name, "restore", way), []).append(_restore(tar, image, dst, env))
         print(f"median of {a.rounds} calls each, alternated (wall time of the call as CRIU makes it):")
         for name in trees:
             for call in ("dump", "restore"):
@@ -221,7 +214,7 @@ def main() -> None:
                 theirs = statistics.median(times[(name, call, "GNU tar")]) * 1000
                 print(f"  {name:13} {call:8} launcher {mine:6.2f} ms, GNU tar {theirs:6.2f} ms: {mine / theirs:.2f}x")
         if a.containers:
-            path = f"{launcher.parent}:{os.environ.get('PATH', '')}"
+            path = f"{tar.parent}:{os.environ.get('PATH', '')}"
             _containers(work, a.containers, {w: {**e, "PATH": path} for w, e in ways.items()})
     finally:
         for m in reversed(mounts):

@@ -43,13 +43,12 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import criulog, pagediff, report
+from bench import criulog, launcher, pagediff, report
 from bench.throttle import LinkedRegistry, ThrottledLink
 from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
@@ -270,20 +269,6 @@ def container(daemon: ContainerdDaemon, mib: int, kind: str, ctl_dir: Path | Non
             shutil.rmtree(ctl, ignore_errors=True)
 
 
-def _build_launcher(dest: Path) -> bool:
-    go = shutil.which("go") or "/usr/local/go/bin/go"
-    if not os.path.exists(go):
-        return False
-    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    repo = Path(__file__).resolve().parent.parent
-    sh([go, "build", "-trimpath", "-o", str(dest), "."], cwd=repo / "hack/launcher", env=env)
-    return True
-
-
-NATIVE_TAR_ENV = "KUBECTL_SNAPSHOT_NATIVE_TAR"
-
-
 def criu_tar(work: Path) -> str:
     """CRIU's `tar` as the node bundle has it (hack/launcher as ``bin/tar``, first in CRIU's PATH): the
     launcher archives and extracts the containers' small tmpfs trees itself and runs GNU tar (here the
@@ -292,12 +277,10 @@ def criu_tar(work: Path) -> str:
     Returns what the results say about it."""
     gnu = shutil.which("tar")
     tar = work / "bin" / "tar"
-    if gnu is None or not _build_launcher(tar):
+    if gnu is None or not launcher.build_tar(tar, gnu, work / "tar.launches"):
         return "the host's GNU tar (no Go to build the launcher)"
-    # its record of each call, as install-node configures it
-    Path(f"{tar}.launch").write_text(json.dumps({"argv": [gnu], "gzipFilter": True, "log": str(work / "tar.launches")}))
     os.environ["PATH"] = f"{tar.parent}:{os.environ.get('PATH', '')}"
-    native = "off: GNU tar behind it" if os.environ.get(NATIVE_TAR_ENV) == "0" else "on"
+    native = "off: GNU tar behind it" if os.environ.get(launcher.NATIVE_TAR_ENV) == "0" else "on"
     return f"the node bundle's launcher, tmpfs trees in-process {native}"
 
 
@@ -306,15 +289,12 @@ def runtime_hook(work: Path) -> str:
     hook's zipapp (hack/build-wrapper-pyz.py) on a bare ``python3 -I -S``; the launcher passes runc's
     plain calls (start, state, kill, delete) on without starting Python. Falls back to the hook alone
     (ks-runc in this venv) where Go or the host's python3 is missing."""
-    go = shutil.which("go") or "/usr/local/go/bin/go"
-    if not os.path.exists(go) or not os.path.exists(HOST_PY):
-        print("[bench] no Go or python3: the runtime hook runs without its launcher", file=sys.stderr)
-        return WRAPPER
     repo = Path(__file__).resolve().parent.parent
     hook = work / "hook"
-    hook.mkdir(parents=True, exist_ok=True)
-    launcher, pyz = hook / "kubectl-snapshot-runc", hook / "kubectl-snapshot-runc.pyz"
-    _build_launcher(launcher)
+    hook_launcher, pyz = hook / "kubectl-snapshot-runc", hook / "kubectl-snapshot-runc.pyz"
+    if not os.path.exists(HOST_PY) or not launcher.build(hook_launcher):
+        print("[bench] no Go or python3: the runtime hook runs without its launcher", file=sys.stderr)
+        return WRAPPER
     sh([HOST_PY, str(repo / "hack/build-wrapper-pyz.py"), str(pyz)])
     config = {
         "argv": [HOST_PY, "-I", "-S", "-B", str(pyz)],
@@ -327,19 +307,13 @@ def runtime_hook(work: Path) -> str:
         },
         "runcHook": True,
     }
-    Path(f"{launcher}.launch").write_text(json.dumps(config))
-    return str(launcher)
+    Path(f"{hook_launcher}.launch").write_text(json.dumps(config))
+    return str(hook_launcher)
 
 
 LAUNCHES, TRACES = "launches.jsonl", "traces.jsonl"
 RESTORE_LOG = TRACES + ".restore.log"  # CRIU's restore.log, kept by the traced hook (runc_wrapper.trace_copy)
 _CREATE_PHASES = {"started", "image-check", "rootfs-diff", "runc-restore", "after-restore"}
-
-
-def _launch_time(stamp: str) -> float:
-    """The launcher's RFC 3339 time (nanoseconds, Z) as a POSIX time."""
-    head, _, frac = stamp.rstrip("Z").partition(".")
-    return datetime.fromisoformat(head).replace(tzinfo=UTC).timestamp() + float("0." + (frac or "0"))
 
 
 def hook_breakdown(hook: Path) -> dict[str, Any] | None:
@@ -365,7 +339,7 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
         calls[command] = calls.get(command, 0) + 1
         ph = traces.get(int(entry["pid"]), {})
         if command == "create" and ph.keys() >= _CREATE_PHASES:
-            begun = _launch_time(entry["time"])
+            begun = launcher.launch_time(entry["time"])
             out["python_startup_ms"] = (ph["started"] - begun) * 1000
             out["image_check_ms"] = (ph["rootfs-diff"] - ph["image-check"]) * 1000
             if int(entry["pid"]) in decoded:

@@ -126,7 +126,7 @@ func tmpfsArchive(dir string) ([]byte, error) {
 }
 
 // storedGzip is data as one gzip member of stored (uncompressed) deflate blocks: a few KiB of headers
-// need no compressor, whose state (~740 KiB, whatever the level) costs a fresh process more than the
+// need no compressor, whose state (hundreds of KiB at any level) costs a fresh process more than the
 // bytes saved; the snapshot's layer compresses the images anyway. Any gzip reader takes it.
 func storedGzip(data []byte) []byte {
 	sum, size := crc32.ChecksumIEEE(data), uint32(len(data))
