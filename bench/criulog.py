@@ -27,8 +27,9 @@ def span(log: str) -> float | None:
 
 
 def action_wait(log: str, action: str) -> float | None:
-    """Seconds CRIU spent in its action scripts for `action` ("Running <action> scripts" to the next
-    line after the scripts' own lines); None when it did not run that action."""
+    """Seconds CRIU spent on `action`: its RPC notification's answer (held at the pages gate by the node
+    bundle's launcher, hack/launcher/criurelay.go) and any action script ("Running <action> scripts" to
+    the next line after those lines); None when it did not run that action."""
     lines = stamps(log)
     for i, (t, text) in enumerate(lines):
         if text == f"Running {action} scripts":

@@ -356,7 +356,7 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
         criu = criulog.span(log)
         if criu is not None:  # runc restore = CRIU (its log's first to last line) + runc around it
             out["criu_restore_log_ms"] = criu * 1000
-            # an early restore: CRIU waited at the pages gate (its action script) for the page files
+            # an early restore: CRIU waited at the pages gate (runc's answer, held by the relay) for the page files
             waited = criulog.action_wait(log, "post-setup-namespaces")
             if waited is not None:
                 out["criu_pages_wait_ms"] = waited * 1000

@@ -17,7 +17,8 @@ creates its containers while their data still downloads: the ``create`` of a con
 agent gated (shim/engine/staging.py, "the staging gate") waits until the agent says the staged data is
 complete, and refuses to run anything if staging failed or the agent let go; once the agent says that
 all but the page files is staged it starts ``runc restore``, whose CRIU waits for the page files after the
-namespaces and mounts (early_restore_env; staging.py "two phases"). A restored pod's containers
+namespaces and mounts (early_restore_env: the node bundle's launcher relays runc's RPC socket to CRIU and
+holds the restore there; staging.py "two phases"). A restored pod's containers
 wait the same way at their pod gates (pod uid + container name); a resuming pod's (its resume annotation,
 which containerd passes for the handler's ``pod_annotations``) also wait for the agent to take them up.
 """
@@ -60,9 +61,9 @@ ANN_CONTAINER_TYPE = "io.kubernetes.cri.container-type"
 
 TRACE_ENV = "KUBECTL_SNAPSHOT_HOOK_TRACE"
 LAUNCHER_ENV = "KUBECTL_SNAPSHOT_LAUNCHER"  # set by the node bundle's launcher: its own path (hack/launcher)
-PAGES_GATE_ENV = "KUBECTL_SNAPSHOT_PAGES_GATE"  # read by the launcher as CRIU's action script (pagesgate.go)
+PAGES_GATE_ENV = "KUBECTL_SNAPSHOT_PAGES_GATE"  # read by the launcher as runc's CRIU relay (pagesgate.go)
 PAGES_DEADLINE_ENV = "KUBECTL_SNAPSHOT_PAGES_DEADLINE"
-CRIU_CONFIG_ENV = "CRIU_CONFIG_FILE"  # CRIU reads it at start-up, also as runc's `criu swrk`
+RELAY_CRIU_ENV = "KUBECTL_SNAPSHOT_RELAY_CRIU"  # the CRIU the launcher relays runc's socket to (criurelay.go)
 FAILURE_ANSWER_WAIT_S = 2.0  # an early restore that failed: how long to wait for the agent to say why
 CRIU_RESTORE_OUTPUTS = (C.RESTORE_LOG_FILE, "stats-restore")  # what CRIU writes into its --work-path
 
@@ -158,9 +159,10 @@ def parse_create(args: Sequence[str]) -> CreateArgs:
     return CreateArgs(positional[0], bundle, values.get("--pid-file"), values.get("--console-socket"), flags)
 
 
-def with_criu(global_args: Sequence[str]) -> list[str]:
-    """runc's global options with ``--criu`` set to the installed CRIU (when the launcher names one)."""
-    criu = os.environ.get("KUBECTL_SNAPSHOT_CRIU")
+def with_criu(global_args: Sequence[str], criu: str | None = None) -> list[str]:
+    """runc's global options with ``--criu`` set to `criu`, or else to the installed CRIU (when the
+    launcher names one)."""
+    criu = criu or os.environ.get("KUBECTL_SNAPSHOT_CRIU")
     out = list(global_args)
     if not criu:
         return out
@@ -230,11 +232,33 @@ def find_staged(paths: StatePaths, container_id: str, spec: dict[str, Any]) -> s
     return None
 
 
-def restore_command(runc: str, inv: Invocation, create: CreateArgs, staged: str) -> list[str]:
+def runc_criu(global_args: Sequence[str]) -> str | None:
+    """The CRIU runc would run (the installed one, runc's own ``--criu``, or ``criu`` in PATH) as an
+    absolute path; None when there is none."""
+    args = with_criu(global_args)
+    name = "criu"
+    for i, arg in enumerate(args):
+        if arg == "--criu" and i + 1 < len(args):
+            name = args[i + 1]
+            break
+        if arg.startswith("--criu="):
+            name = arg[len("--criu=") :]
+            break
+    dirs = [""] if "/" in name else os.environ.get("PATH", "").split(os.pathsep)
+    for d in dirs:
+        path = os.path.join(d, name)
+        if os.path.isabs(path) and os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def restore_command(runc: str, inv: Invocation, create: CreateArgs, staged: str, criu: str | None = None) -> list[str]:
+    """`runc restore` for `create`; `criu`: runc's CRIU, if not the installed one (the relay of an early
+    restore)."""
     options: dict[str, bool] = {}
     with contextlib.suppress(OSError, ValueError), open(os.path.join(staged, C.DUMP_OPTIONS_FILE)) as f:
         options = json.load(f)
-    cmd = [runc, *with_criu(inv.global_args), "restore", "--detach"]
+    cmd = [runc, *with_criu(inv.global_args, criu), "restore", "--detach"]
     cmd += ["--image-path", os.path.join(staged, C.CHECKPOINT_DIRECTORY), "--work-path", staged]
     cmd += ["--bundle", create.bundle]
     if create.pid_file:
@@ -382,7 +406,7 @@ def _restore(
             msg = f"refusing to restore: the snapshot's layer holds {name} ({e.strerror})"
             _log_error(inv, msg)
             return 1, msg
-    env, late = restore_env(paths, staged, pages)
+    env, late = restore_env(staged, pages, inv.global_args)
     if late is not None:
         msg = f"refusing to restore: {late}"
         _log_error(inv, msg)
@@ -392,11 +416,12 @@ def _restore(
     from shim import rcu  # CRIU's mount namespaces wait for RCU grace periods: expedited meanwhile
 
     with rcu.expedited(paths.root):
-        returncode = run_waited(restore_command(runc, inv, create, staged), env)
+        relay = env.get(LAUNCHER_ENV) if env is not None else None  # an early restore: runc's CRIU is the relay
+        returncode = run_waited(restore_command(runc, inv, create, staged, relay), env)
     trace("after-restore")
     if returncode != 0:
         failed = pages.failure(wait_s=FAILURE_ANSWER_WAIT_S) if pages is not None else None
-        if failed is not None:  # CRIU's action script aborted the restore: staging failed meanwhile
+        if failed is not None:  # the relay aborted the restore at the gate: staging failed meanwhile
             msg = f"refusing to restore: {failed}"
             _log_error(inv, msg)
             return returncode, msg
@@ -454,28 +479,33 @@ def run_waited(cmd: list[str], env: dict[str, str] | None) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def restore_env(paths: StatePaths, staged: str, pages: PendingPages | None) -> tuple[dict[str, str] | None, str | None]:
+def restore_env(
+    staged: str, pages: PendingPages | None, global_args: Sequence[str] = ()
+) -> tuple[dict[str, str] | None, str | None]:
     """(the environment for `runc restore`, None: the hook's own; why not to restore, or None). With the
-    page files still to come, CRIU waits for them at its action script where it can (early_restore_env);
-    where it cannot, or where the agent has answered already (no action script to pay for), the hook
-    waits here first."""
+    page files still to come, CRIU waits for them at the launcher's relay where it can (early_restore_env);
+    where it cannot, or where the agent has answered already, the hook waits here first."""
     if pages is None:
         return None, None
-    env = None if pages.settled() else early_restore_env(paths, staged, pages)
-    if env is None:  # no action script for CRIU: the page files first, then `runc restore`
+    env = None if pages.settled() else early_restore_env(staged, pages, global_args)
+    if env is None:  # no relay: the page files first, then `runc restore`
         return None, pages.wait()
     return env, None
 
 
-def early_restore_env(paths: StatePaths, staged: str, pages: PendingPages) -> dict[str, str] | None:
-    """The environment for a `runc restore` started before the page files are in place: CRIU (runc's
-    `criu swrk` inherits it) reads CRIU_CONFIG_FILE, whose one line names the node bundle's launcher as
-    its action script, which waits at the pages gate at "post-setup-namespaces", after the namespaces
-    and mounts and before any page file is opened (hack/launcher/pagesgate.go). None (wait here
-    first) without the launcher, where the operator set CRIU_CONFIG_FILE, or where CRIU would read page
-    files earlier: the SysV shared memory of an IPC namespace is filled while it is restored."""
+def early_restore_env(staged: str, pages: PendingPages, global_args: Sequence[str] = ()) -> dict[str, str] | None:
+    """The environment for a `runc restore` started before the page files are in place, whose CRIU is the
+    node bundle's launcher (LAUNCHER_ENV, given to runc as ``--criu``): it starts the real CRIU
+    (RELAY_CRIU_ENV) and relays runc's RPC socket to it, holding the restore at "post-setup-namespaces",
+    after the namespaces and mounts and before any page file is opened, until the agent answers on the
+    pages gate (hack/launcher/criurelay.go). None (wait here first) without the launcher, without a CRIU
+    to relay to, or where CRIU would read page files earlier: the SysV shared memory of an IPC
+    namespace is filled while it is restored."""
     launcher = os.environ.get(LAUNCHER_ENV, "")
-    if not os.path.isabs(launcher) or not os.access(launcher, os.X_OK) or os.environ.get(CRIU_CONFIG_ENV):
+    if not os.path.isabs(launcher) or not os.access(launcher, os.X_OK):
+        return None
+    criu = runc_criu(global_args)
+    if criu is None:
         return None
     try:
         names = os.listdir(os.path.join(staged, C.CHECKPOINT_DIRECTORY))
@@ -483,31 +513,12 @@ def early_restore_env(paths: StatePaths, staged: str, pages: PendingPages) -> di
         return None
     if any(n.startswith("ipcns-shm-") for n in names):
         return None
-    try:
-        conf = _action_config(paths, launcher)
-    except OSError:
-        return None
     return {
         **os.environ,
-        CRIU_CONFIG_ENV: conf,
+        RELAY_CRIU_ENV: criu,
         PAGES_GATE_ENV: pages.gate,
         PAGES_DEADLINE_ENV: f"{pages.deadline:.3f}",
     }
-
-
-def _action_config(paths: StatePaths, launcher: str) -> str:
-    """The CRIU configuration naming `launcher` as its action script, in the agent's state dir (written
-    when it differs; by rename, so a concurrent hook never reads half of it)."""
-    path = os.path.join(paths.root, "criu-early-restore.conf")
-    text = f"action-script {launcher}\n"
-    with contextlib.suppress(OSError), open(path) as f:
-        if f.read() == text:
-            return path
-    tmp = f"{path}.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-    return path
 
 
 def remove_detached(path: str) -> None:

@@ -22,9 +22,10 @@
 // kill, exec, start, delete) goes to runc here, with the installed CRIU, without starting Python; the
 // start of a restored container (its marker under the state dir) succeeds here, as the hook's would;
 // create, and anything unexpected, goes to the hook. See runcPassthrough. The hook learns the launcher's
-// path (KUBECTL_SNAPSHOT_LAUNCHER), which it names as CRIU's action script when it starts a restore
-// before the page files are complete: run by CRIU without arguments, the launcher waits at the
-// restore's pages gate (pagesgate.go).
+// path (KUBECTL_SNAPSHOT_LAUNCHER), which it gives runc as its CRIU when it starts a restore before the
+// page files are complete: run by runc as `swrk 3` with KUBECTL_SNAPSHOT_RELAY_CRIU set, the launcher
+// starts that CRIU and relays runc's RPC socket to it, holding the restore at its pages gate
+// (criurelay.go, pagesgate.go).
 package main
 
 import (
@@ -95,8 +96,8 @@ func record(path string, args []string) {
 }
 
 func main() {
-	if isCriuAction(os.Args[1:], os.Getenv) {
-		runCriuAction() // CRIU's action script of an early restore (pagesgate.go): no launch configuration
+	if isCriuRelay(os.Args[1:], os.Getenv) {
+		runCriuRelay(os.Args[1:], os.Getenv) // runc's CRIU of an early restore (criurelay.go): no launch configuration
 	}
 	self, err := os.Executable()
 	if err != nil {
@@ -138,7 +139,7 @@ func main() {
 		record(c.Log, os.Args[1:])
 	}
 	if c.RuncHook {
-		// the hook names this launcher as CRIU's action script of an early restore (pagesgate.go)
+		// the hook gives runc this launcher as its CRIU for an early restore (criurelay.go)
 		env = append(withoutKey(env, launcherEnv), launcherEnv+"="+self)
 		if runc, args, ok := runcPassthrough(os.Args[1:], lookup(env)); ok {
 			if runc == "" {

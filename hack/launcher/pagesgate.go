@@ -10,39 +10,23 @@ import (
 	"time"
 )
 
-// The pages gate, as a CRIU action script (shim/engine/staging.py, "two phases").
-//
-// A restore whose CRIU images are staged but whose page files are still downloading runs `runc restore`
-// at once: the runtime hook hands CRIU (through runc's environment: CRIU_CONFIG_FILE) a configuration
-// whose only line is `action-script <this launcher>`. CRIU runs its action scripts with no arguments and
-// CRTOOLS_SCRIPT_ACTION set; at "post-setup-namespaces" (the container's namespaces and mounts are
-// restored, no page file is open yet) this waits until the agent lets go of the gate's pages lock
-// (KUBECTL_SNAPSHOT_PAGES_GATE) and exits 0 only if the agent answered that the page files are
-// complete. Any other answer, no answer (the agent died), or the deadline
-// (KUBECTL_SNAPSHOT_PAGES_DEADLINE, POSIX seconds) exits non-zero: CRIU then aborts the restore and
-// kills what it restored so far, so the container is never started on half its memory. Every other
-// action returns at once.
+// The pages gate (shim/engine/staging.py, "two phases"): the agent holds a lock on the gate file
+// (KUBECTL_SNAPSHOT_PAGES_GATE) while the page files of a restore download, and lets go once it has
+// written its answer beside it (<gate>.state: "ready", or "failed" and why). The relay between runc and
+// CRIU (criurelay.go) waits here before CRIU may read any page file.
 
 const (
-	actionEnv       = "CRTOOLS_SCRIPT_ACTION"
-	pagesGateEnv    = "KUBECTL_SNAPSHOT_PAGES_GATE"
-	pagesDeadline   = "KUBECTL_SNAPSHOT_PAGES_DEADLINE"
-	waitAction      = "post-setup-namespaces"
 	defaultWait     = 60 * time.Second
 	readyAnswer     = "ready"
 	maxAnswerLength = 64 << 10
 )
 
-// isCriuAction: CRIU runs action scripts without arguments, in its environment plus CRTOOLS_SCRIPT_ACTION;
-// every other role of the launcher (the runtime hook, CRIU's and tar's launchers) has arguments.
-func isCriuAction(args []string, getenv func(string) string) bool {
-	return len(args) == 0 && getenv(actionEnv) != ""
-}
-
-// criuAction returns the exit status for one CRIU action, and why it is not 0.
-func criuAction(getenv func(string) string, now func() time.Time) (int, string) {
+// waitForPages waits until the agent lets go of the gate, or the deadline (KUBECTL_SNAPSHOT_PAGES_DEADLINE,
+// POSIX seconds); it returns 0 only if the agent answered that the page files are complete, else the
+// status to fail with and why. Without a gate there is nothing to wait for.
+func waitForPages(getenv func(string) string, now func() time.Time) (int, string) {
 	gate := getenv(pagesGateEnv)
-	if getenv(actionEnv) != waitAction || gate == "" {
+	if gate == "" {
 		return 0, ""
 	}
 	deadline := now().Add(defaultWait)
@@ -97,12 +81,4 @@ func readAnswer(path string) (string, string, error) {
 	}
 	state, message, _ := strings.Cut(string(raw), "\n")
 	return state, message, nil
-}
-
-func runCriuAction() {
-	status, why := criuAction(os.Getenv, time.Now)
-	if status != 0 {
-		fmt.Fprintf(os.Stderr, "kubectl-snapshot: refusing to restore: %s\n", why)
-	}
-	os.Exit(status)
 }

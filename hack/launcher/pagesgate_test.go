@@ -33,29 +33,13 @@ func gate(t *testing.T) (path string, answer func(string), release func()) {
 
 func envOf(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
 
-func TestOnlyAnArgumentlessCallWithAnActionIsCriusScript(t *testing.T) {
-	with := envOf(map[string]string{actionEnv: "pre-restore"})
-	without := envOf(map[string]string{})
-	if !isCriuAction(nil, with) || isCriuAction([]string{"create", "c1"}, with) || isCriuAction(nil, without) {
-		t.Fatal("isCriuAction: CRIU's action script is the launcher without arguments and with CRTOOLS_SCRIPT_ACTION")
+func TestWithoutAGateThereIsNothingToWaitFor(t *testing.T) {
+	if status, why := waitForPages(envOf(map[string]string{}), time.Now); status != 0 {
+		t.Fatalf("status %d (%s)", status, why)
 	}
 }
 
-func TestOtherActionsAndRestoresWithoutAGateReturnAtOnce(t *testing.T) {
-	path, _, _ := gate(t) // held and never answered: waiting on it would block the test
-	for _, env := range []map[string]string{
-		{actionEnv: "pre-restore", pagesGateEnv: path},
-		{actionEnv: "setup-namespaces", pagesGateEnv: path},
-		{actionEnv: "post-restore", pagesGateEnv: path},
-		{actionEnv: waitAction},
-	} {
-		if status, why := criuAction(envOf(env), time.Now); status != 0 {
-			t.Fatalf("%v: status %d (%s)", env, status, why)
-		}
-	}
-}
-
-func TestPostSetupNamespacesWaitsForTheAgentsReadyAnswer(t *testing.T) {
+func TestTheGateWaitsForTheAgentsReadyAnswer(t *testing.T) {
 	path, answer, release := gate(t)
 	go func() {
 		time.Sleep(200 * time.Millisecond)
@@ -63,7 +47,7 @@ func TestPostSetupNamespacesWaitsForTheAgentsReadyAnswer(t *testing.T) {
 		release()
 	}()
 	start := time.Now()
-	status, why := criuAction(envOf(map[string]string{actionEnv: waitAction, pagesGateEnv: path}), time.Now)
+	status, why := waitForPages(envOf(map[string]string{pagesGateEnv: path}), time.Now)
 	if status != 0 {
 		t.Fatalf("status %d: %s", status, why)
 	}
@@ -76,7 +60,7 @@ func TestAFailedStagingAbortsTheRestore(t *testing.T) {
 	path, answer, release := gate(t)
 	answer("failed\nDigestMismatch: chunk sha256:ab did not match")
 	release()
-	status, why := criuAction(envOf(map[string]string{actionEnv: waitAction, pagesGateEnv: path}), time.Now)
+	status, why := waitForPages(envOf(map[string]string{pagesGateEnv: path}), time.Now)
 	if status == 0 || !strings.Contains(why, "DigestMismatch") {
 		t.Fatalf("status %d, why %q", status, why)
 	}
@@ -85,12 +69,12 @@ func TestAFailedStagingAbortsTheRestore(t *testing.T) {
 func TestAnAgentThatLetGoWithoutAnAnswerAbortsTheRestore(t *testing.T) {
 	path, _, release := gate(t)
 	release()
-	status, why := criuAction(envOf(map[string]string{actionEnv: waitAction, pagesGateEnv: path}), time.Now)
+	status, why := waitForPages(envOf(map[string]string{pagesGateEnv: path}), time.Now)
 	if status == 0 || !strings.Contains(why, "let go") {
 		t.Fatalf("status %d, why %q", status, why)
 	}
 	missing := filepath.Join(t.TempDir(), "gone.pages") // the gate itself removed
-	status, why = criuAction(envOf(map[string]string{actionEnv: waitAction, pagesGateEnv: missing}), time.Now)
+	status, why = waitForPages(envOf(map[string]string{pagesGateEnv: missing}), time.Now)
 	if status == 0 || !strings.Contains(why, "let go") {
 		t.Fatalf("status %d, why %q", status, why)
 	}
@@ -99,10 +83,10 @@ func TestAnAgentThatLetGoWithoutAnAnswerAbortsTheRestore(t *testing.T) {
 func TestTheDeadlineBoundsTheWait(t *testing.T) {
 	path, _, _ := gate(t) // never answered
 	deadline := time.Now().Add(150 * time.Millisecond)
-	env := map[string]string{actionEnv: waitAction, pagesGateEnv: path,
+	env := map[string]string{pagesGateEnv: path,
 		pagesDeadline: strconv.FormatFloat(float64(deadline.UnixNano())/1e9, 'f', 3, 64)}
 	start := time.Now()
-	status, why := criuAction(envOf(env), time.Now)
+	status, why := waitForPages(envOf(env), time.Now)
 	if status == 0 || !strings.Contains(why, "deadline") {
 		t.Fatalf("status %d, why %q", status, why)
 	}
@@ -110,7 +94,7 @@ func TestTheDeadlineBoundsTheWait(t *testing.T) {
 		t.Fatalf("waited %v past a deadline 150 ms away", waited)
 	}
 	env[pagesDeadline] = "soon"
-	if status, why := criuAction(envOf(env), time.Now); status == 0 || !strings.Contains(why, "not a time") {
+	if status, why := waitForPages(envOf(env), time.Now); status == 0 || !strings.Contains(why, "not a time") {
 		t.Fatalf("status %d, why %q", status, why)
 	}
 }

@@ -130,10 +130,11 @@ class StatePaths:
 # to download. So the agent answers IMAGES on the gate once every layer is extracted (the CRIU images,
 # the rootfs diff, the volumes: everything but the page files) and keeps a second lock, the pages gate
 # (`<gate>.pages`), until the page files are in place, then answers there. The hook checks the images and
-# starts `runc restore` at once, with CRIU's action script (the node bundle's launcher,
-# hack/launcher/pagesgate.go) waiting at the pages gate at "post-setup-namespaces", before any page file
-# is opened; CRIU aborts the restore (and kills what it restored) unless the answer there is READY. A
-# hook without that action script waits for the pages gate itself before `runc restore`.
+# starts `runc restore` at once, with the node bundle's launcher as runc's CRIU: it relays runc's RPC
+# socket to the real CRIU and holds CRIU's "post-setup-namespaces" notification, before any page file is
+# opened, at the pages gate (hack/launcher/criurelay.go); CRIU aborts the restore (and kills what it
+# restored) unless the answer there is READY. A hook without that relay waits for the pages gate itself
+# before `runc restore`.
 
 READY = "ready"
 FAILED = "failed"
@@ -170,7 +171,7 @@ class StagingGate:
 
     def answer(self, state: str, message: str = "") -> None:
         """Write the answer, then let go: the waiting hook wakes and reads it (after answer_images, at
-        the pages gate, which CRIU's action script or the hook waits at)."""
+        the pages gate, which the launcher's relay or the hook waits at)."""
         if not self.images_answered:
             _answer(self.path, self._fd, state, message)
         if self._pages_fd >= 0:
@@ -279,8 +280,8 @@ class PendingPages:
 
     def settled(self) -> bool:
         """Whether the agent has let go of the pages gate already (answered, or gone): then wait() returns
-        at once, and the hook starts `runc restore` without CRIU's action script (whose runs, one per
-        CRIU action, cost a process start each)."""
+        at once, and the hook starts `runc restore` without the relay (a process between runc and
+        CRIU)."""
         try:
             fd = os.open(self.gate, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -294,7 +295,7 @@ class PendingPages:
         return True
 
     def wait(self) -> str | None:
-        """Wait here (a hook without CRIU's action script): None once the page files are in place."""
+        """Wait here (a hook without the launcher's relay): None once the page files are in place."""
         unlocked = _wait_unlocked(self.gate, self.deadline - time.time())
         if not unlocked:
             return (
