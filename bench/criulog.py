@@ -40,6 +40,17 @@ def action_wait(log: str, action: str) -> float | None:
     return None
 
 
+def after_memory(log: str) -> float | None:
+    """Seconds from CRIU's first step after it put the memory back ("Running post-restore scripts") to its
+    last line: the steps runc is told of (post-restore, network-unlock, pre-resume, post-resume), the
+    restorer's own finish and, where CRIU runs an action script, a process per step; None without it."""
+    lines = stamps(log)
+    for t, text in lines:
+        if text == "Running post-restore scripts":
+            return lines[-1][0] - t
+    return None
+
+
 def tmpfs_mounts(log: str) -> tuple[int, float]:
     """How many tmpfs mounts CRIU restored and the seconds they took: each from its ``Mounting tmpfs @N``
     line to CRIU's next line about that mount (its contents are put back by `tar` in between)."""

@@ -193,7 +193,8 @@ def _restore_parts(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], r
         ms("runc_restore_ms")
         + (f" (CRIU's log {ms('criu_restore_log_ms')})" if b.get("criu_restore_log_ms") else "")
         + (f", of which waiting for the pages {ms('criu_pages_wait_ms')}" if "criu_pages_wait_ms" in b else "")
-        + (f", {b['criu_tmpfs_mounts']:.0f} tmpfs mounts {ms('criu_tmpfs_ms')}" if b.get("criu_tmpfs_mounts") else ""),
+        + (f", {b['criu_tmpfs_mounts']:.0f} tmpfs mounts {ms('criu_tmpfs_ms')}" if b.get("criu_tmpfs_mounts") else "")
+        + (f", after the memory {ms('criu_after_memory_ms')}" if "criu_after_memory_ms" in b else ""),
         ms("after_restore_ms"),
         _ms(raw.get("restore_s")),
         ", ".join(f"{k} {v}" for k, v in sorted(calls.items())) or "-",
@@ -291,7 +292,8 @@ def markdown(result: dict[str, Any]) -> str:
         "starts its shim and the runtime hook, whose create waits at the staging gate until all but the page files "
         "is staged (hook waited), then starts `runc restore`, whose CRIU waits for the page files after restoring "
         "the namespaces and mounts (of which waiting for the pages; and the tmpfs mounts CRIU restored, with the "
-        "time their `tar` calls took: bench/criu_tar.py); create + start is what is left after the "
+        "time their `tar` calls took: bench/criu_tar.py; and CRIU's steps after it put the memory back, from "
+        "'Running post-restore scripts' to its last line); create + start is what is left after the "
         "download. The hook's create is the restore (its "
         "launcher starting Python on the hook, the CRIU image check with the number of images it decoded itself, "
         "the rest coming from the agent's decode cache, `runc restore`, what the hook does after it: the pod's "

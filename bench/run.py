@@ -361,6 +361,11 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
             if waited is not None:
                 out["criu_pages_wait_ms"] = waited * 1000
             out["restore_log_gaps"] = criulog.log_gaps(log, 6)
+            # after the memory: the steps to resume (at 61209aa CRIU ran an action script for each; since,
+            # the launcher relays runc's socket to CRIU: hack/launcher/criurelay.go)
+            tail = criulog.after_memory(log)
+            if tail is not None:
+                out["criu_after_memory_ms"] = tail * 1000
             # the container's tmpfs mounts, each with its contents put back by CRIU's `tar` (bench/criu_tar.py)
             out["criu_tmpfs_mounts"], tmpfs_s = criulog.tmpfs_mounts(log)
             out["criu_tmpfs_ms"] = tmpfs_s * 1000

@@ -1,4 +1,4 @@
-"""bench/criulog.action_wait (CRIU's wait in an action script, read from restore.log), tmpfs_mounts and
+"""bench/criulog.action_wait (CRIU's wait for a step's answer, read from restore.log), after_memory, tmpfs_mounts and
 bench/throttle.ThrottledLink (a bandwidth-limited loopback link) on real sockets."""
 
 from __future__ import annotations
@@ -28,6 +28,15 @@ def test_the_wait_runs_from_the_actions_line_to_the_first_line_after_its_scripts
     assert setup is not None and abs(setup - 0.01) < 1e-9
     assert criulog.action_wait(LOG, "pre-resume") is None  # not run
     assert criulog.action_wait("(00.1) Running post-restore scripts\n", "post-restore") is None  # nothing after
+
+
+def test_after_the_memory_runs_from_post_restore_to_the_last_line() -> None:
+    log = (
+        LOG + "(00.710000) Running network-unlock scripts\n(00.750500) Restore finished successfully. Tasks resumed.\n"
+    )
+    tail = criulog.after_memory(log)
+    assert tail is not None and abs(tail - 0.0505) < 1e-9
+    assert criulog.after_memory(LOG.replace("post-restore", "pre-resume")) is None
 
 
 TMPFS = """(00.032907)      1: mnt-v2: Mount 79 is detected as dir-mount
