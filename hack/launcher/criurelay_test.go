@@ -225,16 +225,27 @@ func success(fs []field) bool {
 	return typ.value == reqRestore && ok.value == 1
 }
 
+// opensAfter answers "ready" on the gate and lets go of it after d; the function it returns waits for
+// that and says when it happened (POSIX seconds).
+func opensAfter(d time.Duration, answer func(string), release func()) func() float64 {
+	at := make(chan float64, 1)
+	go func() {
+		time.Sleep(d)
+		answer("ready\n")
+		at <- float64(time.Now().UnixNano()) / 1e9
+		release()
+	}()
+	return func() float64 {
+		v := <-at
+		at <- v
+		return v
+	}
+}
+
 func TestTheRelayHoldsTheRestoreAtTheGate(t *testing.T) {
 	launcher := relayLauncher(t)
 	path, answer, release := gate(t)
-	var released float64
-	go func() {
-		time.Sleep(300 * time.Millisecond)
-		answer("ready\n")
-		released = float64(time.Now().UnixNano()) / 1e9
-		release()
-	}()
+	opened := opensAfter(300*time.Millisecond, answer, release)
 	steps := append([]string{stepWithRights}, restoreSteps...)
 	got := asRunc(t, launcher, restoreReq(true), steps, map[string]string{pagesGateEnv: path})
 	if got.status != 0 || !success(got.result) {
@@ -243,6 +254,7 @@ func TestTheRelayHoldsTheRestoreAtTheGate(t *testing.T) {
 	if strings.Join(got.notes, ",") != strings.Join(steps, ",") || strings.Join(got.report.Answered, ",") != strings.Join(steps, ",") {
 		t.Fatalf("runc was told of %v, CRIU's steps answered %v; want %v", got.notes, got.report.Answered, steps)
 	}
+	released := opened()
 	for i, step := range got.notes {
 		before := step == stepWithRights || step == "pre-restore" || step == "setup-namespaces"
 		if before != (got.times[i] < released) {
@@ -300,14 +312,9 @@ func TestOnlyARestoreIsRelayed(t *testing.T) {
 func TestARestoreWithoutStepsWaitsBeforeCriuStarts(t *testing.T) {
 	launcher := relayLauncher(t)
 	path, answer, release := gate(t)
-	var released float64
-	go func() {
-		time.Sleep(300 * time.Millisecond)
-		answer("ready\n")
-		released = float64(time.Now().UnixNano()) / 1e9
-		release()
-	}()
+	opened := opensAfter(300*time.Millisecond, answer, release)
 	got := asRunc(t, launcher, restoreReq(false), nil, map[string]string{pagesGateEnv: path})
+	released := opened()
 	if got.status != 0 || !success(got.result) || got.report.Pid != got.launcher || got.report.Started < released {
 		t.Fatalf("exit %d, answer %v, CRIU %+v, gate opened at %.3f", got.status, got.result, got.report, released)
 	}
