@@ -239,7 +239,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"runc's CRIU configuration {m.get('criu_config', 'n/a')}; "
         f"CRIU's kdat cache {m.get('criu_kdat', 'n/a')}; expedited RCU grace periods: "
         f"{m.get('rcu_expedite', 'n/a')}; dumps in memory: {m.get('memory_work', 'n/a')}; "
-        f"CRIU's tar: {m.get('criu_tar', 'n/a')}; load average at the end "
+        f"CRIU's tar: {m.get('criu_tar', 'n/a')}; ks-agent: {m.get('ks_agent', 'the Python program')}; "
+        "load average at the end "
         f"{', '.join(f'{x:.2f}' for x in m['loadavg'])}; {m['time']}."
         + (f" **The registry is behind a {m['link']} link** (bench/throttle.py)." if m.get("link") else ""),
         f"Each figure: median of {result['rows'][0]['runs'] if result['rows'] else '?'} runs after one warm-up; "

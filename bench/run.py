@@ -2,7 +2,7 @@
 """kubectl-snapshot benchmark: every figure is a ratio to a bound or a peer measured in the same run.
 
     .venv/bin/python bench/run.py [--quick] [--sizes 64,512,2048] [--kinds random,objects] [--runs 5]
-                                  [--no-peers] [--out bench/results]
+                                  [--no-peers] [--python-client] [--out bench/results]
 
 For each workload (a Python process holding N MiB of touched memory, incompressible or a realistic
 object heap; bench/workload.py) it measures, as medians of --runs runs after one warm-up:
@@ -62,7 +62,8 @@ from tests.support.registry import RegistryServer
 from tests.support.signing import signing_env
 
 BIN = Path(sys.executable).parent
-AGENT = str(BIN / "ks-agent")
+PY_AGENT = str(BIN / "ks-agent")  # the Python program
+AGENT = PY_AGENT  # what runs as ks-agent: main() puts the launcher in front of it (agent_client)
 WRAPPER = str(BIN / "ks-runc")
 CTR = "/usr/local/bin/ctr"
 CRIU = shutil.which("criu") or "/usr/sbin/criu"
@@ -309,6 +310,19 @@ def runtime_hook(work: Path) -> str:
     }
     Path(f"{hook_launcher}.launch").write_text(json.dumps(config))
     return str(hook_launcher)
+
+
+def agent_client(work: Path) -> str:
+    """`ks-agent` as the agent image has it (hack/agent_image.py): the static launcher in front of the
+    Python program, sending a served `checkpoint` or `restore` to the agent itself, without starting an
+    interpreter (hack/launcher/agentclient.go); everything else (serve, standalone runs) goes on to this
+    venv's ks-agent. Falls back to that alone where Go is missing (the results say which ran)."""
+    client = work / "client" / "ks-agent"
+    if not launcher.build(client):
+        print("[bench] no Go: ks-agent runs without its launcher", file=sys.stderr)
+        return PY_AGENT
+    Path(f"{client}.launch").write_text(json.dumps({"argv": [PY_AGENT], "agentClient": localapi.client_launch()}))
+    return str(client)
 
 
 LAUNCHES, TRACES = "launches.jsonl", "traces.jsonl"
@@ -754,6 +768,11 @@ def main() -> None:
         default=0,
         help="put the registry behind a link of this many Mbit/s (a loopback proxy, bench/throttle.py)",
     )
+    ap.add_argument(
+        "--python-client",
+        action="store_true",
+        help="run ks-agent without the launcher in front of it (the Python client; to compare)",
+    )
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     a = ap.parse_args()
     # a SIGTERM (timeout, kill) unwinds like ^C: daemons stopped, workloads killed, CRIU config removed
@@ -769,6 +788,9 @@ def main() -> None:
     # the peers and the raw bounds run with the same CRIU as the agent.
     stack = contextlib.ExitStack()
     tar = criu_tar(work)  # before the daemons start: they and everything below inherit its PATH
+    global AGENT
+    # every ks-agent below (serve, the measured clients, standalone) through it
+    AGENT = PY_AGENT if a.python_client else agent_client(work)
     conf = stack.enter_context(node_criu_config())
     kdat = stack.enter_context(node_kdat_cache())
     # KUBECTL_SNAPSHOT_EXPEDITE_RCU=0: the node as install-node leaves it with that opt-out (to compare)
@@ -819,6 +841,9 @@ def main() -> None:
         facts["rcu_expedite"] = expedite
         facts["memory_work"] = f"{memwork.ENV_MIB}={memwork.limit_bytes() >> 20}"
         facts["criu_tar"] = tar
+        facts["ks_agent"] = (
+            "the static launcher in front of the Python program" if AGENT != PY_AGENT else "the Python program"
+        )
         stack.close()
     result = {"machine": facts, "elapsed_s": time.monotonic() - started, "rows": rows}
     out = Path(a.out)

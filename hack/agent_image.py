@@ -17,7 +17,9 @@ together from parts this machine can make (Containerfile is the same recipe for 
    which `install-node` copies to each node so that nothing of the host's userland is used there;
    CRIU and Python come from this machine (CRIU 4.2.1 from Debian sid, as hack/install-node-deps.sh
    installs it), the launcher is built with the Go toolchain (CGO_ENABLED=0, static);
-3. config ``Entrypoint ["ks-agent"]``, PATH with the venv's bin; layers zstd-compressed.
+3. config ``Entrypoint ["ks-agent"]``, PATH with the venv's bin; layers zstd-compressed. ``bin/ks-agent`` is
+   the static launcher in front of the Python program (``libexec/ks-agent``): it sends a `checkpoint` or
+   `restore` to the node's warm agent itself, without an interpreter (hack/launcher/agentclient.go).
 
 Layers are reproducible (sorted entries, mtime 0), and the whole image is cached by a key over the
 recipe, the base, the pinned requirements and the project's sources: nothing is rebuilt unless one
@@ -62,6 +64,7 @@ PACKAGES = ("python3", "ca-certificates", "iproute2")  # ip: CRIU dumping a netw
 PY = "python3.11"
 VENV = "/usr/local/lib/kubectl-snapshot/venv"  # not under /opt/kubectl-snapshot: the DaemonSet mounts the host's there
 WRAPPER = "/opt/kubectl-snapshot-runc.pyz"
+AGENT_CLIENT = "ks-agent"  # the launcher in bin/, the Python program in libexec/ (install_agent_client)
 PYCRIU = Path("/usr/lib/python3/dist-packages/pycriu")
 PATH = f"{VENV}/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LAYER_TYPE = "application/vnd.oci.image.layer.v1.tar+zstd"
@@ -249,6 +252,23 @@ def build_launcher(out: Path) -> None:
     )  # fmt: skip
 
 
+def install_agent_client(venv: Path, launcher: Path) -> None:
+    """bin/ks-agent as the static launcher in front of the Python ks-agent (libexec/ks-agent): a served
+    `checkpoint` or `restore` goes to the node's agent without starting an interpreter
+    (hack/launcher/agentclient.go); everything else, and those where the agent does not serve them, runs
+    the Python program as before."""
+    from shim import localapi
+
+    client = venv / "bin" / AGENT_CLIENT
+    shutil.copyfile(launcher, client)
+    client.chmod(0o755)
+    config = {
+        "argv": [f"{VENV}/bin/python3", f"{VENV}/libexec/{AGENT_CLIENT}"],
+        "agentClient": localapi.client_launch(),
+    }
+    Path(f"{client}.launch").write_text(json.dumps(config, sort_keys=True))
+
+
 def _entry_points() -> dict[str, str]:
     return dict(tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"])
 
@@ -276,7 +296,9 @@ def build_app_tree(root: Path, wheel_dir: Path) -> None:
     shutil.copytree(PYCRIU, site / "pycriu", ignore=shutil.ignore_patterns("__pycache__"))
     for name, target in _entry_points().items():
         module, _, func = target.partition(":")
-        script = venv / "bin" / name
+        # ks-agent is the launcher (below); its Python program lives in libexec under the same name
+        script = venv / ("libexec" if name == AGENT_CLIENT else "bin") / name
+        script.parent.mkdir(exist_ok=True)
         script.write_text(
             f"#!{VENV}/bin/python3\nimport sys\nfrom {module} import {func}\n\nif __name__ == '__main__':\n"
             f"    sys.exit({func}())\n"
@@ -294,6 +316,7 @@ def build_app_tree(root: Path, wheel_dir: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         launcher = Path(tmp, "launcher")
         build_launcher(launcher)
+        install_agent_client(venv, launcher)
         log("node bundle: CRIU, python and their loader and libraries from this machine")
         run(
             host_python, str(REPO / "hack" / "node_bundle.py"), str(root / NODE_BUNDLE.lstrip("/")),

@@ -35,7 +35,7 @@ from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, render
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
-from shim import dumplock, freezer, guard, localapi, malloc
+from shim import agent_text, dumplock, freezer, guard, localapi, malloc
 from shim.agent_text import checkpoint_text, restore_text
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
@@ -477,7 +477,12 @@ class WarmAgent:
                 send({"error": f"error: internal error in the node's agent: {type(e).__name__}: {e}", "exit": 1})
                 return
         log.info("node-local %s served: %s", name, data.get("reference"))
-        send({"result": data, "output": params["output"]})
+        answer = {"result": data, "output": params["output"]}
+        try:  # printed as is by the client (hack/launcher/agentclient.go knows no formats)
+            answer["rendered"] = agent_text.rendered(name, data, str(params["output"]))
+        except SnapshotError as e:  # a bad -o jsonpath= template: the work is done, the client says why
+            answer["render_error"] = render(e)
+        send(answer)
 
     @staticmethod
     def _decline(send: localapi.Send, why: str) -> None:

@@ -11,16 +11,13 @@ import os
 import sys
 
 from kubectl_snapshot.console import leave
-from kubectl_snapshot.console.formats import formatted
 from kubectl_snapshot.core import constants as C
 from shim import localapi
-from shim.agent_text import checkpoint_text, restore_text
+from shim.agent_text import rendered
 
 TYPE_CHECKING = False  # typing is not imported at run time: the client's start-up (ks-agent)
 if TYPE_CHECKING:
     from typing import Any
-
-TEXT = {"checkpoint": checkpoint_text, "restore": restore_text}
 
 
 def forwarded(argv: list[str]) -> int | None:
@@ -45,7 +42,10 @@ def forwarded(argv: list[str]) -> int | None:
     if answer is None or "declined" in answer:
         return None
     if "result" in answer:
-        sys.stdout.write(formatted(answer["result"], str(answer.get("output") or "text"), TEXT[command]))
+        text = answer.get("rendered")
+        if not isinstance(text, str):  # the agent could not apply the format (or predates rendering)
+            text = rendered(command, answer["result"], str(answer.get("output") or "text"))
+        sys.stdout.write(text)
         return 0
     print(str(answer.get("error") or "error: the node's agent gave no answer"), file=sys.stderr)
     code = answer.get("exit")

@@ -14,3 +14,14 @@ def checkpoint_text(d: dict[str, Any]) -> str:
 
 def restore_text(d: dict[str, Any]) -> str:
     return "\n".join(f"{c['name']}\trunning (pid {c['pid']})" for c in d["containers"])
+
+
+TEXT = {"checkpoint": checkpoint_text, "restore": restore_text}
+
+
+def rendered(command: str, data: Any, output: str) -> str:
+    """What `ks-agent COMMAND -o OUTPUT` prints on stdout for `data`: the node's agent renders its answer
+    with this, so that a client need not know the formats (hack/launcher/agentclient.go)."""
+    from kubectl_snapshot.console.formats import formatted
+
+    return formatted(data, output, TEXT[command])

@@ -15,7 +15,13 @@ environment variables the commands read; otherwise it declines and the client ru
 Protocol: one JSON object per line. The client sends one request
 ``{"v": 1, "command": ..., "argv": [...], "cwd": ..., "env": {...}}``; the server answers with any number
 of ``{"phase": NAME}`` and ``{"bytes": [N, TOTAL]}`` lines (progress), then exactly one of
-``{"result": DATA}``, ``{"error": TEXT, "exit": CODE}`` or ``{"declined": WHY}``.
+``{"result": DATA, "output": FORMAT, "rendered": TEXT}`` (TEXT: what the command prints on stdout; where the
+format could not be applied, ``"render_error"`` instead of it), ``{"error": TEXT, "exit": CODE}`` or
+``{"declined": WHY}``.
+
+Two clients speak it: this module's (the Python `ks-agent`, shim/agent_entry.py) and the node's static
+launcher in front of it (hack/launcher/agentclient.go, configured by `client_launch`), which serves a
+command without starting an interpreter where no terminal waits for a progress bar.
 
 Standard library only: the client side runs before anything heavy is imported, and imports nothing of
 the server's (logging, shim.safefs, threads): `ks-agent`'s start-up is part of every served command's time.
@@ -206,6 +212,23 @@ def _read_request(conn: socket.socket) -> dict[str, Any] | None:
 
 
 # --- the client ------------------------------------------------------------------------------------
+
+
+def client_launch() -> dict[str, Any]:
+    """The "agentClient" part of a launch configuration (hack/launcher/agentclient.go): the names this
+    module's client reads, so that the launcher's client asks the agent exactly where this one would."""
+    from kubectl_snapshot.core import constants as C
+
+    return {
+        "version": VERSION,
+        "commands": list(COMMANDS),
+        "socketEnv": SOCKET_ENV,
+        "socketName": SOCKET_NAME,
+        "stateDirEnv": C.ENV_STATE_DIR,
+        "defaultStateDir": C.DEFAULT_STATE_DIR,
+        "envPrefixes": list(_ENV_PREFIXES),
+        "envNames": list(_ENV_NAMES),
+    }
 
 
 def socket_path(env: Mapping[str, str], state_dir: str) -> str | None:

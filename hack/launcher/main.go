@@ -26,6 +26,10 @@
 // page files are complete: run by runc as `swrk 3` with KUBECTL_SNAPSHOT_RELAY_CRIU set, the launcher
 // starts that CRIU and relays runc's RPC socket to it, holding the restore at its pages gate
 // (criurelay.go, pagesgate.go).
+//
+// With "agentClient" (the agent image's ks-agent, whose argv is the Python ks-agent) a `checkpoint` or
+// `restore` the node's warm agent serves is sent to it from here and its answer printed, without
+// starting Python; everything else goes to argv (agentclient.go).
 package main
 
 import (
@@ -42,12 +46,13 @@ import (
 )
 
 type config struct {
-	Argv        []string          `json:"argv"`
-	Env         map[string]string `json:"env"`
-	PathPrepend []string          `json:"pathPrepend"`
-	GzipFilter  bool              `json:"gzipFilter"`
-	RuncHook    bool              `json:"runcHook"`
-	Log         string            `json:"log"`
+	Argv        []string           `json:"argv"`
+	Env         map[string]string  `json:"env"`
+	PathPrepend []string           `json:"pathPrepend"`
+	GzipFilter  bool               `json:"gzipFilter"`
+	RuncHook    bool               `json:"runcHook"`
+	AgentClient *agentClientConfig `json:"agentClient"`
+	Log         string             `json:"log"`
 }
 
 const (
@@ -148,6 +153,9 @@ func main() {
 			err = syscall.Exec(runc, append([]string{runc}, args...), env)
 			fail("exec %s: %v", runc, err)
 		}
+	}
+	if c.AgentClient != nil {
+		env = agentClient(*c.AgentClient, os.Args[1:], env) // agentclient.go: returns unless it served the command
 	}
 	argv := append(append([]string{}, c.Argv...), os.Args[1:]...)
 	if c.GzipFilter && hasGzip(os.Args[1:]) {

@@ -73,6 +73,8 @@ def wait_done(cluster: Cluster, ns: str, name: str, timeout: float = 180) -> dic
 CHECK_IMAGE = """
 set -e
 ks-agent --version
+# ks-agent is the static launcher (its served checkpoint/restore without Python), the program in libexec
+grep -q agentClient /usr/local/lib/kubectl-snapshot/venv/bin/ks-agent.launch && echo launcher-ok
 python3 -c 'import grpc, kubernetes, zstandard, yaml, pycriu, shim.containerd.client, shim.agent_cli
 print("imports-ok")'
 # the wrapper zipapp with no site-packages at all, as on a node's bare python3
@@ -109,7 +111,7 @@ def test_agent_image_runs_on_each_node(cluster: Cluster, namespace: str, agent_i
         logs = cluster.kubectl("logs", f"agent-{node}", "-n", namespace, check=False).stdout
         assert pod["status"]["phase"] == "Succeeded", logs
         assert pod["spec"]["nodeName"] == node
-        assert __version__ in logs and "imports-ok" in logs and "pyz-ok" in logs, logs
+        assert __version__ in logs and "imports-ok" in logs and "pyz-ok" in logs and "launcher-ok" in logs, logs
 
 
 def test_agent_version_is_the_entrypoint(cluster: Cluster, namespace: str, agent_image: str) -> None:

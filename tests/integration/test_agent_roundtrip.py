@@ -40,13 +40,19 @@ COUNTER = (
 
 
 def agent(
-    *args: str, check: bool = True, timeout: float = 300, env: dict[str, str] | None = None, sign: bool = True
+    *args: str,
+    check: bool = True,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    sign: bool = True,
+    program: str = AGENT,
 ) -> subprocess.CompletedProcess[str]:
-    """The node-level agent CLI, signing with and trusting the session's key (tests.support.signing)."""
+    """The node-level agent CLI, signing with and trusting the session's key (tests.support.signing);
+    `program`: another ks-agent (the agent image's launcher in front of this one, test_agent_serve.py)."""
     full_env = {**os.environ, **signing_env(), **(env or {})}
     if not sign:
         full_env.pop("KUBECTL_SNAPSHOT_SIGNING_KEY")
-    proc = subprocess.run([AGENT, *args], capture_output=True, text=True, timeout=timeout, check=False, env=full_env)
+    proc = subprocess.run([program, *args], capture_output=True, text=True, timeout=timeout, check=False, env=full_env)
     if check and proc.returncode != 0:
         pytest.fail(f"ks-agent {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
     return proc

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,6 +38,44 @@ from tests.support.registry import RegistryServer, registry
 from tests.support.signing import signing_env
 
 pytestmark = pytest.mark.integration
+
+
+class Client:
+    """A `ks-agent` a user runs: the Python program, or the agent image's (hack/agent_image.py): the
+    static launcher in front of it, which sends a served command itself (hack/launcher/agentclient.go).
+    Here the launcher's Python program is a shell that notes each start, then runs the Python ks-agent."""
+
+    def __init__(self, program: str, starts: Path | None = None) -> None:
+        self.program, self.starts = program, starts
+
+    def __call__(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        return agent(*args, program=self.program, **kw)
+
+    def python_starts(self) -> int:
+        return len(self.starts.read_text().splitlines()) if self.starts and self.starts.exists() else 0
+
+
+@pytest.fixture(scope="module")
+def launcher_client(tmp_path_factory: pytest.TempPathFactory) -> Client:
+    d = tmp_path_factory.mktemp("ks-agent")
+    client_path, starts = d / "ks-agent", d / "python-starts"
+    repo = Path(__file__).resolve().parents[2]
+    go = shutil.which("go") or "/usr/local/go/bin/go"
+    build = subprocess.run(
+        [go, "build", "-trimpath", "-o", str(client_path), "."], cwd=repo / "hack/launcher",
+        env={**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"},
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr
+    noted = f'echo "$*" >> {starts}; exec "$0" "$@"'
+    launch = {"argv": ["/bin/sh", "-c", noted, AGENT], "agentClient": localapi.client_launch()}
+    Path(f"{client_path}.launch").write_text(json.dumps(launch))
+    return Client(str(client_path), starts)
+
+
+@pytest.fixture(params=["python", "launcher"])
+def ks_agent(request: pytest.FixtureRequest) -> Client:
+    return Client(AGENT) if request.param == "python" else request.getfixturevalue("launcher_client")
 
 
 class Served:
@@ -68,8 +108,9 @@ def served(containerd_a: ContainerdDaemon, tmp_path: Path) -> Iterator[Served]:
     assert not sock.exists()  # removed on the way out
 
 
-def test_checkpoint_and_restore_through_the_agent(containerd_a, registry, cleanup, served):  # type: ignore[no-untyped-def]
+def test_checkpoint_and_restore_through_the_agent(containerd_a, registry, cleanup, served, ks_agent):  # type: ignore[no-untyped-def]
     c = client(containerd_a)
+    agent, starts = ks_agent, ks_agent.python_starts()
     cid, new = unique("served"), unique("served-back")
     cleanup(c, cid)
     cleanup(c, new)
@@ -98,20 +139,26 @@ def test_checkpoint_and_restore_through_the_agent(containerd_a, registry, cleanu
                   env=served.env())  # fmt: skip
     assert served.lines(f"node-local checkpoint served: {json.loads(again.stdout)['reference']}")
     assert task_status(c, new) == "running"
+    # as text, rendered by the agent for its client: the same lines as the standalone command's
+    text = agent("checkpoint", *on(containerd_a), "--to", registry.ref("served", "v3"), new, env=served.env())
+    ref = served.lines("node-local checkpoint served: ")[-1].rsplit(": ", 1)[1]
+    assert text.stdout == f"{ref}\n" and text.stderr == ""
+    assert ks_agent.python_starts() == starts  # the launcher's client served all four without Python
 
 
-def test_errors_read_as_the_standalone_commands(containerd_a, registry, served):  # type: ignore[no-untyped-def]
+def test_errors_read_as_the_standalone_commands(containerd_a, registry, served, ks_agent):  # type: ignore[no-untyped-def]
     args = ["checkpoint", *on(containerd_a), "--to", registry.ref("served", "missing"), unique("no-such")]
-    via_agent = agent(*args, check=False, env=served.env())
+    via_agent = ks_agent(*args, check=False, env=served.env())
     alone = agent(*args, check=False, env={localapi.SOCKET_ENV: "none"})
     assert served.lines("node-local checkpoint failed")
     assert via_agent.returncode == alone.returncode != 0
     assert via_agent.stderr == alone.stderr and via_agent.stderr.startswith("error: ")
 
 
-def test_what_the_agent_cannot_serve_runs_standalone(containerd_a, registry, served):  # type: ignore[no-untyped-def]
+def test_what_the_agent_cannot_serve_runs_standalone(containerd_a, registry, served, ks_agent):  # type: ignore[no-untyped-def]
     """Another containerd namespace, another value of a variable the command reads, a usage error: the
     agent declines and the client runs the command itself (same answer as without the agent)."""
+    agent, starts = ks_agent, ks_agent.python_starts()
     missing = unique("no-such")
     other_ns = agent(
         "checkpoint", "-a", containerd_a.address, "-n", "elsewhere", "--to", registry.ref("s", "x"), missing,
@@ -125,6 +172,8 @@ def test_what_the_agent_cannot_serve_runs_standalone(containerd_a, registry, ser
     declined = served.lines("declined")
     assert len(declined) == 3, declined
     assert "namespace" in declined[0] and "KUBECTL_SNAPSHOT_PAGE_DELTAS" in declined[1] and "usage" in declined[2]
+    if ks_agent.starts is not None:  # declined by the agent: the launcher ran the Python program, standalone
+        assert ks_agent.python_starts() == starts + 3
 
 
 def test_only_root_is_served(served: Served) -> None:
@@ -155,7 +204,8 @@ def test_only_root_is_served(served: Served) -> None:
     assert answer["exit"] == 1 and "serves only uid 0, not 65534" in answer["error"], out
 
 
-def test_a_dead_agents_socket_is_no_agent(tmp_path: Path, containerd_a: ContainerdDaemon) -> None:
+def test_a_dead_agents_socket_is_no_agent(tmp_path: Path, containerd_a: ContainerdDaemon, ks_agent: Client) -> None:
+    agent = ks_agent
     stale = tmp_path / "agent.sock"
     s = socket.socket(socket.AF_UNIX)
     s.bind(str(stale))

@@ -3,6 +3,7 @@ it serves are tested end to end in tests/integration/test_agent_serve.py)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -112,6 +113,42 @@ def test_the_client_falls_back_when_declined_and_prints_errors(tmp_path: Path, m
     finally:
         server.stop()
     assert forwarded(["checkpoint", "c1"]) is None  # no agent listening
+
+
+def test_the_client_prints_what_the_agent_rendered(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
+    """The agent renders its answer in the client's -o format (what the launcher's client prints as it is,
+    hack/launcher/agentclient.go); an answer without that text is formatted here, as before."""
+    result = {"reference": "r/x@sha256:1"}
+    answers = iter([
+        {"result": result, "output": "json", "rendered": "as the agent rendered it\n"},
+        {"result": result, "output": "json"},
+    ])  # fmt: skip
+    server = _serve(tmp_path, lambda request, send: send(next(answers)))
+    monkeypatch.setenv(localapi.SOCKET_ENV, server.path)
+    try:
+        assert forwarded(["checkpoint", "-o", "json", "--to", "r/x:y", "c1"]) == 0
+        assert capsys.readouterr().out == "as the agent rendered it\n"
+        assert forwarded(["checkpoint", "-o", "json", "--to", "r/x:y", "c1"]) == 0
+        assert json.loads(capsys.readouterr().out) == result
+    finally:
+        server.stop()
+
+
+def test_the_launchers_client_reads_the_same_names() -> None:
+    """hack/launcher/agentclient.go takes the socket variable, the state dir and the variables a request
+    carries from its launch configuration: client_launch() gives this module's own."""
+    from kubectl_snapshot.core import constants as C
+
+    conf = localapi.client_launch()
+    assert conf["version"] == localapi.VERSION and conf["commands"] == list(localapi.COMMANDS)
+    assert (conf["socketEnv"], conf["socketName"]) == (localapi.SOCKET_ENV, localapi.SOCKET_NAME)
+    assert (conf["stateDirEnv"], conf["defaultStateDir"]) == (C.ENV_STATE_DIR, C.DEFAULT_STATE_DIR)
+    env = {"HOME": "/root", "KUBECTL_SNAPSHOT_X": "1", "CONTAINERD_NAMESPACE": "n", "OTHER": "o",
+           localapi.SOCKET_ENV: "/s", "TMPDIR": "/t"}  # fmt: skip
+    kept = {
+        k for k in env if k != conf["socketEnv"] and (k in conf["envNames"] or k.startswith(tuple(conf["envPrefixes"])))
+    }
+    assert kept == set(localapi.relevant_env(env))
 
 
 def test_the_daemonsets_agent_serves_on_its_state_dir_and_goes_on_without(tmp_path: Path, monkeypatch: Any) -> None:
