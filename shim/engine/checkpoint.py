@@ -353,9 +353,15 @@ def _package_and_push(
     t_pack, cpu_pack = clock(), time.process_time()  # this process's CPU, all threads: how busy packaging keeps it
     on_raw = progress_counter(on_bytes, tree_bytes(work))
     records, packaged = [], []
-    for cid, name, info, image_digest in zip(req.containers, names, pre.infos, pre.image_digests, strict=True):
+    # the dumps' statistics (CRIU's images decoded in Python, 6-9 ms for one container here) are read
+    # beside the packaging, which waits on its workers' compression and requests meanwhile
+    stats_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dump-stats")
+    stats_of = [stats_pool.submit(_stats, os.path.join(work, name)) for name in names]
+    stats_pool.shutdown(wait=False)
+    for cid, name, info, image_digest, stats_future in zip(
+        req.containers, names, pre.infos, pre.image_digests, stats_of, strict=True
+    ):
         cdir = os.path.join(work, name)
-        stats = _stats(cdir)
         _write_metadata(cdir, cid, name, info, req)
         index = None
         if paths is not None and os.environ.get(C.ENV_PAGE_DELTAS, "1") != "0":
@@ -373,7 +379,7 @@ def _package_and_push(
                 spec=stored_runtime_spec(info.spec),
                 tcp_established=req.tcp_established,
                 file_locks=req.file_locks,
-                stats=stats,
+                stats=stats_future.result(),
                 pages=pc.pages,
             )
         )
