@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import launcher
+from bench.run import ServedAgent
 from shim import localapi
 from tests.support.containerd import ContainerdDaemon
 
@@ -59,19 +59,10 @@ def main() -> None:
     Path(f"{client}.launch").write_text(json.dumps({"argv": [PY_AGENT], "agentClient": localapi.client_launch()}))
     daemon = ContainerdDaemon("client", work / "ctrd")
     daemon.start()
-    sock, log = work / "agent.sock", work / "serve.log"
-    env = {**os.environ, localapi.SOCKET_ENV: str(sock)}
-    with open(log, "w") as out:
-        serve = subprocess.Popen(
-            [PY_AGENT, "serve", "-a", daemon.address, "-n", daemon.namespace, "--socket", str(sock)],
-            stderr=out, env=env,
-        )  # fmt: skip
+    served = None
     try:
-        deadline = time.monotonic() + 60
-        while not sock.exists():
-            if serve.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"ks-agent serve did not start:\n{log.read_text()}")
-            time.sleep(0.05)
+        served = ServedAgent(daemon)  # the Python ks-agent serve, as bench/run.py's
+        env, log = served.env, served.log
         args = ["checkpoint", "-a", daemon.address, "-n", daemon.namespace, "--to", "127.0.0.1:1/x:y", "no-such-task"]
         clients = {"python": PY_AGENT, "launcher": str(client)}
         times: dict[str, list[float]] = {k: [] for k in clients}
@@ -81,18 +72,18 @@ def main() -> None:
             for name in list(clients) if r % 2 == 0 else list(clients)[::-1]:
                 ts, errors[name] = timed_calls(clients[name], args, env, a.calls)
                 times[name].extend(ts)
-        served = sum("node-local checkpoint failed" in line for line in log.read_text().splitlines())
+        answered = sum("node-local checkpoint failed" in line for line in log.read_text().splitlines())
         total = 2 + 2 * a.rounds * a.calls
-        if served != total:
-            raise RuntimeError(f"the agent answered {served} of {total} requests (the rest ran standalone)")
+        if answered != total:
+            raise RuntimeError(f"the agent answered {answered} of {total} requests (the rest ran standalone)")
         if errors["python"] != errors["launcher"]:
             raise RuntimeError(f"the clients printed different errors:\n{errors}")
         py, go = statistics.median(times["python"]), statistics.median(times["launcher"])
         print(f"served ks-agent checkpoint (the agent's error for a missing container), {len(times['python'])} each:")
         print(f"  Python client: {py:.1f} ms; the launcher's client: {go:.1f} ms: {go / py:.2f}x")
     finally:
-        serve.terminate()
-        serve.wait(timeout=30)
+        if served is not None:
+            served.close()
         daemon.stop()
         shutil.rmtree(work, ignore_errors=True)
 
