@@ -259,8 +259,9 @@ def markdown(result: dict[str, Any]) -> str:
         "guard); in-agent: the agent's own timing of the work. Goals: at most 1.5x the bound and faster than "
         f"ctr; from {SMALL_POD_MIB} MiB also faster than podman (below it, issue 16's small pods: bound and ctr). "
         "The bounds' parts (each timed on its own) are measured between the product's runs: one run of the "
-        "checkpoint's parts after each run of the checkpoints, one of the restore's after each run of the "
-        "restores (bench/run.py RawBound).",
+        "checkpoint's parts after each run of the checkpoints, one of the restore's in each round of the "
+        "restores, whose variants (served, created after the download, one phase, standalone, the bound) run "
+        "in an order shuffled each round (bench/run.py RawBound, measure_agent).",
     ]
     size_header = ["size vs RSS", "size vs zstd -1 of raw images", "goal <=1.05x",
                    "2nd snapshot after 1% changed: vs 1st; vs changed pages",
@@ -302,9 +303,9 @@ def markdown(result: dict[str, Any]) -> str:
         "other call containerd's shim makes goes from the launcher to runc without Python (the count of calls per "
         "runc command during the last run's restore). The first column: pull->running (served; in-agent) against "
         "the same restores with the containers created only after the download "
-        "(KUBECTL_SNAPSHOT_EARLY_CREATE=0, served by a second agent, alternated); the second: against the same "
+        "(KUBECTL_SNAPSHOT_EARLY_CREATE=0, served by a second agent, in the same rounds); the second: against the same "
         "restores with the hook's `runc restore` started only after all of the data, page files included "
-        "(KUBECTL_SNAPSHOT_EARLY_RESTORE=0, a third agent, alternated).",
+        "(KUBECTL_SNAPSHOT_EARLY_RESTORE=0, a third agent, in the same rounds).",
         "",
     ]
     parts_header = ["pull->running vs created after the download", "vs runc restore after all data",

@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import statistics
@@ -532,46 +533,54 @@ def measure_agent(
         hook_dir = Path(hook).parent
         if bound is not None:
             bound.stop()  # its raw restores need its pid
-        for i in range(runs + 1):
-            new = f"r-{uuid.uuid4().hex[:8]}"
+        base = [AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", hook,
+                "--runc-root", daemon.runc_root, "-o", "json", ref]  # fmt: skip
+
+        def measured(i: int) -> None:  # the served restore, with its breakdown (the hook's logs emptied first)
             for log in (LAUNCHES, TRACES, RESTORE_LOG):
                 with contextlib.suppress(FileNotFoundError):
                     (hook_dir / log).unlink()
-            cmd = [AGENT, "restore", "-a", daemon.address, "-n", daemon.namespace, "--runtime-binary", hook,
-                   "--runc-root", daemon.runc_root, "-o", "json", ref, new]  # fmt: skip
-            t = time.monotonic()
-            proc = sh(cmd, env=served.env)
+            wall, proc = restore_as(f"r-{uuid.uuid4().hex[:8]}", served.env)
             if i:
-                restores.append(time.monotonic() - t)
+                restores.append(wall)
                 timings = json.loads(proc.stdout)["timingsMs"]
                 restores_internal.append(timings["total_ms"] / 1000)
                 breakdowns.append({**timings, **(hook_breakdown(hook_dir) or {})})
+
+        def late_created(i: int) -> None:
+            wall, proc = restore_as(f"l-{uuid.uuid4().hex[:8]}", late.env)
+            if i:
+                restores_late.append(wall)
+                restores_late_internal.append(json.loads(proc.stdout)["timingsMs"]["total_ms"] / 1000)
+
+        def one_phased(i: int) -> None:
+            wall, _ = restore_as(f"o-{uuid.uuid4().hex[:8]}", one_phase.env)
+            if i:
+                restores_one_phase.append(wall)
+
+        def standalone(i: int) -> None:
+            wall, _ = restore_as(f"s-{uuid.uuid4().hex[:8]}", {**os.environ, localapi.SOCKET_ENV: "none"})
+            if i:
+                restores_alone.append(wall)
+
+        def restore_as(new: str, env: dict[str, str]) -> tuple[float, subprocess.CompletedProcess[str]]:
+            t = time.monotonic()
+            proc = sh([*base, new], env=env)
+            wall = time.monotonic() - t
             with contextlib.suppress(Exception):
                 daemon.client().remove_container(new)
-            cmd[-1] = f"l-{uuid.uuid4().hex[:8]}"
-            t = time.monotonic()
-            proc = sh(cmd, env=late.env)
-            if i:
-                restores_late.append(time.monotonic() - t)
-                restores_late_internal.append(json.loads(proc.stdout)["timingsMs"]["total_ms"] / 1000)
-            with contextlib.suppress(Exception):
-                daemon.client().remove_container(cmd[-1])
-            cmd[-1] = f"o-{uuid.uuid4().hex[:8]}"
-            t = time.monotonic()
-            sh(cmd, env=one_phase.env)
-            if i:
-                restores_one_phase.append(time.monotonic() - t)
-            with contextlib.suppress(Exception):
-                daemon.client().remove_container(cmd[-1])
-            cmd[-1] = f"s-{uuid.uuid4().hex[:8]}"
-            t = time.monotonic()
-            sh(cmd, env={**os.environ, localapi.SOCKET_ENV: "none"})
-            if i:
-                restores_alone.append(time.monotonic() - t)
-            with contextlib.suppress(Exception):
-                daemon.client().remove_container(cmd[-1])
+            return wall, proc
+
+        def raw(i: int) -> None:
             if bound is not None:
                 bound.restore(keep=i > 0)
+
+        # A new order each round (seeded: the same in every run of the bench): no variant always follows
+        # the bound's raw restore (its 'tar x' writes, a killed process's memory) or another variant.
+        variants = [measured, late_created, one_phased, standalone, raw]
+        for i in range(runs + 1):
+            for variant in random.Random(i).sample(variants, len(variants)):
+                variant(i)
         for agent_, what in (
             (served, "restores"),
             (late, "restores without early create"),
