@@ -16,7 +16,6 @@ exit. Prints the median per command of each and the ratio, and checks that both 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -27,12 +26,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench import launcher
-from bench.run import ServedAgent
-from shim import localapi
+from bench.run import PY_AGENT, ServedAgent, agent_client
 from tests.support.containerd import ContainerdDaemon
-
-PY_AGENT = str(Path(sys.executable).parent / "ks-agent")
 
 
 def timed_calls(program: str, args: list[str], env: dict[str, str], n: int) -> tuple[list[float], str]:
@@ -53,10 +48,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ksclient-", dir="/var/tmp"))
-    client = work / "ks-agent"
-    if not launcher.build(client):
+    client = agent_client(work)  # as bench/run.py runs ks-agent
+    if client == PY_AGENT:
         raise SystemExit("error: no Go to build the launcher (hack/launcher)\nhint: run make go-tools")
-    Path(f"{client}.launch").write_text(json.dumps({"argv": [PY_AGENT], "agentClient": localapi.client_launch()}))
     daemon = ContainerdDaemon("client", work / "ctrd")
     daemon.start()
     served = None

@@ -322,7 +322,7 @@ def agent_client(work: Path) -> str:
     if not launcher.build(client):
         print("[bench] no Go: ks-agent runs without its launcher", file=sys.stderr)
         return PY_AGENT
-    Path(f"{client}.launch").write_text(json.dumps({"argv": [PY_AGENT], "agentClient": localapi.client_launch()}))
+    Path(f"{client}.launch").write_text(localapi.client_launch([PY_AGENT]))
     return str(client)
 
 

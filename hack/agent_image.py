@@ -262,11 +262,9 @@ def install_agent_client(venv: Path, launcher: Path) -> None:
     client = venv / "bin" / AGENT_CLIENT
     shutil.copyfile(launcher, client)
     client.chmod(0o755)
-    config = {
-        "argv": [f"{VENV}/bin/python3", f"{VENV}/libexec/{AGENT_CLIENT}"],
-        "agentClient": localapi.client_launch(),
-    }
-    Path(f"{client}.launch").write_text(json.dumps(config, sort_keys=True))
+    Path(f"{client}.launch").write_text(
+        localapi.client_launch([f"{VENV}/bin/python3", f"{VENV}/libexec/{AGENT_CLIENT}"])
+    )
 
 
 def _entry_points() -> dict[str, str]:

@@ -214,12 +214,14 @@ def _read_request(conn: socket.socket) -> dict[str, Any] | None:
 # --- the client ------------------------------------------------------------------------------------
 
 
-def client_launch() -> dict[str, Any]:
-    """The "agentClient" part of a launch configuration (hack/launcher/agentclient.go): the names this
-    module's client reads, so that the launcher's client asks the agent exactly where this one would."""
+def client_launch(argv: list[str]) -> str:
+    """The launch configuration (JSON, beside the launcher as ``<its path>.launch``) of a launcher that is
+    `ks-agent` (hack/launcher/agentclient.go): `argv` runs the Python program; "agentClient" holds the
+    names this module's client reads, so that the launcher's client asks the agent exactly where this
+    one would."""
     from kubectl_snapshot.core import constants as C
 
-    return {
+    client = {
         "version": VERSION,
         "commands": list(COMMANDS),
         "socketEnv": SOCKET_ENV,
@@ -229,6 +231,7 @@ def client_launch() -> dict[str, Any]:
         "envPrefixes": list(_ENV_PREFIXES),
         "envNames": list(_ENV_NAMES),
     }
+    return json.dumps({"argv": argv, "agentClient": client}, sort_keys=True)
 
 
 def socket_path(env: Mapping[str, str], state_dir: str) -> str | None:

@@ -13,7 +13,7 @@ import (
 	"testing"
 )
 
-// testClient is the configuration shim/localapi.client_launch() writes (tests/unit/test_localapi.py
+// testClient is the "agentClient" part of what shim/localapi.client_launch() writes (tests/unit/test_localapi.py
 // checks that these names are the Python client's).
 var testClient = agentClientConfig{
 	Version: 1, Commands: []string{"checkpoint", "restore"}, SocketEnv: "KUBECTL_SNAPSHOT_AGENT_SOCKET",

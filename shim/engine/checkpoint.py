@@ -353,8 +353,8 @@ def _package_and_push(
     t_pack, cpu_pack = clock(), time.process_time()  # this process's CPU, all threads: how busy packaging keeps it
     on_raw = progress_counter(on_bytes, tree_bytes(work))
     records, packaged = [], []
-    # the dumps' statistics (CRIU's images decoded in Python, 6-9 ms for one container here) are read
-    # beside the packaging, which waits on its workers' compression and requests meanwhile
+    # the dumps' statistics (CRIU's images decoded in Python) are read beside the packaging, which
+    # waits on its workers' compression and requests meanwhile
     stats_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dump-stats")
     stats_of = [stats_pool.submit(_stats, os.path.join(work, name)) for name in names]
     stats_pool.shutdown(wait=False)

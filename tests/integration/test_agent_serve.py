@@ -68,8 +68,7 @@ def launcher_client(tmp_path_factory: pytest.TempPathFactory) -> Client:
     )  # fmt: skip
     assert build.returncode == 0, build.stderr
     noted = f'echo "$*" >> {starts}; exec "$0" "$@"'
-    launch = {"argv": ["/bin/sh", "-c", noted, AGENT], "agentClient": localapi.client_launch()}
-    Path(f"{client_path}.launch").write_text(json.dumps(launch))
+    Path(f"{client_path}.launch").write_text(localapi.client_launch(["/bin/sh", "-c", noted, AGENT]))
     return Client(str(client_path), starts)
 
 

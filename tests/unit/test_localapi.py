@@ -139,7 +139,9 @@ def test_the_launchers_client_reads_the_same_names() -> None:
     carries from its launch configuration: client_launch() gives this module's own."""
     from kubectl_snapshot.core import constants as C
 
-    conf = localapi.client_launch()
+    launch = json.loads(localapi.client_launch(["/venv/bin/python3", "/venv/libexec/ks-agent"]))
+    assert launch["argv"] == ["/venv/bin/python3", "/venv/libexec/ks-agent"]
+    conf = launch["agentClient"]
     assert conf["version"] == localapi.VERSION and conf["commands"] == list(localapi.COMMANDS)
     assert (conf["socketEnv"], conf["socketName"]) == (localapi.SOCKET_ENV, localapi.SOCKET_NAME)
     assert (conf["stateDirEnv"], conf["defaultStateDir"]) == (C.ENV_STATE_DIR, C.DEFAULT_STATE_DIR)
