@@ -288,8 +288,9 @@ def safe_extract(
     outside dest; partial content may remain inside: extract into a fresh dir and delete it on error.
     Ownership is restored only when `preserve_owner` and running as root.
     `dest` may be a directory fd (borrowed, not closed). With `only`, just the members below the
-    top-level directory `only` are extracted, with that prefix removed (one volume of a volumes layer);
-    the others are still checked but skipped, and hard links out of `only` are refused.
+    top-level directory `only` are extracted, with that prefix removed (one volume of a volumes layer),
+    and that directory's own owner, mode, times and extended attributes are given to `dest`; the others
+    are still checked but skipped, and hard links out of `only` are refused.
     """
     opts = _Options(
         only=only,
@@ -376,6 +377,11 @@ class _Extraction:
         if name == ".":
             if not m.isdir():
                 raise _unsafe(m.name, "non-directory member replacing the destination itself")
+            if o.only is not None:  # the volume's own directory: its owner, mode and times go to dest
+                attrs = _member_xattrs(m, name)
+                if FILE_CAPS in attrs:
+                    m.pax_headers = {k: v for k, v in m.pax_headers.items() if k != XATTR_RECORD + FILE_CAPS}
+                self.dirs.append((".", m))
             return None
         if m.isreg():
             regions = sparse_regions(m)
@@ -684,7 +690,9 @@ def _add_tree(
         raise
     try:
         if prefix:
-            tf.addfile(_tarinfo(prefix, root_st, tarfile.DIRTYPE))
+            ti = _tarinfo(prefix, root_st, tarfile.DIRTYPE)
+            ti.pax_headers = {**ti.pax_headers, **_xattr_records(root_fd, prefix)}
+            tf.addfile(ti)
         while stack:
             dfd, rel, names = stack[-1]
             if not names:

@@ -18,7 +18,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -246,34 +246,44 @@ def _preflight(
     unix_links: UnixLinksFn | None,
 ) -> _Preflight:
     """Before touching the workload: the containers run, the registry answers, CRIU is there, and the
-    freeze fits the pod's liveness budgets (raises otherwise)."""
+    freeze fits the pod's liveness budgets (raises otherwise).
+
+    The registry's answer and the images' digests are asked for on a thread beside the checks of the
+    containers (each a round trip of its own); their failures are reported in the order of the checks."""
     infos, upperdirs, pids = [], [], []
     direct: dict[str, Freezer] = {}
     memory = 0
-    for cid in req.containers:
-        info = containerd.get_container(cid)
-        task = containerd.get_task(cid)
-        if task is None or task.status not in ("running",):
-            state = "no task" if task is None else task.status
-            raise FailedPrecondition(
-                f"container {cid!r} is not running ({state})",
-                hint="only running containers can be snapshotted",
-            )
-        fz = freezer_for(task.pid) if freezer_for is not None else None
-        if fz is not None:
-            direct[cid] = fz
-        if memory_of is not None:
-            memory += memory_of(task.pid)
-        infos.append(info)
-        pids.append(task.pid)
-        upperdirs.append(_upperdir(containerd, info))
-    if unix_links is not None:
-        _refuse_unix_links(unix_links(pids), names)
-    registry.ping(req.target)
-    image_digests = [_image_digest(containerd, info.image) for info in infos]
-    if host is None:
-        version, _ = containerd.version()
-        host = hostfacts.gather_cached(containerd_version=version)
+    aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="preflight")
+    try:  # a refusal below does not wait for the registry's answer
+        ping = aside.submit(registry.ping, req.target)
+        digests: list[Future[str]] = []
+        for cid in req.containers:
+            info = containerd.get_container(cid)
+            digests.append(aside.submit(_image_digest, containerd, info.image))
+            task = containerd.get_task(cid)
+            if task is None or task.status not in ("running",):
+                state = "no task" if task is None else task.status
+                raise FailedPrecondition(
+                    f"container {cid!r} is not running ({state})",
+                    hint="only running containers can be snapshotted",
+                )
+            fz = freezer_for(task.pid) if freezer_for is not None else None
+            if fz is not None:
+                direct[cid] = fz
+            if memory_of is not None:
+                memory += memory_of(task.pid)
+            infos.append(info)
+            pids.append(task.pid)
+            upperdirs.append(_upperdir(containerd, info))
+        if unix_links is not None:
+            _refuse_unix_links(unix_links(pids), names)
+        if host is None:
+            version, _ = containerd.version()
+            host = hostfacts.gather_cached(containerd_version=version)
+        ping.result()
+        image_digests = [d.result() for d in digests]
+    finally:
+        aside.shutdown(wait=False, cancel_futures=True)
     if not host.criu_version:
         raise FailedPrecondition("CRIU is not installed on this node", hint="run hack/install-node-deps.sh")
     plan = freeze_plan.plan(

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import re
+import stat
 import subprocess
 import sys
 import tarfile
@@ -421,6 +422,8 @@ def test_group_freeze_is_consistent_and_volume_comes_back(containerd_a, containe
     vol, newvol = tmp_path / "vol", tmp_path / "newvol"
     vol.mkdir()
     newvol.mkdir()
+    os.chmod(vol, 0o2770)  # the volume's own directory, set up by the workload (fsGroup, say)
+    os.chown(vol, 0, 4321)
     w, r = unique("writer"), unique("reader")
     w2, r2 = unique("writer2"), unique("reader2")
     for c, cid in ((a, w), (a, r), (b, w2), (b, r2)):
@@ -451,8 +454,10 @@ def test_group_freeze_is_consistent_and_volume_comes_back(containerd_a, containe
     assert seen <= seq <= mine, (seen, seq, mine)
 
     agent(*restore_on(containerd_b), "--volume", str(newvol), ref, w2, r2)
-    # the directory contents came back into the new host dir
+    # the directory contents came back into the new host dir, and the directory's own owner and mode
     assert (newvol / "seq").exists()
+    st = os.stat(newvol)
+    assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o2770, 4321)
     for _ in range(20):
         # read the reader first, then the writer: with a consistent freeze the reader is never ahead
         code, seen_out, _ = b.exec_in_task(r2, ["cat", "/tmp/seen"])

@@ -387,3 +387,44 @@ def test_a_freeze_guard_still_starting_is_waited_for_before_the_freeze_and_its_c
     assert result.timings_ms["freezing_ms"] == pytest.approx(10.0)
     assert result.timings_ms["freeze_ms"] < 1000  # the 5 s of start-up are not frozen time
     assert result.timings_ms["total_ms"] >= 5000  # but they are the command's time
+
+
+def test_the_registry_is_asked_beside_the_containers_checks(tmp_path: Path) -> None:
+    """The preflight's registry ping runs while the containers are looked up, and a refusal does not
+    wait for a registry that never answers."""
+    import threading
+    import time
+
+    cd, reg = FakeContainerd({"a"}), FakeRegistry()
+    pinging = threading.Event()
+    get_task = cd.get_task
+    overlapped: list[bool] = []
+
+    def task_while_pinging(cid: str) -> Any:
+        overlapped.append(pinging.wait(5))  # the ping started before the task was looked up
+        return get_task(cid)
+
+    cd.get_task = task_while_pinging  # type: ignore[method-assign]
+    reg.ping = lambda ref: pinging.set()  # type: ignore[method-assign]
+    run(cd, reg, tmp_path, containers=["a"])
+    assert overlapped == [True]
+
+    stuck = threading.Event()
+    reg2 = FakeRegistry()
+    reg2.ping = lambda ref: stuck.wait(30)  # type: ignore[method-assign]
+    cd2 = FakeContainerd({"a"})
+    cd2.get_task = lambda cid: SimpleNamespace(pid=0, status="stopped")  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(FailedPrecondition, match="not running"):
+            run(cd2, reg2, tmp_path, containers=["a"])
+        assert time.monotonic() - t0 < 10
+    finally:
+        stuck.set()
+
+
+def test_a_registry_down_is_reported_after_the_containers_checks(tmp_path: Path) -> None:
+    """The order of the preflight's answers is the checks' order: a missing container first."""
+    cd, reg = FakeContainerd({"a"}), FakeRegistry(down=True)
+    with pytest.raises(NotFound):
+        run(cd, reg, tmp_path, containers=["a", "zzz"])

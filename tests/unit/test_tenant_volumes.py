@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,6 +273,51 @@ def test_volume_extraction_replaces_planted_links_and_takes_only_its_volume(tmp_
     assert (vol / "file").read_text() == "from the snapshot" and not (vol / "file").is_symlink()
     assert (vol / "dir").is_dir() and not (vol / "dir").is_symlink()
     assert sorted(os.listdir(vol)) == ["dir", "file"]
+
+
+def test_a_volume_comes_back_with_its_own_owner_mode_and_times(tmp_path: Path) -> None:
+    """The volume's directory itself (chmod'ed, chowned, given an attribute by the workload) is restored
+    onto the target directory, after its contents, and only for the volume extracted."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("x")
+    os.chmod(src, 0o2750)
+    os.chown(src, 1234, 5678)
+    os.setxattr(src, "user.kind", b"scratch")
+    os.utime(src, ns=(1_600_000_000_000_000_000, 1_600_000_000_000_000_000))
+    other = tmp_path / "other"
+    other.mkdir()
+    os.chmod(other, 0o700)
+    out = io.BytesIO()
+    fds = [os.open(src, os.O_RDONLY | os.O_DIRECTORY), os.open(other, os.O_RDONLY | os.O_DIRECTORY)]
+    try:
+        tar_directories([("v0", fds[0]), ("v1", fds[1])], out)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    target = tmp_path / "target"
+    target.mkdir()
+    os.chmod(target, 0o777)  # an emptyDir as the kubelet makes it
+    safe_extract(io.BytesIO(out.getvalue()), str(target), only="v0", overwrite=True)
+    st = os.stat(target)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o2750, 1234, 5678)
+    assert st.st_mtime_ns == 1_600_000_000_000_000_000
+    assert os.getxattr(target, "user.kind") == b"scratch"
+    assert (target / "f").read_text() == "x"
+    # the whole archive extracted (no `only`): nothing is applied to the destination itself
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    os.chmod(whole, 0o711)
+    safe_extract(io.BytesIO(out.getvalue()), str(whole), overwrite=True)
+    assert stat.S_IMODE(os.stat(whole).st_mode) == 0o711
+    assert stat.S_IMODE(os.stat(whole / "v0").st_mode) == 0o2750
+
+
+def test_a_volume_root_that_is_not_a_directory_is_refused(tmp_path: Path) -> None:
+    data = craft_tar([reg("data", b"not a dir")])
+    (tmp_path / "vol").mkdir()
+    with pytest.raises(UnsafeArchive, match="non-directory"):
+        safe_extract(io.BytesIO(data), str(tmp_path / "vol"), only="data", overwrite=True)
 
 
 def test_hard_link_out_of_the_volume_is_refused(tmp_path: Path) -> None:
