@@ -411,7 +411,11 @@ def test_the_registry_is_asked_beside_the_containers_checks(tmp_path: Path) -> N
 
     stuck = threading.Event()
     reg2 = FakeRegistry()
-    reg2.ping = lambda ref: stuck.wait(30)  # type: ignore[method-assign]
+
+    def never_answers(ref: Reference) -> None:
+        stuck.wait(30)
+
+    reg2.ping = never_answers  # type: ignore[method-assign]
     cd2 = FakeContainerd({"a"})
     cd2.get_task = lambda cid: SimpleNamespace(pid=0, status="stopped")  # type: ignore[method-assign]
     t0 = time.monotonic()
