@@ -521,7 +521,15 @@ def _resolve(req: RestoreRequest, containerd: Any, registry: Registry) -> _Plan:
             f"the runtime wrapper {req.runtime_binary!r} is not executable",
             hint="install kubectl-snapshot on this node (it provides ks-runc)",
         )
-    artifact, signatures = load_signed(registry, req.source)
+    # the new names are looked up in containerd while the registry answers (reported in this order)
+    aside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="resolve")
+    try:
+        taken = aside.submit(_taken_name, containerd, req.new_ids)
+        artifact, signatures = load_signed(registry, req.source)
+    except BaseException:
+        aside.shutdown(wait=False, cancel_futures=True)
+        raise
+    aside.shutdown(wait=False)
     config = artifact.config
     # Provenance first: a signature by a trusted key of exactly this digest, agreeing with the config.
     # A node-level restore is an operator's (root) action: no namespace binding here (see restores.py).
@@ -545,13 +553,21 @@ def _resolve(req: RestoreRequest, containerd: Any, registry: Registry) -> _Plan:
             "this node cannot restore the snapshot: " + "; ".join(problems),
             hint="restore on a node like the one the snapshot was taken on",
         )
-    for cid in req.new_ids:
+    existing = taken.result()
+    if existing is not None:
+        raise FailedPrecondition(f"a container named {existing!r} already exists", hint="choose another name")
+    return _Plan(artifact, verdict.reason, [_check_image(containerd, rec) for rec in config.containers])
+
+
+def _taken_name(containerd: Any, new_ids: Sequence[str]) -> str | None:
+    """The first of `new_ids` containerd already has, else None."""
+    for cid in new_ids:
         try:
             containerd.get_container(cid)
         except NotFound:
             continue
-        raise FailedPrecondition(f"a container named {cid!r} already exists", hint="choose another name")
-    return _Plan(artifact, verdict.reason, [_check_image(containerd, rec) for rec in config.containers])
+        return cid
+    return None
 
 
 def _create_all(

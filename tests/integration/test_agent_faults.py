@@ -227,6 +227,19 @@ def test_tampered_blob_is_refused_before_extraction(containerd_a, containerd_b, 
         client(containerd_b).get_container(name)
 
 
+def test_a_new_name_already_taken_is_refused_and_its_container_kept(containerd_a, registry, cleanup):  # type: ignore[no-untyped-def]
+    a = client(containerd_a)
+    cid = unique("taken")
+    cleanup(a, cid)
+    start_counter(a, containerd_a, cid, busybox_image(containerd_a))
+    ref = agent("checkpoint", *on(containerd_a), "--to", registry.ref("taken", "v1"), cid).stdout.strip()
+    proc = agent(*restore_on(containerd_a), ref, cid, check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert f"a container named {cid!r} already exists" in proc.stderr and "hint:" in proc.stderr
+    task = a.get_task(cid)
+    assert task is not None and task.status == "running"
+
+
 def test_unknown_reference_and_wrong_name_count(containerd_b, registry):  # type: ignore[no-untyped-def]
     proc = agent(*restore_on(containerd_b), registry.ref("does-not-exist", "v1"), "x", check=False)
     assert proc.returncode == 1 and "error:" in proc.stderr
