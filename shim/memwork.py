@@ -30,6 +30,7 @@ from collections.abc import Iterator, Mapping
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.dumpspace import MIB, MemorySpace, dump_bytes, fits_in_memory
+from shim import reaper
 from shim.criu_kdat import mount_of, parse_mountinfo
 from shim.hostfacts import host_pid
 
@@ -140,7 +141,8 @@ def _usable(area: str) -> bool:
 @contextlib.contextmanager
 def reserve(state_root: str, snapshot_id: str, expected: int | None) -> Iterator[str | None]:
     """A fresh work directory in memory for a dump of `expected` bytes, or None (use the disk). The
-    directory and its reservation go when the block ends."""
+    directory goes when the block ends, removed on a thread (shim/reaper.py), and its reservation once
+    that is done."""
     limit = limit_bytes()
     if expected is None or limit <= 0 or dump_bytes(expected) > limit:  # the disk, without touching the area
         yield None
@@ -178,14 +180,18 @@ def reserve(state_root: str, snapshot_id: str, expected: int | None) -> Iterator
         yield chosen
     finally:
         if chosen is not None:
-            shutil.rmtree(chosen, ignore_errors=True)
-            with _lock:
-                left = _reserved.get(area, 0) - need
-                if left > 0:
-                    _reserved[area] = left
-                else:
-                    _reserved.pop(area, None)
-                    _remove_empty(area)
+
+            def release() -> None:
+                with _lock:
+                    left = _reserved.get(area, 0) - need
+                    if left > 0:
+                        _reserved[area] = left
+                    else:
+                        _reserved.pop(area, None)
+                        _remove_empty(area)
+
+            # after the answer: its space is promised to this dump until it is free again (shim/reaper.py)
+            reaper.remove_later(chosen, then=release)
 
 
 def _remove_empty(area: str) -> None:

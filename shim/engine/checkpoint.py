@@ -46,7 +46,7 @@ from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest
 from kubectl_snapshot.core.provenance import Origin, SigningKey
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
-from shim import hostfacts, memwork, safefs
+from shim import hostfacts, memwork, reaper, safefs
 from shim.archive import tar_directories
 from shim.criu_images import summarize_checkpoint
 from shim.engine.package import (
@@ -191,7 +191,12 @@ def checkpoint(
             raise
         finally:
             if not req.keep_work:
-                shutil.rmtree(work, ignore_errors=True)
+                # no longer a record of frozen containers (recover_interrupted) from here on; the dump
+                # itself is removed after the answer (shim/reaper.py; the memory area's by memwork)
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(work, FROZEN_FILE))
+                if in_memory is None:
+                    reaper.remove_later(work)
     result.work_in_memory = in_memory is not None
 
     if req.stop:

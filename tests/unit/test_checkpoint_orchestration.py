@@ -26,6 +26,7 @@ from kubectl_snapshot.core.provenance import (
     signature_tag,
 )
 from kubectl_snapshot.core.reference import Reference
+from shim import reaper
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.staging import StatePaths
 from tests.support.fakenode import FakeContainerd, FakeRegistry
@@ -52,6 +53,7 @@ def test_all_frozen_first_then_dumped_then_resumed(tmp_path: Path) -> None:
     assert [c.name for c in cfg.containers] == ["a", "b"]
     assert {layer.digest for layer in manifest.layers} <= set(reg.blobs)
     assert str(result.reference) == f"127.0.0.1:5000/snap@{manifest.digest}"
+    assert reaper.drain(10)  # the work dir is removed after the answer (shim/reaper.py)
     assert not os.listdir(tmp_path / "work")  # work dir cleaned
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shim import memwork
+from shim import memwork, reaper
 from shim.criu_kdat import mount_of, parse_mountinfo
 from shim.engine.staging import StatePaths
 
@@ -45,6 +45,7 @@ def test_a_dump_that_fits_gets_a_private_directory_in_memory_and_leaves_nothing(
         assert Path(d).parent.parent == base and os.path.isdir(d)
         assert oct(os.stat(d).st_mode & 0o777) == "0o700" and oct(os.stat(base).st_mode & 0o777) == "0o700"
         Path(d, "pages-1.img").write_bytes(b"x" * 4096)
+    assert reaper.drain(10)  # removed after the block, on a thread (shim/reaper.py)
     assert not base.exists()  # the area's directories go with the last dump in it
 
 
@@ -56,8 +57,40 @@ def test_reservations_add_up_within_the_limit(base: Path, tmp_path: Path) -> Non
         with memwork.reserve(str(tmp_path), "1-c", 40 * MIB) as third:
             assert third is not None
         assert os.path.isdir(first)
+    assert reaper.drain(10)
     with memwork.reserve(str(tmp_path), "1-d", 150 * MIB) as again:
         assert again is not None  # released
+
+
+def test_a_reservation_holds_until_its_directory_is_gone(
+    base: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The dump is removed after the block, off the answer's path; its space stays promised until then."""
+    import shutil
+    import threading
+
+    go = threading.Event()
+    rmtree = shutil.rmtree
+
+    def slow_rmtree(path: str, ignore_errors: bool = False) -> None:
+        go.wait(10)
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(reaper.shutil, "rmtree", slow_rmtree)
+    with memwork.reserve(str(tmp_path), "1-a", 150 * MIB) as first:
+        assert first is not None
+        Path(first, "pages-1.img").write_bytes(b"x" * 4096)
+    assert not os.path.exists(first)  # taken away at once, under a dot name
+    [trash] = memwork.leftovers(str(tmp_path))
+    assert os.path.basename(trash) == reaper.PREFIX + "1-a"
+    with memwork.reserve(str(tmp_path), "1-b", 150 * MIB) as second:
+        assert second is None  # the first's space is not free yet
+    go.set()
+    assert reaper.drain(10)
+    assert not base.exists()
+    with memwork.reserve(str(tmp_path), "1-c", 150 * MIB) as third:
+        assert third is not None
+    assert reaper.drain(10)
 
 
 @pytest.mark.parametrize("mib", ["0", "300"])
