@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
@@ -49,15 +48,34 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from shim.hostmount import (
+    MS_BIND,
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_PRIVATE,
+    MS_RDONLY,
+    MS_REC,
+    MS_REMOUNT,
+    Mount,
+    check,
+    current,
+    join_host,
+    mount,
+    mount_at,
+    mount_of,
+    parse_mountinfo,
+    umount,
+    unshare_mounts,
+)
+
+__all__ = ["KDAT_FILE", "KdatResult", "Mount", "ensure", "mount_at", "mount_of", "parse_mountinfo", "remove"]
+
 KDAT_FILE = "/run/criu.kdat"  # upstream's and Debian's RUNDIR; kdat_path() reads it off a binary
 CACHE_NAME = "kubectl-snapshot-kdat"  # the small tmpfs holding the cache file, beside it
 SOURCE = "kubectl-snapshot-kdat"  # the tmpfs's source name: how our mounts are recognised
 TMPFS_OPTIONS = "size=256k,nr_inodes=16,mode=0700"
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
-MNT_DETACH = 2
-CLONE_NEWNS = 0x00020000
 LOCK_WAIT_S = 150.0  # another node's ensure (a `criu check`) takes about a second; the caller waits 180 s
 
 
@@ -66,48 +84,6 @@ class KdatResult:
     path: str
     state: str  # "native" (tmpfs /run), "mounted", "removed", "absent", "foreign", "failed"
     detail: str = ""
-
-
-@dataclass(frozen=True)
-class Mount:
-    mount_point: str
-    root: str  # the mounted file system's path that appears there ("/" or, for a bind, the file)
-    fstype: str
-    source: str
-
-
-def _unescape(field: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
-
-
-def parse_mountinfo(text: str) -> list[Mount]:
-    """/proc/PID/mountinfo lines, in order (a later line is mounted over an earlier one)."""
-    out = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        fields, tail = left.split(), right.split()
-        if not sep or len(fields) < 5 or len(tail) < 2:
-            continue
-        out.append(Mount(_unescape(fields[4]), _unescape(fields[3]), tail[0], _unescape(tail[1])))
-    return out
-
-
-def mount_at(path: str, mounts: list[Mount]) -> Mount | None:
-    """The topmost mount whose mount point is exactly `path`."""
-    hits = [m for m in mounts if m.mount_point == path]
-    return hits[-1] if hits else None
-
-
-def mount_of(path: str, mounts: list[Mount]) -> Mount | None:
-    """The mount that holds `path`: the topmost one with the longest mount point above (or at) it."""
-    best: Mount | None = None
-    for m in mounts:
-        mp = m.mount_point.rstrip("/") or "/"
-        if (path == mp or path.startswith(mp.rstrip("/") + "/")) and (
-            best is None or len(mp) >= len(best.mount_point.rstrip("/") or "/")
-        ):
-            best = m
-    return best
 
 
 def kdat_path(binary: bytes) -> str:
@@ -134,41 +110,12 @@ def decide(kdat: str, mounts: list[Mount]) -> str:
 
 # --- the child process: runs in the host's mount namespace ------------------------------------------
 
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    enc = [s.encode() if s is not None else None for s in (source, target, fstype, data)]
-    _check(_libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
-
-
-def _umount(target: str) -> None:
-    _check(_libc.umount2(target.encode(), MNT_DETACH), f"umount {target}")
-
-
-def _mounts() -> list[Mount]:
-    with open("/proc/self/mountinfo") as f:
-        return parse_mountinfo(f.read())
-
-
-def _join_host(host_pid: int) -> None:
-    fd = os.open(f"/proc/{host_pid}/ns/mnt", os.O_RDONLY)
-    try:
-        _check(_libc.setns(fd, CLONE_NEWNS), "setns to the host's mount namespace")
-    finally:
-        os.close(fd)
-    os.chdir("/")
+_check, _mount, _umount, _mounts, _join_host = check, mount, umount, current, join_host
 
 
 def _private_run(directory: str, run_dir: str) -> None:
     """In the `criu check` child: a private mount namespace in which the cache's tmpfs is `run_dir` (/run)."""
-    _check(_libc.unshare(CLONE_NEWNS), "unshare the mount namespace")
+    unshare_mounts()
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount(directory, run_dir, None, MS_BIND)
 

@@ -31,8 +31,8 @@ from collections.abc import Iterator, Mapping
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.dumpspace import MIB, MemorySpace, dump_bytes, fits_in_memory
 from shim import reaper
-from shim.criu_kdat import mount_of, parse_mountinfo
 from shim.hostfacts import host_pid
+from shim.hostmount import mount_of, parse_mountinfo
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from shim import memwork, reaper
-from shim.criu_kdat import mount_of, parse_mountinfo
 from shim.engine.staging import StatePaths
+from shim.hostmount import mount_of, parse_mountinfo
 
 MIB = 1 << 20
 
@@ -76,7 +76,7 @@ def test_a_reservation_holds_until_its_directory_is_gone(
         go.wait(10)
         rmtree(path, ignore_errors=ignore_errors)
 
-    monkeypatch.setattr(reaper.shutil, "rmtree", slow_rmtree)
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
     with memwork.reserve(str(tmp_path), "1-a", 150 * MIB) as first:
         assert first is not None
         Path(first, "pages-1.img").write_bytes(b"x" * 4096)

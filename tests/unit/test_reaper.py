@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -23,13 +24,13 @@ def _tree(root: Path) -> Path:
 def test_taken_away_at_once_removed_on_a_thread_then_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     d = _tree(tmp_path)
     go, told = threading.Event(), []
-    rmtree = reaper.shutil.rmtree
+    rmtree = shutil.rmtree
 
     def held(path: str, ignore_errors: bool = False) -> None:
         go.wait(10)
         rmtree(path, ignore_errors=ignore_errors)
 
-    monkeypatch.setattr(reaper.shutil, "rmtree", held)
+    monkeypatch.setattr(shutil, "rmtree", held)
     reaper.remove_later(str(d), then=lambda: told.append(os.listdir(tmp_path)))
     assert os.listdir(tmp_path) == [reaper.PREFIX + "123-abc"]  # renamed before remove_later returned
     assert told == [] and not reaper.drain(0.05)  # still being removed
