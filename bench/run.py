@@ -57,7 +57,13 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.reference import Reference
 from shim import localapi, memwork, rcu
 from shim.runc_wrapper import TRACE_ENV, parse_invocation
-from tests.support.containerd import ContainerdDaemon, node_criu_config, node_kdat_cache, node_rcu_expedite
+from tests.support.containerd import (
+    ContainerdDaemon,
+    node_criu_config,
+    node_kdat_cache,
+    node_memory_work_fs,
+    node_rcu_expedite,
+)
 from tests.support.images import python_image, python_tarball
 from tests.support.registry import RegistryServer
 from tests.support.signing import signing_env
@@ -68,6 +74,7 @@ AGENT = PY_AGENT  # what runs as ks-agent: main() puts the launcher in front of 
 WRAPPER = str(BIN / "ks-runc")
 CTR = "/usr/local/bin/ctr"
 CRIU = shutil.which("criu") or "/usr/sbin/criu"
+ENV_WORK_FS = "KUBECTL_SNAPSHOT_WORK_FS"  # bench only: "0" leaves the memory work area in /dev/shm (A/B)
 HOST_PY = "/usr/bin/python3"
 STATE = Path(os.environ.get("KUBECTL_SNAPSHOT_STATE_DIR", "/var/lib/kubectl-snapshot"))
 REPO = Path(__file__).resolve().parent.parent
@@ -804,6 +811,9 @@ def main() -> None:
     kdat = stack.enter_context(node_kdat_cache())
     # KUBECTL_SNAPSHOT_EXPEDITE_RCU=0: the node as install-node leaves it with that opt-out (to compare)
     expedite = stack.enter_context(node_rcu_expedite(STATE)) if rcu.enabled(os.environ) else f"off ({rcu.ENV}=0)"
+    # the memory work area on install-node's tmpfs with large folios (shim/workfs.py); KUBECTL_SNAPSHOT_WORK_FS=0:
+    # /dev/shm's directory as before (to compare)
+    work_fs = stack.enter_context(node_memory_work_fs(STATE)) if os.environ.get(ENV_WORK_FS, "1") != "0" else None
     daemon = ContainerdDaemon("bench", work / "ctrd")
     other = ContainerdDaemon("bench-b", work / "ctrd-b")
     registry = RegistryServer(work / "registry")
@@ -848,7 +858,9 @@ def main() -> None:
         facts["criu_config"] = f"{conf.path}: {conf.state}" if conf else "n/a"
         facts["criu_kdat"] = f"{kdat.path}: {kdat.state}" if kdat else "n/a"
         facts["rcu_expedite"] = expedite
-        facts["memory_work"] = f"{memwork.ENV_MIB}={memwork.limit_bytes() >> 20}"
+        facts["memory_work"] = f"{memwork.ENV_MIB}={memwork.limit_bytes() >> 20}" + (
+            f", on {work_fs.state} tmpfs ({work_fs.detail})" if work_fs is not None else f", /dev/shm ({ENV_WORK_FS}=0)"
+        )
         facts["criu_tar"] = tar
         facts["ks_agent"] = (
             "the static launcher in front of the Python program" if AGENT != PY_AGENT else "the Python program"

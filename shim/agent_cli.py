@@ -728,6 +728,9 @@ def install_node_cmd(wrapper_pyz: str, bundle: str, **kw: Any) -> None:
         click.echo(f"CRIU kernel-feature cache {k.path}: {k.state}" + (f" ({k.detail})" if k.detail else ""))
     if r.rcu:
         click.echo(f"expedited RCU grace periods: {r.rcu}")
+    if r.work_fs is not None:
+        w = r.work_fs
+        click.echo(f"memory work area {w.path}: {w.state}" + (f" ({w.detail})" if w.detail else ""))
 
 
 @cli.command("uninstall-node")

@@ -82,6 +82,18 @@ for _ in 1 2 3; do
   done <<<"$mounts"
 done
 
+# 5b. the memory work areas' tmpfs install-node mounted for the nodes' agents (shim/workfs.py: one per
+# agent state dir, /dev/shm/kubectl-snapshot/KEY, KEY the first 16 hex digits of the dir's sha256).
+for node in "${KS_NODES[@]}"; do
+  key="$(printf '%s' "/var/lib/kubectl-snapshot/$node" | sha256sum | cut -c1-16)"
+  area="/dev/shm/kubectl-snapshot/$key"
+  if [ "$(findmnt -rn -o SOURCE --mountpoint "$area" 2>/dev/null | tail -1)" = kubectl-snapshot-work ]; then
+    umount "$area" 2>/dev/null || umount -l "$area" 2>/dev/null || true
+  fi
+  rmdir "$area" 2>/dev/null || true
+done
+rmdir /dev/shm/kubectl-snapshot 2>/dev/null || true
+
 # 6. cgroup roots, deepest first.
 for node in "${KS_NODES[@]}"; do
   for h in /sys/fs/cgroup/*/"$node"; do

@@ -42,7 +42,7 @@ from typing import Any
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
-from shim import criu_config, criu_kdat, memwork, rcu
+from shim import criu_config, criu_kdat, memwork, rcu, workfs
 from shim.controller.settings import NodeSettings
 from shim.criu_guard import PYCRIU_PATH_ENV
 from shim.hostfacts import host_pid
@@ -65,6 +65,7 @@ class InstallResult:
     criu: str = ""
     kdat: criu_kdat.KdatResult | None = None
     rcu: str = ""  # RCU grace periods during dumps and restores (shim/rcu.py): what prepare() found
+    work_fs: workfs.WorkFsResult | None = None  # the memory work area's tmpfs (shim/workfs.py)
 
 
 @dataclass(frozen=True)
@@ -282,9 +283,14 @@ def install(settings: NodeSettings, *, wrapper_pyz: str | None = None, bundle: s
     # Regenerated on every install (a new CRIU build gets its own cache); runs in the host's mount namespace.
     kdat = criu_kdat.ensure(settings.criu, kdat=settings.criu_kdat, host_pid=host_pid()) if settings.criu_kdat else None
     expedite = rcu.prepare(settings.state_dir, enable=rcu.enabled(os.environ))
+    # before the agent's container starts (its host path mount of the area's base includes it)
+    work_fs = None
+    if settings.memory_work_fs:
+        work_fs = workfs.ensure(memwork.area_dir(settings.state_dir), memwork.limit_bytes(), host_pid=host_pid())
     return InstallResult(
-        settings.wrapper_launcher, dropin, changed, restarted, conf, installed.path, settings.criu, kdat, expedite
-    )
+        settings.wrapper_launcher, dropin, changed, restarted, conf, installed.path, settings.criu, kdat, expedite,
+        work_fs,
+    )  # fmt: skip
 
 
 def uninstall(settings: NodeSettings) -> None:
@@ -296,6 +302,8 @@ def uninstall(settings: NodeSettings) -> None:
     criu_config.remove(_host_path(settings.criu_config))
     with contextlib.suppress(OSError):
         rcu.prepare(settings.state_dir, enable=False)  # a switch our holders left on is put back
+    if settings.memory_work_fs:
+        workfs.remove(memwork.area_dir(settings.state_dir), host_pid=host_pid())  # the area's tmpfs, then the area
     memwork.remove_area(_host_path(memwork.area_dir(settings.state_dir)))  # dumps in memory (none unless killed)
     if settings.criu_kdat:
         criu_kdat.remove(kdat=settings.criu_kdat, host_pid=host_pid())

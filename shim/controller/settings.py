@@ -28,7 +28,7 @@ def apply_node_map(settings: NodeSettings, path: str | None) -> NodeSettings:
     except (ValueError, yaml.YAMLError) as e:
         raise InvalidArgument(f"node map {path} is not valid JSON/YAML: {e}") from e
     entry = (data or {}).get(settings.node) or {}
-    changes = {}
+    changes: dict[str, Any] = {}
     for key, value in entry.items():
         name = per_node_key(key)
         if name is not None and isinstance(value, str):

@@ -228,7 +228,8 @@ def test_a_small_dump_goes_through_memory_and_one_the_node_keeps_on_disk_too(  #
     to = registry.ref("inmem", "v1")
     out = json.loads(agent("checkpoint", *on(containerd_a), "-o", "json", "--to", to, cid).stdout)
     assert out["dumpedTo"] == "memory", out
-    assert not os.path.exists(area)
+    # nothing left in the area (install-node's tmpfs, shim/workfs.py, stays as a mount point)
+    assert not os.path.exists(area) or os.listdir(area) == []
     agent(*restore_on(containerd_b), out["reference"], new)
     tok_after, _ = read_counter(b, new)
     assert tok_after == tok_before

@@ -243,7 +243,8 @@ def test_a_killed_standalone_checkpoint_is_thawed_by_its_private_guard(counter, 
         assert left, "the killed checkpoint's work dir should be in the memory work area"
         assert "nothing to recover" in agent("recover", *on(daemon)).stdout  # the guard thawed it already
         assert not set(left) & set(memwork.leftovers(StatePaths.from_env().root))
-    assert not os.path.exists(memwork.area_dir(StatePaths.from_env().root))  # nothing left in memory
+    area = memwork.area_dir(StatePaths.from_env().root)
+    assert not os.path.exists(area) or os.listdir(area) == []  # nothing left in memory (the tmpfs may stay)
 
 
 def _state(pid: int) -> str:

@@ -36,12 +36,14 @@ from typing import Any
 
 import pytest
 
-from shim import dumplock
+from shim import dumplock, memwork, workfs
 from shim.controller.node_install import install, uninstall
 from shim.controller.settings import NodeSettings
 from shim.engine.staging import FAILED, READY, StagingGate, StatePaths
+from shim.hostmount import current, mount_at
 from shim.podrestore import LOCK_TABLE, RELEASED_FILE, PodRestore
 from tests.support.bundle import REPO, real_bundle
+from tests.support.containerd import tmpfs_large_folios
 from tests.support.nft import nft_tables
 
 BUSYBOX = Path("/bin/busybox")
@@ -83,6 +85,16 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeSettings]:
     yield s
     uninstall(s)
     assert not Path(s.wrapper_dir).exists()
+    area = memwork.area_dir(s.state_dir)
+    assert mount_at(area, current()) is None and not os.path.exists(area)  # the area's tmpfs and dir gone
+
+
+def test_install_node_puts_the_memory_work_area_on_a_tmpfs_with_large_folios(node: NodeSettings) -> None:
+    """shim/workfs.py: mounted in the (host's) mount namespace by install-node, before the agent starts."""
+    top = mount_at(memwork.area_dir(node.state_dir), current())
+    if top is None and not tmpfs_large_folios():
+        pytest.skip("this kernel has no huge= for tmpfs")
+    assert top is not None and top.source == workfs.SOURCE and "huge=within_size" in top.options, top
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.core import kube as K
-from shim import criu_config, criu_kdat
+from kubectl_snapshot.core.nodesettings import NodeSettings
+from shim import criu_config, criu_kdat, memwork, workfs
 from tests.support.cluster import HACK, REPO, Cluster
+from tests.support.containerd import tmpfs_large_folios
 
 PLUGIN = str(Path(sys.executable).with_name("kubectl-snapshot"))
 NODE_CONFIG_MAP = f"{K.AGENT_NAME}-nodes"
@@ -212,6 +214,13 @@ def installed_agent(
     assert kdat_native or (bound is not None and bound.source == criu_kdat.SOURCE), (
         f"after install, {criu_kdat.KDAT_FILE} is not the kdat cache install-node binds there: {bound}"
     )
+    # and each node's memory work area on a tmpfs of its own with large folios (shim/workfs.py), seen by
+    # the agent's container through its host path mount
+    areas = [memwork.area_dir(NodeSettings(node=n).state_dir) for n in cluster.nodes]
+    if tmpfs_large_folios():
+        for area in areas:
+            top = criu_kdat.mount_at(area, _host_mounts())
+            assert top is not None and top.source == workfs.SOURCE, f"after install, {area} is not our tmpfs: {top}"
     try:
         yield installed
         # every CRIU that ran during the session was the installed one, handed to runc with --criu
@@ -240,6 +249,7 @@ def installed_agent(
     assert after == conf_before if foreign else not criu_config.is_ours(after)
     assert kdat_native or criu_kdat.mount_at(criu_kdat.KDAT_FILE, _host_mounts()) is None
     assert not os.path.exists(criu_kdat.cache_dir(criu_kdat.KDAT_FILE))
+    assert all(criu_kdat.mount_at(a, _host_mounts()) is None and not os.path.exists(a) for a in areas), areas
 
 
 def installed_image(cluster: Cluster) -> str | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core.errors import SnapshotError
-from shim import criu_config, criu_kdat, rcu
+from shim import criu_config, criu_kdat, memwork, rcu, workfs
 from shim.containerd.client import ContainerdClient, RuncOptions
 
 CONTAINERD = "/usr/local/bin/containerd"
@@ -284,6 +284,35 @@ def node_kdat_cache() -> Iterator[criu_kdat.KdatResult | None]:
             criu_kdat.remove()
 
 
+def tmpfs_large_folios() -> bool:
+    """Whether this kernel mounts a tmpfs with huge= (shim/workfs.py's mount is made only then)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
+        probe = ["mount", "-t", "tmpfs", "-o", "huge=within_size,size=1m", "ks-probe", d]
+        ok = subprocess.run(probe, capture_output=True, check=False).returncode == 0
+        if ok:
+            subprocess.run(["umount", d], check=True)
+    return ok
+
+
+@contextlib.contextmanager
+def node_memory_work_fs(state_dir: Path) -> Iterator[workfs.WorkFsResult]:
+    """The memory work area of an agent with this state dir on a tmpfs of its own with large folios, as
+    install-node leaves a node (shim/workfs.py); unmounted and its directory removed afterwards if this
+    mounted it (an installed agent's is left as it was)."""
+    area = memwork.area_dir(str(state_dir))
+    result = workfs.ensure(area, memwork.limit_bytes())
+    try:
+        yield result
+    finally:
+        if result.state == "mounted":
+            workfs.remove(area)
+            for d in (area, os.path.dirname(area)):
+                with contextlib.suppress(OSError):
+                    os.rmdir(d)
+
+
 @contextlib.contextmanager
 def node_rcu_expedite(state_dir: Path) -> Iterator[str]:
     """RCU grace periods expedited during the product's dumps and restores, as install-node leaves a
@@ -305,8 +334,19 @@ def criu_node_config() -> Iterator[criu_config.ConfigResult | None]:
 
 
 @pytest.fixture(scope="session")
+def memory_work_fs() -> Iterator[workfs.WorkFsResult]:
+    """The tests' agents' memory work area as install-node leaves a node (shim/workfs.py)."""
+    from shim.engine.staging import StatePaths
+
+    with node_memory_work_fs(Path(StatePaths.from_env().root)) as result:
+        yield result
+
+
+@pytest.fixture(scope="session")
 def containerd_a(
-    tmp_path_factory: pytest.TempPathFactory, criu_node_config: criu_config.ConfigResult | None
+    tmp_path_factory: pytest.TempPathFactory,
+    criu_node_config: criu_config.ConfigResult | None,
+    memory_work_fs: workfs.WorkFsResult,
 ) -> Iterator[ContainerdDaemon]:
     """A private containerd instance ("node A") for the whole test session."""
     with running_daemon("a", tmp_path_factory.mktemp("containerd-a")) as d:
@@ -315,7 +355,9 @@ def containerd_a(
 
 @pytest.fixture(scope="session")
 def containerd_b(
-    tmp_path_factory: pytest.TempPathFactory, criu_node_config: criu_config.ConfigResult | None
+    tmp_path_factory: pytest.TempPathFactory,
+    criu_node_config: criu_config.ConfigResult | None,
+    memory_work_fs: workfs.WorkFsResult,
 ) -> Iterator[ContainerdDaemon]:
     """A second, independent containerd instance ("node B"), e.g. the restore target."""
     with running_daemon("b", tmp_path_factory.mktemp("containerd-b")) as d:

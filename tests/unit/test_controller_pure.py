@@ -133,6 +133,7 @@ def test_install_and_uninstall_node(tmp_path: Path) -> None:
         criu_path=str(tmp_path / "no-criu"),
         criu_config=str(tmp_path / "criu" / "runc.conf"),
         criu_kdat="",  # never the host's /run in a unit test (tests/integration/test_criu_kdat.py)
+        memory_work_fs=False,  # nor a tmpfs (tests/integration/test_workfs.py)
     )
     pyz = tmp_path / "w.pyz"
     pyz.write_bytes(b"PK")

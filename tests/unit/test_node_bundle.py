@@ -30,6 +30,7 @@ def settings(tmp_path: Path, **kw: str) -> NodeSettings:
         containerd_dropin_dir=str(tmp_path / "dropins"),
         criu_config=str(tmp_path / "criu" / "runc.conf"),
         criu_kdat="",  # never the host's /run in a unit test (tests/integration/test_criu_kdat.py)
+        memory_work_fs=False,  # nor a tmpfs (tests/integration/test_workfs.py)
         **kw,
     )
 

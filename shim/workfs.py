@@ -1,0 +1,140 @@
+"""The memory work area on a tmpfs of its own, with large folios; set up by install-node.
+
+Dumps that clearly fit go to the node's memory work area (shim/memwork.py), by default a directory in
+the host's /dev/shm. That tmpfs keeps its files in 4 KiB pages (``huge=never``, the kernel's default for
+tmpfs mounts), so CRIU writing a dump there pays a page allocation and its bookkeeping per 4 KiB, and
+freeing the dump as much again: on the project's VMs (kernel 6.18) a raw ``criu dump`` of a 64 MiB object
+heap took 66 ms into /dev/shm, 55 ms into the ext4 state dir (whose page cache uses large folios) and 40
+ms into a tmpfs mounted with ``huge=within_size``; 428, 318 and 247 ms at 512 MiB; removing the dump 12,
+7 and 1 ms (docs/performance.md, "The memory work area with large folios"). The dump is written while
+the pod is frozen, so that difference is frozen time.
+
+So install-node mounts a tmpfs of its own at this agent's area directory (``memwork.area_dir``: one per
+agent state dir below the base, so agents sharing a host never mount over each other), in the host's
+mount namespace, before the agent's container starts (its host path mount is recursive, and includes
+it): ``huge=within_size`` (files are given huge pages where they are large enough, smaller ones keep
+small pages), ``size`` = the area's limit, mode 0700, nosuid, nodev, noexec. memwork's checks are the
+same for it (a tmpfs, root's alone, the host's own directory).
+
+Left alone: a kernel that refuses ``huge=`` for tmpfs (no transparent huge pages; the dumps go to
+/dev/shm's directory as before), an area that is not empty (a killed agent's dump is recover's to read
+first: the next start mounts), something else mounted there, dumps in memory turned off (then a mount
+of ours is removed). uninstall-node unmounts it. Huge pages are taken without waiting for the kernel to
+make them (``defrag`` madvise, the default, never compacts or reclaims for a file's write: where there
+are none free, the file gets small pages).
+
+The work runs in a child process (``python -m shim.workfs``) that joins the host's mount namespace
+when the agent runs in a container, as shim/criu_kdat.py's does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+
+from shim.hostmount import MS_NODEV, MS_NOEXEC, MS_NOSUID, current, join_host, mount, mount_at, umount
+
+SOURCE = "kubectl-snapshot-work"  # the tmpfs's source name: how our mounts are recognised
+HUGE = "within_size"
+
+
+@dataclass(frozen=True)
+class WorkFsResult:
+    path: str
+    state: str  # "mounted", "kept" (ours already), "busy", "foreign", "no large folios", "removed", "absent", "failed"
+    detail: str = ""
+
+
+def options(size_bytes: int) -> str:
+    """The tmpfs's options: large folios, the area's size (whole MiB, at least 1), root's alone."""
+    mib = max(1, -(-size_bytes // (1 << 20)))
+    return f"huge={HUGE},size={mib}m,mode=0700"
+
+
+def do_ensure(path: str, size_bytes: int) -> WorkFsResult:
+    top = mount_at(path, current())
+    if top is not None:
+        if top.source != SOURCE:
+            return WorkFsResult(path, "foreign", f"{path} has a mount not made by kubectl-snapshot: left alone")
+        return WorkFsResult(path, "kept", f"{top.options}")
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    if os.listdir(path):
+        return WorkFsResult(path, "busy", "a dump is there (a killed agent's): mounted at a later start")
+    try:
+        mount(SOURCE, path, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, options(size_bytes))
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            with contextlib.suppress(OSError):
+                os.rmdir(path)
+            return WorkFsResult(path, "no large folios", "this kernel refuses huge= for tmpfs: /dev/shm as before")
+        raise
+    top = mount_at(path, current())
+    return WorkFsResult(path, "mounted", top.options if top is not None else "")
+
+
+def do_remove(path: str) -> WorkFsResult:
+    had = False
+    for _ in range(8):
+        top = mount_at(path, current())
+        if top is None:
+            break
+        if top.source != SOURCE:
+            return WorkFsResult(path, "foreign", f"{path} has a mount not made by kubectl-snapshot: left alone")
+        umount(path)
+        had = True
+    return WorkFsResult(path, "removed" if had else "absent")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m shim.workfs", description="the memory work area's tmpfs")
+    ap.add_argument("action", choices=("ensure", "remove"))
+    ap.add_argument("--path", required=True)
+    ap.add_argument("--size", type=int, default=0, help="bytes")
+    ap.add_argument("--host-pid", type=int, default=0, help="join this process's mount namespace first")
+    a = ap.parse_args(argv)
+    try:
+        if a.host_pid:
+            join_host(a.host_pid)
+        res = do_ensure(a.path, a.size) if a.action == "ensure" else do_remove(a.path)
+    except OSError as e:
+        res = WorkFsResult(a.path, "failed", str(e))
+    print(json.dumps(asdict(res)))
+    return 0
+
+
+# --- the agent's side ---------------------------------------------------------------------------------
+
+
+def _run(args: list[str], path: str, host_pid: int | None) -> WorkFsResult:
+    cmd = [sys.executable, "-m", "shim.workfs", *args, "--path", path]
+    if host_pid:
+        cmd += ["--host-pid", str(host_pid)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    try:
+        return WorkFsResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
+    except (ValueError, IndexError, TypeError):
+        return WorkFsResult(path, "failed", (proc.stdout + proc.stderr).strip()[-300:])
+
+
+def ensure(path: str, size_bytes: int, *, host_pid: int | None = None) -> WorkFsResult:
+    """Mount the area's tmpfs at `path` (a host path) unless one is there; with `size_bytes` 0 (dumps in
+    memory off) remove ours instead. Never raises: without it dumps go where they went before."""
+    if size_bytes <= 0:
+        return remove(path, host_pid=host_pid)
+    return _run(["ensure", "--size", str(size_bytes)], path, host_pid)
+
+
+def remove(path: str, *, host_pid: int | None = None) -> WorkFsResult:
+    return _run(["remove"], path, host_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
