@@ -138,8 +138,8 @@ def push_chunks(
             return sealer.seal_chunk(packed, seed)
         return packed, "sha256:" + seed.hex()
 
-    def send(blob: bytes | bytearray, digest: str) -> None:
-        if registry.push_blob(ref, digest=digest, size=len(blob), data=blob):
+    def send(blob: bytes | bytearray, digest: str, *, fresh: bool = False) -> None:
+        if registry.push_blob(ref, digest=digest, size=len(blob), data=blob, fresh=fresh):
             uploaded.add(len(blob))
         stored.add(len(blob))
 
@@ -163,7 +163,9 @@ def push_chunks(
             return Chunk(offset, len(raw), base.digest, base.size)
         packed = _compressor().compress(encode_delta(raw, plan))
         blob, digest = seal(packed, hashlib.sha256(packed).digest())
-        send(blob, digest)
+        # the pages that changed since the base, in this save: no registry has that blob yet (a retried
+        # save's is only sent again), so no lookup first
+        send(blob, digest, fresh=True)
         delta = Delta(digest, len(blob), len(plan.literals), len(plan.copies), base.length)
         return Chunk(offset, len(raw), base.digest, base.size, delta)
 

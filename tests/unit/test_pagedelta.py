@@ -431,3 +431,46 @@ def test_a_chunk_cut_differently_finds_its_base_by_any_window_the_base_covered(t
     assert rest.delta is not None and rest.digest == first.files[0].chunks[0].digest
     assert rest.delta.pages == 0  # the range's pages all come from the base
     assert second.uploaded < 0.6 * first.uploaded  # the piece (new pages) and a tiny delta, not the range again
+
+
+def test_a_page_delta_is_sent_without_asking_the_registry_first(tmp_path: Path) -> None:
+    """A delta holds the pages that changed in this save: no registry can have it, so it goes up without
+    a lookup (one round trip less per changed chunk); whole chunks are still looked up (another
+    snapshot may have stored them)."""
+    from kubectl_snapshot.core.reference import Reference
+    from shim.engine.chunks import plan_checkpoint
+    from shim.engine.pageindex import PageIndex
+    from shim.engine.stream import push_chunks
+    from tests.support.fakenode import FakeRegistry
+    from tests.unit.test_chunks import write_pagemap
+
+    class Recording(FakeRegistry):
+        def __init__(self) -> None:
+            super().__init__()
+            self.pushes: list[tuple[str, bool]] = []
+
+        def push_blob(self, ref: Reference, **kw: Any) -> bool:
+            self.pushes.append((kw["digest"], bool(kw.get("fresh"))))
+            return super().push_blob(ref, **kw)
+
+    n = 1024
+    pages = bytearray(chunk(n, seed=3))
+    reg, ref = Recording(), Reference.parse("registry.test/app:v1")
+
+    def save(d: Path) -> Any:
+        d.mkdir()
+        (d / "pages-1.img").write_bytes(bytes(pages))
+        write_pagemap(d / "pagemap-1.img", 1, [{1: 0x7F0000000000, 4: 4, 5: n}])
+        index = PageIndex.load(str(tmp_path / "index"), "scope")
+        pushed = push_chunks(reg, ref, plan_checkpoint(str(d)), index=index)
+        index.save()
+        return pushed
+
+    first = save(tmp_path / "d1")
+    assert reg.pushes and not any(fresh for _, fresh in reg.pushes)  # whole chunks: looked up first
+    reg.pushes.clear()
+    pages[5 * PAGE_SIZE : 6 * PAGE_SIZE] = bytes(PAGE_SIZE)  # one page changed
+    second = save(tmp_path / "d2")
+    [c] = [c for c in second.files[0].chunks if c.delta is not None]
+    assert reg.pushes == [(c.delta.digest, True)]
+    assert c.digest == first.files[0].chunks[0].digest
