@@ -12,16 +12,18 @@ the pod is frozen, so that difference is frozen time.
 So install-node mounts a tmpfs of its own at this agent's area directory (``memwork.area_dir``: one per
 agent state dir below the base, so agents sharing a host never mount over each other), in the host's
 mount namespace, before the agent's container starts (its host path mount is recursive, and includes
-it): ``huge=within_size`` (files are given huge pages where they are large enough, smaller ones keep
-small pages), ``size`` = the area's limit, mode 0700, nosuid, nodev, noexec. memwork's checks are the
+it): ``huge=within_size`` (a file's pages come in large folios, 8 KiB up to 2 MiB, as far as its size
+reaches: on this kernel the writes of a dump are mostly 8 KiB-1 MiB folios), ``size`` = the area's
+limit, mode 0700, nosuid, nodev, noexec. memwork's checks are the
 same for it (a tmpfs, root's alone, the host's own directory).
 
 Left alone: a kernel that refuses ``huge=`` for tmpfs (no transparent huge pages; the dumps go to
 /dev/shm's directory as before), an area that is not empty (a killed agent's dump is recover's to read
 first: the next start mounts), something else mounted there, dumps in memory turned off (then a mount
-of ours is removed). uninstall-node unmounts it. Huge pages are taken without waiting for the kernel to
-make them (``defrag`` madvise, the default, never compacts or reclaims for a file's write: where there
-are none free, the file gets small pages).
+of ours is removed). uninstall-node unmounts it. Large folios are taken without waiting for the kernel to
+make them (with ``defrag`` at madvise, the default, a file's write does not compact or reclaim memory
+for one: where none is free, the file gets smaller folios; /sys/kernel/mm/transparent_hugepage/
+hugepages-*/stats/shmem_alloc and shmem_fallback count them).
 
 The work runs in a child process (``python -m shim.workfs``) that joins the host's mount namespace
 when the agent runs in a container, as shim/criu_kdat.py's does.
