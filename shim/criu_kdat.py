@@ -58,7 +58,6 @@ from shim.hostmount import (
     MS_REC,
     MS_REMOUNT,
     Mount,
-    check,
     current,
     join_host,
     mount,
@@ -110,31 +109,29 @@ def decide(kdat: str, mounts: list[Mount]) -> str:
 
 # --- the child process: runs in the host's mount namespace ------------------------------------------
 
-_check, _mount, _umount, _mounts, _join_host = check, mount, umount, current, join_host
-
 
 def _private_run(directory: str, run_dir: str) -> None:
     """In the `criu check` child: a private mount namespace in which the cache's tmpfs is `run_dir` (/run)."""
     unshare_mounts()
-    _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    _mount(directory, run_dir, None, MS_BIND)
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    mount(directory, run_dir, None, MS_BIND)
 
 
 def _unmount_ours(path: str) -> bool:
     """Unmount every mount of ours stacked at `path`; False when something else is (still) mounted there."""
     for _ in range(8):
-        top = mount_at(path, _mounts())
+        top = mount_at(path, current())
         if top is None:
             return True
         if top.source != SOURCE:
             return False
-        _umount(path)
-    return mount_at(path, _mounts()) is None
+        umount(path)
+    return mount_at(path, current()) is None
 
 
 def _remove_placeholder(kdat: str) -> None:
     with contextlib.suppress(OSError):
-        if mount_at(kdat, _mounts()) is None and os.path.isfile(kdat) and os.path.getsize(kdat) == 0:
+        if mount_at(kdat, current()) is None and os.path.isfile(kdat) and os.path.getsize(kdat) == 0:
             os.unlink(kdat)
 
 
@@ -160,7 +157,7 @@ def _host_lock(kdat: str, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
 
 
 def do_ensure(criu: str, kdat: str) -> KdatResult:
-    mounts, where = _mounts(), cache_dir(kdat)
+    mounts, where = current(), cache_dir(kdat)
     what = decide(kdat, mounts)
     if what == "native":
         holder = mount_of(os.path.dirname(kdat), mounts)
@@ -172,7 +169,7 @@ def do_ensure(criu: str, kdat: str) -> KdatResult:
     os.makedirs(where, mode=0o700, exist_ok=True)
     top = mount_at(where, mounts)
     if top is None or top.source != SOURCE:
-        _mount(SOURCE, where, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, TMPFS_OPTIONS)
+        mount(SOURCE, where, "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, TMPFS_OPTIONS)
     name = os.path.basename(kdat)
     cached = os.path.join(where, name)
     for stale in (cached, cached + ".tmp"):
@@ -197,17 +194,17 @@ def do_ensure(criu: str, kdat: str) -> KdatResult:
         fd = os.open(kdat, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         os.close(fd)
         try:
-            _mount(cached, kdat, None, MS_BIND)
+            mount(cached, kdat, None, MS_BIND)
             break
         except FileNotFoundError:
             continue
-    _mount(None, kdat, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+    mount(None, kdat, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
     size = os.path.getsize(kdat)
     return KdatResult(kdat, "mounted", f"{size}-byte cache from a tmpfs at {where}, bound read-only on {kdat}")
 
 
 def do_remove(kdat: str) -> KdatResult:
-    mounts, where = _mounts(), cache_dir(kdat)
+    mounts, where = current(), cache_dir(kdat)
     had = mount_at(kdat, mounts) is not None or mount_at(where, mounts) is not None
     left = not _unmount_ours(kdat)
     _remove_placeholder(kdat)
@@ -227,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-pid", type=int, default=0, help="join this process's mount namespace first")
     a = ap.parse_args(argv)
     if a.host_pid:
-        _join_host(a.host_pid)
+        join_host(a.host_pid)
     try:
         with _host_lock(a.kdat):
             try:

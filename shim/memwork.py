@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.dumpspace import MIB, MemorySpace, dump_bytes, fits_in_memory
-from shim import reaper
+from shim import reaper, workfs
 from shim.hostfacts import host_pid
 from shim.hostmount import mount_of, parse_mountinfo
 
@@ -47,6 +47,7 @@ MAX_TREE_ENTRIES = 20_000  # a writable layer with more entries than this is not
 _lock = threading.Lock()
 _reserved: dict[str, int] = {}  # area directory -> bytes promised to dumps in flight (this process)
 _warned: set[str] = set()
+_announced: set[str] = set()
 
 
 def limit_bytes(environ: Mapping[str, str] = os.environ) -> int:
@@ -135,6 +136,11 @@ def _usable(area: str) -> bool:
         mine, hosts = os.stat(area), os.stat(f"/proc/{hp}/root{area}")
         if (mine.st_dev, mine.st_ino) != (hosts.st_dev, hosts.st_ino):
             raise OSError(f"{area} is not the host's {area} (mount the host directory at the same path)")
+    if area not in _announced:  # once: where this agent's dumps in memory go
+        _announced.add(area)
+        ours = holder.source == workfs.SOURCE and holder.mount_point == os.path.realpath(area)
+        what = "install-node's tmpfs with large folios" if ours else f"the tmpfs at {holder.mount_point}"
+        log.info("dumps that clearly fit go to %s: %s (%s)", area, what, holder.options)
     return True
 
 

@@ -16,6 +16,7 @@ from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.reference import Reference
 from tests.support.agent import AgentInstall, agent, assert_installed_criu_ran, criu_launches, plugin
 from tests.support.cluster import Cluster, cluster, namespace
+from tests.support.containerd import tmpfs_large_folios
 
 pytestmark = pytest.mark.e2e
 
@@ -107,6 +108,8 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     mine = [line for line in logs.splitlines() if f"{namespace}/{psnap['metadata']['name']}: snapshot" in line]
     assert mine and all(line.endswith("dumped to memory") for line in mine), logs[-3000:]
     assert "dumps go to disk, not memory" not in logs, logs[-3000:]
+    # into the tmpfs with large folios install-node mounted on the agent's area (shim/workfs.py)
+    assert not tmpfs_large_folios() or "install-node's tmpfs with large folios" in logs, logs[-3000:]
     listed = cluster.get_json("podsnapshots", "-n", namespace)["items"]
     assert [x["metadata"]["name"] for x in listed] == [psnap["metadata"]["name"]]
 
