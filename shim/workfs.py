@@ -40,7 +40,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-from shim.hostmount import MS_NODEV, MS_NOEXEC, MS_NOSUID, current, join_host, mount, mount_at, umount
+from shim.hostmount import MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_REMOUNT, current, join_host, mount, mount_at, umount
 
 SOURCE = "kubectl-snapshot-work"  # the tmpfs's source name: how our mounts are recognised
 HUGE = "within_size"
@@ -49,14 +49,27 @@ HUGE = "within_size"
 @dataclass(frozen=True)
 class WorkFsResult:
     path: str
-    state: str  # "mounted", "kept" (ours already), "busy", "foreign", "no large folios", "removed", "absent", "failed"
+    # "mounted", "kept" (ours already), "resized" (ours, to a changed limit), "busy", "foreign",
+    # "no large folios", "removed", "absent", "failed"
+    state: str
     detail: str = ""
+
+
+def _mib(size_bytes: int) -> int:
+    return max(1, -(-size_bytes // (1 << 20)))
 
 
 def options(size_bytes: int) -> str:
     """The tmpfs's options: large folios, the area's size (whole MiB, at least 1), root's alone."""
-    mib = max(1, -(-size_bytes // (1 << 20)))
-    return f"huge={HUGE},size={mib}m,mode=0700"
+    return f"huge={HUGE},size={_mib(size_bytes)}m,mode=0700"
+
+
+def _size_kib(mount_options: str) -> int | None:
+    """A tmpfs's size= as mountinfo shows it (KiB), or None."""
+    for opt in mount_options.split(","):
+        if opt.startswith("size=") and opt.endswith("k") and opt[5:-1].isdigit():
+            return int(opt[5:-1])
+    return None
 
 
 def do_ensure(path: str, size_bytes: int) -> WorkFsResult:
@@ -64,7 +77,17 @@ def do_ensure(path: str, size_bytes: int) -> WorkFsResult:
     if top is not None:
         if top.source != SOURCE:
             return WorkFsResult(path, "foreign", f"{path} has a mount not made by kubectl-snapshot: left alone")
-        return WorkFsResult(path, "kept", f"{top.options}")
+        want = options(size_bytes)
+        if _size_kib(top.options) == _mib(size_bytes) * 1024:
+            return WorkFsResult(path, "kept", top.options)
+        # the area's limit changed since it was mounted: resized in place (a tmpfs refuses a size below
+        # what it holds; then it stays as it was)
+        try:
+            mount(SOURCE, path, "tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV | MS_NOEXEC, want)
+        except OSError as e:
+            return WorkFsResult(path, "kept", f"{top.options}; not resized to {want}: {e}")
+        top = mount_at(path, current())
+        return WorkFsResult(path, "resized", top.options if top is not None else want)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)

@@ -39,6 +39,9 @@ def test_an_agents_area_gets_a_tmpfs_with_large_folios_of_its_size(base: Path, t
     assert "huge=within_size" in top.options and "size=307200k" in top.options, top.options
     assert oct(os.stat(area).st_mode & 0o777) == "0o700" and oct(os.stat(base).st_mode & 0o777) == "0o700"
     assert workfs.ensure(area, 300 << 20).state == "kept"  # the next start leaves it
+    resized = workfs.ensure(area, 200 << 20)  # the area's limit changed: resized in place
+    assert resized.state == "resized" and "size=204800k" in resized.detail, resized
+    assert workfs.ensure(area, 300 << 20).state == "resized"
     # memwork takes it as it took /dev/shm's directory: a dump's directory lands on this tmpfs
     with memwork.reserve(str(tmp_path / "state"), "1-a", 64 << 20) as d:
         assert d is not None and os.path.dirname(d) == area
