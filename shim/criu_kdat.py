@@ -64,6 +64,7 @@ from shim.hostmount import (
     mount_at,
     mount_of,
     parse_mountinfo,
+    run_child,
     umount,
     unshare_mounts,
 )
@@ -244,14 +245,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: list[str], host_pid: int | None) -> KdatResult:
-    cmd = [sys.executable, "-m", "shim.criu_kdat", *args]
-    if host_pid:
-        cmd += ["--host-pid", str(host_pid)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
+    got = run_child("shim.criu_kdat", args, host_pid, timeout=180)
     try:
-        return KdatResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError, TypeError):
-        return KdatResult(KDAT_FILE, "failed", (proc.stdout + proc.stderr).strip()[-300:])
+        return KdatResult(**got) if isinstance(got, dict) else KdatResult(KDAT_FILE, "failed", got)
+    except TypeError:
+        return KdatResult(KDAT_FILE, "failed", f"unexpected answer: {got}"[:300])
 
 
 def ensure(criu: str, *, kdat: str = KDAT_FILE, host_pid: int | None = None) -> KdatResult:

@@ -8,9 +8,13 @@ from a child process that joins the host's mount namespace when the agent runs i
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
@@ -99,3 +103,15 @@ def join_host(host_pid: int) -> None:
     finally:
         os.close(fd)
     os.chdir("/")
+
+
+def run_child(module: str, args: list[str], host_pid: int | None, timeout: float) -> dict[str, Any] | str:
+    """``python -m module args`` (joining `host_pid`'s mount namespace first, where given): the JSON
+    object on its last line of output, or, when there is none, the tail of what it printed."""
+    cmd = [sys.executable, "-m", module, *args] + (["--host-pid", str(host_pid)] if host_pid else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    try:
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        got = None
+    return got if isinstance(got, dict) else (proc.stdout + proc.stderr).strip()[-300:]

@@ -36,11 +36,21 @@ import contextlib
 import errno
 import json
 import os
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 
-from shim.hostmount import MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_REMOUNT, current, join_host, mount, mount_at, umount
+from shim.hostmount import (
+    MS_NODEV,
+    MS_NOEXEC,
+    MS_NOSUID,
+    MS_REMOUNT,
+    current,
+    join_host,
+    mount,
+    mount_at,
+    run_child,
+    umount,
+)
 
 SOURCE = "kubectl-snapshot-work"  # the tmpfs's source name: how our mounts are recognised
 HUGE = "within_size"
@@ -139,14 +149,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: list[str], path: str, host_pid: int | None) -> WorkFsResult:
-    cmd = [sys.executable, "-m", "shim.workfs", *args, "--path", path]
-    if host_pid:
-        cmd += ["--host-pid", str(host_pid)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+    got = run_child("shim.workfs", [*args, "--path", path], host_pid, timeout=60)
     try:
-        return WorkFsResult(**json.loads(proc.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError, TypeError):
-        return WorkFsResult(path, "failed", (proc.stdout + proc.stderr).strip()[-300:])
+        return WorkFsResult(**got) if isinstance(got, dict) else WorkFsResult(path, "failed", got)
+    except TypeError:
+        return WorkFsResult(path, "failed", f"unexpected answer: {got}"[:300])
 
 
 def ensure(path: str, size_bytes: int, *, host_pid: int | None = None) -> WorkFsResult:
