@@ -159,7 +159,12 @@ def _freeze(row: dict[str, Any], d: dict[str, Any], ag: dict[str, Any], raw: dic
         _fmt(d["freeze_vs_runc_checkpoint"]),
         _verdict(d["freeze_vs_runc_goal_met"]),
         _ms(raw.get("dump_s")),
+        _each(ag.get("freeze_runs_ms")) + " / " + _each(ag.get("runc_checkpoint_runs_ms")),
     ]
+
+
+def _each(xs: list[float] | None) -> str:
+    return "-" if not xs else ", ".join(f"{x:.0f}" for x in xs)
 
 
 def _decoded(n: float | None) -> str:
@@ -283,7 +288,8 @@ def markdown(result: dict[str, Any]) -> str:
         "",
     ]
     freeze_header = ["freeze", "runc checkpoint of the same container", "freeze / runc checkpoint",
-                     "goal <=1.1x+10ms", "raw criu dump of the host process"]  # fmt: skip
+                     "goal <=1.1x+10ms", "raw criu dump of the host process",
+                     "each run, ms: freeze / runc checkpoint"]  # fmt: skip
     lines += _table(result, freeze_header, _freeze)
     lines += [
         "",

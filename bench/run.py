@@ -632,6 +632,10 @@ def measure_agent(
         restore_breakdown=_median_breakdown(breakdowns),
         checkpoint_breakdown=_median_breakdown(ckpt_breakdowns),
         dumped_to=" and ".join(sorted(dumped_to)),
+        # each run's, in the order taken (a median hides which runs were slow, and how slow)
+        freeze_runs_ms=[round(x * 1000, 1) for x in freeze],
+        criu_runs_ms=[round(b.get("criu_ms", 0.0), 1) for b in ckpt_breakdowns],
+        runc_checkpoint_runs_ms=[round(x * 1000, 1) for x in runc_dumps],
     )
     return out
 
