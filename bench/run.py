@@ -535,6 +535,12 @@ def measure_agent(
                 internal_plain.append(res["timingsMs"]["total_ms"] / 1000)
             if bound is not None:
                 bound.checkpoint(keep=i > 0)
+                if i == 0:
+                    # Every later round's bound frees its previous dump (page cache) as it keeps a new one;
+                    # the warm-up's first did not, and took the memory freed last: the next dump, the first
+                    # measured, went to memory the VM had taken back (docs/performance.md, "Memory the VM
+                    # took back"). A second warm-up dump leaves the machine as every later round does.
+                    bound.checkpoint(keep=False)
         if served.served("checkpoint") != runs + 1:
             raise RuntimeError(f"the agent served {served.served('checkpoint')} of {runs + 1} checkpoints")
         hook_dir = Path(hook).parent
