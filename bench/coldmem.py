@@ -125,8 +125,8 @@ def main() -> int:
     ap.add_argument("--hold-mib", type=int, default=4096, help="memory taken and written before a cold dump")
     a = ap.parse_args()
     base = tempfile.mkdtemp(prefix="ks-coldmem-", dir="/dev/shm")
-    subprocess.run(["mount", "-t", "tmpfs", "-o", workfs.options(4 << 30), "ks-coldmem", base], check=True)
     try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", workfs.options(4 << 30), "ks-coldmem", base], check=True)
         print(f"# raw criu dump into install-node's kind of tmpfs, medians of {a.runs} rounds after a warm-up")
         print(f"# (cold: while {a.hold_mib} MiB just written are held)\n")
         print("| workload | warm | cold | cold / warm | cold, written ahead | that / warm | the write-ahead "
@@ -139,7 +139,7 @@ def main() -> int:
                   f"{got['cold, written ahead'] / got['warm']:.2f}x | {got['write-ahead']:.0f} ms | "
                   f"{got['first write, us/page']:.1f} us per 4 KiB page |", flush=True)  # fmt: skip
     finally:
-        subprocess.run(["umount", base], check=False)
+        subprocess.run(["umount", base], check=False, stderr=subprocess.DEVNULL)
         os.rmdir(base)
     return 0
 

@@ -51,10 +51,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.autosave import Agent, guard_process, host_workload
 from bench.criulog import log_gaps, stamps
-from bench.run import CRIU, ENV_WORK_FS, container
+from bench.run import CRIU, container
 from kubectl_snapshot.core.reference import Reference
 from shim import criu_kdat, rcu
-from tests.support.containerd import ContainerdDaemon, node_criu_config, node_memory_work_fs
+from tests.support.containerd import ContainerdDaemon, node_criu_config
 from tests.support.registry import RegistryServer
 
 OFF, ON, NATIVE = "no kdat cache", "kdat cache (install-node's tmpfs)", "kdat cache (/run is a tmpfs)"
@@ -332,19 +332,15 @@ def main() -> None:
         stack.callback(daemon.stop)
         registry.start()
         stack.callback(registry.stop)
-        # the agent's dumps where a node's go: install-node's tmpfs with large folios (shim/workfs.py);
-        # KUBECTL_SNAPSHOT_WORK_FS=0: a directory in /dev/shm (to compare)
-        where = f"/dev/shm ({ENV_WORK_FS}=0)"
-        if os.environ.get(ENV_WORK_FS, "1") != "0":
-            fs = stack.enter_context(node_memory_work_fs(work / "agent-state"))
-            where = f"{fs.state} tmpfs ({fs.detail})"
         agent = Agent(daemon, work, stack.enter_context(guard_process(work)), seal=False)
         stack.callback(agent.close)
         for mib in (int(x) for x in a.sizes.split(",")):
             results[mib] = measure(daemon, agent, registry, work, mib, a.kind, a.runs, variants, a.gaps)
     print(f"CRIU {CRIU}; runc's CRIU configuration {conf.path}: {conf.state}" if conf else f"CRIU {CRIU}")
     print(f"RCU grace periods: {expedite}")
-    print(f"the agent's dumps: {where}; runc checkpoint's and the raw dump's: {work} ({_fstype(work)})")
+    # the agent's saves keep their work dir for its dump.log, and a kept work dir is never in memory
+    # (shim/engine/checkpoint.py, _expected_dump): every dump here goes to the same filesystem
+    print(f"every dump (the agent's, runc checkpoint's, the raw one) in {work} ({_fstype(work)})")
     for mib, res in results.items():
         report(mib, a.kind, a.runs, res)
 
