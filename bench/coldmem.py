@@ -35,11 +35,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.workload import args as workload_args
+from bench.autosave import host_workload
 from shim import workfs
 
 CRIU = shutil.which("criu") or "/usr/sbin/criu"
-HOST_PY = "/usr/bin/python3"
 MADV_POPULATE_WRITE = 23
 AHEAD_CHUNK = 4 << 20
 
@@ -82,38 +81,26 @@ def hold(mib: int) -> tuple[mmap.mmap, float]:
 
 
 def measure(mib: int, kind: str, runs: int, hold_mib: int, base: str) -> dict[str, list[float]]:
-    ctl = tempfile.mkdtemp()
-    proc = subprocess.Popen([HOST_PY, *workload_args(ctl, mib, kind)], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     keys = ("warm", "cold", "cold, written ahead", "write-ahead", "first write, us/page")
     out: dict[str, list[float]] = {k: [] for k in keys}
-    try:
-        deadline = time.monotonic() + 120
-        while not os.path.exists(os.path.join(ctl, "ready")):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the workload did not start")
-            time.sleep(0.05)
-        size = int(Path(f"/proc/{proc.pid}/statm").read_text().split()[1]) * mmap.PAGESIZE
+    with host_workload(Path(tempfile.gettempdir()), mib, kind) as pid:
+        size = int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * mmap.PAGESIZE
         for i in range(runs + 1):
-            dump_ms(proc.pid, base)  # the pages the warm dump reuses
-            warm, _ = dump_ms(proc.pid, base)
+            dump_ms(pid, base)  # the pages the warm dump reuses
+            warm, _ = dump_ms(pid, base)
             m, per_page = hold(hold_mib)
             try:
-                cold, _ = dump_ms(proc.pid, base)
+                cold, _ = dump_ms(pid, base)
             finally:
                 m.close()
             m, _ = hold(hold_mib)
             try:
-                ahead, w = dump_ms(proc.pid, base, ahead=size)
+                ahead, w = dump_ms(pid, base, ahead=size)
             finally:
                 m.close()
             if i:
                 for k, v in zip(keys, (warm, cold, ahead, w, per_page), strict=True):
                     out[k].append(v)
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(ctl, ignore_errors=True)
     return out
 
 

@@ -30,29 +30,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.workload import args as workload_args
+from bench.autosave import host_workload
 from shim import workfs
 
 CRIU = shutil.which("criu") or "/usr/sbin/criu"
-HOST_PY = "/usr/bin/python3"
 
 
 def measure(mib: int, kind: str, runs: int, targets: dict[str, str]) -> dict[str, tuple[list[float], list[float]]]:
-    ctl = tempfile.mkdtemp()
-    proc = subprocess.Popen([HOST_PY, *workload_args(ctl, mib, kind)], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     out: dict[str, tuple[list[float], list[float]]] = {k: ([], []) for k in targets}
-    try:
-        deadline = time.monotonic() + 120
-        while not os.path.exists(os.path.join(ctl, "ready")):
-            if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError("the workload did not start")
-            time.sleep(0.05)
+    with host_workload(Path(tempfile.gettempdir()), mib, kind) as pid:
         for i in range(runs + 1):
             for name, base in targets.items():
                 d = tempfile.mkdtemp(dir=base)
                 t = time.monotonic()
-                subprocess.run([CRIU, "dump", "-t", str(proc.pid), "-D", d, "--leave-running", "--tcp-established",
+                subprocess.run([CRIU, "dump", "-t", str(pid), "-D", d, "--leave-running", "--tcp-established",
                                 "--file-locks", "-o", "dump.log"], check=True)  # fmt: skip
                 dump = time.monotonic() - t
                 t = time.monotonic()
@@ -61,10 +52,6 @@ def measure(mib: int, kind: str, runs: int, targets: dict[str, str]) -> dict[str
                 if i:
                     out[name][0].append(dump * 1000)
                     out[name][1].append(removed * 1000)
-    finally:
-        proc.kill()
-        proc.wait()
-        shutil.rmtree(ctl, ignore_errors=True)
     return out
 
 
