@@ -109,7 +109,12 @@ def main() -> int:
     ap.add_argument("--sizes", default="64,512")
     ap.add_argument("--kind", default="objects", choices=("random", "objects"))
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--hold-mib", type=int, default=4096, help="memory taken and written before a cold dump")
+    ap.add_argument(
+        "--hold-mib",
+        type=int,
+        default=4096,
+        help="memory taken and written before a cold dump (more than was freed recently, or it stays warm)",
+    )
     a = ap.parse_args()
     base = tempfile.mkdtemp(prefix="ks-coldmem-", dir="/dev/shm")
     try:
