@@ -4,10 +4,10 @@ Dumps that clearly fit go to the node's memory work area (shim/memwork.py), by d
 the host's /dev/shm. That tmpfs keeps its files in 4 KiB pages (``huge=never``, the kernel's default for
 tmpfs mounts), so CRIU writing a dump there pays a page allocation and its bookkeeping per 4 KiB, and
 freeing the dump as much again: on the project's VMs (kernel 6.18) a raw ``criu dump`` of a 64 MiB object
-heap took 66 ms into /dev/shm, 55 ms into the ext4 state dir (whose page cache uses large folios) and 40
-ms into a tmpfs mounted with ``huge=within_size``; 428, 318 and 247 ms at 512 MiB; removing the dump 12,
-7 and 1 ms (docs/performance.md, "The memory work area with large folios"). The dump is written while
-the pod is frozen, so that difference is frozen time.
+heap took 108 ms into /dev/shm, 89 ms into the ext4 state dir (whose page cache uses large folios) and 76
+ms into a tmpfs mounted with ``huge=within_size``; 465, 339 and 257 ms at 512 MiB; removing the 64 MiB
+dump 13.6, 6.6 and 1.4 ms (bench/dump_targets.py; docs/performance.md, "The memory work area with large
+folios"). The dump is written while the pod is frozen, so that difference is frozen time.
 
 So install-node mounts a tmpfs of its own at this agent's area directory (``memwork.area_dir``: one per
 agent state dir below the base, so agents sharing a host never mount over each other), in the host's

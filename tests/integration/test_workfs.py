@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shim import memwork, workfs
+from shim import memwork, reaper, workfs
 from shim.hostmount import current, mount_at
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
@@ -47,8 +47,6 @@ def test_an_agents_area_gets_a_tmpfs_with_large_folios_of_its_size(base: Path, t
         assert d is not None and os.path.dirname(d) == area
         Path(d, "pages-1.img").write_bytes(os.urandom(1 << 20))
         assert os.statvfs(d).f_blocks * os.statvfs(d).f_frsize == 300 << 20
-    from shim import reaper
-
     assert reaper.drain(10) and os.listdir(area) == []  # the area itself stays: it is a mount point
     assert workfs.remove(area).state == "removed"
     assert mount_at(area, current()) is None
