@@ -147,8 +147,8 @@ def push_chunks(
         plan = plan_delta(base.layout, base.hashes, layout, hashes)
         if plan is None:
             return None
+        fresh = None
         if not plan.identical:
-            fresh = None
             if base.last is not None:
                 since_last = plan_delta(*base.last, layout, hashes)
                 fresh = None if since_last is None else len(since_last.literals)
@@ -163,9 +163,10 @@ def push_chunks(
             return Chunk(offset, len(raw), base.digest, base.size)
         packed = _compressor().compress(encode_delta(raw, plan))
         blob, digest = seal(packed, hashlib.sha256(packed).digest())
-        # the pages that changed since the base, in this save: no registry has that blob yet (a retried
-        # save's is only sent again), so no lookup first
-        send(blob, digest, fresh=True)
+        # a chunk that changed since the last save: its delta is new, no registry has that blob yet (a
+        # retried save's is only sent again), so no lookup first. One that did not (fresh == 0) makes
+        # the very delta the last save stored: asked for first, it is not sent again
+        send(blob, digest, fresh=fresh != 0)
         delta = Delta(digest, len(blob), len(plan.literals), len(plan.copies), base.length)
         return Chunk(offset, len(raw), base.digest, base.size, delta)
 

@@ -225,6 +225,13 @@ def test_sealed_deltas_round_trip_through_the_registry_and_a_lost_base_means_a_f
     assert second.uploaded < 256 * PAGE_SIZE + 4 * PAGE_SIZE + 8192  # chunk 1 + three pages (+ framing)
     assert restore(sealer, second) == bytes(data)
 
+    # nothing changed since: the next save names the same delta again and sends nothing (a chunk still
+    # equal to its last version is not a new delta, so its blob is asked for, not pushed again)
+    sealer, again = save()
+    assert again.files[0].chunks == second.files[0].chunks
+    assert again.uploaded == 0
+    assert restore(sealer, again) == bytes(data)
+
     # the registry lost chunk 0's base (retention, GC): the next save stores it whole again
     gone = requests.delete(f"http://{registry.host}/v2/{ref.repository}/blobs/{c0.digest}", timeout=30)
     assert gone.status_code == 202, gone.text
