@@ -32,16 +32,18 @@ PAGE_SIZE = 4096
 # 4 MiB: the span of the smallest dumps (under ~48 MiB of pages); a page file smaller than this stays
 # in the container's layer
 MIN_SPAN = 4 << 20
-# 8 MiB: a change of 1% of a 2 GiB heap (one ~20 MiB region) touches at most 4 spans (32 MiB), so an
-# autosave uploads <= 2x what changed (bench/autosave.py); 16 MiB spans sent 3 x 16 MiB in 29% of saves
-MAX_SPAN = 8 << 20
-# per snapshot: each blob costs registry round trips and file operations whatever its size (tens of ms
-# on a busy 2-core VM), and page deltas keep increments at the pages that changed whatever the span:
-# so a small pod's snapshot is a few blobs (a 64 MiB one 8 of 8 MiB; 16 of 4 MiB packaged and pushed
-# slower, bench/run.py at 64 MiB, docs/performance.md), a large one many of MAX_SPAN
-TARGET_CHUNKS = 8
-MAX_CHUNK_BYTES = 16 << 20  # a restore holds a few chunks in memory: refuse bigger ones (snapshots made
-# before MAX_SPAN was 8 MiB have 16 MiB chunks)
+# 16 MiB: the most a restore accepts (MAX_CHUNK_BYTES). With page deltas a save sends what changed
+# whatever the span: a chunk changed in part goes up as a delta of its pages, one changed through and
+# through is as large as its changed pages (bench/autosave.py: 2 GiB, 1% changed per save, chunks sent
+# 1.00x the changed pages with 16 MiB spans). Before page deltas 8 MiB kept that under 2x.
+MAX_SPAN = 16 << 20
+# per snapshot: each blob costs registry requests (HEAD, POST, PUT) and file operations whatever its
+# size, CPU of the registry's and the client's on the cores that also compress (bench/registry_latency.py:
+# a 64 MiB object heap's 7 MiB as 12 blobs cost both processes 3.8x the CPU of one blob, as 6 2.5x),
+# while two cores need only a few chunks to compress in parallel: so a small pod's snapshot is a few
+# blobs (a 64 MiB one about 6 of 16 MiB), a large one many of MAX_SPAN
+TARGET_CHUNKS = 4
+MAX_CHUNK_BYTES = 16 << 20  # a restore holds a few chunks in memory: refuse bigger ones
 MAX_PAGES_FILE_BYTES = 1 << 40
 PAGES_FILE_RE = re.compile(r"^pages-[1-9][0-9]{0,9}\.img$")
 _HINT = "the artifact is damaged or was not made by kubectl-snapshot"

@@ -146,7 +146,7 @@ def test_a_chunk_with_a_wrong_digest_is_refused(containerd_a, containerd_b, regi
     manifest = parse_manifest(reg.get_manifest(r)[0])
     config = parse_config(reg.read_blob(r, manifest.config.digest))
     chunks = [c for p in config.containers[0].pages for c in p.chunks]
-    assert len(chunks) > 8, "a 32 MiB heap is stored as chunks"
+    assert len(chunks) >= 4, "a 32 MiB heap is stored as chunks"  # of 8 MiB (core/chunks.choose_span)
     # flip a byte of a chunk in the registry's storage (its digest no longer matches its content)
     victim = chunks[len(chunks) // 2].digest
     blob = registry.blob_path(victim)

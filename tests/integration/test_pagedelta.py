@@ -123,7 +123,8 @@ def test_scattered_changes_upload_only_changed_pages_and_restore_exactly(  # typ
     config1, deltas1 = deltas_of(ref1)
     config2, deltas2 = deltas_of(ref2)
     assert config1["formatVersion"] == C.FORMAT_VERSION and not deltas1  # nothing to be a delta of
-    assert config2["formatVersion"] == C.DELTA_FORMAT_VERSION and len(deltas2) >= 8, config2["containers"][0]
+    # every chunk of the heap (8 MiB spans: core/chunks.choose_span) holds changed pages: each is a delta
+    assert config2["formatVersion"] == C.DELTA_FORMAT_VERSION and len(deltas2) >= 4, config2["containers"][0]
 
     b = client(containerd_b)
     python_image(containerd_b)

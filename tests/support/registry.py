@@ -240,6 +240,13 @@ class RegistryServer:
         self.stop()
         raise RuntimeError(f"docker-registry did not come up on {self.host}: {self.log_tail()}")
 
+    @property
+    def pid(self) -> int:
+        """The running registry's process id (benchmarks read its CPU time)."""
+        if self._proc is None:
+            raise RuntimeError("the registry is not running")
+        return self._proc.pid
+
     def stop(self) -> None:
         if self._proc is None:
             return

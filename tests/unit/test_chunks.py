@@ -50,10 +50,11 @@ def contents(spans: list[Span], runs: list[PagemapRun]) -> list[tuple[int, ...]]
 
 def test_span_is_a_power_of_two_near_total_over_target_and_stable_near_boundaries() -> None:
     assert choose_span(0) == MIN_SPAN
-    assert choose_span(32 << 20) == MIN_SPAN == 4 << 20
-    assert choose_span(64 << 20) == 8 << 20  # a small pod: 8 blobs, not 16
-    assert choose_span(512 << 20) == 8 << 20
-    assert choose_span(2 << 30) == MAX_SPAN == 8 << 20
+    assert choose_span(16 << 20) == MIN_SPAN == 4 << 20
+    assert choose_span(32 << 20) == 8 << 20
+    assert choose_span(64 << 20) == 16 << 20  # a small pod: a few blobs (each costs registry requests)
+    assert choose_span(512 << 20) == 16 << 20
+    assert choose_span(2 << 30) == MAX_SPAN == MAX_CHUNK_BYTES == 16 << 20
     # a process just over a power of two keeps the same span (rounding in log space, not up)
     assert choose_span((32 << 20) + (8 << 20)) == choose_span((32 << 20) - (8 << 20))
     assert choose_span((64 << 20) + (12 << 20)) == choose_span((64 << 20) - (12 << 20))
