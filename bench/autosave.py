@@ -235,7 +235,11 @@ def measure_steady(
             shutil.rmtree(work_dir)
             s["cpu_s"] += cpu_seconds() - cpu0
             chunks = s.pop("chunks")
-            s["new_chunks"], s["new_chunk_raw"], s["chunk_uploaded"] = R.new_chunks(chunks, seen)
+            s["new_chunks"], s["new_chunk_raw"], _ = R.new_chunks(chunks, seen)
+            # what the page blobs cost on the wire: all the save uploaded but its layer and config (the
+            # save's size less its page blobs'), so a blob an earlier save had, sent again, counts
+            s["metadata_bytes"] = s["size"] - R.stored_bytes(chunks)
+            s["chunk_uploaded"] = s["uploaded"] - s["metadata_bytes"]
             changed = None if previous is None else R.changed_keys(previous, hashes)
             if changed is not None:  # which chunks were sent, and how much of each had changed
                 s["sent_chunks"] = R.chunk_breakdown(chunks, seen, {where[k] for k in changed})

@@ -86,6 +86,12 @@ def new_chunks(chunks: Sequence[Mapping[str, Any]], seen: set[str]) -> tuple[int
     return count, raw, stored
 
 
+def stored_bytes(chunks: Sequence[Mapping[str, Any]]) -> int:
+    """Stored bytes of the page blobs the records name, each time it is named (as the agent counts a
+    snapshot's size: a chunk with a page delta is its base and its delta)."""
+    return sum(stored for c in chunks for _, _, stored in _blobs(c))
+
+
 def blob_digests(chunks: Sequence[Mapping[str, Any]]) -> set[str]:
     """Every chunk and page delta digest the records name."""
     return {d for c in chunks for d, _, _ in _blobs(c)}
@@ -95,7 +101,9 @@ def derive_save(save: Mapping[str, Any], raw_dump_s: float | None, raw_cpu_s: fl
     """One incremental save's ratios (the chain's first save is the base, not judged)."""
     changed = save.get("changed_bytes")
     chunk_up = save.get("chunk_uploaded")
-    meta = None if save.get("uploaded") is None or chunk_up is None else save["uploaded"] - chunk_up
+    meta = save.get("metadata_bytes")
+    if meta is None and save.get("uploaded") is not None and chunk_up is not None:  # results before session 27
+        meta = save["uploaded"] - chunk_up
     goal = None
     if changed and chunk_up is not None:
         goal = chunk_up <= UPLOAD_GOAL_FACTOR * changed

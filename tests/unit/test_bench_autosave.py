@@ -64,6 +64,14 @@ def test_a_page_delta_counts_as_what_was_sent_for_its_chunk_not_its_base() -> No
         {"offset": 0, "length": 8 * R.PAGE, "changed": R.PAGE, "stored": 300}
     ]
     assert R.blob_digests(chunks) == {"sha256:a", "sha256:b", "sha256:d"}
+    # the snapshot's size counts the base and the delta of each chunk: the rest of it is its metadata,
+    # and all a save uploaded beyond that is page blobs, a delta sent again by a later save included
+    assert R.stored_bytes(chunks) == 100 + 300 + 50
+
+
+def test_metadata_is_what_the_save_measured_not_what_is_left_of_new_digests() -> None:
+    d = R.derive_save(_save(uploaded=40 * MIB, chunk_uploaded=30 * MIB, metadata_bytes=10 * MIB), 1.0, 2.0)
+    assert d["metadata_uploaded"] == 10 * MIB and d["chunks_uploaded_vs_changed"] == pytest.approx(1.5)
 
 
 def _save(**kw: Any) -> dict[str, Any]:
