@@ -29,7 +29,7 @@ from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.oci import is_digest
 
 PAGE_SIZE = 4096
-# 4 MiB: the span of the smallest dumps (under ~48 MiB of pages); a page file smaller than this stays
+# 4 MiB: the span of the smallest dumps (under ~22 MiB of pages); a page file smaller than this stays
 # in the container's layer
 MIN_SPAN = 4 << 20
 # 16 MiB: the most a restore accepts (MAX_CHUNK_BYTES). With page deltas a save sends what changed
