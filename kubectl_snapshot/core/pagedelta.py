@@ -1,6 +1,6 @@
 """Page deltas (format v4): a chunk stored as its base chunk plus the pages that changed since.
 
-Why: a chunk is up to 8 MiB of one page file; a process that changes 5% of an object heap touches
+Why: a chunk is up to 16 MiB of one page file; a process that changes 5% of an object heap touches
 pages all over it, so most chunks differ a little and a content-addressed chunk store re-uploads
 each of them whole. A node that remembers, per chunk, a short hash of every page of the last chunk it
 stored *whole* (its base) and which virtual addresses those pages had can tell which pages changed
