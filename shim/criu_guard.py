@@ -36,6 +36,7 @@ import io
 import json
 import os
 import posixpath
+import stat
 import struct
 import sys
 import time
@@ -176,12 +177,108 @@ def _norm(path: str) -> str:
     return posixpath.normpath("/" + str(path).lstrip(".").lstrip("/"))
 
 
-def bundle_grant(spec: Mapping[str, Any]) -> BundleGrant:
+# --- where runc really puts a mount -----------------------------------------------------------------
+# runc resolves each mount destination inside the container's root filesystem before mounting there
+# (filepath-securejoin): symlinks are followed as if the rootfs were `/` (an absolute link starts again at
+# the rootfs, `..` stops at it), through the mounts made before it; a component that does not exist is
+# taken as written (runc creates it). A Debian image's /var/run is a symlink to /run, so the
+# service-account token the spec mounts at /var/run/secrets/... is at /run/secrets/... in the kernel's
+# mount table, which is what CRIU's images record. Masked and read-only paths are applied after
+# pivot_root, where the kernel resolves them the same way.
+
+MAX_SYMLINKS = 255  # what filepath-securejoin follows before giving up (runc then fails the create)
+
+
+def resolve_in_root(rootfs: str, path: str, binds: Sequence[tuple[str, str | None]] = ()) -> str | None:
+    """`path` resolved inside `rootfs` the way runc resolves a mount destination; None where it would fail
+    (too many links). `binds`: (resolved destination, host source) of the mounts made before it,
+    whose contents replace the rootfs's below their destination (source None: not a bind)."""
+    resolved: list[str] = []
+    pending = [c for c in reversed(path.split("/")) if c and c != "."]
+    links = 0
+    while pending:
+        part = pending.pop()
+        if part == "..":
+            if resolved:
+                resolved.pop()
+            continue
+        candidate = "/" + "/".join([*resolved, part])
+        host = _host_path(rootfs, candidate, binds)
+        try:
+            st = os.lstat(host) if host is not None else None
+        except OSError:
+            st = None
+        if host is None or st is None or not stat.S_ISLNK(st.st_mode):  # missing: runc creates it, as written
+            resolved.append(part)
+            continue
+        links += 1
+        if links > MAX_SYMLINKS:
+            return None
+        try:
+            target = os.readlink(host)
+        except OSError:
+            return None
+        if target.startswith("/"):
+            resolved = []
+        pending.extend(c for c in reversed(target.split("/")) if c and c != ".")
+    return "/" + "/".join(resolved)
+
+
+def _host_path(rootfs: str, point: str, binds: Sequence[tuple[str, str | None]]) -> str | None:
+    """Where `point` of the container is on the host, given the mounts made so far (the innermost wins);
+    None below a mount that is not a bind (tmpfs, proc: not what runc's resolution walks on the host)."""
+    best = ""
+    source: str | None = rootfs
+    for dest, src in binds:
+        if (point == dest or point.startswith(dest.rstrip("/") + "/")) and len(dest) >= len(best):
+            best, source = dest, src
+    if source is None:
+        return None
+    rest = point[len(best) :].lstrip("/") if best else point.lstrip("/")
+    return os.path.join(source, rest) if rest else source
+
+
+def resolved_mounts(spec: Mapping[str, Any], rootfs: str | None) -> dict[str, Mapping[str, Any]]:
+    """The bundle's mounts by where runc puts them (the destination as written where `rootfs` is None)."""
+    out: dict[str, Mapping[str, Any]] = {}
+    binds: list[tuple[str, str | None]] = []
+    for m in spec.get("mounts") or ():
+        dest = m.get("destination")
+        if not dest:
+            continue
+        where = resolve_in_root(rootfs, str(dest), binds) if rootfs else None
+        point = where or _norm(str(dest))
+        out[point] = m
+        if rootfs:
+            binds.append((point, _bind_source(m)))
+    return out
+
+
+def _bind_source(m: Mapping[str, Any]) -> str | None:
+    bind = m.get("type") == "bind" or any(o in ("bind", "rbind") for o in m.get("options") or ())
+    return str(m["source"]) if bind and m.get("source") else None
+
+
+def _resolved_paths(
+    paths: Iterable[Any], rootfs: str | None, mounts: Mapping[str, Mapping[str, Any]]
+) -> frozenset[str]:
+    binds = [(d, _bind_source(m)) for d, m in mounts.items()]
+    out = set()
+    for p in paths:
+        where = resolve_in_root(rootfs, str(p), binds) if rootfs else None
+        out.add(where or _norm(str(p)))
+    return frozenset(out)
+
+
+def bundle_grant(spec: Mapping[str, Any], rootfs: str | None = None) -> BundleGrant:
+    """What `spec` grants; `rootfs` (the bundle's root filesystem, as runc will see it) resolves mount
+    destinations, masked and read-only paths where runc and the kernel will really put them."""
     process = spec.get("process") or {}
     user = process.get("user") or {}
     caps = process.get("capabilities") or {}
     linux = spec.get("linux") or {}
     gid = int(user.get("gid") or 0)
+    mounts = resolved_mounts(spec, rootfs)
     return BundleGrant(
         uid=int(user.get("uid") or 0),
         gids=frozenset([gid, *(int(g) for g in user.get("additionalGids") or ())]),
@@ -195,9 +292,9 @@ def bundle_grant(spec: Mapping[str, Any]) -> BundleGrant:
         apparmor=str(process.get("apparmorProfile") or ""),
         selinux=str(process.get("selinuxLabel") or ""),
         user_namespace=any(ns.get("type") == "user" for ns in linux.get("namespaces") or ()),
-        mounts={_norm(m.get("destination", "")): m for m in spec.get("mounts") or () if m.get("destination")},
-        masked=frozenset(_norm(p) for p in linux.get("maskedPaths") or ()),
-        readonly=frozenset(_norm(p) for p in linux.get("readonlyPaths") or ()),
+        mounts=mounts,
+        masked=_resolved_paths(linux.get("maskedPaths") or (), rootfs, mounts),
+        readonly=_resolved_paths(linux.get("readonlyPaths") or (), rootfs, mounts),
     )
 
 
@@ -287,26 +384,66 @@ def _allow_all(filter_b64: Any) -> bool:
     return bool(rets) and all(r == SECCOMP_RET_ALLOW for r in rets)
 
 
+def filter_chain(index: Any, filters: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]] | None:
+    """The filters a thread gets back, oldest first, as CRIU 4.x restores them (criu/seccomp.c): the
+    thread's ``seccomp_filter`` is a 0-based index into seccomp.img's list and names the chain's oldest
+    filter; each filter's ``prev``, present only where the chain goes on, names the next newer one.
+    None where CRIU itself would refuse the chain (an index out of range, a loop)."""
+    if not isinstance(index, int) or isinstance(index, bool):
+        return None
+    chain: list[Mapping[str, Any]] = []
+    seen: set[int] = set()
+    while True:
+        if not 0 <= index < len(filters) or index in seen:
+            return None
+        seen.add(index)
+        f = filters[index]
+        chain.append(f)
+        nxt = f.get("prev")
+        if nxt is None:
+            return chain
+        if not isinstance(nxt, int) or isinstance(nxt, bool):
+            return None
+        index = nxt
+
+
+SECCOMP_FILTER_FLAG_TSYNC = 1
+
+
+def synced_to_threads(leader_core: Mapping[str, Any], filters: Sequence[Mapping[str, Any]]) -> bool:
+    """True when the leader's filters come back with SECCOMP_FILTER_FLAG_TSYNC: CRIU writes the other
+    threads of a process whose threads all hold the leader's filters as "disabled" and restores the
+    leader's chain with TSYNC, which gives every thread of the process the leader's filters
+    (criu/seccomp.c, try_use_tsync). Only the newest filter's flag matters to the kernel: it syncs the
+    whole chain."""
+    tc = leader_core.get("thread_core") or {}
+    if tc.get("seccomp_mode") not in ("filter", 2):
+        return False
+    chain = filter_chain(tc.get("seccomp_filter"), filters)
+    return bool(chain) and bool(int(chain[-1].get("flags") or 0) & SECCOMP_FILTER_FLAG_TSYNC)
+
+
 def seccomp_problems(
-    where: str, thread_core: Mapping[str, Any], filters: Sequence[Mapping[str, Any]], grant: BundleGrant
+    where: str,
+    thread_core: Mapping[str, Any],
+    filters: Sequence[Mapping[str, Any]],
+    grant: BundleGrant,
+    *,
+    synced: bool = False,
 ) -> list[str]:
+    """`synced`: a thread other than the leader, whose leader's filters are restored with TSYNC."""
     if not grant.seccomp:
         return []
     mode = thread_core.get("seccomp_mode") or "disabled"
     if mode in ("disabled", 0):
+        if synced:
+            return []  # the leader's filters reach this thread (its own are checked with the leader)
         return [f"{where}: no seccomp filter, but the container has a seccomp profile"]
     if mode in ("strict", 1):
         return []  # strict mode allows less than any profile
-    index = thread_core.get("seccomp_filter")
-    chain = []
-    seen: set[int] = set()
-    while isinstance(index, int) and 0 < index <= len(filters) and index not in seen:
-        seen.add(index)
-        f = filters[index - 1]
-        chain.append(f)
-        index = f.get("prev")
-    if not chain:
-        return [f"{where}: seccomp filter mode without a filter in the image"]
+    chain = filter_chain(thread_core.get("seccomp_filter"), filters)
+    if chain is None:
+        return [f"{where}: seccomp filter mode without a valid filter chain in the image"]
     if all(_allow_all(f.get("filter")) for f in chain):
         return [f"{where}: its seccomp filter allows every system call, the container's profile does not"]
     return []
@@ -526,11 +663,17 @@ def _is_zombie(core: Mapping[str, Any]) -> bool:
 
 
 def image_problems(
-    image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[str] | None = None, reader: ImageReader | None = None
+    image_dir: str,
+    spec: Mapping[str, Any],
+    *,
+    lsms: frozenset[str] | None = None,
+    reader: ImageReader | None = None,
+    rootfs: str | None = None,
 ) -> list[str]:
-    """Everything in the CRIU images of `image_dir` that grants more than the bundle `spec`."""
+    """Everything in the CRIU images of `image_dir` that grants more than the bundle `spec`, whose root
+    filesystem is `rootfs` (None: destinations taken as written)."""
     load = (reader or ImageReader()).load
-    grant = bundle_grant(spec)
+    grant = bundle_grant(spec, rootfs)
     lsms = host_lsms() if lsms is None else lsms
     problems: list[str] = []
     pstree = load(os.path.join(image_dir, "pstree.img"))
@@ -554,6 +697,7 @@ def image_problems(
             threads = [pid]
             if not leader[0].get("thread_core"):
                 continue
+        synced = bool(leader) and synced_to_threads(leader[0], filters)
         for tid in threads:
             where = f"process {pid}" + (f" thread {tid}" if tid != pid else "")
             core = leader if tid == pid else load(os.path.join(image_dir, f"core-{int(tid)}.img"))
@@ -562,7 +706,7 @@ def image_problems(
                 continue
             tc = core[0].get("thread_core") or {}
             problems += creds_problems(where, tc.get("creds"), grant, lsms=lsms)
-            problems += seccomp_problems(where, tc, filters, grant)
+            problems += seccomp_problems(where, tc, filters, grant, synced=synced and tid != pid)
             if tid == pid:
                 task_ids[pid] = core[0].get("ids") or {}
     inventory = os.path.join(image_dir, "inventory.img")
@@ -581,10 +725,15 @@ def image_problems(
 
 
 def check_images(
-    image_dir: str, spec: Mapping[str, Any], *, lsms: frozenset[str] | None = None, reader: ImageReader | None = None
+    image_dir: str,
+    spec: Mapping[str, Any],
+    *,
+    lsms: frozenset[str] | None = None,
+    reader: ImageReader | None = None,
+    rootfs: str | None = None,
 ) -> None:
     """Raise ImageGrantsMore listing (the first few of) what the images grant beyond the bundle."""
-    problems = image_problems(image_dir, spec, lsms=lsms, reader=reader)
+    problems = image_problems(image_dir, spec, lsms=lsms, reader=reader, rootfs=rootfs)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise ImageGrantsMore(

@@ -275,9 +275,13 @@ def restore_command(runc: str, inv: Invocation, create: CreateArgs, staged: str,
     return cmd
 
 
-def _apply_diff(bundle: str, spec: dict[str, Any], staged: str) -> None:
+def bundle_rootfs(bundle: str, spec: dict[str, Any]) -> str:
     root = (spec.get("root") or {}).get("path") or "rootfs"
-    rootfs = root if os.path.isabs(root) else os.path.join(bundle, root)
+    return root if os.path.isabs(root) else os.path.join(bundle, root)
+
+
+def _apply_diff(bundle: str, spec: dict[str, Any], staged: str) -> None:
+    rootfs = bundle_rootfs(bundle, spec)
     diff = os.path.join(staged, C.ROOTFS_DIFF_TAR)
     deleted: list[str] = []
     with contextlib.suppress(OSError, ValueError), open(os.path.join(staged, C.DELETED_FILES_FILE)) as f:
@@ -370,7 +374,10 @@ def _restore(
         from shim.criu_guard import ImageReader, check_images
 
         reader = ImageReader(paths.image_cache())  # the images the agent decoded when staging are not decoded here
-        check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec, reader=reader)
+        # the image's rootfs, before the snapshot's diff: where runc puts the bundle's mounts is decided
+        # by the image the pod spec names, never by a file the snapshot adds
+        rootfs = bundle_rootfs(create.bundle, spec)
+        check_images(os.path.join(staged, C.CHECKPOINT_DIRECTORY), spec, reader=reader, rootfs=rootfs)
         decoded = reader.decoded_here
     except SnapshotError as e:
         why = e.message if e.message.startswith("refusing to restore") else f"refusing to restore: {e.message}"

@@ -115,7 +115,7 @@ def make_images(
     creds_by_tid: dict[int, dict[str, Any]] | None = None,
     threads: dict[int, list[int]] | None = None,
     ids: dict[int, dict[str, int]] | None = None,
-    seccomp: tuple[str, int] | None = ("filter", 1),
+    seccomp: tuple[str, int] | None = ("filter", 0),
     filters: list[dict[str, Any]] | None = None,
     mounts: list[dict[str, Any]] | None = None,
 ) -> Path:
@@ -143,7 +143,7 @@ def make_images(
                 core["ids"] = (ids or {}).get(pid, IDS)
             write(d / f"core-{tid}.img", "CORE", [core])
     write(d / "inventory.img", "INVENTORY", [{"img_version": 2, "root_ids": IDS, "lsmtype": "NO_LSM"}])
-    write(d / "seccomp.img", "SECCOMP", [{"seccomp_filters": filters or [{"filter": PROFILE, "prev": 0}]}])
+    write(d / "seccomp.img", "SECCOMP", [{"seccomp_filters": filters or [{"filter": PROFILE}]}])
     full = []
     for i, m in enumerate(mounts if mounts is not None else MOUNTS):
         full.append(
@@ -304,13 +304,41 @@ def test_no_seccomp_filter_where_the_bundle_has_one_is_refused(tmp_path: Path) -
 
 
 def test_an_allow_everything_filter_is_refused(tmp_path: Path) -> None:
-    d = make_images(tmp_path / "img", filters=[{"filter": ALLOW_ALL, "prev": 0}])
+    d = make_images(tmp_path / "img", filters=[{"filter": ALLOW_ALL}])
     assert any("allows every system call" in p for p in problems(d, bundle()))
+
+
+def test_one_filter_at_index_0_is_what_criu_writes_and_passes(tmp_path: Path) -> None:
+    """CRIU 4.x numbers seccomp.img's filters from 0: a RuntimeDefault process has one filter, index 0."""
+    d = make_images(tmp_path / "img", seccomp=("filter", 0), filters=[{"filter": PROFILE}])
+    assert problems(d, bundle()) == []
+
+
+def test_a_chain_of_filters_is_followed_oldest_first(tmp_path: Path) -> None:
+    """Two stacked filters (the runtime's profile, then one the application installed): the thread names
+    the oldest (index 1 here), whose `prev` names the newer one (index 0), which has no `prev`."""
+    chain: list[dict[str, Any]] = [{"filter": ALLOW_ALL}, {"filter": PROFILE, "prev": 0}]
+    d = make_images(tmp_path / "img", seccomp=("filter", 1), filters=chain)
+    assert problems(d, bundle()) == []
+    allow = make_images(
+        tmp_path / "allow", seccomp=("filter", 1), filters=[{"filter": ALLOW_ALL}, {"filter": ALLOW_ALL, "prev": 0}]
+    )
+    assert any("allows every system call" in p for p in problems(allow, bundle()))
 
 
 def test_a_filter_index_pointing_nowhere_is_refused(tmp_path: Path) -> None:
     d = make_images(tmp_path / "img", seccomp=("filter", 9))
-    assert any("without a filter" in p for p in problems(d, bundle()))
+    assert any("without a valid filter chain" in p for p in problems(d, bundle()))
+    past_end = make_images(tmp_path / "end", seccomp=("filter", 1), filters=[{"filter": PROFILE}])
+    assert any("without a valid filter chain" in p for p in problems(past_end, bundle()))
+    loop = make_images(
+        tmp_path / "loop",
+        seccomp=("filter", 0),
+        filters=[{"filter": PROFILE, "prev": 1}, {"filter": PROFILE, "prev": 0}],
+    )
+    assert any("without a valid filter chain" in p for p in problems(loop, bundle()))
+    dangling = make_images(tmp_path / "dangling", seccomp=("filter", 0), filters=[{"filter": PROFILE, "prev": 5}])
+    assert any("without a valid filter chain" in p for p in problems(dangling, bundle()))
 
 
 def test_no_new_privs_off_is_refused_where_the_bundle_sets_it(tmp_path: Path) -> None:
@@ -443,3 +471,104 @@ def test_entries_unused_for_a_day_are_pruned(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setattr(criu_guard, "PRUNE_EVERY_S", 0.0)
     criu_guard.cache_decoded(str(make_images(tmp_path / "img3")), str(cache))
     assert not fresh.exists()
+
+
+# --- mount destinations where runc really puts them (issue 41) ----------------------------------------
+
+SA_TOKEN = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def debian_rootfs(root: Path) -> Path:
+    """The part of a debootstrap bookworm rootfs that matters here: /var/run is a link to /run."""
+    (root / "run").mkdir(parents=True)
+    (root / "var").mkdir()
+    (root / "var" / "run").symlink_to("/run")
+    (root / "var" / "lock").symlink_to("../run/lock")
+    (root / "etc").mkdir()
+    return root
+
+
+def with_token(s: dict[str, Any], dest: str = SA_TOKEN) -> dict[str, Any]:
+    s["mounts"].append(
+        {"destination": dest, "type": "bind", "source": "/var/lib/kubelet/pods/u/token", "options": ["rbind", "ro"]}
+    )
+    return s
+
+
+def token_mounts(point: str, flags: int = 0x1) -> list[dict[str, Any]]:
+    return [
+        *copy.deepcopy(MOUNTS),
+        {"mountpoint": point, "fstype": 16, "fsname": "tmpfs", "flags": flags, "ext_key": point},
+    ]
+
+
+def test_resolve_in_root_follows_links_inside_the_rootfs(tmp_path: Path) -> None:
+    root = debian_rootfs(tmp_path / "rootfs")
+    (root / "escape").symlink_to("../../../../etc")  # `..` stops at the rootfs, as in runc
+    (root / "loop").symlink_to("loop")
+    r = str(root)
+    assert criu_guard.resolve_in_root(r, SA_TOKEN) == "/run/secrets/kubernetes.io/serviceaccount"
+    assert criu_guard.resolve_in_root(r, "/var/lock/x") == "/run/lock/x"
+    assert criu_guard.resolve_in_root(r, "/escape/passwd") == "/etc/passwd"
+    assert criu_guard.resolve_in_root(r, "/a/../var/./run/../run/s") == "/run/s"
+    assert criu_guard.resolve_in_root(r, "/missing/../var/run/x") == "/run/x"
+    assert criu_guard.resolve_in_root(r, "/missing/deeper") == "/missing/deeper"
+    assert criu_guard.resolve_in_root(r, "/loop/x") is None  # runc gives up too
+
+
+def test_resolve_in_root_walks_through_earlier_bind_mounts(tmp_path: Path) -> None:
+    """A volume mounted before a nested mount: runc resolves the nested destination inside the volume."""
+    root = debian_rootfs(tmp_path / "rootfs")
+    vol = tmp_path / "volume"
+    (vol / "real").mkdir(parents=True)
+    (vol / "data").symlink_to("real")  # as a configMap's ..data link
+    binds = [("/etc/app", str(vol))]
+    assert criu_guard.resolve_in_root(str(root), "/etc/app/data/x", binds) == "/etc/app/real/x"
+    assert criu_guard.resolve_in_root(str(root), "/etc/app/data/x", [("/etc/app", None)]) == "/etc/app/data/x"
+
+
+def test_a_token_under_a_var_run_link_restores_where_runc_mounts_it(tmp_path: Path) -> None:
+    """The legitimate case: a Debian image's pod with the service-account token (issue 41, pod 2)."""
+    root = debian_rootfs(tmp_path / "rootfs")
+    d = make_images(tmp_path / "img", mounts=token_mounts("/run/secrets/kubernetes.io/serviceaccount"))
+    assert image_problems(str(d), with_token(bundle()), lsms=NO_LSM, rootfs=str(root)) == []
+    # without the rootfs the spec's text is all there is, and the two do not meet
+    assert any("mounts nothing there" in p for p in problems(d, with_token(bundle())))
+
+
+def test_a_mount_elsewhere_than_the_resolved_destination_is_refused(tmp_path: Path) -> None:
+    """The edited counterpart: the image puts the token mount where the spec's path does not resolve."""
+    root = debian_rootfs(tmp_path / "rootfs")
+    (root / "var" / "run").unlink()
+    (root / "var" / "run").mkdir()  # an image whose /var/run is a directory: runc mounts at /var/run/...
+    d = make_images(tmp_path / "img", mounts=token_mounts("/run/secrets/kubernetes.io/serviceaccount"))
+    out = image_problems(str(d), with_token(bundle()), lsms=NO_LSM, rootfs=str(root))
+    assert out == ["mount at /run/secrets/kubernetes.io/serviceaccount: the container's spec mounts nothing there"]
+
+
+def test_read_only_is_checked_at_the_resolved_destination(tmp_path: Path) -> None:
+    root = debian_rootfs(tmp_path / "rootfs")
+    d = make_images(tmp_path / "img", mounts=token_mounts("/run/secrets/kubernetes.io/serviceaccount", flags=0))
+    out = image_problems(str(d), with_token(bundle()), lsms=NO_LSM, rootfs=str(root))
+    assert out == [
+        "mount at /run/secrets/kubernetes.io/serviceaccount: read-write, the container's spec mounts it read-only"
+    ]
+
+
+def test_masked_and_read_only_paths_resolve_like_mounts(tmp_path: Path) -> None:
+    root = debian_rootfs(tmp_path / "rootfs")
+    s = bundle()
+    s["linux"]["readonlyPaths"].append("/var/run/ro")
+    s["linux"]["maskedPaths"].append("/var/run/masked")
+    mounts = [
+        *copy.deepcopy(MOUNTS),
+        {"mountpoint": "/run/ro", "fstype": 5, "flags": 0x1},
+        {"mountpoint": "/run/masked", "fstype": 5, "flags": 0x1},
+    ]
+    d = make_images(tmp_path / "img", mounts=mounts)
+    assert image_problems(str(d), s, lsms=NO_LSM, rootfs=str(root)) == []
+    mounts[-2]["flags"] = 0
+    d2 = make_images(tmp_path / "rw", mounts=mounts)
+    assert image_problems(str(d2), s, lsms=NO_LSM, rootfs=str(root)) == [
+        "mount at /run/ro: read-write, the container's spec mounts it read-only"
+    ]
