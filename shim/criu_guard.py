@@ -420,7 +420,7 @@ def synced_to_threads(leader_core: Mapping[str, Any], filters: Sequence[Mapping[
     if tc.get("seccomp_mode") not in ("filter", 2):
         return False
     chain = filter_chain(tc.get("seccomp_filter"), filters)
-    return bool(chain) and bool(int(chain[-1].get("flags") or 0) & SECCOMP_FILTER_FLAG_TSYNC)
+    return chain is not None and bool(int(chain[-1].get("flags") or 0) & SECCOMP_FILTER_FLAG_TSYNC)
 
 
 def seccomp_problems(
