@@ -25,7 +25,16 @@ the agent and the wrapper, never named by the pod):
 ``.failed``
     the reason, once any container of the pod could not be restored. From then on the wrapper
     refuses to create every snapshotted container of the pod, so none of them starts from scratch;
-    the agent reports the failure and stops the containers already restored.
+    the agent reports the failure and stops the containers already restored. Only for a restore a
+    user asked for (``restore-from``): a refusal they must see;
+``.fresh``
+    the reason, once a container of a *resuming* pod (a workload's replacement, resumed by its policy)
+    could not be restored: a resume never holds a workload down, so the pod starts fresh instead. The
+    wrapper creates this and every later container from its image, and the agent stops the ones
+    already restored (listed in ``.restored``), which the kubelet then creates again, fresh, and
+    reports why (a ``ResumeSkipped`` Event);
+``.restored``
+    the names of the containers restored so far, one a line.
 
 Connections that leave the pod cannot follow it to another node: their local address was the old pod
 IP. CRIU binds them back and reconnects them in repair mode, and the kernel's route lookup for that
@@ -58,6 +67,8 @@ CONTAINERS_FILE = ".containers.json"
 NETLOCK_FILE = ".netlock"
 RELEASED_FILE = ".released"
 FAILED_FILE = ".failed"
+FRESH_FILE = ".fresh"
+RESTORED_FILE = ".restored"
 BORROWED_FILE = ".borrowed"
 MUTEX_FILE = ".lock"
 # A snapshotted container created again without staged data this soon after the pod's restore ended
@@ -216,6 +227,21 @@ class PodRestore:
         if self.failed() is None and os.path.isdir(self.directory):
             _write(self._p(FAILED_FILE), reason.strip() + "\n")
 
+    def fresh(self) -> str | None:
+        """Why the resuming pod starts fresh (None: it does not)."""
+        return _read(self._p(FRESH_FILE))
+
+    def start_fresh(self, reason: str) -> None:
+        if self.fresh() is None and os.path.isdir(self.directory):
+            _write(self._p(FRESH_FILE), reason.strip() + "\n")
+
+    def restored(self) -> list[str]:
+        text = _read(self._p(RESTORED_FILE)) or ""
+        return [line for line in text.splitlines() if line]
+
+    def mark_restored(self, name: str) -> None:
+        _write(self._p(RESTORED_FILE), "".join(f"{n}\n" for n in [*self.restored(), name]))
+
     @contextlib.contextmanager
     def mutex(self) -> Iterator[None]:
         """Serializes the wrapper's calls for one pod (the kubelet creates them one by one anyway)."""
@@ -233,6 +259,8 @@ class PodRestore:
         names = self.containers()
         if names is None or name not in names:
             return None  # not a snapshotted container of a restored pod
+        if self.fresh() is not None:
+            return None  # a resume that could not be restored: every container starts from its image
         why = self.failed()
         if why is not None:
             return f"the pod's restore failed, so container {name!r} is not started from scratch: {why.strip()}"

@@ -612,11 +612,16 @@ def _create_in_restored_pod(
     """All or nothing, one network lock for the whole pod (shim/podrestore.py)."""
     from shim.podrestore import netns_of
 
+    resume = resuming(spec, name)
     with pod.mutex():
         why = pod.refusal(name, staged is not None)
         if why is not None:
             _log_error(inv, why)
             return 1
+        if pod.fresh() is not None:  # a resume given up: from the image, its staged data unused
+            if staged is not None:
+                remove_detached(staged)
+            return None
         if staged is None:
             return None  # not restored: an ordinary create
         netns = netns_of(spec)
@@ -624,6 +629,9 @@ def _create_in_restored_pod(
             if netns:
                 pod.lock(netns)
         except OSError as e:
+            if resume:
+                _start_fresh(pod, staged, f"{e}")
+                return None
             pod.fail(str(e))
             _log_error(inv, f"{e}; the pod's containers are not restored")
             return 1
@@ -634,8 +642,12 @@ def _create_in_restored_pod(
 
         rc, msg = _restore(inv, runc, paths, create, spec, staged, borrow)
         if rc != 0:
+            if resume:
+                _start_fresh(pod, staged, f"container {name!r} could not be restored: {msg}")
+                return None
             pod.fail(f"container {name!r} could not be restored: {msg}")
             return rc
+        pod.mark_restored(name)
 
         def pending(n: str) -> bool:
             with contextlib.suppress(SnapshotError):
@@ -647,6 +659,18 @@ def _create_in_restored_pod(
             if warning:
                 print(f"kubectl-snapshot-runc: {warning}", file=sys.stderr)
         return 0
+
+
+def _start_fresh(pod: PodRestore, staged: str, reason: str) -> None:
+    """A resume that cannot be restored does not hold the workload down: this container is created from
+    its image (the caller goes on to runc's create), and so is every later one; the agent stops the ones
+    already restored and says why (shim/podrestore.py, ``.fresh``)."""
+    pod.start_fresh(reason)
+    remove_detached(staged)
+    warning = pod.release()  # the network lock and any borrowed address: a fresh pod needs neither
+    print(f"kubectl-snapshot-runc: the resume is skipped, the pod starts fresh: {reason}", file=sys.stderr)
+    if warning:
+        print(f"kubectl-snapshot-runc: {warning}", file=sys.stderr)
 
 
 def _load_restore_code() -> None:

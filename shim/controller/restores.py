@@ -496,6 +496,13 @@ class RestoreWorker:
             state = PodRestore(self.paths.pod_dir(uid))
         except SnapshotError:
             return False
+        fresh = state.fresh()
+        if fresh is not None:  # a resume the wrapper could not restore: the pod goes on from its images
+            self._failed.add(uid)
+            stopped = self._stop_containers(uid, only=state.restored())
+            reason = fresh.strip() + (f" (stopped the restored containers {', '.join(stopped)})" if stopped else "")
+            self._say_fresh(pod, None, reason)
+            return True
         why = state.failed()
         if why is None:
             return False
@@ -511,8 +518,9 @@ class RestoreWorker:
         pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, render(err), warning=True)
         return True
 
-    def _stop_containers(self, uid: str) -> list[str]:
-        """Kill the pod's running app containers: the wrapper refuses to create them again."""
+    def _stop_containers(self, uid: str, only: list[str] | None = None) -> list[str]:
+        """Kill the pod's running app containers (those named in `only`, where given): the wrapper
+        refuses to create them again, or creates them fresh for a resume it gave up."""
         from shim.containerd.client import ContainerdClient  # the agent's adapter; not needed by pure tests
 
         stopped = []
@@ -521,6 +529,8 @@ class RestoreWorker:
                 for info in c.list_containers():
                     labels = info.labels
                     if labels.get(LABEL_POD_UID) != uid or labels.get(LABEL_CRI_KIND) != "container":
+                        continue
+                    if only is not None and labels.get(LABEL_CONTAINER_NAME) not in only:
                         continue
                     task = c.get_task(info.id)
                     if task is None or task.status not in ("running", "paused", "created"):

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from kubectl_snapshot.core import kube as K
+from shim.engine.staging import READY, StagingGate, StatePaths
 from shim.podrestore import FAILED_FILE, LOCK_TABLE, RELEASED_FILE, PodRestore
 from tests.integration.test_wrapper_pyz import HOST_PYTHON, calls, pyz, run_pyz
 from tests.support.nft import nft_tables
@@ -52,10 +54,12 @@ def stage(state: Path, names: list[str], staged: list[str]) -> PodRestore:
     return pod
 
 
-def bundle(tmp_path: Path, name: str, netns: str | None = None) -> Path:
+def bundle(tmp_path: Path, name: str, netns: str | None = None, *, resume: bool = False) -> Path:
     b = tmp_path / f"bundle-{name}-{time.monotonic_ns()}"
     (b / "rootfs").mkdir(parents=True)
     annotations = {"io.kubernetes.cri.sandbox-uid": UID, "io.kubernetes.cri.container-name": name}
+    if resume:  # a workload's replacement, resumed by its policy (containerd passes the pod's annotation)
+        annotations[K.ANN_RESUME_POLICY] = "p"
     spec = {**guard_bundle(), "root": {"path": "rootfs"}, "annotations": annotations}
     # the pod's network namespace: a scratch one, or none (never the host's, which the bundle names)
     spec["linux"]["namespaces"] = [
@@ -89,6 +93,53 @@ def test_one_container_failing_fails_the_pod_and_nothing_starts_fresh(pyz: Path,
     # a container the snapshot does not hold (not restored) is created as usual
     assert create(pyz, runc, state, bundle(tmp_path, "extra"), "ok-extra").returncode == 0
     assert calls(log)[-1][0] == "create"
+
+
+def answered_gates(state: Path, names: list[str]) -> None:
+    """What the agent does for a resuming pod once its save is staged: each container's gate says ready."""
+    paths = StatePaths(str(state))
+    for n in names:
+        os.makedirs(os.path.dirname(paths.pod_gate(UID, n)), exist_ok=True)
+        StagingGate(paths.pod_gate(UID, n)).answer(READY)
+
+
+def test_a_resume_that_cannot_be_restored_starts_the_pod_fresh(pyz: Path, tmp_path: Path) -> None:
+    """Issue 41: a workload's replacement whose save the wrapper cannot restore runs from its images,
+    every container of it (restored ones are stopped by the agent and come back fresh), with the reason
+    kept for the agent's ResumeSkipped Event. A restore a user asked for still fails (the test above)."""
+    runc, log = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    pod = stage(state, ["app", "cache", "late"], ["app", "cache", "late"])
+    answered_gates(state, ["app", "cache", "late"])
+
+    assert create(pyz, runc, state, bundle(tmp_path, "app", resume=True), "ok-app").returncode == 0
+    proc = create(pyz, runc, state, bundle(tmp_path, "cache", resume=True), "fail-cache")
+    assert proc.returncode == 0, proc.stderr
+    assert "the pod starts fresh" in proc.stderr
+    assert "container 'cache' could not be restored" in (pod.fresh() or "") and pod.failed() is None
+    assert pod.restored() == ["app"]  # what the agent stops, to be created again fresh
+    # a later container is created from its image too, its staged save unused, and so is the restored
+    # one when the kubelet creates it again
+    assert create(pyz, runc, state, bundle(tmp_path, "late", resume=True), "ok-late").returncode == 0
+    assert create(pyz, runc, state, bundle(tmp_path, "app", resume=True), "ok-app-1").returncode == 0
+    assert [c[0] for c in calls(log)] == ["restore", "restore", "create", "create", "create"]
+    assert not (state / "staged" / "by-pod" / UID / "late" / "checkpoint").exists()
+
+
+def test_a_resume_whose_images_grant_more_starts_fresh_with_the_reason(pyz: Path, tmp_path: Path) -> None:
+    runc, log = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    pod = stage(state, ["app"], ["app"])
+    answered_gates(state, ["app"])
+    b = bundle(tmp_path, "app", resume=True)
+    spec = json.loads((b / "config.json").read_text())
+    del spec["linux"]["seccomp"]  # the images hold a filter; a bundle without one: they match
+    spec["process"]["capabilities"] = {"bounding": [], "effective": [], "permitted": []}
+    (b / "config.json").write_text(json.dumps(spec))
+    proc = create(pyz, runc, state, b, "ok-app")
+    assert proc.returncode == 0, proc.stderr
+    assert "refusing to restore: the CRIU images grant more" in (pod.fresh() or "")
+    assert [c[0] for c in calls(log)] == ["create"]
 
 
 def test_a_restored_container_that_dies_at_once_is_not_recreated(pyz: Path, tmp_path: Path) -> None:

@@ -175,7 +175,7 @@ def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_pa
     worker = RestoreWorker(kube=kube, settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts())
     stopped: list[str] = []
 
-    def stop_containers(uid: str) -> list[str]:
+    def stop_containers(uid: str, only: list[str] | None = None) -> list[str]:
         stopped.append(uid)
         return ["app"]
 
@@ -200,3 +200,54 @@ def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_pa
     [ann] = kube.patches
     assert ann[K.ANN_RESTORE_STATUS].startswith("Failed: the pod could not be restored whole: container 'db'")
     assert [(e.reason, e.type) for e in kube.events] == [(K.EVENT_RESTORE_FAILED, "Warning")]
+
+
+def test_restore_worker_reports_a_resume_the_wrapper_started_fresh(tmp_path: Path) -> None:
+    """A resume the wrapper could not restore: the agent stops only the containers already restored
+    (the kubelet creates them again, fresh), says why in a ResumeSkipped Event, once, and marks nothing
+    failed: the workload runs."""
+    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core.model import HostFacts
+    from shim.controller.restores import RestoreWorker
+    from shim.podrestore import PodRestore
+
+    class Kube(EventRecorder):
+        def __init__(self) -> None:
+            self.patches: list[dict[str, Any]] = []
+            self.events: list[RecordedEvent] = []
+
+        def patch_pod_annotations(
+            self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
+        ) -> dict[str, Any]:
+            self.patches.append(annotations)
+            return {}
+
+    kube = Kube()
+    worker = RestoreWorker(kube=kube, settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts())
+    stopped: list[tuple[str, list[str] | None]] = []
+
+    def stop_containers(uid: str, only: list[str] | None = None) -> list[str]:
+        stopped.append((uid, only))
+        return list(only or [])
+
+    worker._stop_containers = stop_containers  # type: ignore[method-assign]
+    pod = {
+        "metadata": {
+            "name": "web-0",
+            "namespace": "ns",
+            "uid": "u-2",
+            "annotations": {K.ANN_RESUME_POLICY: "p", K.ANN_RESTORE_STATUS: K.RESTORE_STAGED},
+        },
+        "spec": {"nodeName": "ks-n2"},
+    }
+    state = PodRestore(worker.paths.pod_dir("u-2"))
+    state.record(["app", "db"])
+    state.mark_restored("app")
+    state.start_fresh("container 'db' could not be restored: refusing to restore: seccomp")
+    worker.consider(pod)
+    worker.consider(pod)  # reported once
+    assert stopped == [("u-2", ["app"])]
+    [ann] = kube.patches
+    assert ann[K.ANN_RESTORE_STATUS].startswith(K.RESTORE_SKIPPED_PREFIX + "container 'db' could not be restored")
+    assert [(e.reason, e.type) for e in kube.events] == [(K.EVENT_RESUME_SKIPPED, "Normal")]
+    assert "stopped the restored containers app" in kube.events[0].message
