@@ -53,7 +53,7 @@ except ImportError:
 
 TYPE_CHECKING = False  # the hook's start-up: typing is not imported at run time
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Mapping, Sequence
+    from collections.abc import Callable, Iterable, Mapping, Sequence
     from typing import Any
 
 MAX_IMAGE_BYTES = 64 << 20
@@ -484,6 +484,23 @@ def mount_problems(mounts: Sequence[Mapping[str, Any]], grant: BundleGrant) -> l
     return out
 
 
+def unmasked_problems(points: Iterable[str], grant: BundleGrant, present: Callable[[str], bool]) -> list[str]:
+    """Masked and read-only paths of the bundle that the images leave without their mount. runc masks a
+    path with /dev/null or an empty read-only tmpfs and makes a read-only path a read-only bind of itself;
+    CRIU mounts only what its images list, so an image without one of those mounts restores the container
+    with /proc/kcore readable or /proc/sys writable. runc skips a path the kernel does not have
+    (`present`: the path exists on this node, whose kernel the restored container's /proc and /sys show)."""
+    have = set(points)
+    out = []
+    for path, what in [
+        *((p, "masks it") for p in sorted(grant.masked)),
+        *((p, "mounts it read-only") for p in sorted(grant.readonly)),
+    ]:
+        if path not in have and present(path):
+            out.append(f"{path}: the container's spec {what}, the images leave it without that mount")
+    return out
+
+
 # --- reading the images --------------------------------------------------------------------------
 
 
@@ -669,9 +686,11 @@ def image_problems(
     lsms: frozenset[str] | None = None,
     reader: ImageReader | None = None,
     rootfs: str | None = None,
+    present: Callable[[str], bool] | None = None,
 ) -> list[str]:
     """Everything in the CRIU images of `image_dir` that grants more than the bundle `spec`, whose root
-    filesystem is `rootfs` (None: destinations taken as written)."""
+    filesystem is `rootfs` (None: destinations taken as written). `present`: whether a masked or
+    read-only path exists for the restored container (default: on this node)."""
     load = (reader or ImageReader()).load
     grant = bundle_grant(spec, rootfs)
     lsms = host_lsms() if lsms is None else lsms
@@ -719,8 +738,14 @@ def image_problems(
     problems += namespace_problems(task_ids, root_ids)
     if not grant.user_namespace and glob.glob(os.path.join(glob.escape(image_dir), "userns-*.img")):
         problems.append("the images hold a user namespace (uid maps); the container's spec creates none")
-    for path in sorted(glob.glob(os.path.join(glob.escape(image_dir), "mountpoints-*.img"))):
-        problems += mount_problems(load(path), grant)
+    points: set[str] = set()
+    mount_images = sorted(glob.glob(os.path.join(glob.escape(image_dir), "mountpoints-*.img")))
+    for path in mount_images:
+        mounts = load(path)
+        problems += mount_problems(mounts, grant)
+        points.update(_norm(str(m.get("mountpoint", ""))) for m in mounts)
+    if mount_images:  # a container's images always hold its mount namespace
+        problems += unmasked_problems(points, grant, present or os.path.exists)
     return problems
 
 

@@ -572,3 +572,29 @@ def test_masked_and_read_only_paths_resolve_like_mounts(tmp_path: Path) -> None:
     assert image_problems(str(d2), s, lsms=NO_LSM, rootfs=str(root)) == [
         "mount at /run/ro: read-write, the container's spec mounts it read-only"
     ]
+
+
+@pytest.mark.parametrize(
+    ("dropped", "what"),
+    [
+        ("/proc/kcore", "/proc/kcore: the container's spec masks it"),
+        ("/proc/sys", "/proc/sys: the container's spec mounts it read-only"),
+    ],
+    ids=["unmasked-kcore", "writable-proc-sys"],
+)
+def test_images_without_a_mask_or_read_only_mount_are_refused(tmp_path: Path, dropped: str, what: str) -> None:
+    """The legitimate dump has both (test_an_image_that_matches_its_bundle_passes); the edited one drops
+    one, and CRIU would restore the container without it."""
+    everything = lambda _path: True  # noqa: E731
+    assert image_problems(str(make_images(tmp_path / "ok")), bundle(), lsms=NO_LSM, present=everything) == []
+    mounts = [m for m in copy.deepcopy(MOUNTS) if m["mountpoint"] != dropped]
+    d = make_images(tmp_path / "img", mounts=mounts)
+    out = image_problems(str(d), bundle(), lsms=NO_LSM, present=everything)
+    assert out == [f"{what}, the images leave it without that mount"]
+
+
+def test_a_masked_path_this_kernel_does_not_have_is_not_asked_for(tmp_path: Path) -> None:
+    """runc skips a masked path the kernel lacks (/proc/acpi without ACPI): no mount, nothing refused."""
+    mounts = [m for m in copy.deepcopy(MOUNTS) if m["mountpoint"] != "/proc/kcore"]
+    d = make_images(tmp_path / "img", mounts=mounts)
+    assert image_problems(str(d), bundle(), lsms=NO_LSM, present=lambda p: p != "/proc/kcore") == []
