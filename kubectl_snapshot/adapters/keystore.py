@@ -2,11 +2,12 @@
 
 * `SecretKeyProvider` (the agent DaemonSet): ONE Secret of fixed name, ``kubectl-snapshot-keys``, in
   the agent's own namespace; one data entry per namespace (``<namespace>`` = its current key, 32
-  random bytes; ``<namespace>.<keyId>`` = a rotated-out key kept for older snapshots). The agent
-  creates the Secret and a namespace's entry on first use (create, then update with the
-  resourceVersion, retried on conflicts between agents of several nodes). Why this shape: the agent
-  then needs rights on this one Secret only (a Role in its namespace, `resourceNames`), never on the
-  Secrets of tenant namespaces, and a tenant who can read Secrets in its own namespace cannot read
+  random bytes; ``<namespace>.<keyId>`` = a rotated-out key kept for older snapshots).
+  `kubectl snapshot install` creates the Secret (core/keysecret.py); the agent adds a namespace's
+  entry on first use (an update with the resourceVersion, retried on conflicts between agents of
+  several nodes) and creates no Secret. Why this shape: the agent then needs rights on this one
+  Secret only (a Role in its namespace, `resourceNames`), never on the Secrets of tenant namespaces,
+  and may create none; a tenant who can read Secrets in its own namespace cannot read
   its key either (a namespace admin could otherwise copy it and decrypt snapshots outside the
   cluster's control). Deleting an entry makes that namespace's snapshots unreadable (crypto-shredding).
 * `FileKeyProvider` (the standalone agent against a plain containerd): one file per namespace in a
@@ -26,12 +27,13 @@ import threading
 import time
 from typing import Any, Protocol
 
+from kubectl_snapshot.core import keysecret
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.encryption import KEY_BYTES
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kubectl_snapshot.core.sealing import LocalNamespaceKey, NamespaceKey, key_id_of, new_key
 
-KEY_SECRET = "kubectl-snapshot-keys"
+KEY_SECRET = keysecret.KEY_SECRET
 # containerd's namespace rule; Kubernetes namespaces (DNS labels) are a subset
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*$")
 _KEY_ID_RE = re.compile(r"^k1-[0-9a-f]{16}$")
@@ -123,7 +125,6 @@ class SecretStore(Protocol):
     """The Secrets API the key provider uses (adapters/kube.KubeClient)."""
 
     def get_secret(self, ns: str, name: str) -> dict[str, Any]: ...
-    def create_secret(self, ns: str, body: dict[str, Any]) -> dict[str, Any]: ...
     def replace_secret(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]: ...
 
 
@@ -175,8 +176,14 @@ class SecretKeyProvider:
             try:
                 obj = self.kube.get_secret(self.namespace, self.name)
             except NotFound:
-                obj = None
-            entries = self._parse(obj or {})
+                raise FailedPrecondition(
+                    f"secret {self.namespace}/{self.name} (the namespace keys) does not exist, and the agent"
+                    " creates no Secrets",
+                    hint="run kubectl snapshot install (it creates the Secret once and never replaces it); installed"
+                    " from manifests/ or the Helm chart:"
+                    f" kubectl -n {self.namespace} create secret generic {self.name}",
+                ) from None
+            entries = self._parse(obj)
             if namespace in entries:
                 self._cache = (time.monotonic(), entries)
                 return entries[namespace]
@@ -184,11 +191,8 @@ class SecretKeyProvider:
             data = {k: base64.b64encode(v).decode() for k, v in entries.items()}
             data[namespace] = base64.b64encode(kek).decode()
             with contextlib.suppress(FailedPrecondition):  # 409: another agent wrote first; read again
-                if obj is None:
-                    self.kube.create_secret(self.namespace, self._body(data, None))
-                else:
-                    rv = (obj.get("metadata") or {}).get("resourceVersion")
-                    self.kube.replace_secret(self.namespace, self.name, self._body(data, rv))
+                rv = (obj.get("metadata") or {}).get("resourceVersion")
+                self.kube.replace_secret(self.namespace, self.name, self._body(data, rv))
                 entries[namespace] = kek
                 self._cache = (time.monotonic(), entries)
                 return kek
@@ -200,15 +204,6 @@ class SecretKeyProvider:
         )
 
     def _body(self, data: dict[str, str], resource_version: str | None) -> dict[str, Any]:
-        meta: dict[str, Any] = {
-            "name": self.name,
-            "namespace": self.namespace,
-            "labels": {"app.kubernetes.io/part-of": "kubectl-snapshot"},
-            "annotations": {
-                "kubectl-snapshot.io/purpose": "per-namespace snapshot encryption keys; deleting an entry makes "
-                "that namespace's snapshots unreadable. Back it up."
-            },
-        }
-        if resource_version:
-            meta["resourceVersion"] = resource_version
-        return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta, "data": data}
+        body = keysecret.key_secret(data, resource_version=resource_version)
+        body["metadata"].update(name=self.name, namespace=self.namespace)
+        return body

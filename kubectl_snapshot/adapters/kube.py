@@ -672,12 +672,6 @@ class KubeClient:
             self._call("GET", f"/api/v1/namespaces/{_q(ns)}/secrets/{_q(name)}", what=f"get secret {ns}/{name}")
         )
 
-    def create_secret(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        name = (body.get("metadata") or {}).get("name", "")
-        return dict(
-            self._call("POST", f"/api/v1/namespaces/{_q(ns)}/secrets", what=f"create secret {ns}/{name}", body=body)
-        )
-
     def replace_secret(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """PUT (with body.metadata.resourceVersion: a conflict raises FailedPrecondition, retryable)."""
         return dict(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj
+from kubectl_snapshot.core import keysecret
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
 from kubectl_snapshot.core.provenance import (
@@ -254,6 +255,13 @@ def _rolled_out(ds: Obj | None) -> bool:
     updated = int(st.get("updatedNumberScheduled") or 0)
     available = int(st.get("numberAvailable") or 0)
     return desired > 0 and available >= desired and (strategy != "RollingUpdate" or updated >= desired)
+
+
+def key_objects(kube: Kube) -> list[Obj]:
+    """The namespace-key Secret to create: an empty one when it is absent, else nothing (its entries are
+    the only copy of every namespace's key; the agents add them and may not create the Secret)."""
+    secret = keysecret.key_secret({})
+    return [] if kube.get_object(secret) is not None else [secret]
 
 
 def signing_objects(

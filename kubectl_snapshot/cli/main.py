@@ -646,7 +646,8 @@ def install_cmd(
     """Install the CRD, RBAC, admission policies, agent DaemonSet and RuntimeClass; wait until the agents run.
 
     Also makes the agents' snapshot signing key (Secret kubectl-snapshot-signing-key, once; see
-    --rotate-signing-key) and the trust ConfigMap kubectl-snapshot-trust (public keys, policy).
+    --rotate-signing-key), the trust ConfigMap kubectl-snapshot-trust (public keys, policy) and,
+    once, the Secret kubectl-snapshot-keys the agents keep each namespace's encryption key in.
     """
     settings = _install_settings(api_server, node_config, **node)
     if host_network:
@@ -674,7 +675,8 @@ def install_cmd(
     signing, _key_id = install_app.signing_objects(
         kube, rotate=rotate_signing_key, trust_keys=pems, allow_unverified=allow_unverified
     )
-    objects = objects[:-1] + signing + objects[-1:]  # before the DaemonSet, after its namespace
+    keys = install_app.key_objects(kube)
+    objects = objects[:-1] + signing + keys + objects[-1:]  # before the DaemonSet, after its namespace
     with RemoteProgress("install") as bar:
         install_app.install(objects, kube=kube, timeout_s=timeout, on_step=lambda what, _d, _t: bar.step(what))
     emit({"installed": [f"{o['kind']}/{o['metadata']['name']}" for o in objects]}, output, lambda _d: "installed")

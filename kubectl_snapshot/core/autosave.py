@@ -63,20 +63,31 @@ def parse_time(text: str | None) -> float | None:
 def selects(policy: Mapping[str, Any], pod: Mapping[str, Any], workload: Workload | None) -> bool:
     """Whether the policy selects the pod: same namespace, matchLabels a subset of the pod's labels and,
     when the policy names a workload, the pod belongs to it (`workload` None: not resolvable, no match)."""
+    return not why_not_selected(policy, pod, workload)
+
+
+def why_not_selected(policy: Mapping[str, Any], pod: Mapping[str, Any], workload: Workload | None) -> str:
+    """Why the policy does not select the pod ('' when it does; selects() says the same as a bool).
+
+    The agent asks this of the policy a pod's resume annotation names before it resumes or final-saves
+    the pod: the annotation only says which policy, the policy's own selector says whether."""
     pmeta, meta = policy.get("metadata") or {}, pod.get("metadata") or {}
+    name = pmeta.get("name")
     if pmeta.get("namespace") != meta.get("namespace"):
-        return False
+        return f"SnapshotPolicy {name} is of namespace {pmeta.get('namespace')}, the pod of {meta.get('namespace')}"
     spec = policy.get("spec") or {}
     match = ((spec.get("selector") or {}).get("matchLabels")) or {}
     if not match:
-        return False  # the CRD requires one; an empty selector never means "every pod"
+        return f"SnapshotPolicy {name} has no selector"  # the CRD requires one; empty never means "every pod"
     labels = meta.get("labels") or {}
-    if any(labels.get(k) != v for k, v in match.items()):
-        return False
+    missing = sorted(f"{k}={v}" for k, v in match.items() if labels.get(k) != v)
+    if missing:
+        return f"SnapshotPolicy {name} does not select the pod: its labels lack {','.join(missing)}"
     want = spec.get("workload")
-    if want:
-        return workload is not None and workload.kind == want.get("kind") and workload.name == want.get("name")
-    return True
+    if want and (workload is None or (workload.kind, workload.name) != (want.get("kind"), want.get("name"))):
+        found = f"{workload.kind} {workload.name}" if workload else "no workload that could be read"
+        return f"SnapshotPolicy {name} protects {want.get('kind')} {want.get('name')}, the pod belongs to {found}"
+    return ""
 
 
 def eligible(pod: Mapping[str, Any], node: str) -> bool:

@@ -1,20 +1,22 @@
 """The agent's access to the namespace-key Secret (encryption at rest, adapters/keystore.py).
 
 A Role in the agent's own namespace, not a ClusterRole: the agent reads and updates exactly one Secret,
-``kubectl-snapshot-keys``, by name (`resourceNames`). `create` cannot be limited by name in RBAC; it is
-granted in the agent's namespace only, where nothing else reads Secrets the agent would write. The
-Secret itself is not part of the manifests: the agent creates it on first use, so that re-applying
-the manifests can never replace (and so destroy) the keys.
+``kubectl-snapshot-keys``, by name (`resourceNames`), and creates none. `create` cannot be limited by
+name in RBAC, and a Role that may create Secrets in the agent's namespace lets whoever holds the
+agent's token mint a ServiceAccount token Secret for it that never expires and outlives the node. The
+Secret itself is not part of the manifests (re-applying them must never replace, and so destroy, the
+keys): `kubectl snapshot install` creates it when it is absent (app/install.py, core/keysecret.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from kubectl_snapshot.core import keysecret
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.deploy.rbac import RBAC
 
-KEY_SECRET = "kubectl-snapshot-keys"  # = adapters.keystore.KEY_SECRET (deploy must not import adapters)
+KEY_SECRET = keysecret.KEY_SECRET
 ROLE = "kubectl-snapshot-agent-keys"
 
 
@@ -25,7 +27,6 @@ def key_role(labels: dict[str, str]) -> dict[str, Any]:
         "metadata": {"name": ROLE, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)},
         "rules": [
             {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [KEY_SECRET], "verbs": ["get", "update"]},
-            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]},
         ],
     }
 

@@ -18,6 +18,9 @@ resume from their predecessor's last save, without anyone editing the workload (
 - ``kubectl-snapshot-resume-pods`` (ValidatingAdmissionPolicy): the resume-policy annotation is set at
   creation only, and only on pods a controller of kube-system creates (the mutation above) or by
   someone with the ``restore`` verb; it cannot be added or changed later.
+- ``kubectl-snapshot-resume-selected`` (ValidatingAdmissionPolicy, paramKind SnapshotPolicy): the
+  policy the annotation names selects the pod (a Deployment's template can carry the annotation, and
+  its pods come from a kube-system controller).
 - ``kubectl-snapshot-agent-podsnapshots`` (ValidatingAdmissionPolicy): the agent, which may patch
   PodSnapshots for the provenance labels and the resume claim, changes nothing else of them.
 - ``kubectl-snapshot-agent-resume`` (ClusterRole + binding): what the agent needs for this on top of
@@ -36,6 +39,7 @@ from kubectl_snapshot.deploy.admission import API, _binding, _can, _deny, _match
 
 MUTATING_POLICY = "kubectl-snapshot-resume"
 RESUME_PODS_POLICY = "kubectl-snapshot-resume-pods"
+RESUME_SELECTED_POLICY = "kubectl-snapshot-resume-selected"
 AGENT_RESUME_ROLE = "kubectl-snapshot-agent-resume"
 RESUMABLE_OWNERS = ("StatefulSet", "ReplicaSet", "Job")
 # What the agent may change on a PodSnapshot (everything else, spec included, stays as it was).
@@ -56,6 +60,21 @@ def _labels_has(key: str) -> str:
 
 
 _CONTROLLER = "has(r.controller) && r.controller"
+# The SnapshotPolicy `params` selects the pod `object`: its matchLabels are among the pod's labels, and
+# its workload (when it names one) is the pod's controller, a Deployment through its ReplicaSet's name.
+# The agent decides again from the real owner chain (core/autosave.why_not_selected).
+POLICY_SELECTS_CEL = (
+    "has(params.spec.selector) && has(params.spec.selector.matchLabels)"
+    " && params.spec.selector.matchLabels.all(k, has(object.metadata.labels) && k in object.metadata.labels"
+    " && object.metadata.labels[k] == params.spec.selector.matchLabels[k])"
+)
+POLICY_WORKLOAD_CEL = (
+    "!has(params.spec.workload) || has(object.metadata.ownerReferences) && object.metadata.ownerReferences.exists(r, "
+    f"{_CONTROLLER} && ((r.kind == params.spec.workload.kind && r.name == params.spec.workload.name)"
+    " || (params.spec.workload.kind == 'Deployment' && r.kind == 'ReplicaSet'"
+    f" && {_labels_has('pod-template-hash')}"
+    " && r.name == params.spec.workload.name + '-' + object.metadata.labels['pod-template-hash'])))"
+)
 _MATCH_CONDITIONS = [
     {
         "name": "owned-by-a-resumable-controller",
@@ -63,20 +82,8 @@ _MATCH_CONDITIONS = [
         f"{_CONTROLLER} && r.kind in {json.dumps(list(RESUMABLE_OWNERS))})",
     },
     {"name": "policy-resumes", "expression": "!has(params.spec.resume) || params.spec.resume"},
-    {
-        "name": "policy-selects-the-pod",
-        "expression": "has(params.spec.selector) && has(params.spec.selector.matchLabels)"
-        " && params.spec.selector.matchLabels.all(k, has(object.metadata.labels) && k in object.metadata.labels"
-        " && object.metadata.labels[k] == params.spec.selector.matchLabels[k])",
-    },
-    {
-        "name": "policy-workload-owns-the-pod",
-        "expression": "!has(params.spec.workload) || object.metadata.ownerReferences.exists(r, "
-        f"{_CONTROLLER} && ((r.kind == params.spec.workload.kind && r.name == params.spec.workload.name)"
-        " || (params.spec.workload.kind == 'Deployment' && r.kind == 'ReplicaSet'"
-        f" && {_labels_has('pod-template-hash')}"
-        " && r.name == params.spec.workload.name + '-' + object.metadata.labels['pod-template-hash'])))",
-    },
+    {"name": "policy-selects-the-pod", "expression": POLICY_SELECTS_CEL},
+    {"name": "policy-workload-owns-the-pod", "expression": POLICY_WORKLOAD_CEL},
     {
         "name": "not-restoring-already",
         "expression": "!has(object.metadata.annotations) || !("
@@ -272,6 +279,47 @@ def resume_pods_policy(labels: dict[str, str]) -> dict[str, Any]:
     )
 
 
+def resume_selected_policy(labels: dict[str, str]) -> dict[str, Any]:
+    """A pod created with the resume annotation is one the named SnapshotPolicy selects.
+
+    A template can carry the annotation, and the pods of a Deployment come from a kube-system
+    controller, which resume_pods_policy lets through: this is what keeps the annotation to pods the
+    policy protects. Evaluated once per SnapshotPolicy of the pod's namespace (the binding's paramRef
+    selects them all; every evaluation must pass): the one the annotation names must select the pod,
+    the others have nothing to say. No SnapshotPolicy in the namespace: refused (parameterNotFoundAction
+    Deny). An annotation naming a policy that does not exist passes here (CEL sees one param at a time,
+    never the whole list); the agent starts such a pod fresh (shim/controller/resume.py)."""
+    named = f"{_ann('object', K.ANN_RESUME_POLICY)} == params.metadata.name"
+    return _policy(
+        RESUME_SELECTED_POLICY,
+        labels,
+        {
+            "paramKind": {"apiVersion": K.API_VERSION, "kind": K.POLICY_KIND},
+            "matchConstraints": _match([""], ["v1"], ["CREATE"], ["pods"]),
+            "matchConditions": [
+                {
+                    "name": "carries-resume-annotation",
+                    "expression": f"has(object.metadata.annotations) && {_quote(K.ANN_RESUME_POLICY)}"
+                    " in object.metadata.annotations",
+                }
+            ],
+            "validations": [
+                _deny(
+                    f"!({named}) || (({POLICY_SELECTS_CEL}) && ({POLICY_WORKLOAD_CEL}))",
+                    "'SnapshotPolicy ' + params.metadata.name + ' does not select this pod (its matchLabels, and its"
+                    f" workload when it names one): only pods a policy selects may carry {K.ANN_RESUME_POLICY}'",
+                ),
+            ],
+        },
+    )
+
+
+def resume_selected_binding(labels: dict[str, str]) -> dict[str, Any]:
+    binding = _binding(RESUME_SELECTED_POLICY, labels)
+    binding["spec"]["paramRef"] = {"selector": {}, "parameterNotFoundAction": "Deny"}
+    return binding
+
+
 def agent_resume_role(labels: dict[str, str]) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -298,7 +346,7 @@ def agent_resume_role_binding(labels: dict[str, str]) -> dict[str, Any]:
     }
 
 
-VALIDATING_POLICIES = (RESUME_PODS_POLICY,)
+VALIDATING_POLICIES = (RESUME_PODS_POLICY, RESUME_SELECTED_POLICY)
 
 
 def roles(labels: dict[str, str]) -> list[dict[str, Any]]:
@@ -312,6 +360,8 @@ def policies(labels: dict[str, str], gate_image: str) -> list[dict[str, Any]]:
     return [
         *validating,
         *(_binding(p["metadata"]["name"], labels) for p in validating),
+        resume_selected_policy(labels),  # paramKind SnapshotPolicy: after the CRDs, like the mutation
+        resume_selected_binding(labels),
         mutating_policy(labels, gate_image),
         mutating_binding(labels),
     ]

@@ -97,7 +97,12 @@ class FinalSaver:
             message = f"no final save: SnapshotPolicy {ns}/{policy_name} is gone"
             pod_event(self.kube, pod, K.EVENT_FINAL_SAVE_FAILED, message, warning=True)
             return
-        created = self._create(policy, pod)
+        workload = self.workload_of(pod)
+        refused = A.why_not_selected(policy, pod, workload)
+        if refused:  # the annotation names a policy; only the policy's selector says it protects this pod
+            pod_event(self.kube, pod, K.EVENT_FINAL_SAVE_FAILED, f"no final save: {refused}", warning=True)
+            return
+        created = self._create(policy, pod, workload)
         name = str(created["metadata"]["name"])
         grace = int(
             meta.get("deletionGracePeriodSeconds")
@@ -117,10 +122,9 @@ class FinalSaver:
             f" ({decision.window_s:.0f}s left of the preStop hook); the pod ends when it is pushed",
         )
 
-    def _create(self, policy: Obj, pod: Obj) -> Obj:
+    def _create(self, policy: Obj, pod: Obj, workload: W.Workload) -> Obj:
         ns = str(pod["metadata"]["namespace"])
         when = datetime.datetime.fromtimestamp(self.clock(), datetime.UTC)
-        workload = self.workload_of(pod)
         for attempt in range(1, NAME_ATTEMPTS + 1):
             body = A.save_object(policy, pod, workload, when, attempt)
             body["spec"]["stop"] = True

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kubectl_snapshot.core import autosave as A
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import resume as R
 from kubectl_snapshot.core import workload as W
@@ -76,10 +77,13 @@ class Resumer:
         spec = policy.get("spec") or {}
         if spec.get("resume") is False:
             return StartFresh(f"SnapshotPolicy {policy_name} has resume: false")
+        # The annotation names a policy; only the policy's own selector, matched against this pod's labels
+        # and its workload read from its real owners, says the pod is one the policy protects (a template
+        # can carry any annotation: docs/security.md, "Automatic restores").
         workload = W.workload_of(pod, lambda rs: self.kube.get_replicaset(ns, rs))
-        wanted = spec.get("workload") or {}
-        if wanted and (wanted.get("kind"), wanted.get("name")) != (workload.kind, workload.name):
-            return StartFresh(f"the pod belongs to {workload.kind} {workload.name}, not the policy's workload")
+        refused = A.why_not_selected(policy, pod, workload)
+        if refused:
+            return StartFresh(refused)
         selector = R.label_selector(workload, pod)
         if selector is None:
             return StartFresh(f"{workload.kind} {workload.name}: its pods have no identity to resume by")

@@ -24,7 +24,7 @@ import pytest
 
 from kubectl_snapshot import __version__
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.deploy import render
+from kubectl_snapshot.deploy import keys, render
 from tests.support.cluster import Cluster, cluster, namespace
 
 pytestmark = pytest.mark.e2e
@@ -254,6 +254,10 @@ def test_agent_rbac_on_the_real_authorizer(cluster: Cluster, installed: list[dic
         assert can_i(cluster, AGENT_SA, verb, resource), (verb, resource)
     for verb, resource in denied:
         assert not can_i(cluster, AGENT_SA, verb, resource), (verb, resource)
+    # no Secret anywhere, its own namespace included: a stolen token could mint a token Secret that never expires
+    assert not can_i(cluster, AGENT_SA, "create", "secrets", K.AGENT_NAMESPACE)
+    key_secret = ("auth", "can-i", "update", f"secrets/{keys.KEY_SECRET}", "-n", K.AGENT_NAMESPACE, "--as", AGENT_SA)
+    assert cluster.kubectl(*key_secret, check=False).stdout.strip() == "yes"  # (the line above asks what it should)
 
 
 def test_users_get_rights_through_builtin_roles(

@@ -239,3 +239,58 @@ def test_the_agent_may_patch_only_provenance_of_a_podsnapshot(cluster, namespace
     for bad in ({"metadata": {"labels": {"team": "x"}}}, {"metadata": {"annotations": {"other": "x"}}}):
         r = patch(bad)
         assert r.returncode != 0 and "the provenance labels" in r.stderr, (bad, r.stderr)
+
+
+def test_a_resume_annotation_forged_in_a_template_is_refused_at_admission(cluster, namespace, agent):  # type: ignore[no-untyped-def]
+    """Issue 42, item 3. Whoever may create Deployments could write the resume annotation (naming a
+    policy of the namespace) and the runtime class into a template: the pods come from a kube-system
+    controller, which the resume-pods policy lets through, so they got final saves into that policy's
+    repository with its Secret. Now the policy the annotation names must select the pod. The pair: the
+    Deployment the policy selects is annotated by the mutation and admitted; the forged template's
+    pods are refused with the reason, and so is the same pod written by hand (server-side dry runs)."""
+    ns = namespace
+    cluster.apply(policy(ns, "web", "web", cluster.registry))  # selects app=web, any workload
+
+    cluster.apply(workload("Deployment", "web", ns, cluster.busybox_image, replicas=1))
+    legit = live_pod(cluster, ns, "web")
+    assert pod_annotations(legit)[K.ANN_RESUME_POLICY] == "web" and legit["spec"]["runtimeClassName"] == K.RUNTIME_CLASS
+    assert pod_annotations(legit)[K.ANN_RESTORE_STATUS].startswith(K.RESTORE_SKIPPED_PREFIX)  # nothing saved yet
+
+    forged = workload("Deployment", "evil", ns, cluster.busybox_image, replicas=1)
+    forged["spec"]["template"]["metadata"]["annotations"] = {K.ANN_RESUME_POLICY: "web"}
+    forged["spec"]["template"]["spec"]["runtimeClassName"] = K.RUNTIME_CLASS
+    cluster.apply(forged)
+    refusals: list[str] = []
+
+    def refused() -> bool:
+        for rs in cluster.get_json("replicasets", "-n", ns, "-l", "app=evil")["items"]:
+            conditions = (rs.get("status") or {}).get("conditions") or []
+            refusals[:] = [c.get("message") or "" for c in conditions if c.get("type") == "ReplicaFailure"]
+        return bool(refusals)
+
+    cluster.wait_for("the forged template's ReplicaSet to be refused its pod", refused, timeout=60)
+    assert "SnapshotPolicy web does not select this pod" in refusals[0], refusals
+    assert pods(cluster, ns, "evil") == []  # no pod of it ever existed: nothing for the agent to save or resume
+
+    def by_hand(labels: dict[str, str]) -> Any:
+        pod: dict[str, Any] = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "by-hand",
+                "namespace": ns,
+                "labels": labels,
+                "annotations": {K.ANN_RESUME_POLICY: "web"},
+            },
+            "spec": {
+                "runtimeClassName": K.RUNTIME_CLASS,
+                "containers": [{"name": "c", "image": cluster.busybox_image, "command": ["sleep", "1"]}],
+            },
+        }
+        return cluster.kubectl("create", "--dry-run=server", "-f", "-", input=json.dumps(pod), check=False)
+
+    # the admin holds the restore verb, so only the new policy can refuse these
+    ok = by_hand({"app": "web"})
+    assert ok.returncode == 0, ok.stderr
+    no = by_hand({"app": "evil"})
+    assert no.returncode != 0 and "SnapshotPolicy web does not select this pod" in no.stderr, no.stderr

@@ -133,9 +133,6 @@ class StrictKube:
     def get_secret(self, ns: str, name: str) -> Obj:
         _unexpected("get_secret")
 
-    def create_secret(self, ns: str, body: Obj) -> Obj:
-        _unexpected("create_secret")
-
     def replace_secret(self, ns: str, name: str, body: Obj) -> Obj:
         _unexpected("replace_secret")
 

@@ -49,7 +49,9 @@ def test_every_policy_is_bound_to_deny_and_fails_closed() -> None:
         p, b = objs[("ValidatingAdmissionPolicy", name)], objs[("ValidatingAdmissionPolicyBinding", name)]
         assert p["apiVersion"] == b["apiVersion"] == "admissionregistration.k8s.io/v1"
         assert p["spec"]["failurePolicy"] == "Fail"
-        assert b["spec"] == {"policyName": name, "validationActions": ["Deny"]}
+        # a policy with params fails closed when there is none too (the resume-selected policy)
+        params = {"paramRef": {"selector": {}, "parameterNotFoundAction": "Deny"}} if "paramKind" in p["spec"] else {}
+        assert b["spec"] == {"policyName": name, "validationActions": ["Deny"], **params}
         for v in p["spec"]["validations"]:
             assert v["reason"] == "Forbidden" and v["messageExpression"], v
 

@@ -138,6 +138,26 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
     assert pod_spec(list(objs.values()))["serviceAccountName"] == K.AGENT_NAME
 
 
+def test_the_agent_may_create_no_secret_anywhere() -> None:
+    """Every role render() binds to the agent's ServiceAccount (or lets a namespace admin bind to it):
+    no `create` on secrets, so a stolen agent token cannot mint a token Secret that outlives the node
+    (the key Secret is created by install: tests/unit/test_keystore.py). `get` stays, by name or per
+    namespace; the per-namespace Secrets role never includes create either."""
+    objs = by_kind(render("img"))
+    agent = {"kind": "ServiceAccount", "name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE}
+    bound = {
+        (o["roleRef"]["kind"], o["roleRef"]["name"])
+        for o in objs.values()
+        if o["kind"] in ("ClusterRoleBinding", "RoleBinding") and agent in o["subjects"]
+    }
+    roles = [objs[b] for b in sorted(bound)] + [objs[("ClusterRole", K.AGENT_SECRETS_ROLE)]]
+    assert len(roles) == 4  # the base role, the key Secret's, resume's, and the one a namespace admin binds
+    granted = set().union(*(rules(r) for r in roles))
+    assert ("", "secrets", "get") in granted  # (so the line below looks where it should)
+    assert {(g, r, v) for g, r, v in granted if r == "secrets"} == {("", "secrets", "get"), ("", "secrets", "update")}
+    assert not any(r in ("secrets", "*") and v in ("create", "*") for _g, r, v in granted)
+
+
 def test_user_roles_aggregate_to_builtin_roles() -> None:
     objs = by_kind(render("img"))
     edit, view = objs[("ClusterRole", "kubectl-snapshot-edit")], objs[("ClusterRole", "kubectl-snapshot-view")]

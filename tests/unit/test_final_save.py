@@ -33,6 +33,7 @@ def pod(
         "name": "web-0",
         "namespace": "ns",
         "uid": "u1",
+        "labels": {"app": "web"},
         "annotations": {K.ANN_RESUME_POLICY: "p"} if protected else {},
         "ownerReferences": [{"kind": "StatefulSet", "name": "web", "controller": True, "apiVersion": "apps/v1"}],
         **meta,

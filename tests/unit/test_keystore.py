@@ -1,5 +1,6 @@
 """Namespace key stores (adapters/keystore.py): created once on first use, never replaced, found again
-by key id after a rotation; the Secret store survives concurrent agents (resourceVersion conflicts).
+by key id after a rotation; the Secret store survives concurrent agents (resourceVersion conflicts),
+and its Secret is created by `kubectl snapshot install`, never by the agent.
 
 The Secret store is tested against an in-memory API with the API server's optimistic-concurrency rule
 (a stale resourceVersion is a 409); the real one runs in the e2e tests of the agent."""
@@ -17,10 +18,13 @@ import pytest
 
 from kubectl_snapshot.adapters import keystore
 from kubectl_snapshot.adapters.keystore import FileKeyProvider, SecretKeyProvider
+from kubectl_snapshot.app.install import key_objects
+from kubectl_snapshot.core import keysecret
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kubectl_snapshot.core.sealing import LocalNamespaceKey, Sealer, key_id_of, new_key
 from kubectl_snapshot.deploy import LABELS, keys, render
+from tests.support.fakeplugin import FakeKube
 
 
 def test_file_keys_are_created_once_private_and_per_namespace(tmp_path: Path) -> None:
@@ -91,12 +95,6 @@ class FakeSecretsAPI:
             raise NotFound(f"secret {ns}/{name}")
         return copy.deepcopy(self.objects[(ns, name)])
 
-    def create_secret(self, ns: str, body: dict[str, Any]) -> dict[str, Any]:
-        self._interfere(ns, body["metadata"]["name"])
-        if (ns, body["metadata"]["name"]) in self.objects:
-            raise FailedPrecondition("already exists", retryable=True)
-        return self._store(ns, body)
-
     def replace_secret(self, ns: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         self._interfere(ns, name)
         if body["metadata"].get("resourceVersion") != self.objects[(ns, name)]["metadata"]["resourceVersion"]:
@@ -104,8 +102,41 @@ class FakeSecretsAPI:
         return self._store(ns, body)
 
 
-def test_secret_keys_live_in_one_secret_of_the_agent_namespace() -> None:
+def installed() -> FakeSecretsAPI:
+    """The API with the empty key Secret `kubectl snapshot install` creates (the agent never creates it)."""
     api = FakeSecretsAPI()
+    [secret] = key_objects(FakeKube())
+    api._store(K.AGENT_NAMESPACE, secret)
+    api.writes = 0
+    return api
+
+
+def test_install_creates_the_key_secret_once_and_the_agent_only_fills_it() -> None:
+    plugin_api = FakeKube()
+    plugin_api.add({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": K.AGENT_NAMESPACE}})
+    [secret] = key_objects(plugin_api)
+    assert secret == keysecret.key_secret({}) and secret["data"] == {}
+    assert (secret["metadata"]["namespace"], secret["metadata"]["name"]) == (K.AGENT_NAMESPACE, keys.KEY_SECRET)
+    plugin_api.apply([secret])
+    assert key_objects(plugin_api) == []  # a second install leaves the Secret (and every key in it) alone
+    api = installed()
+    key = SecretKeyProvider(api).namespace_key("team-a", create=True)
+    data = api.objects[(K.AGENT_NAMESPACE, keystore.KEY_SECRET)]["data"]
+    assert key_id_of(base64.b64decode(data["team-a"])) == key.key_id and api.writes == 1  # one update
+
+
+def test_without_the_installed_secret_the_agent_creates_nothing_and_says_to_install() -> None:
+    api = FakeSecretsAPI()  # no create_secret at all: the agent's port has none either
+    with pytest.raises(FailedPrecondition, match="creates no Secrets") as e:
+        SecretKeyProvider(api).namespace_key("team-a", create=True)
+    assert e.value.hint is not None and "kubectl snapshot install" in e.value.hint
+    assert api.objects == {} and api.writes == 0
+    with pytest.raises(NotFound):  # a restore asks for an existing key only: not found, as before
+        SecretKeyProvider(api).namespace_key("team-a", create=False)
+
+
+def test_secret_keys_live_in_one_secret_of_the_agent_namespace() -> None:
+    api = installed()
     p = SecretKeyProvider(api)
     a = p.namespace_key("team-a", create=True)
     b = p.namespace_key("team-b", create=True)
@@ -124,9 +155,9 @@ def test_secret_keys_live_in_one_secret_of_the_agent_namespace() -> None:
 
 
 def test_secret_keys_survive_concurrent_writers_without_losing_a_key() -> None:
-    api = FakeSecretsAPI()
+    api = installed()
     p = SecretKeyProvider(api)
-    api.race = 1  # another agent creates the Secret first
+    api.race = 1  # another agent adds its key first
     first = p.namespace_key("ns1", create=True)
     api.race = 3  # three more conflicting updates before ours lands
     second = p.namespace_key("ns2", create=True)
@@ -140,7 +171,7 @@ def test_secret_keys_survive_concurrent_writers_without_losing_a_key() -> None:
 
 
 def test_a_cached_secret_is_reread_for_a_key_it_lacks() -> None:
-    api = FakeSecretsAPI()
+    api = installed()
     p1, p2 = SecretKeyProvider(api), SecretKeyProvider(api)
     p1.namespace_key("x", create=True)
     p2.namespace_key("x", create=False)  # p2 caches the Secret
@@ -149,7 +180,7 @@ def test_a_cached_secret_is_reread_for_a_key_it_lacks() -> None:
 
 
 def test_keys_from_the_store_seal_and_open() -> None:
-    api = FakeSecretsAPI()
+    api = installed()
     key = SecretKeyProvider(api).namespace_key("ns", create=True)
     s = Sealer(key, "ns")
     sealed, digest = s.seal_chunk(b"chunk" * 1000)
@@ -169,8 +200,8 @@ def test_the_agent_may_touch_only_its_key_secret() -> None:
     assert named == [
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [keys.KEY_SECRET], "verbs": ["get", "update"]}
     ]
-    unnamed = [r for r in role["rules"] if not r.get("resourceNames")]
-    assert unnamed == [{"apiGroups": [""], "resources": ["secrets"], "verbs": ["create"]}]
+    # no create: a Role that may create Secrets lets a stolen agent token mint a token Secret that never expires
+    assert [r for r in role["rules"] if not r.get("resourceNames")] == []
     binding = objs[("RoleBinding", keys.ROLE)]
     assert binding["roleRef"]["name"] == keys.ROLE and binding["metadata"]["namespace"] == K.AGENT_NAMESPACE
     assert binding["subjects"][0]["name"] == K.AGENT_NAME

@@ -79,3 +79,26 @@ def test_the_agent_may_change_only_provenance_on_podsnapshots_and_resume_annotat
     assert objs[("ValidatingAdmissionPolicyBinding", resume.RESUME_PODS_POLICY)]["spec"]["validationActions"] == [
         "Deny"
     ]
+
+
+def test_a_pod_created_with_the_resume_annotation_must_be_selected_by_the_policy_it_names() -> None:
+    """Rendering only (the real CEL runs in tests/e2e/test_autosave_resume.py::
+    test_a_forged_resume_annotation_in_a_template_is_refused_and_the_pod_runs_fresh): every SnapshotPolicy
+    of the namespace is a param, each evaluation must pass, and the one the annotation names must select
+    the pod with the very expressions the mutation selects by, so every pod the mutation annotates passes."""
+    objs = objects()
+    p = objs[("ValidatingAdmissionPolicy", resume.RESUME_SELECTED_POLICY)]["spec"]
+    b = objs[("ValidatingAdmissionPolicyBinding", resume.RESUME_SELECTED_POLICY)]["spec"]
+    assert p["failurePolicy"] == "Fail" and p["paramKind"] == {"apiVersion": K.API_VERSION, "kind": K.POLICY_KIND}
+    [rule] = p["matchConstraints"]["resourceRules"]
+    assert rule["operations"] == ["CREATE"] and rule["resources"] == ["pods"]
+    assert b["paramRef"] == {"selector": {}, "parameterNotFoundAction": "Deny"} and b["validationActions"] == ["Deny"]
+    [v] = p["validations"]
+    mutation = objs[("MutatingAdmissionPolicy", resume.MUTATING_POLICY)]["spec"]["matchConditions"]
+    selects = {c["name"]: c["expression"] for c in mutation}
+    assert selects["policy-selects-the-pod"] in v["expression"]
+    assert selects["policy-workload-owns-the-pod"] in v["expression"]
+    assert v["expression"].startswith(f"!((has(object.metadata.annotations) && '{K.ANN_RESUME_POLICY}'")
+    assert "== params.metadata.name" in v["expression"] and "does not select this pod" in v["messageExpression"]
+    # the other policy on the annotation keeps its no-params checks (a missing SnapshotPolicy skips nothing there)
+    assert "paramKind" not in objs[("ValidatingAdmissionPolicy", resume.RESUME_PODS_POLICY)]["spec"]

@@ -34,8 +34,22 @@ def save(name: str, pod_uid: str, done: str, *, phase: str = K.PHASE_SUCCEEDED, 
 
 def new_pod(uid: str = "new", name: str = "web-0", image: str = "reg/app:v1", **ann: str) -> dict[str, Any]:
     return {
-        "metadata": {"name": name, "namespace": "ns", "uid": uid, "annotations": {K.ANN_RESUME_POLICY: "p", **ann}},
+        "metadata": {
+            "name": name,
+            "namespace": "ns",
+            "uid": uid,
+            "labels": {"app": "web"},
+            "annotations": {K.ANN_RESUME_POLICY: "p", **ann},
+        },
         "spec": {"containers": [{"name": "c", "image": image}]},
+    }
+
+
+def policy(**spec: Any) -> dict[str, Any]:
+    """SnapshotPolicy p of namespace ns as the API server returns it: it selects app=web."""
+    return {
+        "metadata": {"name": "p", "namespace": "ns"},
+        "spec": {"selector": {"matchLabels": {"app": "web"}}, "resume": True, **spec},
     }
 
 
@@ -85,7 +99,7 @@ def test_deployment_takes_one_unclaimed_gone_predecessor() -> None:
 @dataclass
 class FakeKube(StrictKube):
     saves: list[dict[str, Any]]
-    policy: dict[str, Any] = field(default_factory=lambda: {"spec": {"resume": True, "registrySecret": "s"}})
+    policy: dict[str, Any] = field(default_factory=lambda: policy(registrySecret="s"))
     claims: list[tuple[str, str | None]] = field(default_factory=list)
     steal_first: bool = False
 
@@ -160,8 +174,8 @@ def test_other_images_or_no_policy_start_fresh() -> None:
     gone = new_pod("p3", policy="x")
     gone["metadata"]["annotations"][K.ANN_RESUME_POLICY] = "gone"
     assert "is gone" in r.source(gone).reason  # type: ignore[union-attr]
-    kube.policy = {"spec": {"resume": True, "workload": {"kind": "StatefulSet", "name": "db"}}}
-    assert "not the policy's workload" in r.source(rs_pod("p4")).reason  # type: ignore[union-attr]
+    kube.policy = policy(workload={"kind": "StatefulSet", "name": "db"})
+    assert "protects StatefulSet db, the pod belongs to Deployment web" in r.source(rs_pod("p4")).reason  # type: ignore[union-attr]
 
 
 def node(name: str, ready: str = "True", *taints: str) -> dict[str, Any]:
@@ -191,7 +205,7 @@ def test_the_agent_reads_the_node_of_a_save_in_progress() -> None:
     cut = save("cut", "u2", "", phase=K.PHASE_RUNNING)
     cut["status"]["node"] = "n1"
     kube = FakeKube([save("good", "u2", "2026-01-01T00:00:09Z"), cut])
-    kube.policy = {"spec": {"resume": True}}
+    kube.policy = policy()
     nodes: dict[str, dict[str, Any]] = {"n1": node("n1", "Unknown")}
 
     def get_node(name: str) -> dict[str, Any]:
