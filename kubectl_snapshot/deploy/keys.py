@@ -14,7 +14,7 @@ from typing import Any
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.deploy.rbac import RBAC
 
-KEY_SECRET = "kubectl-snapshot-keys"  # = adapters.keystore.KEY_SECRET (deploy must not import adapters)
+KEY_SECRET = K.KEY_SECRET
 ROLE = "kubectl-snapshot-agent-keys"
 
 
