@@ -1,93 +1,36 @@
-"""Serve the agent's metrics over HTTPS to authenticated, authorised scrapers only.
+"""Serve the agent's metrics over HTTPS to the scrapers the API server authorises (shim/metrics_auth.py).
 
-As controller-runtime's secure metrics serving does: the scraper presents a bearer token; the API
-server says who it is (TokenReview) and whether that identity may ``get`` the non-resource URL
-``/metrics`` (SubjectAccessReview). The agent decides nothing itself. Answers are cached for a minute
-per token (by its sha256, never the token itself) so that a scrape every few seconds costs the API
-server two requests a minute at most. The certificate is self-signed, made at start-up (scrapers use
-``insecure_skip_verify`` or pin it, as with controller-runtime's default).
-
-Status codes: 401 without a valid token, 403 when the identity may not read metrics, 200 otherwise.
+The certificate is self-signed, made at start-up (scrapers use ``insecure_skip_verify`` or pin it, as
+with controller-runtime's default). The accept loop only accepts: each connection's TLS handshake,
+request and answer happen in a thread of its own, at most `MAX_CONNECTIONS` at once (more are closed
+as they arrive), within `DEADLINE_S` all told (a watchdog cuts the connection then), so a client that
+connects and sends nothing, or sends slowly, holds one slot for a while and never the server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-import hashlib
 import ipaddress
 import logging
 import os
+import socket
 import ssl
 import tempfile
 import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from kubectl_snapshot.core.errors import SnapshotError
+from shim.metrics_auth import DEFAULT_AUDIENCES, METRICS_PATH, Authorizer, Decision, ReviewApi
 
 log = logging.getLogger(__name__)
-METRICS_PATH = "/metrics"
-CACHE_S = 60.0
+DEADLINE_S = 10.0  # handshake, request and answer of one connection: a scrape takes milliseconds
+MAX_CONNECTIONS = 16
 
-
-class ReviewApi(Protocol):
-    """The two API calls the server needs (kubectl_snapshot.adapters.kube.KubeClient has them)."""
-
-    def token_review(self, token: str) -> dict[str, Any]: ...
-    def subject_access_review(self, user: dict[str, Any], *, path: str, verb: str) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True)
-class Decision:
-    code: int  # 200, 401 or 403
-    who: str
-
-
-class Authorizer:
-    def __init__(self, api: ReviewApi, *, clock: Callable[[], float] = time.monotonic) -> None:
-        self.api, self.clock = api, clock
-        self._cache: dict[str, tuple[float, Decision]] = {}
-        self._lock = threading.Lock()
-
-    def check(self, authorization: str | None) -> Decision:
-        if not authorization or not authorization.startswith("Bearer ") or len(authorization) < 8:
-            return Decision(401, "")
-        token = authorization[len("Bearer ") :].strip()
-        key = hashlib.sha256(token.encode()).hexdigest()
-        now = self.clock()
-        with self._lock:
-            hit = self._cache.get(key)
-            if hit and now - hit[0] < CACHE_S:
-                return hit[1]
-        decision = self._review(token)
-        with self._lock:
-            if len(self._cache) > 1000:  # many distinct tokens: forget rather than grow
-                self._cache.clear()
-            self._cache[key] = (now, decision)
-        return decision
-
-    def _review(self, token: str) -> Decision:
-        try:
-            tr = self.api.token_review(token)
-        except SnapshotError as e:
-            log.warning("metrics: TokenReview failed: %s", e)
-            return Decision(401, "")
-        status = tr.get("status") or {}
-        if not status.get("authenticated"):
-            return Decision(401, "")
-        user = status.get("user") or {}
-        who = str(user.get("username") or "")
-        try:
-            sar = self.api.subject_access_review(user, path=METRICS_PATH, verb="get")
-        except SnapshotError as e:
-            log.warning("metrics: SubjectAccessReview for %s failed: %s", who, e)
-            return Decision(403, who)
-        return Decision(200 if (sar.get("status") or {}).get("allowed") else 403, who)
+__all__ = ["DEFAULT_AUDIENCES", "METRICS_PATH", "Authorizer", "Decision", "ReviewApi", "self_signed", "serve"]
 
 
 def self_signed(names: list[str], directory: str) -> tuple[str, str]:
@@ -131,6 +74,56 @@ def self_signed(names: list[str], directory: str) -> tuple[str, str]:
     return cert_path, key_path
 
 
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(
+        self, address: tuple[str, int], handler: Any, tls: ssl.SSLContext, *, deadline_s: float, max_connections: int
+    ) -> None:
+        self.tls, self.deadline_s = tls, deadline_s
+        self._slots = threading.BoundedSemaphore(max_connections)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):  # all busy: close it now, do not queue it
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)  # starts the connection's thread
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        """In the connection's thread: the handshake, then the request, under one deadline."""
+        conn = self.tls.wrap_socket(request, server_side=True, do_handshake_on_connect=False)
+        conn.settimeout(self.deadline_s)
+        # shutdown(2) on the descriptor (the plain socket's method: no TLS close_notify from this
+        # thread) wakes whatever read or write the connection's thread is blocked in
+        watchdog = threading.Timer(self.deadline_s, _cut, (conn,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            conn.do_handshake()
+            super().finish_request(conn, client_address)
+        except (OSError, ValueError) as e:  # a client that went away or never spoke TLS
+            log.debug("metrics: connection from %s: %s", client_address, e)
+        finally:
+            watchdog.cancel()
+            conn.close()
+
+
+def _cut(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):  # closed already
+        socket.socket.shutdown(conn, socket.SHUT_RDWR)
+
+
 def serve(
     registry: CollectorRegistry,
     authorizer: Authorizer,
@@ -138,6 +131,8 @@ def serve(
     host: str,
     port: int,
     names: list[str],
+    deadline_s: float = DEADLINE_S,
+    max_connections: int = MAX_CONNECTIONS,
 ) -> ThreadingHTTPServer:
     """Start the HTTPS server in a daemon thread; returns it (``.shutdown()`` stops it)."""
 
@@ -148,8 +143,7 @@ def serve(
                 return
             decision = authorizer.check(self.headers.get("Authorization"))
             if decision.code != 200:
-                text = b"unauthorized\n" if decision.code == 401 else b"forbidden\n"
-                self._reply(decision.code, text)
+                self._reply(decision.code, _REFUSALS.get(decision.code, b"refused\n"))
                 return
             self._reply(200, generate_latest(registry), CONTENT_TYPE_LATEST)
 
@@ -157,13 +151,14 @@ def serve(
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
+            if code == 429:
+                self.send_header("Retry-After", "1")
             self.end_headers()
             self.wfile.write(body)
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("metrics: " + format, *args)
 
-    server = ThreadingHTTPServer((host, port), Handler)
     tls_dir = tempfile.mkdtemp(prefix="ks-metrics-tls-")
     cert, key = self_signed(names, tls_dir)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -172,6 +167,14 @@ def serve(
     for p in (cert, key):
         os.unlink(p)  # loaded: nothing of the key stays on disk
     os.rmdir(tls_dir)
-    server.socket = ctx.wrap_socket(server.socket, server_side=True)
+    server = _Server((host, port), Handler, ctx, deadline_s=deadline_s, max_connections=max_connections)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
+
+
+_REFUSALS = {401: b"unauthorized\n", 403: b"forbidden\n", 429: b"too many new tokens, retry\n"}
+
+
+def audiences_of(value: str) -> Sequence[str]:
+    """`--metrics-token-audiences`: comma-separated; empty: the API server's own."""
+    return tuple(a.strip() for a in value.split(",") if a.strip())

@@ -33,7 +33,7 @@ from kubectl_snapshot.core.encryption import KEY_BYTES
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kubectl_snapshot.core.sealing import LocalNamespaceKey, NamespaceKey, key_id_of, new_key
 
-KEY_SECRET = keysecret.KEY_SECRET
+KEY_SECRET = K.KEY_SECRET
 # containerd's namespace rule; Kubernetes namespaces (DNS labels) are a subset
 _NAMESPACE_RE = re.compile(r"^[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*$")
 _KEY_ID_RE = re.compile(r"^k1-[0-9a-f]{16}$")

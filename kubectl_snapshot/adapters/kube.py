@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
@@ -642,9 +642,13 @@ class KubeClient:
         path = f"/apis/{K.GROUP}/{K.VERSION}/namespaces/{_q(ns)}/{K.GRANT_PLURAL}"
         return list(self._call("GET", path, what=f"list snapshotgrants in {ns}").get("items") or [])
 
-    def token_review(self, token: str) -> dict[str, Any]:
-        """Who a bearer token belongs to (authentication.k8s.io TokenReview)."""
-        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": {"token": token}}
+    def token_review(self, token: str, *, audiences: Sequence[str] = ()) -> dict[str, Any]:
+        """Who a bearer token belongs to (authentication.k8s.io TokenReview), if it was issued for one of
+        `audiences` (none: the API server's own); status.audiences says which."""
+        spec: dict[str, Any] = {"token": token}
+        if audiences:
+            spec["audiences"] = list(audiences)
+        body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec}
         return dict(self._call("POST", "/apis/authentication.k8s.io/v1/tokenreviews", what="review a token", body=body))
 
     def subject_access_review(self, user: Mapping[str, Any], *, path: str, verb: str) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """`kubectl snapshot install|uninstall`: apply the agent's manifests (kubectl_snapshot.deploy) in order,
-then wait until the CRD is Established and the DaemonSet rolled out; remove them in reverse order.
+then wait until the CRD is Established and the DaemonSet rolled out; remove them in reverse order,
+keeping the keys (`kept_key_objects`) unless asked to purge them.
 """
 
 from __future__ import annotations
@@ -135,6 +136,48 @@ def pod_names(pods: Sequence[Obj], limit: int = 10) -> str:
     return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
+def kept_key_objects() -> list[Obj]:
+    """What a sealed or signed snapshot needs to restore, all in the agent's namespace: the namespace keys
+    (install creates the Secret, the agents fill it), the signing key, and the trust ConfigMap (every public key
+    ever used, other clusters' keys, the unverified policy). Created by the agent or by `install`
+    outside the rendered manifests, so re-applying them never replaces a key: a re-install uses these."""
+    ns = K.AGENT_NAMESPACE
+    return [
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": K.KEY_SECRET, "namespace": ns}},
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": K.SIGNING_KEY_SECRET, "namespace": ns}},
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": K.TRUST_CONFIG_MAP, "namespace": ns}},
+    ]
+
+
+@dataclass(frozen=True)
+class Removal:
+    delete: list[Obj]  # in this order
+    keep: list[Obj]  # the key objects there are, and the namespace that holds them
+
+
+def removal(objects: list[Obj], *, kube: Kube | None, purge_keys: bool) -> Removal:
+    """What uninstall deletes and what it keeps. The keys live in the agent's namespace, which the
+    objects include: deleting it would delete them, so it stays (holding only the keys and what the
+    API server puts in every namespace) while any of them exists. `purge_keys` deletes them by name
+    before their namespace, so they are gone even if the namespace's deletion is held up. `kube` None
+    (a client dry run) supposes all the keys there, as after any install."""
+    ordered = list(reversed(objects))
+    keys = [o for o in kept_key_objects() if kube is None or kube.get_object(o) is not None]
+    home = [o for o in ordered if o.get("kind") == "Namespace" and o["metadata"]["name"] == K.AGENT_NAMESPACE]
+    if purge_keys:
+        at = ordered.index(home[0]) if home else len(ordered)
+        return Removal(delete=ordered[:at] + keys + ordered[at:], keep=[])
+    if not keys:
+        return Removal(delete=ordered, keep=[])
+    return Removal(delete=[o for o in ordered if o not in home], keep=home + keys)
+
+
+@dataclass(frozen=True)
+class Uninstalled:
+    left: list[Obj]  # pods left running under the runtime class (`force` only)
+    removal: Removal
+
+
 def uninstall(
     objects: list[Obj],
     *,
@@ -144,14 +187,17 @@ def uninstall(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
     force: bool = False,
-) -> list[Obj]:
-    """Undo the node installation on every node (a one-shot DaemonSet), then delete the objects.
+    purge_keys: bool = False,
+) -> Uninstalled:
+    """Undo the node installation on every node (a one-shot DaemonSet), then delete the objects but
+    the keys (`removal`; `purge_keys` deletes them too).
 
     Not while pods of the project's runtime class may still run: containerd stops, kills and deletes
     their containers through the runtime hook, so once it is gone they could not be stopped until the
     agent is installed again (they would keep running, their pods stuck Terminating). Pods already
     being deleted are waited for (within `timeout_s`); others refuse the uninstall. `force` waits for
-    none and refuses nothing. Returns the pods left under the runtime class (`force` only)."""
+    none and refuses nothing. Returns the pods left under the runtime class (`force` only) and what
+    was deleted and kept."""
     from kubectl_snapshot.deploy.agent import cleanup_daemonset
 
     step = on_step or (lambda _w, _d, _t: None)
@@ -204,8 +250,9 @@ def uninstall(
         finally:
             kube.delete_objects([cleanup])
     step("delete the objects", 2, 3)
-    kube.delete_objects(list(reversed(objects)))
-    return left
+    plan = removal(objects, kube=kube, purge_keys=purge_keys)
+    kube.delete_objects(plan.delete)
+    return Uninstalled(left=left, removal=plan)
 
 
 def _wait(

@@ -698,39 +698,65 @@ def install_cmd(
     help="Uninstall even while pods run under the kubectl-snapshot runtime class (their containers then "
     "cannot be stopped until the agent is installed again).",
 )
+@click.option(
+    "--purge-keys",
+    is_flag=True,
+    help=f"Also delete the namespace keys, the signing key and the trust ConfigMap (and namespace "
+    f"{K.AGENT_NAMESPACE}): every sealed snapshot becomes unrestorable. Back them up first (docs/deploy.md).",
+)
 @output_option
 @handle_errors
-def uninstall_cmd(dry_run: str, timeout: float, force: bool, output: str) -> None:
+def uninstall_cmd(dry_run: str, timeout: float, force: bool, purge_keys: bool, output: str) -> None:
     """Remove the runtime hook from every node, then what `install` created (PodSnapshots go with the CRD).
 
     Waits for pods of the kubectl-snapshot runtime class that are being deleted, and refuses while others
     run (restored and resuming pods): containerd stops their containers through the runtime hook.
+
+    \b
+    Keeps the keys unless --purge-keys: Secrets kubectl-snapshot-keys (namespace keys of sealed
+    snapshots) and kubectl-snapshot-signing-key, ConfigMap kubectl-snapshot-trust, and so their
+    namespace kubectl-snapshot-system. A later install uses them again, so earlier snapshots restore.
     """
     objects = install_app.render(None, {})
-    names = [f"{o['kind']}/{o['metadata']['name']}" for o in reversed(objects)]
-    if dry_run == "server":
-        kube_client().delete_objects(list(reversed(objects)), dry_run=True)
-    elif dry_run == "none":
+    if dry_run == "client":
+        plan = install_app.removal(objects, kube=None, purge_keys=purge_keys)
+    elif dry_run == "server":
+        kube = kube_client()
+        plan = install_app.removal(objects, kube=kube, purge_keys=purge_keys)
+        kube.delete_objects(plan.delete, dry_run=True)
+    else:
         with RemoteProgress("uninstall") as bar:
-            left = install_app.uninstall(
+            done = install_app.uninstall(
                 objects,
                 kube=kube_client(),
                 timeout_s=timeout,
                 force=force,
+                purge_keys=purge_keys,
                 on_step=lambda what, _d, _t: bar.step(what),
             )
-        if left:
+        plan = done.removal
+        if done.left:
             click.echo(
-                f"warning: {len(left)} pod(s) left running under the {K.RUNTIME_CLASS} runtime class "
-                f"({install_app.pod_names(left)}): "
+                f"warning: {len(done.left)} pod(s) left running under the {K.RUNTIME_CLASS} runtime class "
+                f"({install_app.pod_names(done.left)}): "
                 "their containers cannot be stopped until kubectl-snapshot is installed again",
                 err=True,
             )
+    deleted = [f"{o['kind']}/{o['metadata']['name']}" for o in plan.delete]
+    kept = [f"{o['kind']}/{o['metadata']['name']}" for o in plan.keep]
+    keys = [n for n in kept if not n.startswith("Namespace/")]
+    if keys and output in ("text", "wide"):
+        click.echo(
+            f"note: kept the keys in namespace {K.AGENT_NAMESPACE} ({', '.join(keys)}): sealed and signed "
+            "snapshots restore only with them, and a later install uses them again. Back them up (docs/deploy.md, "
+            '"Keys"); `kubectl snapshot uninstall --purge-keys` deletes them',
+            err=True,
+        )
     verb = "deleted" if dry_run == "none" else f"deleted ({dry_run} dry run)"
     emit(
-        {"deleted": names, "dryRun": dry_run != "none"},
+        {"deleted": deleted, "kept": kept, "dryRun": dry_run != "none"},
         output,
-        lambda d: "\n".join(f"{n} {verb}" for n in d["deleted"]),
+        lambda d: "\n".join([f"{n} {verb}" for n in d["deleted"]] + [f"{n} kept" for n in d["kept"]]),
         name=lambda d: "\n".join(d["deleted"]),
     )
 

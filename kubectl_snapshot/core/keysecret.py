@@ -13,7 +13,7 @@ from typing import Any
 
 from kubectl_snapshot.core import kube as K
 
-KEY_SECRET = "kubectl-snapshot-keys"
+KEY_SECRET = K.KEY_SECRET
 PURPOSE = (
     "per-namespace snapshot encryption keys; deleting an entry makes that namespace's snapshots unreadable. Back it up."
 )

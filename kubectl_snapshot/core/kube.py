@@ -82,6 +82,7 @@ GRANT_KIND: Final = "SnapshotGrant"
 GRANT_PLURAL: Final = "snapshotgrants"
 GRANT_SINGULAR: Final = "snapshotgrant"
 SIGNING_KEY_SECRET: Final = "kubectl-snapshot-signing-key"  # in AGENT_NAMESPACE; signing.key (PEM)
+KEY_SECRET: Final = "kubectl-snapshot-keys"  # in AGENT_NAMESPACE; the namespace keys (adapters/keystore.py)
 TRUST_CONFIG_MAP: Final = "kubectl-snapshot-trust"  # in AGENT_NAMESPACE; *.pub, cluster-id, policy
 SIGNING_KEY_DIR: Final = "/etc/kubectl-snapshot/signing"  # where the agent mounts the Secret
 TRUST_DIR: Final = "/etc/kubectl-snapshot/trust"  # where the agent mounts the ConfigMap

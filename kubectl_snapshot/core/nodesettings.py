@@ -95,6 +95,14 @@ class NodeSettings:
         kind="address",
         per_node=True,
     )
+    metrics_token_audiences: str = _opt(
+        "kubectl-snapshot-metrics",
+        "Comma-separated audiences a metrics scraper's token must be issued for (the TokenReview's "
+        "spec.audiences; e.g. kubectl create token SA --audience kubectl-snapshot-metrics); "
+        "empty: the API server's own (any API token of an authorised identity).",
+        kind="text",
+        env="KUBECTL_SNAPSHOT_METRICS_AUDIENCES",
+    )
     guard_socket: str = _opt(
         "",
         "The freeze guard's socket (the guard container of the agent's pod); default: a private guard.",

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubectl_snapshot.core import keysecret
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.deploy.rbac import RBAC
 
-KEY_SECRET = keysecret.KEY_SECRET
+KEY_SECRET = K.KEY_SECRET
 ROLE = "kubectl-snapshot-agent-keys"
 
 

@@ -78,15 +78,16 @@ def _version() -> str:
     return __version__
 
 
-def serve_metrics(kube: metrics_server.ReviewApi, metrics: AgentMetrics, address: str, node: str) -> None:
-    """HTTPS on HOST:PORT (":9443" = every address) for scrapers the API server authorises; the agent
-    works on without metrics if the port cannot be had (logged)."""
+def serve_metrics(
+    kube: metrics_server.ReviewApi, metrics: AgentMetrics, address: str, node: str, *, audiences: str
+) -> None:
+    """HTTPS on HOST:PORT (":9443" = every address) for scrapers the API server authorises, with tokens
+    for `audiences` (comma-separated); the agent works on without metrics if the port cannot be had (logged)."""
     host, _, port = address.rpartition(":")
     names = [n for n in (os.environ.get("POD_IP"), node, "localhost", "127.0.0.1") if n]
+    authorizer = metrics_server.Authorizer(kube, audiences=metrics_server.audiences_of(audiences))
     try:
-        metrics_server.serve(
-            metrics.registry, metrics_server.Authorizer(kube), host=host or "0.0.0.0", port=int(port), names=names
-        )
+        metrics_server.serve(metrics.registry, authorizer, host=host or "0.0.0.0", port=int(port), names=names)
     except (OSError, ValueError) as e:
         log.error("metrics: cannot serve on %r: %s; the agent runs without metrics", address, e)
         return
@@ -153,7 +154,7 @@ def run(
     stop = stop or threading.Event()
     metrics = AgentMetrics()
     if metrics_address:
-        serve_metrics(kube, metrics, metrics_address, settings.node)
+        serve_metrics(kube, metrics, metrics_address, settings.node, audiences=settings.metrics_token_audiences)
     facts = node_facts(settings)
     log.info("agent on node %s: %s", settings.node, facts)
     with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:

@@ -339,6 +339,9 @@ def test_agent_pod_spec_reaches_api_server_and_containerd(
         spec["containers"] = [container]
         container.pop("readinessProbe")
         container.pop("args")
+        # the probe listens on nothing; on the host network a declared port is a host port, which an
+        # installed agent (`make demo`'s, left running) holds on every node: the probe would not schedule
+        assert container.pop("ports")
         container.update(image=agent_image, imagePullPolicy="IfNotPresent", command=["python3", "-c", AGENT_ENV_CHECK])
         spec.update(
             restartPolicy="Never", nodeSelector={"kubernetes.io/hostname": node}, terminationGracePeriodSeconds=1

@@ -7,6 +7,9 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -21,7 +24,9 @@ from kubectl_snapshot.core.sealing import MAGIC as SEALED_MAGIC
 from kubectl_snapshot.core.sealing import key_id_of
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
 from tests.support.agent import agent, plugin
-from tests.support.cluster import cluster, namespace
+from tests.support.cluster import REPO, Cluster, cluster, namespace
+
+Plugin = Callable[..., subprocess.CompletedProcess[str]]
 
 pytestmark = pytest.mark.e2e
 
@@ -60,3 +65,101 @@ def test_agent_seals_snapshots_with_the_namespace_key(cluster, namespace, agent,
     assert restored["spec"]["nodeName"] == n2
     tok2, after = counter_value(cluster, namespace, "sealed2")
     assert tok2 == tok and after >= before
+
+
+KEY_OBJECTS = (("secret", KEY_SECRET), ("secret", K.SIGNING_KEY_SECRET), ("configmap", K.TRUST_CONFIG_MAP))
+KEYS_SECTION = "### The keys: kept by uninstall, backed up by you"
+
+
+def _sealed_snapshot(cluster: Cluster, namespace: str, plugin: Plugin, name: str) -> tuple[str, str]:
+    """A snapshot of a counting pod, sealed with the namespace's key; the pod deleted. Its reference."""
+    cluster.apply(pod(name, namespace, cluster.busybox_image, {"counter": COUNTER}, node=cluster.nodes[0]))
+    running(cluster, namespace, name)
+    cluster.wait_for("the counter to reach 3", lambda: counter_value(cluster, namespace, name)[1] >= 3)
+    out = plugin("snapshot", f"pod/{name}", "-n", namespace, "--to", f"{cluster.registry}/e2e/{name}", "-o", "json")
+    psnap = json.loads(out.stdout)
+    assert psnap["status"]["phase"] == "Succeeded", psnap
+    ref = Reference.parse(psnap["status"]["reference"])
+    reg = RegistryClient()
+    config = parse_config(reg.read_blob(ref, parse_manifest(reg.get_manifest(ref)[0]).config.digest))
+    assert config.encryption is not None and config.encryption.namespace == namespace
+    tok = counter_value(cluster, namespace, name)[0]
+    cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=true")
+    return str(ref), tok
+
+
+def _key_data(cluster: Cluster) -> dict[str, Any]:
+    found = {}
+    for kind, name in KEY_OBJECTS:
+        got = cluster.kubectl("get", kind, name, "-n", K.AGENT_NAMESPACE, "-o", "json", check=False)
+        found[name] = json.loads(got.stdout).get("data") if got.returncode == 0 else None
+    return found
+
+
+def _restores(cluster: Cluster, namespace: str, plugin: Plugin, ref: str, tok: str, name: str) -> None:
+    """The sealed snapshot restores (the PodSnapshot went with the CRD: by reference) and carries on."""
+    plugin("restore", ref, "-n", namespace, "--name", name, "--node", cluster.nodes[1])
+    running(cluster, namespace, name)
+    assert counter_value(cluster, namespace, name)[0] == tok
+    cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=true")  # uninstall waits for none of ours
+
+
+def test_uninstall_keeps_the_keys_so_a_reinstall_restores_a_sealed_snapshot(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    ref, tok = _sealed_snapshot(cluster, namespace, plugin, "kept")
+    before = _key_data(cluster)
+    assert before[KEY_SECRET] and namespace in before[KEY_SECRET] and all(before.values())
+
+    out = plugin("uninstall")
+    kept = {line.split()[0] for line in out.stdout.splitlines() if line.endswith(" kept")}
+    assert kept == {f"Namespace/{K.AGENT_NAMESPACE}", f"Secret/{KEY_SECRET}", f"Secret/{K.SIGNING_KEY_SECRET}",
+                    f"ConfigMap/{K.TRUST_CONFIG_MAP}"}, out.stdout  # fmt: skip
+    assert "--purge-keys" in out.stderr
+    assert cluster.kubectl("get", "daemonset", K.AGENT_NAME, "-n", K.AGENT_NAMESPACE, check=False).returncode != 0
+    ns = cluster.get_json("namespace", K.AGENT_NAMESPACE)
+    assert not ns["metadata"].get("deletionTimestamp")
+    assert _key_data(cluster) == before
+
+    agent.reinstall()
+    assert _key_data(cluster)[KEY_SECRET] == before[KEY_SECRET]
+    assert _key_data(cluster)[K.SIGNING_KEY_SECRET] == before[K.SIGNING_KEY_SECRET]
+    _restores(cluster, namespace, plugin, ref, tok, "kept2")
+
+
+def _doc_blocks() -> list[str]:
+    """The sh blocks of docs/deploy.md's section on the keys: the backup, then the restore."""
+    text = (REPO / "docs" / "deploy.md").read_text()
+    section = text.split(KEYS_SECTION, 1)[1].split("\n#", 1)[0]
+    blocks = [b.split("\n", 1)[1] for b in section.split("```sh")[1:]]
+    return [b.split("```", 1)[0] for b in blocks]
+
+
+def test_uninstall_purge_keys_deletes_them_and_the_documented_backup_brings_them_back(  # type: ignore[no-untyped-def]
+    cluster, namespace, agent, plugin, tmp_path
+):
+    ref, tok = _sealed_snapshot(cluster, namespace, plugin, "purged")
+    before = _key_data(cluster)
+    backup, restore = _doc_blocks()
+    # the documented commands, as written, with the cluster's kubectl (the install is the test's own)
+    shell = f'kubectl() {{ "{cluster.kubectl_bin}" --kubeconfig "{cluster.kubeconfig}" "$@"; }}\nset -eu\n'
+    restore = "\n".join(line for line in restore.splitlines() if not line.startswith("kubectl snapshot install"))
+
+    def run(script: str) -> None:
+        done = subprocess.run(["bash", "-c", shell + script], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+
+    run(backup)
+    try:
+        out = plugin("uninstall", "--purge-keys", "-o", "json")
+        assert json.loads(out.stdout)["kept"] == []
+        assert _key_data(cluster) == dict.fromkeys(before)  # gone at once, by name
+        cluster.wait_for(
+            f"namespace {K.AGENT_NAMESPACE} to be gone",
+            lambda: cluster.kubectl("get", "namespace", K.AGENT_NAMESPACE, check=False).returncode != 0,
+            timeout=180,
+        )
+    finally:  # whatever happened above, the session's cluster gets its keys and its agent back
+        if cluster.kubectl("get", "daemonset", K.AGENT_NAME, "-n", K.AGENT_NAMESPACE, check=False).returncode != 0:
+            run(restore)
+            agent.reinstall()
+    assert _key_data(cluster) == before
+    _restores(cluster, namespace, plugin, ref, tok, "purged2")

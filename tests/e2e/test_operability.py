@@ -15,6 +15,7 @@ import pytest
 from bench.agent_scale import cleanup, measure
 from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import kube as K
+from shim.metrics_auth import DEFAULT_AUDIENCES
 from tests.e2e.test_snapshot_flows import COUNTER, _final, _psnap, counter_value, pod, running
 from tests.support.agent import METRICS_PORT, agent, plugin
 from tests.support.cluster import cluster, namespace
@@ -106,8 +107,11 @@ def test_metrics_only_for_scrapers_the_api_server_authorises(cluster, namespace,
     )  # fmt: skip
     forward: subprocess.Popen[str] | None = None
     try:
-        good = cluster.kubectl("create", "token", "scraper", "-n", namespace).stdout.strip()
-        bad = cluster.kubectl("create", "token", "nosy", "-n", namespace).stdout.strip()
+        audience = ("--audience", DEFAULT_AUDIENCES[0])  # what the agent's TokenReviews ask for
+        good = cluster.kubectl("create", "token", "scraper", "-n", namespace, *audience).stdout.strip()
+        bad = cluster.kubectl("create", "token", "nosy", "-n", namespace, *audience).stdout.strip()
+        # the same authorised identity's ordinary API token: refused by the API server for that audience
+        api_token = cluster.kubectl("create", "token", "scraper", "-n", namespace).stdout.strip()
         agent_pod = agent.agent_pod(cluster.nodes[0])
         assert agent_pod is not None
         port = free_port()
@@ -120,6 +124,7 @@ def test_metrics_only_for_scrapers_the_api_server_authorises(cluster, namespace,
         assert "Forwarding from" in forward.stdout.readline()
         assert _scrape(port, None)[0] == 401
         assert _scrape(port, bad)[0] == 403
+        assert _scrape(port, api_token)[0] == 401
         code, text = _scrape(port, good)
         assert code == 200, code
         for name in (

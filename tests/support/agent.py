@@ -45,6 +45,11 @@ def _plugin(cluster: Cluster, *args: str, check: bool = True, timeout: float = 6
 class AgentInstall:
     cluster: Cluster
     image: str
+    node_config: Path
+
+    def reinstall(self) -> None:
+        """`kubectl snapshot install` again, as the fixture did (after a test's uninstall)."""
+        _install(self.cluster, self.image, self.node_config)
 
     def agent_pod(self, node: str) -> dict[str, Any] | None:
         pods = self.cluster.get_json(
@@ -188,20 +193,7 @@ def installed_agent(
     ours = found_image == image
 
     def install(agent_image: str) -> AgentInstall:
-        _plugin(
-            cluster,
-            "install",
-            "--agent-image", agent_image,
-            "--api-server", f"https://{cluster.api_host}:{cluster.api_port}",
-            "--node-config", str(node_config),
-            "--restart-command", f"{HACK / 'containerd-restart.sh'} {{node}}",
-            "--host-network",  # the cluster's registry listens on loopback only
-            "--timeout", "5m",
-        )  # fmt: skip
-        done = AgentInstall(cluster, agent_image)
-        for node in cluster.nodes:
-            done.wait_ready(node)
-        return done
+        return _install(cluster, agent_image, node_config)
 
     installed = install(image)
     # install-node probed CRIU's nftables network lock on the host and wrote runc's CRIU configuration
@@ -250,6 +242,23 @@ def installed_agent(
     assert kdat_native or criu_kdat.mount_at(criu_kdat.KDAT_FILE, _host_mounts()) is None
     assert not os.path.exists(criu_kdat.cache_dir(criu_kdat.KDAT_FILE))
     assert all(criu_kdat.mount_at(a, _host_mounts()) is None and not os.path.exists(a) for a in areas), areas
+
+
+def _install(cluster: Cluster, agent_image: str, node_config: Path) -> AgentInstall:
+    _plugin(
+        cluster,
+        "install",
+        "--agent-image", agent_image,
+        "--api-server", f"https://{cluster.api_host}:{cluster.api_port}",
+        "--node-config", str(node_config),
+        "--restart-command", f"{HACK / 'containerd-restart.sh'} {{node}}",
+        "--host-network",  # the cluster's registry listens on loopback only
+        "--timeout", "5m",
+    )  # fmt: skip
+    done = AgentInstall(cluster, agent_image, node_config)
+    for node in cluster.nodes:
+        done.wait_ready(node)
+    return done
 
 
 def installed_image(cluster: Cluster) -> str | None:

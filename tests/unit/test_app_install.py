@@ -4,6 +4,8 @@ in, what is waited for, and what is left when a wait times out."""
 
 from __future__ import annotations
 
+import base64
+import json
 from typing import Any
 
 import pytest
@@ -164,7 +166,7 @@ def test_uninstall_refuses_while_pods_run_under_the_runtime_class_and_changes_no
     assert kube.journal == []  # nothing applied, nothing deleted
     assert all(kube.get_object(o) is not None for o in objects)
     # --force: uninstalled all the same, and the pods left behind are said
-    left = A.uninstall(objects, kube=kube, sleep=ctl.sleep, clock=ctl.clock, force=True)
+    left = A.uninstall(objects, kube=kube, sleep=ctl.sleep, clock=ctl.clock, force=True).left
     assert [p["metadata"]["name"] for p in left] == ["restored"]
     assert all(kube.get_object(o) is None for o in objects)
 
@@ -315,6 +317,110 @@ def test_force_waits_for_no_pod_either_and_names_them_all() -> None:
     kube.add(_runtime_pod("stuck", deletionTimestamp="2026-12-01T00:00:00Z"))
     kube.add(_runtime_pod("running"))
     kube.journal.clear()
-    left = A.uninstall(objects, kube=kube, sleep=ctl.sleep, clock=ctl.clock, force=True)
+    left = A.uninstall(objects, kube=kube, sleep=ctl.sleep, clock=ctl.clock, force=True).left
     assert sorted(p["metadata"]["name"] for p in left) == ["running", "stuck"]
     assert kube.journal[0] == f"apply {CLEANUP}"  # no wait before the hook's removal
+
+
+# --- the keys: kept by uninstall unless --purge-keys -----------------------------------------------
+
+
+def _rolled_out_at_once(kube: FakeKube) -> None:
+    """The controllers of `Controllers`, acting as soon as an object is applied (for the CLI, which sleeps for real)."""
+
+    def established(_kube: FakeKube, obj: Obj) -> None:
+        kube.objects[kube._key(obj)]["status"] = {"conditions": [{"type": "Established", "status": "True"}]}
+
+    def rolled_out(_kube: FakeKube, obj: Obj) -> None:
+        kube.objects[kube._key(obj)]["status"] = {
+            "observedGeneration": obj["metadata"]["generation"],
+            "desiredNumberScheduled": 2,
+            "updatedNumberScheduled": 2,
+            "numberAvailable": 2,
+        }
+
+    kube.react("CustomResourceDefinition", established)
+    kube.react("DaemonSet", rolled_out)
+
+
+NAMESPACE_KEY = base64.b64encode(b"k" * 32).decode()  # the agent's entry for namespace "team"
+
+
+def _cli_installed(monkeypatch: pytest.MonkeyPatch) -> FakeKube:
+    """`kubectl snapshot install` on a fresh cluster, then a sealed snapshot's key made by the agent."""
+    kube = FakeKube(crds=False)
+    _rolled_out_at_once(kube)
+    result = cli(kube, monkeypatch, "install")
+    assert result.exit_code == 0, result.output
+    kube.add({**A.kept_key_objects()[0], "type": "Opaque", "data": {"team": NAMESPACE_KEY}})
+    return kube
+
+
+def _key_data(kube: FakeKube) -> list[Any]:
+    return [(kube.get_object(o) or {}).get("data") for o in A.kept_key_objects()]
+
+
+def test_uninstall_keeps_the_keys_in_their_namespace_and_a_reinstall_uses_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deleting them would make every sealed snapshot unrestorable, and every snapshot signed before the
+    last rotation (or by another trusted cluster) unverifiable."""
+    kube = _cli_installed(monkeypatch)
+    keys = _key_data(kube)
+    assert all(keys) and keys[0] == {"team": NAMESPACE_KEY}
+    kube.journal.clear()
+    result = cli(kube, monkeypatch, "uninstall")
+    assert result.exit_code == 0, result.output
+    assert _key_data(kube) == keys  # untouched
+    assert kube.get_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": K.AGENT_NAMESPACE}})
+    assert not [line for line in kube.journal if "Secret" in line or "ConfigMap" in line]
+    assert f"delete Namespace {K.AGENT_NAMESPACE}" not in kube.journal
+    # everything else is gone: the agent, its RBAC, the CRDs, the policies, the RuntimeClass
+    rendered = A.render(None, {})
+    assert all(kube.get_object(o) is None for o in rendered if o["kind"] != "Namespace")
+    assert kube.names("DaemonSet") == [] and kube.names("ServiceAccount") == []
+    kept = [f"Secret/{K.KEY_SECRET}", f"Secret/{K.SIGNING_KEY_SECRET}", f"ConfigMap/{K.TRUST_CONFIG_MAP}"]
+    assert f"Namespace/{K.AGENT_NAMESPACE} kept" in result.output.splitlines()
+    assert all(f"{k} kept" in result.output.splitlines() for k in kept)
+    assert "uninstall --purge-keys` deletes them" in result.output  # the note (stderr, mixed in by CliRunner)
+    # a re-install takes the kept signing key and trust, and the agent finds its namespace keys
+    result = cli(kube, monkeypatch, "install")
+    assert result.exit_code == 0, result.output
+    assert _key_data(kube) == keys
+
+
+def test_uninstall_purge_keys_deletes_them_then_their_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = _cli_installed(monkeypatch)
+    kube.journal.clear()
+    result = cli(kube, monkeypatch, "uninstall", "--purge-keys", "-o", "json")
+    assert result.exit_code == 0, result.output
+    assert _key_data(kube) == [None, None, None]
+    assert kube.get_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": K.AGENT_NAMESPACE}}) is None
+    deletes = [line for line in kube.journal if line.startswith("delete ")]
+    at = deletes.index(f"delete Namespace {K.AGENT_NAMESPACE}")
+    assert deletes[at - 3 : at] == [f"delete {label(o)}" for o in A.kept_key_objects()]  # by name, just before
+    out = json.loads(result.stdout)
+    assert out["kept"] == [] and f"Secret/{K.KEY_SECRET}" in out["deleted"]
+    # a re-install then makes a new signing key: the old one is gone for good
+    result = cli(kube, monkeypatch, "install")
+    assert result.exit_code == 0, result.output
+    assert not _key_data(kube)[0]  # install makes the key Secret anew, empty; the agents fill it on first use
+
+
+def test_uninstall_dry_runs_show_the_keys_kept_or_purged(monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = _cli_installed(monkeypatch)
+    kube.journal.clear()
+    result = cli(kube, monkeypatch, "uninstall", "--dry-run=server", "-o", "json")
+    assert result.exit_code == 0, result.output
+    assert not any("Secret" in line or line.startswith("delete Namespace") for line in kube.journal)
+    assert f"Namespace/{K.AGENT_NAMESPACE}" in json.loads(result.stdout)["kept"]
+    kube.journal.clear()
+    result = cli(kube, monkeypatch, "uninstall", "--dry-run=server", "--purge-keys", "-o", "json")
+    assert f"delete Secret {K.AGENT_NAMESPACE}/{K.KEY_SECRET} (dry run)" in kube.journal
+    assert f"delete Namespace {K.AGENT_NAMESPACE} (dry run)" in kube.journal
+    assert all(_key_data(kube))  # nothing deleted
+    result = cli(None, monkeypatch, "uninstall", "--dry-run=client", "-o", "json")  # no API server: as installed
+    assert f"Secret/{K.KEY_SECRET}" in json.loads(result.stdout)["kept"]
+
+
+def test_uninstall_help_says_what_it_keeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    result = cli(None, monkeypatch, "uninstall", "--help")
+    assert "--purge-keys" in result.output and "Keeps the keys unless --purge-keys" in result.output
