@@ -286,9 +286,11 @@ def resume_selected_policy(labels: dict[str, str]) -> dict[str, Any]:
     controller, which resume_pods_policy lets through: this is what keeps the annotation to pods the
     policy protects. Evaluated once per SnapshotPolicy of the pod's namespace (the binding's paramRef
     selects them all; every evaluation must pass): the one the annotation names must select the pod,
-    the others have nothing to say. No SnapshotPolicy in the namespace: refused (parameterNotFoundAction
-    Deny). An annotation naming a policy that does not exist passes here (CEL sees one param at a time,
-    never the whole list); the agent starts such a pod fresh (shim/controller/resume.py)."""
+    the others have nothing to say. No SnapshotPolicy in the namespace: let through here
+    (parameterNotFoundAction Allow: the API server looks the params up before it evaluates the
+    matchConditions, so Deny would refuse every pod of every namespace without a policy, the agent's own
+    included). Such an annotation, and one naming a policy that does not exist (CEL sees one param at a
+    time, never the whole list), passes here; the agent starts such a pod fresh (shim/controller/resume.py)."""
     named = f"{_ann('object', K.ANN_RESUME_POLICY)} == params.metadata.name"
     return _policy(
         RESUME_SELECTED_POLICY,
@@ -316,7 +318,7 @@ def resume_selected_policy(labels: dict[str, str]) -> dict[str, Any]:
 
 def resume_selected_binding(labels: dict[str, str]) -> dict[str, Any]:
     binding = _binding(RESUME_SELECTED_POLICY, labels)
-    binding["spec"]["paramRef"] = {"selector": {}, "parameterNotFoundAction": "Deny"}
+    binding["spec"]["paramRef"] = {"selector": {}, "parameterNotFoundAction": "Allow"}
     return binding
 
 
