@@ -266,6 +266,104 @@ def _build_python(rootfs: Path) -> dict[str, Any]:
     }
 
 
+# --- Debian images of real workloads (tests/e2e/test_conformance.py) ---------------------------------
+
+
+def debian_versions(packages: list[str]) -> dict[str, str]:
+    """The bookworm versions of `packages` in this host's apt lists (what debootstrap would install
+    from deb.debian.org now): the cache key of an image, so a point release builds it again. Packages
+    the lists do not name (no `apt-get update` yet) key as "unknown"."""
+    out = {}
+    for p in packages:
+        proc = subprocess.run(["apt-cache", "madison", p], capture_output=True, text=True, check=False)
+        versions = [
+            line.split("|")[1].strip()
+            for line in proc.stdout.splitlines()
+            if line.count("|") >= 2 and "debian.org/debian" in line and " bookworm" in line.split("|")[2]
+        ]
+        out[p] = versions[0] if versions else "unknown"
+    return out
+
+
+def debian_tarball(
+    kind: str,
+    name: str,
+    packages: list[str],
+    *,
+    files: dict[str, tuple[bytes, int]] | None = None,
+    config: dict[str, Any] | None = None,
+) -> Path:
+    """A cached one-layer image: debootstrap bookworm minbase with `packages`, plus `files` (in-image
+    path -> (content, mode)) and the image config `config` (Env, Cmd, ...). Keyed by the packages'
+    versions and the files' contents."""
+    if shutil.which("debootstrap") is None:
+        pytest.skip("debootstrap is missing (apt-get install debootstrap; hack/install-node-deps.sh)")
+    files = files or {}
+    recipe = {
+        "recipe": RECIPE_VERSION,
+        "suite": "bookworm",
+        "variant": "minbase",
+        "packages": debian_versions(sorted(packages)),
+        "files": {k: [hashlib.sha256(v).hexdigest(), mode] for k, (v, mode) in sorted(files.items())},
+        "config": config or {},
+        "mirror": DEBIAN_MIRROR,
+    }
+
+    def build(rootfs: Path) -> dict[str, Any]:
+        _debootstrap(rootfs, packages)
+        for path, (content, mode) in files.items():
+            target = rootfs / path.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+            target.chmod(mode)
+        env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+        return {"Env": env, **(config or {})}
+
+    return _cached(kind, recipe, build, name)
+
+
+def _debootstrap(rootfs: Path, packages: list[str]) -> None:
+    args = ["debootstrap", "--variant=minbase"]
+    if packages:
+        args.append("--include=" + ",".join(sorted(packages)))
+    proc = subprocess.run([*args, "bookworm", str(rootfs), DEBIAN_MIRROR], capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
+        raise RuntimeError(f"debootstrap failed ({proc.returncode}):\n{tail}")
+    for p in (
+        "var/cache/apt",
+        "var/lib/apt/lists",
+        "var/log",
+        "debootstrap",
+        "usr/share/doc",
+        "usr/share/man",
+        "usr/share/info",
+        "usr/share/locale",
+    ):
+        shutil.rmtree(rootfs / p, ignore_errors=True)
+    for cache in rootfs.glob("var/cache/ldconfig/*"):
+        cache.unlink()
+
+
+def scratch_tarball(kind: str, name: str, files: dict[str, tuple[bytes, int]], config: dict[str, Any]) -> Path:
+    """An image of `files` alone: no shell, no libc, no /etc (a distroless-like image of a static binary)."""
+    recipe = {
+        "recipe": RECIPE_VERSION,
+        "files": {k: [hashlib.sha256(v).hexdigest(), mode] for k, (v, mode) in sorted(files.items())},
+        "config": config,
+    }
+
+    def build(rootfs: Path) -> dict[str, Any]:
+        for path, (content, mode) in files.items():
+            target = rootfs / path.lstrip("/")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(content)
+            target.chmod(mode)
+        return dict(config)
+
+    return _cached(kind, recipe, build, name)
+
+
 def busybox_tarball() -> Path:
     """The cached OCI layout tarball of the busybox test image (built if missing)."""
     return _cached("busybox", _busybox_recipe(), _build_busybox, BUSYBOX_IMAGE)

@@ -244,7 +244,12 @@ http {
 }
 """
 # its state: the master's pid and the workers' (its own /proc), which a restore keeps
-NGINX_READ = [BUSYBOX_AT, "sh", "-c", "echo $(cat /tmp/nginx.pid) $(cat /proc/*/stat | wc -l) $(pidof nginx | tr ' ' ,)"]
+NGINX_READ = [
+    BUSYBOX_AT,
+    "sh",
+    "-c",
+    "echo $(cat /tmp/nginx.pid) $(cat /proc/*/stat | wc -l) $(pidof nginx | tr ' ' ,)",
+]
 
 
 def _nginx_tarball() -> Path:
@@ -362,7 +367,7 @@ ALL: tuple[Workload, ...] = (JVM, NODE, FLASK, SHM, NGINX, STATIC, BUSYBOX_WL)
 
 def parse_state(workload: Workload, text: str) -> list[str]:
     words = text.split()
-    if len(words) < max(workload.same + (workload.grows,)) + 1:
+    if len(words) < max((*workload.same, workload.grows)) + 1:
         raise ValueError(f"{workload.name}: unexpected state {text!r}")
     return words
 
