@@ -11,12 +11,14 @@ against compressing and hashing the same pages as chunks (what every save does a
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import zstandard
 
+from kubectl_snapshot.core.pagedelta import PAGE_HASH_KEY_BYTES
 from kubectl_snapshot.core.pagedelta import page_hashes as product_page_hashes
 from shim.engine.chunks import read_pagemap
 from shim.engine.stream import ZSTD_LEVEL
@@ -93,8 +95,10 @@ def changed_pages(
 
 
 def hashing_cost(checkpoint_dir: Path, chunk: int = 8 << 20) -> dict[str, float]:
-    """CPU seconds (one thread) to hash every page of the dump's page files as page deltas do, and to
-    compress + sha256 the same bytes as chunks (what a full save does with them anyway)."""
+    """CPU seconds (one thread) to hash every page of the dump's page files as page deltas do (keyed,
+    under a random key like a node's), and to compress + sha256 the same bytes as chunks (what a full
+    save does with them anyway)."""
+    key = os.urandom(PAGE_HASH_KEY_BYTES)
     cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True, write_content_size=True)
     t_hash = t_pack = 0.0
     for path in sorted(checkpoint_dir.glob("pages-*.img")):
@@ -102,7 +106,7 @@ def hashing_cost(checkpoint_dir: Path, chunk: int = 8 << 20) -> dict[str, float]
             while raw := f.read(chunk):
                 raw = raw[: len(raw) - len(raw) % PAGE]
                 t = time.thread_time()
-                product_page_hashes(raw)
+                product_page_hashes(raw, key)
                 t_hash += time.thread_time() - t
                 t = time.thread_time()
                 hashlib.sha256(cctx.compress(raw)).digest()

@@ -4,7 +4,7 @@
 Why a zipapp with vendored pure-Python dependencies: krew installs a file and puts it on PATH; the
 user's machine has a python3 but none of our packages. Everything the plugin imports (click,
 kubernetes and its closure, requests, pyyaml, tqdm) has a pure-Python form, so one platform-independent
-file serves Linux and macOS. Node-only dependencies (grpcio, protobuf, zstandard, xxhash, prometheus-client),
+file serves Linux and macOS. Node-only dependencies (grpcio, protobuf, zstandard, blake3, prometheus-client),
 cryptography (compiled; the plugin asks for it where it signs or verifies) and the asyncio client's
 aiohttp are left out; compiled extension files are dropped (pyyaml and charset-normalizer fall
 back to their pure-Python modules).
@@ -53,7 +53,7 @@ EXCLUDED = {
     "grpcio",
     "protobuf",
     "zstandard",
-    "xxhash",  # compiled: page hashes, the node agent only
+    "blake3",  # compiled: page hashes, the node agent only
     "aiohttp",
     "grpcio-tools",
     "google-auth",

@@ -30,7 +30,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
-import xxhash
+import blake3
 
 from kubectl_snapshot.core.chunks import PAGE_SIZE, delta_raw_length
 from kubectl_snapshot.core.errors import DigestMismatch
@@ -42,7 +42,8 @@ _COPY = struct.Struct("<III")
 MAX_DELTA_FRACTION = 0.5
 # ... or up to this share while at least 3/4 of the delta changed since the previous snapshot
 MAX_LARGE_DELTA_FRACTION = 0.875
-PAGE_HASH_BYTES = 16  # XXH3-128: no accidents
+PAGE_HASH_BYTES = 16  # keyed BLAKE3, 128 bits: no accidents, and no collision anyone can aim for
+PAGE_HASH_KEY_BYTES = 32  # BLAKE3's key
 _HINT = "the snapshot is corrupted or was crafted; do not restore it"
 
 
@@ -60,23 +61,30 @@ class DeltaPlan:
         return not self.literals and self.copies == ((0, 0, self.pages),)
 
 
-def page_hashes(raw: bytes | bytearray | memoryview) -> bytes:
+def page_hashes(raw: bytes | bytearray | memoryview, key: bytes) -> bytes:
     """The concatenated PAGE_HASH_BYTES-byte hashes of every page of `raw` (a multiple of PAGE_SIZE):
-    XXH3-128, what a page index compares to tell changed pages from unchanged ones.
+    BLAKE3 in keyed mode under the node's page hash key, what a page index compares to tell changed
+    pages from unchanged ones.
 
-    Why not a cryptographic hash: these hashes only decide which pages a node sends; they name no
-    blob and no key (every stored byte is still named by its blob's sha256 in the signed config). A
-    collision would put the base's old page in the next snapshot, and only the memory being saved can
-    cause one: a process that could craft it can write any content into its own memory anyway, and a
-    scope is one repository and container. By accident: 2^-128 per page pair. What it buys: one C call
-    per page instead of a truncated sha256 of each page fed from Python (what it replaced), for every
-    page of every save (docs/performance.md, "Page hashes without SHA-256": bench/run.py's page hashing
-    CPU went from 0.58x-0.82x to 0.07x-0.18x of the chunks' zstd + sha256)."""
+    Why keyed: a page whose hash equals its base page's is not sent, and the restore puts the base's
+    page there. With an unkeyed hash (XXH3-128, say: second preimages are cheap) whoever knows
+    what a page of a save will hold (a zero page, a library's data) can write a different page with the
+    same hash at that address of a process that shares the base, and the next save keeps the crafted
+    page as "unchanged": its restore writes those bytes into the victim. Keyed by a secret no workload
+    knows (shim/engine/pageindex.py: random per node, kept in the agent's root-only state, never in a
+    snapshot), a collision cannot be aimed at; by accident it is 2^-128 per page pair. These hashes
+    name no blob and no key (every stored byte is named by its blob's sha256 in the signed config).
+
+    Why BLAKE3 and not keyed BLAKE2b (hashlib): one C call per page either way, and BLAKE3's SIMD makes
+    it about 3x cheaper per page here (docs/performance.md, "Keyed page hashes")."""
     if len(raw) % PAGE_SIZE:
         raise ValueError("page hashes need whole pages")
-    h = xxhash.xxh3_128_digest
+    if len(key) != PAGE_HASH_KEY_BYTES:
+        raise ValueError(f"the page hash key must be {PAGE_HASH_KEY_BYTES} bytes")
+    h = blake3.blake3
+    n = PAGE_HASH_BYTES
     with memoryview(raw) as view:
-        return b"".join([h(view[i : i + PAGE_SIZE]) for i in range(0, len(view), PAGE_SIZE)])
+        return b"".join([h(view[i : i + PAGE_SIZE], key=key).digest(n) for i in range(0, len(view), PAGE_SIZE)])
 
 
 def page_addresses(layout: bytes) -> list[int]:

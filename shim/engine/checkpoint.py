@@ -381,7 +381,9 @@ def _package_and_push(
         index = None
         if paths is not None and os.environ.get(C.ENV_PAGE_DELTAS, "1") != "0":
             key_id = sealer.key.key_id if sealer is not None else None
-            scope = scope_key(req.target.registry, req.target.repository, name, key_id)
+            # never another pod's bases (shim/engine/pageindex.py); outside Kubernetes, the container's
+            owner = req.pod.uid if req.pod is not None and req.pod.uid else f"{req.namespace}/{cid}"
+            scope = scope_key(req.target.registry, req.target.repository, owner, name, key_id)
             index = PageIndex.load(paths.page_index(), scope)
         pc = package_container(registry, req.target, cdir, on_raw=on_raw, sealer=sealer, index=index)
         records.append(

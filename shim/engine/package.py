@@ -81,7 +81,7 @@ def package_container(
     """Upload the container dump in `cdir` (checkpointctl layout): its page chunks and, beside them, its layer.
 
     With `sealer` every blob is encrypted before it is hashed and sent (core/sealing.py). With `index`
-    (this repository's and container's bases, shim/engine/pageindex.py) chunks that changed a little
+    (this pod's bases for this container and repository, shim/engine/pageindex.py) chunks that changed a little
     are stored as page deltas, and the index is saved with this snapshot's bases once they are sent."""
     plans = plan_checkpoint(os.path.join(cdir, C.CHECKPOINT_DIRECTORY))
     exclude = [f"{C.CHECKPOINT_DIRECTORY}/{p.name}" for p in plans]

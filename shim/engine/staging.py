@@ -91,7 +91,8 @@ class StatePaths:
         return os.path.join(self.root, "restored", check_key(container_id, "container id"))
 
     def page_index(self) -> str:
-        """The bases of page deltas, one file per repository + container (shim/engine/pageindex.py)."""
+        """The bases of page deltas, one file per pod + container + repository, and the node's page hash
+        key (shim/engine/pageindex.py)."""
         return os.path.join(self.root, "page-index")
 
     def image_cache(self) -> str:

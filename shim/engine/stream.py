@@ -30,7 +30,7 @@ import zstandard
 
 from kubectl_snapshot.core.chunks import PAGE_SIZE, Chunk, Delta, PagesFile, delta_raw_length
 from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
-from kubectl_snapshot.core.pagedelta import apply_delta, encode_delta, page_hashes, plan_delta, worth_a_delta
+from kubectl_snapshot.core.pagedelta import apply_delta, encode_delta, plan_delta, worth_a_delta
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener, Sealer
 from shim.archive import tar_directory
@@ -124,11 +124,11 @@ def push_chunks(
 
     With `sealer` each compressed chunk is sealed (convergent key: the same content in the same
     namespace gives the same blob, so the registry still has it) and the digest is the ciphertext's.
-    With `index` (the node's bases for this repository and container, shim/engine/pageindex.py) every
-    page of a chunk is hashed; a chunk whose base the registry still has and from which few enough of
-    its pages differ (core/pagedelta.worth_a_delta) is stored as that base plus a page delta (none at
-    all when no page differs: then nothing is compressed either); the index collects this snapshot's
-    bases.
+    With `index` (the node's bases for this pod's container and repository, shim/engine/pageindex.py)
+    every page of a chunk is hashed (keyed by the node's key); a chunk whose base the registry still
+    has and from which few enough of its pages differ (core/pagedelta.worth_a_delta) is stored as that
+    base plus a page delta (none at all when no page differs: then nothing is compressed either); the
+    index collects this snapshot's bases.
     """
     uploaded, stored = _Counter(), _Counter()
     fds = {p.name: os.open(p.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC) for p in plans}
@@ -178,7 +178,7 @@ def push_chunks(
             if len(raw) != length:
                 raise OSError(f"{name} shrank while it was being packaged")
             hashing = index is not None and bool(keys) and length % PAGE_SIZE == 0
-            hashes = page_hashes(raw) if hashing else None
+            hashes = index.page_hashes(raw) if index is not None and hashing else None
             key = keys[0] if keys else ""
             if index is not None and hashes is not None:
                 # the base of the same address range: found by the first page's window, or another

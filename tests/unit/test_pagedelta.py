@@ -43,6 +43,7 @@ from shim.engine import pageindex
 from shim.engine.pageindex import BaseChunk, PageIndex
 
 D = ["sha256:" + c * 64 for c in "0123456789abcdef"]
+KEY = bytes(range(32))  # a node's page hash key
 
 
 def chunk(pages: int, seed: int = 1) -> bytearray:
@@ -60,7 +61,7 @@ def test_a_delta_carries_exactly_the_changed_pages_and_rebuilds_the_chunk() -> N
     for i in (0, 7, 8, 63):
         new[i * PAGE_SIZE + 5] ^= 0x5A
     lay = layout((1000, 64))
-    plan = plan_delta(lay, page_hashes(base), lay, page_hashes(new))
+    plan = plan_delta(lay, page_hashes(base, KEY), lay, page_hashes(new, KEY))
     assert plan is not None and plan.literals == (0, 7, 8, 63) and not plan.identical
     assert plan.copies == ((1, 1, 6), (9, 9, 54))
     delta = encode_delta(new, plan)
@@ -73,7 +74,7 @@ def test_pages_are_matched_by_address_when_the_range_gains_and_loses_pages() -> 
     # the new chunk: pages 1000..1009 gone, 1064..1073 new (a grown heap), page 1030 changed
     new = bytearray(base[10 * PAGE_SIZE :]) + chunk(10, seed=2)
     new[20 * PAGE_SIZE] ^= 1  # address 1030
-    plan = plan_delta(layout((1000, 64)), page_hashes(base), layout((1010, 64)), page_hashes(new))
+    plan = plan_delta(layout((1000, 64)), page_hashes(base, KEY), layout((1010, 64)), page_hashes(new, KEY))
     assert plan is not None and plan.pages == 64
     assert plan.literals == (20, *range(54, 64))
     assert plan.copies == ((0, 10, 20), (21, 31, 33))
@@ -81,28 +82,39 @@ def test_pages_are_matched_by_address_when_the_range_gains_and_loses_pages() -> 
     assert apply_delta(base, delta, length=len(new), literals=11, copies=2, where="t") == new
 
 
-def test_page_hashes_are_xxh3_128_of_each_page() -> None:
+def test_page_hashes_are_keyed_blake3_of_each_page_and_depend_on_the_key() -> None:
+    import blake3
     import xxhash
 
     a = chunk(3)
     pages = [a[i * PAGE_SIZE : (i + 1) * PAGE_SIZE] for i in range(3)]
-    assert page_hashes(a) == b"".join(xxhash.xxh3_128_digest(p) for p in pages)
-    assert len(page_hashes(a)) == 3 * PAGE_HASH_BYTES
+    assert page_hashes(a, KEY) == b"".join(blake3.blake3(p, key=KEY).digest(PAGE_HASH_BYTES) for p in pages)
+    assert len(page_hashes(a, KEY)) == 3 * PAGE_HASH_BYTES
     changed = bytearray(a)
     changed[2 * PAGE_SIZE + 4095] ^= 1  # the last byte of the last page
-    assert page_hashes(changed)[: 2 * PAGE_HASH_BYTES] == page_hashes(a)[: 2 * PAGE_HASH_BYTES]
-    assert page_hashes(changed)[2 * PAGE_HASH_BYTES :] != page_hashes(a)[2 * PAGE_HASH_BYTES :]
+    assert page_hashes(changed, KEY)[: 2 * PAGE_HASH_BYTES] == page_hashes(a, KEY)[: 2 * PAGE_HASH_BYTES]
+    assert page_hashes(changed, KEY)[2 * PAGE_HASH_BYTES :] != page_hashes(a, KEY)[2 * PAGE_HASH_BYTES :]
+    # another node's key, or no key at all (the unkeyed XXH3-128 of older agents), agrees on no page
+    other = page_hashes(a, bytes(32))
+    unkeyed = b"".join(xxhash.xxh3_128_digest(p) for p in pages)
+    mine = page_hashes(a, KEY)
+    for i in range(3):
+        page = slice(i * PAGE_HASH_BYTES, (i + 1) * PAGE_HASH_BYTES)
+        assert mine[page] != other[page] and mine[page] != unkeyed[page]
 
 
 def test_an_unchanged_chunk_is_its_base_and_inconsistent_inputs_give_no_plan() -> None:
     a = chunk(4)
     lay = layout((7, 4))
-    plan = plan_delta(lay, page_hashes(a), lay, page_hashes(a))
+    plan = plan_delta(lay, page_hashes(a, KEY), lay, page_hashes(a, KEY))
     assert plan is not None and plan.identical
-    assert plan_delta(lay, page_hashes(a), lay, page_hashes(chunk(5))) is None  # hashes of 5 pages, layout of 4
-    assert plan_delta(lay, page_hashes(a), b"", b"") is None
+    five = page_hashes(chunk(5), KEY)
+    assert plan_delta(lay, page_hashes(a, KEY), lay, five) is None  # hashes of 5 pages, layout of 4
+    assert plan_delta(lay, page_hashes(a, KEY), b"", b"") is None
     with pytest.raises(ValueError):
-        page_hashes(b"x" * 100)
+        page_hashes(b"x" * 100, KEY)
+    with pytest.raises(ValueError):
+        page_hashes(a, KEY[:16])
 
 
 def test_a_delta_is_worth_it_only_for_a_part_of_the_chunk() -> None:
@@ -318,7 +330,7 @@ def test_the_page_index_keeps_the_most_recent_scopes(tmp_path: Path, monkeypatch
     idx = PageIndex.load(str(tmp_path), "s5")
     idx.put("a", base())
     idx.save()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["s3.idx", "s4.idx", "s5.idx"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [pageindex.KEY_FILE, "s3.idx", "s4.idx", "s5.idx"]
 
 
 def test_the_page_index_keeps_the_newest_scopes_within_the_node_byte_budget(
@@ -332,12 +344,13 @@ def test_the_page_index_keeps_the_newest_scopes_within_the_node_byte_budget(
     idx = PageIndex.load(str(tmp_path), "now")
     idx.put("a", base())
     idx.save()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["now.idx", "old3.idx", "old4.idx", "other.txt"]
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["now.idx", "old3.idx", "old4.idx", "other.txt", pageindex.KEY_FILE]
     # the scope just saved stays even when it alone is over the budget (and its clock is behind): the rest go
     (tmp_path / "big.idx").write_bytes(b"x" * (3 << 20))
     os.utime(tmp_path / "big.idx", (1, 1))
     pageindex._prune(str(tmp_path), keep="big.idx")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.idx", "other.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.idx", "other.txt", pageindex.KEY_FILE]
 
 
 @pytest.mark.parametrize(
@@ -348,11 +361,122 @@ def test_the_page_index_budget_is_a_positive_number_of_mib_else_the_default(valu
     assert pageindex.budget_bytes({}) == pageindex.DEFAULT_BUDGET_MIB << 20
 
 
-def test_scopes_differ_by_repository_container_and_key() -> None:
-    k = pageindex.scope_key("r:5000", "repo", "app", None)
-    assert k != pageindex.scope_key("r:5000", "repo2", "app", None)
-    assert k != pageindex.scope_key("r:5000", "repo", "app2", None)
-    assert k != pageindex.scope_key("r:5000", "repo", "app", "k1-abc")
+def test_scopes_differ_by_pod_repository_container_and_key() -> None:
+    k = pageindex.scope_key("r:5000", "repo", "uid-a", "app", None)
+    assert k != pageindex.scope_key("r:5000", "repo2", "uid-a", "app", None)
+    assert k != pageindex.scope_key("r:5000", "repo", "uid-a", "app2", None)
+    assert k != pageindex.scope_key("r:5000", "repo", "uid-a", "app", "k1-abc")
+    # two pods of one policy: same repository, same container name, never one index
+    assert k != pageindex.scope_key("r:5000", "repo", "uid-b", "app", None)
+
+
+def test_the_node_key_is_made_once_private_and_replaced_when_damaged(tmp_path: Path) -> None:
+    d = tmp_path / "page-index"
+    key = pageindex.node_key(str(d))
+    assert len(key) == 32 and pageindex.node_key(str(d)) == key
+    assert (d / pageindex.KEY_FILE).stat().st_mode & 0o777 == 0o600
+    assert d.stat().st_mode & 0o777 == 0o700
+    assert PageIndex.load(str(d), "s").key == key
+    (d / pageindex.KEY_FILE).write_bytes(b"short")
+    fresh = pageindex.node_key(str(d))
+    assert len(fresh) == 32 and fresh != key and pageindex.node_key(str(d)) == fresh
+
+
+def test_an_index_hashed_with_another_key_is_never_read(tmp_path: Path) -> None:
+    idx = PageIndex.load(str(tmp_path), "s")
+    idx.put("a", base())
+    idx.save()
+    assert len(PageIndex.load(str(tmp_path), "s")) == 1
+    # the same file under another node's key (or a key made again after its file was lost)
+    (tmp_path / pageindex.KEY_FILE).write_bytes(bytes(32))
+    assert len(PageIndex.load(str(tmp_path), "s")) == 0
+
+
+def _pages_dir(d: Path, pages: bytes, vaddr: int = 0x7F0000000000) -> Path:
+    from tests.unit.test_chunks import write_pagemap
+
+    d.mkdir()
+    (d / "pages-1.img").write_bytes(pages)
+    write_pagemap(d / "pagemap-1.img", 1, [{1: vaddr, 4: 4, 5: len(pages) // PAGE_SIZE}])
+    return d
+
+
+def test_an_index_an_older_agent_wrote_is_never_read(tmp_path: Path) -> None:
+    """Older agents hashed pages with unkeyed XXH3-128 (format v2 of the index file). Such a file, though
+    its hashes would match the pages exactly, is not compared with anything: the next save is full."""
+    import xxhash
+
+    from kubectl_snapshot.core.reference import Reference
+    from shim.engine.chunks import plan_checkpoint
+    from shim.engine.stream import push_chunks
+    from tests.support.fakenode import FakeRegistry
+
+    pages = bytearray(chunk(1024, seed=5))
+    reg, ref = FakeRegistry(), Reference.parse("registry.test/app:v1")
+    plans = plan_checkpoint(str(_pages_dir(tmp_path / "d1", bytes(pages))))
+    first = push_chunks(reg, ref, plans)
+    # the v2 file the older agent kept after that save: its bases with their pages' XXH3-128
+    parts, meta = [], []
+    for i, c in enumerate(first.files[0].chunks):
+        keys, lay = plans[0].layout(i)
+        raw = bytes(pages[c.offset : c.offset + c.length])
+        hashes = b"".join(xxhash.xxh3_128_digest(raw[j : j + PAGE_SIZE]) for j in range(0, len(raw), PAGE_SIZE))
+        parts += [lay, hashes]
+        meta.append([keys[0], c.digest, c.size, c.length, c.digest.removeprefix("sha256:"), [len(lay), len(hashes)]])
+    head = json.dumps({"entries": meta, "aliases": {}}).encode()
+    body = struct.pack("<I", len(head)) + head + b"".join(parts)
+    index_dir = tmp_path / "index"
+    index_dir.mkdir()
+    (index_dir / "s.idx").write_bytes(b"KSPIDX2\n" + hashlib.sha256(body).digest() + body)
+
+    pages[3 * PAGE_SIZE] ^= 1  # one page changed: against a base that is read, a one-page delta
+    index = PageIndex.load(str(index_dir), "s")
+    assert len(index) == 0
+    second = push_chunks(reg, ref, plan_checkpoint(str(_pages_dir(tmp_path / "d2", bytes(pages)))), index=index)
+    assert all(c.delta is None for c in second.files[0].chunks)
+
+
+def test_a_pods_save_never_takes_another_pods_bases(tmp_path: Path) -> None:
+    """Two pods of one policy (same repository, same container name) on one node: pod B's save has no
+    base from pod A's, though A's last save holds B's pages but one; A's own next save does."""
+    from kubectl_snapshot.core.model import PodRecord
+    from kubectl_snapshot.core.reference import Reference
+    from shim.engine.checkpoint import CheckpointRequest, checkpoint
+    from shim.engine.staging import StatePaths
+    from tests.support.fakenode import FakeContainerd, FakeRegistry
+    from tests.unit.test_chunks import write_pagemap
+
+    memory = {"ca": bytearray(chunk(1024, seed=9))}
+    memory["cb"] = bytearray(memory["ca"])
+    memory["cb"][700 * PAGE_SIZE] ^= 1  # pod B: the same program and data, one page differs
+
+    class Dumping(FakeContainerd):
+        def checkpoint_task(self, cid: str, *, image_path: str, work_path: str, **kw: Any) -> None:
+            super().checkpoint_task(cid, image_path=image_path, work_path=work_path, **kw)
+            Path(image_path, "pages-1.img").write_bytes(bytes(memory[cid]))
+            write_pagemap(Path(image_path, "pagemap-1.img"), 1, [{1: 0x7F0000000000, 4: 4, 5: 1024}])
+
+    reg, paths = FakeRegistry(), StatePaths(str(tmp_path))
+    host = HostFacts(kernel="6.18", arch="x86_64", criu_version="4.2.1")
+
+    def save(cid: str, uid: str, tag: str) -> SnapshotConfig:
+        req = CheckpointRequest(
+            containers=[cid],
+            names=["app"],
+            target=Reference.parse(f"127.0.0.1:5000/team/autosave:{tag}"),
+            namespace="team",
+            pod=PodRecord(name=f"pod-{uid}", namespace="team", uid=uid),
+        )
+        checkpoint(req, containerd=Dumping({cid}), registry=reg, paths=paths, host=host)
+        return parse_config(reg.blobs[json.loads(reg.manifests[tag])["config"]["digest"]])
+
+    save("ca", "uid-a", "a1")
+    b = save("cb", "uid-b", "b1")
+    # whole chunks: no base of A's
+    assert b.format_version == C.FORMAT_VERSION and not delta_digests(b.containers[0].pages)
+    memory["ca"][700 * PAGE_SIZE] ^= 1
+    a = save("ca", "uid-a", "a2")
+    assert a.format_version == C.DELTA_FORMAT_VERSION and delta_digests(a.containers[0].pages)  # A's own base: a delta
 
 
 def test_window_keys_name_every_window_a_chunk_covers_first_page_first() -> None:
