@@ -20,4 +20,6 @@ rm -f "$tmp.diff"
 py="$repo/.venv/bin/python"
 [ -x "$py" ] || py=python3
 "$py" "$repo/hack/gen-chart.py" --check
+# docs/conformance.md is the conformance suite's own table (hack/gen-conformance-doc.py)
+"$py" "$repo/hack/gen-conformance-doc.py" --check
 echo "generated code is up to date" >&2
