@@ -21,9 +21,13 @@ from tests.support.workloads import ALL  # noqa: E402
 
 OUT = REPO / "docs" / "conformance.md"
 MARK = {RESTORE: "R", MIGRATE: "M"}
+REFUSED_MARK = "refused"
 
 
 def render() -> str:
+    restores = sum(c.operation == RESTORE and not c.refused for c in CASES)
+    migrations = sum(c.operation == MIGRATE for c in CASES)
+    refused = sum(bool(c.refused) for c in CASES)
     lines = [
         "# Conformance: the pods users run",
         "",
@@ -35,8 +39,8 @@ def render() -> str:
         "its memory holds and its pids must be the same, its counter no lower. Images are built from Debian",
         "bookworm packages (debootstrap, cached by the packages' versions; `tests/support/images.py`).",
         "",
-        f"{len(CASES)} cases: {sum(c.operation == RESTORE for c in CASES)} restores on the other node, "
-        f"{sum(c.operation == MIGRATE for c in CASES)} migrations.",
+        f"{len(CASES)} cases: {restores} restores on the other node, {migrations} migrations, {refused} refused up"
+        " front (the refusal's words checked, the pod running on: `refused` below).",
         "",
         "## Workloads",
         "",
@@ -54,7 +58,13 @@ def render() -> str:
     for w in ALL:
         cells = []
         for s in names:
-            ops = sorted({MARK[c.operation] for c in CASES if c.workload.name == w.name and s in c.settings})
+            ops = sorted(
+                {
+                    REFUSED_MARK if c.refused else MARK[c.operation]
+                    for c in CASES
+                    if c.workload.name == w.name and s in c.settings
+                }
+            )
             cells.append("".join(ops))
         lines.append(f"| `{w.name}` | " + " | ".join(cells) + " |")
     lines += [

@@ -44,7 +44,7 @@ from shim.engine.staging import PendingPages, StatePaths, wait_pod_staged, wait_
 # test_wrapper_pyz.py pins the restore path's imports; bench/run.py's restore breakdown shows the start-up.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Callable, Iterator, Sequence
     from typing import Any
 
     from shim.podrestore import PodRestore
@@ -280,6 +280,27 @@ def bundle_rootfs(bundle: str, spec: dict[str, Any]) -> str:
     return root if os.path.isabs(root) else os.path.join(bundle, root)
 
 
+@contextlib.contextmanager
+def pivot_dir(bundle: str, spec: dict[str, Any]) -> Iterator[None]:
+    """CRIU pivots into the container's root through a directory in it: its `tmp`, or one it makes with
+    mkdtemp, which a read-only root refuses ("Can't create a temporary directory"). An image without /tmp
+    (a static binary alone, FROM scratch) run with readOnlyRootFilesystem gets an empty `tmp` from the host
+    side of the rootfs for the restore, taken away again after: the container sees nothing of it."""
+    made = None
+    if (spec.get("root") or {}).get("readonly"):
+        tmp = os.path.join(bundle_rootfs(bundle, spec), "tmp")
+        if not os.path.lexists(tmp):
+            with contextlib.suppress(OSError):  # CRIU then says what failed
+                os.mkdir(tmp, 0o700)
+                made = tmp
+    try:
+        yield
+    finally:
+        if made is not None:
+            with contextlib.suppress(OSError):  # not empty: something of the container's, left alone
+                os.rmdir(made)
+
+
 def _apply_diff(bundle: str, spec: dict[str, Any], staged: str) -> None:
     rootfs = bundle_rootfs(bundle, spec)
     diff = os.path.join(staged, C.ROOTFS_DIFF_TAR)
@@ -422,7 +443,7 @@ def _restore(
     trace("runc-restore")
     from shim import rcu  # CRIU's mount namespaces wait for RCU grace periods: expedited meanwhile
 
-    with rcu.expedited(paths.root):
+    with rcu.expedited(paths.root), pivot_dir(create.bundle, spec):
         relay = env.get(LAUNCHER_ENV) if env is not None else None  # an early restore: runc's CRIU is the relay
         returncode = run_waited(restore_command(runc, inv, create, staged, relay), env)
     trace("after-restore")

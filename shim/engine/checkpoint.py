@@ -262,7 +262,7 @@ def _preflight(
     try:  # a refusal below does not wait for the registry's answer
         ping = aside.submit(registry.ping, req.target)
         digests: list[Future[str]] = []
-        for cid in req.containers:
+        for i, cid in enumerate(req.containers):
             info = containerd.get_container(cid)
             digests.append(aside.submit(_image_digest, containerd, info.image))
             task = containerd.get_task(cid)
@@ -277,6 +277,7 @@ def _preflight(
                 direct[cid] = fz
             if memory_of is not None:
                 memory += memory_of(task.pid)
+            _refuse_runtime_shm(info.spec, task.pid, names[i])
             infos.append(info)
             pids.append(task.pid)
             upperdirs.append(_upperdir(containerd, info))
@@ -546,6 +547,37 @@ def _origin(req: CheckpointRequest, config: SnapshotConfig) -> Origin:
         created=config.created,
         format_version=config.format_version,
     )
+
+
+def runtime_shm(spec: Mapping[str, Any]) -> bool:
+    """Whether the container's /dev/shm is the runtime's (the pod sandbox's tmpfs, which containerd binds
+    into every container of the pod) rather than a pod volume, which snapshots capture."""
+    for m in spec.get("mounts") or ():
+        if m.get("destination") == "/dev/shm":
+            return "/volumes/kubernetes.io~" not in str(m.get("source") or "")
+    return False
+
+
+def _refuse_runtime_shm(
+    spec: Mapping[str, Any], pid: int, name: str, listdir: Callable[[str], list[str]] = os.listdir
+) -> None:
+    """Refuse a container that keeps files in the runtime's /dev/shm: the snapshot does not capture that
+    tmpfs, and CRIU cannot restore a process whose shared-memory file is gone ("Can't open file
+    dev/shm/..."). Said before anything is frozen, with the way out users take anyway for bigger /dev/shm."""
+    if not runtime_shm(spec):
+        return
+    try:  # the container's own view, through its init process (the agent runs with the host's pids)
+        held = sorted(listdir(f"/proc/{pid}/root/dev/shm"))
+    except OSError:
+        return
+    if held:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise FailedPrecondition(
+            f"container {name!r} keeps files in the container runtime's /dev/shm ({shown}), which a snapshot "
+            "does not capture: its restore would fail",
+            hint="mount an emptyDir with medium: Memory at /dev/shm (snapshots capture it, as every emptyDir); "
+            "POSIX shared memory and shm_open() then live in the pod's volume",
+        )
 
 
 def _refuse_unix_links(links: Sequence[Any], names: Sequence[str]) -> None:

@@ -282,3 +282,29 @@ def test_connections_from_the_old_pod_address_are_aborted_loopback_ones_kept(
         probe.kill()
     assert "away closed" in out, out  # at once (ECONNABORTED), no hang
     assert "inner b'y'" in out, out
+
+
+def test_a_read_only_root_without_tmp_gets_one_for_criu_and_loses_it_after(pyz: Path, tmp_path: Path) -> None:
+    """CRIU pivots through the root's `tmp` or a mkdtemp there, which a read-only root refuses: an image
+    of a static binary alone (no /tmp) with readOnlyRootFilesystem failed to restore ("Can't create a
+    temporary directory"). The wrapper lends it an empty tmp for the restore; a root with its own tmp,
+    or a writable one, is left as it is."""
+    runc = tmp_path / "runc"
+    seen = tmp_path / "seen.jsonl"
+    runc.write_text(
+        f"#!{HOST_PYTHON}\nimport json, os, sys\n"
+        "b = sys.argv[sys.argv.index('--bundle') + 1] if '--bundle' in sys.argv else ''\n"
+        f"open({str(seen)!r}, 'a').write(json.dumps([sys.argv[1], os.path.isdir(b + '/rootfs/tmp')]) + '\\n')\n"
+    )
+    runc.chmod(0o755)
+    state = tmp_path / "state"
+    stage(state, ["ro", "rw"], ["ro", "rw"])
+    ro = bundle(tmp_path, "ro")
+    spec = json.loads((ro / "config.json").read_text())
+    spec["root"]["readonly"] = True
+    (ro / "config.json").write_text(json.dumps(spec))
+    assert create(pyz, runc, state, ro, "ok-ro").returncode == 0
+    assert not (ro / "rootfs" / "tmp").exists()  # taken away after
+    rw = bundle(tmp_path, "rw")
+    assert create(pyz, runc, state, rw, "ok-rw").returncode == 0
+    assert [json.loads(line) for line in seen.read_text().splitlines()] == [["restore", True], ["restore", False]]

@@ -434,3 +434,36 @@ def test_a_registry_down_is_reported_after_the_containers_checks(tmp_path: Path)
     cd, reg = FakeContainerd({"a"}), FakeRegistry(down=True)
     with pytest.raises(NotFound):
         run(cd, reg, tmp_path, containers=["a", "zzz"])
+
+
+def test_files_in_the_runtimes_dev_shm_are_refused_a_volume_there_is_not() -> None:
+    """The sandbox's /dev/shm is not captured: a container keeping files there is refused before anything
+    is frozen (its restore would fail in CRIU); /dev/shm as an emptyDir is a volume, which is captured."""
+    from shim.engine.checkpoint import _refuse_runtime_shm, runtime_shm
+
+    sandbox = {
+        "mounts": [
+            {
+                "destination": "/dev/shm",
+                "type": "bind",
+                "source": "/run/containerd/io.containerd.grpc.v1.cri/sandboxes/ab/shm",
+            }
+        ]
+    }
+    volume = {
+        "mounts": [
+            {
+                "destination": "/dev/shm",
+                "type": "bind",
+                "source": "/var/lib/kubelet/pods/u/volumes/kubernetes.io~empty-dir/dshm",
+            }
+        ]
+    }
+    assert runtime_shm(sandbox) and not runtime_shm(volume) and not runtime_shm({"mounts": []})
+    with pytest.raises(
+        FailedPrecondition, match=r"keeps files in the container runtime's /dev/shm \(app-counter\)"
+    ) as e:
+        _refuse_runtime_shm(sandbox, 42, "app", listdir=lambda _p: ["app-counter"])
+    assert "emptyDir with medium: Memory at /dev/shm" in (e.value.hint or "")
+    _refuse_runtime_shm(sandbox, 42, "app", listdir=lambda _p: [])  # an empty one: nothing is lost
+    _refuse_runtime_shm(volume, 42, "app", listdir=lambda _p: ["app-counter"])  # captured as a volume
