@@ -16,17 +16,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.support.conformance import CASES, MIGRATE, REFUSED, RESTORE, SETTINGS  # noqa: E402
+from tests.support.conformance import CASES, DRAIN, MIGRATE, REFUSED, RESTORE, RESUME, SETTINGS  # noqa: E402
 from tests.support.workloads import ALL  # noqa: E402
 
 OUT = REPO / "docs" / "conformance.md"
-MARK = {RESTORE: "R", MIGRATE: "M"}
+MARK = {RESTORE: "R", MIGRATE: "M", RESUME: "S", DRAIN: "D"}
 REFUSED_MARK = "refused"
 
 
 def render() -> str:
     restores = sum(c.operation == RESTORE and not c.refused for c in CASES)
     migrations = sum(c.operation == MIGRATE for c in CASES)
+    protected = sum(c.operation in (RESUME, DRAIN) for c in CASES)
     refused = sum(bool(c.refused) for c in CASES)
     lines = [
         "# Conformance: the pods users run",
@@ -35,12 +36,16 @@ def render() -> str:
         "",
         "`tests/e2e/test_conformance.py` runs every case below on the local two-node cluster, in CI (`make test`):",
         "the pod starts on the first node, is snapshotted and restored on the second (R) or migrated there",
-        "(M), and its application's own state is read before and after through `kubectl exec`: a token only",
-        "its memory holds and its pids must be the same, its counter no lower. Images are built from Debian",
-        "bookworm packages (debootstrap, cached by the packages' versions; `tests/support/images.py`).",
+        "(M); or, a StatefulSet pod protected by a SnapshotPolicy, its node is cordoned and the pod deleted so",
+        "that the replacement on the second node resumes from the periodic save (S), or its node is drained",
+        "and the replacement resumes from the final save (D). The application's own state is read before and",
+        "after through `kubectl exec`: a token only its memory holds and its pids must be the same, its",
+        "counter no lower (no lower than at the drain for D). Images are built from Debian bookworm packages",
+        "(debootstrap, cached by the packages' versions; `tests/support/images.py`).",
         "",
-        f"{len(CASES)} cases: {restores} restores on the other node, {migrations} migrations, {refused} refused up"
-        " front (the refusal's words checked, the pod running on: `refused` below).",
+        f"{len(CASES)} cases: {restores} restores on the other node, {migrations} migrations, {protected} resumes of"
+        f" protected workloads, {refused} refused up front (the refusal's words checked, the pod running on:"
+        " `refused` below).",
         "",
         "## Workloads",
         "",

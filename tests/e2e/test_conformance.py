@@ -18,22 +18,27 @@ import tarfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.reference import Reference
 from tests.support.agent import _plugin, agent
 from tests.support.cluster import Cluster, cluster
 from tests.support.conformance import (
     CASES,
     CONFIG_MAP,
+    DRAIN,
     LOCALHOST_PROFILE,
     LOCALHOST_PROFILE_JSON,
     MIGRATE,
+    PROTECTED_OPERATIONS,
+    RESUME,
     SECRET,
     Case,
     manifest,
@@ -45,7 +50,9 @@ pytestmark = pytest.mark.e2e
 __all__ = ["agent", "cluster"]
 # a developer's quick run: KS_CONFORMANCE_ONLY=gunicorn,static (substrings of case ids); CI runs them all
 _ONLY = [w for w in os.environ.get("KS_CONFORMANCE_ONLY", "").split(",") if w]
-SELECTED = tuple(c for c in CASES if not _ONLY or any(w in c.id for w in _ONLY))
+_CHOSEN = tuple(c for c in CASES if not _ONLY or any(w in c.id for w in _ONLY))
+SELECTED = tuple(c for c in _CHOSEN if c.operation not in PROTECTED_OPERATIONS)
+PROTECTED = tuple(c for c in _CHOSEN if c.operation in PROTECTED_OPERATIONS)
 
 
 def push_tarball(cluster: Cluster, tarball: Path, repo: str) -> str:
@@ -197,9 +204,9 @@ class Batch:
         o.after = self.state(c, o.restored) or ""
 
 
-def _images(cluster: Cluster) -> dict[str, str]:
+def _images(cluster: Cluster, cases: tuple[Case, ...]) -> dict[str, str]:
     images: dict[str, str] = {}
-    for w in {c.workload.name: c.workload for c in SELECTED}.values():
+    for w in {c.workload.name: c.workload for c in cases}.values():
         images[w.name] = cluster.busybox_image if w is BUSYBOX_WL else push_tarball(cluster, w.tarball(), w.image)
     return images
 
@@ -218,7 +225,7 @@ def outcomes(cluster: Cluster, agent: Any) -> Iterator[dict[str, Outcome]]:
         cluster.kubectl("create", "configmap", CONFIG_MAP, "-n", ns, "--from-literal=app.conf=mode=conformance")
         cluster.kubectl("create", "secret", "generic", SECRET, "-n", ns, "--from-literal=password=s3cret")
         batch = Batch(cluster, ns)
-        batch.start(_images(cluster))
+        batch.start(_images(cluster, SELECTED))
         for c in SELECTED:
             batch.operate(c)
         batch.delete_originals()
@@ -245,6 +252,126 @@ def test_conformance(outcomes: dict[str, Outcome], cluster: Cluster, case: Case)
     assert o.after, f"{case.workload.name}: no state read after the restore"
     why = carried_on(case.workload, o.before, o.after)
     assert why is None, f"{why}\nbefore: {o.before}\nafter: {o.after}"
+
+
+# --- protected workloads: autosave resume and drain ----------------------------------------------------
+
+GRACE_S = 30
+DRAIN_MARK = "e2e-conformance-drain"
+
+
+def _protected(case: Case, ns: str, image: str, n1: str, bb: str, registry: str) -> list[dict[str, Any]]:
+    """A SnapshotPolicy (one periodic save when the pod starts) and a one-pod StatefulSet of the case,
+    preferring the first node while it is schedulable."""
+    pod = manifest(case, ns, image, n1, bb)
+    name = pod["metadata"]["name"]
+    spec = pod["spec"]
+    spec.pop("nodeSelector")
+    spec["terminationGracePeriodSeconds"] = GRACE_S
+    prefer = {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": [n1]}]}
+    spec["affinity"] = {
+        "nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "preference": prefer}]}
+    }
+    labels = {"app": name, DRAIN_MARK: ns if case.operation == DRAIN else "no"}
+    policy = {
+        "apiVersion": K.API_VERSION,
+        "kind": K.POLICY_KIND,
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "selector": {"matchLabels": {"app": name}},
+            "workload": {"kind": "StatefulSet", "name": name},
+            "interval": "10m",
+            "destination": f"{registry}/e2e/{ns}/{name}",
+        },
+    }
+    sts = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "replicas": 1,
+            "serviceName": name,
+            "selector": {"matchLabels": {"app": name}},
+            "template": {"metadata": {"labels": labels}, "spec": spec},
+        },
+    }
+    return [policy, sts]
+
+
+def _saved(cluster: Cluster, ns: str, uid: str) -> bool:
+    items = cluster.get_json(K.PLURAL, "-n", ns, "-l", f"{K.LABEL_POD_UID}={uid}")["items"]
+    return any((s.get("status") or {}).get("phase") == K.PHASE_SUCCEEDED for s in items)
+
+
+def _replaced(cluster: Cluster, ns: str, name: str, old_uid: str) -> bool:
+    p = _pod(cluster, ns, name)
+    if p is None or p["metadata"]["uid"] == old_uid or p["metadata"].get("deletionTimestamp"):
+        return False
+    return _ready(cluster, ns, name)
+
+
+@pytest.mark.skipif(not PROTECTED, reason="no protected case chosen (KS_CONFORMANCE_ONLY)")
+def test_protected_workloads_resume_on_the_other_node(cluster: Cluster, agent: Any) -> None:
+    """Each protected case (operation S or D of docs/conformance.md): its StatefulSet pod runs on the first
+    node and gets its periodic save; resume cases are deleted with that node cordoned, drain cases are
+    drained off it; every replacement on the second node must carry on the same process's state."""
+    ns = f"e2e-prot-{uuid.uuid4().hex[:6]}"
+    n1, n2 = cluster.nodes[:2]
+    cluster.kubectl("create", "namespace", ns)
+    problems: dict[str, list[str]] = {c.id: [] for c in PROTECTED}
+    try:
+        cluster.kubectl("annotate", "namespace", ns, f"{K.ANN_ALLOWED_DESTINATIONS}={cluster.registry}/e2e/{ns}")
+        images = _images(cluster, PROTECTED)
+        for c in PROTECTED:
+            cluster.apply(_protected(c, ns, images[c.workload.name], n1, cluster.busybox_image, cluster.registry))
+        pods: dict[str, dict[str, Any]] = {}
+        for c in PROTECTED:
+            name = f"{pod_name(c)}-0"
+            if not _wait(name, partial(_ready, cluster, ns, name), 420):
+                problems[c.id].append(f"never ran: {_why_not_running(cluster, ns, name)}")
+                continue
+            pods[c.id] = _pod(cluster, ns, name) or {}
+            uid = pods[c.id]["metadata"]["uid"]
+            if not _wait("its periodic save", partial(_saved, cluster, ns, uid), 180):
+                problems[c.id].append("no periodic save within 180 s")
+        before = {
+            c.id: _exec(cluster, ns, f"{pod_name(c)}-0", c.workload.read) or "" for c in PROTECTED if c.id in pods
+        }
+        try:
+            cluster.kubectl("cordon", n1)
+            for c in PROTECTED:
+                if c.operation == RESUME and c.id in pods:
+                    cluster.kubectl("delete", "pod", f"{pod_name(c)}-0", "-n", ns, "--wait=false")
+            if any(c.operation == DRAIN for c in PROTECTED):
+                cluster.kubectl(
+                    "drain", n1, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=240s",
+                    f"--pod-selector={DRAIN_MARK}={ns}", timeout=300,
+                )  # fmt: skip
+            for c in PROTECTED:
+                if c.id not in pods or problems[c.id]:
+                    continue
+                name, uid = f"{pod_name(c)}-0", pods[c.id]["metadata"]["uid"]
+                if not _wait(f"{name}'s replacement", partial(_replaced, cluster, ns, name, uid), 300):
+                    problems[c.id].append(f"no replacement ready: {_why_not_running(cluster, ns, name)}")
+                    continue
+                new = _pod(cluster, ns, name) or {}
+                status = (new["metadata"].get("annotations") or {}).get(K.ANN_RESTORE_STATUS, "")
+                if new["spec"].get("nodeName") != n2 or status != K.RESTORE_STAGED:
+                    problems[c.id].append(f"replacement on {new['spec'].get('nodeName')}, restore status {status!r}")
+                    continue
+                after = _exec(cluster, ns, name, c.workload.read) or ""
+                # a resume comes from the periodic save, taken at some point after `before` was read or
+                # before: the same process (token, pids) but no counter bound; a drain's final save is later
+                workload = c.workload if c.operation == DRAIN else replace(c.workload, grows=-1)
+                why = carried_on(workload, before[c.id], after) if after else "no state read after"
+                if why:
+                    problems[c.id].append(f"{why}\nbefore: {before[c.id]}\nafter: {after}")
+        finally:
+            cluster.kubectl("uncordon", n1, check=False)
+    finally:
+        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    failed = {k: v for k, v in problems.items() if v}
+    assert not failed, json.dumps(failed, indent=1)[:8000]
 
 
 def test_the_suite_covers_at_least_30_cases() -> None:

@@ -200,6 +200,10 @@ SETTINGS: dict[str, Setting] = {
 
 RESTORE = "restore"  # snapshot, delete, restore on the other node
 MIGRATE = "migrate"  # kubectl snapshot migrate --node
+# a StatefulSet pod protected by a SnapshotPolicy (interval 10m: one periodic save when it starts)
+RESUME = "resume"  # its node cordoned, the pod deleted: the replacement on the other node resumes the save
+DRAIN = "drain"  # its node drained: a final save, and the replacement on the other node resumes from it
+PROTECTED_OPERATIONS = (RESUME, DRAIN)
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,13 @@ def _cases() -> list[Case]:
         Case(FLASK, ("restricted",), MIGRATE),
         Case(STATIC, ("restricted",), MIGRATE),
         Case(JVM, ("seccomp-pod",), MIGRATE),
+    ]
+    out += [
+        Case(NODE, ("restricted",), RESUME),
+        Case(STATIC, ("restricted",), RESUME),
+        Case(JVM, ("restricted",), DRAIN),
+        Case(SHM, ("shm-volume", "seccomp-pod"), DRAIN),
+        Case(FLASK, ("restricted",), DRAIN),
     ]
     # not restored yet, and said before anything is frozen (a native sidecar is not frozen with the pod)
     sidecar = "has sidecar 'sidecar' running, which the snapshot would not freeze"

@@ -49,8 +49,10 @@ def test_every_policy_is_bound_to_deny_and_fails_closed() -> None:
         p, b = objs[("ValidatingAdmissionPolicy", name)], objs[("ValidatingAdmissionPolicyBinding", name)]
         assert p["apiVersion"] == b["apiVersion"] == "admissionregistration.k8s.io/v1"
         assert p["spec"]["failurePolicy"] == "Fail"
-        # a policy with params fails closed when there is none too (the resume-selected policy)
-        params = {"paramRef": {"selector": {}, "parameterNotFoundAction": "Deny"}} if "paramKind" in p["spec"] else {}
+        # the resume-selected policy's params are the namespace's SnapshotPolicies: with none there it lets
+        # pods through (the API server looks params up before the matchConditions, so Deny would refuse
+        # every pod of such a namespace); the agent starts a pod whose policy is missing fresh
+        params = {"paramRef": {"selector": {}, "parameterNotFoundAction": "Allow"}} if "paramKind" in p["spec"] else {}
         assert b["spec"] == {"policyName": name, "validationActions": ["Deny"], **params}
         for v in p["spec"]["validations"]:
             assert v["reason"] == "Forbidden" and v["messageExpression"], v
