@@ -53,6 +53,24 @@ class _LastSaves(Collector):
         yield g
 
 
+class _DiskReserved(Collector):
+    """``kubectl_snapshot_disk_reserved_bytes{kind,namespace}``: what the node's disk ledger holds for the
+    dumps and restores in flight (shim/diskspace.py), read at scrape time."""
+
+    def __init__(self, held: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        self._held = held
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        g = GaugeMetricFamily(
+            f"{NS}_disk_reserved_bytes",
+            "Disk bytes reserved for dumps and restore staging in flight, by kind and namespace.",
+            labels=["kind", "namespace"],
+        )
+        for (kind, namespace), n in sorted(self._held().items()):
+            g.add_metric([kind, namespace], n)
+        yield g
+
+
 class AgentMetrics:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.registry = CollectorRegistry()
@@ -79,6 +97,10 @@ class AgentMetrics:
         )
         self.last_saves = _LastSaves(clock)
         r.register(self.last_saves)
+
+    def track_disk(self, held: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        """Serve what `held` reports (the node's disk ledger) as kubectl_snapshot_disk_reserved_bytes."""
+        self.registry.register(_DiskReserved(held))
 
     def saved(self, namespace: str, pod: str, *, timings_ms: Mapping[str, float], size: int, uploaded: int) -> None:
         self.saves.labels("succeeded").inc()

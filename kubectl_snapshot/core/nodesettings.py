@@ -8,7 +8,8 @@
 - ``install``: an option of `kubectl snapshot install` and a keyword of `deploy.render()`, passed to
   the agent by the DaemonSet (kubectl_snapshot/deploy/agent.py) and a value of the Helm chart;
 - ``per_node``: may differ per node in the node map (`--node-config`, several nodes on one machine);
-- ``kind``: ``path`` (a normalized absolute host path), ``address`` (HOST:PORT), ``command`` or ``text``.
+- ``kind``: ``path`` (a normalized absolute host path), ``address`` (HOST:PORT), ``command``, ``text``,
+  ``threshold`` (a percentage or a quantity of bytes) or ``share`` (a percentage).
 
 Adding a setting here adds it everywhere it belongs; nothing else lists them.
 """
@@ -23,13 +24,20 @@ from typing import Any, Final
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.diskspace import (
+    DEFAULT_EVICTION_THRESHOLD,
+    DEFAULT_NAMESPACE_SHARE,
+    DiskPolicy,
+    parse_share,
+    parse_threshold,
+)
 from kubectl_snapshot.core.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
 class Option:
     help: str
-    kind: str = "path"  # path | address | command | text
+    kind: str = "path"  # path | address | command | text | threshold | share
     cli: bool = True
     install: bool = False
     per_node: bool = False
@@ -108,12 +116,36 @@ class NodeSettings:
         "The freeze guard's socket (the guard container of the agent's pod); default: a private guard.",
         env="KUBECTL_SNAPSHOT_GUARD_SOCKET",
     )
+    disk_eviction_threshold: str = _opt(
+        DEFAULT_EVICTION_THRESHOLD,
+        "Available space the node filesystem keeps, as the kubelet's evictionHard nodefs.available (10% or 5Gi): "
+        "the agent refuses a dump or a restore's staging that would take its state dir's filesystem below it, "
+        "counting what the snapshots and restores in flight reserved.",
+        kind="threshold",
+        per_node=True,
+        env="KUBECTL_SNAPSHOT_DISK_EVICTION_THRESHOLD",
+    )
+    staging_namespace_share: str = _opt(
+        DEFAULT_NAMESPACE_SHARE,
+        "The most one namespace's restores in flight may reserve of the node's staging room (its available "
+        "space above the eviction threshold), so one tenant cannot fill a node's disk; 100% lifts it.",
+        kind="share",
+        env="KUBECTL_SNAPSHOT_STAGING_NAMESPACE_SHARE",
+    )
     # mounted by the DaemonSet at fixed places (deploy/agent.py provenance_mounts): not options
     signing_key_dir: str = K.SIGNING_KEY_DIR
     trust_dir: str = K.TRUST_DIR
     # install-node's tmpfs for the memory work area (shim/workfs.py; KUBECTL_SNAPSHOT_MEMORY_WORK_MIB=0
     # turns dumps in memory off, and it with them): not an option; False only where nothing may be mounted
     memory_work_fs: bool = True
+
+    @property
+    def disk(self) -> DiskPolicy:
+        """The agent's disk ledger's policy (shim/diskspace.py); an empty setting is its default."""
+        return DiskPolicy.parse(
+            self.disk_eviction_threshold or DEFAULT_EVICTION_THRESHOLD,
+            self.staging_namespace_share or DEFAULT_NAMESPACE_SHARE,
+        )
 
     @property
     def state_dir(self) -> str:
@@ -181,6 +213,13 @@ def check_value(name: str, value: str, what: str | None = None) -> str:
         return check_path(value, what)
     if kind == "address" and value and not re.fullmatch(r"[0-9A-Za-z.\[\]:-]{0,253}:[0-9]{1,5}", value):
         raise InvalidArgument(f"{what}: {value!r} is not HOST:PORT")
+    try:
+        if kind == "threshold":
+            parse_threshold(value)
+        if kind == "share":
+            parse_share(value)
+    except InvalidArgument as e:
+        raise e.with_context(what) from None
     if "\n" in value:
         raise InvalidArgument(f"{what} must be one line")
     return value

@@ -393,6 +393,7 @@ class RestoreWorker:
                 volume_targets=targets,
                 limits=self.limits,
                 opener=opener,
+                namespace=ns,  # the tenant restoring: its restores together keep within its share
             )
             gates.answer(READY)
             clock.lap("download")

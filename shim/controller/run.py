@@ -15,7 +15,7 @@ from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
-from shim import dumplock, freezer, hostfacts, metrics_server, nodecheck
+from shim import diskspace, dumplock, freezer, hostfacts, metrics_server, nodecheck
 from shim.containerd.client import ContainerdClient
 from shim.controller.autosave import Autosave
 from shim.controller.fairness import FairScheduler
@@ -153,6 +153,9 @@ def run(
 ) -> None:
     stop = stop or threading.Event()
     metrics = AgentMetrics()
+    # one disk ledger for the node's dumps and restores (this process's), and what it holds in the metrics
+    diskspace.NODE.configure(settings.disk)
+    metrics.track_disk(diskspace.NODE.held)
     if metrics_address:
         serve_metrics(kube, metrics, metrics_address, settings.node, audiences=settings.metrics_token_audiences)
     facts = node_facts(settings)

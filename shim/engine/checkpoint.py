@@ -28,6 +28,8 @@ from kubectl_snapshot.adapters.signatures import PendingSignature, publish_signa
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes, delta_digests, has_deltas
+from kubectl_snapshot.core.diskspace import DUMP, Ask
+from kubectl_snapshot.core.dumpspace import dump_bytes
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError, Unavailable
 from kubectl_snapshot.core.model import (
     ContainerRecord,
@@ -46,9 +48,10 @@ from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest
 from kubectl_snapshot.core.provenance import Origin, SigningKey
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
-from shim import hostfacts, memwork, reaper, safefs
+from shim import diskspace, hostfacts, memwork, reaper, safefs
 from shim.archive import tar_directories
 from shim.criu_images import summarize_checkpoint
+from shim.diskspace import DiskLedger
 from shim.engine.package import (
     PackagedBlob,
     PackagedContainer,
@@ -66,6 +69,7 @@ PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]  # (new bytes, total bytes)
 UnixLinksFn = Callable[[list[int]], Sequence[Any]]  # init pids -> shim.unixpeers.CrossLink list
 NetLockFn = Callable[[list[int]], AbstractContextManager[None]]  # init pids -> shim.dumplock.pod_network_locked
+VOLUME_ENTRIES = 200_000  # a volume with more entries than this is not sized before its tar (the walk is not free)
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,7 @@ def checkpoint(
     sealer: Sealer | None = None,
     unix_links: UnixLinksFn | None = None,
     net_lock: NetLockFn | None = None,
+    disk: DiskLedger | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -158,6 +163,7 @@ def checkpoint(
     cannot dump one container at a time: the snapshot is refused before anything is frozen.
     `net_lock` holds the network the containers share locked while they are dumped one after the
     other (shim.dumplock), so that both ends of a connection between them are dumped in agreement.
+    `disk` is the ledger a dump on disk reserves its bytes in (default: the node's, shim/diskspace.py).
     """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
@@ -173,8 +179,13 @@ def checkpoint(
     snapshot_id = f"{int(time.time())}-{uuid.uuid4().hex[:12]}"
     timings: dict[str, float] = {"preflight_ms": preflight_ms}
     frozen: list[str] = []
-    # the dump in memory where it clearly fits (shim/memwork.py), else in the state dir on disk
-    with memwork.reserve(paths.root, snapshot_id, _expected_dump(req, pre)) as in_memory:
+    layers = _layers_bytes(pre)
+    with contextlib.ExitStack() as held:
+        # the dump in memory where it clearly fits (shim/memwork.py), else in the state dir on disk, where
+        # its bytes are promised first (shim/diskspace.py): a refusal comes before anything is frozen
+        in_memory = held.enter_context(memwork.reserve(paths.root, snapshot_id, _expected_dump(req, pre, layers)))
+        if in_memory is None:
+            held.enter_context((disk or diskspace.NODE).reserve(paths.root, _dump_ask(req, names, pre, layers)))
         work = in_memory or paths.work_dir(snapshot_id)
         if in_memory is None:
             os.makedirs(work, mode=0o700)
@@ -225,18 +236,39 @@ class _Preflight:
     memory: int | None = None  # the containers' resident memory (None: not measured)
 
 
-def _expected_dump(req: CheckpointRequest, pre: _Preflight) -> int | None:
-    """The dump's expected bytes (memory + writable layers) where they are known and the dump may go to
-    memory: not for volumes (their size is the tenant's), nor a work dir kept for inspection."""
-    if pre.memory is None or req.volumes or req.keep_work:
-        return None
-    total = pre.memory
+def _layers_bytes(pre: _Preflight) -> int | None:
+    """What the writable layers hold (None: a layer too large or too busy to size)."""
+    total = 0
     for upper in pre.upperdirs:
         size = memwork.tree_size(upper) if upper is not None else 0
         if size is None:
             return None
         total += size
     return total
+
+
+def _expected_dump(req: CheckpointRequest, pre: _Preflight, layers: int | None) -> int | None:
+    """The dump's expected bytes (memory + writable layers) where they are known and the dump may go to
+    memory: not for volumes (their size is the tenant's), nor a work dir kept for inspection."""
+    if pre.memory is None or layers is None or req.volumes or req.keep_work:
+        return None
+    return pre.memory + layers
+
+
+def _dump_ask(req: CheckpointRequest, names: list[str], pre: _Preflight, layers: int | None) -> Ask:
+    """The disk a dump takes, from what is known of it: the containers' memory, their writable layers and
+    the volumes' contents (each unknown one counts nothing; the slack covers CRIU's other images and the
+    tars' headers)."""
+    volumes = sum(memwork.tree_size(v, VOLUME_ENTRIES) or 0 for v in req.volumes)
+    what = f"the dump of pod {req.namespace}/{req.group}" if req.namespace else f"the dump of {req.group or names[0]}"
+    return Ask(
+        need=dump_bytes((pre.memory or 0) + (layers or 0) + volumes),
+        what=what,
+        hint="free space on the node's disk (the agent's state dir) or snapshot the pod when fewer snapshots and "
+        "restores run on its node; nothing was frozen: the pod keeps running",
+        kind=DUMP,
+        namespace=req.namespace,
+    )
 
 
 def _preflight(

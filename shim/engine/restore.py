@@ -25,6 +25,7 @@ from typing import Any
 from kubectl_snapshot.adapters.signatures import load_signed, verify_for_restore
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.artifact import Artifact
+from kubectl_snapshot.core.diskspace import STAGING, Ask
 from kubectl_snapshot.core.errors import (
     CriuFailed,
     FailedPrecondition,
@@ -41,8 +42,9 @@ from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, Opener
-from shim import criu_guard, hostfacts, safefs
+from shim import criu_guard, diskspace, hostfacts, safefs
 from shim.archive import safe_extract
+from shim.diskspace import DiskLedger, Reservation
 from shim.engine.package import progress_counter
 from shim.engine.ports import Registry
 from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, check_key
@@ -117,25 +119,34 @@ def plan_space(artifact: Artifact) -> SpacePlan:
     return SpacePlan(download, written)
 
 
-def check_space(plan: SpacePlan, directory: str, limits: RestoreLimits) -> int:
-    """Refuse a restore over the limits or the free space of `directory`'s filesystem; returns what
-    the extraction may still write (the cap given to safe_extract for what sizes cannot declare)."""
+def check_limit(plan: SpacePlan, limits: RestoreLimits) -> None:
+    """Refuse a restore over the node's limit for one restore (its free space: `reserve_staging`)."""
     if plan.written_bytes > limits.max_bytes:
         raise FailedPrecondition(
             f"the snapshot declares {plan.written_bytes} bytes to download and write, over this node's "
             f"limit of {limits.max_bytes} bytes for one restore",
             hint="restore it on a node configured for larger restores, or take a smaller snapshot",
         )
-    st = os.statvfs(directory)
-    free = st.f_bavail * st.f_frsize
-    if plan.written_bytes + limits.reserve_bytes > free:
-        raise FailedPrecondition(
-            f"not enough space to stage the snapshot: it needs {plan.written_bytes} bytes (plus "
-            f"{limits.reserve_bytes} kept free) and {directory} has {free} bytes free",
-            hint="free space on the node's staging filesystem or restore on another node (--node)",
-            retryable=True,
-        )
-    return max(0, min(ExtractLimits().max_total_bytes, free - limits.reserve_bytes))
+
+
+def reserve_staging(
+    plan: SpacePlan, directory: str, limits: RestoreLimits, namespace: str, disk: DiskLedger
+) -> contextlib.AbstractContextManager[Reservation]:
+    """The restore's bytes promised on `directory`'s filesystem (shim/diskspace.py), or a refusal: the
+    node keeps its eviction threshold (or `limits.reserve_bytes`, the larger) free, beside the
+    snapshots and restores in flight, and `namespace`'s restores keep within its share."""
+    return disk.reserve(
+        directory,
+        Ask(
+            need=plan.written_bytes,
+            what="the snapshot's staging",
+            hint="free space on the node's staging filesystem, wait for the restores in flight, or restore "
+            "on another node (--node)",
+            kind=STAGING,
+            namespace=namespace,
+            keep=limits.reserve_bytes,
+        ),
+    )
 
 
 def _wanted_layers(artifact: Artifact) -> list[Descriptor]:
@@ -159,13 +170,16 @@ def stage_artifact(
     limits: RestoreLimits | None = None,
     timings: dict[str, float] | None = None,
     on_images: Callable[[], None] | None = None,
+    namespace: str = "",
+    disk: DiskLedger | None = None,
 ) -> None:
     """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets.
 
     Format v2 page files are rebuilt from their chunks meanwhile by parallel workers, each chunk verified
     against its digest before it is written (shim/engine/stream.py), and linked into place once their
     container's layer is extracted. Nothing is downloaded before the
-    declared sizes passed `limits` and the staging filesystem's free space (plan_space, check_space).
+    declared sizes passed `limits` and their bytes are reserved on the staging filesystem (`disk`, default
+    the node's ledger), charged to `namespace` (the tenant restoring; "" outside Kubernetes).
     An encrypted snapshot needs its `opener` (`opener_for`): each blob is decrypted after its digest is
     verified, every segment authenticated before its bytes reach the extraction. `timings` gets the
     milliseconds of its steps (layers_ms: downloaded; extract_ms: extracted, decode cache filled;
@@ -187,8 +201,8 @@ def stage_artifact(
     downloads = paths.downloads()
     os.makedirs(downloads, mode=0o700, exist_ok=True)
     plan = plan_space(artifact)
-    extract_cap = check_space(plan, downloads, limits or RestoreLimits())
-    extract_limits = ExtractLimits(max_total_bytes=extract_cap, max_member_bytes=extract_cap)
+    limits = limits or RestoreLimits()
+    check_limit(plan, limits)
     count = progress_counter(on_bytes, plan.download_bytes)
     blobs: dict[str, str] = {}
     # Each container's page files download beside its layer, into a private directory next to its
@@ -198,6 +212,11 @@ def stage_artifact(
     aside: list[tuple[str, Future[float]] | None] = []
     t = clock()
     with contextlib.ExitStack() as stack:
+        # before any download, and released once the downloads and page dirs are gone: the bytes promised
+        # on the staging filesystem; what sizes cannot declare is capped by the room the promise saw
+        reserved = stack.enter_context(reserve_staging(plan, downloads, limits, namespace, disk or diskspace.NODE))
+        cap = max(0, min(ExtractLimits().max_total_bytes, reserved.room))
+        extract_limits = ExtractLimits(max_total_bytes=cap, max_member_bytes=cap)
         stack.callback(_remove_pages_dirs, aside)  # last, after the pool's exit: nothing writes there any more
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="pages"))
         try:

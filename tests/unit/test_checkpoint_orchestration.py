@@ -117,6 +117,35 @@ def test_unknown_or_stopped_containers_are_refused_before_freezing(tmp_path: Pat
         run(cd, FakeRegistry(), tmp_path, containers=["a"])
 
 
+def test_a_dump_that_would_take_the_node_under_the_eviction_threshold_is_refused_before_freezing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dump on disk reserves the pod's memory (and writable layers, volumes) first (shim/diskspace.py):
+    refused, nothing is frozen or written and the pod keeps running; a dump that fits is taken."""
+    gib = 1 << 30
+    monkeypatch.setenv("KUBECTL_SNAPSHOT_MEMORY_WORK_MIB", "0")  # the dump goes to the disk
+    # the node's disk: 100 GiB, 16 GiB available, the kubelet's 10% kept free: 6 GiB of room
+    monkeypatch.setattr(
+        os, "statvfs", lambda path: os.statvfs_result((4096, 1, 100 * gib, 16 * gib, 16 * gib, 0, 0, 0, 0, 255))
+    )
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry()
+    req = CheckpointRequest(containers=["a", "b"], target=TARGET, stop=True, namespace="n", group="p")
+    paths = StatePaths(str(tmp_path))
+    with pytest.raises(FailedPrecondition) as e:  # two containers of 4 GiB each
+        checkpoint(req, containerd=cd, registry=reg, paths=paths, host=HOST, memory_of=lambda pid: 4 * gib)
+    err = e.value
+    assert "not enough space" in err.message and "the dump of pod n/p" in err.message and "kept free" in err.message
+    assert err.retryable and "the pod keeps running" in (err.hint or "")
+    assert cd.calls == [] and cd.paused == set() and cd.killed == set()  # never frozen, never stopped
+    assert not (tmp_path / "work").exists()  # nothing written
+    assert reg.manifests == {}
+    checkpoint(req, containerd=cd, registry=reg, paths=paths, host=HOST, memory_of=lambda pid: gib)
+    assert reg.manifests
+    from shim import diskspace
+
+    assert diskspace.NODE.held() == {}  # both promises went with their dumps
+
+
 def test_a_killed_checkpoint_is_recovered_by_thawing(tmp_path: Path) -> None:
     from shim.engine.checkpoint import FROZEN_FILE, recover_interrupted
 

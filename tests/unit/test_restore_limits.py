@@ -111,6 +111,94 @@ def test_plan_counts_layers_chunks_and_memory() -> None:
     assert v1.written_bytes == 3 * MIB + 8 * MIB  # memory inside the layer is extracted
 
 
+# --- the node's disk ledger: restores in flight see each other (shim/diskspace.py) ---------------
+
+GIB = 1 << 30
+NO_LIMITS = RestoreLimits(max_bytes=1 << 62, reserve_bytes=0)
+
+
+def fake_statvfs(total: int, available: int) -> Any:
+    """A filesystem of `total` bytes with `available` left (f_frsize 1), whatever the path."""
+    return lambda path: os.statvfs_result((4096, 1, total, available, available, 0, 0, 0, 0, 255))
+
+
+class HeldRegistry:
+    """A registry whose first download waits until the test lets it go, then fails."""
+
+    def __init__(self) -> None:
+        self.downloading, self.go = threading.Event(), threading.Event()
+        self.calls: list[str] = []
+
+    def fetch_blob(self, ref: Reference, digest: str, out: Any, **kw: Any) -> None:
+        self.calls.append(digest)
+        self.downloading.set()
+        self.go.wait(10)
+        raise Unavailable("the registry went away")
+
+
+class InFlight:
+    """A restore staging on a thread, held in its download until `finish`."""
+
+    def __init__(self, tmp_path: Path, art: Artifact, target: str, **kw: Any) -> None:
+        self.registry = HeldRegistry()
+        self.error: Exception | None = None
+        paths = StatePaths(str(tmp_path / "state"))
+
+        def run() -> None:
+            try:
+                stage_artifact(art, [str(tmp_path / target)], registry=self.registry, paths=paths, **kw)  # type: ignore[arg-type]
+            except Exception as e:
+                self.error = e
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+        assert self.registry.downloading.wait(10), "the restore in flight was not admitted"
+
+    def finish(self) -> Exception | None:
+        self.registry.go.set()
+        self.thread.join(10)
+        return self.error
+
+
+def test_two_restores_that_fit_alone_but_not_together_are_not_both_admitted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each restore checked the same free space: both were admitted and together filled the disk."""
+    monkeypatch.setattr(os, "statvfs", fake_statvfs(total=100 * GIB, available=20 * GIB))  # 10 GiB kept free
+    art = artifact(layer_size=MIB, memory=6 * GIB)  # 6 GiB to write: one fits the 10 GiB of room, two do not
+    first = InFlight(tmp_path, art, "s1", limits=NO_LIMITS)
+    try:
+        second = stage(tmp_path, art, NO_LIMITS)  # refused before a single download
+        err = stage.last  # type: ignore[attr-defined]
+        assert second.calls == []
+        assert "promised to snapshots and restores in flight" in err.message and err.retryable
+        assert "kept free" in err.message and err.hint
+    finally:
+        first_error = first.finish()
+    assert isinstance(first_error, Unavailable)  # the first was admitted and downloading
+    # its promise went with it (it failed): the same restore is admitted now
+    again = InFlight(tmp_path, art, "s3", limits=NO_LIMITS)
+    assert isinstance(again.finish(), Unavailable)
+
+
+def test_one_namespace_cannot_take_the_staging_room_of_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(os, "statvfs", fake_statvfs(total=100 * GIB, available=20 * GIB))  # 10 GiB of room
+    art = artifact(layer_size=MIB, memory=3 * GIB)  # default share 50%: 5 GiB for one namespace
+    busy = InFlight(tmp_path, art, "s1", limits=NO_LIMITS, namespace="busy")
+    try:
+        reg = RecordingRegistry()
+        paths = StatePaths(str(tmp_path / "state"))
+        with pytest.raises(FailedPrecondition, match="namespace 'busy' may not stage more") as e:
+            stage_artifact(art, [str(tmp_path / "s2")], registry=reg, paths=paths, limits=NO_LIMITS, namespace="busy")  # type: ignore[arg-type]
+        assert reg.calls == [] and e.value.retryable
+        quiet = InFlight(tmp_path, art, "s3", limits=NO_LIMITS, namespace="quiet")  # another tenant's is admitted
+        assert isinstance(quiet.finish(), Unavailable)
+    finally:
+        busy.finish()
+
+
 # --- garbage collection of staged data ------------------------------------------------------------
 
 
