@@ -185,9 +185,11 @@ def restore_pod(
     pod_name = validate_name(name or restored_name(record.name or "pod"), "pod")
     spec = copy.deepcopy(dict(record.spec))
     recorded_meta = spec.pop("metadata", None) or {}
-    for key in ("nodeName", "initContainers", "ephemeralContainers"):
+    # native sidecars (restartPolicy Always) come back after the gate; other init containers already ran
+    sidecars = [c for c in spec.pop("initContainers", None) or [] if c.get("restartPolicy") == "Always"]
+    for key in ("nodeName", "ephemeralContainers"):
         spec.pop(key, None)
-    for c in spec["containers"]:
+    for c in [*sidecars, *spec["containers"]]:
         image = str(c.get("image", ""))
         if "@sha256:" not in image:
             raise FailedPrecondition(
@@ -210,7 +212,7 @@ def restore_pod(
             spec.pop("affinity", None)  # recorded for the old node; --node decides now
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") != K.GATE_VOLUME]
     spec["volumes"] = [*volumes, {"name": K.GATE_VOLUME, "emptyDir": {}}]
-    spec["initContainers"] = [gate_container(gate_image)]
+    spec["initContainers"] = [gate_container(gate_image), *sidecars]
     return {
         "apiVersion": "v1",
         "kind": "Pod",

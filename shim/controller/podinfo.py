@@ -23,8 +23,15 @@ class PodContainers:
     names: list[str]
 
 
+def sidecars(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod's native sidecars: init containers with ``restartPolicy: Always``, which run beside the app
+    containers (the other init containers ran to completion before them and are not part of a snapshot)."""
+    return [c for c in spec.get("initContainers") or [] if isinstance(c, dict) and c.get("restartPolicy") == "Always"]
+
+
 def running_containers(pod: dict[str, Any]) -> PodContainers:
-    """The pod's app containers with their containerd ids; every one must be running."""
+    """The pod's running containers with their containerd ids, its native sidecars first (in their
+    order, as the kubelet starts them), then its app containers; every one must be running."""
     meta, spec, status = pod.get("metadata", {}), pod.get("spec", {}), pod.get("status", {})
     where = f"pod {meta.get('namespace')}/{meta.get('name')}"
     if status.get("phase") != "Running":
@@ -33,47 +40,46 @@ def running_containers(pod: dict[str, Any]) -> PodContainers:
             hint="only running pods can be snapshotted",
         )
     _refuse_unfrozen_neighbours(pod, where)
-    by_name = {cs.get("name"): cs for cs in status.get("containerStatuses") or []}
     ids, names = [], []
-    for c in spec.get("containers") or []:
-        cs = by_name.get(c["name"]) or {}
-        cid = cs.get("containerID") or ""
-        if "running" not in (cs.get("state") or {}) or "://" not in cid:
-            raise FailedPrecondition(
-                f"container {c['name']!r} of {where} is not running", hint="wait until every container runs"
-            )
-        runtime, _, bare = cid.partition("://")
-        if runtime != "containerd":
-            raise FailedPrecondition(
-                f"{where} runs on {runtime}, not containerd", hint="kubectl-snapshot drives containerd nodes"
-            )
-        ids.append(bare)
-        names.append(c["name"])
+    groups = ((sidecars(spec), "initContainerStatuses"), (spec.get("containers") or [], "containerStatuses"))
+    for containers, statuses in groups:
+        by_name = {cs.get("name"): cs for cs in status.get(statuses) or []}
+        for c in containers:
+            ids.append(_running_id(c["name"], by_name.get(c["name"]) or {}, where))
+            names.append(c["name"])
     if not ids:
         raise FailedPrecondition(f"{where} has no containers")
     return PodContainers(ids, names)
 
 
-def _refuse_unfrozen_neighbours(pod: dict[str, Any], where: str) -> None:
-    """Refuse a pod in which something that would not be frozen is running.
+def _running_id(name: str, cs: dict[str, Any], where: str) -> str:
+    cid = cs.get("containerID") or ""
+    if "running" not in (cs.get("state") or {}) or "://" not in cid:
+        raise FailedPrecondition(
+            f"container {name!r} of {where} is not running", hint="wait until every container runs"
+        )
+    runtime, _, bare = cid.partition("://")
+    if runtime != "containerd":
+        raise FailedPrecondition(
+            f"{where} runs on {runtime}, not containerd", hint="kubectl-snapshot drives containerd nodes"
+        )
+    return bare
 
-    Only the app containers are frozen and dumped; a native sidecar (an init container with
-    ``restartPolicy: Always``) or an ephemeral container shares the pod's volumes (and, with a shared
-    process namespace, the others' /proc/PID/root), so it could change the volumes while they are
-    captured, or race links into them. It would also not come back on restore.
-    """
-    status = pod.get("status", {})
+
+def _refuse_unfrozen_neighbours(pod: dict[str, Any], where: str) -> None:
+    """Refuse a pod in which something that would not be frozen is running: an ephemeral (debug)
+    container shares the pod's volumes (and, with a shared process namespace, the others' /proc/PID/root),
+    so it could change the volumes while they are captured, or race links into them; it would also not
+    come back on restore. (Native sidecars are frozen and dumped with the app containers.)"""
     running = [
-        f"{kind} {cs.get('name')!r}"
-        for kind, key in (("sidecar", "initContainerStatuses"), ("ephemeral container", "ephemeralContainerStatuses"))
-        for cs in status.get(key) or []
+        f"ephemeral container {cs.get('name')!r}"
+        for cs in pod.get("status", {}).get("ephemeralContainerStatuses") or []
         if "running" in (cs.get("state") or {})
     ]
     if running:
         raise FailedPrecondition(
             f"{where} has {', '.join(running)} running, which the snapshot would not freeze",
-            hint="snapshot pods whose running containers are all app containers (no native sidecars, "
-            "no ephemeral debug containers); recreate the pod without them",
+            hint="snapshot pods without ephemeral debug containers; recreate the pod without them",
         )
 
 
@@ -88,12 +94,12 @@ def check_restore_pod(pod: dict[str, Any]) -> None:
     hint = "create restore pods with `kubectl snapshot restore`; the agent touches no other pod's volumes"
     expected = gate_container("")
     inits = spec.get("initContainers") or []
-    gate = inits[0] if len(inits) == 1 else {}
+    gate = inits[0] if inits and all(c.get("restartPolicy") == "Always" for c in inits[1:]) else {}
     # the API server adds the service account token mount to every container: other mounts are fine
     gate_mounts = [m for m in gate.get("volumeMounts") or [] if m.get("name") == K.GATE_VOLUME]
     why = ""
-    if len(inits) != 1 or gate.get("name") != expected["name"]:
-        why = f"its only init container must be the project's gate ({K.GATE_CONTAINER})"
+    if not inits or gate.get("name") != expected["name"]:
+        why = f"its first init container must be the project's gate ({K.GATE_CONTAINER}), the others native sidecars"
     elif gate.get("command") != expected["command"] or gate.get("args"):
         why = "the gate container does not run the project's gate command"
     elif gate.get("restartPolicy"):
@@ -111,8 +117,7 @@ def check_restore_pod(pod: dict[str, Any]) -> None:
         raise FailedPrecondition(f"{where} is not a restore pod: {K.GATE_VOLUME} is not an emptyDir", hint=hint)
     others = [
         c.get("name")
-        for key in ("containers", "ephemeralContainers")
-        for c in spec.get(key) or []
+        for c in [*inits[1:], *(spec.get("containers") or []), *(spec.get("ephemeralContainers") or [])]
         if any(m.get("name") == K.GATE_VOLUME for m in c.get("volumeMounts") or [])
     ]
     if others:
@@ -212,21 +217,33 @@ def _strip_token_mounts(container: dict[str, Any], dropped: set[str]) -> dict[st
 def record_pod(pod: dict[str, Any], node: str) -> PodRecord:
     """The sanitized pod spec the artifact keeps (docs/kubernetes.md): what `restore` recreates."""
     meta, spec, status = pod["metadata"], copy.deepcopy(pod.get("spec", {})), pod.get("status", {})
-    image_ids = {cs.get("name"): cs.get("imageID") or "" for cs in status.get("containerStatuses") or []}
+    image_ids = {
+        cs.get("name"): cs.get("imageID") or ""
+        for key in ("initContainerStatuses", "containerStatuses")
+        for cs in status.get(key) or []
+    }
     dropped = {v["name"] for v in spec.get("volumes") or [] if v["name"].startswith(K.SA_TOKEN_VOLUME_PREFIX)}
     spec["volumes"] = [v for v in spec.get("volumes") or [] if v["name"] not in dropped]
     if not spec["volumes"]:
         del spec["volumes"]
-    containers = []
-    for c in spec.get("containers") or []:
-        c = _strip_token_mounts(c, dropped)
-        pinned = _pinned_image(c.get("image", ""), image_ids.get(c["name"], ""))
-        if pinned:
-            c["image"] = pinned
-        containers.append(c)
-    spec["containers"] = containers
+
+    def pinned(containers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for c in containers:
+            c = _strip_token_mounts(c, dropped)
+            image = _pinned_image(c.get("image", ""), image_ids.get(c["name"], ""))
+            if image:
+                c["image"] = image
+            out.append(c)
+        return out
+
+    spec["containers"] = pinned(spec.get("containers") or [])
+    # native sidecars come back with the app containers; the other init containers already ran
+    kept = pinned(sidecars(spec))
     for key in ("nodeName", "initContainers", "ephemeralContainers", "schedulingGates"):
         spec.pop(key, None)
+    if kept:
+        spec["initContainers"] = kept
     spec["metadata"] = {
         "labels": dict(meta.get("labels") or {}),
         "annotations": {k: v for k, v in (meta.get("annotations") or {}).items() if not k.startswith(K.GROUP)},

@@ -44,6 +44,7 @@ from shim.controller.podinfo import (
     has_gate,
     host_view,
     restore_volume_names,
+    sidecars,
 )
 from shim.controller.ports import Kube
 from shim.controller.resume import RESUME_WAIT_S, RestoreSource, Resumer, StartFresh
@@ -359,7 +360,8 @@ class RestoreWorker:
                     f"node {self.settings.node} cannot restore {ref}: {'; '.join(problems)}",
                     hint="restore on a node that has CRIU and matches the snapshot's (choose it with --node)",
                 )
-            app = {c["name"] for c in (pod.get("spec") or {}).get("containers") or []}
+            spec = pod.get("spec") or {}
+            app = {c["name"] for c in [*(spec.get("containers") or []), *sidecars(spec)]}
             missing = [c.name for c in config.containers if c.name not in app]
             if missing:
                 raise FailedPrecondition(

@@ -221,10 +221,10 @@ class Case:
 
 def _cases() -> list[Case]:
     per_workload: list[tuple[Workload, list[tuple[str, ...]]]] = [
-        (BUSYBOX_WL, [("plain",), ("seccomp-pod",), ("seccomp-container",), ("seccomp-localhost",)]),
+        (BUSYBOX_WL, [("plain",), ("seccomp-pod",), ("seccomp-container",), ("seccomp-localhost",), ("sidecar",)]),
         (JVM, [("restricted",), ("limits",), ("probes",), ("volumes",)]),
         (NODE, [("restricted",), ("projected-token",), ("subpath",), ("probes",)]),
-        (FLASK, [("restricted",), ("volumes",), ("no-token",), ("caps",)]),
+        (FLASK, [("restricted",), ("volumes",), ("no-token",), ("caps",), ("sidecar", "seccomp-pod")]),
         (SHM, [("shm-volume",), ("shm-volume", "seccomp-pod"), ("shm-volume", "limits")]),
         (NGINX, [("seccomp-pod",), ("no-privesc",), ("read-only-root",), ("caps",)]),
         (STATIC, [("restricted",), ("no-token",), ("seccomp-localhost",), ("host-aliases",), ("subpath",)]),
@@ -242,9 +242,6 @@ def _cases() -> list[Case]:
         Case(SHM, ("shm-volume", "seccomp-pod"), DRAIN),
         Case(FLASK, ("restricted",), DRAIN),
     ]
-    # not restored yet, and said before anything is frozen (a native sidecar is not frozen with the pod)
-    sidecar = "has sidecar 'sidecar' running, which the snapshot would not freeze"
-    out += [Case(BUSYBOX_WL, ("sidecar",), refused=sidecar), Case(FLASK, ("sidecar",), refused=sidecar)]
     # the runtime's /dev/shm (the sandbox's tmpfs) is not captured: refused before a save that could not
     # be restored; with /dev/shm an emptyDir (the cases above) the same server is restored
     out += [Case(SHM, ("plain",), refused="keeps files in the container runtime's /dev/shm (app-counter)")]

@@ -104,6 +104,21 @@ def test_record_pod_sanitizes_and_pins_images() -> None:
     assert POD["spec"]["nodeName"] == "ks-n1"  # the input is not modified
 
 
+def test_record_pod_keeps_native_sidecars_pinned_and_drops_completed_init_containers() -> None:
+    pod = copy.deepcopy(POD)
+    pod["spec"]["initContainers"] = [
+        {"name": "setup", "image": "127.0.0.1:5005/busybox:1"},
+        {"name": "proxy", "image": "127.0.0.1:5005/busybox:1", "restartPolicy": "Always"},
+    ]
+    pod["status"]["initContainerStatuses"] = [
+        {"name": "proxy", "imageID": "127.0.0.1:5005/busybox@sha256:" + "c" * 64, "state": {"running": {}}}
+    ]
+    spec = record_pod(pod, "ks-n1").spec
+    assert spec["initContainers"] == [
+        {"name": "proxy", "image": "127.0.0.1:5005/busybox@sha256:" + "c" * 64, "restartPolicy": "Always"}
+    ]
+
+
 def test_wants_restore() -> None:
     pod = copy.deepcopy(POD)
     assert not wants_restore(pod, "ks-n1")

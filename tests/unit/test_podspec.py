@@ -220,3 +220,23 @@ def test_restore_states() -> None:
     assert restore_state(_rpod(phase="Failed", message="evicted")).reason == "evicted"
     unsched = [{"type": "PodScheduled", "status": "False", "message": "no node"}]
     assert "unschedulable" in restore_state(_rpod(phase="Pending", conditions=unsched)).reason
+
+
+def test_restore_pod_brings_native_sidecars_back_after_the_gate() -> None:
+    """A native sidecar (restartPolicy Always) was snapshotted with the app: it comes back, after the
+    gate (it must not run on half-written volumes), with its image pinned; a completed init container
+    already ran and is dropped; a sidecar whose image is not pinned is refused like an app container."""
+    ref = Reference.parse("127.0.0.1:5005/snaps/web:t1").with_digest(DIGEST)
+    side = {"name": "side", "image": IMG, "restartPolicy": "Always"}
+    pod = restore_pod(
+        _record(initContainers=[{"name": "setup", "image": IMG}, side]),
+        reference=ref,
+        namespace="b",
+        gate_image="agent:1",
+    )
+    assert [c["name"] for c in pod["spec"]["initContainers"]] == [K.GATE_CONTAINER, "side"]
+    assert pod["spec"]["initContainers"][1] == side
+    with pytest.raises(FailedPrecondition, match="container 'side' of the snapshot has image"):
+        restore_pod(
+            _record(initContainers=[{**side, "image": "busybox:1"}]), reference=ref, namespace="b", gate_image="a:1"
+        )

@@ -98,6 +98,14 @@ def _mutations() -> list[Any]:
     def ephemeral(p: dict[str, Any]) -> None:
         p["spec"]["ephemeralContainers"] = [{"name": "dbg", "image": "busybox"}]
 
+    def sidecar_first(p: dict[str, Any]) -> None:
+        p["spec"]["initContainers"].insert(0, {"name": "side", "image": "busybox", "restartPolicy": "Always"})
+
+    def sidecar_mounts_gate(p: dict[str, Any]) -> None:
+        side = {"name": "side", "image": "busybox", "restartPolicy": "Always"}
+        side["volumeMounts"] = [{"name": K.GATE_VOLUME, "mountPath": "/g"}]  # type: ignore[assignment]
+        p["spec"]["initContainers"].append(side)
+
     return [
         no_gate,
         tenant_init_first,
@@ -111,6 +119,8 @@ def _mutations() -> list[Any]:
         gate_twice,
         app_mounts_gate,
         ephemeral,
+        sidecar_first,
+        sidecar_mounts_gate,
     ]
 
 
@@ -158,16 +168,35 @@ def test_plain_pod_is_snapshotted() -> None:
     assert running_containers(running_pod()).ids == ["abc"]
 
 
-@pytest.mark.parametrize(
-    ("key", "what"), [("initContainerStatuses", "sidecar"), ("ephemeralContainerStatuses", "ephemeral container")]
-)
-def test_running_sidecars_and_ephemeral_containers_are_refused(key: str, what: str) -> None:
+def test_a_running_ephemeral_container_is_refused() -> None:
     pod = running_pod()
-    pod["status"][key] = [{"name": "x", "state": {"running": {}}}]
-    with pytest.raises(FailedPrecondition, match=f"{what} 'x' running"):
+    pod["status"]["ephemeralContainerStatuses"] = [{"name": "x", "state": {"running": {}}}]
+    with pytest.raises(FailedPrecondition, match="ephemeral container 'x' running"):
         running_containers(pod)
-    pod["status"][key] = [{"name": "x", "state": {"terminated": {"exitCode": 0}}}]
-    assert running_containers(pod).ids == ["abc"]  # finished init containers are fine
+    pod["status"]["ephemeralContainerStatuses"] = [{"name": "x", "state": {"terminated": {"exitCode": 0}}}]
+    assert running_containers(pod).ids == ["abc"]
+
+
+def test_native_sidecars_are_frozen_and_dumped_first_completed_init_containers_are_not() -> None:
+    """A native sidecar (restartPolicy Always) runs beside the app: it is snapshotted with it, before it
+    (the kubelet starts it first on restore too); an init container that ran to completion is not."""
+    pod = running_pod()
+    pod["spec"]["initContainers"] = [{"name": "setup"}, {"name": "side", "restartPolicy": "Always"}]
+    pod["status"]["initContainerStatuses"] = [
+        {"name": "setup", "state": {"terminated": {"exitCode": 0}}},
+        {"name": "side", "containerID": "containerd://sss", "state": {"running": {}}},
+    ]
+    got = running_containers(pod)
+    assert (got.names, got.ids) == (["side", "app"], ["sss", "abc"])
+    pod["status"]["initContainerStatuses"][1]["state"] = {"waiting": {}}
+    with pytest.raises(FailedPrecondition, match="container 'side' of pod a/p is not running"):
+        running_containers(pod)
+
+
+def test_a_restore_pod_with_its_sidecars_after_the_gate_is_one() -> None:
+    pod = good_pod()
+    pod["spec"]["initContainers"].append({"name": "side", "image": "busybox", "restartPolicy": "Always"})
+    check_restore_pod(pod)
 
 
 # --- the restore worker against planted links -----------------------------------------------------
