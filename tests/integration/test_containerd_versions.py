@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from kubectl_snapshot.core import kube as K
 from shim.containerd.client import ContainerdClient
+from shim.controller import dropin
 from tests.integration.test_agent_roundtrip import (
     agent,
     cleanup,
@@ -29,7 +33,7 @@ from tests.integration.test_agent_roundtrip import (
     wait_for,
 )
 from tests.support.containerd import ContainerdDaemon, running_daemon
-from tests.support.containerd_versions import OTHER_VERSIONS, built
+from tests.support.containerd_versions import INSTALLED, INSTALLED_VERSION, OTHER_VERSIONS, built
 from tests.support.images import busybox_image
 from tests.support.registry import RegistryServer, registry
 
@@ -97,3 +101,56 @@ def test_counter_continues_on_a_second_daemon_of_the_same_release(  # type: igno
     wait_for(lambda: read_counter(b, new)[1] > v_after + 5, what="the restored counter to advance")
     b.kill_task(new, 9)
     assert b.wait_task(new, timeout=20) == 137
+
+
+NODE_CONFIG = {
+    # what a node's own configuration says, which the drop-in must leave in force
+    1: """version = 2
+imports = ["{conf_d}/*.toml"]
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "registry.example/pause:node"
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+  SystemdCgroup = true
+""",
+    2: """version = 3
+imports = ["{conf_d}/*.toml"]
+[plugins.'io.containerd.cri.v1.images'.pinned_images]
+  sandbox = "registry.example/pause:node"
+[plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc.options]
+  SystemdCgroup = true
+""",
+}
+
+
+@pytest.mark.parametrize("version", [INSTALLED_VERSION, *OTHER_VERSIONS])
+def test_the_release_loads_the_drop_in_with_the_handler_and_the_nodes_settings(version: str, tmp_path: Path) -> None:
+    """The drop-in install-node writes for this release, as the release itself loads it (`config dump`):
+    the handler is registered and the node's own CRI settings are still there."""
+    binaries = INSTALLED if version == INSTALLED_VERSION else built(version)
+    major = dropin.major_version(version)
+    conf_d = tmp_path / "conf.d"
+    conf_d.mkdir()
+    config = tmp_path / "config.toml"
+    config.write_text(NODE_CONFIG[major].format(conf_d=conf_d))
+    dropin_file = conf_d / "kubectl-snapshot.toml"
+    launcher = "/opt/kubectl-snapshot/n1/kubectl-snapshot-runc"
+    node_cri = dropin.node_cri_table(str(config), str(dropin_file)) if major == 1 else None
+    dropin_file.write_text(dropin.render(version, launcher, node_cri))
+
+    proc = subprocess.run(
+        [binaries.containerd, "--config", str(config), "config", "dump"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plugins = tomllib.loads(proc.stdout)["plugins"]
+    if major == 1:
+        runtime = plugins[dropin.CRI_V1]
+        assert runtime["sandbox_image"] == "registry.example/pause:node"
+    else:
+        runtime = plugins[dropin.CRI_RUNTIME_V2]
+        assert plugins["io.containerd.cri.v1.images"]["pinned_images"]["sandbox"] == "registry.example/pause:node"
+    runtimes = runtime["containerd"]["runtimes"]
+    assert runtimes["runc"]["options"]["SystemdCgroup"] is True
+    handler = runtimes[K.RUNTIME_CLASS]
+    assert handler["runtime_type"] == "io.containerd.runc.v2"
+    assert handler["options"]["BinaryName"] == launcher
+    assert K.ANN_RESUME_POLICY in handler["pod_annotations"]
