@@ -33,7 +33,7 @@ from tests.integration.test_agent_roundtrip import (
     wait_for,
 )
 from tests.support.containerd import ContainerdDaemon, running_daemon
-from tests.support.containerd_versions import INSTALLED, INSTALLED_VERSION, OTHER_VERSIONS, built
+from tests.support.containerd_versions import INSTALLED, INSTALLED_VERSION, OTHER_VERSIONS, REPO, built
 from tests.support.images import busybox_image
 from tests.support.registry import RegistryServer, registry
 
@@ -154,3 +154,36 @@ def test_the_release_loads_the_drop_in_with_the_handler_and_the_nodes_settings(v
     assert handler["runtime_type"] == "io.containerd.runc.v2"
     assert handler["options"]["BinaryName"] == launcher
     assert K.ANN_RESUME_POLICY in handler["pod_annotations"]
+
+
+@pytest.mark.parametrize("version", [INSTALLED_VERSION, *OTHER_VERSIONS])
+def test_the_local_clusters_node_config_loads_on_the_release(version: str, tmp_path: Path) -> None:
+    """hack/cluster/lib.sh with KS_CONTAINERD_VERSION: the node's config in the release's format, with
+    the settings the cluster needs, and the release's binaries recorded for every later start."""
+    binaries = INSTALLED if version == INSTALLED_VERSION else built(version)
+    env = {
+        **os.environ,
+        "KS_CLUSTER_DIR": str(tmp_path / "cluster"),
+        "KS_CLUSTER_RUN": str(tmp_path / "run"),
+        "KS_CONTAINERD_VERSION": "" if version == INSTALLED_VERSION else version,
+    }
+    script = f". {REPO}/hack/cluster/lib.sh && ks_containerd_config ks-n1 && ks_containerd_bin ks-n1"
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == binaries.bin_dir
+    config = tmp_path / "cluster" / "ks-n1" / "containerd.toml"
+    dump = subprocess.run(
+        [binaries.containerd, "--config", str(config), "config", "dump"], capture_output=True, text=True, timeout=60
+    )
+    assert dump.returncode == 0, dump.stderr[-2000:]
+    plugins = tomllib.loads(dump.stdout)["plugins"]
+    if dropin.major_version(version) == 1:
+        runtime = plugins[dropin.CRI_V1]
+        sandbox = runtime["sandbox_image"]
+    else:
+        runtime = plugins[dropin.CRI_RUNTIME_V2]
+        sandbox = plugins["io.containerd.cri.v1.images"]["pinned_images"]["sandbox"]
+    assert sandbox.endswith("/kubectl-snapshot/pause:3.10-ks")
+    assert runtime["restrict_oom_score_adj"] is True  # the VM lacks CAP_SYS_RESOURCE
+    assert runtime["netns_mounts_under_state_dir"] is True
+    assert runtime["containerd"]["runtimes"]["runc"]["options"]["BinaryName"] == "/usr/sbin/runc"
