@@ -2,14 +2,14 @@
 # Install what a kubectl-snapshot node (and its tests) needs, idempotently:
 #   - CRIU 4.2.1 + python3-pycriu from Debian sid, runc 1.1.15 and docker-registry from trixie
 #     (pinned low so nothing else moves; see shared PLATFORM.md for why not bookworm/trixie CRIU);
-#   - containerd v2.3.x built from the Go module proxy (restore-via-create is off by default
-#     from 2.3.4 and the project never enables it), cached outside the checkout by version;
+#   - containerd v2.3.x built from the Go module proxy by hack/build-containerd.sh (restore-via-create
+#     is off by default from 2.3.4 and the project never enables it), cached outside the checkout by
+#     version; the other supported releases the tests run are built the same way, on demand;
 #   - small tools the tests use (busybox-static, zstd, iproute2, ...).
 # Ends with `criu check`.
 set -euo pipefail
 
 CONTAINERD_VERSION="${CONTAINERD_VERSION:-v2.3.7}"
-CACHE_DIR="${KUBECTL_SNAPSHOT_CACHE:-/var/cache/kubectl-snapshot}"
 export DEBIAN_FRONTEND=noninteractive
 
 log() { printf '[install-node-deps] %s\n' "$*" >&2; }
@@ -84,20 +84,8 @@ install_apt() {
 }
 
 install_containerd() {
-  local dir="$CACHE_DIR/containerd-$CONTAINERD_VERSION"
-  if [ ! -x "$dir/containerd" ] || [ ! -x "$dir/containerd-shim-runc-v2" ] || [ ! -x "$dir/ctr" ]; then
-    command -v go >/dev/null || { echo "error: go is needed to build containerd" >&2; exit 1; }
-    log "building containerd $CONTAINERD_VERSION from the Go module proxy (cached in $dir)"
-    mkdir -p "$dir.tmp"
-    local ld="-s -w -X github.com/containerd/containerd/v2/version.Version=$CONTAINERD_VERSION"
-    GOBIN="$dir.tmp" CGO_ENABLED=0 GOFLAGS=-mod=mod go install -tags "no_btrfs no_devmapper no_zfs urfave_cli_no_docs" \
-      -ldflags "$ld" \
-      "github.com/containerd/containerd/v2/cmd/containerd@$CONTAINERD_VERSION" \
-      "github.com/containerd/containerd/v2/cmd/ctr@$CONTAINERD_VERSION"
-    GOBIN="$dir.tmp" CGO_ENABLED=0 GOFLAGS=-mod=mod go install -tags "no_grpc" -ldflags "$ld" \
-      "github.com/containerd/containerd/v2/cmd/containerd-shim-runc-v2@$CONTAINERD_VERSION"
-    rm -rf "$dir" && mv "$dir.tmp" "$dir"
-  fi
+  local dir
+  dir="$("$(dirname "${BASH_SOURCE[0]}")/build-containerd.sh" "$CONTAINERD_VERSION")"
   for b in containerd containerd-shim-runc-v2 ctr; do
     if ! cmp -s "$dir/$b" "/usr/local/bin/$b"; then
       install -m 0755 "$dir/$b" "/usr/local/bin/$b"

@@ -6,8 +6,8 @@
   sock_diag: no host nsenter, sh, iptables, ip or ss), with the kernel features it needs probed;
 - `criu check` with that CRIU (the kernel features CRIU needs), the cgroup version;
 - containerd: its version, whether its configuration imports the drop-in directory (its ``imports``;
-  containerd 2.x imports /etc/containerd/conf.d/*.toml when the config does not say), and whether a
-  restart is still pending (the drop-in is newer than the running containerd).
+  containerd 2.x imports /etc/containerd/conf.d/*.toml when the config does not say, 1.x nothing),
+  and whether a restart is still pending (the drop-in is newer than the running containerd).
 
 Everything is read from /proc (the agent has hostPID) and files; nothing runs a host shell.
 """
@@ -81,11 +81,11 @@ def find_containerd(socket: str) -> Containerd | None:
     return None
 
 
-def imports_dropin(c: Containerd, dropin_file: str) -> bool:
+def imports_dropin(c: Containerd, dropin_file: str, containerd_version: str = "") -> bool:
     """Whether containerd's `imports` cover the drop-in file (relative patterns: beside the config)."""
     patterns = (c.config or {}).get("imports")
     if patterns is None:
-        patterns = list(DEFAULT_IMPORTS)
+        patterns = [] if containerd_version.lstrip("v").startswith("1.") else list(DEFAULT_IMPORTS)
     base = os.path.dirname(c.config_path)
     return any(fnmatch.fnmatch(dropin_file, p if os.path.isabs(p) else os.path.join(base, p)) for p in patterns)
 
@@ -227,7 +227,7 @@ def node_status(
         "found": c is not None,
         "config": c.config_path if c else "",
         "dropin": dropin_file,
-        "importsDropin": imports_dropin(c, dropin_file) if c else None,
+        "importsDropin": imports_dropin(c, dropin_file, containerd_version) if c else None,
         "restartPending": restart_pending(c, dropin_file) if c else None,
     }
     status["blockers"] = blockers(status)

@@ -28,6 +28,11 @@ KS_IMAGE_PREFIX="$KS_REGISTRY/kubectl-snapshot"
 KS_PAUSE_IMAGE="$KS_IMAGE_PREFIX/pause:3.10-ks"
 KS_BUSYBOX_IMAGE="$KS_IMAGE_PREFIX/busybox:1.37"
 KS_PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"  # criu, runc in /usr/sbin
+# The nodes' containerd: empty for the installed one (/usr/local/bin, v2.3.x), or a release that
+# hack/build-containerd.sh builds and caches (e.g. v1.7.35). Read when a node's config is written
+# (up.sh); the node keeps it ($KS_DIR/NODE/containerd.bin) for later restarts.
+KS_CONTAINERD_VERSION="${KS_CONTAINERD_VERSION:-}"
+KS_HACK="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
 ks_log() { printf '[cluster] %s\n' "$*" >&2; }
 ks_die() { printf 'error: %s\n' "$1" >&2; [ -z "${2:-}" ] || printf 'hint: %s\n' "$2" >&2; exit 1; }
@@ -122,9 +127,17 @@ ks_wait() {  # TIMEOUT_S DESCRIPTION CMD...: poll CMD until it succeeds
   done
 }
 
-ks_containerd_config() {  # NODE: write the node's containerd config
-  local node="$1"
+ks_containerd_config() {  # NODE: write the node's containerd config (and which containerd runs it)
+  local node="$1" bin=/usr/local/bin
   mkdir -p "$KS_DIR/$node" "$(ks_node_dropins "$node")"
+  if [ -n "$KS_CONTAINERD_VERSION" ]; then
+    bin="$("$KS_HACK/build-containerd.sh" "$KS_CONTAINERD_VERSION")" \
+      || ks_die "containerd $KS_CONTAINERD_VERSION could not be built" "see the output of hack/build-containerd.sh above"
+  fi
+  echo "$bin" >"$KS_DIR/$node/containerd.bin"
+  case "$("$bin/containerd" --version | awk '{print $3}')" in
+    v1.*|1.*) ks_containerd_config_v2 "$node"; return ;;
+  esac
   cat >"$KS_DIR/$node/containerd.toml" <<EOF
 # containerd v2.3.x config for test node $node (written by hack/cluster/lib.sh).
 version = 3
@@ -174,11 +187,63 @@ imports = ["$(ks_node_dropins "$node")/*.toml"]
 EOF
 }
 
-ks_start_containerd() {  # NODE
+# containerd 1.7 reads config version 2 only (its CRI plugin is one table, io.containerd.grpc.v1.cri).
+ks_containerd_config_v2() {  # NODE: the same settings as ks_containerd_config, for containerd 1.x
   local node="$1"
+  cat >"$KS_DIR/$node/containerd.toml" <<EOF
+# containerd v1.7.x config for test node $node (written by hack/cluster/lib.sh).
+version = 2
+root = "$KS_DIR/$node/containerd"
+state = "$KS_RUN/$node/containerd"
+# Drop-ins (version = 2 files) for this node only, e.g. the kubectl-snapshot runtime handler.
+# Apply them with hack/cluster/containerd-restart.sh $node.
+imports = ["$(ks_node_dropins "$node")/*.toml"]
+
+[grpc]
+  address = "$(ks_node_sock "$node")"
+
+[debug]
+  address = ""
+
+[metrics]
+  address = ""
+
+[plugins."io.containerd.nri.v1.nri"]
+  disable = true
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = '$KS_PAUSE_IMAGE'
+  # The VM lacks CAP_SYS_RESOURCE: runc cannot lower oom_score_adj to the kubelet's -998.
+  restrict_oom_score_adj = true
+  # Pod network namespaces under this node's state dir, so teardown finds them.
+  netns_mounts_under_state_dir = true
+  [plugins."io.containerd.grpc.v1.cri".registry]
+    config_path = '$KS_DIR/certs.d'
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = 'overlayfs'
+    default_runtime_name = 'runc'
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = 'io.containerd.runc.v2'
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        BinaryName = '/usr/sbin/runc'
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = '/usr/lib/cni'
+    conf_dir = '$KS_DIR/cni/net.d'
+EOF
+}
+
+ks_containerd_bin() {  # NODE -> the directory of the containerd (and its shim and ctr) the node runs
+  cat "$KS_DIR/$1/containerd.bin" 2>/dev/null || echo /usr/local/bin
+}
+
+ks_start_containerd() {  # NODE
+  local node="$1" bin
+  bin="$(ks_containerd_bin "$node")"
   mkdir -p "$KS_RUN/$node"
-  ks_start "containerd-$node" /usr/local/bin/containerd --config "$KS_DIR/$node/containerd.toml"
-  ks_wait 30 "containerd on $node" /usr/local/bin/ctr --address "$(ks_node_sock "$node")" version \
+  # containerd starts the runc shim it finds first on PATH: its own release's.
+  KS_PATH="$bin:$KS_PATH" ks_start "containerd-$node" "$bin/containerd" --config "$KS_DIR/$node/containerd.toml"
+  ks_wait 30 "containerd on $node" "$bin/ctr" --address "$(ks_node_sock "$node")" version \
     || ks_die "containerd on $node did not start" "see $KS_DIR/logs/containerd-$node.log"
 }
 

@@ -22,7 +22,7 @@ KUBECTL=("$BIN/kubectl" --kubeconfig "$KS_DIR/admin.kubeconfig")
 
 print_usage() {
   cat <<EOF
-Cluster is up ($(( $(date +%s) - t0 ))s). Kubernetes $KS_K8S_VERSION, containerd $(/usr/local/bin/containerd --version | awk '{print $3}').
+Cluster is up ($(( $(date +%s) - t0 ))s). Kubernetes $KS_K8S_VERSION, containerd $("$(ks_containerd_bin ks-n1)/containerd" --version | awk '{print $3}').
   export KUBECONFIG=$KS_DIR/admin.kubeconfig     # or: source $KS_DIR/cluster.env
   kubectl:   $BIN/kubectl
   API:       https://$KS_API_ADDR:$KS_API_PORT (relay into network namespace $KS_NETNS, where it is

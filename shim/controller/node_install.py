@@ -43,6 +43,8 @@ from typing import Any
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
 from shim import criu_config, criu_kdat, memwork, rcu, workfs
+from shim.containerd.client import ContainerdClient
+from shim.controller import dropin
 from shim.controller.settings import NodeSettings
 from shim.criu_guard import PYCRIU_PATH_ENV
 from shim.hostfacts import host_pid
@@ -138,19 +140,21 @@ def launch_configs(settings: NodeSettings, bundle: Bundle) -> dict[str, dict[str
     return configs
 
 
-def dropin_toml(settings: NodeSettings) -> str:
-    table = f"plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.{K.RUNTIME_CLASS}"
-    return (
-        "# written by ks-agent install-node; removed by uninstall-node\n"
-        "version = 3\n"
-        f"[{table}]\n"
-        "  runtime_type = 'io.containerd.runc.v2'\n"
-        "  # a resuming pod's containers wait at their create for the agent (shim/engine/staging.py)\n"
-        f"  pod_annotations = ['{K.ANN_RESUME_POLICY}']\n"
-        f"[{table}.options]\n"
-        f"  BinaryName = '{settings.wrapper_launcher}'\n"
-        "  SystemdCgroup = false\n"
-    )
+def dropin_toml(settings: NodeSettings, containerd_version: str) -> str:
+    """The drop-in for the node's containerd release (shim/controller/dropin.py: 1.x and 2.x differ)."""
+    node_cri = None
+    if dropin.major_version(containerd_version) == 1:
+        node_cri = dropin.node_cri_table_of(settings.containerd_socket, dropin_path(settings))
+    return dropin.render(containerd_version, settings.wrapper_launcher, node_cri)
+
+
+def dropin_path(settings: NodeSettings) -> str:
+    return os.path.join(settings.containerd_dropin_dir, DROPIN_NAME)
+
+
+def ask_containerd_version(settings: NodeSettings) -> str:
+    with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE, timeout=10.0) as c:
+        return c.version()[0]
 
 
 def _write_if_changed(path: str, content: str, mode: int) -> bool:
@@ -231,10 +235,20 @@ def current_bundle(settings: NodeSettings) -> str:
         return ""
 
 
-def install(settings: NodeSettings, *, wrapper_pyz: str | None = None, bundle: str = BUNDLE_DIR) -> InstallResult:
+def install(
+    settings: NodeSettings,
+    *,
+    wrapper_pyz: str | None = None,
+    bundle: str = BUNDLE_DIR,
+    containerd_version: str | None = None,
+) -> InstallResult:
+    """`containerd_version`: the node's (the drop-in's format depends on it); None asks containerd."""
     if wrapper_pyz is not None and not os.path.isfile(wrapper_pyz):
         raise InvalidArgument(f"wrapper zipapp {wrapper_pyz} not found", hint="the agent image ships it")
     source = Bundle.load(bundle)
+    # before anything is written: a containerd this cannot serve leaves the node as it was
+    version = containerd_version if containerd_version is not None else ask_containerd_version(settings)
+    content = dropin_toml(settings, version)
     os.makedirs(settings.wrapper_dir, exist_ok=True)
     os.makedirs(settings.state_dir, mode=0o700, exist_ok=True)
     installed = _copy_bundle(source, wrapper_pyz, settings)
@@ -272,8 +286,8 @@ def install(settings: NodeSettings, *, wrapper_pyz: str | None = None, bundle: s
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
     os.makedirs(settings.containerd_dropin_dir, exist_ok=True)
-    dropin = os.path.join(settings.containerd_dropin_dir, DROPIN_NAME)
-    changed = _write_if_changed(dropin, dropin_toml(settings), 0o644)
+    dropin_file = dropin_path(settings)
+    changed = _write_if_changed(dropin_file, content, 0o644)
     restarted = False
     if changed and settings.restart_command:
         _run_on_host(settings.restart_command.replace("{node}", settings.node))
@@ -288,16 +302,16 @@ def install(settings: NodeSettings, *, wrapper_pyz: str | None = None, bundle: s
     if settings.memory_work_fs:
         work_fs = workfs.ensure(memwork.area_dir(settings.state_dir), memwork.limit_bytes(), host_pid=host_pid())
     return InstallResult(
-        settings.wrapper_launcher, dropin, changed, restarted, conf, installed.path, settings.criu, kdat, expedite,
+        settings.wrapper_launcher, dropin_file, changed, restarted, conf, installed.path, settings.criu, kdat, expedite,
         work_fs,
     )  # fmt: skip
 
 
 def uninstall(settings: NodeSettings) -> None:
-    dropin = os.path.join(settings.containerd_dropin_dir, DROPIN_NAME)
-    existed = os.path.exists(dropin)
+    dropin_file = dropin_path(settings)
+    existed = os.path.exists(dropin_file)
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(dropin)
+        os.unlink(dropin_file)
     shutil.rmtree(settings.wrapper_dir, ignore_errors=True)
     criu_config.remove(_host_path(settings.criu_config))
     with contextlib.suppress(OSError):

@@ -91,7 +91,7 @@ def dump_log(criu: str, work: Path) -> str:
 def test_install_node_mounts_the_cache_and_uninstall_node_removes_it(
     settings: NodeSettings, bundle: str, tmp_path: Path
 ) -> None:
-    r = install(settings, bundle=bundle)
+    r = install(settings, bundle=bundle, containerd_version="v2.3.7")
     assert r.kdat is not None and r.kdat.state == "mounted", r.kdat
     cache_dir = criu_kdat.cache_dir(KDAT)
     bound, tmpfs = criu_kdat.mount_at(KDAT, mounts()), criu_kdat.mount_at(cache_dir, mounts())
@@ -105,7 +105,7 @@ def test_install_node_mounts_the_cache_and_uninstall_node_removes_it(
     assert f"Loaded kdat cache from {KDAT}" in log
 
     # install-node again (an agent restart, a new bundle): the cache is made afresh, still one mount
-    again = install(settings, bundle=bundle)
+    again = install(settings, bundle=bundle, containerd_version="v2.3.7")
     assert again.kdat is not None and again.kdat.state == "mounted"
     assert sum(m.mount_point == KDAT for m in mounts()) == 1
     assert f"Loaded kdat cache from {KDAT}" in dump_log(settings.criu, tmp_path)

@@ -81,7 +81,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeSettings]:
         containerd_dropin_dir=str(base / "dropins"),
         criu_config=str(base / "etc-criu" / "runc.conf"),
     )
-    install(s, bundle=str(bundle))
+    install(s, bundle=str(bundle), containerd_version="v2.3.7")
     yield s
     uninstall(s)
     assert not Path(s.wrapper_dir).exists()

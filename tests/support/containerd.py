@@ -1,11 +1,13 @@
 """Real containerd daemons for integration tests: private root, state, socket and runc state each.
 
 ``ContainerdDaemon(name, base_dir)`` runs /usr/local/bin/containerd with a generated config
-(version 3; CRI and NRI off, since these tests are not Kubernetes) and everything under
-`base_dir`: two instances never share metadata, snapshots, shim sockets or runc state
-(``runc_options`` points runc's ``--root`` at the instance's own directory; containers must be
-created with it). Each instance also gets its own containerd namespace, so the cgroups of its
-containers (``/<namespace>/<id>``) cannot collide with another instance's or another test session's.
+(version 3, or 2 for containerd 1.7; CRI and NRI off, since these tests are not Kubernetes) and
+everything under `base_dir`: two instances never share metadata, snapshots, shim sockets or runc
+state (``runc_options`` points runc's ``--root`` at the instance's own directory; containers must be
+created with it). ``binaries=`` runs another release instead (tests.support.containerd_versions: one
+built from the Go module proxy); its own runc shim then serves its containers. Each instance also
+gets its own containerd namespace, so the cgroups of its containers (``/<namespace>/<id>``) cannot
+collide with another instance's or another test session's.
 
 Fixtures (session-scoped): ``containerd_a``, ``containerd_b`` and their ``runc_root_a``/``runc_root_b``.
 They skip when not root or when containerd, its runc shim, runc or CRIU are missing
@@ -28,9 +30,10 @@ import pytest
 from kubectl_snapshot.core.errors import SnapshotError
 from shim import criu_config, criu_kdat, memwork, rcu, workfs
 from shim.containerd.client import ContainerdClient, RuncOptions
+from tests.support.containerd_versions import INSTALLED, ContainerdBinaries
 
-CONTAINERD = "/usr/local/bin/containerd"
-SHIM = "/usr/local/bin/containerd-shim-runc-v2"
+CONTAINERD = INSTALLED.containerd
+SHIM = INSTALLED.shim
 RUNC = "/usr/sbin/runc"
 CRIU = "/usr/sbin/criu"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -47,11 +50,11 @@ DISABLED_PLUGINS = (
 )
 
 
-def missing_requirements() -> str | None:
+def missing_requirements(binaries: ContainerdBinaries = INSTALLED) -> str | None:
     """Why real-containerd tests cannot run here, or None when they can."""
     if os.geteuid() != 0:
         return "needs root (containerd, runc and CRIU)"
-    for binary in (CONTAINERD, SHIM, RUNC, CRIU):
+    for binary in (binaries.containerd, binaries.shim, RUNC, CRIU):
         if not os.access(binary, os.X_OK):
             return f"{binary} is missing (run hack/install-node-deps.sh)"
     return None
@@ -64,8 +67,16 @@ def _toml_str(s: str) -> str:
 class ContainerdDaemon:
     """One containerd process with all of its state under `base_dir`."""
 
-    def __init__(self, name: str, base_dir: str | os.PathLike[str], *, namespace: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        base_dir: str | os.PathLike[str],
+        *,
+        namespace: str | None = None,
+        binaries: ContainerdBinaries = INSTALLED,
+    ) -> None:
         self.name = name
+        self.binaries = binaries
         self.base_dir = Path(base_dir)
         self.root = self.base_dir / "root"
         self.state = self.base_dir / "state"
@@ -83,6 +94,11 @@ class ContainerdDaemon:
         """Runtime options every container of this instance must use (its own runc state dir)."""
         return RuncOptions(root=self.runc_root)
 
+    @property
+    def ctr(self) -> str:
+        """The ctr of this daemon's release."""
+        return self.binaries.ctr
+
     def client(self, timeout: float = 30.0) -> ContainerdClient:
         return ContainerdClient(self.address, self.namespace, timeout=timeout)
 
@@ -90,7 +106,7 @@ class ContainerdDaemon:
         disabled = ", ".join(_toml_str(p) for p in DISABLED_PLUGINS)
         return "\n".join(
             [
-                "version = 3",
+                f"version = {self.binaries.config_version}",
                 f"root = {_toml_str(str(self.root))}",
                 f"state = {_toml_str(str(self.state))}",
                 f"disabled_plugins = [{disabled}]",
@@ -114,11 +130,12 @@ class ContainerdDaemon:
         for d in (self.root, self.state, Path(self.runc_root)):
             d.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self.config())
-        env = {**os.environ, "PATH": PATH}
+        # containerd starts the runc shim found on its PATH: this release's own.
+        env = {**os.environ, "PATH": f"{self.binaries.bin_dir}:{PATH}"}
         env.pop("CONTAINERD_ADDRESS", None)
         with self.log_path.open("ab") as log:
             self._proc = subprocess.Popen(
-                [CONTAINERD, "--config", str(self.config_path)],
+                [self.binaries.containerd, "--config", str(self.config_path)],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -218,11 +235,11 @@ class ContainerdDaemon:
 
 
 @contextlib.contextmanager
-def running_daemon(name: str, base_dir: Path) -> Iterator[ContainerdDaemon]:
-    reason = missing_requirements()
+def running_daemon(name: str, base_dir: Path, binaries: ContainerdBinaries = INSTALLED) -> Iterator[ContainerdDaemon]:
+    reason = missing_requirements(binaries)
     if reason:
         pytest.skip(reason)
-    daemon = ContainerdDaemon(name, base_dir)
+    daemon = ContainerdDaemon(name, base_dir, binaries=binaries)
     daemon.start()
     try:
         yield daemon

@@ -36,7 +36,6 @@ BUSYBOX = Path("/bin/busybox")
 BUSYBOX_IMAGE = "localhost/kubectl-snapshot-test/busybox:1"
 PYTHON_IMAGE = "localhost/kubectl-snapshot-test/python:1"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-CTR = "/usr/local/bin/ctr"
 
 _imported: set[tuple[str, str, str]] = set()
 
@@ -49,6 +48,9 @@ class Daemon(Protocol):
 
     @property
     def namespace(self) -> str: ...
+
+    @property
+    def ctr(self) -> str: ...
 
 
 # --- reproducible OCI layout -------------------------------------------------------------------
@@ -382,11 +384,11 @@ def import_image(daemon: Daemon, tarball: Path, name: str) -> str:
     key = (daemon.address, daemon.namespace, str(tarball))
     if key in _imported:
         return name
-    if not Path(CTR).exists():
-        pytest.skip(f"{CTR} is missing (hack/install-node-deps.sh builds it)")
+    if not Path(daemon.ctr).exists():
+        pytest.skip(f"{daemon.ctr} is missing (hack/install-node-deps.sh builds it)")
     proc = subprocess.run(
         [
-            CTR,
+            daemon.ctr,
             "--address",
             daemon.address,
             "-n",

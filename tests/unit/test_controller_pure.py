@@ -153,16 +153,16 @@ def test_install_and_uninstall_node(tmp_path: Path) -> None:
     pyz = tmp_path / "w.pyz"
     pyz.write_bytes(b"PK")
     bundle = fake_bundle(tmp_path / "bundle")
-    r = install(s, wrapper_pyz=str(pyz), bundle=str(bundle))
+    r = install(s, wrapper_pyz=str(pyz), bundle=str(bundle), containerd_version="v2.3.7")
     assert r.changed and r.restarted and (tmp_path / "restarted").exists()
     # this node's "CRIU" cannot run the nftables probe: no configuration is written
     assert r.criu_config is not None and r.criu_config.state == "unsupported"
     assert not Path(s.criu_config).exists()
     assert Path(s.wrapper_launcher).read_bytes() == (bundle / "launcher").read_bytes()
-    assert f"BinaryName = '{s.wrapper_launcher}'" in dropin_toml(s)
-    assert Path(r.dropin).read_text() == dropin_toml(s)
+    assert f"BinaryName = '{s.wrapper_launcher}'" in dropin_toml(s, "v2.3.7")
+    assert Path(r.dropin).read_text() == dropin_toml(s, "v2.3.7")
     (tmp_path / "restarted").unlink()
-    again = install(s, wrapper_pyz=str(pyz), bundle=str(bundle))
+    again = install(s, wrapper_pyz=str(pyz), bundle=str(bundle), containerd_version="v2.3.7")
     assert not again.changed and not again.restarted and not (tmp_path / "restarted").exists()
     uninstall(s)
     assert not Path(r.dropin).exists() and not Path(s.wrapper_dir).exists()

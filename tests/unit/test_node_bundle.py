@@ -37,7 +37,7 @@ def settings(tmp_path: Path, **kw: str) -> NodeSettings:
 
 def test_install_puts_the_bundle_and_launchers_in_the_nodes_own_directory(tmp_path: Path) -> None:
     s = settings(tmp_path)
-    r = install(s, bundle=str(fake_bundle(tmp_path / "b")))
+    r = install(s, bundle=str(fake_bundle(tmp_path / "b")), containerd_version="v2.3.7")
     node = Path(s.wrapper_dir)
     assert r.bundle.startswith(str(node / "bundle-")) and Path(r.bundle, ".complete").exists()
     assert s.criu == str(node / "criu") == r.criu
@@ -79,10 +79,10 @@ def test_a_new_bundle_replaces_the_old_one_and_uninstall_removes_all(tmp_path: P
     s = settings(tmp_path)
     Path(s.wrapper_dir).mkdir(parents=True)
     Path(s.wrapper_dir, "kubectl-snapshot-runc.pyz").write_bytes(b"from the python3-launcher era")
-    first = install(s, bundle=str(fake_bundle(tmp_path / "b1")))
-    same = install(s, bundle=str(fake_bundle(tmp_path / "b1")))
+    first = install(s, bundle=str(fake_bundle(tmp_path / "b1")), containerd_version="v2.3.7")
+    same = install(s, bundle=str(fake_bundle(tmp_path / "b1")), containerd_version="v2.3.7")
     assert same.bundle == first.bundle and not same.changed
-    second = install(s, bundle=str(fake_bundle(tmp_path / "b2", pyz=b"PK-new")))
+    second = install(s, bundle=str(fake_bundle(tmp_path / "b2", pyz=b"PK-new")), containerd_version="v2.3.7")
     assert second.bundle != first.bundle and not Path(first.bundle).exists()
     assert sorted(os.listdir(s.wrapper_dir)) == sorted(
         [os.path.basename(second.bundle), "bin", "criu", "criu.launch", "install.json", "kubectl-snapshot-runc",
@@ -96,15 +96,15 @@ def test_a_damaged_bundle_is_refused(tmp_path: Path) -> None:
     b = fake_bundle(tmp_path / "b")
     (b / "libexec" / "criu").write_bytes(b"tampered")
     with pytest.raises(FailedPrecondition, match="does not match its digest"):
-        install(settings(tmp_path), bundle=str(b))
+        install(settings(tmp_path), bundle=str(b), containerd_version="v2.3.7")
     assert not any(p.name.startswith("bundle-") for p in Path(settings(tmp_path).wrapper_dir).iterdir())
     with pytest.raises(InvalidArgument, match="node bundle"):
-        install(settings(tmp_path), bundle=str(tmp_path / "missing"))
+        install(settings(tmp_path), bundle=str(tmp_path / "missing"), containerd_version="v2.3.7")
     meta = json.loads((b / "bundle.json").read_text())
     meta["files"] = {"../../etc/passwd": "0" * 64}
     (b / "bundle.json").write_text(json.dumps(meta))
     with pytest.raises(InvalidArgument, match="bad file name"):
-        install(settings(tmp_path), bundle=str(b))
+        install(settings(tmp_path), bundle=str(b), containerd_version="v2.3.7")
 
 
 def test_runc_is_handed_the_installed_criu(monkeypatch: pytest.MonkeyPatch) -> None:
