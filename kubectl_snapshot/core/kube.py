@@ -107,6 +107,7 @@ EVENT_SNAPSHOT_SUCCEEDED: Final = "SnapshotSucceeded"
 EVENT_SNAPSHOT_FAILED: Final = "SnapshotFailed"
 EVENT_RESTORE_STAGED: Final = "RestoreStaged"
 EVENT_RESTORE_FAILED: Final = "RestoreFailed"
+EVENT_RESTORE_REFUSED: Final = "RestoreRefused"  # the runtime wrapper refused the images: they grant more than the pod
 EVENT_RESUME_SKIPPED: Final = "ResumeSkipped"  # a resuming pod starts fresh, and why
 EVENT_FINAL_SAVE: Final = "FinalSave"  # a terminating protected pod is saved before SIGTERM
 EVENT_FINAL_SAVE_FAILED: Final = "FinalSaveFailed"  # ... not in time (or not at all): the last periodic save stands

@@ -212,7 +212,7 @@ class RestoreWorker:
         refused = wrapper_refusal(pod, self.settings.node)
         if refused:
             self._annotate(pod, K.RESTORE_FAILED_PREFIX + refused)
-            pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, refused, warning=True)
+            pod_event(self.kube, pod, K.EVENT_RESTORE_REFUSED, refused, warning=True)
             return
         if not (wants_restore(pod, self.settings.node) or wants_resume(pod, self.settings.node)):
             return
@@ -518,7 +518,9 @@ class RestoreWorker:
             + "; delete the pod, fix the cause and restore again",
         )
         self._annotate(pod, K.RESTORE_FAILED_PREFIX + err.message)
-        pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, render(err), warning=True)
+        # a refusal of the images (they grant more than the pod's spec) is told apart from a failure
+        reason = K.EVENT_RESTORE_REFUSED if "refusing to restore" in why else K.EVENT_RESTORE_FAILED
+        pod_event(self.kube, pod, reason, render(err), warning=True)
         return True
 
     def _stop_containers(self, uid: str, only: list[str] | None = None) -> list[str]:

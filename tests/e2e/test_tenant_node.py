@@ -252,6 +252,7 @@ def test_edited_criu_images_cannot_restore_more_capabilities_than_the_pod_has(  
     assert "capabilities" in proc.stderr and "CAP_SYS_ADMIN" in proc.stderr, proc.stderr
     events = cluster.kubectl("get", "events", "-n", namespace, "--field-selector", "involvedObject.name=locked2").stdout
     assert "grant more than the container's spec" in events, events
+    assert K.EVENT_RESTORE_REFUSED in events, events  # told apart from a failure
     obj = _never_ran_privileged(cluster, namespace, "locked2")
     status = obj["metadata"]["annotations"][K.ANN_RESTORE_STATUS]
     assert "refusing to restore" in status and "CAP_SYS_ADMIN" in status, status

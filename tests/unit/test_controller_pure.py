@@ -266,3 +266,40 @@ def test_restore_worker_reports_a_resume_the_wrapper_started_fresh(tmp_path: Pat
     assert ann[K.ANN_RESTORE_STATUS].startswith(K.RESTORE_SKIPPED_PREFIX + "container 'db' could not be restored")
     assert [(e.reason, e.type) for e in kube.events] == [(K.EVENT_RESUME_SKIPPED, "Normal")]
     assert "stopped the restored containers app" in kube.events[0].message
+
+
+def test_a_refusal_of_the_images_is_told_apart_from_a_failure(tmp_path: Path) -> None:
+    """The wrapper's image check refusing a restore-from: RestoreRefused with the reason (a failure of CRIU
+    stays RestoreFailed, test above)."""
+    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core.model import HostFacts
+    from shim.controller.restores import RestoreWorker
+    from shim.podrestore import PodRestore
+
+    class Kube(EventRecorder):
+        def __init__(self) -> None:
+            self.events: list[RecordedEvent] = []
+
+        def patch_pod_annotations(
+            self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
+        ) -> dict[str, Any]:
+            return {}
+
+    kube = Kube()
+    worker = RestoreWorker(kube=kube, settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts())
+    worker._stop_containers = lambda uid, only=None: []  # type: ignore[method-assign]
+    pod = {
+        "metadata": {
+            "name": "p",
+            "namespace": "ns",
+            "uid": "u-3",
+            "annotations": {K.ANN_RESTORE_FROM: "r/x@sha256:" + "0" * 64, K.ANN_RESTORE_STATUS: K.RESTORE_STAGED},
+        },
+        "spec": {"nodeName": "ks-n2"},
+    }
+    state = PodRestore(worker.paths.pod_dir("u-3"))
+    state.record(["app"])
+    state.fail("container 'app' could not be restored: refusing to restore: the CRIU images grant more than the spec")
+    worker.consider(pod)
+    assert [(e.reason, e.type) for e in kube.events] == [(K.EVENT_RESTORE_REFUSED, "Warning")]
+    assert "grant more than the spec" in kube.events[0].message

@@ -412,7 +412,7 @@ def test_the_wrappers_refusal_becomes_the_restore_status(tmp_path: Path) -> None
     w.consider(pod)
     status = kube.annotations[-1][K.ANN_RESTORE_STATUS]
     assert status.startswith(K.RESTORE_FAILED_PREFIX + "container c: refusing to restore") and "CAP_SYS_ADMIN" in status
-    assert kube.events[-1].reason == K.EVENT_RESTORE_FAILED
+    assert kube.events[-1].reason == K.EVENT_RESTORE_REFUSED  # told apart from a failure
     # other create errors are the kubelet's business
     pod["status"]["containerStatuses"][0]["state"]["waiting"]["message"] = "image not found"
     n = len(kube.annotations)
