@@ -54,8 +54,11 @@ unit: venv
 integration: setup cosign
 	$(VENV)/bin/pytest tests/integration $(PYTEST_ARGS)
 
+# then the cluster smoke on every other supported containerd release (hack/smoke-containerd.sh; skipped
+# while a cluster is up, e.g. `make demo`'s, which it would have to take down)
 test: setup cluster-deps go-tools cosign lint typecheck check-generated
 	$(VENV)/bin/pytest tests $(PYTEST_ARGS)
+	hack/smoke-containerd.sh
 
 demo: setup cluster-deps
 	hack/demo.sh

@@ -84,8 +84,31 @@ def render() -> str:
     ]
     for r in REFUSED:
         lines.append(f"| {r.what} | {r.why} | {r.said} | `{r.test}` |")
-    lines.append("")
+    lines += ["", *NON_ROOT, ""]
     return "\n".join(lines)
+
+
+NON_ROOT = [
+    "## Non-root pods (runAsUser other than 0)",
+    "",
+    "Every case above runs as root: on this project's VMs CRIU cannot dump a process of another uid (it needs",
+    "CAP_SYS_RESOURCE for that process's rlimits, which the VMs' capability bounding set lacks;",
+    "../shared/docs/PLATFORM.md). On ordinary nodes it can. What is shown without such a dump:",
+    "",
+    "- the image check judges ids against the new pod's spec, never root's: a non-root bundle's uid, gid and",
+    "  supplementary groups (fsGroup and supplementalGroups arrive as `additionalGids`) pass, root or other",
+    "  ids in its images are refused (`tests/unit/test_criu_guard.py`: `::test_supplementary_groups_outside_",
+    "  the_bundle_are_refused`, `::test_root_in_the_image_for_a_non_root_bundle_is_refused`,",
+    "  `::test_one_saved_uid_is_enough_to_refuse`, `::test_dropping_privileges_inside_the_container_is_fine`);",
+    "- restored volumes and writable layers keep their numeric owners and modes, whatever the uid",
+    "  (`tests/unit/test_tenant_volumes.py` restores a volume owned by 1234:5678 with mode 2750;",
+    "  `tests/unit/test_rootfs_diff.py` a layer file of 1000:1000); the kubelet's fsGroup ownership of a",
+    "  new emptyDir is what the captured tree's own owners replace, as they were in the snapshotted pod;",
+    "- nothing in the restore path runs as or needs the pod's uid: the agent and the runtime wrapper run as",
+    "  root on the node.",
+    "",
+    "Not shown here: a dump and restore of a non-root process end to end.",
+]
 
 
 def main() -> int:
