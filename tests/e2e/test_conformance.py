@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import os
-import tarfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -25,9 +24,7 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.reference import Reference
 from tests.support.agent import _plugin, agent
 from tests.support.cluster import Cluster, cluster
 from tests.support.conformance import (
@@ -44,6 +41,7 @@ from tests.support.conformance import (
     manifest,
     pod_name,
 )
+from tests.support.images import push_tarball
 from tests.support.workloads import BUSYBOX_WL, carried_on
 
 pytestmark = pytest.mark.e2e
@@ -53,28 +51,6 @@ _ONLY = [w for w in os.environ.get("KS_CONFORMANCE_ONLY", "").split(",") if w]
 _CHOSEN = tuple(c for c in CASES if not _ONLY or any(w in c.id for w in _ONLY))
 SELECTED = tuple(c for c in _CHOSEN if c.operation not in PROTECTED_OPERATIONS)
 PROTECTED = tuple(c for c in _CHOSEN if c.operation in PROTECTED_OPERATIONS)
-
-
-def push_tarball(cluster: Cluster, tarball: Path, repo: str) -> str:
-    """Push a cached OCI layout tarball (one image) into the cluster's registry; its reference by digest."""
-    ref = Reference.parse(f"{cluster.registry}/{repo}")
-    client = RegistryClient()
-    with tarfile.open(tarball) as tar:
-
-        def blob(digest: str) -> bytes:
-            f = tar.extractfile("blobs/sha256/" + digest.split(":", 1)[1])
-            assert f is not None
-            return f.read()
-
-        index_file = tar.extractfile("index.json")
-        assert index_file is not None
-        desc = json.load(index_file)["manifests"][0]
-        manifest_bytes = blob(desc["digest"])
-        parsed = json.loads(manifest_bytes)
-        for d in [parsed["config"], *parsed["layers"]]:
-            client.push_blob(ref, digest=d["digest"], size=d["size"], data=blob(d["digest"]))
-        client.push_manifest(ref, manifest_bytes, desc.get("mediaType") or parsed["mediaType"])
-    return f"{cluster.registry}/{repo.rsplit(':', 1)[0]}@{desc['digest']}"
 
 
 @dataclass
@@ -207,7 +183,9 @@ class Batch:
 def _images(cluster: Cluster, cases: tuple[Case, ...]) -> dict[str, str]:
     images: dict[str, str] = {}
     for w in {c.workload.name: c.workload for c in cases}.values():
-        images[w.name] = cluster.busybox_image if w is BUSYBOX_WL else push_tarball(cluster, w.tarball(), w.image)
+        images[w.name] = (
+            cluster.busybox_image if w is BUSYBOX_WL else push_tarball(cluster.registry, w.tarball(), w.image)
+        )
     return images
 
 

@@ -19,7 +19,7 @@ from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.reference import Reference
 from tests.support.agent import agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace
-from tests.support.images import python_tarball
+from tests.support.images import push_tarball, python_tarball
 
 pytestmark = pytest.mark.e2e
 __all__ = ["agent", "cluster", "namespace", "plugin"]
@@ -143,24 +143,8 @@ def test_loopback_tcp_between_containers_survives_and_outside_connections_close(
 
 def _push_python_image(cluster: Cluster) -> str:
     """Push the cached python test image (an OCI layout tarball) into the cluster's registry."""
-    ref = Reference.parse(f"{cluster.registry}/kubectl-snapshot-test/python:1")
-    client = RegistryClient()
-    with tarfile.open(python_tarball()) as tar:
-
-        def blob(digest: str) -> bytes:
-            f = tar.extractfile("blobs/sha256/" + digest.split(":", 1)[1])
-            assert f is not None
-            return f.read()
-
-        index_file = tar.extractfile("index.json")
-        assert index_file is not None
-        desc = json.load(index_file)["manifests"][0]
-        manifest = blob(desc["digest"])
-        parsed = json.loads(manifest)
-        for d in [parsed["config"], *parsed["layers"]]:
-            client.push_blob(ref, digest=d["digest"], size=d["size"], data=blob(d["digest"]))
-        client.push_manifest(ref, manifest, desc.get("mediaType") or parsed["mediaType"])
-    return str(ref)
+    push_tarball(cluster.registry, python_tarball(), "kubectl-snapshot-test/python:1")
+    return f"{cluster.registry}/kubectl-snapshot-test/python:1"
 
 
 UNIX_SERVER = """

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from shim.criu_guard import CAPABILITIES, image_problems
-from tests.support.criu_dump import require_criu
+from tests.support.criu_dump import dump_workload
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("pycriu") is None, reason="pycriu missing")
 
@@ -64,35 +64,8 @@ BUNDLE: dict[str, Any] = {
 
 
 def _dump(tmp_path: Path, filters: int) -> Iterator[Path]:
-    criu = require_criu()
-    ready, images = tmp_path / "ready", tmp_path / "images"
-    images.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _WORKLOAD, str(ready), str(filters)],
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"workload did not start: {proc.stderr.read() if proc.stderr else ''!r}")
-            time.sleep(0.05)
-        res = subprocess.run(
-            [criu, "dump", "-t", str(proc.pid), "-D", str(images), "-v4", "-o", "dump.log"],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        if res.returncode != 0:
-            pytest.fail(f"criu dump failed: {(images / 'dump.log').read_text(errors='replace')[-3000:]}")
-        yield images
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-        proc.wait(timeout=30)
+    for dumped in dump_workload(tmp_path, _WORKLOAD, str(filters)):
+        yield dumped.images_dir
 
 
 @pytest.fixture

@@ -53,25 +53,26 @@ def require_criu() -> str:
     return criu
 
 
-@pytest.fixture
-def criu_dumped(tmp_path: Path) -> Iterator[Dumped]:
-    """A session-leader python process (two threads, ~20 MiB touched) with one child, dumped with -v4."""
+def dump_workload(tmp_path: Path, script: str, *args: str) -> Iterator[Dumped]:
+    """Run `script` (python -c, in a session of its own; it creates the file named by its first argument
+    when ready, `args` follow), dump it with `criu dump -v4`, yield the images; the process is killed after."""
     criu = require_criu()
     ready = tmp_path / "ready"
     images = tmp_path / "images"
     images.mkdir()
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WORKLOAD, str(ready), str(TOUCHED_BYTES)],
+        [sys.executable, "-c", script, str(ready), *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 30
         while not ready.exists():
             if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"workload did not start (exit {proc.poll()})")
+                err = proc.stderr.read() if proc.stderr and proc.poll() is not None else b""
+                pytest.fail(f"workload did not start (exit {proc.poll()}): {err!r}")
             time.sleep(0.05)
         res = subprocess.run(
             [criu, "dump", "-t", str(proc.pid), "-D", str(images), "-v4", "-o", "dump.log"],
@@ -87,3 +88,9 @@ def criu_dumped(tmp_path: Path) -> Iterator[Dumped]:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
         proc.wait(timeout=30)
+
+
+@pytest.fixture
+def criu_dumped(tmp_path: Path) -> Iterator[Dumped]:
+    """A session-leader python process (two threads, ~20 MiB touched) with one child, dumped with -v4."""
+    yield from dump_workload(tmp_path, _WORKLOAD, str(TOUCHED_BYTES))

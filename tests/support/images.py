@@ -226,36 +226,7 @@ def _python_recipe() -> dict[str, Any]:
 
 
 def _build_python(rootfs: Path) -> dict[str, Any]:
-    proc = subprocess.run(
-        [
-            "debootstrap",
-            "--variant=minbase",
-            "--include=python3-minimal",
-            "bookworm",
-            str(rootfs),
-            DEBIAN_MIRROR,
-        ],
-        capture_output=True,
-        text=True,
-    )
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-20:])
-        raise RuntimeError(f"debootstrap failed ({proc.returncode}):\n{tail}")
-    # Drop what makes the tree differ between builds and is useless in a test image.
-    # Documentation and translations are half the tree: smaller images unpack and delete faster.
-    for p in (
-        "var/cache/apt",
-        "var/lib/apt/lists",
-        "var/log",
-        "debootstrap",
-        "usr/share/doc",
-        "usr/share/man",
-        "usr/share/info",
-        "usr/share/locale",
-    ):
-        shutil.rmtree(rootfs / p, ignore_errors=True)
-    for cache in rootfs.glob("var/cache/ldconfig/*"):
-        cache.unlink()
+    _debootstrap(rootfs, ["python3-minimal"])
     busybox_dir = rootfs / "opt" / "busybox"
     busybox_dir.mkdir(parents=True)
     shutil.copy2(BUSYBOX, busybox_dir / "busybox")
@@ -313,15 +284,19 @@ def debian_tarball(
 
     def build(rootfs: Path) -> dict[str, Any]:
         _debootstrap(rootfs, packages)
-        for path, (content, mode) in files.items():
-            target = rootfs / path.lstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
-            target.chmod(mode)
+        _write_files(rootfs, files)
         env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         return {"Env": env, **(config or {})}
 
     return _cached(kind, recipe, build, name)
+
+
+def _write_files(rootfs: Path, files: dict[str, tuple[bytes, int]]) -> None:
+    for path, (content, mode) in files.items():
+        target = rootfs / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
+        target.chmod(mode)
 
 
 def _debootstrap(rootfs: Path, packages: list[str]) -> None:
@@ -356,11 +331,7 @@ def scratch_tarball(kind: str, name: str, files: dict[str, tuple[bytes, int]], c
     }
 
     def build(rootfs: Path) -> dict[str, Any]:
-        for path, (content, mode) in files.items():
-            target = rootfs / path.lstrip("/")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
-            target.chmod(mode)
+        _write_files(rootfs, files)
         return dict(config)
 
     return _cached(kind, recipe, build, name)
@@ -418,6 +389,32 @@ def busybox_image(daemon: Daemon) -> str:
 def python_image(daemon: Daemon) -> str:
     """Name of the python3 test image, imported and unpacked in `daemon`."""
     return import_image(daemon, python_tarball(), PYTHON_IMAGE)
+
+
+def push_tarball(registry: str, tarball: Path, repo: str) -> str:
+    """Push a cached OCI layout tarball (one image) to `registry` as `repo` (name:tag); its reference by
+    digest."""
+    from kubectl_snapshot.adapters.registry import RegistryClient
+    from kubectl_snapshot.core.reference import Reference
+
+    ref = Reference.parse(f"{registry}/{repo}")
+    client = RegistryClient()
+    with tarfile.open(tarball) as tar:
+
+        def blob(digest: str) -> bytes:
+            f = tar.extractfile("blobs/sha256/" + digest.split(":", 1)[1])
+            assert f is not None
+            return f.read()
+
+        index_file = tar.extractfile("index.json")
+        assert index_file is not None
+        desc = json.load(index_file)["manifests"][0]
+        manifest_bytes = blob(desc["digest"])
+        parsed = json.loads(manifest_bytes)
+        for d in [parsed["config"], *parsed["layers"]]:
+            client.push_blob(ref, digest=d["digest"], size=d["size"], data=blob(d["digest"]))
+        client.push_manifest(ref, manifest_bytes, desc.get("mediaType") or parsed["mediaType"])
+    return f"{registry}/{repo.rsplit(':', 1)[0]}@{desc['digest']}"
 
 
 def image_digest(tarball: Path) -> str:

@@ -169,32 +169,44 @@ def test_install_and_uninstall_node(tmp_path: Path) -> None:
     assert (tmp_path / "restarted").exists()
 
 
+class _AnnotatingKube(EventRecorder):
+    """The restore worker's Kube in these tests: pod annotation patches and Events, recorded."""
+
+    def __init__(self) -> None:
+        self.patches: list[dict[str, Any]] = []
+        self.events: list[RecordedEvent] = []
+
+    def patch_pod_annotations(
+        self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
+    ) -> dict[str, Any]:
+        self.patches.append(annotations)
+        return {}
+
+
+def _restore_worker(tmp_path: Path) -> tuple[_AnnotatingKube, Any]:
+    from kubectl_snapshot.core.model import HostFacts
+    from shim.controller.restores import RestoreWorker
+
+    kube = _AnnotatingKube()
+    return kube, RestoreWorker(
+        kube=kube, settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts()
+    )
+
+
 def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_path: Path) -> None:
     from kubectl_snapshot.core import kube as K
     from kubectl_snapshot.core.model import HostFacts
     from shim.controller.restores import RestoreWorker
     from shim.podrestore import PodRestore
 
-    class Kube(EventRecorder):
-        def __init__(self) -> None:
-            self.patches: list[dict[str, Any]] = []
-            self.events: list[RecordedEvent] = []
-
-        def patch_pod_annotations(
-            self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
-        ) -> dict[str, Any]:
-            self.patches.append(annotations)
-            return {}
-
-    kube = Kube()
-    worker = RestoreWorker(kube=kube, settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts())
+    kube, worker = _restore_worker(tmp_path)
     stopped: list[str] = []
 
     def stop_containers(uid: str, only: list[str] | None = None) -> list[str]:
         stopped.append(uid)
         return ["app"]
 
-    worker._stop_containers = stop_containers  # type: ignore[method-assign]
+    worker._stop_containers = stop_containers
     pod = {
         "metadata": {
             "name": "p",
@@ -226,26 +238,14 @@ def test_restore_worker_reports_a_resume_the_wrapper_started_fresh(tmp_path: Pat
     from shim.controller.restores import RestoreWorker
     from shim.podrestore import PodRestore
 
-    class Kube(EventRecorder):
-        def __init__(self) -> None:
-            self.patches: list[dict[str, Any]] = []
-            self.events: list[RecordedEvent] = []
-
-        def patch_pod_annotations(
-            self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
-        ) -> dict[str, Any]:
-            self.patches.append(annotations)
-            return {}
-
-    kube = Kube()
-    worker = RestoreWorker(kube=kube, settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts())
+    kube, worker = _restore_worker(tmp_path)
     stopped: list[tuple[str, list[str] | None]] = []
 
     def stop_containers(uid: str, only: list[str] | None = None) -> list[str]:
         stopped.append((uid, only))
         return list(only or [])
 
-    worker._stop_containers = stop_containers  # type: ignore[method-assign]
+    worker._stop_containers = stop_containers
     pod = {
         "metadata": {
             "name": "web-0",
@@ -276,18 +276,8 @@ def test_a_refusal_of_the_images_is_told_apart_from_a_failure(tmp_path: Path) ->
     from shim.controller.restores import RestoreWorker
     from shim.podrestore import PodRestore
 
-    class Kube(EventRecorder):
-        def __init__(self) -> None:
-            self.events: list[RecordedEvent] = []
-
-        def patch_pod_annotations(
-            self, ns: str, name: str, annotations: dict[str, str | None], *, status: bool = False
-        ) -> dict[str, Any]:
-            return {}
-
-    kube = Kube()
-    worker = RestoreWorker(kube=kube, settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts())
-    worker._stop_containers = lambda uid, only=None: []  # type: ignore[method-assign]
+    kube, worker = _restore_worker(tmp_path)
+    worker._stop_containers = lambda uid, only=None: []
     pod = {
         "metadata": {
             "name": "p",
