@@ -135,8 +135,11 @@ ks_containerd_config() {  # NODE: write the node's containerd config (and which 
       || ks_die "containerd $KS_CONTAINERD_VERSION could not be built" "see the output of hack/build-containerd.sh above"
   fi
   echo "$bin" >"$KS_DIR/$node/containerd.bin"
+  # containerd 2.0 names the CNI plugin directory `bin_dir` (one); 2.1 and later `bin_dirs` (a list)
+  local cni_bins="bin_dirs = ['/usr/lib/cni']"
   case "$("$bin/containerd" --version | awk '{print $3}')" in
     v1.*|1.*) ks_containerd_config_v2 "$node"; return ;;
+    v2.0.*|2.0.*) cni_bins="bin_dir = '/usr/lib/cni'" ;;
   esac
   cat >"$KS_DIR/$node/containerd.toml" <<EOF
 # containerd v2.3.x config for test node $node (written by hack/cluster/lib.sh).
@@ -182,7 +185,7 @@ imports = ["$(ks_node_dropins "$node")/*.toml"]
         SystemdCgroup = false
         BinaryName = '/usr/sbin/runc'
   [plugins.'io.containerd.cri.v1.runtime'.cni]
-    bin_dirs = ['/usr/lib/cni']
+    $cni_bins
     conf_dir = '$KS_DIR/cni/net.d'
 EOF
 }

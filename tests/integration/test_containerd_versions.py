@@ -187,3 +187,6 @@ def test_the_local_clusters_node_config_loads_on_the_release(version: str, tmp_p
     assert runtime["restrict_oom_score_adj"] is True  # the VM lacks CAP_SYS_RESOURCE
     assert runtime["netns_mounts_under_state_dir"] is True
     assert runtime["containerd"]["runtimes"]["runc"]["options"]["BinaryName"] == "/usr/sbin/runc"
+    # the CNI plugins where Debian puts them (2.0 and 1.7 name it bin_dir, and ignore an unknown bin_dirs)
+    cni = runtime["cni"]
+    assert (cni.get("bin_dirs") or [cni.get("bin_dir")]) == ["/usr/lib/cni"], cni
