@@ -157,7 +157,7 @@ def verify_snapshot(
     return evaluate(found, ref.digest or "", policy)
 
 
-# --- keys on disk (the agent's mounted Secret and ConfigMap, or a node operator's files) -------------
+# --- keys on disk (the agent's mounted trust ConfigMap, or a node operator's files) ------------------
 
 
 def load_signing_key(path: str) -> SigningKey:
@@ -169,7 +169,7 @@ def load_signing_key(path: str) -> SigningKey:
     except FileNotFoundError:
         raise FailedPrecondition(
             f"no snapshot signing key at {file}",
-            hint="kubectl snapshot install creates it (Secret kubectl-snapshot-signing-key)",
+            hint="give an ECDSA P-256 private key in PEM (a node agent's own is <state root>/NODE/signing/node.key)",
         ) from None
 
 
