@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import pathlib
 from dataclasses import replace
 
 import pytest
@@ -346,3 +347,38 @@ def test_a_node_binding_survives_merging_with_an_unbound_copy_of_the_key() -> No
     assert merged.node_of(node_a.public.id) == "n1"
     forged = replace(ORIGIN, node="n2")
     assert not evaluate([signed(node_a, origin=forged)], DIGEST, merged).verified
+
+
+def test_the_restore_worker_trusts_a_node_key_the_mounted_copy_does_not_have_yet(tmp_path: pathlib.Path) -> None:
+    """A node's agent registers its key when it starts; the kubelet brings it to the other agents'
+    mounted trust ConfigMap up to a minute later. A save of that node restored elsewhere meanwhile must
+    verify: the worker reads the live ConfigMap too. With the API down, the mounted copy alone serves."""
+    from kubectl_snapshot.core.errors import Unavailable
+    from kubectl_snapshot.core.model import HostFacts
+    from kubectl_snapshot.core.nodesettings import NodeSettings
+    from kubectl_snapshot.core.provenance import node_key_entries
+    from shim.controller.restores import RestoreWorker
+    from tests.support.fakekube import StrictKube
+
+    key = SigningKey.generate()
+    mounted = tmp_path / "trust"
+    mounted.mkdir()
+    old = SigningKey.generate()
+    (mounted / f"{old.public.id}.pub").write_bytes(old.public.to_pem())
+
+    class Live(StrictKube):
+        up = True
+
+        def get_config_map(self, ns: str, name: str) -> dict[str, object]:
+            if not self.up:
+                raise Unavailable("the API server does not answer")
+            return {"data": node_key_entries(key.public, "ks-n1")}
+
+    kube = Live()
+    settings = NodeSettings(node="ks-n2", state_root=str(tmp_path), trust_dir=str(mounted))
+    worker = RestoreWorker(kube=kube, settings=settings, facts=HostFacts())
+    trust = worker._trust()
+    assert {k.id for k in trust.keys} == {old.public.id, key.public.id}
+    assert trust.nodes == {key.public.id: "ks-n1"}  # bound to its node, as the mounted copy will say
+    kube.up = False
+    assert {k.id for k in worker._trust().keys} == {old.public.id}
