@@ -684,6 +684,23 @@ class KubeClient:
             )
         )
 
+    def get_config_map(self, ns: str, name: str) -> dict[str, Any]:
+        return dict(
+            self._call("GET", f"/api/v1/namespaces/{_q(ns)}/configmaps/{_q(name)}", what=f"get configmap {ns}/{name}")
+        )
+
+    def patch_config_map_data(self, ns: str, name: str, data: dict[str, str]) -> dict[str, Any]:
+        """Merge `data` into the ConfigMap's data (entries not named are left as they are)."""
+        return dict(
+            self._call(
+                "PATCH",
+                f"/api/v1/namespaces/{_q(ns)}/configmaps/{_q(name)}",
+                what=f"update configmap {ns}/{name}",
+                body={"data": data},
+                content_type=MERGE_PATCH,
+            )
+        )
+
     def get_node(self, name: str) -> dict[str, Any]:
         return dict(self._call("GET", f"/api/v1/nodes/{_q(name)}", what=f"get node {name}"))
 

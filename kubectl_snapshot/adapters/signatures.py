@@ -27,6 +27,7 @@ from kubectl_snapshot.core.provenance import (
     TRUST_ALLOW_UNVERIFIED_FILE,
     TRUST_CLUSTER_FILE,
     TRUST_KEY_SUFFIX,
+    TRUST_NODE_SUFFIX,
     Grant,
     Origin,
     Provenance,
@@ -156,7 +157,7 @@ def verify_snapshot(
     return evaluate(found, ref.digest or "", policy)
 
 
-# --- keys on disk (the agent's mounted Secret and ConfigMap, or a node operator's files) -------------
+# --- keys on disk (the agent's mounted trust ConfigMap, or a node operator's files) ------------------
 
 
 def load_signing_key(path: str) -> SigningKey:
@@ -168,7 +169,7 @@ def load_signing_key(path: str) -> SigningKey:
     except FileNotFoundError:
         raise FailedPrecondition(
             f"no snapshot signing key at {file}",
-            hint="kubectl snapshot install creates it (Secret kubectl-snapshot-signing-key)",
+            hint="give an ECDSA P-256 private key in PEM (a node agent's own is <state root>/NODE/signing/node.key)",
         ) from None
 
 
@@ -187,27 +188,49 @@ def load_trust(paths: list[str], *, allow_unverified: bool = False) -> TrustPoli
 
 
 def trust_from_data(data: Mapping[str, str], *, where: str = "the trust ConfigMap") -> TrustPolicy:
-    """The trust ConfigMap's data (or its mounted files): `<id>.pub` keys, cluster-id, the policy."""
-    keys = [
-        PublicKey.from_pem(data[name].encode(), where=f"{where}: {name}")
-        for name in sorted(data)
-        if name.endswith(TRUST_KEY_SUFFIX)
-    ]
+    """The trust ConfigMap's data (or its mounted files): `<id>.pub` keys, each bound to the node named
+    by `<id>.node` when there is one, cluster-id, the policy.
+
+    A `.pub` entry whose name is not its own key's id is ignored: the agents may add entries (admission
+    lets each add only its own node's), and CEL cannot hash a PEM, so this is where an entry that would
+    shadow or rebind another key (another node's PEM under a new name) is dropped; so is a node's entry
+    that is no public key at all (an administrator's is an error, said as such)."""
+    keys = []
+    nodes: dict[str, str] = {}
+    for name in sorted(data):
+        if not name.endswith(TRUST_KEY_SUFFIX):
+            continue
+        stem = name.removesuffix(TRUST_KEY_SUFFIX)
+        try:
+            key = PublicKey.from_pem(data[name].encode(), where=f"{where}: {name}")
+        except InvalidArgument:
+            if f"{stem}{TRUST_NODE_SUFFIX}" in data:
+                continue  # an agent's entry: one node cannot keep the others from reading their trust
+            raise
+        if stem != key.id:
+            continue
+        keys.append(key)
+        node = data.get(f"{key.id}{TRUST_NODE_SUFFIX}", "").strip()
+        if node:
+            nodes[key.id] = node
     return TrustPolicy(
         tuple(keys),
         allow_unverified=data.get(TRUST_ALLOW_UNVERIFIED_FILE, "").strip().lower() == "true",
         cluster=data.get(TRUST_CLUSTER_FILE, "").strip(),
+        nodes=nodes,
     )
 
 
 def merge_trust(policies: Iterable[TrustPolicy], *, allow_unverified: bool = False) -> TrustPolicy:
     keys: dict[str, PublicKey] = {}
+    nodes: dict[str, str] = {}
     cluster = ""
     for pol in policies:
         keys.update((k.id, k) for k in pol.keys)
+        nodes.update(pol.nodes)
         cluster = cluster or pol.cluster
         allow_unverified = allow_unverified or pol.allow_unverified
-    return TrustPolicy(tuple(keys.values()), allow_unverified=allow_unverified, cluster=cluster)
+    return TrustPolicy(tuple(keys.values()), allow_unverified=allow_unverified, cluster=cluster, nodes=nodes)
 
 
 def _read_dir(path: str) -> Mapping[str, str]:

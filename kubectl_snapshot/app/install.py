@@ -5,7 +5,6 @@ keeping the keys (`kept_key_objects`) unless asked to purge them.
 
 from __future__ import annotations
 
-import base64
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -17,12 +16,10 @@ from kubectl_snapshot.core import keysecret
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
 from kubectl_snapshot.core.provenance import (
-    SIGNING_KEY_FILE,
     TRUST_ALLOW_UNVERIFIED_FILE,
     TRUST_CLUSTER_FILE,
     TRUST_KEY_SUFFIX,
     PublicKey,
-    SigningKey,
 )
 
 StepFn = Callable[[str, int, int], None]  # (what, done, total)
@@ -138,8 +135,9 @@ def pod_names(pods: Sequence[Obj], limit: int = 10) -> str:
 
 def kept_key_objects() -> list[Obj]:
     """What a sealed or signed snapshot needs to restore, all in the agent's namespace: the namespace keys
-    (install creates the Secret, the agents fill it), the signing key, and the trust ConfigMap (every public key
-    ever used, other clusters' keys, the unverified policy). Created by the agent or by `install`
+    (install creates the Secret, the agents fill it), the cluster-wide signing key of earlier releases (where
+    there is one), and the trust ConfigMap (every public key ever used, the nodes' among them, other
+    clusters' keys, the unverified policy). Created by the agent or by `install`
     outside the rendered manifests, so re-applying them never replaces a key: a re-install uses these."""
     ns = K.AGENT_NAMESPACE
     return [
@@ -311,39 +309,32 @@ def key_objects(kube: Kube) -> list[Obj]:
     return [] if kube.get_object(secret) is not None else [secret]
 
 
-def signing_objects(
+def trust_objects(
     kube: Kube,
     *,
-    rotate: bool = False,
     trust_keys: Sequence[bytes] = (),
     allow_unverified: bool | None = None,
     labels: Mapping[str, str] | None = None,
-) -> tuple[list[Obj], str]:
-    """The agents' signing-key Secret and the trust ConfigMap to apply; and the signing key's id.
+) -> list[Obj]:
+    """The trust ConfigMap to apply: every entry there is kept, so the keys the agents registered for
+    their nodes (`<key id>.pub` + `<key id>.node`) stay trusted across installs, and so does the
+    cluster-wide key agents signed with before they had their own (its `.pub`; the Secret
+    kubectl-snapshot-signing-key holding its private half is neither made nor changed any more, and an
+    entry an administrator removed is not put back).
 
-    The key is made once (ECDSA P-256) and kept across installs; `rotate` makes a new one. Every public
-    key ever used stays trusted (`<key id>.pub` in the ConfigMap), so snapshots signed before a rotation
-    still restore; an administrator removes one from the ConfigMap to stop trusting it. `trust_keys`
-    adds other clusters' public keys (PEM); `allow_unverified` (None: keep) is the policy for snapshots
-    no trusted key signed. The private key never leaves the cluster: only the Secret holds it.
+    `trust_keys` adds other clusters' public keys (PEM), not bound to a node; `allow_unverified`
+    (None: keep) is the policy for snapshots no trusted key signed. No private key is made: each agent
+    makes its node's own (shim/nodekey.py).
     """
     labels = dict(labels or {"app.kubernetes.io/part-of": "kubectl-snapshot"})
-    secret_ref: dict[str, Any] = {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": K.SIGNING_KEY_SECRET, "namespace": K.AGENT_NAMESPACE},
-    }
     cm_ref: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": K.TRUST_CONFIG_MAP, "namespace": K.AGENT_NAMESPACE},
     }
-    live_secret = kube.get_object(secret_ref)
     live_cm = kube.get_object(cm_ref) or {}
-    pem = base64.b64decode(((live_secret or {}).get("data") or {}).get(SIGNING_KEY_FILE, "") or b"")
-    key = SigningKey.generate() if rotate or not pem else SigningKey.from_pem(pem, where="the signing-key Secret")
     data = {k: v for k, v in (live_cm.get("data") or {}).items() if isinstance(v, str)}
-    for extra in [key.public.to_pem(), *trust_keys]:
+    for extra in trust_keys:
         pub = PublicKey.from_pem(extra)
         data[f"{pub.id}{TRUST_KEY_SUFFIX}"] = pub.to_pem().decode()
     kube_system = kube.get_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system"}})
@@ -351,11 +342,4 @@ def signing_objects(
     if allow_unverified is not None:
         data[TRUST_ALLOW_UNVERIFIED_FILE] = "true" if allow_unverified else "false"
     data.setdefault(TRUST_ALLOW_UNVERIFIED_FILE, "false")
-    secret = {
-        **secret_ref,
-        "metadata": {**secret_ref["metadata"], "labels": labels},
-        "type": "Opaque",
-        "data": {SIGNING_KEY_FILE: base64.b64encode(key.to_pem()).decode()},
-    }
-    cm = {**cm_ref, "metadata": {**cm_ref["metadata"], "labels": labels}, "data": data}
-    return [secret, cm], key.public.id
+    return [{**cm_ref, "metadata": {**cm_ref["metadata"], "labels": labels}, "data": data}]

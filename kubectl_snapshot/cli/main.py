@@ -611,7 +611,7 @@ def _install_settings(api_server: str | None, node_config: str | None, **node: s
 @click.option(
     "--rotate-signing-key",
     is_flag=True,
-    help="Make a new snapshot signing key; the old public key stays trusted, so older snapshots still restore.",
+    hidden=True,  # refused with a hint: each node's agent has its own key now
 )
 @click.option(
     "--trust-key",
@@ -645,10 +645,18 @@ def install_cmd(
 ) -> None:
     """Install the CRD, RBAC, admission policies, agent DaemonSet and RuntimeClass; wait until the agents run.
 
-    Also makes the agents' snapshot signing key (Secret kubectl-snapshot-signing-key, once; see
-    --rotate-signing-key), the trust ConfigMap kubectl-snapshot-trust (public keys, policy) and,
-    once, the Secret kubectl-snapshot-keys the agents keep each namespace's encryption key in.
+    Also makes the trust ConfigMap kubectl-snapshot-trust (public keys, policy; each node's agent adds
+    its own signing key there, and every key listed stays) and, once, the Secret kubectl-snapshot-keys
+    the agents keep each namespace's encryption key in.
     """
+    if rotate_signing_key:
+        raise click.UsageError(
+            "--rotate-signing-key: there is no cluster signing key to rotate any more; each node's agent signs "
+            "with its own key. To replace a node's key, delete its file on the node "
+            "(<state root>/NODE/signing/node.key, by default /var/lib/kubectl-snapshot/NODE/signing/node.key) "
+            "and restart that node's agent; to stop trusting a key, remove its <key id>.pub and <key id>.node "
+            f"entries from ConfigMap {K.AGENT_NAMESPACE}/{K.TRUST_CONFIG_MAP} (docs/security.md)"
+        )
     settings = _install_settings(api_server, node_config, **node)
     if host_network:
         settings["host_network"] = True
@@ -672,9 +680,7 @@ def install_cmd(
     for path in trust_keys:
         with open(path, "rb") as f:
             pems.append(f.read())
-    signing, _key_id = install_app.signing_objects(
-        kube, rotate=rotate_signing_key, trust_keys=pems, allow_unverified=allow_unverified
-    )
+    signing = install_app.trust_objects(kube, trust_keys=pems, allow_unverified=allow_unverified)
     keys = install_app.key_objects(kube)
     objects = objects[:-1] + signing + keys + objects[-1:]  # before the DaemonSet, after its namespace
     with RemoteProgress("install") as bar:
@@ -701,7 +707,7 @@ def install_cmd(
 @click.option(
     "--purge-keys",
     is_flag=True,
-    help=f"Also delete the namespace keys, the signing key and the trust ConfigMap (and namespace "
+    help=f"Also delete the namespace keys, the old cluster signing key and the trust ConfigMap (and namespace "
     f"{K.AGENT_NAMESPACE}): every sealed snapshot becomes unrestorable. Back them up first (docs/deploy.md).",
 )
 @output_option
@@ -714,7 +720,8 @@ def uninstall_cmd(dry_run: str, timeout: float, force: bool, purge_keys: bool, o
 
     \b
     Keeps the keys unless --purge-keys: Secrets kubectl-snapshot-keys (namespace keys of sealed
-    snapshots) and kubectl-snapshot-signing-key, ConfigMap kubectl-snapshot-trust, and so their
+    snapshots) and kubectl-snapshot-signing-key (earlier releases' cluster-wide signing key, where there
+    is one), ConfigMap kubectl-snapshot-trust (the nodes' public keys among it), and so their
     namespace kubectl-snapshot-system. A later install uses them again, so earlier snapshots restore.
     """
     objects = install_app.render(None, {})

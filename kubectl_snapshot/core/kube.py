@@ -77,14 +77,15 @@ RESTORE_FAILED_PREFIX: Final = "Failed: "
 DROPPED_LABELS: Final = ("pod-template-hash", "controller-revision-hash")
 SA_TOKEN_VOLUME_PREFIX: Final = "kube-api-access-"
 
-# provenance (docs/security.md): the agents' signing key, what the cluster trusts, namespace grants
+# provenance (docs/security.md): what the cluster trusts (the nodes' keys among it), namespace grants
 GRANT_KIND: Final = "SnapshotGrant"
 GRANT_PLURAL: Final = "snapshotgrants"
 GRANT_SINGULAR: Final = "snapshotgrant"
-SIGNING_KEY_SECRET: Final = "kubectl-snapshot-signing-key"  # in AGENT_NAMESPACE; signing.key (PEM)
+# in AGENT_NAMESPACE; signing.key (PEM): the cluster-wide key agents signed with before they had their own
+# (its public key stays trusted, for the snapshots it signed); nothing mounts or makes it any more
+SIGNING_KEY_SECRET: Final = "kubectl-snapshot-signing-key"
 KEY_SECRET: Final = "kubectl-snapshot-keys"  # in AGENT_NAMESPACE; the namespace keys (adapters/keystore.py)
-TRUST_CONFIG_MAP: Final = "kubectl-snapshot-trust"  # in AGENT_NAMESPACE; *.pub, cluster-id, policy
-SIGNING_KEY_DIR: Final = "/etc/kubectl-snapshot/signing"  # where the agent mounts the Secret
+TRUST_CONFIG_MAP: Final = "kubectl-snapshot-trust"  # in AGENT_NAMESPACE; *.pub, *.node, cluster-id, policy
 TRUST_DIR: Final = "/etc/kubectl-snapshot/trust"  # where the agent mounts the ConfigMap
 
 # the agent

@@ -133,7 +133,6 @@ class NodeSettings:
         env="KUBECTL_SNAPSHOT_STAGING_NAMESPACE_SHARE",
     )
     # mounted by the DaemonSet at fixed places (deploy/agent.py provenance_mounts): not options
-    signing_key_dir: str = K.SIGNING_KEY_DIR
     trust_dir: str = K.TRUST_DIR
     # install-node's tmpfs for the memory work area (shim/workfs.py; KUBECTL_SNAPSHOT_MEMORY_WORK_MIB=0
     # turns dumps in memory off, and it with them): not an option; False only where nothing may be mounted

@@ -1,6 +1,7 @@
 """Provenance: who made a snapshot, where, and whether that claim verifies (cosign's format).
 
-A snapshot is signed by the agent that took it with an ECDSA P-256 key the agents hold. The
+A snapshot is signed by the agent that took it with its node's own ECDSA P-256 key; a key listed
+with a node (trust ConfigMap: ``<key id>.node``) vouches only for origins on that node. The
 signature is stored the way cosign stores one, so that `cosign verify --key` accepts it:
 
 * the payload is a "simple signing" JSON document naming the manifest digest
@@ -59,6 +60,7 @@ OPT_KEY_ID: Final = "io.kubectl-snapshot.key-id"
 TRUST_CLUSTER_FILE: Final = "cluster-id"
 TRUST_ALLOW_UNVERIFIED_FILE: Final = "allow-unverified-snapshots"
 TRUST_KEY_SUFFIX: Final = ".pub"
+TRUST_NODE_SUFFIX: Final = ".node"  # `<key id>.node`: the node whose agent holds that key
 SIGNING_KEY_FILE: Final = "signing.key"  # in the signing-key Secret (PKCS#8 PEM)
 
 _UNTRUSTED_HINT = (
@@ -297,9 +299,22 @@ class TrustPolicy:
     keys: tuple[PublicKey, ...] = ()
     allow_unverified: bool = False
     cluster: str = ""  # this cluster's identity, for display ("signed here" vs elsewhere)
+    # key id -> the node whose agent holds it: such a key verifies only origins on that node. Keys not
+    # listed (an install's cluster key, another cluster's --trust-key) vouch for any origin.
+    nodes: Mapping[str, str] = field(default_factory=dict)
 
     def key(self, kid: str) -> PublicKey | None:
         return next((k for k in self.keys if k.id == kid), None)
+
+    def node_of(self, kid: str) -> str:
+        return self.nodes.get(kid, "")
+
+
+def node_key_entries(public: PublicKey, node: str) -> dict[str, str]:
+    """The trust ConfigMap entries that register a node's key: its PEM, and the node it is bound to."""
+    if not node:
+        raise InvalidArgument("a node's signing key must name its node")
+    return {f"{public.id}{TRUST_KEY_SUFFIX}": public.to_pem().decode(), f"{public.id}{TRUST_NODE_SUFFIX}": node}
 
 
 @dataclass(frozen=True)
@@ -309,6 +324,7 @@ class Verdict:
     claim: Claim | None = None
     key_id: str = ""
     problems: tuple[str, ...] = field(default_factory=tuple)  # per rejected signature
+    key_node: str = ""  # the node the signing key is bound to ('' for a key not bound to a node)
 
 
 def evaluate(candidates: Iterable[SignatureCandidate], digest: str, policy: TrustPolicy) -> Verdict:
@@ -346,7 +362,18 @@ def evaluate(candidates: Iterable[SignatureCandidate], digest: str, policy: Trus
                 "another snapshot)"
             )
             continue
-        return Verdict(True, f"signed by trusted key {signer.id}", claim, signer.id)
+        bound = policy.node_of(signer.id)
+        if bound and claim.origin.node != bound:
+            # a node's key vouches for what ran on its node only: one node's credentials forge nothing elsewhere
+            claimed_node = claim.origin.node or "no node"
+            problems.append(
+                f"{where}: signed by the key of node {bound} (key {signer.id}), but its origin names "
+                f"{'node ' if claim.origin.node else ''}{claimed_node}: a node's key vouches only for snapshots "
+                "taken on that node"
+            )
+            continue
+        reason = f"signed by trusted key {signer.id}" + (f" of node {bound}" if bound else "")
+        return Verdict(True, reason, claim, signer.id, key_node=bound)
     if not problems:
         return Verdict(False, "the snapshot is not signed")
     return Verdict(False, "no signature verifies: " + "; ".join(problems), problems=tuple(problems))
@@ -452,6 +479,8 @@ class Provenance:
         if v.claim is not None:
             o = v.claim.origin
             d["keyId"] = v.key_id
+            if v.key_node:
+                d["keyNode"] = v.key_node
             d["origin"] = {
                 "cluster": o.cluster,
                 "namespace": o.namespace,

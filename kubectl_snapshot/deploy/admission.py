@@ -22,6 +22,10 @@ identity (CEL ``authorizer``), before the agent ever sees the object:
   only the restore-status annotation (through ``pods/status``), and delete only pods of its node
   (``stop``); on PodSnapshots only the status, whose ``node`` must be its own, of objects no other
   node has claimed (CEL cannot look up the pod, so whether the pod runs there is the agent's check).
+- ``kubectl-snapshot-agent-trust``: the agent only adds its own node's signing key to the trust
+  ConfigMap (``<key id>.pub`` with ``<key id>.node`` naming its token's node, both at once, at most
+  ``MAX_KEYS_PER_NODE`` per node) and changes or removes nothing that is there; so it can neither
+  trust a key for another node nor unbind, replace or untrust any key, nor touch the cluster's policy.
 
 The allow-lists are annotations on the Namespace (``kubectl-snapshot.io/allowed-destinations``,
 ``kubectl-snapshot.io/insecure-registries``). Why there: a Namespace object is cluster-scoped, so
@@ -41,6 +45,7 @@ import json
 from typing import Any
 
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.provenance import TRUST_KEY_SUFFIX, TRUST_NODE_SUFFIX
 
 API = "admissionregistration.k8s.io/v1"
 SNAPSHOT_POLICY = "kubectl-snapshot-podsnapshots"
@@ -49,6 +54,9 @@ AGENT_NODES_POLICY = "kubectl-snapshot-agent-nodes"
 AGENT_PODS_POLICY = "kubectl-snapshot-agent-pods"
 AGENT_SNAPSHOTS_POLICY = "kubectl-snapshot-agent-podsnapshots"
 AUTOSAVE_POLICY = "kubectl-snapshot-snapshotpolicies"
+AGENT_TRUST_POLICY = "kubectl-snapshot-agent-trust"
+# a re-imaged node adds a key each time; the bound keeps a stolen token from filling the ConfigMap
+MAX_KEYS_PER_NODE = 16
 # What the agent may change of a PodSnapshot itself (not its status): the provenance it records at claim
 # time and a resuming pod's claim (docs/kubernetes.md, "Resume protocol").
 AGENT_SNAPSHOT_LABELS = (
@@ -69,6 +77,7 @@ POLICIES = (
     AGENT_PODS_POLICY,
     AGENT_SNAPSHOTS_POLICY,
     AUTOSAVE_POLICY,
+    AGENT_TRUST_POLICY,
 )
 
 # Reference grammar (core/reference.py), in RE2 for CEL's matches(). The registry must be explicit
@@ -524,6 +533,88 @@ def agent_snapshots_policy(labels: dict[str, str]) -> dict[str, Any]:
     )
 
 
+def agent_trust_policy(labels: dict[str, str]) -> dict[str, Any]:
+    """The agent adds its node's signing key to the trust ConfigMap and nothing else (shim/controller/signing.py).
+
+    CEL cannot hash a PEM, so the key id in an entry's name is not checked here: the trust loader
+    (adapters/signatures.trust_from_data) ignores a `.pub` whose name is not its key's id, and one that
+    does not parse if it is bound to a node. What is checked: every entry there stays as it is (so no
+    key is unbound, rebound, replaced or removed, and `cluster-id` and `allow-unverified-snapshots` stay);
+    entries are added in pairs `<16 hex>.pub` + `<16 hex>.node`; each `.node` names the token's node."""
+    pub, node = TRUST_KEY_SUFFIX, TRUST_NODE_SUFFIX
+    entry_re = r"^[0-9a-f]{16}[.](pub|node)$"
+    return _policy(
+        AGENT_TRUST_POLICY,
+        labels,
+        {
+            "matchConstraints": _match([""], ["v1"], ["CREATE", "UPDATE", "DELETE"], ["configmaps"]),
+            "matchConditions": [
+                *_AGENT_ONLY,
+                {
+                    "name": "the-trust-configmap",
+                    "expression": f"request.namespace == {_quote(K.AGENT_NAMESPACE)}"
+                    f" && request.name == {_quote(K.TRUST_CONFIG_MAP)}",
+                },
+            ],
+            "variables": [
+                *_AGENT_VARIABLES,
+                {"name": "old", "expression": "oldObject != null && has(oldObject.data) ? oldObject.data : {}"},
+                {"name": "new", "expression": "object != null && has(object.data) ? object.data : {}"},
+                {"name": "added", "expression": "variables.new.filter(k, !(k in variables.old))"},
+                {
+                    "name": "changed",
+                    "expression": "variables.old.filter(k, !(k in variables.new)"
+                    " || variables.new[k] != variables.old[k])",
+                },
+            ],
+            "validations": [
+                _deny(
+                    "request.operation == 'UPDATE'",
+                    "'the agent adds keys of its node to the trust ConfigMap; it does not '"
+                    " + request.operation + ' it'",
+                ),
+                _deny(
+                    "request.operation != 'UPDATE' || variables.node != ''",
+                    _NOT_BOUND + " + ', so it may not add a key to the trust ConfigMap'",
+                ),
+                _deny(
+                    "request.operation != 'UPDATE' || size(variables.changed) == 0"
+                    " && (has(object.binaryData) ? object.binaryData : {})"
+                    " == (has(oldObject.binaryData) ? oldObject.binaryData : {})"
+                    " && (has(object.immutable) ? object.immutable : false)"
+                    " == (has(oldObject.immutable) ? oldObject.immutable : false)"
+                    " && (has(object.metadata.labels) ? object.metadata.labels : {})"
+                    " == (has(oldObject.metadata.labels) ? oldObject.metadata.labels : {})"
+                    " && (has(object.metadata.annotations) ? object.metadata.annotations : {})"
+                    " == (has(oldObject.metadata.annotations) ? oldObject.metadata.annotations : {})",
+                    "'the agent only adds keys of its node to the trust ConfigMap; it may not change or remove '"
+                    " + (size(variables.changed) == 0 ? 'anything else' : variables.changed.join(', '))",
+                ),
+                _deny(
+                    f"request.operation != 'UPDATE' || variables.added.all(k, k.matches({_raw(entry_re)})"
+                    f" && (k.substring(0, 16) + {_quote(pub)}) in variables.added"
+                    f" && (k.substring(0, 16) + {_quote(node)}) in variables.added)",
+                    "'the agent adds a key to the trust ConfigMap as two entries, <key id>.pub and <key id>.node,"
+                    " not ' + variables.added.join(', ')",
+                ),
+                _deny(
+                    "request.operation != 'UPDATE' || variables.added.all(k, "
+                    f"!k.endsWith({_quote(node)}) || variables.new[k] == variables.node)",
+                    "'the agent registers keys of its own node only (its token is bound to node ' + variables.node"
+                    f" + '), not of node ' + variables.added.filter(k, k.endsWith({_quote(node)})"
+                    " && variables.new[k] != variables.node).map(k, variables.new[k]).join(', ')",
+                ),
+                _deny(
+                    f"size(variables.added) == 0 || size(variables.new.filter(k, k.endsWith({_quote(node)})"
+                    f" && variables.new[k] == variables.node)) <= {MAX_KEYS_PER_NODE}",
+                    f"'node ' + variables.node + ' has more than {MAX_KEYS_PER_NODE} signing keys in the trust"
+                    " ConfigMap; an administrator removes the entries of its old keys'",
+                ),
+            ],
+        },
+    )
+
+
 def render(labels: dict[str, str]) -> list[dict[str, Any]]:
     """The policies and their bindings (apply after the CRD: the podsnapshot policies name its group)."""
     policies = [
@@ -534,4 +625,5 @@ def render(labels: dict[str, str]) -> list[dict[str, Any]]:
         agent_snapshots_policy(labels),
     ]
     policies.append(autosave_policy(labels))
+    policies.append(agent_trust_policy(labels))
     return [*policies, *(_binding(p["metadata"]["name"], labels) for p in policies)]

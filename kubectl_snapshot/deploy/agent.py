@@ -292,25 +292,16 @@ def memory_work_mount() -> dict[str, Any]:
 
 
 def provenance_volumes() -> list[dict[str, Any]]:
-    """The signing key (Secret) and what the cluster trusts (ConfigMap): made by `kubectl snapshot install`,
-    never part of the generated manifests (a private key does not belong in a repository). Optional, so
-    an agent applied without them still starts; it then refuses to snapshot (no key) and to restore
-    (nothing trusted), each with a hint."""
-    return [
-        {
-            "name": "signing-key",
-            "secret": {"secretName": K.SIGNING_KEY_SECRET, "optional": True, "defaultMode": 0o400},
-        },
-        {"name": "trust", "configMap": {"name": K.TRUST_CONFIG_MAP, "optional": True}},
-    ]
+    """What the cluster trusts (ConfigMap, made by `kubectl snapshot install`; the agents add their nodes'
+    public keys). No signing key is mounted: each agent signs with its node's own key, made in its state
+    dir (shim/nodekey.py). Optional, so an agent applied without it still starts; it then refuses to
+    restore (nothing trusted) and to save (its key cannot be registered), each with a hint."""
+    return [{"name": "trust", "configMap": {"name": K.TRUST_CONFIG_MAP, "optional": True}}]
 
 
 def provenance_mounts() -> list[dict[str, Any]]:
     """Into the agent container only (not install-node, not the guard)."""
-    return [
-        {"name": "signing-key", "mountPath": K.SIGNING_KEY_DIR, "readOnly": True},
-        {"name": "trust", "mountPath": K.TRUST_DIR, "readOnly": True},
-    ]
+    return [{"name": "trust", "mountPath": K.TRUST_DIR, "readOnly": True}]
 
 
 CLEANUP_NAME = "kubectl-snapshot-uninstall"

@@ -26,7 +26,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kubectl_snapshot.adapters.signatures import authorize_restore, load_signed, load_trust
+from kubectl_snapshot.adapters.signatures import (
+    authorize_restore,
+    load_signed,
+    load_trust,
+    merge_trust,
+    trust_from_data,
+)
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError, render
@@ -455,10 +461,22 @@ class RestoreWorker:
         return self._start_fresh(pod, gate, f"resume from {src.reference} failed: {err.message}", gates)
 
     def _trust(self) -> TrustPolicy:
-        """Read per restore: a rotated key or a changed policy applies as soon as its file lands."""
-        if not os.path.isdir(self.settings.trust_dir):
-            return TrustPolicy()  # nothing trusted: every restore is refused with the reason
-        return load_trust([self.settings.trust_dir])
+        """Read per restore, from the mounted trust ConfigMap and from the live one through the API: a
+        node's key is registered by that node's agent when it starts, and the kubelet brings it to the
+        mounted copy up to a minute later; a save that node took meanwhile must restore here too. The
+        mounted copy alone serves while the API does not answer; neither: nothing is trusted, and every
+        restore is refused with the reason."""
+        policies = []
+        if os.path.isdir(self.settings.trust_dir):
+            policies.append(load_trust([self.settings.trust_dir]))
+        try:
+            live = self.kube.get_config_map(K.AGENT_NAMESPACE, K.TRUST_CONFIG_MAP)
+        except SnapshotError as e:
+            log.debug("trust ConfigMap not read through the API: %s", e.message)
+        else:
+            where = f"ConfigMap {K.AGENT_NAMESPACE}/{K.TRUST_CONFIG_MAP}"
+            policies.append(trust_from_data(live.get("data") or {}, where=where))
+        return merge_trust(policies) if policies else TrustPolicy()
 
     def _grants(self, namespace: str) -> list[Grant]:
         return [g for g in map(parse_grant, self.kube.list_snapshot_grants(namespace)) if g is not None]

@@ -25,6 +25,7 @@ from shim.controller.node_install import DROPIN_NAME
 from shim.controller.ports import Kube
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
+from shim.controller.signing import NodeSigner
 from shim.controller.snapshots import SnapshotWorker, registry_for
 from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import recover_interrupted
@@ -167,6 +168,9 @@ def run(
     if thawed:
         log.warning("thawed containers an interrupted snapshot had left frozen: %s", ", ".join(thawed))
     publish_facts(kube, settings, facts)
+    # this node's own signing key, registered in the trust ConfigMap before its first save
+    signer = NodeSigner(kube, settings.node, settings.state_dir)
+    signer.try_register()
     queue = WorkQueue("snapshots", on_length=metrics.queue.set)
     # encryption at rest is on: namespace keys in one Secret of the agent's namespace (adapters/keystore.py)
     keys = SecretKeyProvider(kube)
@@ -183,6 +187,7 @@ def run(
         queue=queue,
         keys=keys,
         on_saved=autosave.on_saved,
+        signer=signer,
     )
     # Issue 10: restores run per namespace in turn, two per namespace and four in all, so one
     # namespace cannot starve another and a slow registry holds up one restore, not the next.

@@ -19,7 +19,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
-from kubectl_snapshot.adapters.signatures import load_signing_key, load_trust
+from kubectl_snapshot.adapters.signatures import load_trust
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core import status as S
 from kubectl_snapshot.core import workload as W
@@ -36,6 +36,7 @@ from shim.controller.mounts import previous_repositories
 from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_containers
 from shim.controller.ports import ContainerdFor, Kube, RegistryFor
 from shim.controller.settings import NodeSettings
+from shim.controller.signing import NodeSigner
 from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
 from shim.engine.staging import StatePaths, check_key
@@ -86,8 +87,11 @@ class SnapshotWorker:
         on_saved: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
         registries: RegistryFor | None = None,
         containerd: ContainerdFor | None = None,
+        signer: NodeSigner | None = None,
     ) -> None:
         self.kube = kube
+        # every save is signed with this node's own key (shim/controller/signing.py)
+        self.signer = signer or NodeSigner(kube, settings.node, settings.state_dir)
         # the clients a snapshot uses: the real adapters unless a test passes fakes of the ports
         self.registries: RegistryFor = registries or (
             lambda ns, secret, insecure: registry_for(kube, ns, secret, insecure=insecure)
@@ -218,8 +222,7 @@ class SnapshotWorker:
             registry = self.registries(ns, spec.get("registrySecret"), bool(spec.get("insecure")))
             target = Reference.parse(spec.get("destination", ""))
             registry.add_mount_sources(previous_repositories(self.kube, ns, str(spec.get("podName") or ""), target))
-            # read per snapshot: a rotated key (the Secret's mounted file) is used as soon as it lands
-            signing_key = load_signing_key(self.settings.signing_key_dir)
+            signing_key = self.signer.key_for_save()
             trust = load_trust([self.settings.trust_dir]) if os.path.isdir(self.settings.trust_dir) else None
             req = CheckpointRequest(
                 containers=containers.ids,

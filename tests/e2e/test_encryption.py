@@ -67,7 +67,8 @@ def test_agent_seals_snapshots_with_the_namespace_key(cluster, namespace, agent,
     assert tok2 == tok and after >= before
 
 
-KEY_OBJECTS = (("secret", KEY_SECRET), ("secret", K.SIGNING_KEY_SECRET), ("configmap", K.TRUST_CONFIG_MAP))
+# (the Secret kubectl-snapshot-signing-key exists only where an earlier release made it: not on the e2e cluster)
+KEY_OBJECTS = (("secret", KEY_SECRET), ("configmap", K.TRUST_CONFIG_MAP))
 KEYS_SECTION = "### The keys: kept by uninstall, backed up by you"
 
 
@@ -111,8 +112,9 @@ def test_uninstall_keeps_the_keys_so_a_reinstall_restores_a_sealed_snapshot(clus
 
     out = plugin("uninstall")
     kept = {line.split()[0] for line in out.stdout.splitlines() if line.endswith(" kept")}
-    assert kept == {f"Namespace/{K.AGENT_NAMESPACE}", f"Secret/{KEY_SECRET}", f"Secret/{K.SIGNING_KEY_SECRET}",
-                    f"ConfigMap/{K.TRUST_CONFIG_MAP}"}, out.stdout  # fmt: skip
+    assert kept == {f"Namespace/{K.AGENT_NAMESPACE}", f"Secret/{KEY_SECRET}", f"ConfigMap/{K.TRUST_CONFIG_MAP}"}, (
+        out.stdout
+    )
     assert "--purge-keys" in out.stderr
     assert cluster.kubectl("get", "daemonset", K.AGENT_NAME, "-n", K.AGENT_NAMESPACE, check=False).returncode != 0
     ns = cluster.get_json("namespace", K.AGENT_NAMESPACE)
@@ -121,7 +123,8 @@ def test_uninstall_keeps_the_keys_so_a_reinstall_restores_a_sealed_snapshot(clus
 
     agent.reinstall()
     assert _key_data(cluster)[KEY_SECRET] == before[KEY_SECRET]
-    assert _key_data(cluster)[K.SIGNING_KEY_SECRET] == before[K.SIGNING_KEY_SECRET]
+    # every node's key stays trusted, bound to its node (the agents find theirs registered already)
+    assert before[K.TRUST_CONFIG_MAP].items() <= _key_data(cluster)[K.TRUST_CONFIG_MAP].items()
     _restores(cluster, namespace, plugin, ref, tok, "kept2")
 
 

@@ -23,8 +23,10 @@ import pytest
 import yaml
 
 from kubectl_snapshot.adapters.kube import KubeClient
+from kubectl_snapshot.adapters.signatures import trust_from_data
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import PermissionDenied
+from kubectl_snapshot.core.provenance import SigningKey, node_key_entries
 from kubectl_snapshot.deploy import admission, keys, rbac, resume
 from tests.e2e.test_plugin_errors import _sa_kubeconfig
 from tests.support.agent import AgentInstall, agent
@@ -499,3 +501,54 @@ def test_object_count_quota_limits_podsnapshots(tenant: Tenant, cluster: Cluster
     admitted(create("first"))  # a pod that does not exist: the agent only marks it Failed
     second = create("second")
     assert second.returncode != 0 and "exceeded quota: snapshots" in second.stderr, second.stderr
+
+
+def test_an_agent_token_adds_only_its_own_nodes_key(
+    cluster: Cluster, agent: AgentInstall, agent_token: tuple[str, Path, Path]
+) -> None:
+    """Issue 42 item 2: a stolen agent token is worth one node. Each running agent has registered its
+    node's own signing key (`<key id>.pub` + `<key id>.node`) and mounts no cluster signing key; a token
+    bound to node A's agent may add A's key, and the API server refuses a key tagged for node B, any
+    change or removal of an entry that is there, a key bound to no node, and a token bound to no node."""
+    node, bound, unbound = agent_token
+    other = next(n for n in cluster.nodes if n != node)
+    policy = admission.AGENT_TRUST_POLICY
+
+    def live() -> dict[str, str]:
+        return dict(cluster.get_json("configmap", K.TRUST_CONFIG_MAP, "-n", K.AGENT_NAMESPACE).get("data") or {})
+
+    def registered() -> bool:
+        return set(cluster.nodes) <= set(trust_from_data(live()).nodes.values())
+
+    cluster.wait_for("every agent to register its node's key", registered, timeout=120)
+    data = live()
+    policy_now = trust_from_data(data)
+    theirs = next(kid for kid, n in policy_now.nodes.items() if n == other)
+    for n in cluster.nodes:
+        pod = agent.agent_pod(n)
+        assert pod is not None
+        secrets = [v["secret"]["secretName"] for v in pod["spec"]["volumes"] if "secret" in v]
+        assert K.SIGNING_KEY_SECRET not in secrets, secrets
+
+    def patch(kubeconfig: Path, entries: dict[str, str | None]) -> subprocess.CompletedProcess[str]:
+        return _kubectl_with(
+            cluster, kubeconfig, "patch", "configmap", K.TRUST_CONFIG_MAP, "-n", K.AGENT_NAMESPACE,
+            "--type=merge", "-p", json.dumps({"data": entries}), "--dry-run=server",
+        )  # fmt: skip
+
+    def new_key(for_node: str) -> dict[str, str | None]:
+        return dict(node_key_entries(SigningKey.generate().public, for_node))
+
+    admitted(patch(bound, new_key(node)))  # control: its own node's key (a re-imaged node adds one)
+    denied(patch(bound, new_key(other)), policy, f"bound to node {node}", f"not of node {other}")
+    denied(patch(bound, {**new_key(node), f"{theirs}.node": node}), policy, f"change or remove {theirs}.node")
+    denied(patch(bound, {**new_key(node), f"{theirs}.pub": None}), policy, f"change or remove {theirs}.pub")
+    denied(patch(bound, {"allow-unverified-snapshots": "true"}), policy, "change or remove allow-unverified")
+    mine = SigningKey.generate().public
+    denied(patch(bound, {f"{mine.id}.pub": mine.to_pem().decode()}), policy, "<key id>.pub and <key id>.node")
+    denied(patch(unbound, new_key(node)), policy, "bound to no node")
+    deleted = _kubectl_with(
+        cluster, bound, "delete", "configmap", K.TRUST_CONFIG_MAP, "-n", K.AGENT_NAMESPACE, "--dry-run=server"
+    )
+    assert deleted.returncode != 0 and "forbidden" in deleted.stderr.lower(), deleted.stderr  # RBAC: no delete
+    assert live() == data  # dry runs all: nothing changed

@@ -201,14 +201,15 @@ def test_edited_criu_images_cannot_restore_more_capabilities_than_the_pod_has(  
     seccomp, no_new_privs), the layer resealed with the namespace's own key (the worst case: the key
     Secret leaked), pushed under a new tag of the same repository.
 
-    1. Without the agent's signing key the attacker can only replay the original signature: the agent
+    1. Without the node's signing key the attacker can only replay the original signature: the agent
        refuses before it downloads a layer (provenance).
-    2. With the signing key stolen as well (re-signed here as the agent signs, with the original's
-       signed origin), the artifact passes every check of the agent, and only the runtime wrapper's
-       CRIU image check (shim/criu_guard.py) stands between it and a privileged process: it refuses
-       before `runc restore`, naming the capabilities, in the restore's status and the pod's Events.
-       Without that check the restore goes through (the issue's attack at c436d96: CapEff
-       000001fffeffffff), and both the exit status and the message asserted below fail.
+    2. With the signing key of the node that took the save stolen as well (re-signed here as its agent
+       signs, with the original's signed origin), the artifact passes every check of the agent, and
+       only the runtime wrapper's CRIU image check (shim/criu_guard.py) stands between it and a
+       privileged process: it refuses before `runc restore`, naming the capabilities, in the
+       restore's status and the pod's Events. Without that check the restore goes through (the
+       issue's attack at c436d96: CapEff 000001fffeffffff), and both the exit status and the message
+       asserted below fail.
     """
     from tests.e2e.test_snapshot_flows import COUNTER, pod, running
 
@@ -245,7 +246,7 @@ def test_edited_criu_images_cannot_restore_more_capabilities_than_the_pod_has(  
     _never_ran_privileged(cluster, namespace, "replayed")
 
     # 2. the signing key stolen too: the artifact is valid in every way the agent can check
-    resign(ref, evil, agent_signing_key(cluster))
+    resign(ref, evil, agent_signing_key(n1))  # the key of the node the save was taken on
     proc = _restore(plugin, evil, namespace, "locked2", n2)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "grant more than the container's spec" in proc.stderr, proc.stderr

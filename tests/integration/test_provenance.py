@@ -21,8 +21,16 @@ import pytest
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.oci import parse_manifest
-from kubectl_snapshot.core.provenance import ANN_COSIGN_SIGNATURE, OPT_NAMESPACE, signature_tag
+from kubectl_snapshot.core.provenance import (
+    ANN_COSIGN_SIGNATURE,
+    OPT_KEY_ID,
+    OPT_NAMESPACE,
+    OPT_NODE,
+    node_key_entries,
+    signature_tag,
+)
 from kubectl_snapshot.core.reference import Reference
+from shim import nodekey
 from shim.containerd.client import ContainerdClient
 from tests.integration.test_agent_roundtrip import (
     agent,
@@ -119,6 +127,27 @@ def test_cosign_verify_accepts_the_agents_signature(  # type: ignore[no-untyped-
     other = write_key(tmp_path / "keys", "other")
     assert cosign_verify(snap.ref, other.public, tmp_path).returncode != 0
     assert cosign_verify(snap.ref, session_key().public, tmp_path, "-a", f"{OPT_NAMESPACE}=elsewhere").returncode != 0
+
+
+def test_cosign_verify_accepts_a_signature_by_a_nodes_own_key(  # type: ignore[no-untyped-def]
+    containerd_a, registry, running, repo, tmp_path
+):
+    """What a node's agent signs with (the key made in its state dir, shim/nodekey.py) and publishes (its
+    `<key id>.pub` entry of the trust ConfigMap): cosign verifies with that entry, the signed node as well."""
+    key = nodekey.load_or_create(str(tmp_path / "state"))
+    node = os.uname().nodename  # the origin the node-level agent records
+    entries = node_key_entries(key.public, node)
+    pub = tmp_path / f"{key.public.id}.pub"
+    pub.write_text(entries[pub.name])
+    env = {"KUBECTL_SNAPSHOT_SIGNING_KEY": nodekey.key_path(str(tmp_path / "state"))}
+    out = agent("checkpoint", *on(containerd_a), "--to", registry.ref(repo, unique("n")), running, env=env)
+    ref = Reference.parse(out.stdout.strip())
+    ok = cosign_verify(ref, pub, tmp_path, "-a", f"{OPT_NODE}={node}", "-a", f"{OPT_KEY_ID}={key.public.id}")
+    assert ok.returncode == 0, ok.stderr
+    [claim] = json.loads(ok.stdout)
+    assert claim["critical"]["image"]["docker-manifest-digest"] == ref.digest
+    assert cosign_verify(ref, pub, tmp_path, "-a", f"{OPT_NODE}=another-node").returncode != 0
+    assert cosign_verify(ref, session_key().public, tmp_path).returncode != 0  # not the session's key
 
 
 def test_inspect_shows_signer_and_origin(containerd_a, registry, running, repo):  # type: ignore[no-untyped-def]

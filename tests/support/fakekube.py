@@ -136,6 +136,12 @@ class StrictKube:
     def replace_secret(self, ns: str, name: str, body: Obj) -> Obj:
         _unexpected("replace_secret")
 
+    def get_config_map(self, ns: str, name: str) -> Obj:
+        _unexpected("get_config_map")
+
+    def patch_config_map_data(self, ns: str, name: str, data: dict[str, str]) -> Obj:
+        _unexpected("patch_config_map_data")
+
 
 __all__ = ["StrictKube"]
 

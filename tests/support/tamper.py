@@ -19,17 +19,20 @@ import io
 import json
 import tarfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kubectl_snapshot.adapters.keystore import KEY_SECRET
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.adapters.signatures import sign_snapshot, verify_snapshot
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.encryption import EncryptionInfo
 from kubectl_snapshot.core.oci import parse_manifest
-from kubectl_snapshot.core.provenance import SIGNING_KEY_FILE, SigningKey, TrustPolicy, signature_tag
+from kubectl_snapshot.core.provenance import SigningKey, TrustPolicy, signature_tag
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import LocalNamespaceKey, NamespaceKey, Opener, Sealer
+from shim import nodekey
 from tests.support.cluster import Cluster
 
 
@@ -39,10 +42,11 @@ def namespace_key(cluster: Cluster, namespace: str) -> LocalNamespaceKey:
     return LocalNamespaceKey(base64.b64decode(secret["data"][namespace]))
 
 
-def agent_signing_key(cluster: Cluster) -> SigningKey:
-    """The key the agents sign snapshots with (read as cluster admin)."""
-    secret = cluster.get_json("secret", K.SIGNING_KEY_SECRET, "-n", K.AGENT_NAMESPACE)
-    return SigningKey.from_pem(base64.b64decode(secret["data"][SIGNING_KEY_FILE]), where=K.SIGNING_KEY_SECRET)
+def agent_signing_key(node: str) -> SigningKey:
+    """The key `node`'s agent signs its snapshots with, as root on that node reads it (the e2e cluster's
+    nodes share this machine, and the agents' default state root)."""
+    path = Path(C.DEFAULT_STATE_DIR) / node / nodekey.KEY_DIR / nodekey.KEY_FILE
+    return SigningKey.from_pem(path.read_bytes(), where=str(path))
 
 
 def _digest(data: bytes | bytearray) -> str:

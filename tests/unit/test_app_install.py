@@ -16,6 +16,7 @@ from kubectl_snapshot.app.ports import Obj
 from kubectl_snapshot.cli import main as cli_main
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
+from kubectl_snapshot.core.provenance import SigningKey, node_key_entries
 from kubectl_snapshot.deploy.agent import CLEANUP_NAME
 from tests.support.fakeplugin import Clock, FakeKube, snapshot
 
@@ -347,12 +348,20 @@ NAMESPACE_KEY = base64.b64encode(b"k" * 32).decode()  # the agent's entry for na
 
 
 def _cli_installed(monkeypatch: pytest.MonkeyPatch) -> FakeKube:
-    """`kubectl snapshot install` on a fresh cluster, then a sealed snapshot's key made by the agent."""
+    """`kubectl snapshot install` on a cluster an earlier release had installed (its cluster-wide signing
+    key), then a sealed snapshot's key made by the agent and the agent's node key registered."""
     kube = FakeKube(crds=False)
     _rolled_out_at_once(kube)
+    old = SigningKey.generate()
+    kube.add(
+        {**A.kept_key_objects()[1], "type": "Opaque", "data": {"signing.key": base64.b64encode(old.to_pem()).decode()}}
+    )
     result = cli(kube, monkeypatch, "install")
     assert result.exit_code == 0, result.output
     kube.add({**A.kept_key_objects()[0], "type": "Opaque", "data": {"team": NAMESPACE_KEY}})
+    trust = kube.get("ConfigMap", K.AGENT_NAMESPACE, K.TRUST_CONFIG_MAP)
+    assert trust is not None
+    trust["data"].update(node_key_entries(SigningKey.generate().public, "n1"))
     return kube
 
 
@@ -381,7 +390,7 @@ def test_uninstall_keeps_the_keys_in_their_namespace_and_a_reinstall_uses_them(m
     assert f"Namespace/{K.AGENT_NAMESPACE} kept" in result.output.splitlines()
     assert all(f"{k} kept" in result.output.splitlines() for k in kept)
     assert "uninstall --purge-keys` deletes them" in result.output  # the note (stderr, mixed in by CliRunner)
-    # a re-install takes the kept signing key and trust, and the agent finds its namespace keys
+    # a re-install keeps the old signing key and the trust (the nodes' keys), and the agent finds its namespace keys
     result = cli(kube, monkeypatch, "install")
     assert result.exit_code == 0, result.output
     assert _key_data(kube) == keys
@@ -399,10 +408,11 @@ def test_uninstall_purge_keys_deletes_them_then_their_namespace(monkeypatch: pyt
     assert deletes[at - 3 : at] == [f"delete {label(o)}" for o in A.kept_key_objects()]  # by name, just before
     out = json.loads(result.stdout)
     assert out["kept"] == [] and f"Secret/{K.KEY_SECRET}" in out["deleted"]
-    # a re-install then makes a new signing key: the old one is gone for good
+    # a re-install makes no signing key (each agent makes its node's own)
     result = cli(kube, monkeypatch, "install")
     assert result.exit_code == 0, result.output
     assert not _key_data(kube)[0]  # install makes the key Secret anew, empty; the agents fill it on first use
+    assert _key_data(kube)[1] is None
 
 
 def test_uninstall_dry_runs_show_the_keys_kept_or_purged(monkeypatch: pytest.MonkeyPatch) -> None:

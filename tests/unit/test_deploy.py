@@ -22,7 +22,7 @@ import yaml
 
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.deploy import keys, render, resume
+from kubectl_snapshot.deploy import keys, render, resume, trust
 
 REPO = Path(__file__).resolve().parents[2]
 GEN = REPO / "hack" / "gen-manifests.py"
@@ -123,8 +123,10 @@ def test_agent_rbac_is_exactly_least_privilege() -> None:
     # secrets only through a per-namespace RoleBinding that nothing in render() creates
     assert rules(objs[("ClusterRole", K.AGENT_SECRETS_ROLE)]) == {("", "secrets", "get")}
     bound = {o["roleRef"]["name"] for o in objs.values() if o["kind"] in ("ClusterRoleBinding", "RoleBinding")}
-    # and the one Secret of encryption keys in the agent's own namespace, by name (tests/unit/test_keystore.py)
-    assert bound == {K.AGENT_NAME, keys.ROLE, resume.AGENT_RESUME_ROLE}
+    # and the one Secret of encryption keys in the agent's own namespace, by name (tests/unit/test_keystore.py),
+    # and the trust ConfigMap its node's key is registered in (tests/unit/test_trust_admission.py)
+    assert bound == {K.AGENT_NAME, keys.ROLE, resume.AGENT_RESUME_ROLE, trust.ROLE}
+    assert rules(objs[("Role", trust.ROLE)]) == {("", "configmaps", "get"), ("", "configmaps", "patch")}
     # resume (autosave): provenance labels and claims (admission narrows the patch), policies, ReplicaSets
     assert rules(objs[("ClusterRole", resume.AGENT_RESUME_ROLE)]) == {
         (K.GROUP, "podsnapshots", "patch"),
@@ -151,7 +153,8 @@ def test_the_agent_may_create_no_secret_anywhere() -> None:
         if o["kind"] in ("ClusterRoleBinding", "RoleBinding") and agent in o["subjects"]
     }
     roles = [objs[b] for b in sorted(bound)] + [objs[("ClusterRole", K.AGENT_SECRETS_ROLE)]]
-    assert len(roles) == 4  # the base role, the key Secret's, resume's, and the one a namespace admin binds
+    assert len(roles) == 5  # the base role, the key Secret's, the trust ConfigMap's, resume's, and the one a
+    # namespace admin binds
     granted = set().union(*(rules(r) for r in roles))
     assert ("", "secrets", "get") in granted  # (so the line below looks where it should)
     assert {(g, r, v) for g, r, v in granted if r == "secrets"} == {("", "secrets", "get"), ("", "secrets", "update")}
@@ -180,17 +183,15 @@ def node_side(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def test_provenance_mounts_and_grants() -> None:
-    """The agent reads its signing key and the trust settings from objects install makes (not manifests)."""
+    """The agent reads the trust settings from the ConfigMap install makes (not manifests); it signs with its
+    node's own key, so no pod of the agent mounts a signing key."""
     objs = render("img")
     assert not any(o["kind"] == "Secret" for o in objs)  # a private key never lands in manifests/
     m = mounts(pod_spec(objs))
-    assert m[K.SIGNING_KEY_DIR]["secret"] == {
-        "secretName": K.SIGNING_KEY_SECRET,
-        "optional": True,
-        "defaultMode": 0o400,
-    }
     assert m[K.TRUST_DIR]["configMap"] == {"name": K.TRUST_CONFIG_MAP, "optional": True}
-    assert K.SIGNING_KEY_DIR not in mounts(pod_spec(objs), "install-node")
+    assert K.TRUST_DIR not in mounts(pod_spec(objs), "install-node")
+    for volume in pod_spec(objs)["volumes"]:
+        assert (volume.get("secret") or {}).get("secretName") != K.SIGNING_KEY_SECRET, volume
     grant = by_kind(objs)[("ClusterRole", "kubectl-snapshot-grant")]
     labels = grant["metadata"]["labels"]
     assert labels["rbac.authorization.k8s.io/aggregate-to-admin"] == "true"
@@ -270,7 +271,6 @@ def test_daemonset_for_two_nodes_on_one_machine() -> None:
         "/etc/kubectl-snapshot/nodes",
         "/run/kubectl-snapshot-guard",
         "/dev/shm/kubectl-snapshot",  # one per machine: each node's agent keys its own directory in it
-        K.SIGNING_KEY_DIR,
         K.TRUST_DIR,
     }
     assert m["/etc/kubectl-snapshot/nodes"] == {"name": "node-config", "configMap": {"name": cm["metadata"]["name"]}}

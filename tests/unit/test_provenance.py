@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import base64
 import json
+import pathlib
+from dataclasses import replace
 
 import pytest
 
-from kubectl_snapshot.adapters.signatures import authorize_restore, load_signed, sign_snapshot, verify_for_restore
+from kubectl_snapshot.adapters.signatures import (
+    authorize_restore,
+    load_signed,
+    merge_trust,
+    sign_snapshot,
+    trust_from_data,
+    verify_for_restore,
+)
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core.errors import NotFound, PermissionDenied
+from kubectl_snapshot.core.errors import InvalidArgument, NotFound, PermissionDenied
 from kubectl_snapshot.core.model import ContainerRecord, HostFacts, PodRecord, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
 from kubectl_snapshot.core.provenance import (
@@ -26,6 +35,7 @@ from kubectl_snapshot.core.provenance import (
     check_claim_matches,
     check_namespace,
     evaluate,
+    node_key_entries,
     parse_grant,
     require_trusted,
     signature_manifest,
@@ -268,3 +278,107 @@ def test_load_signed_reads_the_signatures_of_the_pinned_digest(key: SigningKey) 
     assert verify_for_restore(reg, artifact.reference, "team-a", "u1", policy, found).verified
     with pytest.raises(PermissionDenied, match="not signed"):  # what was read decides, nothing else
         verify_for_restore(reg, artifact.reference, "team-a", "u1", policy, [])
+
+
+# --- per-node keys: a node's key vouches for its own node only (issue 42 item 2) --------------------
+
+
+def node_trust(*pairs: tuple[SigningKey, str], cluster_key: SigningKey | None = None) -> TrustPolicy:
+    """The trust ConfigMap as it is after install and the agents registering: read by the real loader."""
+    data = {"cluster-id": "c-uid", "allow-unverified-snapshots": "false"}
+    for k, node in pairs:
+        data.update(node_key_entries(k.public, node))
+    if cluster_key is not None:
+        data[f"{cluster_key.public.id}.pub"] = cluster_key.public.to_pem().decode()
+    return trust_from_data(data)
+
+
+def test_a_nodes_key_verifies_a_snapshot_of_its_own_node() -> None:
+    node_a = SigningKey.generate()
+    v = evaluate([signed(node_a, origin=ORIGIN)], DIGEST, node_trust((node_a, "n1")))
+    assert v.verified and v.key_id == node_a.public.id and v.key_node == "n1"
+    assert v.reason == f"signed by trusted key {node_a.public.id} of node n1"
+
+
+def test_a_nodes_key_is_refused_for_an_origin_on_another_node() -> None:
+    node_a, node_b = SigningKey.generate(), SigningKey.generate()
+    policy = node_trust((node_a, "n1"), (node_b, "n2"))
+    forged = replace(ORIGIN, node="n2")  # node A claims a pod that ran on node B
+    v = evaluate([signed(node_a, origin=forged)], DIGEST, policy)
+    assert not v.verified
+    assert f"signed by the key of node n1 (key {node_a.public.id}), but its origin names node n2" in v.reason
+    with pytest.raises(PermissionDenied, match="origin names node n2"):
+        require_trusted(v, policy, "127.0.0.1:5000/snaps@" + DIGEST)
+    # ... and an origin naming no node at all is no way around it
+    nowhere = replace(ORIGIN, node="")
+    assert "its origin names no node" in evaluate([signed(node_a, origin=nowhere)], DIGEST, policy).reason
+    # node B's own signature of the same origin is the one that verifies
+    assert evaluate([signed(node_b, origin=forged)], DIGEST, policy).verified
+
+
+def test_old_snapshots_signed_with_the_cluster_key_still_verify_beside_node_keys() -> None:
+    cluster_key, node_a = SigningKey.generate(), SigningKey.generate()
+    policy = node_trust((node_a, "n1"), cluster_key=cluster_key)
+    for node in ("n1", "n2", "a-node-long-gone"):
+        old = replace(ORIGIN, node=node)
+        v = evaluate([signed(cluster_key, origin=old)], DIGEST, policy)
+        assert v.verified and v.key_id == cluster_key.public.id and v.key_node == "", node
+
+
+def test_the_loader_ignores_entries_whose_name_is_not_their_keys_id() -> None:
+    """An agent may add entries, not choose what they mean: another node's key registered again under a
+    new name (to bind it to the agent's node, or unbound) is not trusted through that entry."""
+    node_a, node_b = SigningKey.generate(), SigningKey.generate()
+    data = node_key_entries(node_a.public, "n1")
+    data["0123456789abcdef.pub"] = node_b.public.to_pem().decode()  # B's key, named as another id
+    data["0123456789abcdef.node"] = "n1"
+    policy = trust_from_data(data)
+    assert [k.id for k in policy.keys] == [node_a.public.id] and policy.nodes == {node_a.public.id: "n1"}
+    # a node's entry that is no key at all is skipped, an administrator's is an error
+    junk = {**data, "fedcba9876543210.pub": "not a key", "fedcba9876543210.node": "n1"}
+    assert [k.id for k in trust_from_data(junk).keys] == [node_a.public.id]
+    with pytest.raises(InvalidArgument, match="not a PEM public key"):
+        trust_from_data({**data, "admins.pub": "not a key"})
+
+
+def test_a_node_binding_survives_merging_with_an_unbound_copy_of_the_key() -> None:
+    node_a = SigningKey.generate()
+    merged = merge_trust([TrustPolicy((node_a.public,)), node_trust((node_a, "n1"))])
+    assert merged.node_of(node_a.public.id) == "n1"
+    forged = replace(ORIGIN, node="n2")
+    assert not evaluate([signed(node_a, origin=forged)], DIGEST, merged).verified
+
+
+def test_the_restore_worker_trusts_a_node_key_the_mounted_copy_does_not_have_yet(tmp_path: pathlib.Path) -> None:
+    """A node's agent registers its key when it starts; the kubelet brings it to the other agents'
+    mounted trust ConfigMap up to a minute later. A save of that node restored elsewhere meanwhile must
+    verify: the worker reads the live ConfigMap too. With the API down, the mounted copy alone serves."""
+    from kubectl_snapshot.core.errors import Unavailable
+    from kubectl_snapshot.core.model import HostFacts
+    from kubectl_snapshot.core.nodesettings import NodeSettings
+    from kubectl_snapshot.core.provenance import node_key_entries
+    from shim.controller.restores import RestoreWorker
+    from tests.support.fakekube import StrictKube
+
+    key = SigningKey.generate()
+    mounted = tmp_path / "trust"
+    mounted.mkdir()
+    old = SigningKey.generate()
+    (mounted / f"{old.public.id}.pub").write_bytes(old.public.to_pem())
+
+    class Live(StrictKube):
+        up = True
+
+        def get_config_map(self, ns: str, name: str) -> dict[str, object]:
+            if not self.up:
+                raise Unavailable("the API server does not answer")
+            return {"data": node_key_entries(key.public, "ks-n1")}
+
+    kube = Live()
+    settings = NodeSettings(node="ks-n2", state_root=str(tmp_path), trust_dir=str(mounted))
+    worker = RestoreWorker(kube=kube, settings=settings, facts=HostFacts())
+    trust = worker._trust()
+    assert {k.id for k in trust.keys} == {old.public.id, key.public.id}
+    assert trust.nodes == {key.public.id: "ks-n1"}  # bound to its node, as the mounted copy will say
+    kube.up = False
+    assert {k.id for k in worker._trust().keys} == {old.public.id}

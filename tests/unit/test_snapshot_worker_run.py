@@ -8,20 +8,26 @@ where, in which order, for a save that works and one whose upload fails.
 from __future__ import annotations
 
 import contextlib
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
+from kubectl_snapshot.adapters.signatures import sign_snapshot, trust_from_data, verify_for_restore
 from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core.errors import NotFound, PermissionDenied
 from kubectl_snapshot.core.model import HostFacts, parse_config
 from kubectl_snapshot.core.oci import parse_manifest
+from kubectl_snapshot.core.provenance import Origin, SigningKey, signature_tag
+from kubectl_snapshot.core.reference import Reference
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
 from tests.support.fakekube import EventRecorder, RecordedEvent
 from tests.support.fakenode import FakeContainerd, FakeRegistry
-from tests.support.signing import write_key
 
 HOST = HostFacts(kernel="6.18", arch="x86_64", criu_version="4.2.1")
 DEST = "127.0.0.1:5000/team/app"
@@ -54,6 +60,22 @@ class Kube(EventRecorder):
     def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
         return []  # no earlier snapshot of the pod: nothing to mount blobs from
 
+    # the trust ConfigMap as install made it; None: there is none
+    trust: dict[str, str] | None = field(default_factory=lambda: {"cluster-id": "c-uid"})
+    trust_patches: list[dict[str, str]] = field(default_factory=list)
+
+    def get_config_map(self, ns: str, name: str) -> dict[str, Any]:
+        assert (ns, name) == (K.AGENT_NAMESPACE, K.TRUST_CONFIG_MAP)
+        if self.trust is None:
+            raise NotFound(f"configmaps {name!r} not found")
+        return {"metadata": {"name": name, "namespace": ns}, "data": dict(self.trust)}
+
+    def patch_config_map_data(self, ns: str, name: str, data: dict[str, str]) -> dict[str, Any]:
+        assert (ns, name) == (K.AGENT_NAMESPACE, K.TRUST_CONFIG_MAP) and self.trust is not None
+        self.trust_patches.append(dict(data))
+        self.trust.update(data)
+        return self.get_config_map(ns, name)
+
 
 class Worker(SnapshotWorker):
     @contextlib.contextmanager
@@ -83,13 +105,11 @@ def snapshot() -> dict[str, Any]:
     }
 
 
-def worker(kube: Kube, cd: FakeContainerd, reg: FakeRegistry, tmp_path: Path) -> Worker:
-    write_key(tmp_path / "signing", "signing")  # the agent signs every save (signing.key in its key dir)
+def worker(kube: Kube, cd: FakeContainerd, reg: FakeRegistry, tmp_path: Path, node: str = "n1") -> Worker:
     settings = NodeSettings(
-        node="n1",
+        node=node,
         state_root=str(tmp_path / "state"),
         kubelet_root=str(tmp_path / "kubelet"),
-        signing_key_dir=str(tmp_path / "signing"),
         trust_dir=str(tmp_path / "no-trust"),
     )
     return Worker(
@@ -137,3 +157,57 @@ def test_a_failed_upload_thaws_the_pod_and_reports_why(tmp_path: Path) -> None:
     assert "connection reset" in final["message"] and final["reason"] == "Unavailable"
     assert reg.manifests == {}  # no tag left behind
     assert kube.events[-1].reason == K.EVENT_SNAPSHOT_FAILED and kube.events[-1].type == "Warning"
+
+
+def saved(kube: Kube, reg: FakeRegistry) -> Reference:
+    final = kube.statuses[-1]
+    assert final["phase"] == K.PHASE_SUCCEEDED, final
+    return Reference.parse(final["reference"])
+
+
+def test_a_save_is_signed_with_the_nodes_own_key_which_verifies_for_that_node(tmp_path: Path) -> None:
+    """The agent makes its node's key (root's, 0600, in its state dir), registers it in the trust
+    ConfigMap bound to its node, and signs with it: a restore reading that ConfigMap verifies the save."""
+    kube, cd, reg = Kube(), FakeContainerd({"a", "b"}), FakeRegistry()
+    worker(kube, cd, reg, tmp_path).run(snapshot(), pod())
+    ref = saved(kube, reg)
+    key_file = tmp_path / "state" / "n1" / "signing" / "node.key"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(key_file.parent.stat().st_mode) == 0o700
+    [patch] = kube.trust_patches
+    [kid] = [name.removesuffix(".pub") for name in patch if name.endswith(".pub")]
+    assert patch[f"{kid}.node"] == "n1" and set(patch) == {f"{kid}.pub", f"{kid}.node"}
+    assert kube.trust is not None
+    verdict = verify_for_restore(reg, ref, "team", "pod-uid", trust_from_data(kube.trust))
+    assert verdict.verified and verdict.key_id == kid and verdict.key_node == "n1"
+    assert verdict.claim is not None and verdict.claim.origin.node == "n1"
+    # the next save (even by a restarted agent) signs with the same key, already registered
+    kube.statuses.clear()
+    worker(kube, cd, reg, tmp_path).run(snapshot(), pod())
+    assert verify_for_restore(reg, saved(kube, reg), "team", "pod-uid", trust_from_data(kube.trust)).key_id == kid
+    assert len(kube.trust_patches) == 1
+
+
+def test_the_nodes_key_taken_off_the_node_cannot_vouch_for_another_node(tmp_path: Path) -> None:
+    """Root on n1 reads n1's key and signs a save as if it were taken on n2 (a pod of any namespace there):
+    the restore refuses it, naming the mismatch; n1's own, legitimate save verifies."""
+    kube, cd, reg = Kube(), FakeContainerd({"a", "b"}), FakeRegistry()
+    worker(kube, cd, reg, tmp_path).run(snapshot(), pod())
+    ref = saved(kube, reg)
+    assert kube.trust is not None
+    trust = trust_from_data(kube.trust)
+    assert verify_for_restore(reg, ref, "team", "pod-uid", trust).verified
+    stolen = SigningKey.from_pem((tmp_path / "state" / "n1" / "signing" / "node.key").read_bytes())
+    forged = Origin(namespace="team", pod="web-0", pod_uid="pod-uid", node="n2")
+    reg.manifests.pop(signature_tag(ref.digest or ""))  # only the forged signature is left
+    sign_snapshot(reg, ref, forged, stolen)
+    with pytest.raises(PermissionDenied, match=r"signed by the key of node n1 .* but its origin names node n2"):
+        verify_for_restore(reg, ref, "team", "pod-uid", trust)
+
+
+def test_no_trust_configmap_fails_the_save_before_anything_is_frozen(tmp_path: Path) -> None:
+    kube, cd, reg = Kube(trust=None), FakeContainerd({"a", "b"}), FakeRegistry()
+    worker(kube, cd, reg, tmp_path).run(snapshot(), pod())
+    final = kube.statuses[-1]
+    assert final["phase"] == K.PHASE_FAILED and "signing key is not registered" in final["message"]
+    assert cd.calls == [] and reg.manifests == {}
