@@ -294,3 +294,45 @@ def test_a_resume_annotation_forged_in_a_template_is_refused_at_admission(cluste
     assert ok.returncode == 0, ok.stderr
     no = by_hand({"app": "evil"})
     assert no.returncode != 0 and "SnapshotPolicy web does not select this pod" in no.stderr, no.stderr
+
+
+def test_a_resume_the_tightened_pod_cannot_take_starts_fresh_with_the_reason(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    """Issue 41, item 5: a save the replacement's spec cannot take (the StatefulSet's template tightened
+    to drop every capability after the save: the images hold the runtime's default capabilities) is
+    refused by the runtime wrapper's image check at create. A resume never holds a workload down: the pod
+    starts fresh (a new token), once, with a ResumeSkipped Event naming the reason, and runs on (no crash
+    loop). The untightened replacement before it resumes from the same kind of save (the legitimate case)."""
+    ns = namespace
+    cluster.apply(policy(ns, "tight", "tight", cluster.registry, {"kind": "StatefulSet", "name": "tight"}))
+    cluster.apply(workload("StatefulSet", "tight", ns, cluster.busybox_image, replicas=1, serviceName="tight"))
+    first = running(cluster, ns, "tight-0")
+    cluster.wait_for("the counter", lambda: counter_value(cluster, ns, "tight-0")[1] >= 5)
+    tok, before = counter_value(cluster, ns, "tight-0")
+    save(plugin, cluster, ns, "tight-0", "tight")
+    cluster.kubectl("delete", "pod", "tight-0", "-n", ns, "--wait=true")
+    second = live_pod(cluster, ns, "tight", not_uids={first["metadata"]["uid"]})
+    assert_resumed(cluster, ns, second, tok, before)  # the same spec: the save is taken
+
+    _, before = counter_value(cluster, ns, "tight-0")
+    save(plugin, cluster, ns, "tight-0", "tight")
+    drop_all = [{"op": "add", "path": "/spec/template/spec/containers/0/securityContext",
+                 "value": {"capabilities": {"drop": ["ALL"]}}}]  # fmt: skip
+    cluster.kubectl("patch", "statefulset", "tight", "-n", ns, "--type", "json", "-p", json.dumps(drop_all))
+    third = live_pod(cluster, ns, "tight", not_uids={second["metadata"]["uid"]})
+    name = third["metadata"]["name"]
+
+    def skipped() -> bool:
+        ann = pod_annotations(cluster.get_json("pod", name, "-n", ns)).get(K.ANN_RESTORE_STATUS, "")
+        return ann.startswith(K.RESTORE_SKIPPED_PREFIX)
+
+    cluster.wait_for(f"{name} to start fresh, with the reason", skipped, timeout=120)
+    events = cluster.get_json("events", "-n", ns, "--field-selector", f"involvedObject.uid={third['metadata']['uid']}")
+    reasons = {e["reason"]: e["message"] for e in events["items"]}
+    assert K.EVENT_RESUME_SKIPPED in reasons, reasons
+    assert "grant more than the container's spec" in reasons[K.EVENT_RESUME_SKIPPED], reasons
+    tok3, _ = counter_value(cluster, ns, name)
+    assert tok3 != tok  # fresh: a new process, not the save
+    cluster.wait_for("the fresh counter to go on", lambda: counter_value(cluster, ns, name)[1] >= 5)
+    pod = cluster.get_json("pod", name, "-n", ns)
+    assert pod["status"]["phase"] == "Running"
+    assert all(cs.get("restartCount", 0) == 0 for cs in pod["status"]["containerStatuses"]), pod["status"]

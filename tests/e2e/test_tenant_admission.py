@@ -27,7 +27,7 @@ from kubectl_snapshot.adapters.signatures import trust_from_data
 from kubectl_snapshot.core import kube as K
 from kubectl_snapshot.core.errors import PermissionDenied
 from kubectl_snapshot.core.provenance import SigningKey, node_key_entries
-from kubectl_snapshot.deploy import admission, keys, rbac, resume
+from kubectl_snapshot.deploy import admission, keys, rbac, resume, trust
 from tests.e2e.test_plugin_errors import _sa_kubeconfig
 from tests.support.agent import AgentInstall, agent
 from tests.support.cluster import Cluster, cluster, namespace
@@ -286,6 +286,10 @@ def test_agent_rbac_has_no_cluster_wide_secrets_or_pod_patch(cluster: Cluster, a
         if b["roleRef"]["name"] == keys.ROLE:
             assert b["metadata"]["namespace"] == K.AGENT_NAMESPACE and b["roleRef"]["kind"] == "Role"
             assert _rules(cluster, b["roleRef"], K.AGENT_NAMESPACE) == keys.key_role({})["rules"]
+            continue
+        if b["roleRef"]["name"] == trust.ROLE:  # get and patch on the trust ConfigMap alone, by name
+            assert b["metadata"]["namespace"] == K.AGENT_NAMESPACE and b["roleRef"]["kind"] == "Role"
+            assert _rules(cluster, b["roleRef"], K.AGENT_NAMESPACE) == trust.trust_role({})["rules"]
             continue
         assert b["roleRef"] == {
             "apiGroup": "rbac.authorization.k8s.io",
