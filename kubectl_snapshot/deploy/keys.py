@@ -13,28 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.deploy.rbac import RBAC
+from kubectl_snapshot.deploy.rbac import agent_own_role, agent_own_role_binding
 
 KEY_SECRET = K.KEY_SECRET
 ROLE = "kubectl-snapshot-agent-keys"
 
 
 def key_role(labels: dict[str, str]) -> dict[str, Any]:
-    return {
-        "apiVersion": RBAC,
-        "kind": "Role",
-        "metadata": {"name": ROLE, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)},
-        "rules": [
-            {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [KEY_SECRET], "verbs": ["get", "update"]},
-        ],
-    }
+    rule = {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [KEY_SECRET], "verbs": ["get", "update"]}
+    return agent_own_role(ROLE, labels, [rule])
 
 
 def key_role_binding(labels: dict[str, str]) -> dict[str, Any]:
-    return {
-        "apiVersion": RBAC,
-        "kind": "RoleBinding",
-        "metadata": {"name": ROLE, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROLE},
-        "subjects": [{"kind": "ServiceAccount", "name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE}],
-    }
+    return agent_own_role_binding(ROLE, labels)

@@ -93,6 +93,23 @@ def agent_secrets_binding(namespace: str) -> dict[str, Any]:
     }
 
 
+def agent_own_role(name: str, labels: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, Any]:
+    """A Role in the agent's own namespace (its rules name single objects there by resourceNames)."""
+    meta = {"name": name, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)}
+    return {"apiVersion": RBAC, "kind": "Role", "metadata": meta, "rules": rules}
+
+
+def agent_own_role_binding(name: str, labels: dict[str, str]) -> dict[str, Any]:
+    """The agent's service account bound to `agent_own_role(name, ...)`."""
+    return {
+        "apiVersion": RBAC,
+        "kind": "RoleBinding",
+        "metadata": {"name": name, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE}],
+    }
+
+
 def namespace(labels: dict[str, str]) -> dict[str, Any]:
     """The agent's namespace; Pod Security 'privileged' because the agent must be (CRIU, host PID)."""
     psa = {f"pod-security.kubernetes.io/{mode}": "privileged" for mode in ("enforce", "audit", "warn")}

@@ -12,32 +12,20 @@ from __future__ import annotations
 from typing import Any
 
 from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.deploy.rbac import RBAC
+from kubectl_snapshot.deploy.rbac import agent_own_role, agent_own_role_binding
 
 ROLE = "kubectl-snapshot-agent-trust"
 
 
 def trust_role(labels: dict[str, str]) -> dict[str, Any]:
-    return {
-        "apiVersion": RBAC,
-        "kind": "Role",
-        "metadata": {"name": ROLE, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)},
-        "rules": [
-            {
-                "apiGroups": [""],
-                "resources": ["configmaps"],
-                "resourceNames": [K.TRUST_CONFIG_MAP],
-                "verbs": ["get", "patch"],
-            },
-        ],
+    rule = {
+        "apiGroups": [""],
+        "resources": ["configmaps"],
+        "resourceNames": [K.TRUST_CONFIG_MAP],
+        "verbs": ["get", "patch"],
     }
+    return agent_own_role(ROLE, labels, [rule])
 
 
 def trust_role_binding(labels: dict[str, str]) -> dict[str, Any]:
-    return {
-        "apiVersion": RBAC,
-        "kind": "RoleBinding",
-        "metadata": {"name": ROLE, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROLE},
-        "subjects": [{"kind": "ServiceAccount", "name": K.AGENT_NAME, "namespace": K.AGENT_NAMESPACE}],
-    }
+    return agent_own_role_binding(ROLE, labels)
