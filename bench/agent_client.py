@@ -3,10 +3,10 @@
 
     sudo .venv/bin/python bench/agent_client.py [--calls 40] [--rounds 4]
 
-`ks-agent` sends a checkpoint or restore to the node's warm agent (shim/localapi.py). The Python
+`ks-agent` sends a checkpoint or restore to the node's warm agent (shim/service/localapi.py). The Python
 client starts an interpreter first (with its site and the ~40 modules forwarding imports); the agent
 image's `ks-agent` is the static launcher in front of it, which sends a served command itself
-(hack/launcher/agentclient.go). Both ask one `ks-agent serve` (a containerd of its own, started here)
+(launcher/agentclient.go). Both ask one `ks-agent serve` (a containerd of its own, started here)
 for a checkpoint of a container that does not exist: a whole round trip through the agent (the
 request, its checks, containerd's answer, the error rendered and printed) with next to no work in it.
 Rounds alternate the two clients; each round times --calls commands of each, wall time from start to
@@ -50,7 +50,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ksclient-", dir="/var/tmp"))
     client = agent_client(work)  # as bench/run.py runs ks-agent
     if client == PY_AGENT:
-        raise SystemExit("error: no Go to build the launcher (hack/launcher)\nhint: run make go-tools")
+        raise SystemExit("error: no Go to build the launcher (launcher)\nhint: run make go-tools")
     daemon = ContainerdDaemon("client", work / "ctrd")
     daemon.start()
     served = None

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import NotFound
 from shim.controller.restores import POD_FILE
 from tests.support.cluster import STATE_DIR, Cluster, _load

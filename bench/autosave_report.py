@@ -1,4 +1,4 @@
-"""bench/autosave.py's maths, pure: which pages changed between two dumps, per-save ratios, goal
+"""bench/autosave_cost.py's maths, pure: which pages changed between two dumps, per-save ratios, goal
 verdicts and the Markdown table. No I/O here (tests/unit/test_bench_autosave.py checks it).
 
 Every absolute number is printed beside the measurement of the same run it is divided by.

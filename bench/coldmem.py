@@ -8,7 +8,7 @@ free page reporting): the next first write to such a page traps to the host. The
 recently freed pages first, so a dump is fast while such pages last and slow once something else
 (the page cache growing, another dump kept) has used them up. This measures it on a host process of
 the workload (bench/workload.py), dumped by raw ``criu dump --leave-running`` into a tmpfs mounted as
-install-node mounts the memory work area (shim/workfs.py), three ways per round:
+install-node mounts the memory work area (shim/host/workfs.py), three ways per round:
 
 * warm: right after the previous dump was removed;
 * cold: while this process holds --hold-mib of memory it has just written (they take the recently
@@ -35,8 +35,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.autosave import host_workload
-from shim import workfs
+from bench.autosave_cost import host_workload
+from shim.host import workfs
 
 CRIU = shutil.which("criu") or "/usr/sbin/criu"
 MADV_POPULATE_WRITE = 23

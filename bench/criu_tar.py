@@ -10,7 +10,7 @@ container under runc has several (/dev, /dev/shm, /run, the cgroup tmpfs, the ma
 directories: 9 in bench/run.py's containers, counted from CRIU's restore.log). This times each call as
 CRIU makes it (a new process; for a dump the mount as fd 0 and the image as stdout; for a restore the
 image as stdin into a fresh tmpfs) for three trees: a container's /dev as runc fills it, the cgroup
-tmpfs, and an empty mount (a masked path, /dev/shm, /run). The launcher is hack/launcher built here,
+tmpfs, and an empty mount (a masked path, /dev/shm, /run). The launcher is launcher built here,
 the GNU tar behind it the host's (the node bundle's is a copy of the same Debian package, run through
 the bundle's loader). Prints the median wall time of each call both ways and the ratio.
 
@@ -76,7 +76,7 @@ def _launcher(work: Path) -> Path:
     out = work / "bin" / "tar"
     # its record of each call's start (pid, time), what --containers reads
     if tar is None or not launcher.build_tar(out, tar, work / "launches"):
-        sys.exit("error: needs Go (to build hack/launcher) and GNU tar")
+        sys.exit("error: needs Go (to build launcher) and GNU tar")
     return out
 
 

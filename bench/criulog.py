@@ -28,7 +28,7 @@ def span(log: str) -> float | None:
 
 def action_wait(log: str, action: str) -> float | None:
     """Seconds CRIU spent on `action`: its RPC notification's answer (held at the pages gate by the node
-    bundle's launcher, hack/launcher/criurelay.go) and any action script ("Running <action> scripts" to
+    bundle's launcher, launcher/criurelay.go) and any action script ("Running <action> scripts" to
     the next line after those lines); None when it did not run that action."""
     lines = stamps(log)
     for i, (t, text) in enumerate(lines):

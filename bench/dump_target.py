@@ -6,7 +6,7 @@ The bench workload (bench/workload.py) runs as a host process; each round dumps 
 ``criu dump --leave-running`` into a fresh directory under ``--disk`` (default /var/tmp) and under
 ``--tmpfs`` (default /dev/shm), in turns, and removes each dump right after it, as the agent removes
 its work directory after every snapshot. Prints every run's time and the medians: what the agent's
-memory work area (shim/memwork.py) takes out of the freeze, on this machine's disk.
+memory work area (shim/host/memwork.py) takes out of the freeze, on this machine's disk.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ For each workload (bench/workload.py, a host process), a raw ``criu dump --leave
 
 * ``/dev/shm``: the host's tmpfs, 4 KiB pages (where the memory work area was before session 25);
 * a tmpfs mounted with ``huge=within_size`` (what install-node mounts for the memory work area,
-  shim/workfs.py, with its options);
+  shim/host/workfs.py, with its options);
 * the state dir's file system (``KUBECTL_SNAPSHOT_STATE_DIR``, else /var/lib/kubectl-snapshot: its
   page cache);
 
@@ -30,8 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.autosave import host_workload
-from shim import workfs
+from bench.autosave_cost import host_workload
+from shim.host import workfs
 
 CRIU = shutil.which("criu") or "/usr/sbin/criu"
 

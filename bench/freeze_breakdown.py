@@ -6,7 +6,7 @@
 
 For each size, one workload container (bench/workload.py) is checkpointed over and over, alternating
 between CRIU without its kernel-feature cache (what these VMs give it: /run is not a tmpfs) and with
-the cache arranged the way install-node arranges it (shim/criu_kdat.py: a tmpfs file bound on
+the cache arranged the way install-node arranges it (shim/criu/kdat.py: a tmpfs file bound on
 /run/criu.kdat). In each round, for both:
 
 * the agent's save, taken in this process the way the agent's snapshot worker takes it
@@ -49,11 +49,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.autosave import Agent, guard_process, host_workload
+from bench.autosave_cost import Agent, guard_process, host_workload
 from bench.criulog import log_gaps, stamps
 from bench.run import CRIU, container
 from kubectl_snapshot.core.reference import Reference
-from shim import criu_kdat, rcu
+from shim.criu import kdat as criu_kdat
+from shim.host import rcu
 from tests.support.containerd import ContainerdDaemon, node_criu_config
 from tests.support.registry import RegistryServer
 
@@ -68,12 +69,13 @@ PHASES: list[tuple[str, str, str, str]] = [
     ("mount namespace (mounts; tmpfs contents by tar)", r"Obtaining task auvx", "fixed (per mount)", "no"),
     ("IPC, UTS, network namespaces (links, addresses, rules)", r"Dumping \d+\(\d+\)'s namespaces", "fixed", "no"),
     ("cgroups, inventory", r"Namespaces dump complete", "fixed", "no"),
-    # mostly not nftables: an RCU grace period where CRIU's mount namespaces go (performance.md, session 18)
+    # mostly not nftables: an RCU grace period where CRIU's mount namespaces go
+    # (docs/performance.md, "RCU grace periods in CRIU's mount namespaces")
     (
         "network unlock, runc's notification (an RCU wait)",
         r"Running post-dump scripts",
         "fixed",
-        "yes, the RCU wait: expedited grace periods (the agent's dumps, shim/rcu.py; --expedite-rcu)",
+        "yes, the RCU wait: expedited grace periods (the agent's dumps, shim/host/rcu.py; --expedite-rcu)",
     ),
     ("thaw, stats", r"Unfreezing tasks", "fixed", "no"),
 ]
@@ -306,7 +308,8 @@ def main() -> None:
     ap.add_argument(
         "--expedite-rcu",
         action="store_true",
-        help="RCU grace periods expedited for the whole run, every dump alike (shim/rcu.py's switch, put back after)",
+        help="RCU grace periods expedited for the whole run, every dump alike (shim/host/rcu.py's switch, "
+        "put back after)",
     )
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

@@ -1,4 +1,4 @@
-"""The node bundle's static launcher (hack/launcher) as the benchmarks build and read it."""
+"""The node bundle's static launcher (launcher) as the benchmarks build and read it."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ NATIVE_TAR_ENV = "KUBECTL_SNAPSHOT_NATIVE_TAR"  # "0": CRIU's tmpfs calls all go
 
 
 def build(dest: Path) -> bool:
-    """Build hack/launcher at `dest`; False where there is no Go to build it with."""
+    """Build launcher at `dest`; False where there is no Go to build it with."""
     go = shutil.which("go") or "/usr/local/go/bin/go"
     if not os.path.exists(go):
         return False
     env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"}
     dest.parent.mkdir(parents=True, exist_ok=True)
     repo = Path(__file__).resolve().parent.parent
-    subprocess.run([go, "build", "-trimpath", "-o", str(dest), "."], cwd=repo / "hack/launcher", env=env, check=True)
+    subprocess.run([go, "build", "-trimpath", "-o", str(dest), "."], cwd=repo / "launcher", env=env, check=True)
     return True
 
 

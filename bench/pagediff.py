@@ -1,5 +1,5 @@
 """Which pages really changed between two CRIU dumps, and what they weigh compressed (bench/run.py's
-incremental rows, issue 16 item 2; bench/autosave.py's changed bytes).
+incremental rows, issue 16 item 2; bench/autosave_cost.py's changed bytes).
 
 Pages are matched by (pagemap image, virtual address) and compared by content (a short hash); the
 changed pages of the newer dump are compressed the way the agent compresses chunks (zstd at the

@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from kubectl_snapshot.adapters.registry.client import RegistryClient
-from kubectl_snapshot.core.autosave import parse_time
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.timestamps import seconds
 from tests.support.agent import installed_agent
 from tests.support.cluster import HACK, RUN_DIR, STATE_DIR, Cluster, _cluster_lock, _load, _running
 from tests.support.node_loss import good_saves, lost_node, protect, recover, statefulset
@@ -153,9 +153,7 @@ def wait_running(cluster: Cluster, ns: str, pod: str, timeout: float) -> dict[st
 def saves_since(cluster: Cluster, ns: str, policy: str, t: float) -> list[dict[str, Any]]:
     """The policy's good saves created after epoch second `t` (creationTimestamp has 1 s resolution)."""
     return [
-        s
-        for s in good_saves(cluster, ns, policy)
-        if (parse_time(s["metadata"]["creationTimestamp"]) or 0) >= math.ceil(t)
+        s for s in good_saves(cluster, ns, policy) if (seconds(s["metadata"]["creationTimestamp"]) or 0) >= math.ceil(t)
     ]
 
 

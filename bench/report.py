@@ -259,7 +259,8 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         "",
         "checkpoint->pushed and pull->running: `ks-agent checkpoint|restore` (wall time) served by the node's "
-        "warm agent (`ks-agent serve`, as the DaemonSet's agent serves a node; shim/localapi.py); standalone: the "
+        "warm agent (`ks-agent serve`, as the DaemonSet's agent serves a node; shim/service/localapi.py); "
+        "standalone: the "
         "same command with no agent to serve it (its own process start-up, imports, gRPC channel and freeze "
         "guard); in-agent: the agent's own timing of the work. Goals: at most 1.5x the bound and faster than "
         f"ctr; from {SMALL_POD_MIB} MiB also faster than podman (below it, issue 16's small pods: bound and ctr). "
@@ -297,7 +298,7 @@ def markdown(result: dict[str, Any]) -> str:
         "blob fetched, verified, decrypted, page files rebuilt; in parentheses: the layer of CRIU's other images "
         "downloaded / extracted, decode cache filled / page files rebuilt from their chunks meanwhile, and how long "
         "that went on after the extraction); meanwhile containerd creates the container and "
-        "starts its shim and the runtime hook, whose create waits at the staging gate until all but the page files "
+        "starts its shim and the runtime wrapper, whose create waits at the staging gate until all but the page files "
         "is staged (hook waited), then starts `runc restore`, whose CRIU waits for the page files after restoring "
         "the namespaces and mounts (of which waiting for the pages; and the tmpfs mounts CRIU restored, with the "
         "time their `tar` calls took: bench/criu_tar.py; and CRIU's steps after it put the memory back, from "
@@ -335,7 +336,7 @@ def markdown(result: dict[str, Any]) -> str:
         "(page chunks compressed, hashed and pushed, the layer of CRIU's other images beside them; and the CPU "
         "time the agent's process spent meanwhile, all threads: compression, hashing, the registry client), upload "
         "(config, manifest and signature, of which signing); where the dumps went (the node's tmpfs or the "
-        "state dir on disk, shim/memwork.py); last, the serial bound's parts.",
+        "state dir on disk, shim/host/memwork.py); last, the serial bound's parts.",
         "",
     ]
     ckpt_header = ["checkpoint->pushed", "outside the agent", "in-agent", "preflight", "freeze", "of which CRIU",

@@ -55,8 +55,9 @@ from bench.workload import args as workload_args
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.reference import Reference
-from shim import localapi, memwork, rcu
-from shim.runc_wrapper import TRACE_ENV, parse_invocation
+from shim.host import memwork, rcu
+from shim.runtime_wrapper import TRACE_ENV, parse_invocation
+from shim.service import localapi
 from tests.support.containerd import (
     ContainerdDaemon,
     node_criu_config,
@@ -227,7 +228,7 @@ class RawBound:
 def raw_bounds(
     work: Path, registry: RegistryServer, mib: int, kind: str, runs: int, *, restore: bool = True
 ) -> dict[str, Any]:
-    """The serial bound's parts measured on their own, one after the other (RawBound; bench/autosave.py):
+    """The serial bound's parts measured on their own, one after the other (RawBound; bench/autosave_cost.py):
     medians of `runs` after a warm-up; with `restore` also the restore's parts."""
     bound = RawBound(work, registry, mib, kind)
     try:
@@ -279,7 +280,7 @@ def container(daemon: ContainerdDaemon, mib: int, kind: str, ctl_dir: Path | Non
 
 
 def criu_tar(work: Path) -> str:
-    """CRIU's `tar` as the node bundle has it (hack/launcher as ``bin/tar``, first in CRIU's PATH): the
+    """CRIU's `tar` as the node bundle has it (launcher as ``bin/tar``, first in CRIU's PATH): the
     launcher archives and extracts the containers' small tmpfs trees itself and runs GNU tar (here the
     host's) for anything else, or for everything with KUBECTL_SNAPSHOT_NATIVE_TAR=0. Put first in PATH
     for the whole run, so every CRIU (the agent's, the peers', the references') runs the same tar.
@@ -294,7 +295,7 @@ def criu_tar(work: Path) -> str:
 
 
 def runtime_hook(work: Path) -> str:
-    """The runtime hook as nodes run it: the static launcher (hack/launcher, built here) in front of the
+    """The runtime wrapper as nodes run it: the static launcher (launcher, built here) in front of the
     hook's zipapp (hack/build-wrapper-pyz.py) on a bare ``python3 -I -S``; the launcher passes runc's
     plain calls (start, state, kill, delete) on without starting Python. Falls back to the hook alone
     (ks-runc in this venv) where Go or the host's python3 is missing."""
@@ -302,7 +303,7 @@ def runtime_hook(work: Path) -> str:
     hook = work / "hook"
     hook_launcher, pyz = hook / "kubectl-snapshot-runc", hook / "kubectl-snapshot-runc.pyz"
     if not os.path.exists(HOST_PY) or not launcher.build(hook_launcher):
-        print("[bench] no Go or python3: the runtime hook runs without its launcher", file=sys.stderr)
+        print("[bench] no Go or python3: the runtime wrapper runs without its launcher", file=sys.stderr)
         return WRAPPER
     sh([HOST_PY, str(repo / "hack/build-wrapper-pyz.py"), str(pyz)])
     config = {
@@ -323,7 +324,7 @@ def runtime_hook(work: Path) -> str:
 def agent_client(work: Path) -> str:
     """`ks-agent` as the agent image has it (hack/agent_image.py): the static launcher in front of the
     Python program, sending a served `checkpoint` or `restore` to the agent itself, without starting an
-    interpreter (hack/launcher/agentclient.go); everything else (serve, standalone runs) goes on to this
+    interpreter (launcher/agentclient.go); everything else (serve, standalone runs) goes on to this
     venv's ks-agent. Falls back to that alone where Go is missing (the results say which ran)."""
     client = work / "client" / "ks-agent"
     if not launcher.build(client):
@@ -334,12 +335,12 @@ def agent_client(work: Path) -> str:
 
 
 LAUNCHES, TRACES = "launches.jsonl", "traces.jsonl"
-RESTORE_LOG = TRACES + ".restore.log"  # CRIU's restore.log, kept by the traced hook (runc_wrapper.trace_copy)
+RESTORE_LOG = TRACES + ".restore.log"  # CRIU's restore.log, kept by the traced hook (runtime_wrapper.trace_copy)
 _CREATE_PHASES = {"started", "image-check", "rootfs-diff", "runc-restore", "after-restore"}
 
 
 def hook_breakdown(hook: Path) -> dict[str, Any] | None:
-    """What the runtime hook did for one restore (its logs emptied before): how many calls containerd's
+    """What the runtime wrapper did for one restore (its logs emptied before): how many calls containerd's
     shim made, by runc command, and for the create (the restore) the milliseconds from the launcher's
     start to Python running the hook, of the CRIU image check, and of `runc restore` (CRIU's restore and
     runc's setup around it); None when the hook ran without its launcher."""
@@ -384,7 +385,7 @@ def hook_breakdown(hook: Path) -> dict[str, Any] | None:
                 out["criu_pages_wait_ms"] = waited * 1000
             out["restore_log_gaps"] = criulog.log_gaps(log, 6)
             # after the memory: the steps to resume (at 61209aa CRIU ran an action script for each; since,
-            # the launcher relays runc's socket to CRIU: hack/launcher/criurelay.go)
+            # the launcher relays runc's socket to CRIU: launcher/criurelay.go)
             tail = criulog.after_memory(log)
             if tail is not None:
                 out["criu_after_memory_ms"] = tail * 1000
@@ -407,7 +408,7 @@ def agent_checkpoint(
 
 
 class ServedAgent:
-    """`ks-agent serve` for one containerd, as the DaemonSet's agent serves a node's (shim/localapi.py):
+    """`ks-agent serve` for one containerd, as the DaemonSet's agent serves a node's (shim/service/localapi.py):
     the measured `ks-agent checkpoint|restore` are its clients. Its log counts what it served, so a
     request it declined (then run standalone) cannot pass for a served one."""
 
@@ -495,7 +496,7 @@ def measure_agent(
     restores_internal: list[float] = []
     breakdowns: list[dict[str, Any]] = []
     ckpt_breakdowns: list[dict[str, Any]] = []  # the served checkpoints' own timings, + the wall time
-    dumped_to: set[str] = set()  # where the served checkpoints' dumps went (shim/memwork.py)
+    dumped_to: set[str] = set()  # where the served checkpoints' dumps went (shim/host/memwork.py)
     out: dict[str, Any] = {}
     served = ServedAgent(daemon)
     pushed_alone, restores_alone = [], []  # the same commands standalone (no agent serving them)
@@ -809,7 +810,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="ksbench-", dir="/var/tmp"))
     # The node as install-node leaves it (runc's CRIU configuration: nftables network lock; CRIU's
     # kernel-feature cache on a tmpfs where /run is not one; RCU grace periods expedited during the
-    # product's dumps and restores, shim/rcu.py: not during the peers' or the bounds'); runc reads the
+    # product's dumps and restores, shim/host/rcu.py: not during the peers' or the bounds'); runc reads the
     # configuration for podman's checkpoints too, and every CRIU of the same build loads the cache, so
     # the peers and the raw bounds run with the same CRIU as the agent.
     stack = contextlib.ExitStack()
@@ -821,7 +822,7 @@ def main() -> None:
     kdat = stack.enter_context(node_kdat_cache())
     # KUBECTL_SNAPSHOT_EXPEDITE_RCU=0: the node as install-node leaves it with that opt-out (to compare)
     expedite = stack.enter_context(node_rcu_expedite(STATE)) if rcu.enabled(os.environ) else f"off ({rcu.ENV}=0)"
-    # the memory work area on install-node's tmpfs with large folios (shim/workfs.py); KUBECTL_SNAPSHOT_WORK_FS=0:
+    # the memory work area on install-node's tmpfs with large folios (shim/host/workfs.py); KUBECTL_SNAPSHOT_WORK_FS=0:
     # /dev/shm's directory as before (to compare)
     work_fs = stack.enter_context(node_memory_work_fs(STATE)) if os.environ.get(ENV_WORK_FS, "1") != "0" else None
     daemon = ContainerdDaemon("bench", work / "ctrd")

@@ -13,13 +13,13 @@ together from parts this machine can make (Containerfile is the same recipe for 
    entry points, bytecode (unchecked-hash: reproducible, never rewritten at start), and the runtime
    wrapper zipapp at /opt/kubectl-snapshot-runc.pyz (hack/build-wrapper-pyz.py), and the node bundle at
    /usr/local/lib/kubectl-snapshot/node-bundle (hack/node_bundle.py: CRIU 4.2.1, GNU tar and a Python with their
-   own dynamic loader and libraries, the hook zipapp, the static launcher built from hack/launcher),
+   own dynamic loader and libraries, the hook zipapp, the static launcher built from launcher),
    which `install-node` copies to each node so that nothing of the host's userland is used there;
    CRIU and Python come from this machine (CRIU 4.2.1 from Debian sid, as hack/install-node-deps.sh
    installs it), the launcher is built with the Go toolchain (CGO_ENABLED=0, static);
 3. config ``Entrypoint ["ks-agent"]``, PATH with the venv's bin; layers zstd-compressed. ``bin/ks-agent`` is
    the static launcher in front of the Python program (``libexec/ks-agent``): it sends a `checkpoint` or
-   `restore` to the node's warm agent itself, without an interpreter (hack/launcher/agentclient.go).
+   `restore` to the node's warm agent itself, without an interpreter (launcher/agentclient.go).
 
 Layers are reproducible (sorted entries, mtime 0), and the whole image is cached by a key over the
 recipe, the base, the pinned requirements and the project's sources: nothing is rebuilt unless one
@@ -89,7 +89,7 @@ SOURCES = (
     "hack/import_closure.py",
     "hack/agent_image.py",
     "hack/node_bundle.py",
-    "hack/launcher",
+    "launcher",
 )
 NODE_BUNDLE = "/usr/local/lib/kubectl-snapshot/node-bundle"
 # What the node bundle is made of on this machine (hack/node_bundle.py takes them from /): in the cache key.
@@ -243,21 +243,21 @@ def bundle_inputs_hash() -> str:
 
 
 def build_launcher(out: Path) -> None:
-    """The static launcher (hack/launcher): no libc, no interpreter, runs on any Linux host as it is."""
+    """The static launcher (launcher): no libc, no interpreter, runs on any Linux host as it is."""
     go = shutil.which("go") or "/usr/local/go/bin/go"
     env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local"}
     run(
         go, "build", "-trimpath", "-ldflags", "-s -w -buildid=", "-o", str(out), ".",
-        cwd=str(REPO / "hack" / "launcher"), env=env,
+        cwd=str(REPO / "launcher"), env=env,
     )  # fmt: skip
 
 
 def install_agent_client(venv: Path, launcher: Path) -> None:
     """bin/ks-agent as the static launcher in front of the Python ks-agent (libexec/ks-agent): a served
     `checkpoint` or `restore` goes to the node's agent without starting an interpreter
-    (hack/launcher/agentclient.go); everything else, and those where the agent does not serve them, runs
+    (launcher/agentclient.go); everything else, and those where the agent does not serve them, runs
     the Python program as before."""
-    from shim import localapi
+    from shim.service import localapi
 
     client = venv / "bin" / AGENT_CLIENT
     shutil.copyfile(launcher, client)

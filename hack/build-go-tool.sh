@@ -4,6 +4,7 @@
 #
 #   hack/build-go-tool.sh krew     -> .../krew/v0.4.3/{krew,validate-krew-manifest}
 #   hack/build-go-tool.sh helm     -> .../helm/v3.22.0/helm
+#   hack/build-go-tool.sh checkpointctl -> .../checkpointctl/v1.4.0/checkpointctl (reads podman/CRI-O archives)
 #   hack/build-go-tool.sh --check krew   prints the directory and exits 0 when cached, else exits 1
 #
 # Prints the directory holding the binaries on stdout (logs go to stderr).
@@ -11,14 +12,17 @@ set -euo pipefail
 CACHE_DIR="${KUBECTL_SNAPSHOT_CACHE:-/var/cache/kubectl-snapshot}"
 KREW_VERSION="${KREW_VERSION:-v0.4.3}"
 HELM_VERSION="${HELM_VERSION:-v3.22.0}"
+CHECKPOINTCTL_VERSION="${CHECKPOINTCTL_VERSION:-v1.4.0}"
 check=0
 if [ "${1:-}" = --check ]; then check=1; shift; fi
-tool="${1:?usage: build-go-tool.sh [--check] krew|helm}"
+tool="${1:?usage: build-go-tool.sh [--check] krew|helm|checkpointctl}"
 case "$tool" in
   krew) version="$KREW_VERSION"; pkgs=("sigs.k8s.io/krew/cmd/krew" "sigs.k8s.io/krew/cmd/validate-krew-manifest")
         bins=(krew validate-krew-manifest) ;;
   helm) version="$HELM_VERSION"; pkgs=("helm.sh/helm/v3/cmd/helm"); bins=(helm) ;;
-  *) echo "unknown tool $tool (krew, helm)" >&2; exit 2 ;;
+  checkpointctl) version="$CHECKPOINTCTL_VERSION"; pkgs=("github.com/checkpoint-restore/checkpointctl")
+        bins=(checkpointctl) ;;
+  *) echo "unknown tool $tool (krew, helm, checkpointctl)" >&2; exit 2 ;;
 esac
 dir="$CACHE_DIR/$tool/$version"
 cached() { for b in "${bins[@]}"; do [ -x "$dir/$b" ] || return 1; done; }

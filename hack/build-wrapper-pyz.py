@@ -5,8 +5,8 @@ Why a zipapp: containerd runs the wrapper on the HOST (runc shim option ``Binary
 Debian's /usr/bin/python3 (3.11, stdlib only) can be assumed. The wrapper's import closure is pure
 Python and stdlib-only (the import-linter contract "the runtime wrapper stays light" in pyproject.toml
 checks it), so the zipapp holds exactly that closure: the modules of this repository that
-shim/runc_wrapper.py imports, directly or not (every import statement counts, lazy ones included),
-with their packages' ``__init__.py``, plus ``__main__.py -> shim.runc_wrapper:main``.
+shim/runtime_wrapper.py imports, directly or not (every import statement counts, lazy ones included),
+with their packages' ``__init__.py``, plus ``__main__.py -> shim.runtime_wrapper:main``.
 
 The archive is reproducible (sorted entries, fixed timestamps), so its digest only changes with the
 sources. Each module also gets a legacy ``.pyc`` beside it (unchecked-hash, compiled by the Python
@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from import_closure import closure
 
 REPO = Path(__file__).resolve().parents[1]
-ENTRY = "shim.runc_wrapper"
+ENTRY = "shim.runtime_wrapper"
 MAIN = (
     '"""kubectl-snapshot-runc: runc-compatible runtime that restores staged snapshots on create."""\n'
-    "from shim.runc_wrapper import main\n\nmain()\n"
+    "from shim.runtime_wrapper import main\n\nmain()\n"
 )
 SHEBANG = b"#!/usr/bin/python3 -I -S\n"
 EPOCH = (1980, 1, 1, 0, 0, 0)

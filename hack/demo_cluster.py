@@ -5,6 +5,10 @@ and restored with `kubectl snapshot restore` on node 2, where it counts on from 
 
 Run through `make demo` (which installs and builds what it needs first). Everything stays on loopback
 and in the cluster's own network namespace. The cluster is left running (`hack/cluster-down` removes it).
+
+`--check` (`hack/demo.sh --check`) only checks that the demo's cluster still works: every node Ready,
+the agent rolled out and Ready on each, `kubectl snapshot doctor` clean. CI runs it after `make test`
+has run on the demo's cluster (.ci/run).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from kubectl_snapshot.core import kubenames as K
 
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -129,5 +135,27 @@ def main() -> None:
     say("the counter carried on from where it was snapshotted (hack/cluster-down removes the cluster)")
 
 
+def check() -> None:
+    if not ENV_FILE.exists():
+        raise SystemExit(f"demo --check: no cluster is up ({ENV_FILE} is missing); run make demo first")
+    env = cluster_env()
+    say("the demo's cluster after the test suite: nodes, the agent, doctor")
+    nodes = json.loads(run("kubectl", "get", "nodes", "-o", "json", show=False, env=env))["items"]
+    ready = {
+        n["metadata"]["name"]
+        for n in nodes
+        if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions", []))
+    }
+    run("kubectl", "get", "nodes", env=env)
+    if ready != set(env["KS_NODES"].split()):
+        raise SystemExit(f"demo --check: nodes Ready {sorted(ready)}, expected {env['KS_NODES']}")
+    run("kubectl", "-n", K.AGENT_NAMESPACE, "rollout", "status", f"daemonset/{K.AGENT_NAME}", "--timeout=300s",
+        env=env)  # fmt: skip
+    run("kubectl", "-n", K.AGENT_NAMESPACE, "wait", "--for=condition=Ready", "pod", "--all", "--timeout=300s",
+        env=env)  # fmt: skip
+    run("kubectl-snapshot", "doctor", env=env)  # exits 1 when anything is BAD
+    say("the demo's cluster works")
+
+
 if __name__ == "__main__":
-    main()
+    check() if sys.argv[1:] == ["--check"] else main()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Benchmark-only dependencies (never needed by the tests): Podman 5.4 from Debian trixie, the peer
-# that bench/ compares against. Run after hack/install-node-deps.sh, which adds the trixie/sid apt
-# sources pinned low (trixie 100, sid 50) so that nothing else moves by itself.
+# Benchmark dependencies: Podman 5.4 from Debian trixie, the peer that bench/ compares against, and
+# what restores an export in tests/integration/test_export_podman.py (`make test` installs it). Run
+# after hack/install-node-deps.sh, which adds the trixie/sid apt sources pinned low (trixie 100,
+# sid 50) so that nothing else moves by itself.
 # Podman must run with `--runtime runc` here: crun refuses cgroup v1 hybrid mode (PLATFORM.md).
 set -euo pipefail
 

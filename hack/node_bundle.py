@@ -11,7 +11,7 @@ tree that needs nothing of the host's userland:
     libexec/python3.X, lib/python3.X/        the interpreter and its stdlib (no site-packages)
     lib/hook-site/pycriu, lib/hook-site/google/{protobuf,_upb}
                                              what the hook's CRIU image check decodes the images with
-                                             (shim/criu_guard.py): Debian's pycriu and the protobuf runtime
+                                             (shim/criu/guard.py): Debian's pycriu and the protobuf runtime
                                              of --hook-site (the agent's venv: the upb C extension, several
                                              times faster than Debian's pure-Python protobuf); the hook's
                                              launcher names it in KUBECTL_SNAPSHOT_PYCRIU_PATH
@@ -20,8 +20,8 @@ tree that needs nothing of the host's userland:
                                              CRIU launcher puts install-node's bin/ (tar's launcher) first in
                                              PATH, and tar's launcher does --gzip itself (GNU tar would run
                                              gzip through /bin/sh)
-    kubectl-snapshot-runc.pyz                the runtime hook (hack/build-wrapper-pyz.py)
-    launcher                                 static ELF (hack/launcher): execs `lib/ld-linux... --library-path
+    kubectl-snapshot-runc.pyz                the runtime wrapper (hack/build-wrapper-pyz.py)
+    launcher                                 static ELF (launcher): execs `lib/ld-linux... --library-path
                                              lib libexec/PROG ...` from a .launch file install-node writes
     bundle.json                              versions, where each part came from, sha256 of every file
 
@@ -49,7 +49,7 @@ from pathlib import Path
 LIB_DIRS = ("lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "lib64", "usr/lib64", "lib", "usr/lib")
 CRIU_VERSION = "4.2.1"
 # programs CRIU runs by name: (file in ROOT, Debian package). GNU tar, as CRIU passes it GNU options
-# (--sparse, --check-links, ...); its --gzip is done by the launcher (hack/launcher: gzipFilter).
+# (--sparse, --check-links, ...); its --gzip is done by the launcher (launcher: gzipFilter).
 TOOLS = {"tar": ("/usr/bin/tar", "tar")}
 STDLIB_SKIP = {
     "site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip", "lib2to3",
@@ -240,8 +240,8 @@ def build(out: Path, *, root: Path, launcher: Path, pyz: Path, hook_site: Path) 
         },
         "tools": tool_meta,
         # what the hook and the agent do in a pod's network namespace, with no program at all
-        "network": "in-process: setns(2) from a thread, nf_tables/rtnetlink/sock_diag netlink (shim/netns.py, "
-        "shim/nftlock.py, shim/ifaddr.py, shim/tcpabort.py in the hook zipapp)",
+        "network": "in-process: setns(2) from a thread, nf_tables/rtnetlink/sock_diag netlink (shim/net/netns.py, "
+        "shim/net/nftlock.py, shim/net/ifaddr.py, shim/net/tcpabort.py in the hook zipapp)",
         "hook": "kubectl-snapshot-runc.pyz",
         "files": files,
     }
@@ -267,7 +267,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
     parser.add_argument("--root", type=Path, default=Path("/"))
-    parser.add_argument("--launcher", type=Path, required=True, help="the static launcher (hack/launcher)")
+    parser.add_argument("--launcher", type=Path, required=True, help="the static launcher (launcher)")
     parser.add_argument("--pyz", type=Path, required=True, help="kubectl-snapshot-runc.pyz")
     parser.add_argument(
         "--hook-site", type=Path, required=True, help="site-packages holding google/protobuf (the agent's venv)"

@@ -3,6 +3,8 @@
 ks-agent checkpoint --address SOCK --namespace NS [--stop] [--volume DIR]... --to REF CONTAINER...
 ks-agent restore    --address SOCK --namespace NS [--volume DIR]... REF NEWNAME...
 ks-agent inspect    REF [-o json|yaml]
+ks-agent export     REF [--container NAME] -o FILE   (podman's checkpoint archive)
+ks-agent import     ARCHIVE --to REF [--signing-key KEY]   (a kubelet or podman checkpoint archive)
 """
 
 from __future__ import annotations
@@ -29,17 +31,21 @@ from kubectl_snapshot.console.inspect import inspect_data, inspect_text
 from kubectl_snapshot.console.output import emit, output_option
 from kubectl_snapshot.console.progress import Progress
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.artifact import load_artifact
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, render
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
-from shim import agent_text, dumplock, freezer, guard, localapi, malloc
-from shim.agent_text import checkpoint_text, restore_text
+from shim import freeze_guard as guard
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
+from shim.host import freezer, malloc
+from shim.net import dumplock
+from shim.service import localapi
+from shim.service import text as agent_text
+from shim.service.text import checkpoint_text, restore_text
 
 F = TypeVar("F", bound=Callable[..., Any])
 log = logging.getLogger(__name__)
@@ -113,6 +119,18 @@ def key_options(fn: F) -> F:
     return fn
 
 
+def trusted_key_option(help: str) -> Callable[[F], F]:
+    """--trusted-key (repeatable; $KUBECTL_SNAPSHOT_TRUSTED_KEYS): the public keys whose signatures count."""
+    return click.option(
+        "--trusted-key",
+        "trusted_keys",
+        multiple=True,
+        envvar="KUBECTL_SNAPSHOT_TRUSTED_KEYS",
+        type=click.Path(exists=True),
+        help=help,
+    )
+
+
 def key_provider(key_dir: str | None) -> FileKeyProvider:
     return FileKeyProvider(key_dir or os.path.join(StatePaths.from_env().root, "keys"))
 
@@ -138,7 +156,7 @@ def _held_guard(socket_path: str, *, persistent: bool = False) -> contextlib.Abs
 def _client(address: str, namespace: str) -> Any:
     from shim.containerd.client import ContainerdClient
 
-    # the node's state dir: RCU grace periods expedited while it dumps (shim/rcu.py)
+    # the node's state dir: RCU grace periods expedited while it dumps (shim/host/rcu.py)
     return ContainerdClient(address, namespace, state_dir=StatePaths.from_env().root)
 
 
@@ -213,7 +231,7 @@ def checkpoint_cmd(
 ) -> None:
     """Freeze CONTAINER... together, dump them with CRIU and push one snapshot to --to.
 
-    The freeze is held through a freeze guard (shim/guard.py): if this process is killed or hangs past
+    The freeze is held through a freeze guard (shim/freeze_guard.py): if this process is killed or hangs past
     the freeze's deadline, the guard thaws the containers within moments."""
     with (
         _held_guard(guard_socket) as guard_client,
@@ -338,13 +356,8 @@ def checkpoint_data(
     help="Where container stdout/stderr go.",
 )
 @key_options
-@click.option(
-    "--trusted-key",
-    "trusted_keys",
-    multiple=True,
-    envvar="KUBECTL_SNAPSHOT_TRUSTED_KEYS",
-    type=click.Path(exists=True),
-    help="Public key PEM (or a dir of *.pub, e.g. the trust ConfigMap) whose signatures are trusted (repeatable).",
+@trusted_key_option(
+    "Public key PEM (or a dir of *.pub, e.g. the trust ConfigMap) whose signatures are trusted (repeatable)."
 )
 @click.option(
     "--allow-unverified",
@@ -439,7 +452,7 @@ def restore_data(
 
 
 class WarmAgent:
-    """Serves `checkpoint` and `restore` for clients on the node-local socket (shim/localapi.py) with this
+    """Serves `checkpoint` and `restore` for clients on the node-local socket (shim/service/localapi.py) with this
     process's containerd connection and freeze guard: one request at a time, each answered as the
     standalone command would have answered it, or declined where it could not be."""
 
@@ -478,7 +491,7 @@ class WarmAgent:
                 return
         log.info("node-local %s served: %s", name, data.get("reference"))
         answer = {"result": data, "output": params["output"]}
-        try:  # printed as is by the client (hack/launcher/agentclient.go knows no formats)
+        try:  # printed as is by the client (launcher/agentclient.go knows no formats)
             answer["rendered"] = agent_text.rendered(name, data, str(params["output"]))
         except SnapshotError as e:  # a bad -o jsonpath= template: the work is done, the client says why
             answer["render_error"] = render(e)
@@ -584,14 +597,7 @@ def recover_cmd(address: str, namespace: str) -> None:
 
 @cli.command("inspect")
 @registry_options
-@click.option(
-    "--trusted-key",
-    "trusted_keys",
-    multiple=True,
-    envvar="KUBECTL_SNAPSHOT_TRUSTED_KEYS",
-    type=click.Path(exists=True),
-    help="Public key PEM (or a dir of *.pub) to verify the signature with (repeatable).",
-)
+@trusted_key_option("Public key PEM (or a dir of *.pub) to verify the signature with (repeatable).")
 @output_option
 @click.argument("ref")
 @handle_errors
@@ -602,6 +608,186 @@ def inspect_cmd(output: str, ref: str, trusted_keys: tuple[str, ...], **registry
     artifact = load_artifact(registry, source)
     prov = provenance_of(registry, artifact.reference, load_trust(list(trusted_keys)))
     emit(inspect_data(artifact, prov), output, inspect_text)
+
+
+@cli.command("export")
+@containerd_options
+@registry_options
+@key_options
+@click.option("--container", default=None, help="The snapshot's container to export (default: its only one).")
+@click.option("-o", "--output", "output_file", required=True, type=click.Path(dir_okay=False), help="The new file.")
+@click.option(
+    "--oci-image",
+    default=None,
+    help="Also push the archive as the OCI checkpoint image CRI-O restores (REGISTRY/REPO[:TAG]).",
+)
+@click.option("--name", default=None, help="The name podman gives the restored container (default: the container's).")
+@click.option(
+    "--image-id",
+    default=None,
+    help="podman's id of the container's image (its config digest; default: looked up in containerd).",
+)
+@trusted_key_option("Public key PEM (or a dir of *.pub) whose signatures are trusted (repeatable).")
+@click.option("--allow-unverified", is_flag=True, help="Export even without a signature from a trusted key.")
+@click.option(
+    "--from-cluster",
+    is_flag=True,
+    help="A cluster's snapshot: its namespace keys and trust from the agent's Secret and ConfigMap "
+    "(needs read access to both, in the agent's namespace; --kubeconfig or $KUBECONFIG).",
+)
+@click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="With --from-cluster: the cluster.")
+@click.argument("ref")
+@handle_errors
+def export_cmd(
+    address: str,
+    namespace: str,
+    key_dir: str | None,
+    key_namespace: str | None,
+    container: str | None,
+    output_file: str,
+    oci_image: str | None,
+    name: str | None,
+    image_id: str | None,
+    trusted_keys: tuple[str, ...],
+    allow_unverified: bool,
+    from_cluster: bool,
+    kubeconfig: str | None,
+    ref: str,
+    **registry_opts: Any,
+) -> None:
+    """Write one container of REF as the checkpoint archive `podman container restore --import` and
+    checkpointctl read (verified and authorised as a restore; the file holds its memory unencrypted)."""
+    from shim.engine.export import UNENCRYPTED_WARNING, ExportRequest, export, image_id_lookup
+
+    source = Reference.parse(ref)
+    image_ref = Reference.parse(oci_image) if oci_image else None
+    trust = load_trust(list(trusted_keys), allow_unverified=allow_unverified)
+    keys: Any = key_provider(key_dir)
+    if from_cluster:
+        keys, trust = _cluster_keys_and_trust(kubeconfig, trust)
+    with contextlib.ExitStack() as stack:
+        result = export(
+            ExportRequest(
+                source=source,
+                output=output_file,
+                container=container,
+                name=name,
+                trust=trust,
+                key_namespace=key_namespace,
+                oci_image=image_ref,
+            ),
+            registry=make_registry(source, registry_opts),
+            image_registry=make_registry(image_ref, registry_opts) if image_ref is not None else None,
+            paths=StatePaths.from_env(),
+            keys=keys,
+            image_id_of=image_id_lookup(image_id, lambda: stack.enter_context(_client(address, namespace))),
+        )
+    where = [result.output, *([result.image] if result.image else [])]
+    for w in (UNENCRYPTED_WARNING.format(path=" and ".join(where), name=result.container), *result.warnings):
+        click.echo(f"warning: {w}", err=True)
+    click.echo("\n".join(where))
+    flags = " ".join(result.restore_flags)
+    click.echo(f"restore it with: podman container restore --import {result.output} {flags}".rstrip(), err=True)
+
+
+@cli.command("import")
+@registry_options
+@click.option("--to", required=True, help="Where to push the snapshot: REGISTRY/REPO[:TAG].")
+@click.option(
+    "--signing-key",
+    envvar="KUBECTL_SNAPSHOT_SIGNING_KEY",
+    type=click.Path(exists=True),
+    help="The importer's own ECDSA P-256 PEM key (or a dir with signing.key): restores trust it only where "
+    "an administrator lists it. Without it the snapshot is unsigned.",
+)
+@click.option("--name", default=None, help="The container's name (default: the archive's).")
+@click.option("--namespace", "origin_namespace", default=None, help="The origin namespace (default: the archive's).")
+@click.option("--pod", default=None, help="The origin pod's name (default: the archive's).")
+@click.option("--node", default="", help="The node the checkpoint was taken on.")
+@click.option("--image-digest", default="", help="The image's manifest digest, which a restore then requires.")
+@click.option(
+    "--pod-manifest",
+    type=click.Path(exists=True, dir_okay=False),
+    default=None,
+    help="The pod the checkpoint was taken from (kubectl get pod NAME -o json): recorded so that "
+    "`kubectl snapshot restore` recreates it. Without it the snapshot restores on a node only.",
+)
+@output_option
+@click.argument("archive", type=click.Path(dir_okay=False))
+@handle_errors
+def import_cmd(
+    to: str,
+    signing_key: str | None,
+    name: str | None,
+    origin_namespace: str | None,
+    pod: str | None,
+    node: str,
+    image_digest: str,
+    pod_manifest: str | None,
+    output: str,
+    archive: str,
+    **registry_opts: Any,
+) -> None:
+    """Turn the checkpoint archive ARCHIVE (the kubelet's checkpoint API, `podman container checkpoint
+    --export`) into a snapshot at --to, signed by --signing-key: restore it like any snapshot."""
+    from shim.engine.importer import ImportRequest, import_archive
+
+    target = Reference.parse(to)
+    pod_record = None
+    if pod_manifest:
+        import json
+
+        from shim.controller.podinfo import record_pod
+
+        with open(pod_manifest) as f:
+            pod_obj = json.load(f)
+        pod_record = record_pod(pod_obj, node or str((pod_obj.get("spec") or {}).get("nodeName") or ""))
+    result = import_archive(
+        ImportRequest(
+            archive=archive,
+            target=target,
+            signing_key=load_signing_key(signing_key) if signing_key else None,
+            name=name,
+            namespace=origin_namespace,
+            pod=pod,
+            node=node,
+            image_digest=image_digest,
+            pod_record=pod_record,
+        ),
+        registry=make_registry(target, registry_opts),
+        paths=StatePaths.from_env(),
+    )
+    if not result.signed_by:
+        click.echo("warning: unsigned: restores refuse it unless they allow unverified snapshots", err=True)
+    click.echo("warning: stored unencrypted (the memory as the archive held it)", err=True)
+    src = result.source
+    emit(
+        {
+            "reference": str(result.reference),
+            "tag": str(result.tagged),
+            "container": src.name,
+            "image": src.image,
+            "pod": result.config.group,
+            "namespace": result.config.namespace,
+            "from": src.runtime,
+            "signedBy": result.signed_by,
+        },
+        output,
+        lambda d: f"{d['reference']}\n",
+    )
+
+
+def _cluster_keys_and_trust(kubeconfig: str | None, trust: Any) -> tuple[Any, Any]:
+    """The namespace keys of the cluster's key Secret and its trust ConfigMap (merged with `trust`): the
+    agents' own, readable by cluster administrators only (docs/security.md)."""
+    from kubectl_snapshot.adapters.keystore import SecretKeyProvider
+    from kubectl_snapshot.adapters.kube import KubeClient
+    from kubectl_snapshot.adapters.signatures import merge_trust, trust_from_data
+
+    kube = KubeClient.from_config(kubeconfig) if kubeconfig else KubeClient.in_cluster()
+    data = kube.get_config_map(K.AGENT_NAMESPACE, K.TRUST_CONFIG_MAP).get("data") or {}
+    cluster_trust = trust_from_data({str(k): str(v) for k, v in data.items()})
+    return SecretKeyProvider(kube), merge_trust([trust, cluster_trust], allow_unverified=trust.allow_unverified)
 
 
 def main() -> None:
@@ -674,7 +860,7 @@ def run_cmd(kubeconfig: str | None, ready_file: str, **kw: Any) -> None:
 @contextlib.contextmanager
 def _node_local_api(settings: Any) -> Iterator[None]:
     """`ks-agent checkpoint|restore -n k8s.io` on this node (in the agent's container) served by this
-    agent: its containerd connection, its freeze guard (shim/localapi.py). Off with
+    agent: its containerd connection, its freeze guard (shim/service/localapi.py). Off with
     $KUBECTL_SNAPSHOT_AGENT_SOCKET=none."""
     path = localapi.socket_path(os.environ, settings.state_dir)
     if not path:
@@ -701,7 +887,7 @@ def _node_local_api(settings: Any) -> Iterator[None]:
     "wrapper_pyz",
     default="/opt/kubectl-snapshot-runc.pyz",
     show_default=True,
-    help="The runtime hook zipapp to install.",
+    help="The runtime wrapper zipapp to install.",
 )
 @click.option(
     "--bundle",
@@ -711,13 +897,13 @@ def _node_local_api(settings: Any) -> Iterator[None]:
 )
 @handle_errors
 def install_node_cmd(wrapper_pyz: str, bundle: str, **kw: Any) -> None:
-    """Install the node bundle, the runtime hook and the containerd drop-in on this node (init container)."""
+    """Install the node bundle, the runtime wrapper and the containerd drop-in on this node (init container)."""
     from shim.controller.node_install import install
 
     r = install(_node_settings(kw), wrapper_pyz=wrapper_pyz, bundle=bundle)
     click.echo(f"node bundle {r.bundle}; CRIU {r.criu}")
     click.echo(
-        f"runtime hook {r.launcher}; drop-in {r.dropin} ({'changed' if r.changed else 'unchanged'}"
+        f"runtime wrapper {r.launcher}; drop-in {r.dropin} ({'changed' if r.changed else 'unchanged'}"
         f"{', containerd restarted' if r.restarted else ''})"
     )
     if r.criu_config is not None:
@@ -737,7 +923,7 @@ def install_node_cmd(wrapper_pyz: str, bundle: str, **kw: Any) -> None:
 @node_options
 @handle_errors
 def uninstall_node_cmd(**kw: Any) -> None:
-    """Remove the runtime hook and the containerd drop-in from this node."""
+    """Remove the runtime wrapper and the containerd drop-in from this node."""
     from shim.controller.node_install import uninstall
 
     uninstall(_node_settings(kw))

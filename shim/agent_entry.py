@@ -1,5 +1,5 @@
 """The `ks-agent` program: `checkpoint` and `restore` through the node's warm agent when one listens
-(shim/localapi.py), everything else, and those when no agent serves them, by `shim.agent_cli`.
+(shim/service/localapi.py), everything else, and those when no agent serves them, by `shim.agent_cli`.
 
 Only the standard library, the node-local API client and the console's output are imported before the
 request is answered: the point is not to pay the standalone command's start-up.
@@ -12,8 +12,8 @@ import sys
 
 from kubectl_snapshot.console import leave
 from kubectl_snapshot.core import constants as C
-from shim import localapi
-from shim.agent_text import rendered
+from shim.service import localapi
+from shim.service.text import rendered
 
 TYPE_CHECKING = False  # typing is not imported at run time: the client's start-up (ks-agent)
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ pytest_plugins = [
 
 
 def pytest_sessionstart(session: object) -> None:
-    """The kernel's RCU switch as the tests found it (shim/rcu.py turns it on during dumps and restores)."""
+    """The kernel's RCU switch as the tests found it (shim/host/rcu.py turns it on during dumps and restores)."""
     global _RCU_AT_START
     _RCU_AT_START = _rcu_switch()
 

@@ -82,7 +82,7 @@ for _ in 1 2 3; do
   done <<<"$mounts"
 done
 
-# 5b. the memory work areas' tmpfs install-node mounted for the nodes' agents (shim/workfs.py: one per
+# 5b. the memory work areas' tmpfs install-node mounted for the nodes' agents (shim/host/workfs.py: one per
 # agent state dir, /dev/shm/kubectl-snapshot/KEY, KEY the first 16 hex digits of the dir's sha256).
 for node in "${KS_NODES[@]}"; do
   key="$(printf '%s' "/var/lib/kubectl-snapshot/$node" | sha256sum | cut -c1-16)"

@@ -28,7 +28,7 @@ import time
 from typing import Any, Protocol
 
 from kubectl_snapshot.core import keysecret
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.encryption import KEY_BYTES
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kubectl_snapshot.core.sealing import LocalNamespaceKey, NamespaceKey, key_id_of, new_key

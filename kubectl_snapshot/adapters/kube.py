@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
@@ -26,7 +27,8 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import (
     AlreadyExists,
     Expired,
@@ -100,6 +102,8 @@ def _api_reason(e: ApiException) -> str:
 
 
 _ADMISSION_MARK = "ValidatingAdmissionPolicy 'kubectl-snapshot-"
+# another admission policy's or webhook's refusal (the API server's wording), not RBAC's
+_OTHER_ADMISSION_MARKS = ("denied request", "admission webhook", "AdmissionPolicy '")
 _ADMISSION_HINTS = (
     (K.RESTORE_VERB + " verb", "ask an admin of the namespace for the kubectl-snapshot-restore role (a RoleBinding)"),
     (
@@ -129,6 +133,12 @@ def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
         )
     if e.status == 403 and _ADMISSION_MARK in msg:
         return PermissionDenied(f"{what}: {msg}", hint=_admission_hint(msg))
+    if e.status == 403 and any(mark in msg for mark in _OTHER_ADMISSION_MARKS):
+        return PermissionDenied(
+            f"{what}: {msg}",
+            hint="an admission policy or webhook of the cluster refused it (named above): change the request to "
+            "satisfy it, or ask its owner",
+        )
     if e.status == 403:
         return PermissionDenied(
             f"{what}: {msg}",
@@ -610,11 +620,10 @@ class KubeClient:
         type: str = "Normal",
         component: str = K.AGENT_NAME,
     ) -> dict[str, Any]:
-        import datetime
         import uuid
 
         meta = involved.get("metadata", {})
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = T.rfc3339(time.time())
         body = {
             "apiVersion": "v1",
             "kind": "Event",

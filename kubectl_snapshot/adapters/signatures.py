@@ -27,6 +27,7 @@ from kubectl_snapshot.core.provenance import (
     TRUST_ALLOW_UNVERIFIED_FILE,
     TRUST_CLUSTER_FILE,
     TRUST_KEY_SUFFIX,
+    TRUST_NAMESPACE_SUFFIX,
     TRUST_NODE_SUFFIX,
     Grant,
     Origin,
@@ -189,7 +190,7 @@ def load_trust(paths: list[str], *, allow_unverified: bool = False) -> TrustPoli
 
 def trust_from_data(data: Mapping[str, str], *, where: str = "the trust ConfigMap") -> TrustPolicy:
     """The trust ConfigMap's data (or its mounted files): `<id>.pub` keys, each bound to the node named
-    by `<id>.node` when there is one, cluster-id, the policy.
+    by `<id>.node` or the namespace named by `<id>.namespace` when there is one, cluster-id, the policy.
 
     A `.pub` entry whose name is not its own key's id is ignored: the agents may add entries (admission
     lets each add only its own node's), and CEL cannot hash a PEM, so this is where an entry that would
@@ -197,6 +198,7 @@ def trust_from_data(data: Mapping[str, str], *, where: str = "the trust ConfigMa
     that is no public key at all (an administrator's is an error, said as such)."""
     keys = []
     nodes: dict[str, str] = {}
+    namespaces: dict[str, str] = {}
     for name in sorted(data):
         if not name.endswith(TRUST_KEY_SUFFIX):
             continue
@@ -213,24 +215,32 @@ def trust_from_data(data: Mapping[str, str], *, where: str = "the trust ConfigMa
         node = data.get(f"{key.id}{TRUST_NODE_SUFFIX}", "").strip()
         if node:
             nodes[key.id] = node
+        scope = data.get(f"{key.id}{TRUST_NAMESPACE_SUFFIX}", "").strip()
+        if scope:
+            namespaces[key.id] = scope
     return TrustPolicy(
         tuple(keys),
         allow_unverified=data.get(TRUST_ALLOW_UNVERIFIED_FILE, "").strip().lower() == "true",
         cluster=data.get(TRUST_CLUSTER_FILE, "").strip(),
         nodes=nodes,
+        namespaces=namespaces,
     )
 
 
 def merge_trust(policies: Iterable[TrustPolicy], *, allow_unverified: bool = False) -> TrustPolicy:
     keys: dict[str, PublicKey] = {}
     nodes: dict[str, str] = {}
+    namespaces: dict[str, str] = {}
     cluster = ""
     for pol in policies:
         keys.update((k.id, k) for k in pol.keys)
         nodes.update(pol.nodes)
+        namespaces.update(pol.namespaces)
         cluster = cluster or pol.cluster
         allow_unverified = allow_unverified or pol.allow_unverified
-    return TrustPolicy(tuple(keys.values()), allow_unverified=allow_unverified, cluster=cluster, nodes=nodes)
+    return TrustPolicy(
+        tuple(keys.values()), allow_unverified=allow_unverified, cluster=cluster, nodes=nodes, namespaces=namespaces
+    )
 
 
 def _read_dir(path: str) -> Mapping[str, str]:

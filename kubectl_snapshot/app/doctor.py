@@ -2,7 +2,7 @@
 
 Per node: the agent pod and its readiness, and the facts the agent publishes in the node annotation
 `kubectl-snapshot.io/node-facts` (CRIU, containerd, runc, kernel, runtime handler); "unknown" when the
-agent has not published them. The agent also publishes (shim/nodecheck.py) which CRIU and runtime
+agent has not published them. The agent also publishes (shim/service/nodecheck.py) which CRIU and runtime
 hook are in use and where they came from, every other tool the node side uses (the bundle's tar; the
 in-process network work in pods' namespaces, with the kernel features it needs), `criu check` with
 that CRIU, the cgroup version, whether containerd's config imports the drop-in directory and whether
@@ -16,7 +16,7 @@ import json
 from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import PermissionDenied
 
 NODE_FACTS_ANNOTATION = K.ANN_NODE_FACTS

@@ -13,12 +13,14 @@ from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj
 from kubectl_snapshot.core import keysecret
-from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kubectl_snapshot.core.provenance import (
     TRUST_ALLOW_UNVERIFIED_FILE,
     TRUST_CLUSTER_FILE,
     TRUST_KEY_SUFFIX,
+    TRUST_NAMESPACE_SUFFIX,
+    TRUST_NODE_SUFFIX,
     PublicKey,
 )
 
@@ -107,7 +109,7 @@ def install(
 
 def runtime_pods(kube: Kube) -> list[Obj]:
     """Pods of every namespace run by the project's runtime class whose containers may still run
-    (restored and resuming pods): containerd stops them through the runtime hook. (Pods cannot be
+    (restored and resuming pods): containerd stops them through the runtime wrapper. (Pods cannot be
     listed by runtime class on the server side.)"""
     return [
         p
@@ -191,7 +193,7 @@ def uninstall(
     the keys (`removal`; `purge_keys` deletes them too).
 
     Not while pods of the project's runtime class may still run: containerd stops, kills and deletes
-    their containers through the runtime hook, so once it is gone they could not be stopped until the
+    their containers through the runtime wrapper, so once it is gone they could not be stopped until the
     agent is installed again (they would keep running, their pods stuck Terminating). Pods already
     being deleted are waited for (within `timeout_s`); others refuse the uninstall. `force` waits for
     none and refuses nothing. Returns the pods left under the runtime class (`force` only) and what
@@ -217,7 +219,7 @@ def uninstall(
             if staying:
                 raise FailedPrecondition(
                     f"{len(staying)} pod(s) run under the {K.RUNTIME_CLASS} runtime class: {pod_names(staying)}; "
-                    "without the runtime hook their containers could not be stopped or deleted",
+                    "without the runtime wrapper their containers could not be stopped or deleted",
                     hint="delete them first (for a protected workload: delete the SnapshotPolicy that resumes it "
                     "or set its resume to false, then `kubectl rollout restart` it), "
                     "or pass --force to leave them running",
@@ -234,11 +236,11 @@ def uninstall(
     live = kube.get_daemonset(K.AGENT_NAMESPACE, K.AGENT_NAME)
     if live is not None:
         cleanup = cleanup_daemonset(live)
-        step("remove the runtime hook from every node", 1, 3)
+        step("remove the runtime wrapper from every node", 1, 3)
         kube.apply([cleanup])
         try:
             _wait(
-                "the runtime hook removed from every node",
+                "the runtime wrapper removed from every node",
                 functools.partial(_ds_ready, kube, cleanup),
                 timeout_s=timeout_s,
                 sleep=sleep,
@@ -313,6 +315,7 @@ def trust_objects(
     kube: Kube,
     *,
     trust_keys: Sequence[bytes] = (),
+    importer_keys: Sequence[tuple[str, bytes]] = (),
     allow_unverified: bool | None = None,
     labels: Mapping[str, str] | None = None,
 ) -> list[Obj]:
@@ -322,9 +325,10 @@ def trust_objects(
     kubectl-snapshot-signing-key holding its private half is neither made nor changed any more, and an
     entry an administrator removed is not put back).
 
-    `trust_keys` adds other clusters' public keys (PEM), not bound to a node; `allow_unverified`
+    `trust_keys` adds other clusters' public keys (PEM), not bound to a node; `importer_keys` adds
+    (namespace, PEM) pairs: an importer's key, trusted for that namespace's origins only; `allow_unverified`
     (None: keep) is the policy for snapshots no trusted key signed. No private key is made: each agent
-    makes its node's own (shim/nodekey.py).
+    makes its node's own (shim/service/nodekey.py).
     """
     labels = dict(labels or {"app.kubernetes.io/part-of": "kubectl-snapshot"})
     cm_ref: dict[str, Any] = {
@@ -337,6 +341,15 @@ def trust_objects(
     for extra in trust_keys:
         pub = PublicKey.from_pem(extra)
         data[f"{pub.id}{TRUST_KEY_SUFFIX}"] = pub.to_pem().decode()
+    for namespace, pem in importer_keys:
+        pub = PublicKey.from_pem(pem)
+        if data.get(f"{pub.id}{TRUST_NODE_SUFFIX}"):
+            raise InvalidArgument(
+                f"key {pub.id} is node {data[f'{pub.id}{TRUST_NODE_SUFFIX}']}'s signing key, not an importer's",
+                hint="an importer signs with a key of its own (ks-agent import --signing-key)",
+            )
+        data[f"{pub.id}{TRUST_KEY_SUFFIX}"] = pub.to_pem().decode()
+        data[f"{pub.id}{TRUST_NAMESPACE_SUFFIX}"] = namespace
     kube_system = kube.get_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kube-system"}})
     data[TRUST_CLUSTER_FILE] = str(((kube_system or {}).get("metadata") or {}).get("uid") or "")
     if allow_unverified is not None:

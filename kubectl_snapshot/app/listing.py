@@ -6,6 +6,7 @@ import datetime
 from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj
+from kubectl_snapshot.core import timestamps as T
 
 
 def list_rows(
@@ -27,7 +28,7 @@ def list_objects(
 ) -> list[tuple[Obj, dict[str, Any]]]:
     """(object, row) for each PodSnapshot, sorted by namespace, creation time and name."""
     items = kube.list_snapshots(namespace, label_selector=label_selector)
-    now = now or datetime.datetime.now(datetime.UTC)
+    now = now or T.now()
     pairs = [(obj, snapshot_row(obj, now)) for obj in items]
     return sorted(pairs, key=lambda p: (p[1]["namespace"], p[1]["created"], p[1]["name"]))
 
@@ -53,9 +54,8 @@ def snapshot_row(obj: Obj, now: datetime.datetime) -> dict[str, Any]:
 
 def age(created: str, now: datetime.datetime) -> str:
     """kubectl-style age: 45s, 12m, 3h, 5d."""
-    try:
-        then = datetime.datetime.fromisoformat(created.replace("Z", "+00:00"))
-    except ValueError:
+    then = T.parse(created)
+    if then is None:
         return "-"
     s = max(0, int((now - then).total_seconds()))
     if s < 120:

@@ -31,7 +31,7 @@ from kubectl_snapshot.app.restore import (
     wait_running,
 )
 from kubectl_snapshot.app.snapshot import SnapshotRequest, StatusFn, start_snapshot, wait_snapshot
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kubectl_snapshot.core.podspec import check_pod_running, restored_name
 from kubectl_snapshot.core.workload import completion_index, controller_of

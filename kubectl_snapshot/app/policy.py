@@ -1,6 +1,6 @@
 """`kubectl snapshot policy create|list|describe|delete`: SnapshotPolicies (autosave).
 
-A policy is only an object: the agents of the nodes do the saving (shim/controller/autosave.py), so
+A policy is only an object: the agents of the nodes do the saving (shim/controller/policies.py), so
 `kubectl apply -f policy.yaml` is exactly `policy create`. `delete --prune` also deletes the policy's
 saves, each registry manifest first and its PodSnapshot after (as `kubectl snapshot delete --registry`).
 """
@@ -15,7 +15,8 @@ from typing import Any, Protocol
 from kubectl_snapshot.app.delete import Deleted, delete_snapshots
 from kubectl_snapshot.app.listing import age
 from kubectl_snapshot.app.ports import Obj, StoreFactory
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import AlreadyExists, FailedPrecondition, NotFound
 from kubectl_snapshot.core.policyspec import policy_row
 
@@ -54,7 +55,7 @@ def create_policy(kube: PolicyKube, body: Obj, *, dry_run: bool = False) -> Obj:
 def list_policies(
     kube: PolicyKube, namespace: str | None, *, label_selector: str | None = None, now: datetime.datetime | None = None
 ) -> list[tuple[Obj, dict[str, Any]]]:
-    now = now or datetime.datetime.now(datetime.UTC)
+    now = now or T.now()
     try:
         items = kube.list_policies(namespace, label_selector=label_selector)
     except NotFound as e:

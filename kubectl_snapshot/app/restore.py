@@ -2,7 +2,7 @@
 
 The Pod comes from the spec recorded in the artifact's config, rebuilt by the pure
 `core.podspec.restore_pod` (images by digest, gate init container, runtime class). The node agent
-stages the data and opens the gate; the runtime hook restores each container when the kubelet
+stages the data and opens the gate; the runtime wrapper restores each container when the kubelet
 creates it. The plugin only watches the Pod: the agent's verdict arrives as the restore-status
 annotation or as the gate container's exit.
 """
@@ -14,14 +14,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kubectl_snapshot.app.ports import Kube, Obj, StoreFactory
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.app.watching import follow
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.artifact import Artifact, load_artifact
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from kubectl_snapshot.core.podspec import RestoreState, restore_pod, restore_state, validate_name
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.runtimegrant import dry_run_problems
 
 StateFn = Callable[[RestoreState], None]
-WATCH_WINDOW_S = 10
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,22 @@ def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> t
     return body, artifact
 
 
+def server_dry_run(body: Obj, artifact: Artifact, *, kube: Kube) -> Obj:
+    """`--dry-run=server`: the restore pod as the API server would admit it (admission's changes
+    included), refused as the agent would refuse it at staging when the snapshot's processes ran with
+    more than that pod can grant them (core/runtimegrant.py)."""
+    admitted = create_restore_pod(body, kube=kube, dry_run=True)
+    records = [(c.name, c.spec) for c in artifact.config.containers]
+    problems = dry_run_problems(admitted.get("spec") or {}, records)
+    if problems:
+        raise PermissionDenied(
+            f"the restore would be refused: {'; '.join(problems)}",
+            hint="restore into a pod spec that grants what the snapshotted pod had (its recorded spec: "
+            "kubectl snapshot inspect), or take a new snapshot under the new spec",
+        )
+    return admitted
+
+
 def check_agent_on(node: str, *, kube: Kube) -> None:
     """Refuse early when no agent is ready on the target node (nobody would stage the restore).
 
@@ -170,29 +187,9 @@ def wait_running(
     clock: Callable[[], float] = time.monotonic,
 ) -> Obj:
     """Until every container of the restored Pod runs (returned) or the restore fails (raised)."""
-    start = clock()
-    last: Obj | None = None
-    state = RestoreState("waiting", "Pending")
-    while True:
-        elapsed = clock() - start
-        if elapsed > timeout_s:
-            raise Unavailable(
-                f"restored pod {namespace}/{name} is not running after {timeout_s:.0f}s ({state.reason})",
-                hint=f"kubectl describe pod {name} -n {namespace}; kubectl snapshot doctor; or raise --timeout",
-                retryable=False,
-            )
-        window = int(max(1, min(WATCH_WINDOW_S, timeout_s - elapsed + 1)))
-        for etype, obj in kube.watch_pods(
-            field_selector=f"metadata.name={name}", namespace=namespace, timeout_s=window
-        ):
-            if etype == "DELETED":
-                raise NotFound(f"restored pod {namespace}/{name} was deleted while it was starting")
-            last = obj
-            state = restore_state(obj)
-            if on_state is not None:
-                on_state(state)
-            if state.state != "waiting":
-                break
+
+    def settle(last: Obj | None, elapsed: float) -> Obj | None:
+        state = restore_state(last) if last is not None else RestoreState("waiting", "Pending")
         if state.state == "running" and last is not None:
             return last
         if state.state == "failed":
@@ -201,3 +198,25 @@ def wait_running(
                 hint=f"kubectl describe pod {name} -n {namespace} (events from the agent); "
                 f"delete it with kubectl delete pod {name} -n {namespace}",
             )
+        if elapsed > timeout_s:
+            raise Unavailable(
+                f"restored pod {namespace}/{name} is not running after {timeout_s:.0f}s ({state.reason})",
+                hint=f"kubectl describe pod {name} -n {namespace}; kubectl snapshot doctor; or raise --timeout",
+                retryable=False,
+            )
+        return None
+
+    def stop(obj: Obj, _elapsed: float) -> bool:
+        state = restore_state(obj)
+        if on_state is not None:
+            on_state(state)
+        return state.state != "waiting"
+
+    return follow(
+        lambda window: kube.watch_pods(field_selector=f"metadata.name={name}", namespace=namespace, timeout_s=window),
+        settle=settle,
+        stop=stop,
+        deleted=lambda: NotFound(f"restored pod {namespace}/{name} was deleted while it was starting"),
+        timeout_s=timeout_s,
+        clock=clock,
+    )

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kubectl_snapshot.app.ports import Kube, Obj
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.app.watching import follow
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import AlreadyExists, FailedPrecondition, NotFound, Unavailable
 from kubectl_snapshot.core.podspec import (
     check_pod_running,
@@ -28,7 +30,6 @@ from kubectl_snapshot.core.status import read as snapshot_status
 
 StatusFn = Callable[[SnapshotStatus], None]
 NAME_ATTEMPTS = 5  # names tried for one second (`<pod>-<stamp>`, then `-2` ... `-5`)
-WATCH_WINDOW_S = 10  # a watch is re-opened this often, so deadlines are checked at least this often
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class SnapshotRequest:
     stop: bool = False
     include_volumes: bool = True
     ignore_liveness: bool = False
-    now: datetime.datetime = field(default_factory=lambda: datetime.datetime.now(datetime.UTC))
+    now: datetime.datetime = field(default_factory=T.now)
 
 
 def snapshot_body(req: SnapshotRequest, *, kube: Kube, attempt: int = 1) -> Obj:
@@ -66,6 +67,7 @@ def snapshot_body(req: SnapshotRequest, *, kube: Kube, attempt: int = 1) -> Obj:
         stop=req.stop,
         include_volumes=req.include_volumes,
         ignore_liveness=req.ignore_liveness,
+        pod_uid=str((pod.get("metadata") or {}).get("uid") or ""),
     )
 
 
@@ -100,13 +102,11 @@ def wait_snapshot(
     clock: Callable[[], float] = time.monotonic,
 ) -> Obj:
     """Follow the PodSnapshot until Succeeded (returned) or Failed / timeout (raised)."""
-    start = clock()
-    last: Obj | None = None
-    while True:
-        elapsed = clock() - start
+
+    def settle(last: Obj | None, elapsed: float) -> Obj | None:
         status = snapshot_status(last or {})
         if last is not None and status.done:
-            break
+            return _succeeded(namespace, name, last)
         if not status.claimed and elapsed > claim_timeout_s:
             raise Unavailable(
                 f"no kubectl-snapshot agent picked up podsnapshot {namespace}/{name} within {claim_timeout_s:.0f}s",
@@ -120,20 +120,27 @@ def wait_snapshot(
                 hint=f"it may still finish: kubectl snapshot list -n {namespace}; or raise --timeout",
                 retryable=False,
             )
-        window = int(max(1, min(WATCH_WINDOW_S, timeout_s - elapsed + 1)))
-        seen = False
-        for etype, obj in kube.watch_snapshot(namespace, name, timeout_s=window):
-            seen = True
-            if etype == "DELETED":
-                raise NotFound(f"podsnapshot {namespace}/{name} was deleted while it was being taken")
-            last = obj
-            status = snapshot_status(obj)
-            if on_status is not None:
-                on_status(status)
-            if status.done or (not status.claimed and clock() - start > claim_timeout_s):
-                break
-        if not seen and last is None:
-            last = kube.get_snapshot(namespace, name)  # the watch saw nothing: read it once
+        return None
+
+    def stop(obj: Obj, elapsed: float) -> bool:
+        status = snapshot_status(obj)
+        if on_status is not None:
+            on_status(status)
+        return status.done or (not status.claimed and elapsed > claim_timeout_s)
+
+    return follow(
+        lambda window: kube.watch_snapshot(namespace, name, timeout_s=window),
+        settle=settle,
+        stop=stop,
+        deleted=lambda: NotFound(f"podsnapshot {namespace}/{name} was deleted while it was being taken"),
+        timeout_s=timeout_s,
+        clock=clock,
+        read=lambda: kube.get_snapshot(namespace, name),
+    )
+
+
+def _succeeded(namespace: str, name: str, last: Obj) -> Obj:
+    """The finished PodSnapshot if it succeeded; its failure, raised, if not."""
     final = snapshot_status(last)
     if final.phase == K.PHASE_FAILED:
         message = final.message or "the agent reported a failure without a message"

@@ -1,9 +1,10 @@
 """Shell completion, two ways in:
 
 * kubectl's plugin completion (kubectl >= 1.26): on TAB after `kubectl snapshot`, kubectl runs
-  `kubectl_complete-snapshot ARG... INCOMPLETE` from PATH and reads one candidate per line (optionally
-  `VALUE<TAB>DESCRIPTION`) and a last line `:DIRECTIVE` (cobra's ShellCompDirective). pip installs that
-  command; the krew archive ships it as a script running `kubectl snapshot __complete ...`.
+  `kubectl_complete-snapshot ARG... INCOMPLETE` (cli/main.py's `complete`) from PATH and reads one
+  candidate per line (optionally `VALUE<TAB>DESCRIPTION`) and a last line `:DIRECTIVE` (cobra's
+  ShellCompDirective). pip installs that command; the krew archive ships it as a script running
+  `kubectl snapshot __complete ...`.
 * `kubectl snapshot completion bash|zsh|fish` prints a script completing the `kubectl-snapshot` command
   itself (click's completion, driven by $_KUBECTL_SNAPSHOT_COMPLETE).
 
@@ -13,11 +14,13 @@ flags already typed (--kubeconfig, --context, -n); any failure just offers nothi
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import click
 from click.shell_completion import CompletionItem, ShellComplete, get_completion_class
+
+from kubectl_snapshot.app.ports import Kube
+from kubectl_snapshot.cli import wiring
 
 COMPLETE_VAR = "_KUBECTL_SNAPSHOT_COMPLETE"
 PROG = "kubectl-snapshot"
@@ -30,20 +33,9 @@ DIRECTIVE_NO_FILES = 4
 DIRECTIVE_DIRS = 16
 
 
-def _kube(ctx: click.Context) -> Any:
-    from kubectl_snapshot.adapters.kube import KubeClient
-    from kubectl_snapshot.cli.params import kube_opts
-
-    opts = kube_opts(ctx)
-    kube = KubeClient.from_config(
-        opts.kubeconfig,
-        opts.context,
-        server=opts.server,
-        token=opts.token,
-        impersonate=opts.impersonate,
-        impersonate_groups=opts.impersonate_groups,
-    )
-    return kube, opts.namespace or kube.namespace or "default"
+def _kube(ctx: click.Context) -> tuple[Kube, str]:
+    kube = wiring.kube_client(ctx)
+    return kube, wiring.namespace_of(kube, ctx)
 
 
 def _names(items: list[dict[str, Any]], prefix: str, incomplete: str) -> list[CompletionItem]:
@@ -91,9 +83,8 @@ def nodes(ctx: click.Context, _param: click.Parameter | None, incomplete: str) -
 def contexts(ctx: click.Context, _param: click.Parameter | None, incomplete: str) -> list[CompletionItem]:
     try:
         from kubectl_snapshot.adapters.kube import kubeconfig_contexts
-        from kubectl_snapshot.cli.params import kube_opts
 
-        names = kubeconfig_contexts(kube_opts(ctx).kubeconfig)
+        names = kubeconfig_contexts(wiring.kube_opts(ctx).kubeconfig)
     except Exception:
         return []
     return [CompletionItem(n) for n in names if n.startswith(incomplete)]
@@ -126,11 +117,3 @@ def source(cli: click.Command, shell: str) -> str:
     if cls is None:
         raise click.BadParameter(f"{shell!r} is not one of {', '.join(SHELLS)}")
     return str(cls(cli, {}, PROG, COMPLETE_VAR).source())
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`kubectl_complete-snapshot`: what kubectl runs for TAB after `kubectl snapshot`."""
-    from kubectl_snapshot.cli.main import cli
-
-    args = sys.argv[1:] if argv is None else argv
-    sys.stdout.write(cobra_output(cli, list(args)))

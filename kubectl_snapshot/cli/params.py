@@ -9,35 +9,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import click
 
 from kubectl_snapshot.cli import completion
+from kubectl_snapshot.cli.wiring import kube_opts
 
 F = TypeVar("F", bound=Callable[..., Any])
 ENV_REPOSITORY = "KUBECTL_SNAPSHOT_REPOSITORY"
 _DURATION = re.compile(r"^(?:(\d+)h)?(?:(\d+)m)?(?:(\d+(?:\.\d+)?)s?)?$")
-
-
-@dataclass
-class KubeOpts:
-    kubeconfig: str | None = None
-    context: str | None = None
-    namespace: str | None = None
-    verbose: bool = False
-    server: str | None = None
-    token: str | None = None
-    impersonate: str | None = None
-    impersonate_groups: tuple[str, ...] = ()
-
-
-def kube_opts(ctx: click.Context) -> KubeOpts:
-    root = ctx.find_root()
-    opts = root.meta.setdefault("kubectl_snapshot.opts", KubeOpts())
-    assert isinstance(opts, KubeOpts)
-    return opts
 
 
 def _store(field: str) -> Callable[[click.Context, click.Parameter, Any], Any]:
@@ -153,4 +134,20 @@ def dry_run_option(fn: F) -> F:
         default="none",
         show_default=True,
         help="client: only print what would be sent; server: the API server admits it but persists nothing.",
+    )(fn)
+
+
+def wait_options(fn: F) -> F:
+    """--timeout and --no-wait of the commands that wait for what they created."""
+    fn = click.option(
+        "--timeout", type=Duration(), default="10m", show_default=True, help="How long to wait (e.g. 90s, 10m, 1h)."
+    )(fn)
+    return click.option("--no-wait", is_flag=True, help="Return once the object is created.")(fn)
+
+
+def selector_option(fn: F) -> F:
+    return click.option(
+        "-l",
+        "--selector",
+        help="Label selector (e.g. -l kubectl-snapshot.io/pod=web,tier!=db), as kubectl takes it.",
     )(fn)

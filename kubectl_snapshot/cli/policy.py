@@ -7,24 +7,13 @@ from typing import Any
 import click
 
 from kubectl_snapshot.app import policy as P
+from kubectl_snapshot.cli import wiring
 from kubectl_snapshot.cli.params import common_options, dry_run_option
 from kubectl_snapshot.console.errors import handle_errors
 from kubectl_snapshot.console.output import emit, output_option
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.policyspec import parse_selector, parse_workload, policy_object, selector_text
 from kubectl_snapshot.core.status import human_bytes
-
-
-def _kube() -> Any:
-    from kubectl_snapshot.cli.main import kube_client  # the one wiring of the plugin (no import cycle at load)
-
-    return kube_client()
-
-
-def _namespace(kube: Any) -> str:
-    from kubectl_snapshot.cli.main import namespace_of
-
-    return namespace_of(kube)
 
 
 def _name(obj: dict[str, Any]) -> str:
@@ -72,10 +61,10 @@ def create_cmd(
     output: str,
 ) -> None:
     """Create a SnapshotPolicy (the same as `kubectl apply -f` of its YAML)."""
-    kube = _kube()
+    kube = wiring.kube_client()
     body = policy_object(
         name=name,
-        namespace=_namespace(kube),
+        namespace=wiring.namespace_of(kube),
         selector=parse_selector(selector),
         workload=parse_workload(workload) if workload else None,
         interval=interval,
@@ -125,8 +114,8 @@ def _table(rows: list[dict[str, Any]], with_ns: bool, wide: bool) -> str:
 @handle_errors
 def list_cmd(all_namespaces: bool, selector: str | None, output: str) -> None:
     """List SnapshotPolicies (like `kubectl get snapshotpolicies`)."""
-    kube = _kube()
-    ns = None if all_namespaces else _namespace(kube)
+    kube = wiring.kube_client()
+    ns = None if all_namespaces else wiring.namespace_of(kube)
     pairs = P.list_policies(kube, ns, label_selector=selector)
     if output in ("json", "yaml") or output.startswith("jsonpath"):
         emit({"apiVersion": "v1", "kind": "List", "items": [o for o, _ in pairs], "metadata": {}}, output, str)
@@ -186,8 +175,8 @@ def describe_text(d: P.Description) -> str:
 @handle_errors
 def describe_cmd(name: str, output: str) -> None:
     """A SnapshotPolicy: its spec, the status of each pod it saves, its recent Events."""
-    kube = _kube()
-    d = P.describe_policy(kube, _namespace(kube), name)
+    kube = wiring.kube_client()
+    d = P.describe_policy(kube, wiring.namespace_of(kube), name)
     data = {"policy": d.policy, "saves": [s["metadata"]["name"] for s in d.saves], "events": d.events}
     emit(data, output, lambda _: describe_text(d), name=lambda _: _name(d.policy))
 
@@ -201,10 +190,10 @@ def describe_cmd(name: str, output: str) -> None:
 @handle_errors
 def delete_cmd(name: str, prune: bool, dry_run: str, output: str) -> None:
     """Delete a SnapshotPolicy (its saves stay, for resume and restore, unless --prune)."""
-    from kubectl_snapshot.cli.main import artifact_store
-
-    kube = _kube()
-    pruned = P.delete_policy(kube, _namespace(kube), name, prune=prune, stores=artifact_store, dry_run=dry_run)
+    kube = wiring.kube_client()
+    pruned = P.delete_policy(
+        kube, wiring.namespace_of(kube), name, prune=prune, stores=wiring.artifact_store, dry_run=dry_run
+    )
     suffix = "" if dry_run == "none" else f" ({dry_run} dry run)"
     data = {"name": name, "pruned": [{"name": d.name, "deletedFromRegistry": d.reference} for d in pruned]}
 

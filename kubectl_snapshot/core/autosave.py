@@ -1,7 +1,7 @@
 """Autosave (SnapshotPolicy) decisions, pure: which pods a policy selects, when a pod's next save is
 due, what each save is called and labelled, and which saves retention deletes.
 
-The agent (shim/controller/autosave.py) feeds these with what it reads from the API server and acts
+The agent (shim/controller/policies.py) feeds these with what it reads from the API server and acts
 on the answers; nothing here does I/O, so every rule is unit-tested on its own.
 """
 
@@ -13,7 +13,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.podspec import snapshot_name, snapshot_object, timestamp
 from kubectl_snapshot.core.reference import Reference
@@ -42,19 +43,6 @@ def format_duration(seconds: float) -> str:
     m, s = divmod(rest, 60)
     out = (f"{h}h" if h else "") + (f"{m}m" if m else "") + (f"{s}s" if s or not (h or m) else "")
     return out
-
-
-def rfc3339(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def parse_time(text: str | None) -> float | None:
-    if not text:
-        return None
-    try:
-        return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 # --- which pods -------------------------------------------------------------------------------------
@@ -130,6 +118,7 @@ def save_object(
         registry_secret=spec.get("registrySecret") or None,
         insecure=bool(spec.get("insecure")),
         include_volumes=bool(spec.get("includeVolumes", True)),
+        pod_uid=str((pod.get("metadata") or {}).get("uid") or ""),
     )
     obj["metadata"]["labels"] = save_labels(str((policy.get("metadata") or {}).get("name") or ""), pod, workload)
     return obj
@@ -162,13 +151,13 @@ class Save:
     @classmethod
     def of(cls, obj: Mapping[str, Any]) -> Save:
         meta, status = obj.get("metadata") or {}, obj.get("status") or {}
-        created = parse_time(meta.get("creationTimestamp")) or 0.0
+        created = T.seconds(meta.get("creationTimestamp")) or 0.0
         return cls(
             name=str(meta.get("name") or ""),
             created=created,
             phase=str(status.get("phase") or ""),
-            completed=parse_time(status.get("completionTime")),
-            started=parse_time(status.get("startTime")),
+            completed=T.seconds(status.get("completionTime")),
+            started=T.seconds(status.get("startTime")),
             reference=str(status.get("reference") or ""),
             size=int(status.get("size") or 0),
             message=str(status.get("message") or ""),
@@ -252,7 +241,7 @@ def pod_status_entry(pod: Mapping[str, Any], node: str, sched: Schedule, *, susp
     entry: dict[str, Any] = {"name": str(meta.get("name") or ""), "uid": str(meta.get("uid") or ""), "node": node}
     good, last = sched.last_good, sched.last
     if good is not None:
-        entry["lastSaveTime"] = rfc3339(good.completed or good.created)
+        entry["lastSaveTime"] = T.rfc3339(good.completed or good.created)
         entry["lastSnapshot"] = good.name
         if good.reference:
             entry["lastReference"] = good.reference
@@ -263,5 +252,5 @@ def pod_status_entry(pod: Mapping[str, Any], node: str, sched: Schedule, *, susp
             entry["lastMessage"] = last.message[:1000]
     entry["consecutiveFailures"] = sched.failures
     if not suspended:
-        entry["nextSaveTime"] = rfc3339(sched.due)
+        entry["nextSaveTime"] = T.rfc3339(sched.due)
     return entry

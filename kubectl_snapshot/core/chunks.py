@@ -34,7 +34,7 @@ PAGE_SIZE = 4096
 MIN_SPAN = 4 << 20
 # 16 MiB: the most a restore accepts (MAX_CHUNK_BYTES). With page deltas a save sends what changed
 # whatever the span: a chunk changed in part goes up as a delta of its pages, one changed through and
-# through is as large as its changed pages (bench/autosave.py: 2 GiB, 1% changed per save, chunks sent
+# through is as large as its changed pages (bench/autosave_cost.py: 2 GiB, 1% changed per save, chunks sent
 # 1.00x the changed pages with 16 MiB spans). Before page deltas 8 MiB kept that under 2x.
 MAX_SPAN = 16 << 20
 # per snapshot: each blob costs registry requests (HEAD, POST, PUT) and file operations whatever its

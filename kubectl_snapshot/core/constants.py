@@ -102,5 +102,5 @@ ENV_EARLY_CREATE: Final = "KUBECTL_SNAPSHOT_EARLY_CREATE"
 # "0": the hook of such a container waits for all of its data, page files included, before `runc restore`
 # (one-phase staging gate; bench/run.py compares both)
 ENV_EARLY_RESTORE: Final = "KUBECTL_SNAPSHOT_EARLY_RESTORE"
-# dumps that clearly fit go to a tmpfs (shim/memwork.py); the DaemonSet mounts the host's directory there
+# dumps that clearly fit go to a tmpfs (shim/host/memwork.py); the DaemonSet mounts the host's directory there
 DEFAULT_MEMORY_WORK_DIR: Final = "/dev/shm/kubectl-snapshot"

@@ -7,6 +7,7 @@
     |   +-- Expired               a resourceVersion the API server no longer has (410): list again
     |   +-- DigestMismatch        content does not match its digest: never trusted, never extracted
     |   +-- UnsafeArchive         an archive member would escape its staging dir, or is a device, ...
+    |   +-- SourcePodReplaced     the pod a PodSnapshot was made for is gone; one of its name runs now
     +-- PermissionDenied          credentials missing or refused
     +-- Unavailable               a service cannot be reached (retryable by default)
     +-- Internal                  a bug or an unexpected answer
@@ -82,6 +83,12 @@ class DigestMismatch(FailedPrecondition):
 
 class UnsafeArchive(FailedPrecondition):
     category = "unsafe-archive"
+
+
+class SourcePodReplaced(FailedPrecondition):
+    """The pod a PodSnapshot names (spec.podUID) was deleted and another pod of its name runs now."""
+
+    category = "source-pod-replaced"
 
 
 class PermissionDenied(SnapshotError):

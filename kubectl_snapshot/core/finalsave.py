@@ -20,17 +20,18 @@ How it fits together:
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import timestamps as T
 
 DEFAULT_GRACE_S = 30  # the API server's default terminationGracePeriodSeconds
 MIN_GRACE_S = 5  # below this no hook is added and no final save is tried: no time for one
 MAX_MARGIN_S = 10  # what the hook leaves of the grace period for SIGTERM, at most
 MIN_WINDOW_S = 2  # a final save is not started with less than this left before the hook ends
+THAW_MARGIN_S = 1.0  # a final save's containers are thawed this long before the hook ends (thaw_by)
 
 
 def hook_sleep_s(grace_s: int | None) -> int | None:
@@ -58,17 +59,14 @@ class Decision:
     window_s: float = 0.0  # seconds left before the earliest hook ends (when save)
 
 
-def _parse(text: Any) -> float | None:
-    if not text:
-        return None
-    try:
-        return datetime.datetime.fromisoformat(str(text).replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
-
-
 def _prestop(container: Mapping[str, Any]) -> Mapping[str, Any] | None:
     return ((container.get("lifecycle") or {}).get("preStop")) or None
+
+
+def _prestop_sleep(container: Mapping[str, Any]) -> int | None:
+    """The seconds of the container's preStop sleep hook; None where it has no such hook."""
+    sleep = (_prestop(container) or {}).get("sleep")
+    return int(sleep.get("seconds") or 0) if sleep else None
 
 
 def protected(pod: Mapping[str, Any]) -> bool:
@@ -97,10 +95,9 @@ def decide(pod: Mapping[str, Any], *, node: str, now: float, already: bool) -> D
             return Decision(False)  # a container already ended: the pod is going anyway
     sleeps = []
     for c in containers:
-        hook = _prestop(c)
-        sleep = (hook or {}).get("sleep")
-        if not hook or not sleep:
-            own = "its own preStop hook" if hook else "no preStop sleep hook"
+        sleep_s = _prestop_sleep(c)
+        if sleep_s is None:
+            own = "its own preStop hook" if _prestop(c) else "no preStop sleep hook"
             return Decision(
                 False,
                 f"no final save: container {c.get('name')!r} has {own} (admission adds the hook only to pods whose"
@@ -108,15 +105,12 @@ def decide(pod: Mapping[str, Any], *, node: str, now: float, already: bool) -> D
                 " SIGTERM; the pod ends as usual and its replacement resumes from its last periodic save",
                 event=True,
             )
-        sleeps.append(int(sleep.get("seconds") or 0))
-    # deletionTimestamp is the end of the grace period; the hooks started when it was set
-    deadline = _parse(meta.get("deletionTimestamp"))
-    grace_s = int(grace) if grace is not None else int(spec.get("terminationGracePeriodSeconds") or DEFAULT_GRACE_S)
-    if deadline is None:
+        sleeps.append(sleep_s)
+    end = _hooks_end(meta, spec, min(sleeps))
+    if end is None:
         return Decision(False)
-    # a deletion with a shorter grace period than the pod's (drain --grace-period) cuts the hooks short
-    hooks_end = min(deadline - grace_s + min(sleeps), deadline)
-    window = hooks_end - now
+    grace_s = _grace_s(meta, spec)
+    window = end - now
     if window < MIN_WINDOW_S:
         return Decision(
             False,
@@ -126,6 +120,34 @@ def decide(pod: Mapping[str, Any], *, node: str, now: float, already: bool) -> D
             event=True,
         )
     return Decision(True, window_s=window)
+
+
+def _grace_s(meta: Mapping[str, Any], spec: Mapping[str, Any]) -> int:
+    grace = meta.get("deletionGracePeriodSeconds")
+    return int(grace) if grace is not None else int(spec.get("terminationGracePeriodSeconds") or DEFAULT_GRACE_S)
+
+
+def _hooks_end(meta: Mapping[str, Any], spec: Mapping[str, Any], sleep_s: int) -> float | None:
+    """When the shortest preStop sleep ends: deletionTimestamp is the end of the grace period and the
+    hooks started when it was set; a deletion with a shorter grace period than the pod's (drain
+    --grace-period) cuts the hooks short."""
+    deadline = T.seconds(meta.get("deletionTimestamp"))
+    if deadline is None:
+        return None
+    return min(deadline - _grace_s(meta, spec) + sleep_s, deadline)
+
+
+def thaw_by(pod: Mapping[str, Any]) -> float | None:
+    """The deadline of the pod's final save (issue 43), in seconds since the epoch: its containers are
+    thawed by then (THAW_MARGIN_S before the first preStop hook ends), whether the push was verified or
+    not, so that a save that cannot finish never holds the pod frozen into SIGTERM. None: the pod is
+    not being terminated, or a container has no preStop sleep."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    sleeps = [_prestop_sleep(c) for c in spec.get("containers") or []]
+    if not sleeps or None in sleeps:
+        return None
+    end = _hooks_end(meta, spec, min(s for s in sleeps if s is not None))
+    return None if end is None else end - THAW_MARGIN_S
 
 
 def late_message(save_name: str, grace_s: int, why: str, last_good: str | None) -> str:

@@ -4,7 +4,7 @@ Pure arithmetic (no I/O), unit-tested in tests/unit/test_freeze_plan.py.
 
 - The expected freeze is a fixed cost (CRIU's start, the network lock, the writable layer) plus the
   pod's memory at a deliberately slow dump rate; with ``stop`` the pod also stays frozen during the
-  upload. The deadline given to the freeze guard (shim/guard.py) is twice that, capped: a freeze
+  upload. The deadline given to the freeze guard (shim/freeze_guard.py) is twice that, capped: a freeze
   still running then is thawed by the guard and the snapshot fails, whatever the agent is doing.
 - A container's liveness budget is the shortest time after which the kubelet can have seen
   ``failureThreshold`` failed probes of a frozen container: the first probe may start right after the

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 
 KEY_SECRET = K.KEY_SECRET
 PURPOSE = (

@@ -9,7 +9,8 @@
   the agent by the DaemonSet (kubectl_snapshot/deploy/agent.py) and a value of the Helm chart;
 - ``per_node``: may differ per node in the node map (`--node-config`, several nodes on one machine);
 - ``kind``: ``path`` (a normalized absolute host path), ``address`` (HOST:PORT), ``command``, ``text``,
-  ``threshold`` (a percentage or a quantity of bytes) or ``share`` (a percentage).
+  ``threshold`` (a percentage or a quantity of bytes), ``share`` (a percentage) or ``count`` (a positive
+  whole number; empty for the default).
 
 Adding a setting here adds it everywhere it belongs; nothing else lists them.
 """
@@ -23,7 +24,7 @@ from dataclasses import Field, dataclass, field, fields
 from typing import Any, Final
 
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.diskspace import (
     DEFAULT_EVICTION_THRESHOLD,
     DEFAULT_NAMESPACE_SHARE,
@@ -37,7 +38,7 @@ from kubectl_snapshot.core.errors import InvalidArgument
 @dataclass(frozen=True)
 class Option:
     help: str
-    kind: str = "path"  # path | address | command | text | threshold | share
+    kind: str = "path"  # path | address | command | text | threshold | share | count
     cli: bool = True
     install: bool = False
     per_node: bool = False
@@ -59,7 +60,7 @@ class NodeSettings:
         aliases=("--state-dir",),
     )
     opt_root: str = _opt(
-        "/opt/kubectl-snapshot", "Where install-node puts the runtime hook and node bundle.", install=True
+        "/opt/kubectl-snapshot", "Where install-node puts the runtime wrapper and node bundle.", install=True
     )
     kubelet_root: str = _opt("/var/lib/kubelet", "The kubelet's --root-dir.", install=True, per_node=True)
     containerd_socket: str = _opt(
@@ -77,7 +78,7 @@ class NodeSettings:
     )
     restart_command: str = _opt(
         "",
-        "Host shell command that restarts containerd after the runtime hook is added ({node} = node name).",
+        "Host shell command that restarts containerd after the runtime wrapper is added ({node} = node name).",
         kind="command",
         install=True,
     )
@@ -94,7 +95,7 @@ class NodeSettings:
     criu_kdat: str = _opt(
         "/run/criu.kdat",
         "CRIU's kernel-feature cache file (RUNDIR/criu.kdat of its build). Where its directory is not a tmpfs, "
-        "install-node keeps it on a small tmpfs so that CRIU skips its probes (shim/criu_kdat.py); empty: leave it.",
+        "install-node keeps it on a small tmpfs so that CRIU skips its probes (shim/criu/kdat.py); empty: leave it.",
     )
     metrics_bind_address: str = _opt(
         "",
@@ -132,15 +133,31 @@ class NodeSettings:
         kind="share",
         env="KUBECTL_SNAPSHOT_STAGING_NAMESPACE_SHARE",
     )
+    save_concurrency: str = _opt(
+        "",
+        "How many saves the agent runs at once (each compresses, seals and uploads on its own); final saves of "
+        "pods being terminated go first and one worker is kept for them (issue 43). Empty: one per CPU, at least 2.",
+        kind="count",
+        per_node=True,
+        env="KUBECTL_SNAPSHOT_SAVE_CONCURRENCY",
+    )
+    dump_concurrency: str = _opt(
+        "",
+        "How many of those saves freeze and dump at once (CRIU dumps share the CPUs and memory bandwidth: "
+        "overlapping ones make every freeze longer). Empty: 1.",
+        kind="count",
+        per_node=True,
+        env="KUBECTL_SNAPSHOT_DUMP_CONCURRENCY",
+    )
     # mounted by the DaemonSet at fixed places (deploy/agent.py provenance_mounts): not options
     trust_dir: str = K.TRUST_DIR
-    # install-node's tmpfs for the memory work area (shim/workfs.py; KUBECTL_SNAPSHOT_MEMORY_WORK_MIB=0
+    # install-node's tmpfs for the memory work area (shim/host/workfs.py; KUBECTL_SNAPSHOT_MEMORY_WORK_MIB=0
     # turns dumps in memory off, and it with them): not an option; False only where nothing may be mounted
     memory_work_fs: bool = True
 
     @property
     def disk(self) -> DiskPolicy:
-        """The agent's disk ledger's policy (shim/diskspace.py); an empty setting is its default."""
+        """The agent's disk ledger's policy (shim/host/diskspace.py); an empty setting is its default."""
         return DiskPolicy.parse(
             self.disk_eviction_threshold or DEFAULT_EVICTION_THRESHOLD,
             self.staging_namespace_share or DEFAULT_NAMESPACE_SHARE,
@@ -219,6 +236,10 @@ def check_value(name: str, value: str, what: str | None = None) -> str:
             parse_share(value)
     except InvalidArgument as e:
         raise e.with_context(what) from None
+    if kind == "count" and value and not (value.isdigit() and int(value) >= 1):
+        raise InvalidArgument(
+            f"{what} must be a positive whole number, got {value!r}", hint="leave it empty for the default"
+        )
     if "\n" in value:
         raise InvalidArgument(f"{what} must be one line")
     return value

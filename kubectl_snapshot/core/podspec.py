@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, SourcePodReplaced
 from kubectl_snapshot.core.model import PodRecord
 from kubectl_snapshot.core.reference import Reference
 
@@ -103,10 +103,12 @@ def snapshot_object(
     stop: bool = False,
     include_volumes: bool = True,
     ignore_liveness: bool = False,
+    pod_uid: str = "",
 ) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "podName": pod,
         "podNamespace": namespace,
+        **({"podUID": pod_uid} if pod_uid else {}),  # the pod as it was checked: a replacement is refused
         "destination": str(target),
         "insecure": insecure,
         "stop": stop,
@@ -159,6 +161,26 @@ def check_pod_running(pod: Mapping[str, Any]) -> None:
         why.append(str(status["reason"]))
     hint = "only Running pods can be snapshotted; see kubectl describe pod " + str(meta.get("name", ""))
     raise FailedPrecondition(f"pod {name} is not Running ({'; '.join(why)})", hint=hint, retryable=phase == "Pending")
+
+
+def check_snapshot_source(snapshot_spec: Mapping[str, Any], pod: Mapping[str, Any]) -> None:
+    """Raise SourcePodReplaced when the PodSnapshot was made for another pod of the same name.
+
+    The plugin (and a policy) records the uid of the pod it checked in `spec.podUID`; a pod deleted
+    and recreated under its name (a StatefulSet's, a Deployment's rollout with a fixed name, a user's
+    delete and apply) is another pod: another workload's memory, another owner. A PodSnapshot without
+    podUID (made by an older plugin) is taken for the pod of its name, as before."""
+    want = str(snapshot_spec.get("podUID") or "")
+    meta = pod.get("metadata") or {}
+    have = str(meta.get("uid") or "")
+    if not want or want == have:
+        return
+    name = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+    raise SourcePodReplaced(
+        f"pod {name} is not the pod this snapshot was requested for: it was replaced"
+        f" (uid {want} requested, {have or 'none'} runs now)",
+        hint=f"snapshot the pod that runs now: kubectl snapshot pod/{meta.get('name', '')}",
+    )
 
 
 # --- restore Pod -----------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.autosave import parse_duration
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.podspec import validate_name

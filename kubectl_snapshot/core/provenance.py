@@ -1,7 +1,9 @@
 """Provenance: who made a snapshot, where, and whether that claim verifies (cosign's format).
 
 A snapshot is signed by the agent that took it with its node's own ECDSA P-256 key; a key listed
-with a node (trust ConfigMap: ``<key id>.node``) vouches only for origins on that node. The
+with a node (trust ConfigMap: ``<key id>.node``) vouches only for origins on that node, and one
+listed with a namespace (``<key id>.namespace``: an importer's key) only for origins in that
+namespace. The
 signature is stored the way cosign stores one, so that `cosign verify --key` accepts it:
 
 * the payload is a "simple signing" JSON document naming the manifest digest
@@ -55,12 +57,14 @@ OPT_NODE: Final = "io.kubectl-snapshot.node"
 OPT_CREATED: Final = "io.kubectl-snapshot.created"
 OPT_FORMAT: Final = "io.kubectl-snapshot.format-version"
 OPT_KEY_ID: Final = "io.kubectl-snapshot.key-id"
+OPT_IMPORTED: Final = "io.kubectl-snapshot.imported"  # "true": an importer's checkpoint, never an agent's save
 
 # Files of the trust ConfigMap / directory (the agent mounts the ConfigMap; node-level use points at a dir)
 TRUST_CLUSTER_FILE: Final = "cluster-id"
 TRUST_ALLOW_UNVERIFIED_FILE: Final = "allow-unverified-snapshots"
 TRUST_KEY_SUFFIX: Final = ".pub"
 TRUST_NODE_SUFFIX: Final = ".node"  # `<key id>.node`: the node whose agent holds that key
+TRUST_NAMESPACE_SUFFIX: Final = ".namespace"  # `<key id>.namespace`: the one namespace an importer's key vouches for
 SIGNING_KEY_FILE: Final = "signing.key"  # in the signing-key Secret (PKCS#8 PEM)
 
 _UNTRUSTED_HINT = (
@@ -81,9 +85,11 @@ class Origin:
     node: str = ""
     created: str = ""  # RFC 3339
     format_version: int = 0
+    imported: bool = False  # a checkpoint archive of another tool, signed by its importer (docs/security.md)
 
     def to_optional(self, key_id: str) -> dict[str, str]:
-        return {
+        imported = {OPT_IMPORTED: "true"} if self.imported else {}
+        return imported | {
             OPT_CLUSTER: self.cluster,
             OPT_NAMESPACE: self.namespace,
             OPT_POD: self.pod,
@@ -109,6 +115,7 @@ class Origin:
             node=s(OPT_NODE),
             created=s(OPT_CREATED),
             format_version=int(fv) if fv.isdigit() and len(fv) < 6 else 0,
+            imported=s(OPT_IMPORTED) == "true",
         )
 
 
@@ -302,12 +309,18 @@ class TrustPolicy:
     # key id -> the node whose agent holds it: such a key verifies only origins on that node. Keys not
     # listed (an install's cluster key, another cluster's --trust-key) vouch for any origin.
     nodes: Mapping[str, str] = field(default_factory=dict)
+    # key id -> the one namespace whose origins that key may vouch for (an importer's key, listed by an
+    # administrator: docs/security.md, "Imported checkpoints")
+    namespaces: Mapping[str, str] = field(default_factory=dict)
 
     def key(self, kid: str) -> PublicKey | None:
         return next((k for k in self.keys if k.id == kid), None)
 
     def node_of(self, kid: str) -> str:
         return self.nodes.get(kid, "")
+
+    def namespace_of(self, kid: str) -> str:
+        return self.namespaces.get(kid, "")
 
 
 def node_key_entries(public: PublicKey, node: str) -> dict[str, str]:
@@ -372,7 +385,22 @@ def evaluate(candidates: Iterable[SignatureCandidate], digest: str, policy: Trus
                 "taken on that node"
             )
             continue
+        if bound and claim.origin.imported:
+            # an agent never signs another tool's checkpoint: its key on one is a forgery or a mistake
+            problems.append(
+                f"{where}: signed by the key of node {bound} (key {signer.id}), but its origin is marked imported: "
+                "an agent's key vouches only for the saves it took"
+            )
+            continue
+        scope = policy.namespace_of(signer.id)
+        if scope and claim.origin.namespace != scope:
+            problems.append(
+                f"{where}: signed by key {signer.id}, which is trusted for namespace {scope} only, but its origin "
+                f"names namespace {claim.origin.namespace or '(none)'}"
+            )
+            continue
         reason = f"signed by trusted key {signer.id}" + (f" of node {bound}" if bound else "")
+        reason += f" (trusted for namespace {scope})" if scope else ""
         return Verdict(True, reason, claim, signer.id, key_node=bound)
     if not problems:
         return Verdict(False, "the snapshot is not signed")

@@ -2,7 +2,7 @@
 
 Everything inside a snapshot is attacker-controlled (see docs/security threat model C1-C6): tar member
 names, link targets, and the paths listed in ``deleted.files``. This module decides, without touching
-the filesystem, whether such a name is acceptable; ``shim/archive.py`` then performs the writes with
+the filesystem, whether such a name is acceptable; ``shim/files/archive.py`` then performs the writes with
 ``O_NOFOLLOW`` directory walks so that the check cannot be raced.
 """
 
@@ -19,7 +19,7 @@ _HINT = "the snapshot is corrupted or was crafted; do not restore it, and take a
 
 class ExtractLimits:
     """Caps that stop decompression and tar bombs before they fill the node's disk. A plain class: the
-    runtime hook extracts a rootfs diff with it and imports no dataclasses (shim/runc_wrapper.py)."""
+    runtime wrapper extracts a rootfs diff with it and imports no dataclasses (shim/runtime_wrapper.py)."""
 
     __slots__ = ("max_member_bytes", "max_members", "max_total_bytes")
     max_total_bytes: int

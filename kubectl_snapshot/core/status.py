@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Final
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 
 
 class Stage(StrEnum):

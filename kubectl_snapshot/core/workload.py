@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 
 LABEL_VALUE_MAX = 63
 COMPLETION_INDEX_KEY = "batch.kubernetes.io/job-completion-index"

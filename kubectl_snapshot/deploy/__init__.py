@@ -13,7 +13,7 @@ from typing import Any
 from kubectl_snapshot import __version__
 from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.deploy import admission, agent, crd, keys, rbac, resume, trust
+from kubectl_snapshot.deploy import admission, agent, crd, keys, rbac, resume_admission, trust
 from kubectl_snapshot.deploy.agent import DEFAULT_DROPIN_DIR, AgentSettings
 
 DEFAULT_IMAGE = f"kubectl-snapshot-agent:{__version__}"
@@ -73,13 +73,13 @@ def render(
         *rbac.user_cluster_roles(labels),
         rbac.grant_cluster_role(labels),
         *rbac.policy_cluster_roles(labels),
-        *resume.roles(labels),
+        *resume_admission.roles(labels),
         keys.key_role(labels),
         keys.key_role_binding(labels),
         trust.trust_role(labels),
         trust.trust_role_binding(labels),
         *admission.render(labels),
-        *resume.policies(labels, settings.image),  # the gate image is the agent image
+        *resume_admission.policies(labels, settings.image),  # the gate image is the agent image
         agent.runtime_class(labels),
     ]
     if settings.per_node_paths:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.provenance import TRUST_KEY_SUFFIX, TRUST_NODE_SUFFIX
 
 API = "admissionregistration.k8s.io/v1"
@@ -149,6 +149,31 @@ _NOT_LISTED = (
 )
 
 
+def _listed(what: str, unless: str = "") -> dict[str, Any]:
+    """The repository is on the namespace's allowed list (or the user may edit that list)."""
+    return _deny(unless + "variables.nsAdmin || variables.listed", f"'{what} ' + variables.repo + " + _NOT_LISTED)
+
+
+def _insecure_listed() -> dict[str, Any]:
+    """Plain HTTP only to a registry the namespace's insecure list names (or for who may edit it)."""
+    return _deny(
+        "!has(object.spec.insecure) || !object.spec.insecure || variables.nsAdmin"
+        " || variables.registry in variables.insecureRegistries",
+        "'insecure (plain HTTP) to ' + variables.registry + ' is not allowed in namespace ' + "
+        f"request.namespace + ': its annotation {K.ANN_INSECURE_REGISTRIES} lists ' + "
+        "(size(variables.insecureRegistries) == 0 ? 'nothing' : variables.insecureRegistries.join(', '))",
+    )
+
+
+def _secret_readable(secret: str, unless: str = "") -> dict[str, Any]:
+    """The agent uses a registry Secret only for a user who may read it (CEL `secret`: its name)."""
+    return _deny(
+        unless + _can("get", "secrets", name=secret),
+        f"'you cannot get secret ' + {secret} + ' in namespace ' + request.namespace"
+        " + ', so the agent will not use it for you'",
+    )
+
+
 def _match(groups: list[str], versions: list[str], operations: list[str], resources: list[str]) -> dict[str, Any]:
     """matchConstraints for one resource rule."""
     return {
@@ -236,20 +261,9 @@ def snapshot_policy(labels: dict[str, str]) -> dict[str, Any]:
                     " || object.spec.podNamespace == request.namespace",
                     "'spec.podNamespace must be empty or ' + request.namespace",
                 ),
-                _deny("variables.nsAdmin || variables.listed", "'destination ' + variables.repo + " + _NOT_LISTED),
-                _deny(
-                    "!has(object.spec.insecure) || !object.spec.insecure || variables.nsAdmin"
-                    " || variables.registry in variables.insecureRegistries",
-                    "'insecure (plain HTTP) to ' + variables.registry + ' is not allowed in namespace ' + "
-                    f"request.namespace + ': its annotation {K.ANN_INSECURE_REGISTRIES} lists ' + "
-                    "(size(variables.insecureRegistries) == 0 ? 'nothing' : variables.insecureRegistries.join(', '))",
-                ),
-                _deny(
-                    f"variables.policySave || !has({secret}) || {secret} == '' || "
-                    + _can("get", "secrets", name=secret),
-                    f"'you cannot get secret ' + {secret} + ' in namespace ' + request.namespace"
-                    " + ', so the agent will not use it for you'",
-                ),
+                _listed("destination"),
+                _insecure_listed(),
+                _secret_readable(secret, unless=f"variables.policySave || !has({secret}) || {secret} == '' || "),
                 _deny(
                     "variables.policySave || " + _can("create", "pods"),
                     "'snapshotting needs permission to create pods in namespace ' + request.namespace",
@@ -310,15 +324,8 @@ def restore_policy(labels: dict[str, str]) -> dict[str, Any]:
                     f"'restoring into a pod needs the {K.RESTORE_VERB} verb on {K.PLURAL}.{K.GROUP} in namespace '"
                     " + request.namespace + ' (ClusterRole kubectl-snapshot-restore, aggregated to edit and admin)'",
                 ),
-                _deny(
-                    create + "variables.ref == '' || variables.nsAdmin || variables.listed",
-                    "'restore source ' + variables.repo + " + _NOT_LISTED,
-                ),
-                _deny(
-                    create + "variables.secret == '' || " + _can("get", "secrets", name="variables.secret"),
-                    "'you cannot get secret ' + variables.secret + ' in namespace ' + request.namespace"
-                    " + ', so the agent will not use it for you'",
-                ),
+                _listed("restore source", unless=create + "variables.ref == '' || "),
+                _secret_readable("variables.secret", unless=create + "variables.secret == '' || "),
             ],
         },
     )
@@ -438,19 +445,9 @@ def autosave_policy(labels: dict[str, str]) -> dict[str, Any]:
                     "'spec.destination ' + variables.ref + ' must be REGISTRY/REPOSITORY (no tag: each save gets"
                     " its own) with an explicit, lowercase registry host (a dot, a port or localhost)'",
                 ),
-                _deny("variables.nsAdmin || variables.listed", "'destination ' + variables.repo + " + _NOT_LISTED),
-                _deny(
-                    "!has(object.spec.insecure) || !object.spec.insecure || variables.nsAdmin"
-                    " || variables.registry in variables.insecureRegistries",
-                    "'insecure (plain HTTP) to ' + variables.registry + ' is not allowed in namespace ' + "
-                    f"request.namespace + ': its annotation {K.ANN_INSECURE_REGISTRIES} lists ' + "
-                    "(size(variables.insecureRegistries) == 0 ? 'nothing' : variables.insecureRegistries.join(', '))",
-                ),
-                _deny(
-                    f"!has({secret}) || {secret} == '' || " + _can("get", "secrets", name=secret),
-                    f"'you cannot get secret ' + {secret} + ' in namespace ' + request.namespace"
-                    " + ', so the agent will not use it for you'",
-                ),
+                _listed("destination"),
+                _insecure_listed(),
+                _secret_readable(secret, unless=f"!has({secret}) || {secret} == '' || "),
             ],
         },
     )

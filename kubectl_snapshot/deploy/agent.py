@@ -17,7 +17,7 @@ Why the DaemonSet looks like this:
   without systemd, like the project's VMs: "is mounted on / but it is not a shared or slave mount").
   Mounts made on the host after the agent started (memory-backed emptyDirs are tmpfs) are reached
   through the host's mount namespace instead: /proc/1/root/<path> (hostPID);
-- a second container, ``guard``, holds every freeze the agent makes (shim/guard.py): the agent asks it
+- a second container, ``guard``, holds every freeze the agent makes (shim/freeze_guard.py): the agent asks it
   over a Unix socket in an emptyDir both mount, and it thaws a pod as soon as the agent's connection
   closes (the agent died, or its container restarted) or the freeze's deadline passes (it hangs). Its
   own container, so nothing that kills or hangs the agent's touches it; privileged for the cgroupfs;
@@ -42,7 +42,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.errors import InvalidArgument
 
@@ -54,10 +54,18 @@ NODE_PATH_KEYS = tuple(k for k in NS.PER_NODE_KEYS if NS.option_of(k).kind == "p
 NODE_ADDRESS_KEYS = tuple(k for k in NS.PER_NODE_KEYS if NS.option_of(k).kind == "address")
 WRAPPER_IN_IMAGE = "/opt/kubectl-snapshot-runc.pyz"
 READY_FILE = K.READY_FILE
-METRICS_PORT = 9443  # HTTPS, authorised scrapers only (shim/metrics_server.py)
+METRICS_PORT = 9443  # HTTPS, authorised scrapers only (shim/service/metrics_server.py)
 DEFAULT_DROPIN_DIR = NS.DEFAULTS.containerd_dropin_dir  # containerd 2.x's default config imports *.toml from here
 GUARD_DIR = "/run/kubectl-snapshot-guard"  # an emptyDir shared by the agent and guard containers
 GUARD_SOCKET = f"{GUARD_DIR}/guard.sock"
+# The agent's requests are what it holds idle. No memory limit: what it writes into the memory work
+# area (a tmpfs: rootfs diffs and volume tars of dumps that fit, up to KUBECTL_SNAPSHOT_MEMORY_WORK_MIB
+# for all saves at once) is charged to its cgroup and cannot be reclaimed, so a limit that did not grow
+# with that setting would have the kernel kill the agent in the middle of a final save; the agent's use
+# under --save-concurrency has not been measured to set one. No CPU limit: a throttled agent would
+# stretch the freezes it holds. CRIU's own memory is containerd's, not the agent's.
+AGENT_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}}
+GUARD_RESOURCES = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "128Mi"}}
 
 
 @dataclass(frozen=True)
@@ -251,7 +259,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                                 "exec": {"command": ["test", "-f", READY_FILE]},
                                 "periodSeconds": 5,
                             },
-                            "resources": {"requests": {"cpu": "50m", "memory": "64Mi"}},
+                            "resources": copy.deepcopy(AGENT_RESOURCES),
                             "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
                         }
                         | {"volumeMounts": [*volume_mounts, guard_mount, memory_work_mount(), *provenance_mounts()]},
@@ -264,7 +272,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                             "env": [e for e in _env(settings) if e["name"] != C.ENV_STATE_DIR],
                             "securityContext": {"privileged": True},
                             "volumeMounts": [guard_mount],
-                            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+                            "resources": copy.deepcopy(GUARD_RESOURCES),
                         },
                     ],
                     "volumes": [
@@ -280,7 +288,7 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
 
 
 def memory_work_volume() -> dict[str, Any]:
-    """The host's tmpfs directory for dumps that clearly fit in memory (shim/memwork.py): a host path,
+    """The host's tmpfs directory for dumps that clearly fit in memory (shim/host/memwork.py): a host path,
     because containerd's runtime writes a dump there from the host's mount namespace; the agent uses it
     only if it is a tmpfs and root's alone, else the state dir on disk."""
     return {"name": "memory-work", "hostPath": {"path": C.DEFAULT_MEMORY_WORK_DIR, "type": "DirectoryOrCreate"}}
@@ -294,7 +302,7 @@ def memory_work_mount() -> dict[str, Any]:
 def provenance_volumes() -> list[dict[str, Any]]:
     """What the cluster trusts (ConfigMap, made by `kubectl snapshot install`; the agents add their nodes'
     public keys). No signing key is mounted: each agent signs with its node's own key, made in its state
-    dir (shim/nodekey.py). Optional, so an agent applied without it still starts; it then refuses to
+    dir (shim/service/nodekey.py). Optional, so an agent applied without it still starts; it then refuses to
     restore (nothing trusted) and to save (its key cannot be registered), each with a hint."""
     return [{"name": "trust", "configMap": {"name": K.TRUST_CONFIG_MAP, "optional": True}}]
 
@@ -311,7 +319,7 @@ def cleanup_daemonset(live: Mapping[str, Any]) -> dict[str, Any]:
     """A one-shot DaemonSet that undoes install-node on every node the agent ran on.
 
     Derived from the live agent DaemonSet, so it has the same image, node paths and host mounts:
-    its init container runs ``uninstall-node`` (remove the runtime hook and the containerd drop-in,
+    its init container runs ``uninstall-node`` (remove the runtime wrapper and the containerd drop-in,
     restart containerd if configured), then its main container idles until `uninstall` deletes it.
     """
     ds = copy.deepcopy(dict(live))

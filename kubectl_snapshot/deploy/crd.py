@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import status as S
 
 CRD_NAME = f"{K.PLURAL}.{K.GROUP}"
@@ -38,6 +38,12 @@ def _spec_schema() -> dict[str, Any]:
                 "type": "string",
                 "maxLength": 63,
                 "description": "Optional; must equal metadata.namespace (the agent refuses otherwise).",
+            },
+            "podUID": {
+                "type": "string",
+                "maxLength": 128,
+                "description": "Optional; the uid of the pod the snapshot was requested for (set by the plugin). "
+                "The agent refuses a pod of that name with another uid (SourcePodReplaced).",
             },
             "destination": {
                 "type": "string",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.deploy.rbac import agent_own_role, agent_own_role_binding
 
 KEY_SECRET = K.KEY_SECRET

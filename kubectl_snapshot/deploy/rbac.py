@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 
 RBAC = "rbac.authorization.k8s.io/v1"
 EDIT_ROLE = "kubectl-snapshot-edit"

@@ -16,12 +16,12 @@ raw services, so the agent needs neither ctr nor containerd's Go client.
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import json
 import os
 import secrets
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
@@ -31,6 +31,7 @@ import grpc
 from google.protobuf import any_pb2, empty_pb2
 
 from kubectl_snapshot.core import constants as c
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import (
     CriuFailed,
     FailedPrecondition,
@@ -40,7 +41,7 @@ from kubectl_snapshot.core.errors import (
     Unavailable,
     log_tail,
 )
-from shim import rcu
+from kubectl_snapshot.core.oci import Descriptor
 from shim.containerd import imageconfig
 from shim.containerd.api.services.containers.v1 import containers_pb2, containers_pb2_grpc
 from shim.containerd.api.services.content.v1 import content_pb2, content_pb2_grpc
@@ -55,7 +56,6 @@ from shim.containerd.api.types.task import task_pb2
 from shim.containerd.fifo import OutputFifos
 from shim.containerd.model import (
     ContainerInfo,
-    Descriptor,
     ImageInfo,
     Mount,
     RuncOptions,
@@ -64,6 +64,7 @@ from shim.containerd.model import (
 )
 from shim.containerd.runc_checkpoint import CheckpointArgs, RuncCheckpointer
 from shim.containerd.spec import default_spec
+from shim.host import private, rcu
 
 __all__ = [
     "ContainerInfo",
@@ -202,7 +203,7 @@ class ContainerdClient:
         self.namespace = namespace
         self.timeout = timeout
         self.checkpointer = checkpointer  # set: runc checkpoint with the installed CRIU (runc_checkpoint.py)
-        self.state_dir = state_dir  # set: RCU grace periods expedited during a checkpoint (shim/rcu.py)
+        self.state_dir = state_dir  # set: RCU grace periods expedited during a checkpoint (shim/host/rcu.py)
         self._lease: str | None = None
         self._channel = grpc.insecure_channel(
             "unix://" + self.address,
@@ -274,8 +275,7 @@ class ContainerdClient:
     def lease(self, *, expire: float = 3600.0) -> Iterator[str]:
         """Protect content and snapshots created inside from garbage collection until the block ends."""
         lid = "kubectl-snapshot-" + secrets.token_hex(8)
-        until = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=expire)
-        labels = {"containerd.io/gc.expire": until.strftime("%Y-%m-%dT%H:%M:%SZ")}
+        labels = {"containerd.io/gc.expire": T.rfc3339(time.time() + expire)}
         self._call(self._leases.Create, leases_pb2.CreateRequest(id=lid, labels=labels), "create lease")
         previous, self._lease = self._lease, lid
         try:
@@ -446,6 +446,9 @@ class ContainerdClient:
                 "`criu check` tells what this kernel supports",
                 details=_read_dump_log(a.work_path),
             ) from None
+        # containerd's runc (and its CRIU) ran under the runtime's umask: the images are 0644 inside our 0700 dirs
+        for path in {a.image_path, a.work_path}:
+            private.tighten(path)
 
     def _checkpoint_with_runc(self, cid: str, args: CheckpointArgs, timeout: float) -> None:
         assert self.checkpointer is not None

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
+from kubectl_snapshot.core.oci import Descriptor  # one OCI descriptor for the registry and containerd
+
 TaskStatus = Literal["created", "running", "paused", "stopped", "unknown"]
 TASK_STATUSES: Final[tuple[TaskStatus, ...]] = ("created", "running", "paused", "stopped", "unknown")
 
@@ -39,16 +41,6 @@ class Mount:
     source: str
     target: str = ""
     options: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Descriptor:
-    """An OCI content descriptor."""
-
-    media_type: str
-    digest: str
-    size: int
-    annotations: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

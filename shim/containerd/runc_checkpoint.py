@@ -20,7 +20,8 @@ from dataclasses import dataclass
 
 from kubectl_snapshot.core.errors import FailedPrecondition
 from shim.containerd.model import ContainerInfo
-from shim.hostfacts import host_pid
+from shim.host import private
+from shim.host.facts import host_pid
 
 SHIM_RUNC_ROOT = "/run/containerd/runc"  # containerd-shim-runc-v2 process.RuncRoot (joined with the namespace)
 RUNC_CANDIDATES = ("/usr/sbin/runc", "/usr/bin/runc", "/usr/local/sbin/runc", "/usr/local/bin/runc", "/bin/runc")
@@ -86,8 +87,14 @@ class RuncCheckpointer:
         return [*cmd, cid]
 
     def run(self, argv: Sequence[str], timeout: float) -> tuple[int, str]:
-        """Run runc (on the host); (exit status, its stderr)."""
+        """Run runc (on the host); (exit status, its stderr). Under umask 077: what runc, CRIU and the tar CRIU
+        runs write (images, dump.log, tmpfs archives) is root's alone (shim/host/private.py)."""
         proc = subprocess.run(
-            [*self.host_prefix(), *argv], capture_output=True, text=True, timeout=timeout, check=False
+            [*self.host_prefix(), *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            umask=private.UMASK,
         )
         return proc.returncode, proc.stderr.strip()

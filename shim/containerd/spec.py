@@ -13,25 +13,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
+from kubectl_snapshot.core.runtimegrant import CONTAINERD_DEFAULT_CAPABILITIES
+
 OCI_VERSION: Final = "1.2.0"
 DEFAULT_PATH: Final = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
-DEFAULT_CAPABILITIES: Final[tuple[str, ...]] = (
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_FSETID",
-    "CAP_FOWNER",
-    "CAP_MKNOD",
-    "CAP_NET_RAW",
-    "CAP_SETGID",
-    "CAP_SETUID",
-    "CAP_SETFCAP",
-    "CAP_SETPCAP",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT",
-    "CAP_KILL",
-    "CAP_AUDIT_WRITE",
-)
+DEFAULT_CAPABILITIES: Final[tuple[str, ...]] = CONTAINERD_DEFAULT_CAPABILITIES  # what the CRI gives a container too
 
 # Kernel interfaces a container must not read (host information, hardware, keys).
 MASKED_PATHS: Final[tuple[str, ...]] = (

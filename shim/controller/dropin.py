@@ -26,9 +26,9 @@ import re
 import tomllib
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition
-from shim import nodecheck
+from shim.service import nodecheck
 
 CRI_V1 = "io.containerd.grpc.v1.cri"  # containerd 1.x (config version 2)
 CRI_RUNTIME_V2 = "io.containerd.cri.v1.runtime"  # containerd 2.x (config version 3)

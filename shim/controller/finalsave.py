@@ -20,7 +20,7 @@ from typing import Any
 
 from kubectl_snapshot.core import autosave as A
 from kubectl_snapshot.core import finalsave as F
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import workload as W
 from kubectl_snapshot.core.errors import AlreadyExists, NotFound, SnapshotError
 from shim.controller.events import pod_event, policy_event

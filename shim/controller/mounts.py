@@ -9,10 +9,10 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.reference import Reference
-from shim.controller.ports import Kube
+from shim.controller.kube_api import KubeApi
 
 log = logging.getLogger(__name__)
 MAX_SOURCES = 3
@@ -38,7 +38,7 @@ def mount_candidates(objs: Iterable[dict[str, Any]], target: Reference) -> list[
     return out[:MAX_SOURCES]
 
 
-def previous_repositories(kube: Kube, namespace: str, pod: str, target: Reference) -> list[Reference]:
+def previous_repositories(kube: KubeApi, namespace: str, pod: str, target: Reference) -> list[Reference]:
     """mount_candidates over the namespace's PodSnapshots of `pod`; nothing when they cannot be read."""
     try:
         objs = kube.list_snapshots(namespace, label_selector=f"{K.LABEL_POD}={pod}")

@@ -2,7 +2,7 @@
 
 Run by the DaemonSet's init container. Nothing of the host's userland is used on the host's side:
 the agent image carries a node bundle (hack/node_bundle.py: the image's dynamic loader and libraries,
-CRIU 4.2.1, a Python interpreter with its stdlib, the runtime hook zipapp and a static launcher), and
+CRIU 4.2.1, a Python interpreter with its stdlib, the runtime wrapper zipapp and a static launcher), and
 this step copies it under the node's own directory:
 
     /opt/kubectl-snapshot/NODE/bundle-<digest>/     the bundle (verified against its bundle.json)
@@ -23,9 +23,9 @@ the handler (restores), and by the agent for checkpoints (shim/containerd/runc_c
 host CRIU, present or not, is never used. The drop-in registers the runtime handler `kubectl-snapshot`
 (selected by the RuntimeClass of the same name); containerd reads drop-ins at start, so a changed
 drop-in is followed by the configured restart command, run in the host's namespaces. The node's runc
-CRIU configuration (shim/criu_config.py) is written too, where it is safe and the installed CRIU
+CRIU configuration (shim/criu/config.py) is written too, where it is safe and the installed CRIU
 supports it, and CRIU's kernel-feature cache is kept on a small tmpfs where /run is not one
-(shim/criu_kdat.py: CRIU then skips its kernel probes, which otherwise fall inside every freeze).
+(shim/criu/kdat.py: CRIU then skips its kernel probes, which otherwise fall inside every freeze).
 """
 
 from __future__ import annotations
@@ -40,14 +40,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
-from shim import criu_config, criu_kdat, memwork, rcu, workfs
 from shim.containerd.client import ContainerdClient
 from shim.controller import dropin
 from shim.controller.settings import NodeSettings
-from shim.criu_guard import PYCRIU_PATH_ENV
-from shim.hostfacts import host_pid
+from shim.criu import config as criu_config
+from shim.criu import kdat as criu_kdat
+from shim.criu.guard import PYCRIU_PATH_ENV
+from shim.host import memwork, private, rcu, workfs
+from shim.host.facts import host_pid
 
 DROPIN_NAME = "kubectl-snapshot.toml"
 PYZ_NAME = "kubectl-snapshot-runc.pyz"
@@ -66,8 +69,8 @@ class InstallResult:
     bundle: str = ""
     criu: str = ""
     kdat: criu_kdat.KdatResult | None = None
-    rcu: str = ""  # RCU grace periods during dumps and restores (shim/rcu.py): what prepare() found
-    work_fs: workfs.WorkFsResult | None = None  # the memory work area's tmpfs (shim/workfs.py)
+    rcu: str = ""  # RCU grace periods during dumps and restores (shim/host/rcu.py): what prepare() found
+    work_fs: workfs.WorkFsResult | None = None  # the memory work area's tmpfs (shim/host/workfs.py)
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def launch_configs(settings: NodeSettings, bundle: Bundle) -> dict[str, dict[str
             "argv": [*loader, "--argv0", python, python, "-I", "-S", "-B", bundle.file(PYZ_NAME)],
             "env": hook_env,
             # calls the hook would only pass on go to runc from the launcher: no Python start-up for
-            # every `state`, `kill`, `exec` (probes) and `start` (hack/launcher/runchook.go)
+            # every `state`, `kill`, `exec` (probes) and `start` (launcher/runchook.go)
             "runcHook": True,
         },
         os.path.join(settings.wrapper_dir, "criu"): {
@@ -251,6 +254,7 @@ def install(
     content = dropin_toml(settings, version)
     os.makedirs(settings.wrapper_dir, exist_ok=True)
     os.makedirs(settings.state_dir, mode=0o700, exist_ok=True)
+    private.restrict_top(settings.state_dir)  # an older agent's staged/ and restored/ were 0755
     installed = _copy_bundle(source, wrapper_pyz, settings)
     os.makedirs(tools_dir(settings), exist_ok=True)
     configs = launch_configs(settings, installed)
@@ -274,7 +278,7 @@ def install(
         "network": installed.meta.get("network", ""),
         "hook": {"launcher": settings.wrapper_launcher, "zipapp": installed.file(PYZ_NAME)},
         "from": "agent image " + os.environ.get("KUBECTL_SNAPSHOT_IMAGE", "(unknown)"),
-        "installed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "installed": T.rfc3339(time.time()),
     }
     _write_if_changed(os.path.join(settings.wrapper_dir, INSTALL_FACTS), json.dumps(facts, indent=1) + "\n", 0o644)
     for entry in os.listdir(settings.wrapper_dir):  # older bundles, and the zipapp of the python3 launcher era

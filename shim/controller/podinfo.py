@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition
 from kubectl_snapshot.core.model import PodRecord
 from kubectl_snapshot.core.podspec import gate_container
@@ -184,7 +184,7 @@ def host_view(path: str) -> str:
     host's mount namespace (/proc/PID/root, hostPID). A memory-backed emptyDir is a tmpfs the kubelet
     mounts when the pod starts; the agent's own hostPath mount of the kubelet's root does not see it
     (no mount propagation, see kubectl_snapshot/deploy/agent.py). Outside a container: `path` itself."""
-    from shim.hostfacts import host_pid
+    from shim.host.facts import host_pid
 
     pid = host_pid()
     return f"/proc/{pid}/root{path}" if pid else path

@@ -34,15 +34,15 @@ from kubectl_snapshot.adapters.signatures import (
     trust_from_data,
 )
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError, render
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider
-from shim import hostfacts, safefs
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
+from shim.controller.kube_api import KubeApi
 from shim.controller.podinfo import (
     check_restore_pod,
     check_resume_pod,
@@ -52,14 +52,16 @@ from shim.controller.podinfo import (
     restore_volume_names,
     sidecars,
 )
-from shim.controller.ports import Kube
-from shim.controller.resume import RESUME_WAIT_S, RestoreSource, Resumer, StartFresh
+from shim.controller.resume_source import RESUME_WAIT_S, RestoreSource, Resumer, StartFresh
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
+from shim.engine.precheck import check_staged
 from shim.engine.restore import RestoreLimits, VolumeTarget, opener_for, stage_artifact
 from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, check_key
-from shim.metrics import AgentMetrics
-from shim.podrestore import PodRestore
+from shim.host import facts as hostfacts
+from shim.host import private, safefs
+from shim.net.podrestore import PodRestore
+from shim.service.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 VOLUME_WAIT_S = 120.0
@@ -138,6 +140,7 @@ class _Clock:
         "check": "its config and provenance",
         "volumes": "the pod's volumes",
         "download": "download, verify, extract",
+        "image check": "the image check",
     }
 
     def __init__(self) -> None:
@@ -150,8 +153,15 @@ class _Clock:
         self.last = now
 
     def __str__(self) -> str:
-        parts = ", ".join(f"{self.LABELS[w]} {s:.2f} s" for w, s in self.laps)
+        # never raises: it runs after the pod's gates are answered, where a failure would lose the Event
+        parts = ", ".join(f"{self.LABELS.get(w, w)} {s:.2f} s" for w, s in self.laps)
         return f"in {self.last - self.start:.2f} s ({parts})"
+
+
+def _failure_reason(err: SnapshotError) -> str:
+    """The Event reason of a restore that did not happen: refused (the images ask for more than the pod
+    grants) or failed (anything else)."""
+    return K.EVENT_RESTORE_REFUSED if err.message.startswith("refusing to restore") else K.EVENT_RESTORE_FAILED
 
 
 def gated_containers(pod: dict[str, Any]) -> list[str]:
@@ -190,7 +200,7 @@ class RestoreWorker:
     def __init__(
         self,
         *,
-        kube: Kube,
+        kube: KubeApi,
         settings: NodeSettings,
         facts: HostFacts,
         metrics: AgentMetrics | None = None,
@@ -301,8 +311,8 @@ class RestoreWorker:
         """Name the pod that owns `d` (default: its staged dir), for garbage collection once it is gone."""
         meta = pod["metadata"]
         d = d or os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod", check_key(meta["uid"], "pod uid"))
-        os.makedirs(d, mode=0o700, exist_ok=True)
-        with open(os.path.join(d, POD_FILE), "w") as f:
+        private.makedirs(d)
+        with private.create(os.path.join(d, POD_FILE)) as f:
             json.dump({"namespace": meta["namespace"], "name": meta["name"]}, f)
 
     def run(self, pod: dict[str, Any]) -> bool:
@@ -403,8 +413,15 @@ class RestoreWorker:
                 opener=opener,
                 namespace=ns,  # the tenant restoring: its restores together keep within its share
             )
-            gates.answer(READY)
             clock.lap("download")
+            # what the image check at create would certainly refuse, refused now with its reason
+            check_staged(
+                spec,
+                [(c.name, d) for c, d in zip(config.containers, staged, strict=True)],
+                cache_dir=self.paths.image_cache(),
+            )
+            gates.answer(READY)
+            clock.lap("image check")
         except Exception as e:  # never leave a gate closed forever
             if not isinstance(e, SnapshotError):
                 log.exception("restore of %s/%s failed", ns, name)
@@ -456,7 +473,7 @@ class RestoreWorker:
     ) -> bool:
         """A resume that could not be staged: reported like a failed restore, then the pod starts fresh
         (nothing of the save is used; a workload's pod is never held in its gate by a bad save)."""
-        pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, f"resume from {src.reference}: {render(err)}", warning=True)
+        pod_event(self.kube, pod, _failure_reason(err), f"resume from {src.reference}: {render(err)}", warning=True)
         shutil.rmtree(self.paths.pod_dir(pod["metadata"]["uid"]), ignore_errors=True)  # no whole-pod record left
         return self._start_fresh(pod, gate, f"resume from {src.reference} failed: {err.message}", gates)
 
@@ -575,7 +592,7 @@ class RestoreWorker:
             except (OSError, SnapshotError) as e:
                 log.warning("could not write the gate's failure file: %s", e)
         self._annotate(pod, K.RESTORE_FAILED_PREFIX + err.message)
-        pod_event(self.kube, pod, K.EVENT_RESTORE_FAILED, message, warning=True)
+        pod_event(self.kube, pod, _failure_reason(err), message, warning=True)
 
     def _open_gate(self, gate: str, name: str, content: str) -> None:
         """Write the gate file through a link-free fd of the gate volume (its containers can write there)."""

@@ -12,17 +12,19 @@ from typing import Any
 
 from kubectl_snapshot.adapters.keystore import SecretKeyProvider
 from kubectl_snapshot.adapters.kube import KubeClient
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import saveorder as O
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
-from shim import diskspace, dumplock, freezer, hostfacts, metrics_server, nodecheck
 from shim.containerd.client import ContainerdClient
-from shim.controller.autosave import Autosave
+from shim.controller.dumpgate import DumpGate
 from shim.controller.fairness import FairScheduler
 from shim.controller.finalsave import FinalSaver
 from shim.controller.informer import Informer
+from shim.controller.kube_api import KubeApi
 from shim.controller.node_install import DROPIN_NAME
-from shim.controller.ports import Kube
+from shim.controller.policies import Autosave
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
 from shim.controller.signing import NodeSigner
@@ -30,7 +32,11 @@ from shim.controller.snapshots import SnapshotWorker, registry_for
 from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import recover_interrupted
 from shim.engine.staging import StatePaths
-from shim.metrics import AgentMetrics
+from shim.host import diskspace, freezer
+from shim.host import facts as hostfacts
+from shim.net import dumplock
+from shim.service import metrics_server, nodecheck
+from shim.service.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 WATCH_TIMEOUT_S = 60  # each watch is re-opened from its last resourceVersion: cheap, so kept short
@@ -44,13 +50,13 @@ def node_facts(settings: NodeSettings) -> HostFacts:
     return hostfacts.gather(containerd_version=version, probe=probe)
 
 
-def publish_facts(kube: Kube, settings: NodeSettings, facts: HostFacts) -> None:
+def publish_facts(kube: KubeApi, settings: NodeSettings, facts: HostFacts) -> None:
     data = {
         **facts.to_dict(),
         "runtimeHandler": os.path.exists(settings.wrapper_launcher),
         "node": node_status(settings, facts),
         "agentVersion": _version(),
-        "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "updated": T.rfc3339(time.time()),
     }
     try:
         kube.patch_node_annotations(settings.node, {K.ANN_NODE_FACTS: json.dumps(data, sort_keys=True)})
@@ -96,7 +102,7 @@ def serve_metrics(
 
 
 def node_informers(
-    kube: Kube, node: str, on_snapshot: Callable[[dict[str, Any]], None], on_pod: Callable[[dict[str, Any]], None]
+    kube: KubeApi, node: str, on_snapshot: Callable[[dict[str, Any]], None], on_pod: Callable[[dict[str, Any]], None]
 ) -> list[Informer]:
     """What this node's agent watches, and nothing more (its cost does not grow with the cluster):
 
@@ -131,7 +137,7 @@ def node_informers(
     ]
 
 
-def autosave_informers(kube: Kube, autosave: Autosave) -> list[Informer]:
+def autosave_informers(kube: KubeApi, autosave: Autosave) -> list[Informer]:
     """SnapshotPolicies of every namespace (few, small): each agent runs the schedule for its own pods."""
     return [
         Informer(
@@ -171,7 +177,12 @@ def run(
     # this node's own signing key, registered in the trust ConfigMap before its first save
     signer = NodeSigner(kube, settings.node, settings.state_dir)
     signer.try_register()
-    queue = WorkQueue("snapshots", on_length=metrics.queue.set)
+    # issue 43: several saves at once (a node's notice is too short to save its pods in turn), one CRIU
+    # dump at a time by default so that each freeze stays short while the others package and upload
+    save_workers = O.worker_count(settings.save_concurrency, os.cpu_count(), what="--save-concurrency")
+    dump_slots = O.worker_count(settings.dump_concurrency, None, what="--dump-concurrency", default_min=1)
+    log.info("saves: %d at once, %d freezing and dumping at once", save_workers, dump_slots)
+    queue = WorkQueue("snapshots", on_length=metrics.queue.set, workers=save_workers)
     # encryption at rest is on: namespace keys in one Secret of the agent's namespace (adapters/keystore.py)
     keys = SecretKeyProvider(kube)
     autosave = Autosave(
@@ -188,6 +199,7 @@ def run(
         keys=keys,
         on_saved=autosave.on_saved,
         signer=signer,
+        dump_gate=DumpGate(dump_slots),
     )
     # Issue 10: restores run per namespace in turn, two per namespace and four in all, so one
     # namespace cannot starve another and a slow registry holds up one restore, not the next.

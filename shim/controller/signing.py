@@ -1,6 +1,6 @@
 """The agent signs its node's saves with its node's own key, registered in the trust ConfigMap.
 
-At start the agent makes (or reads) its key (shim/nodekey.py) and adds two entries to
+At start the agent makes (or reads) its key (shim/service/nodekey.py) and adds two entries to
 ``kubectl-snapshot-trust``: ``<key id>.pub`` (the public key) and ``<key id>.node`` (this node). A
 merge patch names only those two, so the agents of several nodes never overwrite each other; the
 admission policy ``kubectl-snapshot-agent-trust`` lets an agent add only entries of the node its token
@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError
 from kubectl_snapshot.core.provenance import SigningKey, node_key_entries
-from shim import nodekey
-from shim.controller.ports import Kube
+from shim.controller.kube_api import KubeApi
+from shim.service import nodekey
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ _HINT = (
 
 
 class NodeSigner:
-    def __init__(self, kube: Kube, node: str, state_dir: str) -> None:
+    def __init__(self, kube: KubeApi, node: str, state_dir: str) -> None:
         self.kube = kube
         self.node = node
         self.state_dir = state_dir

@@ -15,43 +15,59 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
 from typing import Any
 
 from kubectl_snapshot.adapters.registry import CredentialStore, RegistryClient
 from kubectl_snapshot.adapters.signatures import load_trust
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import finalsave as F
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import saveorder as O
 from kubectl_snapshot.core import status as S
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core import workload as W
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, SnapshotError
+from kubectl_snapshot.core.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    SnapshotError,
+    SourcePodReplaced,
+)
 from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
+from kubectl_snapshot.core.podspec import check_snapshot_source
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider, Sealer
-from shim import dumplock, freezer, guard, unixpeers
+from shim import freeze_guard as guard
 from shim.containerd.client import ContainerdClient
 from shim.containerd.runc_checkpoint import RuncCheckpointer
+from shim.controller.dumpgate import DumpGate
 from shim.controller.events import pod_event, snapshot_event
+from shim.controller.kube_api import ContainerdFor, KubeApi, RegistryFor
 from shim.controller.mounts import previous_repositories
 from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_containers
-from shim.controller.ports import ContainerdFor, Kube, RegistryFor
 from shim.controller.settings import NodeSettings
 from shim.controller.signing import NodeSigner
 from shim.controller.workqueue import WorkQueue
-from shim.engine.checkpoint import CheckpointRequest, CheckpointResult, checkpoint
+from shim.engine.checkpoint import CheckpointRequest, checkpoint
+from shim.engine.node_ports import Freezer
+from shim.engine.publish import CheckpointResult
 from shim.engine.staging import StatePaths, check_key
-from shim.metrics import AgentMetrics
+from shim.host import freezer
+from shim.net import dumplock, unixpeers
+from shim.service.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
+SENT_KEPT = 4096  # pods whose last save's size the agent keeps for the save order (the most recent)
 STATUS_INTERVAL_S = 1.0
 RESULT_RETRY_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 def now() -> str:
-    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return T.rfc3339(time.time())
 
 
-def registry_for(kube: Kube, namespace: str, secret: str | None, *, insecure: bool) -> RegistryClient:
+def registry_for(kube: KubeApi, namespace: str, secret: str | None, *, insecure: bool) -> RegistryClient:
     store = CredentialStore()
     if secret:
         try:
@@ -77,7 +93,7 @@ class SnapshotWorker:
     def __init__(
         self,
         *,
-        kube: Kube,
+        kube: KubeApi,
         settings: NodeSettings,
         facts: HostFacts,
         clock: Callable[[], float] = time.monotonic,
@@ -88,6 +104,7 @@ class SnapshotWorker:
         registries: RegistryFor | None = None,
         containerd: ContainerdFor | None = None,
         signer: NodeSigner | None = None,
+        dump_gate: DumpGate | None = None,
     ) -> None:
         self.kube = kube
         # every save is signed with this node's own key (shim/controller/signing.py)
@@ -101,7 +118,7 @@ class SnapshotWorker:
                 settings.containerd_socket,
                 K.CONTAINERD_K8S_NAMESPACE,
                 checkpointer=checkpointer,
-                state_dir=settings.state_dir,  # RCU grace periods expedited while it dumps (shim/rcu.py)
+                state_dir=settings.state_dir,  # RCU grace periods expedited while it dumps (shim/host/rcu.py)
             )
         )
         self.on_saved = on_saved  # after every good save: (PodSnapshot, pod); autosave's last-save annotation
@@ -110,8 +127,11 @@ class SnapshotWorker:
         self.facts = facts
         self.clock = clock
         self.metrics = metrics or AgentMetrics()
-        # Claimed snapshots run one at a time, in claim order; the watch goes on meanwhile.
+        # Claimed snapshots run on the queue's workers, in core/saveorder.py's order; the watch goes on meanwhile.
         self.queue = queue or WorkQueue.inline()
+        # how many of them freeze and dump at once (--dump-concurrency)
+        self.dump_gate = dump_gate or DumpGate(1)
+        self._sent: dict[str, int] = {}  # pod uid -> bytes its last save sent (what its next is expected to)
         self._handled: set[str | None] = set()  # uids this agent process claimed (stale events follow)
 
     # --- claiming ---------------------------------------------------------------------------------
@@ -173,10 +193,40 @@ class SnapshotWorker:
                 "take a save with stop without that label (kubectl snapshot pod/NAME --stop)",
             )
             return
+        try:
+            check_snapshot_source(spec, pod)  # the pod the PodSnapshot was made for, not a new one of its name
+        except SourcePodReplaced as e:
+            if self._claim(obj):
+                self._finish_failed(obj, None, e, event_reason=K.EVENT_SOURCE_POD_REPLACED)
+            return
         if not self._claim(obj):
             return
-        # in turn per namespace (issue 10): one namespace's snapshots do not starve another's
-        self.queue.submit(lambda: self._run_tracked(obj, pod), key=ns)
+        # final saves first, then by deadline and size, namespaces in turn (issue 10, issue 43)
+        order = self.order_of(obj, pod)
+        self.queue.submit(
+            lambda: self._run_tracked(obj, pod),
+            key=ns,
+            order=order,
+            on_drop=lambda why: self._finish_failed(obj, pod, FailedPrecondition(f"not started: {why}")),
+        )
+
+    def _remember_sent(self, uid: str, sent: int) -> None:
+        """What a pod's next save is expected to send; the oldest pods' entries go past SENT_KEPT (pods
+        come and go for as long as the agent runs)."""
+        self._sent.pop(uid, None)
+        self._sent[uid] = sent
+        while len(self._sent) > SENT_KEPT:
+            del self._sent[next(iter(self._sent))]
+
+    def order_of(self, obj: dict[str, Any], pod: dict[str, Any]) -> O.SaveRequest:
+        """Where the save of `obj` goes in the node's save queue (core/saveorder.py)."""
+        labels = obj["metadata"].get("labels") or {}
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        if labels.get(K.LABEL_FINAL_SAVE) == "true" and (obj.get("spec") or {}).get("stop"):
+            kind, deadline = O.URGENT, F.thaw_by(pod)
+        else:
+            kind, deadline = (O.PERIODIC if labels.get(K.LABEL_POLICY) else O.USER), None
+        return O.SaveRequest(pod=uid, kind=kind, deadline=deadline, estimate=self._sent.get(uid, 0))
 
     def _run_tracked(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
         with self.metrics.in_progress.labels("snapshot").track_inprogress():
@@ -207,6 +257,8 @@ class SnapshotWorker:
 
     def run(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
         meta, spec = obj["metadata"], obj.get("spec") or {}
+        order = self.order_of(obj, pod)  # its rank at the dump gate, and a final save's thaw_by
+        clamp = _ThawClamp(order.deadline)
         ns, name = meta["namespace"], meta["name"]
         started = f"snapshot {name} started on {self.settings.node}"
         snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_STARTED, started)
@@ -244,17 +296,21 @@ class SnapshotWorker:
             sealer = Sealer(self.keys.namespace_key(ns, create=True), ns) if self.keys is not None else None
             report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
             checkpointer = RuncCheckpointer(self.settings.criu, self.settings.runc_path)  # the installed CRIU
-            with self._guard(report) as held, self.containerd(checkpointer) as containerd:
+            with (
+                self._guard(report) as held,
+                self.containerd(checkpointer) as containerd,
+                self.dump_gate.phases(order, reporter.stage, name=name) as on_phase,
+            ):
                 result = checkpoint(
                     req,
                     containerd=containerd,
                     registry=registry,
                     paths=StatePaths(self.settings.state_dir),
-                    on_phase=reporter.stage,
+                    on_phase=on_phase,
                     on_bytes=reporter.bytes,
                     before_stop=lambda: self._delete_pod(pod),
                     host=self.facts,
-                    freezer_for=held.freezer_for,
+                    freezer_for=clamp.wrap(held.freezer_for),
                     memory_of=freezer.task_memory,
                     on_plan=reporter.plan,
                     sealer=sealer,
@@ -262,6 +318,8 @@ class SnapshotWorker:
                     net_lock=dumplock.pod_network_locked,
                 )
         except SnapshotError as e:
+            if clamp.passed():
+                e = type(e)(f"{O.thawed_message(name, F.THAW_MARGIN_S)}: {e.message}", hint=e.hint, details=e.details)
             self._finish_failed(obj, pod, e)
             return
         except Exception as e:  # a bug: still report it, never leave the object Running forever
@@ -317,6 +375,7 @@ class SnapshotWorker:
         if self._patch_with_retries(meta["namespace"], meta["name"], status):
             self._forget_result(meta.get("uid"))
         pod_meta = pod["metadata"]
+        self._remember_sent(str(pod_meta.get("uid") or ""), r.uploaded or r.size)
         self.metrics.saved(
             pod_meta["namespace"], pod_meta["name"], timings_ms=r.timings_ms, size=r.size, uploaded=r.uploaded
         )
@@ -408,7 +467,14 @@ class SnapshotWorker:
         except SnapshotError:
             return []
 
-    def _finish_failed(self, obj: dict[str, Any], pod: dict[str, Any] | None, err: SnapshotError) -> None:
+    def _finish_failed(
+        self,
+        obj: dict[str, Any],
+        pod: dict[str, Any] | None,
+        err: SnapshotError,
+        *,
+        event_reason: str = K.EVENT_SNAPSHOT_FAILED,
+    ) -> None:
         meta = obj["metadata"]
         status = S.failed(
             node=self.settings.node,
@@ -425,7 +491,7 @@ class SnapshotWorker:
             log.exception("could not record the failure of %s/%s", meta["namespace"], meta["name"])
         self.metrics.save_failed()
         message = f"snapshot {meta['name']} failed: {err.message}"
-        snapshot_event(self.kube, obj, K.EVENT_SNAPSHOT_FAILED, message, warning=True)
+        snapshot_event(self.kube, obj, event_reason, message, warning=True)
         if pod is not None:
             pod_event(self.kube, pod, K.EVENT_SNAPSHOT_FAILED, message, warning=True)
 
@@ -433,7 +499,7 @@ class SnapshotWorker:
 class _StatusReporter:
     """Writes progress into status at most once per interval (the API server is not a progress bar)."""
 
-    def __init__(self, kube: Kube, ns: str, name: str, clock: Callable[[], float]) -> None:
+    def __init__(self, kube: KubeApi, ns: str, name: str, clock: Callable[[], float]) -> None:
         self.kube, self.ns, self.name, self.clock = kube, ns, name, clock
         self.done = 0
         self.total = 0
@@ -466,6 +532,56 @@ class _StatusReporter:
             )
         except SnapshotError:
             log.warning("could not update the progress of %s/%s", self.ns, self.name)
+
+
+class _ThawBy:
+    """A freezer whose freeze never outlasts `thaw_by` (seconds since the epoch): the freeze guard thaws
+    the container at whichever deadline comes first, the plan's or the save's (a final save's preStop
+    hook end, issue 43)."""
+
+    def __init__(self, inner: Freezer, thaw_by: float) -> None:
+        self.inner, self.thaw_by = inner, thaw_by
+        self.froze = False
+
+    def ready(self) -> None:
+        self.inner.ready()
+
+    def freeze(self, *, deadline_s: float | None = None) -> None:
+        left = max(0.1, self.thaw_by - time.time())
+        self.inner.freeze(deadline_s=min(deadline_s, left) if deadline_s else left)
+        self.froze = True
+
+    def thaw(self) -> None:
+        self.inner.thaw()
+
+    def frozen(self) -> bool:
+        return self.inner.frozen()
+
+
+class _ThawClamp:
+    """The freezers of one save, each held to the save's thaw_by (none: the plan's deadline alone)."""
+
+    def __init__(self, thaw_by: float | None) -> None:
+        self.thaw_by = thaw_by
+        self.freezers: list[_ThawBy] = []
+
+    def wrap(self, freezer_for: Callable[[int], Freezer | None]) -> Callable[[int], Freezer | None]:
+        thaw_by = self.thaw_by
+        if thaw_by is None:
+            return freezer_for
+
+        def wrapped(pid: int) -> Freezer | None:
+            fz = freezer_for(pid)
+            if fz is None:
+                return None
+            self.freezers.append(_ThawBy(fz, thaw_by))
+            return self.freezers[-1]
+
+        return wrapped
+
+    def passed(self) -> bool:
+        """The save froze its pod and its thaw_by has passed: the freeze guard thawed it there."""
+        return self.thaw_by is not None and time.time() >= self.thaw_by and any(f.froze for f in self.freezers)
 
 
 def _plan_status(plan: FreezePlan) -> dict[str, Any]:

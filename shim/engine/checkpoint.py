@@ -20,55 +20,50 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kubectl_snapshot.adapters.signatures import PendingSignature, publish_signature, push_signature_blobs
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
-from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes, delta_digests, has_deltas
+from kubectl_snapshot.core import timestamps as T
+from kubectl_snapshot.core.chunks import has_deltas
 from kubectl_snapshot.core.diskspace import DUMP, Ask
 from kubectl_snapshot.core.dumpspace import dump_bytes
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError, Unavailable
 from kubectl_snapshot.core.model import (
     ContainerRecord,
-    DumpStats,
     HostFacts,
     PodRecord,
-    ProcessInfo,
     SnapshotConfig,
     VolumeRecord,
-    layer_annotations,
-    layer_media_type,
-    manifest_annotations,
     stored_runtime_spec,
 )
-from kubectl_snapshot.core.oci import Descriptor, build_manifest, parse_manifest, sha256_digest
+from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.provenance import Origin, SigningKey
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
-from shim import diskspace, hostfacts, memwork, reaper, safefs
-from shim.archive import tar_directories
-from shim.criu_images import summarize_checkpoint
-from shim.diskspace import DiskLedger
+from shim.engine.node_ports import Containerd, Freezer, FreezerFor, Registry
 from shim.engine.package import (
     PackagedBlob,
-    PackagedContainer,
     package_container,
     package_volumes,
     progress_counter,
     tree_bytes,
 )
 from shim.engine.pageindex import PageIndex, scope_key
-from shim.engine.ports import Containerd, Freezer, FreezerFor, Registry
+from shim.engine.publish import CheckpointResult, dump_stats, push_snapshot
 from shim.engine.staging import StatePaths
-from shim.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
+from shim.files.archive import tar_directories
+from shim.files.rootfs_diff import capture_rootfs_diff, upperdir_from_mounts
+from shim.host import diskspace, memwork, private, reaper, safefs
+from shim.host import facts as hostfacts
+from shim.host.diskspace import DiskLedger
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]  # (new bytes, total bytes)
-UnixLinksFn = Callable[[list[int]], Sequence[Any]]  # init pids -> shim.unixpeers.CrossLink list
-NetLockFn = Callable[[list[int]], AbstractContextManager[None]]  # init pids -> shim.dumplock.pod_network_locked
+UnixLinksFn = Callable[[list[int]], Sequence[Any]]  # init pids -> shim.net.unixpeers.CrossLink list
+NetLockFn = Callable[[list[int]], AbstractContextManager[None]]  # init pids -> shim.net.dumplock.pod_network_locked
 VOLUME_ENTRIES = 200_000  # a volume with more entries than this is not sized before its tar (the walk is not free)
 
 
@@ -95,22 +90,8 @@ class CheckpointRequest:
     node: str = ""
 
 
-@dataclass
-class CheckpointResult:
-    reference: Reference  # repository@digest
-    tagged: Reference
-    config: SnapshotConfig
-    timings_ms: dict[str, float] = field(default_factory=dict)
-    size: int = 0  # compressed bytes of all blobs
-    uploaded: int = 0  # bytes actually sent (blobs the registry lacked)
-    frozen_by: str = ""  # "cgroup freezer", "containerd" or both: how the containers were paused
-    plan: freeze_plan.FreezePlan | None = None  # expected freeze and deadline
-    signed_by: str = ""  # id of the key that signed it ("" when unsigned)
-    work_in_memory: bool = False  # the dump was written to the node's memory work area (shim/memwork.py)
-
-
 def _now_rfc3339() -> str:
-    return datetime.now(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+    return T.rfc3339(time.time())
 
 
 def _validate(req: CheckpointRequest) -> list[str]:
@@ -152,18 +133,18 @@ def checkpoint(
 
     `before_stop` (with ``stop``) runs after the push and before the frozen containers are killed,
     e.g. to delete the pod object so that the kubelet does not restart them. `freezer_for` gives a
-    task's cgroup freezer to write directly (shim.freezer; ~0.4 ms instead of a containerd Pause/Resume
+    task's cgroup freezer to write directly (shim.host.freezer; ~0.4 ms instead of a containerd Pause/Resume
     round trip of ~11 ms each way); without it, or where it gives None, containerd pauses.
-    `memory_of` gives a task's memory (shim.freezer.task_memory): the freeze's expected length and
+    `memory_of` gives a task's memory (shim.host.freezer.task_memory): the freeze's expected length and
     deadline follow from it (core/freeze.py), checked against the pod's liveness budgets before
-    anything is frozen; a freezer from shim.guard enforces the deadline.
+    anything is frozen; a freezer from shim.freeze_guard enforces the deadline.
     `sealer` (core/sealing.py): encrypt every layer and chunk for its namespace (get the namespace key
     before calling, so that a key problem fails before anything is frozen).
-    `unix_links` finds Unix socket connections between the containers (shim.unixpeers), which CRIU
+    `unix_links` finds Unix socket connections between the containers (shim.net.unixpeers), which CRIU
     cannot dump one container at a time: the snapshot is refused before anything is frozen.
     `net_lock` holds the network the containers share locked while they are dumped one after the
-    other (shim.dumplock), so that both ends of a connection between them are dumped in agreement.
-    `disk` is the ledger a dump on disk reserves its bytes in (default: the node's, shim/diskspace.py).
+    other (shim.net.dumplock), so that both ends of a connection between them are dumped in agreement.
+    `disk` is the ledger a dump on disk reserves its bytes in (default: the node's, shim/host/diskspace.py).
     """
     names = _validate(req)
     phase = on_phase or (lambda _p: None)
@@ -181,14 +162,14 @@ def checkpoint(
     frozen: list[str] = []
     layers = _layers_bytes(pre)
     with contextlib.ExitStack() as held:
-        # the dump in memory where it clearly fits (shim/memwork.py), else in the state dir on disk, where
-        # its bytes are promised first (shim/diskspace.py): a refusal comes before anything is frozen
+        # the dump in memory where it clearly fits (shim/host/memwork.py), else in the state dir on disk, where
+        # its bytes are promised first (shim/host/diskspace.py): a refusal comes before anything is frozen
         in_memory = held.enter_context(memwork.reserve(paths.root, snapshot_id, _expected_dump(req, pre, layers)))
         if in_memory is None:
             held.enter_context((disk or diskspace.NODE).reserve(paths.root, _dump_ask(req, names, pre, layers)))
         work = in_memory or paths.work_dir(snapshot_id)
         if in_memory is None:
-            os.makedirs(work, mode=0o700)
+            private.makedirs(work)  # work/ too: 0700, as everything of the dump (shim/host/private.py)
         try:
             frozen, volume_tar = _freeze_and_dump(req, names, pre, containerd, work, phase, clock, timings, net_lock)
             # Everything below runs after the resume: compression, hashing and upload never extend the freeze.
@@ -203,7 +184,7 @@ def checkpoint(
         finally:
             if not req.keep_work:
                 # no longer a record of frozen containers (recover_interrupted) from here on; the dump
-                # itself is removed after the answer (shim/reaper.py; the memory area's by memwork)
+                # itself is removed after the answer (shim/host/reaper.py; the memory area's by memwork)
                 with contextlib.suppress(OSError):
                     os.unlink(os.path.join(work, FROZEN_FILE))
                 if in_memory is None:
@@ -352,7 +333,7 @@ def _freeze_and_dump(
         fz.ready()
     # Written before the first pause: if this process dies while containers are frozen, the next
     # agent start (recover_interrupted) finds the list and thaws them. Never lose the workload.
-    with open(os.path.join(work, FROZEN_FILE), "w") as f:
+    with private.create(os.path.join(work, FROZEN_FILE)) as f:
         json.dump(list(req.containers), f)
     phase("freeze")
     t_freeze = clock()
@@ -404,7 +385,7 @@ def _package_and_push(
     # the dumps' statistics (CRIU's images decoded in Python) are read beside the packaging, which
     # waits on its workers' compression and requests meanwhile
     stats_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dump-stats")
-    stats_of = [stats_pool.submit(_stats, os.path.join(work, name)) for name in names]
+    stats_of = [stats_pool.submit(dump_stats, os.path.join(work, name)) for name in names]
     stats_pool.shutdown(wait=False)
     for cid, name, info, image_digest, stats_future in zip(
         req.containers, names, pre.infos, pre.image_digests, stats_of, strict=True
@@ -468,7 +449,7 @@ def _package_and_push(
             finally:
                 timings["sign_ms"] = (clock() - t_sign) * 1000  # beside the config's upload
 
-    result, pending = _push(req.target, config, records, packaged, volumes_layer, registry, signed)
+    result, pending = push_snapshot(req.target, config, records, packaged, volumes_layer, registry, signed)
     if pending is not None and key is not None:
         t_tag = clock()
         publish_signature(registry, pending)
@@ -613,7 +594,7 @@ def _refuse_runtime_shm(
 
 
 def _refuse_unix_links(links: Sequence[Any], names: Sequence[str]) -> None:
-    """Refuse a group whose containers are connected by Unix sockets (see shim/unixpeers.py)."""
+    """Refuse a group whose containers are connected by Unix sockets (see shim/net/unixpeers.py)."""
     if not links:
         return
     described = "; ".join(
@@ -637,7 +618,7 @@ def recover_interrupted(
     """Thaw containers that a killed checkpoint left frozen and drop its work dirs; returns their ids.
 
     A container frozen through its cgroup freezer directly is "running" to containerd (its shim keeps
-    its own state): `freezer_for` finds those. `net_unlock` (shim.dumplock.release_leftover) lifts the
+    its own state): `freezer_for` finds those. `net_unlock` (shim.net.dumplock.release_leftover) lifts the
     dump's network lock from the namespace those containers share, if it was left.
     """
     root = os.path.dirname(paths.work_dir("x"))
@@ -734,7 +715,7 @@ def _dump_one(
     `upper` is the upperdir the preflight found (a running container's rootfs snapshot does not move):
     no containerd round trip while the workload is frozen."""
     image_path = os.path.join(cdir, C.CHECKPOINT_DIRECTORY)
-    os.makedirs(image_path, mode=0o700)
+    private.makedirs(image_path)
     t = clock()
     containerd.checkpoint_task(
         cid,
@@ -746,9 +727,9 @@ def _dump_one(
     )
     t_diff = clock()
     if upper is not None:
-        with open(os.path.join(cdir, C.ROOTFS_DIFF_TAR), "wb") as out:
+        with private.create_binary(os.path.join(cdir, C.ROOTFS_DIFF_TAR)) as out:
             deleted = capture_rootfs_diff(upper, out)
-        with open(os.path.join(cdir, C.DELETED_FILES_FILE), "w") as f:
+        with private.create(os.path.join(cdir, C.DELETED_FILES_FILE)) as f:
             json.dump(deleted, f)
     if steps is not None:
         done = clock()
@@ -761,7 +742,7 @@ def _volume_names(req: CheckpointRequest) -> list[str]:
 
 
 def _capture_volumes(req: CheckpointRequest, work: str) -> str:
-    """One tar of the volumes, every entry read through O_NOFOLLOW directory fds (shim/safefs.py):
+    """One tar of the volumes, every entry read through O_NOFOLLOW directory fds (shim/host/safefs.py):
     a link the workload planted in its volume is recorded as a link, never followed to a host file."""
     path = os.path.join(work, "volumes.tar")
     fds: list[int] = []
@@ -769,7 +750,7 @@ def _capture_volumes(req: CheckpointRequest, work: str) -> str:
         for src in req.volumes:
             parent, leaf = os.path.split(os.path.normpath(src))
             fds.append(safefs.open_dir(parent or "/", leaf))
-        with open(path, "wb") as out:
+        with private.create_binary(path) as out:
             tar_directories(list(zip(_volume_names(req), fds, strict=True)), out)
     finally:
         for fd in fds:
@@ -777,28 +758,10 @@ def _capture_volumes(req: CheckpointRequest, work: str) -> str:
     return path
 
 
-def _stats(cdir: str) -> DumpStats:
-    stats_file = os.path.join(cdir, C.STATS_DUMP_FILE)
-    try:
-        s = summarize_checkpoint(
-            os.path.join(cdir, C.CHECKPOINT_DIRECTORY),
-            stats_dump=stats_file if os.path.exists(stats_file) else None,
-        )
-    except SnapshotError:
-        return DumpStats()
-    return DumpStats(
-        process_count=s.process_count,
-        memory_bytes=s.memory_bytes,
-        pages_written=s.pages_written,
-        frozen_time_us=s.frozen_time_us or 0,
-        processes=tuple(ProcessInfo(pid=p.pid, ppid=p.ppid, comm=p.comm) for p in s.processes),
-    )
-
-
 def _write_metadata(cdir: str, cid: str, name: str, info: Any, req: CheckpointRequest) -> None:
-    with open(os.path.join(cdir, C.SPEC_DUMP_FILE), "w") as f:
+    with private.create(os.path.join(cdir, C.SPEC_DUMP_FILE)) as f:
         json.dump(stored_runtime_spec(info.spec), f)  # no process.env: it holds resolved secrets
-    with open(os.path.join(cdir, C.CONFIG_DUMP_FILE), "w") as f:
+    with private.create(os.path.join(cdir, C.CONFIG_DUMP_FILE)) as f:
         json.dump(
             {
                 "id": cid,
@@ -809,7 +772,7 @@ def _write_metadata(cdir: str, cid: str, name: str, info: Any, req: CheckpointRe
             },
             f,
         )
-    with open(os.path.join(cdir, C.DUMP_OPTIONS_FILE), "w") as f:
+    with private.create(os.path.join(cdir, C.DUMP_OPTIONS_FILE)) as f:
         json.dump({"tcpEstablished": req.tcp_established, "fileLocks": req.file_locks}, f)
 
 
@@ -846,65 +809,3 @@ def _resume_all(
             first = first or e
     if strict and first is not None:
         raise first
-
-
-def _push(
-    target: Reference,
-    config: SnapshotConfig,
-    records: Sequence[ContainerRecord],
-    packaged: Sequence[PackagedContainer],
-    volumes_layer: PackagedBlob | None,
-    registry: Registry,
-    signed: Callable[[Reference], PendingSignature] | None = None,
-) -> tuple[CheckpointResult, PendingSignature | None]:
-    """Config and manifest, after every blob is in the registry: no tag ever points at a partial snapshot.
-
-    `signed`: signs the snapshot (pinned by its manifest's digest, known before the push) and uploads the
-    signature's blobs, beside the config's upload; the snapshot is tagged only once they are in (a
-    signature that cannot be stored leaves no tag behind). The signature's tag is the caller's to push."""
-    config_bytes = config.to_bytes()
-    config_desc = Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
-    descs = [
-        Descriptor(
-            layer_media_type(C.CHECKPOINT_LAYER_MEDIA_TYPE, config),
-            pc.layer.digest,
-            pc.layer.size,
-            layer_annotations(rec, group=config.group, namespace=config.namespace),
-        )
-        for rec, pc in zip(records, packaged, strict=True)
-    ]
-    stored = sum(pc.stored for pc in packaged) + len(config_bytes)
-    sent = sum(pc.uploaded for pc in packaged)
-    if volumes_layer is not None:
-        descs.append(
-            Descriptor(
-                layer_media_type(C.VOLUMES_LAYER_MEDIA_TYPE, config),
-                volumes_layer.digest,
-                volumes_layer.size,
-                {C.ANN_TITLE: "volumes.tar.zst"},
-            )
-        )
-        stored += volumes_layer.size
-        sent += volumes_layer.size
-    # Every chunk is a layer too, so that registry garbage collection keeps what the snapshot needs.
-    all_pages = [p for rec in records for p in rec.pages]
-    sizes = chunk_sizes(all_pages)
-    # Page deltas' bases are chunks too, so they are listed here (and kept) as long as a delta needs them.
-    chunk_type = layer_media_type(C.CHUNK_MEDIA_TYPE, config)
-    delta_type, deltas = layer_media_type(C.DELTA_MEDIA_TYPE, config), delta_digests(all_pages)
-    descs.extend(Descriptor(delta_type if d in deltas else chunk_type, d, sizes[d]) for d in chunk_digests(all_pages))
-    manifest = build_manifest(
-        config=config_desc,
-        layers=descs,
-        artifact_type=C.ARTIFACT_TYPE,
-        annotations=manifest_annotations(config),
-    ).to_bytes()
-    pinned = replace(target, tag=None, digest=sha256_digest(manifest))
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sign") as pool:
-        signing = pool.submit(signed, pinned) if signed is not None else None
-        # the config names this snapshot's creation time: no registry has it yet
-        if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes, fresh=True):
-            sent += len(config_bytes)
-        pending = signing.result() if signing is not None else None
-    registry.push_manifest(target, manifest, C.OCI_MANIFEST)
-    return CheckpointResult(reference=pinned, tagged=target, config=config, size=stored, uploaded=sent), pending

@@ -21,8 +21,8 @@ from kubectl_snapshot.core.chunks import PagesFile
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
 from shim.engine.chunks import plan_checkpoint
+from shim.engine.node_ports import Registry
 from shim.engine.pageindex import PageIndex
-from shim.engine.ports import Registry
 from shim.engine.stream import push_chunks, push_file_stream, push_tar_stream
 
 CountFn = Callable[[int], None]

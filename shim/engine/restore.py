@@ -42,14 +42,16 @@ from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, Opener
-from shim import criu_guard, diskspace, hostfacts, safefs
-from shim.archive import safe_extract
-from shim.diskspace import DiskLedger, Reservation
+from shim.criu import guard as criu_guard
+from shim.engine.node_ports import Registry
 from shim.engine.package import progress_counter
-from shim.engine.ports import Registry
 from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, check_key
 from shim.engine.stream import fetch_chunks
-from shim.zstdio import open_zstd_reader
+from shim.files.archive import safe_extract
+from shim.files.zstdio import open_zstd_reader
+from shim.host import diskspace, private, safefs
+from shim.host import facts as hostfacts
+from shim.host.diskspace import DiskLedger, Reservation
 
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]
@@ -132,7 +134,7 @@ def check_limit(plan: SpacePlan, limits: RestoreLimits) -> None:
 def reserve_staging(
     plan: SpacePlan, directory: str, limits: RestoreLimits, namespace: str, disk: DiskLedger
 ) -> contextlib.AbstractContextManager[Reservation]:
-    """The restore's bytes promised on `directory`'s filesystem (shim/diskspace.py), or a refusal: the
+    """The restore's bytes promised on `directory`'s filesystem (shim/host/diskspace.py), or a refusal: the
     node keeps its eviction threshold (or `limits.reserve_bytes`, the larger) free, beside the
     snapshots and restores in flight, and `namespace`'s restores keep within its share."""
     return disk.reserve(
@@ -284,12 +286,12 @@ def _pages_dir(target: str) -> str:
     """A fresh private directory beside `target` (same filesystem: its files are linked into place)
     whose name no staged container's can have (check_key: never a leading dot)."""
     parent = os.path.dirname(target)
-    os.makedirs(parent, mode=0o700, exist_ok=True)
+    private.makedirs(parent)
     return tempfile.mkdtemp(prefix=".pages-", dir=parent)
 
 
 def _cache_decoded(image_dir: str, paths: StatePaths) -> None:
-    """Decode the images the wrapper's check reads, for it (shim/criu_guard.py, "the decode cache").
+    """Decode the images the wrapper's check reads, for it (shim/criu/guard.py, "the decode cache").
     Best effort: without an entry the wrapper decodes the image itself, and refuses what it cannot."""
     with contextlib.suppress(SnapshotError, OSError):
         criu_guard.cache_decoded(image_dir, paths.image_cache())
@@ -399,7 +401,7 @@ def _extract_fresh(
     blob_path: str, target: str, limits: ExtractLimits | None = None, opener: Opener | None = None, digest: str = ""
 ) -> None:
     shutil.rmtree(target, ignore_errors=True)
-    os.makedirs(target, mode=0o700)
+    private.makedirs(target)  # staged/ and staged/by-id too: root's alone
     with open(blob_path, "rb") as f, _opened(f, opener, digest) as source, open_zstd_reader(source) as reader:
         safe_extract(reader, target, limits=limits or ExtractLimits())
 
@@ -419,7 +421,7 @@ def _opened(f: Any, opener: Opener | None, digest: str) -> Iterator[Any]:
 @dataclass(frozen=True)
 class VolumeTarget:
     """A pod volume directory: `root` is a trusted host dir (the kubelet's root, followed as set up);
-    `rel` below it is opened without following any link (shim/safefs.py), since the pod's
+    `rel` below it is opened without following any link (shim/host/safefs.py), since the pod's
     containers can write there."""
 
     root: str
@@ -610,7 +612,7 @@ def _create_all(
 
 class _EarlyCreate:
     """The restored containers created, in a thread, while their data downloads: containerd starts each
-    task's shim and the runtime hook meanwhile, and the hook's `create` waits at the container's staging
+    task's shim and the runtime wrapper meanwhile, and the hook's `create` waits at the container's staging
     gate (shim/engine/staging.py) until the staged data is complete. Staging that fails answers the gates
     with its error: the hooks refuse, and _create_all removes what it created."""
 

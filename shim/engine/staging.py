@@ -16,9 +16,10 @@ import time
 
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import InvalidArgument
+from shim.host import private
 
-# The runtime hook imports this at every container create: no dataclasses, no typing at run time
-# (shim/runc_wrapper.py, "what it imports at start").
+# The runtime wrapper imports this at every container create: no dataclasses, no typing at run time
+# (shim/runtime_wrapper.py, "what it imports at start").
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -72,7 +73,7 @@ class StatePaths:
         )
 
     def pod_dir(self, pod_uid: str) -> str:
-        """A restored pod's own state (shim.podrestore), beside its containers' staged dirs."""
+        """A restored pod's own state (shim.net.podrestore), beside its containers' staged dirs."""
         return os.path.join(self.root, C.STAGING_SUBDIR, "by-pod", check_key(pod_uid, "pod uid"))
 
     def staging_gate(self, container_id: str) -> str:
@@ -97,7 +98,7 @@ class StatePaths:
 
     def image_cache(self) -> str:
         """Decoded CRIU images by the SHA-256 of their bytes, written by the agent when it stages a
-        restore, read by the wrapper's image check (shim/criu_guard.py, "the decode cache")."""
+        restore, read by the wrapper's image check (shim/criu/guard.py, "the decode cache")."""
         return os.path.join(self.root, "image-cache")
 
     def downloads(self) -> str:
@@ -106,7 +107,7 @@ class StatePaths:
 
 # --- the staging gate -------------------------------------------------------------------------------
 # A restore creates its containers while their data downloads: containerd starts the task's shim and the
-# runtime hook meanwhile, and the hook's `create` waits here until the agent says the staged data is
+# runtime wrapper meanwhile, and the hook's `create` waits here until the agent says the staged data is
 # complete (or that staging failed). The agent holds an exclusive flock on the gate until it has written
 # its answer (by rename: a hook never reads half of it); the hook blocks on a shared lock of the same
 # file, so it wakes the moment the agent lets go, and the kernel lets go for an agent that dies
@@ -133,7 +134,7 @@ class StatePaths:
 # (`<gate>.pages`), until the page files are in place, then answers there. The hook checks the images and
 # starts `runc restore` at once, with the node bundle's launcher as runc's CRIU: it relays runc's RPC
 # socket to the real CRIU and holds CRIU's "post-setup-namespaces" notification, before any page file is
-# opened, at the pages gate (hack/launcher/criurelay.go); CRIU aborts the restore (and kills what it
+# opened, at the pages gate (launcher/criurelay.go); CRIU aborts the restore (and kills what it
 # restored) unless the answer there is READY. A hook without that relay waits for the pages gate itself
 # before `runc restore`.
 
@@ -151,7 +152,7 @@ class StagingGate:
 
     def __init__(self, path: str, *, two_phase: bool = False) -> None:
         self.path = path
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        private.makedirs(os.path.dirname(self.path))  # staged/ and its gates/ too: root's alone
         self._fd = self._pages_fd = -1
         try:
             if two_phase:  # first: a gate whose images are answered still holds it (and keeps its answer)
@@ -216,7 +217,7 @@ def _take(path: str) -> int:
 
 def _answer(path: str, fd: int, state: str, message: str = "") -> None:
     tmp = f"{path}.state.{os.getpid()}"
-    with open(tmp, "w") as f:
+    with private.create(tmp) as f:
         f.write(f"{state}\n{message}")
     os.replace(tmp, path + ".state")  # a hook never reads half of it
     fcntl.flock(fd, fcntl.LOCK_UN)

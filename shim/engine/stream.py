@@ -33,12 +33,12 @@ from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
 from kubectl_snapshot.core.pagedelta import apply_delta, encode_delta, plan_delta, worth_a_delta
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener, Sealer
-from shim.archive import tar_directory
 from shim.engine.chunks import PagesPlan
+from shim.engine.node_ports import Registry
 from shim.engine.pageindex import BaseChunk, PageIndex
-from shim.engine.ports import Registry
-from shim.pipes import iter_produced
-from shim.zstdio import open_zstd_writer
+from shim.files.archive import tar_directory
+from shim.files.pipes import iter_produced
+from shim.files.zstdio import open_zstd_writer
 
 ZSTD_LEVEL = 1  # the fastest useful level (PLATFORM.md)
 WORKERS = max(2, min(8, 2 * (os.cpu_count() or 1)))  # I/O waits overlap with the other workers' CPU

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot import __version__
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.deploy import keys, render
 from tests.support.cluster import Cluster, cluster, namespace
 
@@ -79,7 +79,7 @@ python3 -c 'import grpc, kubernetes, zstandard, yaml, pycriu, shim.containerd.cl
 print("imports-ok")'
 # the wrapper zipapp with no site-packages at all, as on a node's bare python3
 /usr/bin/python3 -I -S -c 'import sys; sys.path.insert(0, "/opt/kubectl-snapshot-runc.pyz")
-import shim.runc_wrapper, shim.rootfs_diff; print("pyz-ok")'
+import shim.runtime_wrapper, shim.files.rootfs_diff; print("pyz-ok")'
 """
 
 

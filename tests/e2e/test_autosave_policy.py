@@ -24,7 +24,8 @@ import pytest
 
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import autosave as A
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.reference import Reference
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
@@ -189,7 +190,7 @@ def test_policy_saves_keeps_last_two_and_the_kept_one_restores(cluster, namespac
 
     # the pod says when its last good save was; the policy's status has its entry
     live = cluster.get_json("pod", "counter", "-n", ns)
-    stamp = A.parse_time(live["metadata"]["annotations"][K.ANN_LAST_SAVE])
+    stamp = T.seconds(live["metadata"]["annotations"][K.ANN_LAST_SAVE])
     assert stamp is not None and time.time() - stamp < 120
     entry = next(p for p in cluster.get_json(K.POLICY_SINGULAR, POLICY, "-n", ns)["status"]["pods"])
     last = max(remaining, key=lambda o: o["metadata"]["creationTimestamp"] + o["metadata"]["name"])
@@ -215,7 +216,7 @@ def test_policy_saves_keeps_last_two_and_the_kept_one_restores(cluster, namespac
     print(f"blob storage before/after garbage-collect: {before}/{after} bytes ({after / before:.2f})")
 
     # the kept newest save restores on the other node and counts on from at least what it saved
-    lower = max((v for t, v in samples if t < A.parse_time(newest["status"]["startTime"])), default=0)  # type: ignore[operator]
+    lower = max((v for t, v in samples if t < T.seconds(newest["status"]["startTime"])), default=0)  # type: ignore[operator]
     cluster.kubectl("delete", "pod", "counter", "-n", ns, "--wait=true")
     plugin("restore", newest["metadata"]["name"], "-n", ns, "--name", "counter-restored", "--node", n2)
     restored = running(cluster, ns, "counter-restored")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, running
 from tests.support.agent import agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace
@@ -296,15 +296,35 @@ def test_a_resume_annotation_forged_in_a_template_is_refused_at_admission(cluste
     assert no.returncode != 0 and "SnapshotPolicy web does not select this pod" in no.stderr, no.stderr
 
 
-def test_a_resume_the_tightened_pod_cannot_take_starts_fresh_with_the_reason(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
-    """Issue 41, item 5: a save the replacement's spec cannot take (the StatefulSet's template tightened
-    to drop every capability after the save: the images hold the runtime's default capabilities) is
-    refused by the runtime wrapper's image check at create. A resume never holds a workload down: the pod
-    starts fresh (a new token), once, with a ResumeSkipped Event naming the reason, and runs on (no crash
-    loop). The untightened replacement before it resumes from the same kind of save (the legitimate case)."""
+@pytest.mark.parametrize("refused_by", ["agent", "wrapper"])
+def test_a_resume_the_tightened_pod_cannot_take_starts_fresh_with_the_reason(  # type: ignore[no-untyped-def]
+    cluster, namespace, agent, plugin, refused_by
+):
+    """Issue 41, items 5 and 7: a save the replacement's spec cannot take is refused, and a resume never
+    holds a workload down: the pod starts fresh (a new token), once, with a ResumeSkipped Event naming the
+    reason, and runs on (no crash loop). The untightened replacement before it resumes from the same kind
+    of save (the legitimate case). Two tightenings of the StatefulSet's template after the save:
+    - agent: every capability dropped (the images hold the runtime's default ones): the pod spec alone
+      shows it, so the agent refuses while staging (RestoreRefused), before any container is created;
+    - wrapper: a configMap volume's mount taken away (the images hold that mount): where runc mounts is
+      known only from config.json, so the runtime wrapper's check refuses at create."""
     ns = namespace
     cluster.apply(policy(ns, "tight", "tight", cluster.registry, {"kind": "StatefulSet", "name": "tight"}))
-    cluster.apply(workload("StatefulSet", "tight", ns, cluster.busybox_image, replicas=1, serviceName="tight"))
+    sts = workload("StatefulSet", "tight", ns, cluster.busybox_image, replicas=1, serviceName="tight")
+    if refused_by == "wrapper":
+        cluster.apply(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": "extra", "namespace": ns},
+                "data": {"k": "v"},
+            }
+        )
+        tpl = sts["spec"]["template"]["spec"]
+        tpl["volumes"] = [*(tpl.get("volumes") or []), {"name": "extra", "configMap": {"name": "extra"}}]
+        mounts = tpl["containers"][0].setdefault("volumeMounts", [])
+        mounts.append({"name": "extra", "mountPath": "/etc/extra"})
+    cluster.apply(sts)
     first = running(cluster, ns, "tight-0")
     cluster.wait_for("the counter", lambda: counter_value(cluster, ns, "tight-0")[1] >= 5)
     tok, before = counter_value(cluster, ns, "tight-0")
@@ -315,9 +335,13 @@ def test_a_resume_the_tightened_pod_cannot_take_starts_fresh_with_the_reason(clu
 
     _, before = counter_value(cluster, ns, "tight-0")
     save(plugin, cluster, ns, "tight-0", "tight")
-    drop_all = [{"op": "add", "path": "/spec/template/spec/containers/0/securityContext",
-                 "value": {"capabilities": {"drop": ["ALL"]}}}]  # fmt: skip
-    cluster.kubectl("patch", "statefulset", "tight", "-n", ns, "--type", "json", "-p", json.dumps(drop_all))
+    if refused_by == "agent":
+        tighten = [{"op": "add", "path": "/spec/template/spec/containers/0/securityContext",
+                    "value": {"capabilities": {"drop": ["ALL"]}}}]  # fmt: skip
+    else:
+        n = len(sts["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]) - 1
+        tighten = [{"op": "remove", "path": f"/spec/template/spec/containers/0/volumeMounts/{n}"}]
+    cluster.kubectl("patch", "statefulset", "tight", "-n", ns, "--type", "json", "-p", json.dumps(tighten))
     third = live_pod(cluster, ns, "tight", not_uids={second["metadata"]["uid"]})
     name = third["metadata"]["name"]
 
@@ -330,6 +354,11 @@ def test_a_resume_the_tightened_pod_cannot_take_starts_fresh_with_the_reason(clu
     reasons = {e["reason"]: e["message"] for e in events["items"]}
     assert K.EVENT_RESUME_SKIPPED in reasons, reasons
     assert "grant more than the container's spec" in reasons[K.EVENT_RESUME_SKIPPED], reasons
+    if refused_by == "agent":  # said while staging: no container of the pod was created from the save
+        assert "capabilities" in reasons[K.EVENT_RESUME_SKIPPED], reasons
+        assert K.EVENT_RESTORE_REFUSED in reasons, reasons
+    else:
+        assert "/etc/extra" in reasons[K.EVENT_RESUME_SKIPPED], reasons
     tok3, _ = counter_value(cluster, ns, name)
     assert tok3 != tok  # fresh: a new process, not the save
     cluster.wait_for("the fresh counter to go on", lambda: counter_value(cluster, ns, name)[1] >= 5)

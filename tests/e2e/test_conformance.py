@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from tests.support.agent import _plugin, agent
 from tests.support.cluster import Cluster, cluster
 from tests.support.conformance import (

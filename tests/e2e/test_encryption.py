@@ -16,7 +16,7 @@ import pytest
 from kubectl_snapshot.adapters.keystore import KEY_SECRET
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.model import parse_config
 from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.reference import Reference
@@ -105,12 +105,43 @@ def _restores(cluster: Cluster, namespace: str, plugin: Plugin, ref: str, tok: s
     cluster.kubectl("delete", "pod", name, "-n", namespace, "--wait=true")  # uninstall waits for none of ours
 
 
+def _others_under_the_runtime_class(cluster: Cluster, namespace: str) -> list[str]:
+    """`ns/name` of the running pods of the runtime class this test did not make (`make demo`'s restored
+    counter, on the demo's cluster): uninstall refuses while they run, so the tests pass --force for
+    them, and check that they run on through the uninstall and the reinstall."""
+    return sorted(
+        f"{p['metadata']['namespace']}/{p['metadata']['name']}"
+        for p in cluster.get_json("pods", "-A")["items"]
+        if p["spec"].get("runtimeClassName") == K.RUNTIME_CLASS
+        and p["metadata"]["namespace"] != namespace
+        and not p["metadata"].get("deletionTimestamp")
+        and p.get("status", {}).get("phase") == "Running"
+    )
+
+
+def _uninstall(
+    cluster: Cluster, namespace: str, plugin: Plugin, *args: str
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """`kubectl snapshot uninstall ARGS`, with --force only for pods this session did not start."""
+    others = _others_under_the_runtime_class(cluster, namespace)
+    out = plugin("uninstall", *args, *(["--force"] if others else []))
+    for name in others:
+        assert name in out.stderr, out.stderr  # named as left running
+    return out, others
+
+
+def _still_running(cluster: Cluster, others: list[str]) -> None:
+    for name in others:
+        ns, pod_name = name.split("/")
+        assert cluster.get_json("pod", pod_name, "-n", ns)["status"]["phase"] == "Running", name
+
+
 def test_uninstall_keeps_the_keys_so_a_reinstall_restores_a_sealed_snapshot(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
     ref, tok = _sealed_snapshot(cluster, namespace, plugin, "kept")
     before = _key_data(cluster)
     assert before[KEY_SECRET] and namespace in before[KEY_SECRET] and all(before.values())
 
-    out = plugin("uninstall")
+    out, others = _uninstall(cluster, namespace, plugin)
     kept = {line.split()[0] for line in out.stdout.splitlines() if line.endswith(" kept")}
     assert kept == {f"Namespace/{K.AGENT_NAMESPACE}", f"Secret/{KEY_SECRET}", f"ConfigMap/{K.TRUST_CONFIG_MAP}"}, (
         out.stdout
@@ -126,6 +157,7 @@ def test_uninstall_keeps_the_keys_so_a_reinstall_restores_a_sealed_snapshot(clus
     # every node's key stays trusted, bound to its node (the agents find theirs registered already)
     assert before[K.TRUST_CONFIG_MAP].items() <= _key_data(cluster)[K.TRUST_CONFIG_MAP].items()
     _restores(cluster, namespace, plugin, ref, tok, "kept2")
+    _still_running(cluster, others)
 
 
 def _doc_blocks() -> list[str]:
@@ -151,8 +183,9 @@ def test_uninstall_purge_keys_deletes_them_and_the_documented_backup_brings_them
         assert done.returncode == 0, done.stderr
 
     run(backup)
+    others: list[str] = []
     try:
-        out = plugin("uninstall", "--purge-keys", "-o", "json")
+        out, others = _uninstall(cluster, namespace, plugin, "--purge-keys", "-o", "json")
         assert json.loads(out.stdout)["kept"] == []
         assert _key_data(cluster) == dict.fromkeys(before)  # gone at once, by name
         cluster.wait_for(
@@ -166,3 +199,4 @@ def test_uninstall_purge_keys_deletes_them_and_the_documented_backup_brings_them
             agent.reinstall()
     assert _key_data(cluster) == before
     _restores(cluster, namespace, plugin, ref, tok, "purged2")
+    _still_running(cluster, others)

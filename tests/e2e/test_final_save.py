@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.core import finalsave as F
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from tests.e2e.test_autosave_resume import assert_resumed, live_pod, pod_annotations, pods
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, running
 from tests.support.agent import agent

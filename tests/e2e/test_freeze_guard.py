@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
-from shim import freezer
+from kubectl_snapshot.core import kubenames as K
 from shim.containerd.client import ContainerdClient
 from shim.engine.checkpoint import ENV_TEST_FROZEN_HOLD_S
+from shim.host import freezer
 from tests.e2e.test_snapshot_flows import COUNTER, pod, running
 from tests.support.agent import AgentInstall, agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace

@@ -48,5 +48,5 @@ def test_doctor_reports_criu_hook_and_blockers_per_node(cluster: Cluster, agent:
         assert tools["pod network lock"]["ok"] and tools["abort connections from the old address"]["ok"], n
     assert proc.returncode == 0 and report["ok"], report
     text = plugin("doctor", check=False).stdout
-    assert "runtime hook" in text and "criu check    ok" in text, text
+    assert "runtime wrapper" in text and "criu check    ok" in text, text
     assert "pod network lock: in-process" in text and "instead of ss -K" in text and "/bin/tar 1.34" in text, text

@@ -18,11 +18,13 @@ import contextlib
 import json
 import subprocess
 import time
+from collections.abc import Callable
 from datetime import datetime
+from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from tests.e2e.test_snapshot_flows import counter_value, running
 from tests.support.agent import agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace
@@ -80,7 +82,7 @@ def test_killed_node_pod_resumes_on_the_other_node_from_the_last_periodic_save(c
         assert resumed >= 1
         cluster.wait_for("the resumed counter to go on", lambda: sample(cluster, ns, pod)[1] > resumed)
         # it resumed the newest save, which the dead node's agent made (status.node is ks-n1)
-        ref = staged_reference(cluster, ns, rec.pod["metadata"]["uid"])
+        ref = staged_reference(cluster, ns, rec.pod["metadata"]["uid"], agent_log=agent_log(cluster, n2, pod))
         assert _digest(ref) == _digest(saved["status"]["reference"]), (ref, saved["status"])
         assert saved["status"]["node"] == n1
         # at most one interval (plus the save's own duration: a save holds the state of its freeze) lost
@@ -133,11 +135,41 @@ def sample(cluster: Cluster, ns: str, pod: str) -> tuple[str, int]:
     return counter_value(cluster, ns, pod)
 
 
-def staged_reference(cluster: Cluster, ns: str, uid: str) -> str:
-    """The snapshot reference the agent staged into the pod (its RestoreStaged Event)."""
-    events = cluster.get_json("events", "-n", ns, "--field-selector", f"involvedObject.uid={uid}")["items"]
-    staged = [e["message"] for e in events if e.get("reason") == K.EVENT_RESTORE_STAGED]
-    assert staged, [e.get("reason") for e in events]
+def agent_log(cluster: Cluster, node: str, pod: str) -> Callable[[], str]:
+    """The agent's log lines on `node` that name `pod`: what a failed check shows of the agent's side."""
+
+    def read() -> str:
+        pods = cluster.get_json(
+            "pods", "-n", K.AGENT_NAMESPACE, "-l", f"app.kubernetes.io/name={K.AGENT_NAME}",
+            "--field-selector", f"spec.nodeName={node}",
+        )["items"]  # fmt: skip
+        out = []
+        for p in pods:
+            name = p["metadata"]["name"]
+            text = cluster.kubectl("logs", name, "-n", K.AGENT_NAMESPACE, "-c", "agent", check=False).stdout
+            out += [f"{name}: {line}" for line in text.splitlines() if pod in line][-40:]
+            prev = cluster.kubectl("logs", name, "-n", K.AGENT_NAMESPACE, "-c", "agent", "--previous", check=False)
+            if prev.returncode == 0:
+                out.append(f"{name} restarted; its previous log's last lines:")
+                out += prev.stdout.splitlines()[-20:]
+        return "\n".join(out)
+
+    return read
+
+
+def staged_reference(cluster: Cluster, ns: str, uid: str, agent_log: Callable[[], str] = str) -> str:
+    """The snapshot reference the agent staged into the pod (its RestoreStaged Event). The agent records
+    the Event after it opens the pod's gates, so the pod may run (and count) before the Event is there."""
+    events: list[dict[str, Any]] = []
+
+    def recorded() -> list[str]:
+        events[:] = cluster.get_json("events", "-n", ns, "--field-selector", f"involvedObject.uid={uid}")["items"]
+        return [e["message"] for e in events if e.get("reason") == K.EVENT_RESTORE_STAGED]
+
+    with contextlib.suppress(AssertionError):  # the assert below says which Events there were
+        cluster.wait_for("the RestoreStaged Event", lambda: bool(recorded()), timeout=30)
+    staged = recorded()
+    assert staged, f"{[e.get('reason') for e in events]}\nthe agent's log of the pod:\n{agent_log()}"
     words = staged[-1].split()  # "resume from REFERENCE staged on NODE"
     return str(words[words.index("from") + 1])
 

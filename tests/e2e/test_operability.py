@@ -14,8 +14,8 @@ import pytest
 
 from bench.agent_scale import cleanup, measure
 from kubectl_snapshot.adapters.kube import KubeClient
-from kubectl_snapshot.core import kube as K
-from shim.metrics_auth import DEFAULT_AUDIENCES
+from kubectl_snapshot.core import kubenames as K
+from shim.service.metrics_auth import DEFAULT_AUDIENCES
 from tests.e2e.test_snapshot_flows import COUNTER, _final, _psnap, counter_value, pod, running
 from tests.support.agent import METRICS_PORT, agent, plugin
 from tests.support.cluster import cluster, namespace

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
 from tests.support.agent import agent, plugin
 from tests.support.cluster import cluster, namespace

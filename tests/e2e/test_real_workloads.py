@@ -110,3 +110,126 @@ def test_a_debian_pod_with_the_token_and_restricted_settings_restores(cluster, n
     assert (tok2, pid2) == (tok, pid) and after >= before  # its own memory and pid, carried on
     cluster.wait_for("the service to go on", lambda: count("deb-2")[1] > after)
     assert read(cluster, namespace, "deb-2", "app", TOKEN)  # the new pod's token, where the spec mounts it
+
+
+def _drop_all_policy(name: str, namespace: str) -> list[dict[str, Any]]:
+    """A MutatingAdmissionPolicy as a cluster admin tightens a namespace with: the (first, here the only)
+    app container drops every capability (the restore pod's gate init container is left as it is)."""
+    sc = "Object.spec.containers.securityContext"
+    expression = (
+        f'[JSONPatch{{op: "add", path: "/spec/containers/0/securityContext", '
+        f'value: {sc}{{capabilities: {sc}.capabilities{{drop: ["ALL"]}}}}}}]'
+    )
+    policy = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            "matchConstraints": {
+                "resourceRules": [
+                    {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}
+                ]
+            },
+            "failurePolicy": "Fail",
+            "reinvocationPolicy": "Never",
+            "mutations": [{"patchType": "JSONPatch", "jsonPatch": {"expression": expression}}],
+        },
+    }
+    binding = {
+        "apiVersion": "admissionregistration.k8s.io/v1",
+        "kind": "MutatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {
+            "policyName": name,
+            "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}}},
+        },
+    }
+    return [policy, binding]
+
+
+def test_a_restore_the_pod_cannot_take_is_refused_at_staging_and_by_dry_run(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    """Issue 41, item 7. A namespace tightened after the save (admission drops every capability of its
+    pods): `kubectl snapshot restore --dry-run=server` names what the pod would lack, and a restore is
+    refused by the agent while staging, with the reason in the pod's restore-status and a RestoreRefused
+    Event, before any container is created (no create error from the runtime). The legitimate twin: the
+    same snapshot, the namespace as it was, passes the dry run and restores on the other node."""
+    from kubectl_snapshot.core import kubenames as K
+    from kubectl_snapshot.core.runtimegrant import DEFAULT_CAPABILITIES
+    from shim.criu.guard import CAPABILITIES
+
+    n1, n2 = cluster.nodes[:2]
+    cluster.apply(pod("wide", namespace, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+    running(cluster, namespace, "wide")
+    out = plugin("snapshot", "pod/wide", "-n", namespace, "--to", f"{cluster.registry}/e2e/wide", "-o", "json")
+    snap = json.loads(out.stdout)["metadata"]["name"]
+    tok, before = counter_value(cluster, namespace, "wide")
+    # the bound's default capabilities are what this node's containerd really gives a default pod
+    status = cluster.kubectl("exec", "-n", namespace, "wide", "--", "cat", "/proc/1/status").stdout
+    bnd = int(next(x for x in status.splitlines() if x.startswith("CapBnd:")).split()[1], 16)
+    assert {c for i, c in enumerate(CAPABILITIES) if bnd >> i & 1} == DEFAULT_CAPABILITIES, status
+    cluster.kubectl("delete", "pod", "wide", "-n", namespace, "--wait=true")
+
+    legit = plugin(
+        "restore", snap, "-n", namespace, "--name", "wide-dry", "--node", n2, "--dry-run=server", check=False
+    )
+    assert legit.returncode == 0, legit.stdout + legit.stderr
+    assert "kind: Pod" in legit.stdout and "name: wide-dry" in legit.stdout, legit.stdout
+
+    policy_name = f"ks-e2e-drop-all-{namespace}"[:63]
+    objects = _drop_all_policy(policy_name, namespace)
+    try:
+        for obj in objects:
+            cluster.apply(obj)
+
+        def tightened() -> bool:  # the policy is in force once a dry-run pod comes back mutated
+            proc = plugin(
+                "restore", snap, "-n", namespace, "--name", "wide-dry", "--node", n2, "--dry-run=server", check=False
+            )
+            return bool(proc.returncode != 0)
+
+        cluster.wait_for("the admission policy to take effect", tightened, 60)
+        proc = plugin(
+            "restore", snap, "-n", namespace, "--name", "wide-dry", "--node", n2, "--dry-run=server", check=False
+        )
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "the restore would be refused" in proc.stderr, proc.stderr
+        assert "capabilities" in proc.stderr and "CAP_CHOWN" in proc.stderr, proc.stderr
+        assert "kind: Pod" not in proc.stdout
+        # a dry run stores nothing
+        assert cluster.kubectl("get", "pod", "wide-dry", "-n", namespace, check=False).returncode != 0
+
+        proc = plugin("restore", snap, "-n", namespace, "--name", "wide-tight", "--node", n2, check=False)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "grant more than the container's spec" in proc.stderr and "capabilities" in proc.stderr, proc.stderr
+        obj = cluster.get_json("pod", "wide-tight", "-n", namespace)
+        status = obj["metadata"]["annotations"][K.ANN_RESTORE_STATUS]
+        assert status.startswith(K.RESTORE_FAILED_PREFIX) and "refusing to restore" in status, status
+        events = cluster.kubectl(
+            "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=wide-tight", "-o", "json"
+        ).stdout
+        reasons = {e["reason"]: e["message"] for e in json.loads(events)["items"]}
+        assert K.EVENT_RESTORE_REFUSED in reasons, reasons
+        assert "grant more than the container's spec" in reasons[K.EVENT_RESTORE_REFUSED], reasons
+        # refused while staging: the app container was never created, so the runtime never refused it
+        assert not any("CreateContainer" in m or "failed to create" in m for m in reasons.values()), reasons
+        statuses = obj["status"].get("containerStatuses") or []
+        assert not any("running" in (s.get("state") or {}) for s in statuses), statuses
+    finally:
+        for obj in reversed(objects):
+            cluster.kubectl("delete", obj["kind"].lower(), obj["metadata"]["name"], "--ignore-not-found", check=False)
+
+    cluster.wait_for(
+        "the admission policy to be gone",
+        lambda: (
+            plugin(
+                "restore", snap, "-n", namespace, "--name", "wide-dry", "--node", n2, "--dry-run=server", check=False
+            ).returncode
+            == 0
+        ),
+        60,
+    )
+    proc = plugin("restore", snap, "-n", namespace, "--name", "wide-2", "--node", n2, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert running(cluster, namespace, "wide-2")["spec"]["nodeName"] == n2
+    tok2, after = counter_value(cluster, namespace, "wide-2")
+    assert tok2 == tok and after >= before  # the same process, carried on

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.adapters.registry.client import RegistryClient
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.reference import Reference
 from tests.support.agent import agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace

@@ -100,7 +100,7 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     assert psnap["status"]["frozenBy"] == "cgroup freezer", psnap["status"]
     # the dump ran the CRIU that install-node put in the node's directory (runc --criu), not the host's
     assert_installed_criu_ran(n1, "checkpoint", launched[n1])
-    # a small pod's dump went to the host's tmpfs the DaemonSet mounts (shim/memwork.py), not the disk
+    # a small pod's dump went to the host's tmpfs the DaemonSet mounts (shim/host/memwork.py), not the disk
     logs = cluster.kubectl(
         "logs", "-n", "kubectl-snapshot-system", "-l", "app.kubernetes.io/name=kubectl-snapshot-agent", "-c", "agent",
         "--tail=-1", check=False,
@@ -108,7 +108,7 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     mine = [line for line in logs.splitlines() if f"{namespace}/{psnap['metadata']['name']}: snapshot" in line]
     assert mine and all(line.endswith("dumped to memory") for line in mine), logs[-3000:]
     assert "dumps go to disk, not memory" not in logs, logs[-3000:]
-    # into the tmpfs with large folios install-node mounted on the agent's area (shim/workfs.py)
+    # into the tmpfs with large folios install-node mounted on the agent's area (shim/host/workfs.py)
     assert not tmpfs_large_folios() or "install-node's tmpfs with large folios" in logs, logs[-3000:]
     listed = cluster.get_json("podsnapshots", "-n", namespace)["items"]
     assert [x["metadata"]["name"] for x in listed] == [psnap["metadata"]["name"]]
@@ -122,7 +122,7 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     assert after >= before
     cluster.wait_for("the restored counter to go on", lambda: counter_value(cluster, namespace, "counter2")[1] > after)
     assert restored["metadata"]["annotations"]["kubectl-snapshot.io/restore-from"].endswith(ref.split("@")[1])
-    assert_installed_criu_ran(n2, "restore", launched[n2])  # through the runtime hook, with the installed CRIU
+    assert_installed_criu_ran(n2, "restore", launched[n2])  # through the runtime wrapper, with the installed CRIU
 
 
 def test_two_containers_sharing_an_empty_dir(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]

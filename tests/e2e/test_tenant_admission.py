@@ -24,10 +24,11 @@ import yaml
 
 from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.adapters.signatures import trust_from_data
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import PermissionDenied
 from kubectl_snapshot.core.provenance import SigningKey, node_key_entries
-from kubectl_snapshot.deploy import admission, keys, rbac, resume, trust
+from kubectl_snapshot.deploy import admission, keys, rbac, trust
+from kubectl_snapshot.deploy import resume_admission as resume
 from tests.e2e.test_plugin_errors import _sa_kubeconfig
 from tests.support.agent import AgentInstall, agent
 from tests.support.cluster import Cluster, cluster, namespace

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.reference import Reference
-from shim.criu_guard import CAPABILITIES
+from shim.criu.guard import CAPABILITIES
 from tests.support.agent import agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace
 from tests.support.tamper import (
@@ -204,10 +204,11 @@ def test_edited_criu_images_cannot_restore_more_capabilities_than_the_pod_has(  
     1. Without the node's signing key the attacker can only replay the original signature: the agent
        refuses before it downloads a layer (provenance).
     2. With the signing key of the node that took the save stolen as well (re-signed here as its agent
-       signs, with the original's signed origin), the artifact passes every check of the agent, and
-       only the runtime wrapper's CRIU image check (shim/criu_guard.py) stands between it and a
-       privileged process: it refuses before `runc restore`, naming the capabilities, in the
-       restore's status and the pod's Events. Without that check the restore goes through (the
+       signs, with the original's signed origin), the artifact passes every provenance check, and
+       only the CRIU image check (shim/criu/guard.py) stands between it and a privileged process: the
+       agent runs it against the pod spec's bound while staging (shim/engine/precheck.py), and the runtime
+       wrapper again against config.json before `runc restore`; it refuses, naming the capabilities, in
+       the restore's status and the pod's Events. Without that check the restore goes through (the
        issue's attack at c436d96: CapEff 000001fffeffffff), and both the exit status and the message
        asserted below fail.
     """

@@ -18,8 +18,8 @@ from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
 from kubectl_snapshot.core.reference import Reference
-from shim import hostfacts
 from shim.containerd.client import ContainerdClient
+from shim.host import facts as hostfacts
 from tests.integration.test_agent_roundtrip import (
     agent,
     cleanup,
@@ -267,9 +267,9 @@ def test_recover_thaws_what_a_killed_checkpoint_left_frozen(running_counter):  #
 def test_direct_freezer_on_a_real_container_and_recover(running_counter):  # type: ignore[no-untyped-def]
     """The cgroup freezer the agent writes directly: the container stops counting while frozen, runc calls it
     paused, containerd still "running"; `recover` finds it through the freezer and thaws it."""
-    from shim import freezer
     from shim.engine.checkpoint import FROZEN_FILE
     from shim.engine.staging import StatePaths
+    from shim.host import freezer
 
     a, daemon, cid = running_counter
     fz = freezer.lookup(a.get_task(cid).pid)

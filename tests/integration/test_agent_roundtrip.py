@@ -19,10 +19,11 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.reference import Reference
-from shim.archive import sparse_regions
 from shim.containerd.client import ContainerdClient
+from shim.files.archive import sparse_regions
 from tests.support.containerd import ContainerdDaemon, containerd_a, containerd_b
 from tests.support.images import busybox_image, python_image
 from tests.support.registry import RegistryServer, registry
@@ -211,10 +212,10 @@ def test_snapshot_without_stop_leaves_the_original_running(containerd_a, registr
 def test_a_small_dump_goes_through_memory_and_one_the_node_keeps_on_disk_too(  # type: ignore[no-untyped-def]
     containerd_a, containerd_b, registry, cleanup
 ):
-    """A dump that clearly fits goes to the node's memory work area (shim/memwork.py), restores like any
+    """A dump that clearly fits goes to the node's memory work area (shim/host/memwork.py), restores like any
     other, and leaves nothing there; with KUBECTL_SNAPSHOT_MEMORY_WORK_MIB=0 it goes to the state dir."""
-    from shim import memwork
     from shim.engine.staging import StatePaths
+    from shim.host import memwork
 
     a, b, image, cid, new = pair(containerd_a, containerd_b, cleanup, "inmem", busybox_image)
     start_counter(a, containerd_a, cid, image)
@@ -228,7 +229,7 @@ def test_a_small_dump_goes_through_memory_and_one_the_node_keeps_on_disk_too(  #
     to = registry.ref("inmem", "v1")
     out = json.loads(agent("checkpoint", *on(containerd_a), "-o", "json", "--to", to, cid).stdout)
     assert out["dumpedTo"] == "memory", out
-    # nothing left in the area (install-node's tmpfs, shim/workfs.py, stays as a mount point)
+    # nothing left in the area (install-node's tmpfs, shim/host/workfs.py, stays as a mount point)
     assert not os.path.exists(area) or os.listdir(area) == []
     agent(*restore_on(containerd_b), out["reference"], new)
     tok_after, _ = read_counter(b, new)
@@ -467,3 +468,57 @@ def test_group_freeze_is_consistent_and_volume_comes_back(containerd_a, containe
         assert code == 0
         assert int(seen_out.decode() or 0) <= int(seq_out.decode())
     assert int((newvol / "seq").read_text()) > 1000
+
+
+def _wide_entries(root: Path) -> tuple[list[str], list[tuple[str, str]]]:
+    """(every entry below `root`, those of them a group or others may read, write or enter, with the mode)."""
+    seen: list[str] = []
+    wide: list[tuple[str, str]] = []
+    for d, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(d, name)
+            st = os.lstat(path)
+            seen.append(os.path.relpath(path, root))
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
+                wide.append((os.path.relpath(path, root), oct(stat.S_IMODE(st.st_mode))))
+    return seen, wide
+
+
+def test_a_dumps_scratch_is_private_and_removed_after(containerd_a, registry, cleanup, tmp_path):  # type: ignore[no-untyped-def]
+    """Threat D8: a dump (memory, writable layer, volume) is root's alone while it is on the node, and gone
+    after. The agent runs under the usual umask 022; its state dir is fresh (install-node makes it 0700)."""
+    a = client(containerd_a)
+    image = busybox_image(containerd_a)
+    cid = unique("private")
+    cleanup(a, cid)
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    (vol / "data").write_text("volume data\n")
+    mount = {"destination": "/vol", "type": "bind", "source": str(vol), "options": ["rbind", "rw"]}
+    a.run_container(
+        cid, image=image, args=["sh", "-c", COUNTER], mounts=[mount], runc_options=containerd_a.runc_options
+    )
+    wait_for(lambda: read_counter(a, cid)[1] >= 5, what="the counter")
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    env = {**os.environ, **signing_env(), C.ENV_STATE_DIR: str(state)}
+
+    def checkpoint(tag: str, *extra: str) -> None:
+        to = registry.ref("private", tag)
+        proc = subprocess.run(
+            [AGENT, "checkpoint", *on(containerd_a), "--volume", str(vol), *extra, "--to", to, cid],
+            capture_output=True, text=True, timeout=300, env=env, umask=0o022,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+
+    checkpoint("kept", "--keep-work")
+    [kept] = os.listdir(state / "work")
+    seen, wide = _wide_entries(state)
+    names = {os.path.basename(p) for p in seen}
+    # what the walk saw: runc's and CRIU's files (images, dump.log), the agent's (spec, rootfs diff, volumes)
+    assert {C.DUMP_LOG_FILE, "pstree.img", "volumes.tar", C.ROOTFS_DIFF_TAR, C.SPEC_DUMP_FILE} <= names, sorted(names)
+    assert wide == [], f"group or other may read these in the agent's state dir: {wide}"
+
+    checkpoint("gone")
+    assert os.listdir(state / "work") == [kept], "a dump was left behind in the state dir"
+    assert a.get_task(cid) is not None and task_status(a, cid) == "running"

@@ -1,4 +1,4 @@
-"""`ks-agent checkpoint|restore` served by a warm agent on the node-local socket (shim/localapi.py):
+"""`ks-agent checkpoint|restore` served by a warm agent on the node-local socket (shim/service/localapi.py):
 real containerd, runc, CRIU and registry; the client is the `ks-agent` a user runs, the server
 `ks-agent serve`, the DaemonSet's `run` minus Kubernetes."""
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from shim import localapi
+from shim.service import localapi
 from tests.integration.test_agent_roundtrip import (
     AGENT,
     WRAPPER,
@@ -42,7 +42,7 @@ pytestmark = pytest.mark.integration
 
 class Client:
     """A `ks-agent` a user runs: the Python program, or the agent image's (hack/agent_image.py): the
-    static launcher in front of it, which sends a served command itself (hack/launcher/agentclient.go).
+    static launcher in front of it, which sends a served command itself (launcher/agentclient.go).
     Here the launcher's Python program is a shell that notes each start, then runs the Python ks-agent."""
 
     def __init__(self, program: str, starts: Path | None = None) -> None:
@@ -62,7 +62,7 @@ def launcher_client(tmp_path_factory: pytest.TempPathFactory) -> Client:
     repo = Path(__file__).resolve().parents[2]
     go = shutil.which("go") or "/usr/local/go/bin/go"
     build = subprocess.run(
-        [go, "build", "-trimpath", "-o", str(client_path), "."], cwd=repo / "hack/launcher",
+        [go, "build", "-trimpath", "-o", str(client_path), "."], cwd=repo / "launcher",
         env={**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "GOFLAGS": "-mod=mod"},
         capture_output=True, text=True, check=False,
     )  # fmt: skip

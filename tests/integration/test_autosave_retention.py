@@ -11,7 +11,7 @@ from kubectl_snapshot.core import constants
 from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.provenance import signature_tag
 from kubectl_snapshot.core.reference import Reference
-from shim.controller.autosave import delete_manifest
+from shim.controller.policies import delete_manifest
 from tests.integration.test_registry_client import blob, fast_client, manifest_for, push_artifact, unique_ref
 from tests.support.registry import RegistryServer, registry_server
 

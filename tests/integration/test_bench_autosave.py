@@ -1,4 +1,4 @@
-"""bench/autosave.py end to end at a tiny size, on real containerd, runc, CRIU and a registry: the bench
+"""bench/autosave_cost.py end to end at a tiny size, on real containerd, runc, CRIU and a registry: the bench
 runs, its chain is incremental, its page diff sees what the workload wrote, every ratio is measured.
 (Its own containerd and registry; it writes /etc/criu/runc.conf like the other integration tests, so
 run it under the e2e lock on a shared machine.)"""
@@ -24,7 +24,7 @@ def test_autosave_bench_at_32_mib_with_two_saves(tmp_path: Path) -> None:
     if why:
         pytest.skip(why)
     out = tmp_path / "result.json"
-    cmd = [sys.executable, "-m", "bench.autosave", "--size", "32", "--saves", "2", "--pod-mib", "32",
+    cmd = [sys.executable, "-m", "bench.autosave_cost", "--size", "32", "--saves", "2", "--pod-mib", "32",
            "--pod-runs", "1", "-o", "json", "--out", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

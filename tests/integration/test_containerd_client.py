@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core.errors import CriuFailed, FailedPrecondition, NotFound, Unavailable
-from shim import criu_config
 from shim.containerd.client import ContainerdClient
 from shim.containerd.imageconfig import chain_id, select_manifest
 from shim.containerd.spec import default_spec
+from shim.criu import config as criu_config
 from tests.support.containerd import CRIU, ContainerdDaemon, containerd_a, containerd_b, criu_node_config
 from tests.support.images import busybox_image, python_image
 

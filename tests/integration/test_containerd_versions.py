@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from shim.containerd.client import ContainerdClient
 from shim.controller import dropin
 from tests.integration.test_agent_roundtrip import (

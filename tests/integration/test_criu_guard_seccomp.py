@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from shim.criu_guard import CAPABILITIES, image_problems
+from shim.criu.guard import CAPABILITIES, image_problems
 from tests.support.criu_dump import dump_workload
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("pycriu") is None, reason="pycriu missing")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core.errors import FailedPrecondition
-from shim.criu_images import summarize_checkpoint
+from shim.criu.images import summarize_checkpoint
 from tests.support.criu_dump import TOUCHED_BYTES, Dumped, criu_dumped
 
 needs_pycriu = pytest.mark.skipif(

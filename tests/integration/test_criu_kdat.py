@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from shim import criu_kdat
 from shim.controller.node_install import install, uninstall
 from shim.controller.settings import NodeSettings
+from shim.criu import kdat as criu_kdat
 from tests.support.bundle import real_bundle
 
 pytestmark = [
@@ -124,7 +124,7 @@ def test_a_node_whose_run_is_a_tmpfs_is_left_to_criu() -> None:
     (checked in a private mount namespace with a tmpfs on /run)."""
     script = (
         "mount -t tmpfs systemd-like-run /run && "
-        f"{sys.executable} -m shim.criu_kdat ensure --criu /usr/sbin/criu && grep -c kubectl-snapshot-kdat "
+        f"{sys.executable} -m shim.criu.kdat ensure --criu /usr/sbin/criu && grep -c kubectl-snapshot-kdat "
         "/proc/self/mountinfo || true"
     )
     proc = subprocess.run(

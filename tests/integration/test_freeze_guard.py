@@ -1,4 +1,4 @@
-"""The freeze guard (shim/guard.py) against real containers and the kernel's cgroup freezer.
+"""The freeze guard (shim/freeze_guard.py) against real containers and the kernel's cgroup freezer.
 
 A holder process freezes a running counter container through the guard, as the agent does; the holder
 is then killed (SIGKILL), stopped (SIGSTOP) or the guard itself is killed: each time the container runs
@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from shim import freezer, memwork
 from shim.engine.staging import StatePaths
+from shim.host import freezer, memwork
 from tests.integration.test_agent_roundtrip import AGENT, agent, cleanup, client, on, start_counter, unique
 from tests.support.containerd import containerd_a
 from tests.support.images import busybox_image
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 HOLDER = """
 import sys, time
-from shim.guard import GuardClient
+from shim.freeze_guard import GuardClient
 fz = GuardClient(sys.argv[1]).freezer_for(int(sys.argv[2]))
 assert fz is not None
 fz.freeze(deadline_s=float(sys.argv[3]))
@@ -76,7 +76,7 @@ def guard_process(tmp: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(sock)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "shim.guard", "--socket", sock, "--state-dir", str(tmp / "holds")], cwd=REPO
+        [sys.executable, "-m", "shim.freeze_guard", "--socket", sock, "--state-dir", str(tmp / "holds")], cwd=REPO
     )
     try:
         deadline = time.monotonic() + 10
@@ -263,7 +263,7 @@ def private_guard_of(parent: int) -> tuple[int, Path]:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"shim.guard" in argv:
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"shim.freeze_guard" in argv:
             sock = Path(argv[argv.index(b"--socket") + 1].decode())
             assert sock.parent.name.startswith("kubectl-snapshot-guard-"), sock
             return int(entry.name), sock.parent
@@ -271,7 +271,7 @@ def private_guard_of(parent: int) -> tuple[int, Path]:
 
 
 def test_a_private_guard_starts_beside_the_caller_and_one_never_asked_to_freeze_is_stopped() -> None:
-    from shim.guard import private_guard
+    from shim.freeze_guard import private_guard
 
     t = time.monotonic()
     with private_guard() as g:

@@ -30,8 +30,8 @@ from kubectl_snapshot.core.provenance import (
     signature_tag,
 )
 from kubectl_snapshot.core.reference import Reference
-from shim import nodekey
 from shim.containerd.client import ContainerdClient
+from shim.service import nodekey
 from tests.integration.test_agent_roundtrip import (
     agent,
     cleanup,
@@ -132,7 +132,7 @@ def test_cosign_verify_accepts_the_agents_signature(  # type: ignore[no-untyped-
 def test_cosign_verify_accepts_a_signature_by_a_nodes_own_key(  # type: ignore[no-untyped-def]
     containerd_a, registry, running, repo, tmp_path
 ):
-    """What a node's agent signs with (the key made in its state dir, shim/nodekey.py) and publishes (its
+    """What a node's agent signs with (the key made in its state dir, shim/service/nodekey.py) and publishes (its
     `<key id>.pub` entry of the trust ConfigMap): cosign verifies with that entry, the signed node as well."""
     key = nodekey.load_or_create(str(tmp_path / "state"))
     node = os.uname().nodename  # the origin the node-level agent records

@@ -26,8 +26,8 @@ from kubectl_snapshot.core.reference import Reference
 from shim.containerd.client import ContainerdClient, RuncOptions
 from shim.engine.restore import stage_artifact
 from shim.engine.staging import StatePaths
-from shim.podrestore import LOCK_TABLE, RELEASED_FILE, PodRestore
-from shim.runc_wrapper import ANN_CONTAINER_NAME, ANN_CONTAINER_TYPE, ANN_SANDBOX_UID
+from shim.net.podrestore import LOCK_TABLE, RELEASED_FILE, PodRestore
+from shim.runtime_wrapper import ANN_CONTAINER_NAME, ANN_CONTAINER_TYPE, ANN_SANDBOX_UID
 from tests.integration.test_agent_roundtrip import WRAPPER, agent, on, unique, wait_for
 from tests.support.containerd import ContainerdDaemon, containerd_a, containerd_b
 from tests.support.images import busybox_image
@@ -202,7 +202,7 @@ while True:
 def test_a_unix_stream_connection_between_containers_is_found_and_criu_cannot_dump_it(  # type: ignore[no-untyped-def]
     containerd_a: ContainerdDaemon, registry, netns, tmp_path: Path
 ):
-    from shim.unixpeers import CrossLink, find_cross_links
+    from shim.net.unixpeers import CrossLink, find_cross_links
     from tests.support.images import python_image
 
     a = containerd_a.client()

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from shim.engine.staging import READY, StagingGate, StatePaths
-from shim.podrestore import FAILED_FILE, LOCK_TABLE, RELEASED_FILE, PodRestore
+from shim.net.podrestore import FAILED_FILE, LOCK_TABLE, RELEASED_FILE, PodRestore
 from tests.integration.test_wrapper_pyz import HOST_PYTHON, calls, pyz, run_pyz
 from tests.support.nft import nft_tables
 from tests.unit.test_criu_guard import bundle as guard_bundle

@@ -1,4 +1,4 @@
-"""The memory work area's tmpfs with large folios (shim/workfs.py), mounted and removed for real."""
+"""The memory work area's tmpfs with large folios (shim/host/workfs.py), mounted and removed for real."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shim import memwork, reaper, workfs
-from shim.hostmount import current, mount_at
+from shim.host import memwork, reaper, workfs
+from shim.host.mounts import current, mount_at
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
 

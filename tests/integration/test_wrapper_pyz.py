@@ -2,7 +2,7 @@
 
 -I -S leaves out the environment, user site and dist-packages, so only the stdlib and the zipapp
 itself are importable: exactly a node where nothing but python3 is installed. A pass-through call and
-a full restore ``create`` (rootfs diff applied through shim.archive, then
+a full restore ``create`` (rootfs diff applied through shim.files.archive, then
 ``runc restore`` of a fake runc that records its argv) both have to work there.
 """
 
@@ -67,18 +67,25 @@ def test_host_python_has_no_third_party_packages() -> None:
 def test_zipapp_holds_only_the_wrapper_closure(pyz: Path) -> None:
     with zipfile.ZipFile(pyz) as zf:
         names = {n for n in zf.namelist() if n.endswith(".py")}
-    assert "__main__.py" in names and "shim/runc_wrapper.py" in names
-    assert "shim/archive.py" in names
+    assert "__main__.py" in names and "shim/runtime_wrapper.py" in names
+    assert "shim/files/archive.py" in names
     assert not any(n.startswith(("shim/containerd", "kubectl_snapshot/cli", "shim/agent")) for n in names), names
     assert pyz.read_bytes().startswith(b"#!/usr/bin/python3")
 
 
 # Modules whose import takes milliseconds each on a node's bare python3 (`python3 -X importtime` shows
 # it): none of them is on the way from a restore's create to `runc restore` and back
-# (shim/runc_wrapper.py, "what it imports at start").
+# (shim/runtime_wrapper.py, "what it imports at start").
 SLOW_IMPORTS = {"typing", "dataclasses", "inspect", "subprocess", "socket", "ipaddress", "hashlib"}
 # what a node-level restore's create imports: the hook, the image check, the rootfs diff, lo brought up
-RESTORE_PATH = ("shim.runc_wrapper", "shim.criu_guard", "shim.rootfs_diff", "shim.loopback", "shim.netns", "shim.rcu")
+RESTORE_PATH = (
+    "shim.runtime_wrapper",
+    "shim.criu.guard",
+    "shim.files.rootfs_diff",
+    "shim.net.loopback",
+    "shim.net.netns",
+    "shim.host.rcu",
+)
 
 
 def test_the_restore_path_imports_no_slow_module(pyz: Path) -> None:
@@ -252,7 +259,7 @@ def _kernel_switch() -> str:
 
 def test_runc_restore_runs_with_expedited_grace_periods(pyz: Path, tmp_path: Path) -> None:
     """The hook's `runc restore` runs while the node's RCU switch is on (the real kernel's), which is off
-    again afterwards (shim/rcu.py); without the node's directory nothing is switched."""
+    again afterwards (shim/host/rcu.py); without the node's directory nothing is switched."""
     if os.geteuid() != 0 or _kernel_switch() != "0" or Path("/sys/kernel/rcu_normal").read_text().strip() != "0":
         pytest.skip("needs root and a kernel whose rcu_expedited is 0 and rcu_normal 0")
     log = tmp_path / "seen.jsonl"

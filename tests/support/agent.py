@@ -21,9 +21,11 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.nodesettings import NodeSettings
-from shim import criu_config, criu_kdat, memwork, workfs
+from shim.criu import config as criu_config
+from shim.criu import kdat as criu_kdat
+from shim.host import memwork, workfs
 from tests.support.cluster import HACK, REPO, Cluster
 from tests.support.containerd import tmpfs_large_folios
 
@@ -187,7 +189,7 @@ def installed_agent(
     conf = Path(criu_config.RUNC_CONF)
     conf_before = conf.read_text() if conf.exists() else None
     # an install this session did not make (`make demo`'s, say) is put back afterwards, not removed:
-    # its restored pods keep their runtime hook. One of this very build is an earlier instance's of this
+    # its restored pods keep their runtime wrapper. One of this very build is an earlier instance's of this
     # fixture (each test module that imports it has its own; pytest keeps them all to the session's end).
     found_image = installed_image(cluster)
     ours = found_image == image
@@ -200,13 +202,13 @@ def installed_agent(
     foreign = conf_before is not None and not criu_config.is_ours(conf_before)
     assert foreign or criu_config.is_ours(conf.read_text() if conf.exists() else None)
     # where /run is not a tmpfs (these VMs), install-node (in the init container, through the host's
-    # mount namespace) put CRIU's kernel-feature cache on a tmpfs bound on /run/criu.kdat (shim/criu_kdat.py)
+    # mount namespace) put CRIU's kernel-feature cache on a tmpfs bound on /run/criu.kdat (shim/criu/kdat.py)
     kdat_native = criu_kdat.decide(criu_kdat.KDAT_FILE, _host_mounts()) == "native"
     bound = criu_kdat.mount_at(criu_kdat.KDAT_FILE, _host_mounts())
     assert kdat_native or (bound is not None and bound.source == criu_kdat.SOURCE), (
         f"after install, {criu_kdat.KDAT_FILE} is not the kdat cache install-node binds there: {bound}"
     )
-    # and each node's memory work area on a tmpfs of its own with large folios (shim/workfs.py), seen by
+    # and each node's memory work area on a tmpfs of its own with large folios (shim/host/workfs.py), seen by
     # the agent's container through its host path mount
     areas = [memwork.area_dir(NodeSettings(node=n).state_dir) for n in cluster.nodes]
     if tmpfs_large_folios():
@@ -233,7 +235,7 @@ def installed_agent(
             assert out.returncode == 0, f"kubectl-snapshot uninstall failed ({out.returncode}):\n{out.stderr[-4000:]}"
     if not undo or found_image is not None:
         return
-    # uninstall is the inverse of install, on the nodes too: no runtime hook, no containerd drop-in
+    # uninstall is the inverse of install, on the nodes too: no runtime wrapper, no containerd drop-in
     for node in cluster.nodes:
         assert not (cluster.containerd_dropin_dir(node) / "kubectl-snapshot.toml").exists(), node
         assert not Path("/opt/kubectl-snapshot", node).exists(), node

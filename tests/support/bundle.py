@@ -51,7 +51,7 @@ def real_bundle(out: Path) -> Path:
     go = "/usr/local/go/bin/go"
     subprocess.run(
         [go, "build", "-trimpath", "-ldflags", "-s -w -buildid=", "-o", str(launcher), "."],
-        cwd=REPO / "hack/launcher",
+        cwd=REPO / "launcher",
         env={"CGO_ENABLED": "0", "GOTOOLCHAIN": "local", "HOME": "/root", "PATH": "/usr/local/go/bin:/usr/bin:/bin"},
         check=True,
         capture_output=True,

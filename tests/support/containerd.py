@@ -28,8 +28,10 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core.errors import SnapshotError
-from shim import criu_config, criu_kdat, memwork, rcu, workfs
 from shim.containerd.client import ContainerdClient, RuncOptions
+from shim.criu import config as criu_config
+from shim.criu import kdat as criu_kdat
+from shim.host import memwork, rcu, workfs
 from tests.support.containerd_versions import INSTALLED, ContainerdBinaries
 
 CONTAINERD = INSTALLED.containerd
@@ -286,7 +288,7 @@ def node_criu_config() -> Iterator[criu_config.ConfigResult | None]:
 @contextlib.contextmanager
 def node_kdat_cache() -> Iterator[criu_kdat.KdatResult | None]:
     """CRIU's kernel-feature cache as install-node leaves a node whose /run is not a tmpfs (a tmpfs file
-    bound on /run/criu.kdat, shim/criu_kdat.py), so that the bench dumps as a node does; removed
+    bound on /run/criu.kdat, shim/criu/kdat.py), so that the bench dumps as a node does; removed
     afterwards if this made it (an installed agent's arrangement is left as it was)."""
     if missing_requirements():
         yield None
@@ -302,7 +304,7 @@ def node_kdat_cache() -> Iterator[criu_kdat.KdatResult | None]:
 
 
 def tmpfs_large_folios() -> bool:
-    """Whether this kernel mounts a tmpfs with huge= (shim/workfs.py's mount is made only then)."""
+    """Whether this kernel mounts a tmpfs with huge= (shim/host/workfs.py's mount is made only then)."""
     import tempfile
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
@@ -316,7 +318,7 @@ def tmpfs_large_folios() -> bool:
 @contextlib.contextmanager
 def node_memory_work_fs(state_dir: Path) -> Iterator[workfs.WorkFsResult]:
     """The memory work area of an agent with this state dir on a tmpfs of its own with large folios, as
-    install-node leaves a node (shim/workfs.py); unmounted and its directory removed afterwards if this
+    install-node leaves a node (shim/host/workfs.py); unmounted and its directory removed afterwards if this
     mounted it (an installed agent's is left as it was)."""
     area = memwork.area_dir(str(state_dir))
     result = workfs.ensure(area, memwork.limit_bytes())
@@ -333,7 +335,7 @@ def node_memory_work_fs(state_dir: Path) -> Iterator[workfs.WorkFsResult]:
 @contextlib.contextmanager
 def node_rcu_expedite(state_dir: Path) -> Iterator[str]:
     """RCU grace periods expedited during the product's dumps and restores, as install-node leaves a
-    node (shim/rcu.py: the directory under the state dir); the directory is removed afterwards if this
+    node (shim/host/rcu.py: the directory under the state dir); the directory is removed afterwards if this
     made it, and a switch its holders left on is put back."""
     had = Path(rcu.directory(str(state_dir))).is_dir()
     state = rcu.prepare(str(state_dir), enable=True)
@@ -352,7 +354,7 @@ def criu_node_config() -> Iterator[criu_config.ConfigResult | None]:
 
 @pytest.fixture(scope="session")
 def memory_work_fs() -> Iterator[workfs.WorkFsResult]:
-    """The tests' agents' memory work area as install-node leaves a node (shim/workfs.py)."""
+    """The tests' agents' memory work area as install-node leaves a node (shim/host/workfs.py)."""
     from shim.engine.staging import StatePaths
 
     with node_memory_work_fs(Path(StatePaths.from_env().root)) as result:

@@ -1,8 +1,8 @@
-"""The one fake of the controller's Kubernetes port (shim/controller/ports.Kube), type-checked against it.
+"""The one fake of the controller's Kubernetes port (shim/controller/kube_api.KubeApi), type-checked against it.
 
 `StrictKube` answers every call with a failed test: a unit test subclasses it and implements only the
 calls its code path is expected to make, so an unexpected call is a failure that names the method,
-not a silent default. mypy checks each subclass against the port wherever it is passed as a `Kube`.
+not a silent default. mypy checks each subclass against the port wherever it is passed as a `KubeApi`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NoReturn
 
-from shim.controller.ports import Obj, WatchEvents
+from shim.controller.kube_api import Obj, WatchEvents
 
 
 def _unexpected(name: str) -> NoReturn:

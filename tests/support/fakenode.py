@@ -1,4 +1,4 @@
-"""Fakes of the checkpoint use case's two ports (shim/engine/ports.py): a containerd that "dumps" a
+"""Fakes of the checkpoint use case's two ports (shim/engine/node_ports.py): a containerd that "dumps" a
 one-file image and records the order of pauses, dumps and resumes, and an in-memory registry that can
 fail, be down, or lose what it acknowledged. For unit tests of orchestration; the real components are
 tested in tests/integration."""

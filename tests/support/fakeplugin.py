@@ -32,7 +32,7 @@ from typing import Any, Final
 from kubectl_snapshot.app.policy import PolicyKube
 from kubectl_snapshot.app.ports import ArtifactStore, Kube, Obj, StoreFactory
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import (
     AlreadyExists,
     FailedPrecondition,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shim import netlink, netns, nftlock
+from shim.net import netlink, netns, nftlock
 
 
 def nft_tables(netns_path: str) -> list[str]:

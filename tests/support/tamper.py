@@ -26,13 +26,13 @@ from kubectl_snapshot.adapters.keystore import KEY_SECRET
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.adapters.signatures import sign_snapshot, verify_snapshot
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.encryption import EncryptionInfo
 from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.provenance import SigningKey, TrustPolicy, signature_tag
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import LocalNamespaceKey, NamespaceKey, Opener, Sealer
-from shim import nodekey
+from shim.service import nodekey
 from tests.support.cluster import Cluster
 
 

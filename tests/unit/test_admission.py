@@ -17,10 +17,11 @@ import pytest
 from kubernetes.client.exceptions import ApiException
 
 from kubectl_snapshot.adapters.kube import map_api_error
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import InvalidArgument, PermissionDenied
 from kubectl_snapshot.core.reference import Reference
-from kubectl_snapshot.deploy import admission, render, resume
+from kubectl_snapshot.deploy import admission, render
+from kubectl_snapshot.deploy import resume_admission as resume
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -264,4 +265,14 @@ def test_plugin_turns_a_denial_into_a_hint() -> None:
     assert "can-i get secret" in (err.hint or "")
     plain = map_api_error(_denied('pods is forbidden: User "u" cannot create resource "pods"'), "x", "s")
     assert "RBAC" in (plain.hint or "")
+    other = map_api_error(
+        _denied(
+            "pods \"x\" is forbidden: policy 'drop-all' with binding 'drop-all' denied request: error applying patch"
+        ),
+        "x",
+        "s",
+    )
+    assert "admission policy or webhook" in (other.hint or "") and "RBAC" not in (other.hint or "")
+    hook = map_api_error(_denied('admission webhook "v.example.com" denied the request: no'), "x", "s")
+    assert "admission policy or webhook" in (hook.hint or "")
     assert isinstance(map_api_error(_denied("bad", 422), "x", "s"), InvalidArgument)

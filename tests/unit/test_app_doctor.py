@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from kubectl_snapshot.app.doctor import UNKNOWN, doctor
 from kubectl_snapshot.cli import main as cli_main
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.cli import wiring
+from kubectl_snapshot.core import kubenames as K
 from tests.support.fakeplugin import FakeKube, agent_pod, install_agent, node
 
 CRD = f"CRD {K.PLURAL}.{K.GROUP}"
@@ -22,7 +23,7 @@ NOT_PUBLISHED = "the agent has not published node status (an older agent, or not
 
 
 def facts(*blockers: str, criu: str = "4.2.1") -> dict[str, Any]:
-    """The node-facts annotation as the agent publishes it (shim/nodecheck.py)."""
+    """The node-facts annotation as the agent publishes it (shim/service/nodecheck.py)."""
     return {
         "criuVersion": criu,
         "containerdVersion": "v2.1.4",
@@ -137,9 +138,9 @@ def test_a_user_who_cannot_list_nodes_gets_the_cluster_checks_and_the_reason() -
 def test_the_command_exits_1_and_names_what_is_bad(monkeypatch: pytest.MonkeyPatch) -> None:
     kube = FakeKube()
     kube.add(node("n1"))
-    monkeypatch.setattr(cli_main, "kube_client", lambda: kube)
+    monkeypatch.setattr(wiring, "kube_client", lambda: kube)
     result = CliRunner().invoke(cli_main.cli, ["doctor"], catch_exceptions=False)
     assert result.exit_code == 1
     assert f"BAD {DS}: missing" in result.output and f"ok  {CRD}: present" in result.output
-    monkeypatch.setattr(cli_main, "kube_client", lambda: healthy("n1"))
+    monkeypatch.setattr(wiring, "kube_client", lambda: healthy("n1"))
     assert CliRunner().invoke(cli_main.cli, ["doctor"], catch_exceptions=False).exit_code == 0

@@ -14,7 +14,8 @@ from click.testing import CliRunner
 from kubectl_snapshot.app import install as A
 from kubectl_snapshot.app.ports import Obj
 from kubectl_snapshot.cli import main as cli_main
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.cli import wiring
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
 from kubectl_snapshot.core.provenance import SigningKey, node_key_entries
 from kubectl_snapshot.deploy.agent import CLEANUP_NAME
@@ -130,7 +131,7 @@ def test_uninstall_removes_the_hook_from_every_node_first_then_the_objects_in_re
     assert kube.names(K.KIND) == []  # PodSnapshots go with their CRD
     assert steps == [
         f"wait for pods of runtime class {K.RUNTIME_CLASS} being deleted",
-        "remove the runtime hook from every node",
+        "remove the runtime wrapper from every node",
         "delete the objects",
     ]
 
@@ -155,7 +156,7 @@ def _runtime_pod(name: str, ns: str = "team", **meta: Any) -> Obj:
 
 
 def test_uninstall_refuses_while_pods_run_under_the_runtime_class_and_changes_nothing() -> None:
-    """containerd stops those pods' containers through the runtime hook: without it they would keep
+    """containerd stops those pods' containers through the runtime wrapper: without it they would keep
     running, unkillable, their pods stuck Terminating."""
     objects, kube, ctl = _installed()
     kube.add(_runtime_pod("restored"))
@@ -211,7 +212,7 @@ def test_a_node_cleanup_that_does_not_finish_leaves_the_installation_but_not_the
     kube = FakeKube(crds=False)
     Controllers(kube).run(A.install, objects)
     kube.journal.clear()
-    with pytest.raises(Unavailable, match="the runtime hook removed from every node") as e:
+    with pytest.raises(Unavailable, match="the runtime wrapper removed from every node") as e:
         Controllers(kube, ds_hang=True).run(A.uninstall, objects, timeout_s=30)
     assert f"logs ds/{CLEANUP_NAME} -c install-node" in (e.value.hint or "")
     assert kube.get("DaemonSet", K.AGENT_NAMESPACE, CLEANUP_NAME) is None  # deleted all the same
@@ -236,7 +237,7 @@ def cli(kube: FakeKube | None, monkeypatch: pytest.MonkeyPatch, *args: str) -> A
             raise AssertionError("a client dry run must not talk to the API server")
         return kube
 
-    monkeypatch.setattr(cli_main, "kube_client", client)
+    monkeypatch.setattr(wiring, "kube_client", client)
     return CliRunner().invoke(cli_main.cli, list(args), catch_exceptions=False)
 
 
@@ -269,7 +270,7 @@ def test_install_server_dry_run_on_a_fresh_cluster_checks_what_it_can(monkeypatc
     kube = FakeKube(crds=False)
     objects = A.render(None, {})
     before = dict(kube.objects)
-    monkeypatch.setattr(cli_main, "kube_client", lambda: kube)
+    monkeypatch.setattr(wiring, "kube_client", lambda: kube)
     result = CliRunner().invoke(cli_main.cli, ["install", "--dry-run=server", "-o", "name"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     inside = [o for o in objects if o["metadata"].get("namespace") == K.AGENT_NAMESPACE]

@@ -12,7 +12,7 @@ import pytest
 from kubectl_snapshot.app.migrate import MigrateRequest, migrate, migrate_owned
 from kubectl_snapshot.app.ports import Obj
 from kubectl_snapshot.app.snapshot import SnapshotRequest
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kubectl_snapshot.core.workload import COMPLETION_INDEX_KEY
 from tests.support.fakeplugin import (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kubectl_snapshot.app.restore import RestoreRequest, build_restore, create_restore_pod, wait_running
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConfig
 from kubectl_snapshot.core.podspec import RestoreState

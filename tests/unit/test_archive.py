@@ -21,9 +21,9 @@ import zstandard
 
 from kubectl_snapshot.core.errors import UnsafeArchive
 from kubectl_snapshot.core.safepath import ExtractLimits
-from shim.archive import safe_extract, tar_directory
-from shim.pipes import HashingWriter, iter_produced
-from shim.zstdio import compress_to, open_zstd_reader, open_zstd_writer
+from shim.files.archive import safe_extract, tar_directory
+from shim.files.pipes import HashingWriter, iter_produced
+from shim.files.zstdio import compress_to, open_zstd_reader, open_zstd_writer
 from tests.support.tarcraft import Entry, craft_tar, dev, dir_, hard, reg, sym
 
 ROOT = os.geteuid() == 0

@@ -15,7 +15,7 @@ import pytest
 
 from kubectl_snapshot.core.errors import UnsafeArchive
 from kubectl_snapshot.core.safepath import ExtractLimits
-from shim.archive import safe_extract, tar_directories, tar_directory
+from shim.files.archive import safe_extract, tar_directories, tar_directory
 
 MiB = 1 << 20
 

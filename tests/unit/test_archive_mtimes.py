@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.archive import mtime_ns, mtime_record, safe_extract, tar_directory
+from shim.files.archive import mtime_ns, mtime_record, safe_extract, tar_directory
 
 T = 1_796_300_000  # a time in seconds
 NS = 1_000_000_000

@@ -18,8 +18,9 @@ import pytest
 
 from kubectl_snapshot.core.errors import UnsafeArchive
 from kubectl_snapshot.core.safepath import ExtractLimits
-from shim import archive, memwork
-from shim.archive import safe_extract, sparse_regions, tar_directory
+from shim.files import archive
+from shim.files.archive import safe_extract, sparse_regions, tar_directory
+from shim.host import memwork
 
 MiB = 1 << 20
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core.errors import UnsafeArchive
-from shim import archive
-from shim.archive import safe_extract, tar_directory
+from shim.files import archive
+from shim.files.archive import safe_extract, tar_directory
 
 ROOT = os.geteuid() == 0
 # struct vfs_cap_data, revision 2: cap_net_bind_service (10) permitted and effective

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.core import autosave as A
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import workload as W
 from kubectl_snapshot.core.errors import InvalidArgument
 
@@ -87,6 +87,7 @@ def test_save_object_names_labels_and_tag() -> None:
     assert obj["spec"]["registrySecret"] == "creds"
     assert obj["spec"]["insecure"] is True and obj["spec"]["includeVolumes"] is False
     assert obj["spec"]["stop"] is False
+    assert obj["spec"]["podUID"] == "uid-web-0"  # the pod the policy saves, not a later one of its name (A8)
     assert obj["metadata"]["labels"] == {
         K.LABEL_POD: "web-0",
         K.LABEL_POD_UID: "uid-web-0",

@@ -1,4 +1,4 @@
-"""The agent's autosave loop (shim/controller/autosave.py) over an in-memory API: one save in flight
+"""The agent's autosave loop (shim/controller/policies.py) over an in-memory API: one save in flight
 at a time, the schedule read back after a restart, retention deleting manifests before objects,
 status entries per node. The real thing runs in tests/e2e/test_autosave_policy.py."""
 
@@ -9,16 +9,17 @@ import datetime
 from typing import Any
 
 from kubectl_snapshot.core import autosave as A
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import AlreadyExists, NotFound, SnapshotError
 from kubectl_snapshot.core.provenance import signature_tag
 from kubectl_snapshot.core.reference import Reference
-from shim.controller.autosave import Autosave, delete_manifest
+from shim.controller.policies import Autosave, delete_manifest
 from tests.support.fakekube import EventRecorder, RecordedEvent
 
 
 def iso(t: float) -> str:
-    return A.rfc3339(t)
+    return T.rfc3339(t)
 
 
 class FakeKube(EventRecorder):

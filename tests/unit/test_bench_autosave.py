@@ -1,4 +1,4 @@
-"""bench/autosave_report.py: the maths behind bench/autosave.py's ratios and verdicts."""
+"""bench/autosave_report.py: the maths behind bench/autosave_cost.py's ratios and verdicts."""
 
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ from kubectl_snapshot.core.provenance import (
     signature_tag,
 )
 from kubectl_snapshot.core.reference import Reference
-from shim import reaper
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.staging import StatePaths
+from shim.host import reaper
 from tests.support.fakenode import FakeContainerd, FakeRegistry
 
 HOST = HostFacts(kernel="6.18", arch="x86_64", criu_version="4.2.1")
@@ -53,7 +53,7 @@ def test_all_frozen_first_then_dumped_then_resumed(tmp_path: Path) -> None:
     assert [c.name for c in cfg.containers] == ["a", "b"]
     assert {layer.digest for layer in manifest.layers} <= set(reg.blobs)
     assert str(result.reference) == f"127.0.0.1:5000/snap@{manifest.digest}"
-    assert reaper.drain(10)  # the work dir is removed after the answer (shim/reaper.py)
+    assert reaper.drain(10)  # the work dir is removed after the answer (shim/host/reaper.py)
     assert not os.listdir(tmp_path / "work")  # work dir cleaned
 
 
@@ -120,7 +120,7 @@ def test_unknown_or_stopped_containers_are_refused_before_freezing(tmp_path: Pat
 def test_a_dump_that_would_take_the_node_under_the_eviction_threshold_is_refused_before_freezing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A dump on disk reserves the pod's memory (and writable layers, volumes) first (shim/diskspace.py):
+    """A dump on disk reserves the pod's memory (and writable layers, volumes) first (shim/host/diskspace.py):
     refused, nothing is frozen or written and the pod keeps running; a dump that fits is taken."""
     gib = 1 << 30
     monkeypatch.setenv("KUBECTL_SNAPSHOT_MEMORY_WORK_MIB", "0")  # the dump goes to the disk
@@ -141,7 +141,7 @@ def test_a_dump_that_would_take_the_node_under_the_eviction_threshold_is_refused
     assert reg.manifests == {}
     checkpoint(req, containerd=cd, registry=reg, paths=paths, host=HOST, memory_of=lambda pid: gib)
     assert reg.manifests
-    from shim import diskspace
+    from shim.host import diskspace
 
     assert diskspace.NODE.held() == {}  # both promises went with their dumps
 
@@ -273,7 +273,7 @@ def test_unsigned_without_a_key(tmp_path: Path) -> None:
 
 
 def test_containers_connected_by_unix_sockets_are_refused_before_freezing(tmp_path: Path) -> None:
-    from shim.unixpeers import CrossLink
+    from shim.net.unixpeers import CrossLink
 
     cd = FakeContainerd({"a", "b"})
     seen: list[list[int]] = []
@@ -345,7 +345,7 @@ def test_the_deadline_from_the_pods_memory_reaches_the_freezer(tmp_path: Path) -
 
 
 def test_a_guard_that_thaws_early_fails_the_snapshot_and_pushes_nothing(tmp_path: Path) -> None:
-    from shim.guard import GuardError
+    from shim.freeze_guard import GuardError
 
     cd, reg = FakeContainerd({"a"}), FakeRegistry()
 

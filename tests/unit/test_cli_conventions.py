@@ -268,7 +268,7 @@ def complete(*args: str, kubeconfig: Path | None = None) -> list[str]:
     cmd = (
         [str(exe)]
         if exe.exists()
-        else [sys.executable, "-c", "from kubectl_snapshot.cli.completion import main; main()"]
+        else [sys.executable, "-c", "from kubectl_snapshot.cli.main import complete; complete()"]
     )
     env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "KUBECONFIG": str(kubeconfig or "/nonexistent")}
     proc = subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=60, cwd=REPO)

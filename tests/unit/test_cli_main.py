@@ -14,7 +14,9 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from kubectl_snapshot.cli.main import _doctor_text, _table, cli
+from kubectl_snapshot.cli.doctor import doctor_text
+from kubectl_snapshot.cli.listing import table
+from kubectl_snapshot.cli.main import cli
 from kubectl_snapshot.cli.params import Duration
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,15 +132,15 @@ def test_table_aligns_columns() -> None:
             "age": "1m",
         },
     ]
-    lines = _table(rows, with_ns=False).splitlines()
+    lines = table(rows, with_ns=False).splitlines()
     assert lines[0].split() == ["NAME", "POD", "PHASE", "NODE", "SIZE", "REFERENCE", "AGE"]
     assert lines[1].index("Succeeded") == lines[2].index("Pending") == lines[0].index("PHASE")
     assert "2.0 KiB" in lines[1] and lines[2].split()[3:] == ["-", "-", "-", "1m"]
-    assert _table([], with_ns=True) == "No PodSnapshots found."
+    assert table([], with_ns=True) == "No PodSnapshots found."
 
 
 def test_doctor_text_shows_unknown_facts() -> None:
-    text = _doctor_text(
+    text = doctor_text(
         {
             "ok": False,
             "checks": [{"check": "CRD x", "ok": False, "detail": "missing"}],
@@ -177,7 +179,7 @@ def test_doctor_text_lists_each_nodes_tools_and_where_they_come_from() -> None:
         },
         "blockers": ["pods' network cannot be locked"],
     }  # fmt: skip
-    text = _doctor_text({"ok": False, "checks": [], "nodes": [node]})
+    text = doctor_text({"ok": False, "checks": [], "nodes": [node]})
     assert "  tar: /opt/kubectl-snapshot/n1/bin/tar 1.34 (debian tar 1.34)" in text, text
     assert (
         "  pod network lock: in-process (nf_tables over netlink; instead of sh, iptables-restore; no nf_tables)" in text

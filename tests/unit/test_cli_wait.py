@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kubectl_snapshot.app.snapshot import wait_snapshot
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, Unavailable
 from tests.support.fakeplugin import FakeKube, snapshot
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition
-from shim import nodecheck
 from shim.controller import dropin
+from shim.service import nodecheck
 
 LAUNCHER = "/opt/kubectl-snapshot/n1/kubectl-snapshot-runc"
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition
 from shim.controller.node_install import dropin_toml, install, uninstall
 from shim.controller.podinfo import empty_dirs, record_pod, running_containers
-from shim.controller.restores import wants_restore
+from shim.controller.restores import _Clock, wants_restore
 from shim.controller.settings import NodeSettings, apply_node_map
 from tests.support.bundle import fake_bundle
 from tests.support.fakekube import EventRecorder, RecordedEvent
@@ -194,10 +194,10 @@ def _restore_worker(tmp_path: Path) -> tuple[_AnnotatingKube, Any]:
 
 
 def test_restore_worker_reports_a_pod_the_wrapper_could_not_restore_whole(tmp_path: Path) -> None:
-    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core import kubenames as K
     from kubectl_snapshot.core.model import HostFacts
     from shim.controller.restores import RestoreWorker
-    from shim.podrestore import PodRestore
+    from shim.net.podrestore import PodRestore
 
     kube, worker = _restore_worker(tmp_path)
     stopped: list[str] = []
@@ -233,10 +233,10 @@ def test_restore_worker_reports_a_resume_the_wrapper_started_fresh(tmp_path: Pat
     """A resume the wrapper could not restore: the agent stops only the containers already restored
     (the kubelet creates them again, fresh), says why in a ResumeSkipped Event, once, and marks nothing
     failed: the workload runs."""
-    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core import kubenames as K
     from kubectl_snapshot.core.model import HostFacts
     from shim.controller.restores import RestoreWorker
-    from shim.podrestore import PodRestore
+    from shim.net.podrestore import PodRestore
 
     kube, worker = _restore_worker(tmp_path)
     stopped: list[tuple[str, list[str] | None]] = []
@@ -271,10 +271,10 @@ def test_restore_worker_reports_a_resume_the_wrapper_started_fresh(tmp_path: Pat
 def test_a_refusal_of_the_images_is_told_apart_from_a_failure(tmp_path: Path) -> None:
     """The wrapper's image check refusing a restore-from: RestoreRefused with the reason (a failure of CRIU
     stays RestoreFailed, test above)."""
-    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core import kubenames as K
     from kubectl_snapshot.core.model import HostFacts
     from shim.controller.restores import RestoreWorker
-    from shim.podrestore import PodRestore
+    from shim.net.podrestore import PodRestore
 
     kube, worker = _restore_worker(tmp_path)
     worker._stop_containers = lambda uid, only=None: []
@@ -293,3 +293,15 @@ def test_a_refusal_of_the_images_is_told_apart_from_a_failure(tmp_path: Path) ->
     worker.consider(pod)
     assert [(e.reason, e.type) for e in kube.events] == [(K.EVENT_RESTORE_REFUSED, "Warning")]
     assert "grant more than the spec" in kube.events[0].message
+
+
+def test_the_staging_clock_names_every_step_of_a_staging() -> None:
+    """The RestoreStaged Event's timing line is made after the pod's gates were answered: a step it
+    could not name once raised there, and the pod resumed without its Event (the node-loss e2e)."""
+    clock = _Clock()
+    for step in ("choose", "check", "volumes", "download", "image check"):
+        clock.lap(step)
+    line = str(clock)
+    assert line.startswith("in ") and "the image check" in line and "choosing the save" in line
+    clock.lap("a step added later")
+    assert "a step added later" in str(clock)

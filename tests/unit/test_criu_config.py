@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shim import criu_config as cc
+from shim.criu import config as cc
 
 
 def ok(_cmd: str) -> tuple[int, str]:

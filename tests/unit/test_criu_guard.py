@@ -24,8 +24,8 @@ import pytest
 pytest.importorskip("pycriu")
 import pycriu.images as images
 
-from shim import criu_guard
-from shim.criu_guard import ImageGrantsMore, check_images, image_problems
+from shim.criu import guard as criu_guard
+from shim.criu.guard import ImageGrantsMore, check_images, image_problems
 
 ALL = criu_guard.CAPABILITIES
 DEFAULT_CAPS = [

@@ -1,4 +1,4 @@
-"""The pure decisions of shim/criu_kdat.py: which file CRIU caches in, and whether a node needs our tmpfs.
+"""The pure decisions of shim/criu/kdat.py: which file CRIU caches in, and whether a node needs our tmpfs.
 
 The mounts themselves are exercised for real in tests/integration/test_criu_kdat.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shim import criu_kdat as K
+from shim.criu import kdat as K
 
 # /run a plain directory of the root file system (the project's VMs)
 PLAIN = """\

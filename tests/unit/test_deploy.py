@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 import yaml
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.deploy import keys, render, resume, trust
+from kubectl_snapshot.deploy import keys, render, trust
+from kubectl_snapshot.deploy import resume_admission as resume
 
 REPO = Path(__file__).resolve().parents[2]
 GEN = REPO / "hack" / "gen-manifests.py"
@@ -71,7 +72,7 @@ def test_crd_schema() -> None:
     s, st = schema["properties"]["spec"], schema["properties"]["status"]
     assert set(s["required"]) == {"podName", "destination"}
     assert set(s["properties"]) == {
-        "podName", "podNamespace", "destination", "registrySecret", "insecure", "stop", "includeVolumes",
+        "podName", "podNamespace", "podUID", "destination", "registrySecret", "insecure", "stop", "includeVolumes",
         "ignoreLiveness",
     }  # fmt: skip
     assert s["properties"]["ignoreLiveness"]["default"] is False
@@ -222,7 +223,7 @@ def test_daemonset_defaults() -> None:
         # containerd refuses HostToContainer when the host's / is a private mount (hosts without systemd)
         assert all("mountPropagation" not in vm for vm in c["volumeMounts"])
         # host paths at the same path inside; directories, never the socket file (containerd restarts)
-        # the agent alone writes dumps that fit in memory to the host's tmpfs (shim/memwork.py)
+        # the agent alone writes dumps that fit in memory to the host's tmpfs (shim/host/memwork.py)
         memory_work = {"/dev/shm/kubectl-snapshot": "/dev/shm/kubectl-snapshot"} if c["name"] == "agent" else {}
         assert {p: v["hostPath"]["path"] for p, v in m.items() if "hostPath" in v} == {
             "/var/lib/kubectl-snapshot": "/var/lib/kubectl-snapshot",
@@ -392,7 +393,7 @@ def test_agent_cli_accepts_the_rendered_command_lines(per_node: dict[str, Any] |
     from click.testing import CliRunner
 
     from shim.agent_cli import cli
-    from shim.guard import parser as guard_parser
+    from shim.freeze_guard import parser as guard_parser
 
     spec = pod_spec(render("img", restart_command="restart {node}", per_node_paths=per_node))
     for c in node_side(spec):
@@ -401,6 +402,11 @@ def test_agent_cli_accepts_the_rendered_command_lines(per_node: dict[str, Any] |
     [guard] = [c for c in spec["containers"] if c["name"] == "guard"]
     args = guard_parser().parse_args(guard["args"])  # argparse exits on an unknown option
     assert args.socket == "/run/kubectl-snapshot-guard/guard.sock" and not args.once
+    # the container's command runs the freeze guard (shim/guard.py, the name every image answers to)
+    assert guard["command"][:2] == ["python3", "-m"]
+    command = [sys.executable, "-m", guard["command"][2], *guard["args"], "--help"]
+    ran = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and ran.stdout.startswith("usage: kubectl-snapshot-guard"), ran.stdout + ran.stderr
 
 
 def test_uninstall_cleanup_daemonset_undoes_install_node() -> None:

@@ -1,4 +1,4 @@
-"""The node's disk ledger (kubectl_snapshot/core/diskspace.py, shim/diskspace.py) over a fake statvfs.
+"""The node's disk ledger (kubectl_snapshot/core/diskspace.py, shim/host/diskspace.py) over a fake statvfs.
 
 The filesystem is a fake: `total` and `available` bytes (f_frsize 1), and a device number per path,
 so that the arithmetic is checked exactly; the engine's tests (test_restore_limits.py,
@@ -16,8 +16,8 @@ from prometheus_client import generate_latest
 from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.diskspace import DUMP, STAGING, Ask, DiskPolicy, Threshold, parse_share, parse_threshold
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
-from shim.diskspace import DiskLedger
-from shim.metrics import AgentMetrics
+from shim.host.diskspace import DiskLedger
+from shim.service.metrics import AgentMetrics
 
 GIB = 1 << 30
 

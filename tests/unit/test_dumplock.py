@@ -1,4 +1,4 @@
-"""The dump-time network lock (shim.dumplock) over a recording lock: which namespaces, in which order.
+"""The dump-time network lock (shim.net.dumplock) over a recording lock: which namespaces, in which order.
 
 Its effect on real traffic, with the real nf_tables lock, is tests/integration/test_netlink_tools.py
 and the pod lock's (tests/integration/test_whole_pod_wrapper.py); a real group dump under it is
@@ -11,7 +11,7 @@ import os
 import pytest
 
 from kubectl_snapshot.core.errors import FailedPrecondition
-from shim import dumplock
+from shim.net import dumplock
 
 NS = {1: "net:[1]", 100: "net:[7]", 101: "net:[7]", 200: "net:[8]", 300: "net:[9]", 301: "net:[9]"}
 

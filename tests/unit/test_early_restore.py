@@ -1,7 +1,7 @@
 """The hook's choice to start `runc restore` before the page files are in place (two-phase staging
 gate, shim/engine/staging.py): only with the node bundle's launcher as runc's CRIU, relaying to the CRIU
 runc would have run, and never where CRIU would read a page file while it restores the namespaces (SysV
-shared memory). The relay is tested in hack/launcher/criurelay_test.go, the restore for real in
+shared memory). The relay is tested in launcher/criurelay_test.go, the restore for real in
 tests/integration/test_node_bundle.py."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core import constants as C
-from shim import runc_wrapper as W
+from shim import runtime_wrapper as W
 from shim.engine.staging import FAILED, READY, PendingPages, StatePaths
 from tests.unit.test_staging_gate import images_announced
 

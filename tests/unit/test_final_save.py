@@ -9,10 +9,11 @@ from typing import Any
 
 from kubectl_snapshot.core import autosave as A
 from kubectl_snapshot.core import finalsave as F
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import resume as R
 from kubectl_snapshot.core import workload as W
-from kubectl_snapshot.deploy import render, resume
+from kubectl_snapshot.deploy import render
+from kubectl_snapshot.deploy import resume_admission as resume
 from shim.controller.finalsave import FinalSaver
 
 NOW = 1_800_000_000.0
@@ -97,6 +98,17 @@ def test_a_shorter_grace_period_at_deletion_cuts_the_window() -> None:
     p["metadata"]["deletionTimestamp"] = iso(NOW - 1.0 + 10)
     d = decide(p)
     assert d.save and 8 <= d.window_s <= 9  # the kubelet ends the 24 s hook at the 10 s deadline
+
+
+def test_a_final_saves_thaw_by_is_a_second_before_the_hook_ends() -> None:
+    """Issue 43: the deadline a final save is scheduled by and thawed at (core/saveorder.py)."""
+    assert F.thaw_by(pod(deleted_ago=1.0)) == NOW - 1.0 + 24 - F.THAW_MARGIN_S
+    p = pod(deleted_ago=1.0)
+    p["metadata"]["deletionGracePeriodSeconds"] = 10  # drain --grace-period=10 cuts the 24 s hook short
+    p["metadata"]["deletionTimestamp"] = iso(NOW - 1.0 + 10)
+    assert F.thaw_by(p) == NOW - 1.0 + 10 - F.THAW_MARGIN_S
+    assert F.thaw_by(pod(deleted_ago=None)) is None  # not terminating
+    assert F.thaw_by(pod(hook=None)) is None  # no hook: no final save
 
 
 def test_the_event_when_the_final_save_did_not_finish() -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.freezer import CgroupFreezer, cgroupfs_root, parse_proc_cgroup
+from shim.host.freezer import CgroupFreezer, cgroupfs_root, parse_proc_cgroup
 
 V1 = "12:pids:/kst/w\n5:freezer:/kst/w\n1:name=systemd:/kst/w\n0::/kst/w\n"
 V2 = "0::/kubepods.slice/pod-x/cri-containerd-abc.scope\n"

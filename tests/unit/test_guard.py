@@ -1,4 +1,4 @@
-"""The freeze guard's protocol and rules (shim/guard.py) against freezer files in a temporary directory.
+"""The freeze guard's protocol and rules (shim/freeze_guard.py) against freezer files in a temporary directory.
 
 A cgroup v1 ``freezer.state`` is a plain file here (what is written reads back), so the guard's real code
 runs end to end; tests/integration/test_freeze_guard.py does the same against real cgroups and processes.
@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from shim import freezer, guard
+from shim import freeze_guard as guard
+from shim.host import freezer
 
 PID = 424242  # the fake container task
 
@@ -176,7 +177,7 @@ def test_the_failure_report_is_a_merge_patch_of_the_status_over_https(
     import http.server
     import ssl
 
-    from shim.metrics_server import self_signed
+    from shim.service.metrics_server import self_signed
 
     cert, key = self_signed(["127.0.0.1"], str(tmp_path))
     sa = tmp_path / "sa"
@@ -224,7 +225,7 @@ def test_the_failure_report_is_a_merge_patch_of_the_status_over_https(
 
 def test_cgroup_paths_are_rebased_onto_the_current_host_process() -> None:
     """containerd (the host process cgroup paths are reached through) restarted: the guard still checks."""
-    from shim.guard import _rebase
+    from shim.freeze_guard import _rebase
 
     old = "/proc/9526/root/sys/fs/cgroup/freezer/ks-n1/kubepods/pod1/c1"
     assert (

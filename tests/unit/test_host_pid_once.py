@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from shim import hostfacts
+from shim.host import facts as hostfacts
 
 
 def test_host_pid_is_looked_up_once_per_block_and_per_thread(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from shim import hostfacts
-from shim.hostfacts import HostProbe
+from shim.host import facts as hostfacts
+from shim.host.facts import HostProbe
 
 
 def _tool(path: Path, banner: str, calls: Path) -> None:

@@ -20,7 +20,7 @@ from kubectl_snapshot.adapters import keystore
 from kubectl_snapshot.adapters.keystore import FileKeyProvider, SecretKeyProvider
 from kubectl_snapshot.app.install import key_objects
 from kubectl_snapshot.core import keysecret
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from kubectl_snapshot.core.sealing import LocalNamespaceKey, Sealer, key_id_of, new_key
 from kubectl_snapshot.deploy import LABELS, keys, render

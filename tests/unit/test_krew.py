@@ -98,7 +98,7 @@ def test_zipapp_carries_only_what_the_plugin_imports() -> None:
         "kubectl_snapshot/deploy/agent.py",
     } <= files
     assert not [f for f in files if f.startswith("shim/")]
-    node_only = {"archive.py", "criu_images.py", "criu_guard.py", "safefs.py", "zstdio.py", "pipes.py"}
+    node_only = {"archive.py", "images.py", "guard.py", "safefs.py", "zstdio.py", "pipes.py"}
     assert not [f for f in files if f.rsplit("/", 1)[-1] in node_only]
     # the agent's access to the namespace keys is library code the plugin never loads
     assert "kubectl_snapshot/adapters/keystore.py" not in files

@@ -1,4 +1,4 @@
-"""shim/localapi.py: the node-local socket's protocol, on real Unix sockets in this process (the commands
+"""shim/service/localapi.py: the node-local socket's protocol, on real Unix sockets in this process (the commands
 it serves are tested end to end in tests/integration/test_agent_serve.py)."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from shim import localapi
 from shim.agent_entry import forwarded
+from shim.service import localapi
 
 
 def test_env_differences_name_only_what_the_commands_read() -> None:
@@ -117,7 +117,7 @@ def test_the_client_falls_back_when_declined_and_prints_errors(tmp_path: Path, m
 
 def test_the_client_prints_what_the_agent_rendered(tmp_path: Path, monkeypatch: Any, capsys: Any) -> None:
     """The agent renders its answer in the client's -o format (what the launcher's client prints as it is,
-    hack/launcher/agentclient.go); an answer without that text is formatted here, as before."""
+    launcher/agentclient.go); an answer without that text is formatted here, as before."""
     result = {"reference": "r/x@sha256:1"}
     answers = iter([
         {"result": result, "output": "json", "rendered": "as the agent rendered it\n"},
@@ -135,7 +135,7 @@ def test_the_client_prints_what_the_agent_rendered(tmp_path: Path, monkeypatch: 
 
 
 def test_the_launchers_client_reads_the_same_names() -> None:
-    """hack/launcher/agentclient.go takes the socket variable, the state dir and the variables a request
+    """launcher/agentclient.go takes the socket variable, the state dir and the variables a request
     carries from its launch configuration: client_launch() gives this module's own."""
     from kubectl_snapshot.core import constants as C
 

@@ -1,4 +1,4 @@
-"""The memory work area (shim/memwork.py) on this machine's /dev/shm: which dumps it takes, the checks
+"""The memory work area (shim/host/memwork.py) on this machine's /dev/shm: which dumps it takes, the checks
 that keep it private, and that it leaves nothing behind."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from shim import memwork, reaper
 from shim.engine.staging import StatePaths
-from shim.hostmount import mount_of, parse_mountinfo
+from shim.host import memwork, reaper
+from shim.host.mounts import mount_of, parse_mountinfo
 
 MIB = 1 << 20
 
@@ -45,7 +45,7 @@ def test_a_dump_that_fits_gets_a_private_directory_in_memory_and_leaves_nothing(
         assert Path(d).parent.parent == base and os.path.isdir(d)
         assert oct(os.stat(d).st_mode & 0o777) == "0o700" and oct(os.stat(base).st_mode & 0o777) == "0o700"
         Path(d, "pages-1.img").write_bytes(b"x" * 4096)
-    assert reaper.drain(10)  # removed after the block, on a thread (shim/reaper.py)
+    assert reaper.drain(10)  # removed after the block, on a thread (shim/host/reaper.py)
     assert not base.exists()  # the area's directories go with the last dump in it
 
 

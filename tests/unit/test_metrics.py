@@ -1,4 +1,4 @@
-"""The agent's metrics and who may read them (shim/metrics.py, shim/metrics_server.py).
+"""The agent's metrics and who may read them (shim/service/metrics.py, shim/service/metrics_server.py).
 
 The review API is a fake here (the decisions are the API server's; tests/e2e/test_operability.py
 scrapes the real agent with real tokens); the HTTPS server, its certificate and the exposition are real.
@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from shim.metrics import AgentMetrics
-from shim.metrics_auth import DEFAULT_AUDIENCES, REVIEW_BURST, REVIEWS_PER_S
-from shim.metrics_server import Authorizer, audiences_of, serve
+from shim.service.metrics import AgentMetrics
+from shim.service.metrics_auth import DEFAULT_AUDIENCES, REVIEW_BURST, REVIEWS_PER_S
+from shim.service.metrics_server import Authorizer, audiences_of, serve
 
 API_AUDIENCE = "https://kubernetes.default.svc"  # what a token is issued for unless asked otherwise
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import socket
 import struct
 
-from shim import netlink, nftlock, tcpabort
+from shim.net import netlink, nftlock, tcpabort
 
 
 def test_attributes_round_trip_with_padding() -> None:

@@ -11,14 +11,15 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.app.doctor import node_facts
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
-from shim import hostfacts, nodecheck
 from shim.containerd.model import ContainerInfo, RuncOptions
 from shim.containerd.runc_checkpoint import CheckpointArgs, RuncCheckpointer
 from shim.controller.node_install import INSTALL_FACTS, install, uninstall
 from shim.controller.settings import NodeSettings
-from shim.runc_wrapper import with_criu
+from shim.host import facts as hostfacts
+from shim.runtime_wrapper import with_criu
+from shim.service import nodecheck
 from tests.support.bundle import fake_bundle
 
 

@@ -88,6 +88,12 @@ def test_values_are_checked_by_kind() -> None:
     with pytest.raises(InvalidArgument, match="unknown key"):
         deploy_agent.check_per_node_paths({"n1": {"opt_root": "/x"}})
     assert deploy_agent.check_per_node_paths({"n1": {"kubeletRoot": "/k"}}) == {"n1": {"kubelet_root": "/k"}}
+    # the save queue's workers and the dump gate's slots (issue 43): a positive whole number, or empty
+    assert NS.check_value("save_concurrency", "4") == "4" and NS.check_value("dump_concurrency", "") == ""
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(InvalidArgument, match="positive whole number"):
+            NS.check_value("save_concurrency", bad, "--save-concurrency")
+    assert deploy_agent.check_per_node_paths({"n1": {"saveConcurrency": "1"}}) == {"n1": {"save_concurrency": "1"}}
 
 
 def test_agent_rejects_a_bad_path_with_the_flag_named() -> None:

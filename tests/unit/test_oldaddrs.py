@@ -1,4 +1,4 @@
-"""Which old pod addresses a container's CRIU images need lent back (shim.oldaddrs), from files.img
+"""Which old pod addresses a container's CRIU images need lent back (shim.criu.oldaddrs), from files.img
 entries as pycriu decodes them. Real images of a connection that left the pod are restored in
 tests/e2e/test_whole_pod.py (the "away" container)."""
 
@@ -8,7 +8,7 @@ import socket
 import struct
 from typing import Any
 
-from shim.oldaddrs import connected_sources
+from shim.criu.oldaddrs import connected_sources
 
 
 def _v4(text: str) -> list[int]:

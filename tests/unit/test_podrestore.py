@@ -1,4 +1,4 @@
-"""The rules of a whole-pod restore (shim.podrestore) over a recording command runner and a fake clock.
+"""The rules of a whole-pod restore (shim.net.podrestore) over a recording command runner and a fake clock.
 
 The real network lock in a real namespace is tested in tests/integration/test_whole_pod_wrapper.py."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.podrestore import GRACE_S, PodRestore, netns_of, with_prefix
+from shim.net.podrestore import GRACE_S, PodRestore, netns_of, with_prefix
 
 
 class Recorder:

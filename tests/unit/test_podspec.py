@@ -7,12 +7,13 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
-from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, SourcePodReplaced
 from kubectl_snapshot.core.model import PodRecord
 from kubectl_snapshot.core.podspec import (
     GATE_SCRIPT,
     check_pod_running,
+    check_snapshot_source,
     destination,
     parse_pod_arg,
     restore_pod,
@@ -91,6 +92,29 @@ def test_snapshot_object_matches_the_contract() -> None:
         name="w", namespace="a", pod="web", target=Reference.parse("127.0.0.1:5005/s:t"), ignore_liveness=True
     )
     assert ignoring["spec"]["ignoreLiveness"] is True
+    pinned = snapshot_object(
+        name="w", namespace="a", pod="web", target=Reference.parse("127.0.0.1:5005/s:t"), pod_uid="u-1"
+    )
+    assert pinned["spec"]["podUID"] == "u-1"
+
+
+def _source(uid: str) -> dict[str, Any]:
+    return {"metadata": {"name": "web", "namespace": "team-a", "uid": uid}, "spec": {"nodeName": "n1"}}
+
+
+def test_the_pod_a_snapshot_was_requested_for_passes_and_one_without_a_uid_too() -> None:
+    check_snapshot_source({"podName": "web", "podUID": "u-1"}, _source("u-1"))
+    check_snapshot_source({"podName": "web"}, _source("u-2"))  # an older plugin recorded no uid: as before
+    check_snapshot_source({"podName": "web", "podUID": ""}, _source("u-2"))
+
+
+def test_a_pod_replaced_under_the_same_name_is_refused_for_that_reason() -> None:
+    with pytest.raises(SourcePodReplaced) as e:
+        check_snapshot_source({"podName": "web", "podUID": "u-1"}, _source("u-2"))
+    assert isinstance(e.value, FailedPrecondition) and type(e.value).__name__ == "SourcePodReplaced"
+    assert "team-a/web" in e.value.message and "replaced" in e.value.message
+    assert "u-1" in e.value.message and "u-2" in e.value.message
+    assert "kubectl snapshot pod/web" in (e.value.hint or "")
 
 
 def _pod(phase: str, **status: Any) -> dict[str, Any]:
@@ -103,6 +127,14 @@ def _pod(phase: str, **status: Any) -> dict[str, Any]:
 
 def test_running_pod_passes() -> None:
     check_pod_running(_pod("Running", containerStatuses=[{"name": "c", "state": {"running": {}}}]))
+
+
+def test_a_pod_being_deleted_is_refused() -> None:
+    pod = _pod("Running", containerStatuses=[{"name": "c", "state": {"running": {}}}])
+    pod["metadata"]["deletionTimestamp"] = "2026-11-29T16:00:00Z"
+    with pytest.raises(FailedPrecondition) as e:
+        check_pod_running(pod)
+    assert "team-a/web is being deleted" in e.value.message
 
 
 def test_pending_pod_says_why() -> None:

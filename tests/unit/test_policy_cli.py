@@ -10,7 +10,7 @@ import pytest
 
 from kubectl_snapshot.app import policy as P
 from kubectl_snapshot.cli.policy import _table, describe_text
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kubectl_snapshot.core.policyspec import parse_selector, parse_workload, policy_object, policy_row
 from kubectl_snapshot.core.reference import Reference

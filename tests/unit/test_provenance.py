@@ -382,3 +382,51 @@ def test_the_restore_worker_trusts_a_node_key_the_mounted_copy_does_not_have_yet
     assert trust.nodes == {key.public.id: "ks-n1"}  # bound to its node, as the mounted copy will say
     kube.up = False
     assert {k.id for k in worker._trust().keys} == {old.public.id}
+
+
+# --- an importer's key: trusted for one namespace (issue 45; docs/security.md, "Imported checkpoints") ----
+
+
+def importer_trust(importer: SigningKey, namespace: str, *nodes: tuple[SigningKey, str]) -> TrustPolicy:
+    """The trust ConfigMap with an importer's key listed for one namespace, read by the real loader."""
+    data = {"cluster-id": "c-uid", "allow-unverified-snapshots": "false"}
+    for k, node in nodes:
+        data.update(node_key_entries(k.public, node))
+    data[f"{importer.public.id}.pub"] = importer.public.to_pem().decode()
+    data[f"{importer.public.id}.namespace"] = namespace
+    return trust_from_data(data)
+
+
+IMPORTED = replace(ORIGIN, node="", imported=True)
+
+
+def test_an_importers_key_verifies_an_import_into_its_namespace() -> None:
+    importer = SigningKey.generate()
+    policy = importer_trust(importer, ORIGIN.namespace)
+    assert policy.namespace_of(importer.public.id) == ORIGIN.namespace
+    v = evaluate([signed(importer, origin=IMPORTED)], DIGEST, policy)
+    assert v.verified and v.key_id == importer.public.id and v.claim is not None and v.claim.origin.imported
+    assert v.reason == f"signed by trusted key {importer.public.id} (trusted for namespace {ORIGIN.namespace})"
+
+
+def test_an_importers_key_is_refused_for_another_namespace() -> None:
+    importer = SigningKey.generate()
+    policy = importer_trust(importer, "team-b")
+    v = evaluate([signed(importer, origin=IMPORTED)], DIGEST, policy)
+    assert not v.verified
+    assert f"trusted for namespace team-b only, but its origin names namespace {ORIGIN.namespace}" in v.reason
+    with pytest.raises(PermissionDenied, match="trusted for namespace team-b only"):
+        require_trusted(v, policy, "127.0.0.1:5000/snaps@" + DIGEST)
+    # the binding survives a merge with an unbound copy of the key (another source of trust)
+    merged = merge_trust([TrustPolicy((importer.public,)), policy])
+    assert not evaluate([signed(importer, origin=IMPORTED)], DIGEST, merged).verified
+
+
+def test_a_nodes_key_never_vouches_for_an_imported_origin() -> None:
+    node_a = SigningKey.generate()
+    policy = node_trust((node_a, "n1"))
+    claimed = replace(ORIGIN, node="n1", imported=True)
+    v = evaluate([signed(node_a, origin=claimed)], DIGEST, policy)
+    assert not v.verified and "its origin is marked imported" in v.reason
+    # the same key's own save of the same pod is verified
+    assert evaluate([signed(node_a, origin=replace(ORIGIN, node="n1"))], DIGEST, policy).verified

@@ -1,4 +1,4 @@
-"""shim/rcu.py against a stand-in for /sys/kernel (a directory with the two files)."""
+"""shim/host/rcu.py against a stand-in for /sys/kernel (a directory with the two files)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from shim import rcu
+from shim.host import rcu
 
 
 @pytest.fixture

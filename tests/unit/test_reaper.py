@@ -1,4 +1,4 @@
-"""Work directories removed after the answer (shim/reaper.py)."""
+"""Work directories removed after the answer (shim/host/reaper.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shim import reaper
+from shim.host import reaper
 
 
 def _tree(root: Path) -> Path:
@@ -59,7 +59,7 @@ def test_a_process_waits_for_its_removals_before_it_exits(tmp_path: Path) -> Non
     d = _tree(tmp_path)
     code = (
         "import shutil, sys, time\n"
-        "from shim import reaper\n"
+        "from shim.host import reaper\n"
         "rmtree = shutil.rmtree\n"
         "def slow(p, ignore_errors=False):\n"
         "    time.sleep(0.5)\n"

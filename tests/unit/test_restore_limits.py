@@ -111,7 +111,7 @@ def test_plan_counts_layers_chunks_and_memory() -> None:
     assert v1.written_bytes == 3 * MIB + 8 * MIB  # memory inside the layer is extracted
 
 
-# --- the node's disk ledger: restores in flight see each other (shim/diskspace.py) ---------------
+# --- the node's disk ledger: restores in flight see each other (shim/host/diskspace.py) ---------------
 
 GIB = 1 << 30
 NO_LIMITS = RestoreLimits(max_bytes=1 << 62, reserve_bytes=0)

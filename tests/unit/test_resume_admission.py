@@ -7,9 +7,10 @@ import json
 import re
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import podspec
-from kubectl_snapshot.deploy import admission, render, resume
+from kubectl_snapshot.deploy import admission, render
+from kubectl_snapshot.deploy import resume_admission as resume
 
 IMAGE = "reg.example/ks/agent@sha256:" + "c" * 64
 

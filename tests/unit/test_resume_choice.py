@@ -1,4 +1,4 @@
-"""Which save a resuming pod takes (core/resume.py) and how the agent claims it (shim/controller/resume.py).
+"""Which save a resuming pod takes (core/resume.py) and how the agent claims it (shim/controller/resume_source.py).
 
 The pure choice over dicts; the claim over a fake of the Kubernetes port that enforces resourceVersion
 like the API server. The real flow is tests/e2e/test_autosave_resume.py.
@@ -10,11 +10,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import resume as R
 from kubectl_snapshot.core import workload as W
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound
-from shim.controller.resume import RestoreSource, Resumer, StartFresh
+from shim.controller.resume_source import RestoreSource, Resumer, StartFresh
 from tests.support.fakekube import StrictKube
 
 IMAGES = W.encode_images([{"name": "c", "image": "reg/app:v1", "imageID": "sha256:" + "a" * 64}])

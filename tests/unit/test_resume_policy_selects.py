@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from kubectl_snapshot.core import autosave as A
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import workload as W
 from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.model import HostFacts
 from shim.controller.finalsave import FinalSaver
 from shim.controller.restores import RestoreWorker
-from shim.controller.resume import RestoreSource, Resumer, StartFresh
+from shim.controller.resume_source import RestoreSource, Resumer, StartFresh
 from shim.controller.settings import NodeSettings
 from shim.engine.staging import wait_pod_staged
 from tests.support.fakekube import EventRecorder, RecordedEvent
@@ -156,7 +156,7 @@ def test_the_named_policy_must_select_the_pod_by_its_labels_and_real_workload() 
     assert elsewhere == "SnapshotPolicy web-saves is of namespace ns, the pod of other"
 
 
-# --- resume (shim/controller/resume.py, shim/controller/restores.py) --------------------------------
+# --- resume (shim/controller/resume_source.py, shim/controller/restores.py) --------------------------------
 
 
 def test_the_selected_pod_resumes_from_its_workloads_save() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from kubectl_snapshot.core.errors import FailedPrecondition, UnsafeArchive
-from shim.rootfs_diff import apply_rootfs_diff, capture_rootfs_diff, upperdir_from_mounts
+from shim.files.rootfs_diff import apply_rootfs_diff, capture_rootfs_diff, upperdir_from_mounts
 from tests.support.overlay import overlay_mount, require_overlay
 from tests.support.tarcraft import craft_tar, dev, reg
 

@@ -47,7 +47,7 @@ def run_create(
     log = tmp_path / "runc.log"
     env = {**os.environ, "KUBECTL_SNAPSHOT_STATE_DIR": str(state), "KUBECTL_SNAPSHOT_RUNC": str(fake)}
     proc = subprocess.run(
-        [sys.executable, "-m", "shim.runc_wrapper", "--log", str(log), "create", "--bundle", str(b), cid],
+        [sys.executable, "-m", "shim.runtime_wrapper", "--log", str(log), "create", "--bundle", str(b), cid],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -79,7 +79,7 @@ def test_the_used_staged_dir_is_gone_at_once_and_deleted_in_the_background(tmp_p
 
 
 def test_a_staged_dir_that_cannot_be_renamed_is_removed_in_place(tmp_path: Path) -> None:
-    from shim.runc_wrapper import remove_detached
+    from shim.runtime_wrapper import remove_detached
 
     staged = tmp_path / "c1"
     (staged / "checkpoint").mkdir(parents=True)

@@ -8,7 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
-from shim.runc_wrapper import run_waited
+from shim.runtime_wrapper import run_waited
 
 PY = sys.executable
 

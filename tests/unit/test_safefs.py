@@ -1,4 +1,4 @@
-"""shim/safefs: nothing below a tenant-writable directory is reached through a link.
+"""shim/host/safefs: nothing below a tenant-writable directory is reached through a link.
 
 Each refusal is checked with openat2 (RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS) and with the O_NOFOLLOW
 component walk that replaces it on kernels without openat2.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from shim import safefs
-from shim.safefs import UnsafePath
+from shim.host import safefs
+from shim.host.safefs import UnsafePath
 
 MODES = [pytest.param(False, id="nofollow-walk"), pytest.param(True, id="openat2")]
 

@@ -12,9 +12,9 @@ import pytest
 
 from kubectl_snapshot.core.oci import sha256_digest
 from kubectl_snapshot.core.sealing import DecryptionFailed, LocalNamespaceKey, Opener, Sealer, new_key
-from shim.archive import tar_directory
 from shim.engine.restore import _extract_fresh, _extract_volume
-from shim.zstdio import open_zstd_writer
+from shim.files.archive import tar_directory
+from shim.files.zstdio import open_zstd_writer
 
 SEG = 4096
 

@@ -8,12 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import click
+import pytest
 from click.testing import CliRunner
 
 from kubectl_snapshot.adapters.signatures import load_trust, trust_from_data
 from kubectl_snapshot.app.install import trust_objects
 from kubectl_snapshot.cli import main as cli_main
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.cli.snapshot import memory_notice
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.provenance import SigningKey, node_key_entries
 from tests.support.fakeplugin import FakeKube
 
@@ -89,6 +92,30 @@ def test_install_trusts_extra_keys_and_keeps_the_policy() -> None:
     assert trust_from_data(data).allow_unverified
 
 
+def test_install_trusts_an_importers_key_for_its_namespace_only() -> None:
+    api = cluster()
+    importer = SigningKey.generate()
+    data = install(api, importer_keys=[("team-a", importer.public.to_pem())])
+    assert data[f"{importer.public.id}.namespace"] == "team-a"
+    trust = trust_from_data(install(api))  # kept across installs, still bound
+    assert trust.namespace_of(importer.public.id) == "team-a" and trust.node_of(importer.public.id) == ""
+
+
+def test_a_nodes_key_cannot_be_listed_as_an_importers() -> None:
+    api = cluster()
+    install(api)
+    node_a = SigningKey.generate()
+    register(api, node_a, "n1")
+    with pytest.raises(InvalidArgument, match="is node n1's signing key, not an importer's"):
+        trust_objects(api, importer_keys=[("team-a", node_a.public.to_pem())])
+
+
+def test_importer_key_needs_a_namespace_and_a_file(tmp_path: Path) -> None:
+    for bad in ("team-a", "=pub.pem", "team-a="):
+        result = CliRunner().invoke(cli_main.cli, ["install", "--importer-key", bad])
+        assert result.exit_code == 2 and "NAMESPACE=PUB.pem" in result.output, (bad, result.output)
+
+
 def test_rotating_the_cluster_signing_key_is_refused_with_what_to_do_instead() -> None:
     result = CliRunner().invoke(cli_main.cli, ["install", "--rotate-signing-key"])
     assert result.exit_code == 2, result.output
@@ -124,4 +151,4 @@ def test_memory_notice_is_said_once(tmp_path: Path, monkeypatch: Any) -> None:
 
 @click.command()
 def _notice_cmd() -> None:
-    cli_main.memory_notice()
+    memory_notice()

@@ -10,7 +10,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kubectl_snapshot.adapters.kube import map_api_error
 from kubectl_snapshot.app.snapshot import NAME_ATTEMPTS, SnapshotRequest, start_snapshot
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import AlreadyExists, FailedPrecondition
 from tests.support.fakeplugin import FakeKube, running_pod, snapshot
 
@@ -76,3 +76,14 @@ def test_409_already_exists_and_409_conflict_are_told_apart() -> None:
     assert isinstance(exists, AlreadyExists)
     assert isinstance(conflict, FailedPrecondition) and not isinstance(conflict, AlreadyExists)
     assert conflict.retryable and "it is Conflict" in conflict.message
+
+
+def test_the_podsnapshot_records_the_uid_of_the_pod_that_was_checked() -> None:
+    """A pod deleted and recreated under the same name before the agent claims the PodSnapshot is another
+    pod: the agent compares this uid (threat A8; tests/unit/test_snapshot_worker.py)."""
+    kube = FakeKube()
+    live = running_pod("live", "ns")
+    live["metadata"]["uid"] = "uid-live"
+    kube.add(live)
+    made = start_snapshot(_req(), kube=kube)
+    assert made["spec"]["podUID"] == "uid-live"

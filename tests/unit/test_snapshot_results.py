@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import Unavailable
 from kubectl_snapshot.core.model import HostFacts, SnapshotConfig
 from kubectl_snapshot.core.reference import Reference
 from shim.controller import snapshots as S
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
-from shim.engine.checkpoint import CheckpointResult
+from shim.engine.publish import CheckpointResult
 from tests.support.fakekube import StrictKube
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound
 from kubectl_snapshot.core.model import HostFacts
 from shim.controller.settings import NodeSettings
@@ -152,3 +152,24 @@ def test_a_final_save_stops_only_a_pod_already_being_terminated() -> None:
     kube.pods[("a", "p")]["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:30Z"
     w.consider(snapshot({"podName": "p", "stop": True}) | {"metadata": final["metadata"] | {"name": "s2"}})
     assert w.ran == ["s2"]
+
+
+def test_a_pod_replaced_since_the_request_is_refused_as_source_pod_replaced() -> None:
+    """spec.podUID is the pod the plugin checked; a new pod of the same name is another pod (A8)."""
+    kube = FakeKube({("a", "p"): pod("n1")})  # uid "u"
+    w = worker(kube)
+    w.consider(snapshot({"podName": "p", "podUID": "u-old"}))
+    assert w.ran == []
+    final = kube.patches[-1][2]
+    assert final["phase"] == K.PHASE_FAILED and final["reason"] == "SourcePodReplaced"
+    assert "replaced" in final["message"] and "u-old" in final["message"]
+    assert [e.reason for e in kube.events] == [K.EVENT_SOURCE_POD_REPLACED]
+
+
+def test_the_same_pod_and_a_snapshot_without_a_pod_uid_are_taken() -> None:
+    kube = FakeKube({("a", "p"): pod("n1")})
+    w = worker(kube)
+    w.consider(snapshot({"podName": "p", "podUID": "u"}))
+    w.consider(snapshot({"podName": "p"}) | {"metadata": {"name": "s2", "namespace": "a", "resourceVersion": "8"}})
+    assert w.ran == ["s1", "s2"]
+    assert all(p[2]["phase"] == K.PHASE_RUNNING for p in kube.patches)

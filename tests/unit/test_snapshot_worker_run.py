@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.adapters.signatures import sign_snapshot, trust_from_data, verify_for_restore
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import NotFound, PermissionDenied
 from kubectl_snapshot.core.model import HostFacts, parse_config
 from kubectl_snapshot.core.oci import parse_manifest
@@ -211,3 +211,63 @@ def test_no_trust_configmap_fails_the_save_before_anything_is_frozen(tmp_path: P
     final = kube.statuses[-1]
     assert final["phase"] == K.PHASE_FAILED and "signing key is not registered" in final["message"]
     assert cd.calls == [] and reg.manifests == {}
+
+
+def final_pod(hook_ends_in_s: float) -> dict[str, Any]:
+    """web-0 being terminated with a 30 s grace period, its 24 s preStop sleep ending in `hook_ends_in_s`."""
+    import time
+
+    from kubectl_snapshot.core import timestamps as T
+
+    p = pod()
+    for c in p["spec"]["containers"]:
+        c["lifecycle"] = {"preStop": {"sleep": {"seconds": 24}}}
+    p["metadata"]["deletionTimestamp"] = T.rfc3339(time.time() + hook_ends_in_s + 6)
+    p["metadata"]["deletionGracePeriodSeconds"] = 30
+    return p
+
+
+def final_snapshot() -> dict[str, Any]:
+    s = snapshot()
+    s["metadata"]["labels"] = {K.LABEL_FINAL_SAVE: "true"}
+    s["spec"]["stop"] = True
+    return s
+
+
+def test_where_a_save_goes_in_the_queue_final_saves_by_their_thaw_by(tmp_path: Path) -> None:
+    from kubectl_snapshot.core import finalsave as F
+    from kubectl_snapshot.core import saveorder as O
+
+    kube, cd, reg = Kube(), FakeContainerd({"a", "b"}), FakeRegistry()
+    w = worker(kube, cd, reg, tmp_path)
+    p = final_pod(20.0)
+    final = w.order_of(final_snapshot(), p)
+    assert final.kind == O.URGENT and final.pod == "pod-uid" and final.deadline == F.thaw_by(p)
+    periodic = snapshot()
+    periodic["metadata"]["labels"] = {K.LABEL_POLICY: "web"}
+    assert w.order_of(periodic, pod()).kind == O.PERIODIC and w.order_of(snapshot(), pod()).kind == O.USER
+    assert w.order_of(snapshot(), pod()).estimate == 0
+    w.run(snapshot(), pod())
+    assert w.order_of(snapshot(), pod()).estimate == kube.statuses[-1]["size"]  # the last save's bytes
+
+
+def test_a_final_save_too_close_to_its_thaw_by_is_refused_before_anything_is_frozen(tmp_path: Path) -> None:
+    kube, cd, reg = Kube(), FakeContainerd({"a", "b"}), FakeRegistry()
+    worker(kube, cd, reg, tmp_path).run(final_snapshot(), final_pod(1.5))  # thaw_by in 0.5 s
+    assert [c for c in cd.calls if c[0] in ("pause", "checkpoint")] == [] and cd.killed == set()
+    final = kube.statuses[-1]
+    assert final["phase"] == K.PHASE_FAILED and "was not frozen" in final["message"], final
+    assert "thaw_by" in final["message"] and reg.manifests == {}
+
+
+def test_the_sizes_kept_for_the_save_order_are_bounded_the_latest_pods_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shim.controller import snapshots
+
+    monkeypatch.setattr(snapshots, "SENT_KEPT", 3)
+    w = worker(Kube(), FakeContainerd({"a", "b"}), FakeRegistry(), tmp_path)
+    for i in range(5):
+        w._remember_sent(f"uid-{i}", 100 + i)
+    w._remember_sent("uid-2", 7)  # saved again: the newest
+    assert list(w._sent) == ["uid-3", "uid-4", "uid-2"] and w._sent["uid-2"] == 7

@@ -65,7 +65,7 @@ def test_the_hook_prepares_while_it_waits_only_where_there_is_a_gate(tmp_path: P
     assert wait_staged(paths, "plain", meanwhile=lambda: ran.append(True)) is None and ran == [False]
 
     def broken() -> None:
-        raise ImportError("no module named shim.criu_guard")
+        raise ImportError("no module named shim.criu.guard")
 
     gate = StagingGate(paths.staging_gate("c2"))
     gate.answer(READY)
@@ -287,7 +287,7 @@ def test_a_slow_pod_staging_is_refused_at_the_deadline(tmp_path: Path) -> None:
 
 
 def test_the_restore_worker_gates_every_container_but_the_gate() -> None:
-    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core import kubenames as K
     from shim.controller.restores import gated_containers
 
     pod = {
@@ -341,8 +341,8 @@ def test_a_resuming_pod_no_agent_takes_up_is_refused_at_the_deadline(tmp_path: P
 
 
 def test_the_hook_expects_a_gate_only_for_a_resuming_pods_containers() -> None:
-    from kubectl_snapshot.core import kube as K
-    from shim.runc_wrapper import resuming
+    from kubectl_snapshot.core import kubenames as K
+    from shim.runtime_wrapper import resuming
 
     assert resuming({"annotations": {K.ANN_RESUME_POLICY: "p"}}, "app")
     assert not resuming({"annotations": {K.ANN_RESUME_POLICY: "p"}}, K.GATE_CONTAINER)  # a gated pod's own gate
@@ -364,7 +364,7 @@ class _Kube:
 
 
 def _resuming_pod(**status: Any) -> dict[str, Any]:
-    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core import kubenames as K
 
     return {
         "metadata": {"name": "web-0", "namespace": "ns", "uid": UID, "annotations": {K.ANN_RESUME_POLICY: "p"}},
@@ -384,8 +384,8 @@ def _worker(tmp_path: Path) -> Any:
 
 
 def test_a_resuming_pod_with_no_save_has_its_containers_let_go_fresh(tmp_path: Path) -> None:
-    from kubectl_snapshot.core import kube as K
-    from shim.controller.resume import StartFresh
+    from kubectl_snapshot.core import kubenames as K
+    from shim.controller.resume_source import StartFresh
 
     worker, kube = _worker(tmp_path)
     seen: list[str | None] = []
@@ -406,7 +406,7 @@ def test_a_resuming_pod_with_no_save_has_its_containers_let_go_fresh(tmp_path: P
 def test_a_resuming_pod_whose_containers_already_run_starts_fresh_and_is_not_held(tmp_path: Path) -> None:
     """A node whose containerd does not pass the annotation yet ran the containers at once: no staging
     into a running pod, and its containers' later creates are not held."""
-    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core import kubenames as K
 
     worker, kube = _worker(tmp_path)
 
@@ -424,7 +424,7 @@ def test_a_resuming_pod_whose_containers_already_run_starts_fresh_and_is_not_hel
 def test_an_agent_that_stages_a_resuming_pod_again_drops_what_its_predecessor_left(tmp_path: Path) -> None:
     """The containers wait in the wrapper's create (created, not started): not mistaken for started,
     and a half-staged save of the dead agent is never restored: the pod starts fresh here."""
-    from shim.controller.resume import StartFresh
+    from shim.controller.resume_source import StartFresh
 
     worker, kube = _worker(tmp_path)
     half = Path(worker.paths.staged_by_pod(UID, "app")) / "checkpoint"
@@ -445,10 +445,10 @@ def test_a_resuming_pod_with_a_gate_init_container_and_no_save_lets_its_containe
     """Pods never restarted resume through the gate init container (deploy/resume.py); their app
     containers still carry the resume annotation, so the wrapper waits for their gates to appear: the
     agent takes them first and answers them when it starts the pod fresh, as for a pod without one."""
-    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core import kubenames as K
     from kubectl_snapshot.core.podspec import gate_container
     from shim.controller.podinfo import empty_dir_rel
-    from shim.controller.resume import StartFresh
+    from shim.controller.resume_source import StartFresh
 
     worker, kube = _worker(tmp_path)
     pod = _resuming_pod()
@@ -471,7 +471,7 @@ def test_a_resuming_pod_with_a_gate_init_container_and_no_save_lets_its_containe
 
 def test_a_restore_pod_whose_gates_cannot_be_taken_fails_and_its_gate_says_why(tmp_path: Path) -> None:
     """Taken first now: a failure to take them still reaches the gate init container (it exits with it)."""
-    from kubectl_snapshot.core import kube as K
+    from kubectl_snapshot.core import kubenames as K
     from kubectl_snapshot.core.podspec import gate_container
     from shim.controller.podinfo import empty_dir_rel
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import status as S
 from kubectl_snapshot.deploy.crd import podsnapshot_crd
 

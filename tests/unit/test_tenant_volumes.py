@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, UnsafeArchive
 from kubectl_snapshot.core.model import HostFacts, PodRecord
 from kubectl_snapshot.core.podspec import restore_pod
 from kubectl_snapshot.core.reference import Reference
-from shim.archive import safe_extract, tar_directories
 from shim.controller.podinfo import check_restore_pod, empty_dir_rel, restore_volume_names, running_containers
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
+from shim.files.archive import safe_extract, tar_directories
 from tests.support.fakekube import EventRecorder, RecordedEvent
 from tests.support.tarcraft import craft_tar, dir_, hard, reg
 
@@ -381,7 +381,7 @@ def test_volume_capture_records_links_as_links(tmp_path: Path) -> None:
 
 def test_checkpoint_volume_capture_refuses_a_volume_that_is_a_link(tmp_path: Path) -> None:
     from shim.engine.checkpoint import CheckpointRequest, _capture_volumes
-    from shim.safefs import UnsafePath
+    from shim.host.safefs import UnsafePath
 
     (tmp_path / "real").mkdir()
     (tmp_path / "vol").symlink_to(tmp_path / "real")

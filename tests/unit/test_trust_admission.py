@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.core import kube as K
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.provenance import SigningKey, node_key_entries
 from kubectl_snapshot.deploy import admission, rbac, render, trust
 from tests.support.cel import Decision, admit

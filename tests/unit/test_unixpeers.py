@@ -1,4 +1,4 @@
-"""Finding Unix socket connections between containers (shim.unixpeers): the netlink parsing over
+"""Finding Unix socket connections between containers (shim.net.unixpeers): the netlink parsing over
 crafted messages, the matching, and one real dump of this process's own namespace."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from shim import unixpeers as U
+from shim.net import unixpeers as U
 
 
 def _msg(ino: int, stype: int, peer: int = 0, name: bytes = b"") -> bytes:

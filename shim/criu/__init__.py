@@ -1,0 +1,1 @@
+"""CRIU on this node: its configuration, its kernel-feature cache, reading and checking its images."""

@@ -1,0 +1,113 @@
+"""Drop every packet of a network namespace: one nf_tables table, set through netlink in-process.
+
+The lock is a table of family ``inet`` (IPv4 and IPv6) holding two base chains, on the ``input`` and
+``output`` hooks, with policy ``drop`` and no rules: a packet that any base chain drops is dropped,
+whatever other tables (kube-proxy's, a CNI's, iptables-nft's) say. Lifting it is deleting the table.
+This is what CRIU's own ``network-lock nftables`` does (its ``CRIU-<pid>`` table), on the same kernel
+interface, so a node where CRIU locks with nftables (install-node writes that into
+/etc/criu/runc.conf after a real dump with it worked) needs nothing more for these locks: no
+``nsenter``, ``sh`` or ``iptables-restore``. Needs ``CONFIG_NF_TABLES`` and ``CONFIG_NF_TABLES_INET``
+(doctor probes it: shim/service/nodecheck.py). Call it from a thread in the namespace (shim/net/netns.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+
+from shim.net.netlink import (
+    NETLINK_NETFILTER,
+    NLM_F_ACK,
+    NLM_F_CREATE,
+    Netlink,
+    NetlinkError,
+    attr_be32,
+    attr_str,
+    nested,
+)
+
+NFNL_SUBSYS_NFTABLES = 10
+NFNL_MSG_BATCH_BEGIN = 0x10
+NFNL_MSG_BATCH_END = 0x11
+NFT_MSG_NEWTABLE, NFT_MSG_GETTABLE, NFT_MSG_DELTABLE, NFT_MSG_NEWCHAIN = 0, 1, 2, 3
+NFPROTO_UNSPEC, NFPROTO_INET = 0, 1
+NFTA_TABLE_NAME = 1
+NFTA_CHAIN_TABLE, NFTA_CHAIN_NAME, NFTA_CHAIN_HOOK, NFTA_CHAIN_POLICY, NFTA_CHAIN_TYPE = 1, 3, 4, 5, 7
+NFTA_HOOK_HOOKNUM, NFTA_HOOK_PRIORITY = 1, 2
+NF_INET_LOCAL_IN, NF_INET_LOCAL_OUT = 1, 3
+NF_DROP = 0
+PRIORITY = -300  # before conntrack (-200): dropped packets leave no connection-tracking entries
+HOOKS = (("input", NF_INET_LOCAL_IN), ("output", NF_INET_LOCAL_OUT))
+
+
+def _nfgen(family: int, res_id: int = 0) -> bytes:
+    return struct.pack("=BBH", family, 0, socket.htons(res_id))
+
+
+def _kind(msg: int) -> int:
+    return (NFNL_SUBSYS_NFTABLES << 8) | msg
+
+
+def _batch(*messages: tuple[int, int, bytes]) -> list[tuple[int, int, bytes]]:
+    mark = _nfgen(NFPROTO_UNSPEC, NFNL_SUBSYS_NFTABLES)
+    return [(NFNL_MSG_BATCH_BEGIN, 0, mark), *messages, (NFNL_MSG_BATCH_END, 0, mark)]
+
+
+def lock_messages(table: str) -> list[tuple[int, int, bytes]]:
+    """The batch that creates (or keeps) the table with its two drop-policy base chains."""
+    body = _nfgen(NFPROTO_INET) + attr_str(NFTA_TABLE_NAME, table)
+    msgs = [(_kind(NFT_MSG_NEWTABLE), NLM_F_CREATE | NLM_F_ACK, body)]
+    for name, hook in HOOKS:
+        chain = _nfgen(NFPROTO_INET) + b"".join(
+            (
+                attr_str(NFTA_CHAIN_TABLE, table),
+                attr_str(NFTA_CHAIN_NAME, name),
+                nested(NFTA_CHAIN_HOOK, attr_be32(NFTA_HOOK_HOOKNUM, hook), attr_be32(NFTA_HOOK_PRIORITY, PRIORITY)),
+                attr_be32(NFTA_CHAIN_POLICY, NF_DROP),
+                attr_str(NFTA_CHAIN_TYPE, "filter"),
+            )
+        )
+        msgs.append((_kind(NFT_MSG_NEWCHAIN), NLM_F_CREATE | NLM_F_ACK, chain))
+    return _batch(*msgs)
+
+
+def lock(table: str) -> None:
+    """Drop every packet in this thread's network namespace (idempotent)."""
+    with Netlink(NETLINK_NETFILTER) as nl:
+        nl.transact(lock_messages(table), f"nf_tables: creating the lock table inet {table}")
+
+
+def unlock(table: str) -> bool:
+    """Lift the lock; False when there was none."""
+    body = _nfgen(NFPROTO_INET) + attr_str(NFTA_TABLE_NAME, table)
+    try:
+        with Netlink(NETLINK_NETFILTER) as nl:
+            nl.transact(_batch((_kind(NFT_MSG_DELTABLE), NLM_F_ACK, body)), f"nf_tables: deleting inet {table}")
+    except NetlinkError as e:
+        if e.errno == errno.ENOENT:
+            return False
+        raise
+    return True
+
+
+def locked(table: str) -> bool:
+    """Whether the lock table exists in this thread's network namespace."""
+    body = _nfgen(NFPROTO_INET) + attr_str(NFTA_TABLE_NAME, table)
+    try:
+        with Netlink(NETLINK_NETFILTER) as nl:
+            nl.transact([(_kind(NFT_MSG_GETTABLE), NLM_F_ACK, body)], f"nf_tables: reading inet {table}")
+    except NetlinkError as e:
+        if e.errno == errno.ENOENT:
+            return False
+        raise
+    return True
+
+
+def probe() -> str:
+    """ "" when this kernel has nf_tables for the lock, else why not (read-only; any namespace)."""
+    try:
+        locked("kubectl-snapshot-probe")
+    except OSError as e:
+        return f"nf_tables is not usable here ({e}): the kernel needs CONFIG_NF_TABLES and CONFIG_NF_TABLES_INET"
+    return ""
