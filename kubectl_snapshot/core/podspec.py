@@ -306,3 +306,17 @@ def restore_state(pod: Mapping[str, Any]) -> RestoreState:
         if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
             return RestoreState("waiting", f"unschedulable: {cond.get('message', '')}")
     return RestoreState("waiting", ann or str(phase or "Pending"))
+
+
+def pod_status_summary(status: Mapping[str, Any]) -> str:
+    """One line of what a pod's status says: its phase, why (the kubelet's reason and message, e.g. a
+    rejection at admission), and the conditions that are not True."""
+    parts = [f"phase {status.get('phase') or 'Pending'}"]
+    why = ": ".join(str(status[k]).strip() for k in ("reason", "message") if status.get(k))
+    if why:
+        parts.append(why)
+    for cond in status.get("conditions") or []:
+        if cond.get("status") != "True":
+            detail = ": ".join(str(cond[k]).strip() for k in ("reason", "message") if cond.get(k))
+            parts.append(f"{cond.get('type')} {cond.get('status')}" + (f" ({detail})" if detail else ""))
+    return "; ".join(parts)

@@ -37,6 +37,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError, render
 from kubectl_snapshot.core.model import HostFacts
+from kubectl_snapshot.core.podspec import pod_status_summary
 from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider
@@ -64,7 +65,9 @@ from shim.net.podrestore import PodRestore
 from shim.service.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
-VOLUME_WAIT_S = 120.0
+# The kubelet itself waits 2 min for a pod's volumes and then tries again: so does the agent, once more.
+VOLUME_WAIT_S = 300.0
+POD_CHECK_S = 2.0  # while it waits: is the pod still there, and not rejected by the kubelet?
 # Labels containerd's CRI plugin puts on a pod's containers.
 LABEL_POD_UID = "io.kubernetes.pod.uid"
 LABEL_CONTAINER_NAME = "io.kubernetes.container.name"
@@ -394,7 +397,7 @@ class RestoreWorker:
             restore_volume_names(pod, [v.name for v in config.volumes])
             root = host_view(self.settings.kubelet_root)
             targets = [VolumeTarget(root, empty_dir_rel(uid, vol.name)) for vol in config.volumes]
-            self._wait_for_dirs(root, [*([gate] if gate else []), *(t.rel for t in targets)])
+            self._wait_for_dirs(root, [*([gate] if gate else []), *(t.rel for t in targets)], pod)
             clock.lap("volumes")
             staged = [self.paths.staged_by_pod(uid, c.name) for c in config.containers]
             # Before anything is staged: the runtime wrapper restores the pod whole or not at all.
@@ -460,7 +463,7 @@ class RestoreWorker:
         if gate is None:
             return True
         try:
-            self._wait_for_dirs(host_view(self.settings.kubelet_root), [gate])
+            self._wait_for_dirs(host_view(self.settings.kubelet_root), [gate], pod)
             self._open_gate(gate, K.GATE_STAGED_FILE, f"no restore: {reason}\n")
         except (OSError, SnapshotError) as e:
             err = e if isinstance(e, SnapshotError) else SnapshotError(f"could not open the gate: {e}")
@@ -498,9 +501,12 @@ class RestoreWorker:
     def _grants(self, namespace: str) -> list[Grant]:
         return [g for g in map(parse_grant, self.kube.list_snapshot_grants(namespace)) if g is not None]
 
-    def _wait_for_dirs(self, root: str, rels: list[str]) -> None:
-        """Wait until the kubelet made each directory (below its root, reached without links)."""
+    def _wait_for_dirs(self, root: str, rels: list[str], pod: dict[str, Any]) -> None:
+        """Wait until the kubelet made each directory (below its root, reached without links). Given up
+        early when the pod is gone or ended (a kubelet that rejects a pod at admission fails it: it never
+        mounts anything), with what the pod's status says."""
         deadline = time.monotonic() + VOLUME_WAIT_S
+        next_check = time.monotonic() + POD_CHECK_S
         while True:
             missing = []
             for rel in rels:
@@ -510,12 +516,51 @@ class RestoreWorker:
                     missing.append(rel)
             if not missing:
                 return
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise FailedPrecondition(
-                    f"the kubelet did not set up the pod's volumes in {VOLUME_WAIT_S:.0f}s: {', '.join(missing)}",
-                    hint="the pod needs the emptyDir volumes of the snapshot and the gate volume",
+                    f"the kubelet did not set up the pod's volumes in {VOLUME_WAIT_S:.0f}s: {', '.join(missing)}"
+                    f" ({self._pod_state(pod)})",
+                    hint="the pod needs the emptyDir volumes of the snapshot and the gate volume; "
+                    "kubectl describe pod shows the kubelet's events (FailedMount)",
                 )
+            if now > next_check:
+                next_check = now + POD_CHECK_S
+                self._check_pod_waits(pod)
             time.sleep(0.05)  # the kubelet makes them just after it sees the pod, as this agent does
+
+    def _check_pod_waits(self, pod: dict[str, Any]) -> None:
+        """Raise when the pod (this uid) is gone or has ended; an API that does not answer is no reason."""
+        meta = pod.get("metadata") or {}
+        try:
+            live = self.kube.get_pod(str(meta.get("namespace")), str(meta.get("name")))
+        except NotFound:
+            live = None
+        except SnapshotError as e:
+            log.debug("pod %s not read while its volumes are awaited: %s", meta.get("name"), e.message)
+            return
+        if live is None or (live.get("metadata") or {}).get("uid") != meta.get("uid"):
+            raise FailedPrecondition(
+                "the pod was deleted before the kubelet set up its volumes",
+                hint="restore again; nothing was staged",
+            )
+        if (live.get("metadata") or {}).get("deletionTimestamp"):
+            raise FailedPrecondition("the pod is being deleted", hint="restore again; nothing was staged")
+        status = live.get("status") or {}
+        if status.get("phase") in ("Failed", "Succeeded"):
+            raise FailedPrecondition(
+                f"the kubelet ended the pod before setting up its volumes: {pod_status_summary(status)}",
+                hint="a pod rejected at admission (resources, node pressure) is never started: free the node "
+                "or restore on another one (--node), after deleting this pod",
+            )
+
+    def _pod_state(self, pod: dict[str, Any]) -> str:
+        meta = pod.get("metadata") or {}
+        try:
+            live = self.kube.get_pod(str(meta.get("namespace")), str(meta.get("name")))
+        except SnapshotError as e:
+            return f"the pod's status not read: {e.message}"
+        return pod_status_summary(live.get("status") or {})
 
     def follow(self, pod: dict[str, Any]) -> bool:
         """A staged pod of this node: report it failed (once) when the wrapper could not restore it

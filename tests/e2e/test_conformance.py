@@ -165,7 +165,12 @@ class Batch:
         args = ("restore", self.psnaps[c.id], "-n", self.ns, "--name", name, "--node", self.n2, "--timeout", "300s")
         r = _plugin(self.cluster, *args, check=False, timeout=420)
         if r.returncode != 0:
-            self.results[c.id].problems.append(f"restore failed: {(r.stdout + r.stderr).strip()[-2000:]}")
+            uid = str(((_pod(self.cluster, self.ns, name) or {}).get("metadata") or {}).get("uid") or name)
+            kubelet = self.cluster.log_lines(f"kubelet-{self.n2}", uid)
+            self.results[c.id].problems.append(
+                f"restore failed: {(r.stdout + r.stderr).strip()[-2000:]}\n"
+                f"{_why_not_running(self.cluster, self.ns, name)}\nthe kubelet of {self.n2} on {uid}:\n{kubelet}"
+            )
         else:
             self.results[c.id].restored = name
 

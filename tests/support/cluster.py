@@ -80,6 +80,15 @@ class Cluster:
     def get_json(self, *args: str) -> Any:
         return json.loads(self.kubectl("get", "-o", "json", *args).stdout)
 
+    def log_lines(self, component: str, needle: str, *, last: int = 40) -> str:
+        """The last lines of a component's log (kubelet-ks-n2, containerd-ks-n1, ...) that mention
+        `needle`: what a failed test prints about one pod."""
+        try:
+            text = (self.state_dir / "logs" / f"{component}.log").read_text(errors="replace")
+        except OSError as e:
+            return f"({component}'s log not read: {e})"
+        return "\n".join([line[:400] for line in text.splitlines() if needle in line][-last:])
+
     def apply(self, manifest: dict[str, Any] | list[dict[str, Any]]) -> None:
         items = manifest if isinstance(manifest, list) else [manifest]
         self.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))

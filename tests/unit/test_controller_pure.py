@@ -305,3 +305,78 @@ def test_the_staging_clock_names_every_step_of_a_staging() -> None:
     assert line.startswith("in ") and "the image check" in line and "choosing the save" in line
     clock.lap("a step added later")
     assert "a step added later" in str(clock)
+
+
+class _PodKube(_AnnotatingKube):
+    """get_pod answers what the test sets (None: not found)."""
+
+    def __init__(self, live: dict[str, Any] | None) -> None:
+        super().__init__()
+        self.live = live
+
+    def get_pod(self, ns: str, name: str) -> dict[str, Any]:
+        from kubectl_snapshot.core.errors import NotFound
+
+        if self.live is None:
+            raise NotFound(f"pod {ns}/{name} not found")
+        return self.live
+
+
+def _waiting_worker(tmp_path: Path, live: dict[str, Any] | None, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from kubectl_snapshot.core.model import HostFacts
+    from shim.controller import restores
+
+    monkeypatch.setattr(restores, "POD_CHECK_S", 0.0)
+    monkeypatch.setattr(restores, "VOLUME_WAIT_S", 5.0)
+    return restores.RestoreWorker(
+        kube=_PodKube(live), settings=NodeSettings(node="ks-n2", state_root=str(tmp_path)), facts=HostFacts()
+    )
+
+
+_WAITED = {"metadata": {"name": "p-r", "namespace": "ns", "uid": "u-9"}}
+
+
+def test_the_volume_wait_ends_when_the_kubelet_mounted_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The legitimate case: a pod that is Pending while its volumes appear is waited for, not refused."""
+    import threading
+
+    live = {**_WAITED, "status": {"phase": "Pending", "conditions": [{"type": "Ready", "status": "False"}]}}
+    worker = _waiting_worker(tmp_path, live, monkeypatch)
+    (tmp_path / "kubelet").mkdir()
+    later = threading.Timer(0.3, lambda: (tmp_path / "kubelet" / "gate").mkdir())
+    later.start()
+    worker._wait_for_dirs(str(tmp_path / "kubelet"), ["gate"], _WAITED)
+    later.join()
+
+
+@pytest.mark.parametrize(
+    ("live", "match"),
+    [
+        (
+            {**_WAITED, "status": {"phase": "Failed", "reason": "OutOfcpu", "message": "Node didn't have enough cpu"}},
+            "the kubelet ended the pod before setting up its volumes: phase Failed; OutOfcpu: Node didn't have",
+        ),
+        (None, "the pod was deleted before the kubelet set up its volumes"),
+        ({"metadata": {**_WAITED["metadata"], "uid": "u-other"}}, "the pod was deleted"),
+        ({"metadata": {**_WAITED["metadata"], "deletionTimestamp": "2026-12-06T00:00:00Z"}}, "being deleted"),
+    ],
+)
+def test_the_volume_wait_ends_early_for_a_pod_that_will_never_mount_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, live: dict[str, Any] | None, match: str
+) -> None:
+    worker = _waiting_worker(tmp_path, live, monkeypatch)
+    with pytest.raises(FailedPrecondition, match=match):
+        worker._wait_for_dirs(str(tmp_path), ["gate"], _WAITED)
+
+
+def test_the_volume_wait_says_what_the_pod_status_said(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shim.controller import restores
+
+    live = {**_WAITED, "status": {"phase": "Pending", "conditions": [{"type": "PodReadyToStartContainers",
+                                                                       "status": "False"}]}}  # fmt: skip
+    worker = _waiting_worker(tmp_path, live, monkeypatch)
+    monkeypatch.setattr(restores, "VOLUME_WAIT_S", 0.2)
+    with pytest.raises(
+        FailedPrecondition, match=r"did not set up .* \(phase Pending; PodReadyToStartContainers False\)"
+    ):
+        worker._wait_for_dirs(str(tmp_path), ["gate"], _WAITED)
