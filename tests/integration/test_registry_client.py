@@ -220,6 +220,35 @@ def test_blob_download_follows_redirects(registry: RegistryServer, tmp_path: Pat
     assert (tmp_path / "out").read_bytes() == data
 
 
+def test_a_redirect_to_another_host_does_not_carry_the_credentials(
+    registry_factory: Callable[..., RegistryServer], tmp_path: Path
+) -> None:
+    """Threat B10: a registry with an object-storage backend answers blob GETs with a 307 to another
+    host; the client follows it (the legitimate case: the blob downloads) without sending that host
+    the registry's Authorization header."""
+    authed = registry_factory(auth="htpasswd", users={"alice": "s3cret"})
+    storage = registry_factory()  # the "object storage": serves the blob to anyone
+    data, digest = blob(1 * MiB, seed=21)
+    ref = unique_ref(authed)
+    with (
+        FaultyProxy("127.0.0.1", storage.port) as store,
+        FaultyProxy(
+            "127.0.0.1", authed.port, redirect_on=("GET", "/blobs/sha256:"), redirect_to=("127.0.0.1", store.port)
+        ) as front,
+    ):
+        client = fast_client(credentials=CredentialStore().with_explicit(front.host, "alice", "s3cret"))
+        fronted = Reference(front.host, ref.repository)
+        client.push_blob(fronted, digest=digest, size=len(data), data=data)
+        fast_client().push_blob(Reference(storage.host, ref.repository), digest=digest, size=len(data), data=data)
+        with open(tmp_path / "out", "wb") as fh:
+            assert client.fetch_blob(fronted, digest, fh, expected_size=len(data)) == len(data)
+        assert ("GET", f"/v2/{ref.repository}/blobs/{digest}", 307) in front.requests
+        assert front.authorized, "the registry itself was never sent the credentials: the test proves nothing"
+        assert any(m == "GET" and digest in p for m, p, _ in store.requests), "the redirect was not followed"
+        assert not [a for a in store.authorized if digest in a[1]], "the credentials went to the redirect's host"
+    assert (tmp_path / "out").read_bytes() == data
+
+
 def test_size_limits(registry: RegistryServer) -> None:
     client = fast_client()
     ref = unique_ref(registry)
@@ -297,6 +326,54 @@ def test_bearer_token_auth(registry_factory: Callable[..., RegistryServer], tmp_
     wrong = fast_client(credentials=CredentialStore().with_explicit(server.host, "carol", "bad"))
     with pytest.raises(PermissionDenied, match="refused"):
         wrong.get_manifest(ref)
+
+
+def test_a_token_that_expires_mid_push_is_renewed_once(
+    registry_factory: Callable[..., RegistryServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Threat B5: the registry refuses the token the client holds in the middle of a push (it expired, or
+    was revoked): one renewal from the token service, the upload carries on and the push completes (the
+    legitimate case); a registry that keeps refusing ends it cleanly with no tag. No token in the logs."""
+    import logging
+
+    from tests.support.registry import SERVICE
+
+    server = registry_factory(auth="token", users={"carol": "pw"})
+    tokens = server.token_server
+    assert tokens is not None
+    ref = unique_ref(server, tag="t")
+    challenge = (
+        f'Bearer realm="{tokens.realm}",service="{SERVICE}",'
+        f'scope="repository:{ref.repository}:pull,push",error="invalid_token"'
+    )
+    layer, _ = blob(2 * MiB, seed=31)
+    caplog.set_level(logging.DEBUG)
+    session = ("*", "/blobs/uploads/[0-9a-f-]{8,}")  # an upload session already begun, not its POST
+    with FaultyProxy("127.0.0.1", server.port, fail_on=session, status=401, times=1,
+                     fail_headers={"WWW-Authenticate": challenge}) as proxy:  # fmt: skip
+        client = fast_client(credentials=CredentialStore().with_explicit(proxy.host, "carol", "pw"))
+        fronted = Reference(proxy.host, ref.repository, tag="t")
+        client.ping(fronted)
+        before = len(tokens.requests)
+        digest, _ = push_artifact(client, fronted, layer)
+        assert proxy.failures == 1, "no token was refused: the test proves nothing"
+        pushes = [r for r in tokens.requests[before:] if any(x.endswith(":pull,push") for x in r.get("scope", []))]
+        assert len(pushes) == 2, tokens.requests  # the push scope's token, then exactly one renewal
+        assert client.get_manifest(fronted)[2] == digest
+    issued = [t for t in caplog.text.split() if t.count(".") == 2 and len(t) > 200]
+    assert not issued, "a token reached the logs"
+    assert "Bearer ey" not in caplog.text
+
+    other = Reference(server.host, ref.repository + "-refused", tag="t")
+    with FaultyProxy("127.0.0.1", server.port, fail_on=session, status=401,
+                     fail_headers={"WWW-Authenticate": challenge}) as proxy:  # fmt: skip
+        client = fast_client(credentials=CredentialStore().with_explicit(proxy.host, "carol", "pw"))
+        fronted = Reference(proxy.host, other.repository, tag="t")
+        with pytest.raises(PermissionDenied):
+            push_artifact(client, fronted, layer)
+    owner = fast_client(credentials=CredentialStore().with_explicit(server.host, "carol", "pw"))
+    with pytest.raises(NotFound):
+        owner.get_manifest(other)
 
 
 def test_registry_down_is_unavailable() -> None:

@@ -3,11 +3,13 @@
 ``FaultyProxy(upstream_host, upstream_port, fail_after_bytes=N)`` forwards requests but, once N
 request-body bytes have passed through it (counted over its lifetime), resets the connection in
 the middle of the request that crosses N. ``fail_on=(method, path_regex)`` answers ``status``
-(with a distribution error body and optional Retry-After) instead of forwarding.
+(with a distribution error body, optional Retry-After and ``fail_headers``) instead of forwarding.
 ``corrupt_on=(method, path_regex)`` flips one byte of the matching responses' bodies.
 ``redirect_on=(method, path_regex)`` answers 307 to the same path on the upstream (as registries
-with object-storage backends do). ``times`` bounds how many failures are injected (None: every
-time). ``.requests`` records (method, path, status) for every request, status 0 for a reset. Use as a context manager.
+with object-storage backends do), or to ``redirect_to`` (host, port) when given. ``times`` bounds how
+many failures are injected (None: every time). ``.requests`` records (method, path, status) for every
+request, status 0 for a reset; ``.authorized`` the (method, path) of those that carried an Authorization
+header. Use as a context manager.
 
 The registry builds Location headers from the Host header, which the proxy forwards unchanged,
 so upload sessions keep going through the proxy.
@@ -38,8 +40,10 @@ class FaultyProxy:
         fail_on: tuple[str, str] | None = None,
         status: int = 500,
         retry_after: int | None = None,
+        fail_headers: dict[str, str] | None = None,
         corrupt_on: tuple[str, str] | None = None,
         redirect_on: tuple[str, str] | None = None,
+        redirect_to: tuple[str, int] | None = None,
         times: int | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
@@ -47,8 +51,11 @@ class FaultyProxy:
         self.fail_on = (fail_on[0].upper(), re.compile(fail_on[1])) if fail_on else None
         self.corrupt_on = (corrupt_on[0].upper(), re.compile(corrupt_on[1])) if corrupt_on else None
         self.redirect_on = (redirect_on[0].upper(), re.compile(redirect_on[1])) if redirect_on else None
+        self.redirect_to = redirect_to or (upstream_host, upstream_port)
+        self.authorized: list[tuple[str, str]] = []
         self.status = status
         self.retry_after = retry_after
+        self.fail_headers = dict(fail_headers or {})
         self.times = times
         self.failures = 0
         self.body_bytes = 0
@@ -116,6 +123,9 @@ class FaultyProxy:
 
             def _handle(self) -> None:
                 method, path = self.command, self.path
+                if self.headers.get("Authorization"):
+                    with proxy._lock:
+                        proxy.authorized.append((method, path))
                 matches = bool(proxy.fail_on and proxy.fail_on[0] in (method, "*") and proxy.fail_on[1].search(path))
                 if matches and proxy._may_fail():
                     self._fail(method, path)
@@ -124,7 +134,7 @@ class FaultyProxy:
                 if redirect and redirect[0] in (method, "*") and redirect[1].search(path):
                     proxy._record(method, path, 307)
                     self.send_response(307)
-                    self.send_header("Location", f"http://{proxy.upstream[0]}:{proxy.upstream[1]}{path}")
+                    self.send_header("Location", f"http://{proxy.redirect_to[0]}:{proxy.redirect_to[1]}{path}")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
@@ -201,6 +211,8 @@ class FaultyProxy:
                 self.send_header("Content-Length", "0" if method == "HEAD" else str(len(payload)))
                 if proxy.retry_after is not None:
                     self.send_header("Retry-After", str(proxy.retry_after))
+                for key, value in proxy.fail_headers.items():
+                    self.send_header(key, value)
                 self.end_headers()
                 if method != "HEAD":
                     self.wfile.write(payload)
