@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import NotFound
 from kubectl_snapshot.core.reference import Reference
 from tests.support.agent import AgentInstall, agent, assert_installed_criu_ran, criu_launches, plugin
@@ -123,6 +124,18 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     cluster.wait_for("the restored counter to go on", lambda: counter_value(cluster, namespace, "counter2")[1] > after)
     assert restored["metadata"]["annotations"]["kubectl-snapshot.io/restore-from"].endswith(ref.split("@")[1])
     assert_installed_criu_ran(n2, "restore", launched[n2])  # through the runtime wrapper, with the installed CRIU
+    # the snapshot and the restore each left an Event saying where and what (threat D12): kubectl describe
+    saved = cluster.get_json("events", "-n", namespace, "--field-selector", "involvedObject.kind=PodSnapshot")
+    assert "SnapshotSucceeded" in {e["reason"] for e in saved["items"]}, saved["items"]
+    uid = restored["metadata"]["uid"]
+    told: list[dict[str, str]] = []
+
+    def staged() -> list[str]:  # posted once the gates are answered: it may follow the pod's start
+        told[:] = cluster.get_json("events", "-n", namespace, "--field-selector", f"involvedObject.uid={uid}")["items"]
+        return [e["message"] for e in told if e["reason"] == K.EVENT_RESTORE_STAGED]
+
+    cluster.wait_for("the RestoreStaged Event", lambda: bool(staged()), timeout=30)
+    assert ref.split("@")[1] in staged()[0] and f"staged on {n2}" in staged()[0], told
 
 
 def test_two_containers_sharing_an_empty_dir(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
