@@ -21,6 +21,11 @@ resume from their predecessor's last save, without anyone editing the workload (
 - ``kubectl-snapshot-resume-selected`` (ValidatingAdmissionPolicy, paramKind SnapshotPolicy): the
   policy the annotation names selects the pod (a Deployment's template can carry the annotation, and
   its pods come from a kube-system controller).
+- ``kubectl-snapshot-resume-replicasets`` (ValidatingAdmissionPolicy, paramKind SnapshotPolicy): in a
+  namespace where a policy selects a ReplicaSet's pods, only a kube-system controller (the deployment
+  controller) or someone with the ``restore`` verb gives that ReplicaSet a Deployment as its controller:
+  the agent takes a Deployment's saves for the pods of the ReplicaSets it owns, so a ReplicaSet made by
+  hand with a forged owner would get them (docs/security.md, D15).
 - ``kubectl-snapshot-agent-podsnapshots`` (ValidatingAdmissionPolicy): the agent, which may patch
   PodSnapshots for the provenance labels and the resume claim, changes nothing else of them.
 - ``kubectl-snapshot-agent-resume`` (ClusterRole + binding): what the agent needs for this on top of
@@ -40,6 +45,7 @@ from kubectl_snapshot.deploy.admission import API, _binding, _can, _deny, _match
 MUTATING_POLICY = "kubectl-snapshot-resume"
 RESUME_PODS_POLICY = "kubectl-snapshot-resume-pods"
 RESUME_SELECTED_POLICY = "kubectl-snapshot-resume-selected"
+RESUME_REPLICASETS_POLICY = "kubectl-snapshot-resume-replicasets"
 AGENT_RESUME_ROLE = "kubectl-snapshot-agent-resume"
 RESUMABLE_OWNERS = ("StatefulSet", "ReplicaSet", "Job")
 # What the agent may change on a PodSnapshot (everything else, spec included, stays as it was).
@@ -322,6 +328,69 @@ def resume_selected_binding(labels: dict[str, str]) -> dict[str, Any]:
     return binding
 
 
+def _deployment_controller(obj: str, uid: str | None = None) -> str:
+    same = f" && r.uid == {uid}" if uid else ""
+    return (
+        f"has({obj}.metadata.ownerReferences) && {obj}.metadata.ownerReferences.exists(r, "
+        f"{_CONTROLLER} && r.kind == 'Deployment'{same})"
+    )
+
+
+# The SnapshotPolicy `params` selects the pods of the ReplicaSet `object` (its template's labels).
+POLICY_SELECTS_TEMPLATE_CEL = (
+    "has(params.spec.selector) && has(params.spec.selector.matchLabels)"
+    " && has(object.spec.template.metadata) && has(object.spec.template.metadata.labels)"
+    " && params.spec.selector.matchLabels.all(k, k in object.spec.template.metadata.labels"
+    " && object.spec.template.metadata.labels[k] == params.spec.selector.matchLabels[k])"
+)
+
+
+def resume_replicasets_policy(labels: dict[str, str]) -> dict[str, Any]:
+    """A ReplicaSet given a Deployment as its controller (created so, or the reference added or changed
+    later) by someone who is neither a kube-system controller nor holds the restore verb, in a namespace
+    where a SnapshotPolicy selects its pods: refused. The agent names a pod's workload from the owner
+    chain (core/workload.workload_of), and the Deployment controller is who makes those ReplicaSets; one
+    made by hand with a forged reference (the Deployment's uid is readable by anyone who may get it)
+    would have its pods final-saved as that Deployment's and resume its saves. The legitimate cases pass:
+    the deployment controller's ReplicaSets (and its adoptions), ReplicaSets without a Deployment owner,
+    changes that keep the owner as it was, and any namespace where no policy selects the pods
+    (parameterNotFoundAction Allow)."""
+    unchanged = (
+        f"request.operation == 'UPDATE' && has(oldObject.metadata.ownerReferences) && "
+        "oldObject.metadata.ownerReferences.exists(o, has(o.controller) && o.controller && o.kind == 'Deployment'"
+        f" && ({_deployment_controller('object', 'o.uid')}))"
+    )
+    binding_params = {"paramKind": {"apiVersion": K.API_VERSION, "kind": K.POLICY_KIND}}
+    return _policy(
+        RESUME_REPLICASETS_POLICY,
+        labels,
+        {
+            **binding_params,
+            "matchConstraints": _match(["apps"], ["v1"], ["CREATE", "UPDATE"], ["replicasets"]),
+            "matchConditions": [
+                {"name": "owned-by-a-deployment", "expression": _deployment_controller("object")},
+                {"name": "owner-set-by-this-request", "expression": f"!({unchanged})"},
+                {"name": "not-a-controller", "expression": f"!({CONTROLLER_USERS})"},
+            ],
+            "validations": [
+                _deny(
+                    f"!({POLICY_SELECTS_TEMPLATE_CEL}) || " + _can(K.RESTORE_VERB, K.PLURAL, group=K.GROUP),
+                    "'SnapshotPolicy ' + params.metadata.name + ' protects the pods of this ReplicaSet, and a"
+                    " ReplicaSet owned by a Deployment is made by the deployment controller: create or change"
+                    f" the Deployment instead (giving it a Deployment owner yourself needs the {K.RESTORE_VERB}"
+                    f" verb on {K.PLURAL}.{K.GROUP})'",
+                ),
+            ],
+        },
+    )
+
+
+def resume_replicasets_binding(labels: dict[str, str]) -> dict[str, Any]:
+    binding = _binding(RESUME_REPLICASETS_POLICY, labels)
+    binding["spec"]["paramRef"] = {"selector": {}, "parameterNotFoundAction": "Allow"}
+    return binding
+
+
 def agent_resume_role(labels: dict[str, str]) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
@@ -348,7 +417,7 @@ def agent_resume_role_binding(labels: dict[str, str]) -> dict[str, Any]:
     }
 
 
-VALIDATING_POLICIES = (RESUME_PODS_POLICY, RESUME_SELECTED_POLICY)
+VALIDATING_POLICIES = (RESUME_PODS_POLICY, RESUME_SELECTED_POLICY, RESUME_REPLICASETS_POLICY)
 
 
 def roles(labels: dict[str, str]) -> list[dict[str, Any]]:
@@ -364,6 +433,8 @@ def policies(labels: dict[str, str], gate_image: str) -> list[dict[str, Any]]:
         *(_binding(p["metadata"]["name"], labels) for p in validating),
         resume_selected_policy(labels),  # paramKind SnapshotPolicy: after the CRDs, like the mutation
         resume_selected_binding(labels),
+        resume_replicasets_policy(labels),
+        resume_replicasets_binding(labels),
         mutating_policy(labels, gate_image),
         mutating_binding(labels),
     ]

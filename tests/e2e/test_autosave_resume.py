@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.deploy import resume_admission
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, running
 from tests.support.agent import agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace
@@ -294,6 +295,58 @@ def test_a_resume_annotation_forged_in_a_template_is_refused_at_admission(cluste
     assert ok.returncode == 0, ok.stderr
     no = by_hand({"app": "evil"})
     assert no.returncode != 0 and "SnapshotPolicy web does not select this pod" in no.stderr, no.stderr
+
+
+def test_a_replicaset_with_a_forged_deployment_owner_is_refused(cluster, namespace, agent):  # type: ignore[no-untyped-def]
+    """Threat D15: the agent takes a Deployment's saves for the pods of the ReplicaSets that Deployment
+    owns; a ReplicaSet made by hand with a controller reference to it (its uid is readable) would have
+    its pods final-saved and resumed as the Deployment's. Refused at admission for someone without the
+    restore verb, where a policy selects the pods; the legitimate neighbours pass: the Deployment's own
+    ReplicaSet (the deployment controller's), a ReplicaSet with no Deployment owner, the restore verb's
+    holder (server-side dry runs)."""
+    ns = namespace
+    cluster.apply(policy(ns, "web", "web", cluster.registry))
+    cluster.apply(workload("Deployment", "web", ns, cluster.busybox_image, replicas=1))
+    live_pod(cluster, ns, "web")  # the deployment controller's ReplicaSet was admitted, and made its pod
+    uid = cluster.get_json("deployment", "web", "-n", ns)["metadata"]["uid"]
+    cluster.apply(
+        [
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "tenant", "namespace": ns}},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+             "metadata": {"name": "tenant", "namespace": ns},
+             "rules": [{"apiGroups": ["apps"], "resources": ["replicasets", "deployments"],
+                        "verbs": ["get", "create", "update"]}]},
+            {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+             "metadata": {"name": "tenant", "namespace": ns},
+             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tenant"},
+             "subjects": [{"kind": "ServiceAccount", "name": "tenant", "namespace": ns}]},
+        ]
+    )  # fmt: skip
+    tenant = ("--as", f"system:serviceaccount:{ns}:tenant")
+
+    def replicaset(owned: bool) -> str:
+        template = workload("Deployment", "web", ns, cluster.busybox_image, replicas=1)["spec"]["template"]
+        meta: dict[str, Any] = {"name": "web-by-hand", "namespace": ns}
+        if owned:
+            meta["ownerReferences"] = [
+                {"apiVersion": "apps/v1", "kind": "Deployment", "name": "web", "uid": uid, "controller": True}
+            ]
+        selector = {"matchLabels": template["metadata"]["labels"]}
+        spec = {"replicas": 1, "selector": selector, "template": template}
+        rs = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "metadata": meta, "spec": spec}
+        return json.dumps(rs)
+
+    def create(*who: str, owned: bool) -> Any:
+        return cluster.kubectl(*who, "create", "--dry-run=server", "-f", "-", input=replicaset(owned), check=False)
+
+    forged = create(*tenant, owned=True)
+    assert forged.returncode != 0, forged.stdout
+    assert f"ValidatingAdmissionPolicy '{resume_admission.RESUME_REPLICASETS_POLICY}'" in forged.stderr, forged.stderr
+    assert "SnapshotPolicy web protects the pods of this ReplicaSet" in forged.stderr, forged.stderr
+    plain = create(*tenant, owned=False)
+    assert plain.returncode == 0, plain.stderr  # no Deployment owner: the agent takes it for what it is
+    admin = create(owned=True)
+    assert admin.returncode == 0, admin.stderr  # the cluster admin holds the restore verb
 
 
 @pytest.mark.parametrize("refused_by", ["agent", "wrapper"])

@@ -11,6 +11,8 @@ denies, with its message.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +49,7 @@ def _ne(a: Any, b: Any) -> Any:
     return celeval.bool_ne(a, b)
 
 
+_AUTHORIZER = re.compile(r"authorizer(?:\.\w+\([^()]*\))+")
 FUNCTIONS = {"substring": _substring, "join": _join, "_==_": _eq, "_!=_": _ne}
 
 
@@ -78,8 +81,15 @@ def admit(
     extra: Mapping[str, list[str]] | None = None,
     obj: Mapping[str, Any] | None = None,
     old: Mapping[str, Any] | None = None,
+    params: Mapping[str, Any] | None = None,
+    authorized: bool | None = None,
 ) -> Decision:
+    """`params`: the param object (paramKind) of this evaluation; `authorized`: what every authorizer
+    check answers (the chain ``authorizer.group(..)...allowed()`` is replaced by it; None leaves it)."""
     env = celpy.Environment()
+    if authorized is not None:
+        answer = "true" if authorized else "false"
+        policy = json.loads(_AUTHORIZER.sub(answer, json.dumps(policy)))
     request: dict[str, Any] = {
         "operation": operation,
         "name": name,
@@ -90,6 +100,7 @@ def admit(
         "request": json_to_cel(request),
         "object": json_to_cel(dict(obj) if obj is not None else None),
         "oldObject": json_to_cel(dict(old) if old is not None else None),
+        "params": json_to_cel(dict(params) if params is not None else None),
     }
     spec = policy["spec"]
     for cond in spec.get("matchConditions", []):
