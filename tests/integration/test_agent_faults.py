@@ -293,3 +293,37 @@ def test_direct_freezer_on_a_real_container_and_recover(running_counter):  # typ
     finally:
         fz.thaw()
     assert_still_running(a, cid)
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):  # type: ignore[no-untyped-def]
+    """A tmpfs with room for bytes but for only a few files (inodes): a dump into it passes the free-space
+    reservation (bytes) and then really runs out of space in the middle, at CRIU's first files."""
+    where = tmp_path / "tiny"
+    where.mkdir(mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m,nr_inodes=8,mode=0700", "ks-tiny", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_a_filesystem_that_fills_up_mid_dump_fails_the_snapshot_and_leaves_the_container_running(  # type: ignore[no-untyped-def]
+    running_counter, registry, tiny_tmpfs
+):
+    """Threat A13: the dump's work area runs out of space while CRIU writes (ENOSPC): a typed error with
+    the tail of CRIU's log, the container resumed and counting, no snapshot in the registry, nothing left
+    in the work area. The legitimate case beside it: the same container snapshots into the node's work
+    area as usual."""
+    a, daemon, cid = running_counter
+    env = {"KUBECTL_SNAPSHOT_MEMORY_WORK_DIR": str(tiny_tmpfs)}
+    proc = agent("checkpoint", *on(daemon), "--to", registry.ref("enospc", "v1"), cid, check=False, env=env)
+    assert proc.returncode == 1, proc.stdout
+    assert "error:" in proc.stderr and "No space left on device" in proc.stderr, proc.stderr
+    assert_still_running(a, cid)
+    with pytest.raises(NotFound):
+        RegistryClient().get_manifest(Reference.parse(registry.ref("enospc", "v1")))
+    wait_for(lambda: not any(p.is_file() for p in tiny_tmpfs.rglob("*")), what="the work area to be emptied")
+    ok = agent("checkpoint", *on(daemon), "--to", registry.ref("enospc", "v2"), cid, check=False)
+    assert ok.returncode == 0, ok.stderr
+    assert_still_running(a, cid)
