@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kubectl_snapshot.adapters.signatures import PendingSignature, publish_signature, push_signature_blobs
+from kubectl_snapshot.adapters.signatures import PendingSignature, push_signature_blobs
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core import timestamps as T
@@ -449,12 +449,9 @@ def _package_and_push(
             finally:
                 timings["sign_ms"] = (clock() - t_sign) * 1000  # beside the config's upload
 
-    result, pending = push_snapshot(req.target, config, records, packaged, volumes_layer, registry, signed)
-    if pending is not None and key is not None:
-        t_tag = clock()
-        publish_signature(registry, pending)
+    result, was_signed = push_snapshot(req.target, config, records, packaged, volumes_layer, registry, signed)
+    if was_signed and key is not None:
         result.signed_by = key.public.id
-        timings["sign_ms"] = timings.get("sign_ms", 0.0) + (clock() - t_tag) * 1000  # part of upload_ms
     timings["upload_ms"] = (clock() - t_up) * 1000
     return result
 

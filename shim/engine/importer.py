@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import IO
 
-from kubectl_snapshot.adapters.signatures import PendingSignature, publish_signature, push_signature_blobs
+from kubectl_snapshot.adapters.signatures import PendingSignature, push_signature_blobs
 from kubectl_snapshot.core import checkpoint_archive as A
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import InvalidArgument, NotFound
@@ -127,9 +127,7 @@ def import_archive(req: ImportRequest, *, registry: Registry, paths: StatePaths)
             def signer(pinned: Reference) -> PendingSignature:
                 return push_signature_blobs(registry, pinned, origin, key)
 
-        result, pending = push_snapshot(req.target, config, [rec], [pc], None, registry, signer)
-        if pending is not None:
-            publish_signature(registry, pending)
+        result, _signed = push_snapshot(req.target, config, [rec], [pc], None, registry, signer)
         return ImportResult(result.reference, result.tagged, config, src, key.public.id if key else "")
     finally:
         shutil.rmtree(work, ignore_errors=True)

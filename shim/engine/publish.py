@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
-from kubectl_snapshot.adapters.signatures import PendingSignature
+from kubectl_snapshot.adapters.signatures import PendingSignature, publish_signature
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes, delta_digests
@@ -70,12 +70,14 @@ def push_snapshot(
     volumes_layer: PackagedBlob | None,
     registry: Registry,
     signed: Callable[[Reference], PendingSignature] | None = None,
-) -> tuple[CheckpointResult, PendingSignature | None]:
+) -> tuple[CheckpointResult, bool]:
     """Config and manifest, after every blob is in the registry: no tag ever points at a partial snapshot.
 
     `signed`: signs the snapshot (pinned by its manifest's digest, known before the push) and uploads the
-    signature's blobs, beside the config's upload; the snapshot is tagged only once they are in (a
-    signature that cannot be stored leaves no tag behind). The signature's tag is the caller's to push."""
+    signature's blobs, beside the config's upload; then the signature's tag, and the snapshot's tag last:
+    a signature that cannot be stored leaves no snapshot tag behind, and no tag ever names an unsigned
+    snapshot (restore would refuse it). A snapshot tag that then fails leaves the signature's tag of a
+    digest nothing names, which no restore or listing takes for a snapshot. Returns whether it was signed."""
     config_bytes = config.to_bytes()
     config_desc = Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(config_bytes), len(config_bytes))
     descs = [
@@ -120,5 +122,9 @@ def push_snapshot(
         if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes, fresh=True):
             sent += len(config_bytes)
         pending = signing.result() if signing is not None else None
+    if pending is not None:
+        publish_signature(registry, pending)  # cosign's .sig tag names the digest, not the snapshot's tag
     registry.push_manifest(target, manifest, C.OCI_MANIFEST)
-    return CheckpointResult(reference=pinned, tagged=target, config=config, size=stored, uploaded=sent), pending
+    return CheckpointResult(reference=pinned, tagged=target, config=config, size=stored, uploaded=sent), (
+        pending is not None
+    )

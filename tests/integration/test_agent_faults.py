@@ -327,3 +327,25 @@ def test_a_filesystem_that_fills_up_mid_dump_fails_the_snapshot_and_leaves_the_c
     ok = agent("checkpoint", *on(daemon), "--to", registry.ref("enospc", "v2"), cid, check=False)
     assert ok.returncode == 0, ok.stderr
     assert_still_running(a, cid)
+
+
+def test_a_signature_tag_that_cannot_be_pushed_leaves_no_snapshot_tag(running_counter, registry):  # type: ignore[no-untyped-def]
+    """Threat B4: the last steps of a push are the signature's tag and then the snapshot's; the registry
+    refusing the signature's tag ends the snapshot with an error and no tag that names an unsigned
+    snapshot (one restore would refuse), the container running; `--stop` stops nothing. The legitimate
+    case beside it: the same push through the same proxy without the fault is tagged and signed."""
+    a, daemon, cid = running_counter
+    host, port = registry.host.rsplit(":", 1)
+    sig_tag = ("PUT", r"/manifests/sha256-[0-9a-f]{64}\.sig$")
+    with FaultyProxy(host, int(port), fail_on=sig_tag, status=400) as proxy:
+        proc = agent("checkpoint", *on(daemon), "--stop", "--to", f"{proxy.host}/b4:v1", cid, check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert "error:" in proc.stderr and ".sig" in proc.stderr, proc.stderr
+    assert_still_running(a, cid)
+    with pytest.raises(NotFound):
+        RegistryClient().get_manifest(Reference.parse(registry.ref("b4", "v1")))
+    with FaultyProxy(host, int(port)) as proxy:
+        ok = agent("checkpoint", *on(daemon), "--to", f"{proxy.host}/b4:v2", cid, check=False)
+    assert ok.returncode == 0, ok.stderr
+    digest = RegistryClient().get_manifest(Reference.parse(registry.ref("b4", "v2")))[2]
+    RegistryClient().get_manifest(Reference.parse(registry.ref("b4", digest.replace(":", "-") + ".sig")))
