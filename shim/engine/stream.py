@@ -375,14 +375,18 @@ def fetch_chunks(
             if on_bytes is not None:
                 on_bytes(got * len(places))  # the plan counts every use (restore.plan_space)
 
-        # a chunk with a page delta holds its base, its delta and the rebuilt chunk at once
-        n = workers or workers_for(max((_fetch_bytes(c) for f in files for c in f.chunks), default=0))
-        run_parallel(one, list(_unique_chunks(files)), workers=n, name="chunk-fetch")
+        run_parallel(one, list(_unique_chunks(files)), workers=workers or fetch_workers(files), name="chunk-fetch")
     finally:
         for fd in fds.values():
             os.close(fd)
         os.close(dfd)
     return total.value
+
+
+def fetch_workers(files: Sequence[PagesFile]) -> int:
+    """How many chunks fetch_chunks handles at once for `files`."""
+    # a chunk with a page delta holds its base, its delta and the rebuilt chunk at once
+    return workers_for(max((_fetch_bytes(c) for f in files for c in f.chunks), default=0))
 
 
 class FetchCancelled(Exception):
