@@ -282,7 +282,8 @@ def measure(registry: RegistryServer, workdir: Path, mib: int, runs: int, wanted
 
 def report(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| pod memory | mode | staging / raw download (median) | range | rounds | split of the staging (median ms / staging) |",
+        "| pod memory | mode | staging / raw download (median) | range | rounds "
+        "| split of the staging (median ms / staging) |",
         "|---|---|---|---|---|---|",
     ]
     for row in rows:

@@ -92,25 +92,23 @@ def decompress_into(blob: bytes | bytearray | memoryview, out: bytearray, length
 
 
 def nonzero_runs(data: bytes | bytearray, length: int) -> Runs:
-    """The [start, end) ranges of data[:length] to write: all but its zero pages (page-aligned, relative
-    to the chunk's start; the chunk itself starts on a page in every page file CRIU writes)."""
+    """The [start, end) ranges of data[:length] to write: all but its whole zero pages (relative to the
+    chunk's start, which is a page of its file in every page file CRIU writes; a partial last page is
+    written). A page whose first or last byte is not zero is told at once: most of a busy process's."""
     runs: Runs = []
-    start = pos = 0
-    while True:
-        i = data.find(ZERO_PAGE, pos, length)
-        if i < 0:
-            break
-        page = -(-i // PAGE_SIZE) * PAGE_SIZE
-        end = page
-        while end + PAGE_SIZE <= length and data[end : end + PAGE_SIZE] == ZERO_PAGE:
-            end += PAGE_SIZE
-        if end == page:  # the zeros found straddle a page boundary: no whole page of them
-            pos = page + PAGE_SIZE
-            continue
-        if page > start:
-            runs.append((start, page))
-        start = pos = end
-    if start < length:
+    start = -1
+    zero = ZERO_PAGE
+    last = length - length % PAGE_SIZE
+    for off in range(0, last, PAGE_SIZE):
+        if data[off] == 0 and data[off + PAGE_SIZE - 1] == 0 and data[off : off + PAGE_SIZE] == zero:
+            if start >= 0:
+                runs.append((start, off))
+                start = -1
+        elif start < 0:
+            start = off
+    if start < 0 and last < length:
+        start = last
+    if start >= 0:
         runs.append((start, length))
     return runs
 
