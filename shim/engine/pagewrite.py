@@ -79,15 +79,22 @@ def decompress_into(blob: bytes | bytearray | memoryview, out: bytearray, length
     if len(out) < length + 1:
         out.extend(bytes(length + 1 - len(out)))
     got = 0
-    with memoryview(out) as dst:
-        reader = zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=False)
-        while got <= length:
-            n = reader.readinto(dst[got : length + 1])
-            if not n:
-                break
-            got += n
-        if got == length and reader.read(1):  # consumes the frame's end (its checksum is checked there)
-            got += 1
+    reader: zstandard.ZstdDecompressionReader | None = None
+    try:
+        with memoryview(out) as dst:
+            reader = zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=False)
+            while got <= length:
+                with dst[got : length + 1] as rest:
+                    n = reader.readinto(rest)
+                if not n:
+                    break
+                got += n
+            if got == length and reader.read(1):  # consumes the frame's end (its checksum is checked there)
+                got += 1
+    finally:
+        if reader is not None:
+            reader.close()
+        reader = None  # lets go of `blob`'s buffer, even while a traceback holds this frame
     return got
 
 
