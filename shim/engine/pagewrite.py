@@ -92,8 +92,6 @@ def decompress_into(blob: bytes | bytearray | memoryview, out: bytearray, length
             if got == length and reader.read(1):  # consumes the frame's end (its checksum is checked there)
                 got += 1
     finally:
-        if reader is not None:
-            reader.close()
         reader = None  # lets go of `blob`'s buffer, even while a traceback holds this frame
     return got
 

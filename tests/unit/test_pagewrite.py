@@ -15,7 +15,7 @@ import zstandard
 from kubectl_snapshot.core.chunks import PAGE_SIZE, Chunk, PagesFile
 from kubectl_snapshot.core.errors import DigestMismatch
 from kubectl_snapshot.core.reference import Reference
-from shim.engine import pagewrite, stream
+from shim.engine import stream
 from shim.engine.pagewrite import Into, decompress_into, nonzero_runs, share_runs, write_runs
 
 P = PAGE_SIZE
@@ -86,7 +86,7 @@ def test_a_kernel_that_cannot_copy_gets_the_bytes_written(tmp_path: Path, monkey
     def no_copy(*_: Any) -> int:
         raise OSError(18, "Invalid cross-device link")  # EXDEV: another filesystem
 
-    monkeypatch.setattr(pagewrite.os, "copy_file_range", no_copy)
+    monkeypatch.setattr(os, "copy_file_range", no_copy)
     data = _pages("r", "z", "r")
     src = os.open(tmp_path / "a", os.O_RDWR | os.O_CREAT, 0o600)
     dst = os.open(tmp_path / "b", os.O_RDWR | os.O_CREAT, 0o600)
@@ -154,7 +154,9 @@ def test_fetched_page_files_hold_every_page_with_zero_pages_as_holes(tmp_path: P
     c = _pages(*"r" * 64)
     (da, za), (db, zb), (dc, zc) = _blob(a), _blob(b), _blob(c)
     n = len(a)
-    f1 = PagesFile("pages-1.img", 3 * n, (Chunk(0, n, da, len(za)), Chunk(n, n, db, len(zb)), Chunk(2 * n, n, dc, len(zc))))
+    f1 = PagesFile(
+        "pages-1.img", 3 * n, (Chunk(0, n, da, len(za)), Chunk(n, n, db, len(zb)), Chunk(2 * n, n, dc, len(zc)))
+    )
     f2 = PagesFile("pages-2.img", 2 * n, (Chunk(0, n, dc, len(zc)), Chunk(n, n, da, len(za))))
     reg = _Blobs({da: za, db: zb, dc: zc})
     stream.fetch_chunks(reg, REF, [f1, f2], str(tmp_path), workers=2)  # type: ignore[arg-type]
