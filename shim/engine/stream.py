@@ -12,7 +12,8 @@ about the speed of a CRIU dump on one core). So after the workload is resumed:
   zstd stream that is hashed and uploaded as it is produced (no layer file on disk).
 
 Restore runs the same way backwards: chunks are downloaded by several workers, each verified against
-its digest before a byte of it is written (pwrite into a preallocated page file), then decompressed.
+its digest (and opened, when sealed) before it is decompressed, into buffers each worker keeps, and
+written without its zero pages into the page file (shim/engine/pagewrite.py).
 """
 
 from __future__ import annotations
