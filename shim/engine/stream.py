@@ -12,19 +12,19 @@ about the speed of a CRIU dump on one core). So after the workload is resumed:
   zstd stream that is hashed and uploaded as it is produced (no layer file on disk).
 
 Restore runs the same way backwards: chunks are downloaded by several workers, each verified against
-its digest before a byte of it is written (pwrite into a preallocated page file), then decompressed.
+its digest (and opened, when sealed) before it is decompressed, into buffers each worker keeps, and
+written without its zero pages into the page file (shim/engine/pagewrite.py).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar, cast
 
 import zstandard
 
@@ -36,6 +36,7 @@ from kubectl_snapshot.core.sealing import Opener, Sealer
 from shim.engine.chunks import PagesPlan
 from shim.engine.node_ports import Registry
 from shim.engine.pageindex import BaseChunk, PageIndex
+from shim.engine.pagewrite import Into, decompress_into, nonzero_runs, share_runs, write_runs
 from shim.files.archive import tar_directory
 from shim.files.pipes import iter_produced
 from shim.files.zstdio import open_zstd_writer
@@ -303,7 +304,8 @@ def fetch_chunks(
 
     Each chunk is downloaded whole (a few MiB at most), verified against its digest and size by the
     registry client, decrypted (`opener`: every segment authenticated) and decompressed and checked to
-    be exactly its recorded length, and only then written. A chunk with a page delta (format v4) is its
+    be exactly its recorded length, and only then written: its zero pages left as holes, each of its other
+    places cloned from the first (shim/engine/pagewrite.py). A chunk with a page delta (format v4) is its
     base chunk (so verified) with the pages of its delta blob (verified the same way, and its page
     list checked by core/pagedelta.apply_delta) put in. A file that already exists is refused (the
     layer must not also carry it).
@@ -316,7 +318,7 @@ def fetch_chunks(
             try:
                 fd = os.open(
                     f.name,
-                    os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,  # read: a shared chunk's source
                     0o600,
                     dir_fd=dfd,
                 )
@@ -326,32 +328,31 @@ def fetch_chunks(
                     hint="the snapshot is corrupted or was crafted; do not restore it",
                 ) from None
             fds[f.name] = fd
-            os.ftruncate(fd, f.size)
+            os.ftruncate(fd, f.size)  # every page reads as zero until a chunk writes it
 
-        def blob_bytes(digest: str, size: int, raw_length: int, what: str) -> bytes:
-            """Download one blob whole, verified (digest, size), opened, decompressed, exactly `raw_length`."""
-            buf = io.BytesIO()
-            registry.fetch_blob(ref, digest, buf, expected_size=size, max_size=size)
-            if opener is None:
-                blob: bytes | bytearray | memoryview = buf.getvalue()
-            else:  # decrypted into this worker's scratch buffer, reused chunk after chunk
-                scratch = getattr(_local, "opened", None)
-                if scratch is None:
-                    scratch = _local.opened = bytearray()
-                with buf.getbuffer() as sealed:
-                    blob = opener.open_chunk(digest, sealed, into=scratch)
-            try:
-                raw = zstandard.ZstdDecompressor().decompress(blob, max_output_size=raw_length)
-            except zstandard.ZstdError as e:
-                raise DigestMismatch(f"{what} {digest} does not decompress: {e}", hint=_HINT) from e
-            finally:
-                if isinstance(blob, memoryview):
-                    blob.release()
-            if len(raw) != raw_length:
-                raise DigestMismatch(
-                    f"{what} {digest} holds {len(raw)} bytes, the snapshot says {raw_length}", hint=_HINT
-                )
-            return raw
+        def scratch(name: str) -> bytearray:
+            """This worker's buffer `name`, kept from chunk to chunk (no fresh page-faulted memory each)."""
+            buf = getattr(_local, name, None)
+            if buf is None:
+                buf = bytearray()
+                setattr(_local, name, buf)
+            return buf
+
+        def blob_into(digest: str, size: int, raw_length: int, what: str, out: bytearray) -> int:
+            """Download one blob whole, verified (digest, size), opened, and decompress it into `out`,
+            exactly `raw_length` bytes; returns that length."""
+            fetched = Into(scratch("fetched"), size)
+            registry.fetch_blob(ref, digest, cast(BinaryIO, fetched), expected_size=size, max_size=size)
+            with fetched.view() as sealed:
+                if opener is None:
+                    got = _decompressed(sealed, out, raw_length, what, digest)
+                else:  # decrypted into this worker's scratch buffer, every segment authenticated first
+                    with opener.open_chunk(digest, sealed, into=scratch("opened")) as blob:
+                        got = _decompressed(blob, out, raw_length, what, digest)
+            if got != raw_length:
+                held = f"more than {raw_length}" if got > raw_length else str(got)
+                raise DigestMismatch(f"{what} {digest} holds {held} bytes, the snapshot says {raw_length}", hint=_HINT)
+            return got
 
         def one(job: tuple[Chunk, list[tuple[str, int]]]) -> None:
             if cancelled is not None and cancelled.is_set():
@@ -359,30 +360,45 @@ def fetch_chunks(
             c, places = job  # c: the chunk at its first place
             name = places[0][0]
             d = c.delta
-            raw: bytes | bytearray = blob_bytes(c.digest, c.size, d.base_length if d else c.length, f"chunk of {name}")
+            buf = scratch("raw")
+            blob_into(c.digest, c.size, d.base_length if d else c.length, f"chunk of {name}", buf)
+            raw: bytes | bytearray = buf
             if d is not None:
-                delta = blob_bytes(d.digest, d.size, delta_raw_length(d.pages, d.copies), f"page delta of {name}")
+                delta = bytearray()
+                blob_into(d.digest, d.size, delta_raw_length(d.pages, d.copies), f"page delta of {name}", delta)
                 where = f"page delta {d.digest} of {name} (offset {c.offset})"
-                raw = apply_delta(raw, delta, length=c.length, literals=d.pages, copies=d.copies, where=where)
-            for name, offset in places:
-                view = memoryview(raw)
-                pos = offset
-                while view:
-                    n = os.pwrite(fds[name], view, pos)
-                    view, pos = view[n:], pos + n
+                with memoryview(buf)[: d.base_length] as base:
+                    raw = apply_delta(base, delta[: delta_raw_length(d.pages, d.copies)], length=c.length,
+                                      literals=d.pages, copies=d.copies, where=where)  # fmt: skip
+            runs = nonzero_runs(raw, c.length)
+            with memoryview(raw) as view:
+                write_runs(fds[name], view, runs, c.offset)
+                for other, offset in places[1:]:
+                    share_runs(fds[name], c.offset, fds[other], offset, view, runs)
             got = c.size + (c.delta.size if c.delta is not None else 0)
             total.add(got)  # downloaded once
             if on_bytes is not None:
                 on_bytes(got * len(places))  # the plan counts every use (restore.plan_space)
 
-        # a chunk with a page delta holds its base, its delta and the rebuilt chunk at once
-        n = workers or workers_for(max((_fetch_bytes(c) for f in files for c in f.chunks), default=0))
-        run_parallel(one, list(_unique_chunks(files)), workers=n, name="chunk-fetch")
+        run_parallel(one, list(_unique_chunks(files)), workers=workers or fetch_workers(files), name="chunk-fetch")
     finally:
         for fd in fds.values():
             os.close(fd)
         os.close(dfd)
     return total.value
+
+
+def _decompressed(blob: memoryview, out: bytearray, raw_length: int, what: str, digest: str) -> int:
+    try:
+        return decompress_into(blob, out, raw_length)
+    except zstandard.ZstdError as e:
+        raise DigestMismatch(f"{what} {digest} does not decompress: {e}", hint=_HINT) from e
+
+
+def fetch_workers(files: Sequence[PagesFile]) -> int:
+    """How many chunks fetch_chunks handles at once for `files`."""
+    # a chunk with a page delta holds its base, its delta and the rebuilt chunk at once
+    return workers_for(max((_fetch_bytes(c) for f in files for c in f.chunks), default=0))
 
 
 class FetchCancelled(Exception):

@@ -20,7 +20,7 @@ from kubectl_snapshot.adapters.registry import RegistryClient, sha256_digest
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.artifact import Artifact
 from kubectl_snapshot.core.chunks import Chunk, PagesFile
-from kubectl_snapshot.core.errors import UnsafeArchive
+from kubectl_snapshot.core.errors import DigestMismatch, UnsafeArchive
 from kubectl_snapshot.core.model import ContainerRecord, DumpStats, HostFacts, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor, Manifest
 from kubectl_snapshot.core.reference import Reference
@@ -177,3 +177,65 @@ def test_no_announcement_when_the_page_files_were_there_first(registry: Registry
     stage_artifact(artifact, [str(target)], registry=client, paths=paths, on_images=lambda: called.append(True))
     assert called == []  # nothing to announce: the staged data is complete, one answer does
     assert (target / C.CHECKPOINT_DIRECTORY / "pages-1.img").read_bytes() == PAGES
+
+
+def test_zero_pages_stay_holes_and_a_repeated_chunk_is_downloaded_once(
+    registry: RegistryServer, tmp_path: Path
+) -> None:
+    """Issue 44, item 1: a page file rebuilt from the real registry holds every page, its zero pages and
+    an all-zero chunk as holes (no disk block), and a chunk used twice is downloaded once."""
+    page = 4096
+    a = os.urandom(page) + bytes(62 * page) + os.urandom(page)  # mostly zero pages
+    zero = bytes(64 * page)
+    b = os.urandom(64 * page)
+    client = RegistryClient()
+    ref = Reference.parse(f"{registry.host}/staging/{uuid.uuid4().hex[:10]}:v1")
+    layer = _layer({f"{C.CHECKPOINT_DIRECTORY}/core-1.img": b"core"})
+    blobs = {raw: zstandard.ZstdCompressor().compress(raw) for raw in (a, zero, b)}
+    for blob in (layer, *blobs.values()):
+        client.push_blob(ref, digest=sha256_digest(blob), size=len(blob), data=blob)
+    n = len(a)
+    order = (a, zero, b, a)  # `a` twice
+    chunks = tuple(Chunk(i * n, n, sha256_digest(blobs[raw]), len(blobs[raw])) for i, raw in enumerate(order))
+    pages = PagesFile("pages-1.img", len(order) * n, chunks)
+    rec = ContainerRecord(
+        name="app", id="app", image="i", image_digest="", layer_digest=sha256_digest(layer), spec={},
+        stats=DumpStats(memory_bytes=pages.size), pages=(pages,),
+    )  # fmt: skip
+    config = SnapshotConfig(group="g", namespace="n", created="", containers=(rec,), host=HostFacts())
+    layers = (
+        Descriptor(C.CHECKPOINT_LAYER_MEDIA_TYPE, sha256_digest(layer), len(layer)),
+        *(Descriptor(C.CHUNK_MEDIA_TYPE, sha256_digest(z), len(z)) for z in blobs.values()),
+    )
+    manifest = Manifest(config=Descriptor(C.CONFIG_MEDIA_TYPE, "sha256:" + "b" * 64, 2), layers=layers)
+    fetched: list[str] = []
+
+    class Counting(RegistryClient):
+        def fetch_blob(self, ref: Reference, digest: str, out: Any, **kw: Any) -> Any:
+            fetched.append(digest)
+            return super().fetch_blob(ref, digest, out, **kw)
+
+    paths = StatePaths(str(tmp_path / "state"))
+    target = Path(paths.staged_by_id("restored"))
+    stage_artifact(Artifact(ref, manifest, config), [str(target)], registry=Counting(), paths=paths)
+    staged = target / C.CHECKPOINT_DIRECTORY / "pages-1.img"
+    assert staged.read_bytes() == a + zero + b + a
+    assert sorted(fetched) == sorted([sha256_digest(layer), *(sha256_digest(z) for z in blobs.values())])
+    # written: `a`'s two pages at each of its places and `b`; the zero pages and `zero` are holes
+    assert staged.stat().st_blocks * 512 < len(b) + 16 * page
+    assert _leftovers(target) == []
+
+
+def test_a_tampered_chunk_is_refused_and_nothing_staged_is_left(registry: RegistryServer, tmp_path: Path) -> None:
+    artifact = _artifact(registry, _layer({f"{C.CHECKPOINT_DIRECTORY}/core-1.img": b"core"}))
+    chunk = artifact.config.containers[0].pages[0].chunks[0]
+    stored = registry.blob_path(chunk.digest)
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, other content
+    stored.write_bytes(bytes(data))
+    paths = StatePaths(str(tmp_path / "state"))
+    target = Path(paths.staged_by_id("restored"))
+    with pytest.raises(DigestMismatch):
+        stage_artifact(artifact, [str(target)], registry=RegistryClient(), paths=paths)
+    assert not target.exists() and _leftovers(target) == []
+    assert os.listdir(paths.downloads()) == []
