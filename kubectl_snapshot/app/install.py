@@ -5,6 +5,7 @@ keeping the keys (`kept_key_objects`) unless asked to purge them.
 
 from __future__ import annotations
 
+import base64
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -356,3 +357,78 @@ def trust_objects(
         data[TRUST_ALLOW_UNVERIFIED_FILE] = "true" if allow_unverified else "false"
     data.setdefault(TRUST_ALLOW_UNVERIFIED_FILE, "false")
     return [{**cm_ref, "metadata": {**cm_ref["metadata"], "labels": labels}, "data": data}]
+
+
+# --- the key broker (opt-in: install --key-broker; kubectl_snapshot/deploy/keybroker.py) -------------------
+
+
+def _ref(kind: str, name: str) -> Obj:
+    return {"apiVersion": "v1", "kind": kind, "metadata": {"name": name, "namespace": K.AGENT_NAMESPACE}}
+
+
+def key_broker_tls_refs() -> list[Obj]:
+    """The broker's TLS Secret and the agents' copy of its certificate (made by install, not rendered)."""
+    return [_ref("Secret", K.KEY_BROKER_TLS_SECRET), _ref("ConfigMap", K.KEY_BROKER_CA_CONFIG_MAP)]
+
+
+def key_broker_tls_names() -> list[str]:
+    """The names the broker's certificate is valid for: its Service's, and loopback for host-network
+    clusters without kube-proxy (`--key-broker-url https://127.0.0.1:PORT`)."""
+    svc = f"{K.KEY_BROKER_NAME}.{K.AGENT_NAMESPACE}"
+    return [f"{svc}.svc", K.KEY_BROKER_NAME, svc, f"{svc}.svc.cluster.local", "127.0.0.1"]
+
+
+def key_broker_tls_objects(
+    kube: Kube, *, names: Sequence[str] | None = None, labels: Mapping[str, str] | None = None
+) -> list[Obj]:
+    """The broker's serving certificate: made once (a Secret of type kubernetes.io/tls, which only the
+    broker mounts) and its certificate in a ConfigMap the agents mount and pin; a re-install keeps the
+    live certificate (the ConfigMap is written again from it)."""
+    import datetime
+
+    from kubectl_snapshot.core.servingcert import serving_cert
+
+    labels = dict(labels or {"app.kubernetes.io/part-of": "kubectl-snapshot"})
+    secret_ref, cm_ref = key_broker_tls_refs()
+    live = kube.get_object(secret_ref)
+    out: list[Obj] = []
+    cert_b64 = str(((live or {}).get("data") or {}).get("tls.crt") or "")
+    if not cert_b64:
+        cert, key = serving_cert(names or key_broker_tls_names(), now=datetime.datetime.now(datetime.UTC))
+        cert_b64 = base64.b64encode(cert).decode()
+        out.append(
+            {
+                **secret_ref,
+                "metadata": {**secret_ref["metadata"], "labels": dict(labels)},
+                "type": "kubernetes.io/tls",
+                "data": {"tls.crt": cert_b64, "tls.key": base64.b64encode(key).decode()},
+            }
+        )
+    cert_pem = base64.b64decode(cert_b64).decode()
+    out.append({**cm_ref, "metadata": {**cm_ref["metadata"], "labels": dict(labels)}, "data": {"ca.crt": cert_pem}})
+    return out
+
+
+def _id(o: Obj) -> tuple[str, str, str]:
+    return (str(o.get("kind")), str(o["metadata"].get("namespace") or ""), str(o["metadata"]["name"]))
+
+
+def other_mode_objects(image: str | None, settings: Mapping[str, Any], *, key_broker: bool) -> list[Obj]:
+    """What an install in the other key mode has that this one has not (an install switching modes deletes
+    them if there: the broker and its certificate, or the agents' Role on the key Secret)."""
+    mine = render(image, {**settings, "key_broker": key_broker})
+    other = render(image, {**settings, "key_broker": not key_broker})
+    ids = {_id(o) for o in mine}
+    extra = [o for o in other if _id(o) not in ids]
+    return extra + ([] if key_broker else key_broker_tls_refs())
+
+
+def all_mode_objects(image: str | None, settings: Mapping[str, Any]) -> list[Obj]:
+    """What uninstall deletes: the objects of either key mode (the broker's before the DaemonSet)."""
+    base = render(image, settings)
+    extra = other_mode_objects(image, settings, key_broker=False)
+    home = [i for i, o in enumerate(base) if o.get("kind") == "Namespace"]
+    at = home[0] + 1 if home else 0
+    tls = key_broker_tls_refs()
+    broker = [o for o in extra if o not in tls]
+    return base[:at] + tls + base[at:-1] + broker + base[-1:]
