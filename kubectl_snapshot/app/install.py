@@ -95,6 +95,16 @@ def install(
                 sleep=sleep,
                 clock=clock,
             )
+    for obj in (o for o in objects if o.get("kind") == "Deployment"):  # the key broker (--key-broker)
+        step(f"wait for Deployment {obj['metadata']['name']} to be available", len(objects), total)
+        _wait(
+            f"Deployment {obj['metadata'].get('namespace')}/{obj['metadata']['name']} available",
+            functools.partial(_deployment_ready, kube, obj),
+            timeout_s=timeout_s,
+            sleep=sleep,
+            clock=clock,
+            hint=f"kubectl -n {obj['metadata'].get('namespace')} describe deployment {obj['metadata']['name']}",
+        )
     for i, obj in enumerate(o for o in objects if o.get("kind") == "DaemonSet"):
         step(f"wait for DaemonSet {obj['metadata']['name']} to roll out", len(objects) + i, total)
         _wait(
@@ -282,6 +292,15 @@ def _crd_ready(kube: Kube, name: str) -> bool:
 
 def _ds_ready(kube: Kube, obj: Obj) -> bool:
     return _rolled_out(kube.get_object(obj))
+
+
+def _deployment_ready(kube: Kube, obj: Obj) -> bool:
+    live = kube.get_object(obj) or {}
+    meta, spec, st = live.get("metadata") or {}, live.get("spec") or {}, live.get("status") or {}
+    if not live or int(st.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
+        return False
+    want = int(spec.get("replicas", 1))
+    return int(st.get("updatedReplicas") or 0) >= want and int(st.get("availableReplicas") or 0) >= want
 
 
 def _crd_established(crd: Obj | None) -> bool:

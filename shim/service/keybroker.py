@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import json
 import logging
@@ -52,6 +53,7 @@ REVIEWS_PER_S, REVIEW_BURST = 10.0, 20
 REQUESTS_PER_S, REQUEST_BURST = 200.0, 400
 TOKEN_CACHE_S = 30.0
 TOKEN_CACHE_MAX = 1024
+DRAIN_S = 0.2
 
 
 class BrokerApi(Protocol):
@@ -226,6 +228,7 @@ def serve(
             if not 0 <= length <= MAX_REQUEST_BYTES:
                 self.close_connection = True
                 self._reply(_error(413, f"a key request has a Content-Length of at most {MAX_REQUEST_BYTES} bytes"))
+                self._drain()
                 return
             self._reply(broker.answer(self.headers.get("Authorization"), self.rfile.read(length)))
 
@@ -241,6 +244,16 @@ def serve(
 
         def log_message(self, format: str, *args: Any) -> None:
             log.debug("key broker: " + format, *args)
+
+        def _drain(self) -> None:
+            """What the client sent already, read (a little, briefly) and dropped: closing with unread bytes
+            would reset the connection, and the client might lose the answer."""
+            self.wfile.flush()
+            self.connection.settimeout(DRAIN_S)
+            with contextlib.suppress(OSError, ValueError):
+                left = MAX_REQUEST_BYTES
+                while left > 0 and (chunk := self.connection.recv(min(left, 16384))):
+                    left -= len(chunk)
 
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
