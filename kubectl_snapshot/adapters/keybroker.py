@@ -16,7 +16,8 @@ import base64
 import http.client
 import json
 import ssl
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,6 +27,14 @@ from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, No
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyUse, NamespaceKey
 
 TIMEOUT_S = 30.0
+BUSY_RETRIES = 30  # a save of many chunks waits for the broker's rate bound rather than failing
+BUSY_WAIT_S = 1.0
+
+
+class _Busy(Exception):
+    """The broker answered 429 (too many requests): wait and ask again."""
+
+
 _HINT = (
     "the key broker answers the agents' key requests: kubectl -n kubectl-snapshot-system get pods"
     " -l app.kubernetes.io/name=kubectl-snapshot-key-broker (and its logs)"
@@ -42,12 +51,13 @@ class BrokerKeyProvider:
         token_file: str = f"{K.KEY_BROKER_TOKEN_DIR}/token",
         ca_file: str = f"{K.KEY_BROKER_CA_DIR}/ca.crt",
         timeout_s: float = TIMEOUT_S,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "https" or not parts.hostname:
             raise InvalidArgument(f"the key broker's URL must be https://HOST:PORT, got {url!r}")
         self.url, self.host, self.port = url, parts.hostname, parts.port or 443
-        self.token_file, self.ca_file, self.timeout_s = token_file, ca_file, timeout_s
+        self.token_file, self.ca_file, self.timeout_s, self.sleep = token_file, ca_file, timeout_s, sleep
 
     def namespace_key(
         self, namespace: str, *, create: bool, key_id: str | None = None, use: KeyUse | None = None
@@ -63,6 +73,15 @@ class BrokerKeyProvider:
         return key
 
     def post(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One request; a 429 (the broker's rate bound) is waited out and sent again, `BUSY_RETRIES` times."""
+        for _ in range(BUSY_RETRIES):
+            try:
+                return self._post(body)
+            except _Busy:
+                self.sleep(BUSY_WAIT_S)
+        return self._post(body, last=True)
+
+    def _post(self, body: dict[str, Any], *, last: bool = False) -> dict[str, Any]:
         pod = f"{body.get('namespace')}/{(body.get('pod') or {}).get('name')}"
         what = f"{body.get('op')} for the {body.get('purpose')} of pod {pod}"
         try:
@@ -109,6 +128,8 @@ class BrokerKeyProvider:
                                    "keys of its own node's pods only, for their save or restore")  # fmt: skip
         if code == 404:
             raise NotFound(f"the key broker has no such key ({what}): {message}")
+        if code == 429 and not last:
+            raise _Busy()
         if code == 422:
             raise DecryptionFailed(message, hint="the snapshot was tampered with or sealed with another key")
         raise Unavailable(

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.adapters.keybroker import BrokerKeyProvider, BrokerNamespaceKey
+from kubectl_snapshot.adapters.keybroker import BUSY_WAIT_S, BrokerKeyProvider, BrokerNamespaceKey
 from kubectl_snapshot.adapters.keystore import FileKeyProvider
 from kubectl_snapshot.core import keyaccess as KA
 from kubectl_snapshot.core import kubenames as K
@@ -27,6 +27,7 @@ from kubectl_snapshot.core.sealing import KeyUse, Opener, Sealer, open_bytes
 from kubectl_snapshot.core.servingcert import serving_cert
 from shim.engine.restore import opener_for
 from shim.service import keybroker
+from shim.service.metrics_auth import RateLimit
 from tests.support.fakekube import StrictKube
 
 DIGEST = "sha256:" + "ab" * 32
@@ -270,3 +271,27 @@ def test_new_tokens_are_reviewed_at_a_bounded_rate(cluster: Cluster, tmp_path: P
     reviews = cluster.reviews
     assert broker.answer("Bearer agent", body).code == 403
     assert cluster.reviews == reviews
+
+
+def test_the_agent_waits_out_the_brokers_rate_bound(cluster: Cluster, tls: tuple[str, str], tmp_path: Path) -> None:
+    """A save of many chunks is throttled by the broker's 429s (one request a second here), not failed."""
+    now = [0.0]
+    b = keybroker.Broker(cluster, FileKeyProvider(str(tmp_path / "keys")), clock=lambda: now[0])
+    b._requests = RateLimit(1.0, 1, lambda: now[0])
+    server = keybroker.serve(b, host="127.0.0.1", port=0, cert_file=tls[0], key_file=tls[1])
+    try:
+        agent = agent_of("node-a", f"https://127.0.0.1:{server.server_address[1]}", cluster, tls, tmp_path)
+        waited: list[float] = []
+
+        def sleep(s: float) -> None:
+            waited.append(s)
+            now[0] += s
+
+        agent.sleep = sleep
+        key = agent.namespace_key("x", create=True, use=cluster.add_pod("x", "app", "node-a"))
+        assert waited == []
+        assert len(key.wrap(b"k" * 32, b"aad")) == 60  # the bucket was empty: answered after one wait
+        assert waited == [BUSY_WAIT_S]
+    finally:
+        server.shutdown()
+        server.server_close()
