@@ -435,8 +435,10 @@ def _id(o: Obj) -> tuple[str, str, str]:
 def other_mode_objects(image: str | None, settings: Mapping[str, Any], *, key_broker: bool) -> list[Obj]:
     """What an install in the other key mode has that this one has not (an install switching modes deletes
     them if there: the broker and its certificate, or the agents' Role on the key Secret)."""
-    mine = render(image, {**settings, "key_broker": key_broker})
-    other = render(image, {**settings, "key_broker": not key_broker})
+    plain = {k: v for k, v in settings.items() if k not in ("key_broker", "key_broker_url")}
+    with_broker = {**plain, "key_broker": True, "key_broker_url": settings.get("key_broker_url")}
+    mine = render(image, with_broker if key_broker else plain)
+    other = render(image, plain if key_broker else with_broker)
     ids = {_id(o) for o in mine}
     extra = [o for o in other if _id(o) not in ids]
     return extra + ([] if key_broker else key_broker_tls_refs())

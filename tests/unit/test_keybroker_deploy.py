@@ -137,8 +137,9 @@ def test_install_with_the_broker_then_without_and_uninstall(monkeypatch: pytest.
         {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": BROKER, "namespace": K.AGENT_NAMESPACE}}
     )
     assert kube.get_object(keys.key_role({})) is None
-    # a re-install keeps the certificate
-    assert cli(kube, monkeypatch, "install", "--key-broker").exit_code == 0
+    # a re-install keeps the certificate (here with the URL of a host-network cluster)
+    result = cli(kube, monkeypatch, "install", "--key-broker", "--key-broker-url", "https://127.0.0.1:9643")
+    assert result.exit_code == 0, result.output
     assert _secret_and_cm(kube)[0] == secret
     # back to the default: the broker and its certificate go, the agents' Role on the key Secret is back
     result = cli(kube, monkeypatch, "install")
