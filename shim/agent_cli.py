@@ -583,6 +583,49 @@ def serve_cmd(address: str, namespace: str, socket_path: str, guard_socket: str)
             server.stop()
 
 
+@cli.command("key-broker")
+@click.option("--listen", default=f":{K.KEY_BROKER_PORT}", show_default=True, help="HOST:PORT to serve on.")
+@click.option(
+    "--tls-dir",
+    default=K.KEY_BROKER_TLS_DIR,
+    show_default=True,
+    help="tls.crt and tls.key (the Secret `kubectl snapshot install --key-broker` makes).",
+)
+@click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Out-of-cluster use (development).")
+@handle_errors
+def key_broker_cmd(listen: str, tls_dir: str, kubeconfig: str | None) -> None:
+    """Serve the namespace keys' operations to the agents, each for a pod of the caller's own node
+    (the Deployment of `kubectl snapshot install --key-broker`; docs/security.md)."""
+    import signal
+
+    from kubectl_snapshot.adapters.keystore import SecretKeyProvider
+    from kubectl_snapshot.adapters.kube import KubeClient
+    from shim.service import keybroker
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host, _, port = listen.rpartition(":")
+    if not port.isdigit():
+        raise InvalidArgument(f"--listen must be [HOST]:PORT, got {listen!r}")
+    kube = KubeClient.from_config(kubeconfig, None) if kubeconfig else KubeClient.in_cluster()
+    broker = keybroker.Broker(kube, SecretKeyProvider(kube))
+    server = keybroker.serve(
+        broker,
+        host=host or "0.0.0.0",
+        port=int(port),
+        cert_file=os.path.join(tls_dir, "tls.crt"),
+        key_file=os.path.join(tls_dir, "tls.key"),
+    )
+    log.info("key broker: https://%s%s", listen, keybroker.PATH)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        server.shutdown()
+
+
 @cli.command("recover")
 @containerd_options
 @handle_errors

@@ -31,7 +31,7 @@ from kubectl_snapshot.core import keysecret
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.encryption import KEY_BYTES
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from kubectl_snapshot.core.sealing import LocalNamespaceKey, NamespaceKey, key_id_of, new_key
+from kubectl_snapshot.core.sealing import KeyUse, LocalNamespaceKey, NamespaceKey, key_id_of, new_key
 
 KEY_SECRET = K.KEY_SECRET
 # containerd's namespace rule; Kubernetes namespaces (DNS labels) are a subset
@@ -68,7 +68,9 @@ class FileKeyProvider:
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
-    def namespace_key(self, namespace: str, *, create: bool, key_id: str | None = None) -> NamespaceKey:
+    def namespace_key(
+        self, namespace: str, *, create: bool, key_id: str | None = None, use: KeyUse | None = None
+    ) -> NamespaceKey:
         _check_namespace(namespace)
         entries: dict[str, bytes] = {}
         current = os.path.join(self.directory, f"{namespace}.key")
@@ -138,7 +140,9 @@ class SecretKeyProvider:
         self._lock = threading.Lock()
         self._cache: tuple[float, dict[str, bytes]] | None = None
 
-    def namespace_key(self, namespace: str, *, create: bool, key_id: str | None = None) -> NamespaceKey:
+    def namespace_key(
+        self, namespace: str, *, create: bool, key_id: str | None = None, use: KeyUse | None = None
+    ) -> NamespaceKey:
         _check_namespace(namespace)
         with self._lock:
             kek = _pick(self._entries(fresh=False), namespace, key_id)

@@ -5,6 +5,7 @@ keeping the keys (`kept_key_objects`) unless asked to purge them.
 
 from __future__ import annotations
 
+import base64
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -94,6 +95,16 @@ def install(
                 sleep=sleep,
                 clock=clock,
             )
+    for obj in (o for o in objects if o.get("kind") == "Deployment"):  # the key broker (--key-broker)
+        step(f"wait for Deployment {obj['metadata']['name']} to be available", len(objects), total)
+        _wait(
+            f"Deployment {obj['metadata'].get('namespace')}/{obj['metadata']['name']} available",
+            functools.partial(_deployment_ready, kube, obj),
+            timeout_s=timeout_s,
+            sleep=sleep,
+            clock=clock,
+            hint=f"kubectl -n {obj['metadata'].get('namespace')} describe deployment {obj['metadata']['name']}",
+        )
     for i, obj in enumerate(o for o in objects if o.get("kind") == "DaemonSet"):
         step(f"wait for DaemonSet {obj['metadata']['name']} to roll out", len(objects) + i, total)
         _wait(
@@ -283,6 +294,15 @@ def _ds_ready(kube: Kube, obj: Obj) -> bool:
     return _rolled_out(kube.get_object(obj))
 
 
+def _deployment_ready(kube: Kube, obj: Obj) -> bool:
+    live = kube.get_object(obj) or {}
+    meta, spec, st = live.get("metadata") or {}, live.get("spec") or {}, live.get("status") or {}
+    if not live or int(st.get("observedGeneration") or 0) < int(meta.get("generation") or 0):
+        return False
+    want = int(spec.get("replicas", 1))
+    return int(st.get("updatedReplicas") or 0) >= want and int(st.get("availableReplicas") or 0) >= want
+
+
 def _crd_established(crd: Obj | None) -> bool:
     for cond in ((crd or {}).get("status") or {}).get("conditions") or []:
         if cond.get("type") == "Established" and cond.get("status") == "True":
@@ -356,3 +376,80 @@ def trust_objects(
         data[TRUST_ALLOW_UNVERIFIED_FILE] = "true" if allow_unverified else "false"
     data.setdefault(TRUST_ALLOW_UNVERIFIED_FILE, "false")
     return [{**cm_ref, "metadata": {**cm_ref["metadata"], "labels": labels}, "data": data}]
+
+
+# --- the key broker (opt-in: install --key-broker; kubectl_snapshot/deploy/keybroker.py) -------------------
+
+
+def _ref(kind: str, name: str) -> Obj:
+    return {"apiVersion": "v1", "kind": kind, "metadata": {"name": name, "namespace": K.AGENT_NAMESPACE}}
+
+
+def key_broker_tls_refs() -> list[Obj]:
+    """The broker's TLS Secret and the agents' copy of its certificate (made by install, not rendered)."""
+    return [_ref("Secret", K.KEY_BROKER_TLS_SECRET), _ref("ConfigMap", K.KEY_BROKER_CA_CONFIG_MAP)]
+
+
+def key_broker_tls_names() -> list[str]:
+    """The names the broker's certificate is valid for: its Service's, and loopback for host-network
+    clusters without kube-proxy (`--key-broker-url https://127.0.0.1:PORT`)."""
+    svc = f"{K.KEY_BROKER_NAME}.{K.AGENT_NAMESPACE}"
+    return [f"{svc}.svc", K.KEY_BROKER_NAME, svc, f"{svc}.svc.cluster.local", "127.0.0.1"]
+
+
+def key_broker_tls_objects(
+    kube: Kube, *, names: Sequence[str] | None = None, labels: Mapping[str, str] | None = None
+) -> list[Obj]:
+    """The broker's serving certificate: made once (a Secret of type kubernetes.io/tls, which only the
+    broker mounts) and its certificate in a ConfigMap the agents mount and pin; a re-install keeps the
+    live certificate (the ConfigMap is written again from it)."""
+    import datetime
+
+    from kubectl_snapshot.core.servingcert import serving_cert
+
+    labels = dict(labels or {"app.kubernetes.io/part-of": "kubectl-snapshot"})
+    secret_ref, cm_ref = key_broker_tls_refs()
+    live = kube.get_object(secret_ref)
+    out: list[Obj] = []
+    cert_b64 = str(((live or {}).get("data") or {}).get("tls.crt") or "")
+    if not cert_b64:
+        cert, key = serving_cert(names or key_broker_tls_names(), now=datetime.datetime.now(datetime.UTC))
+        cert_b64 = base64.b64encode(cert).decode()
+        out.append(
+            {
+                **secret_ref,
+                "metadata": {**secret_ref["metadata"], "labels": dict(labels)},
+                "type": "kubernetes.io/tls",
+                "data": {"tls.crt": cert_b64, "tls.key": base64.b64encode(key).decode()},
+            }
+        )
+    cert_pem = base64.b64decode(cert_b64).decode()
+    out.append({**cm_ref, "metadata": {**cm_ref["metadata"], "labels": dict(labels)}, "data": {"ca.crt": cert_pem}})
+    return out
+
+
+def _id(o: Obj) -> tuple[str, str, str]:
+    return (str(o.get("kind")), str(o["metadata"].get("namespace") or ""), str(o["metadata"]["name"]))
+
+
+def other_mode_objects(image: str | None, settings: Mapping[str, Any], *, key_broker: bool) -> list[Obj]:
+    """What an install in the other key mode has that this one has not (an install switching modes deletes
+    them if there: the broker and its certificate, or the agents' Role on the key Secret)."""
+    plain = {k: v for k, v in settings.items() if k not in ("key_broker", "key_broker_url")}
+    with_broker = {**plain, "key_broker": True, "key_broker_url": settings.get("key_broker_url")}
+    mine = render(image, with_broker if key_broker else plain)
+    other = render(image, plain if key_broker else with_broker)
+    ids = {_id(o) for o in mine}
+    extra = [o for o in other if _id(o) not in ids]
+    return extra + ([] if key_broker else key_broker_tls_refs())
+
+
+def all_mode_objects(image: str | None, settings: Mapping[str, Any]) -> list[Obj]:
+    """What uninstall deletes: the objects of either key mode (the broker's before the DaemonSet)."""
+    base = render(image, settings)
+    extra = other_mode_objects(image, settings, key_broker=False)
+    home = [i for i, o in enumerate(base) if o.get("kind") == "Namespace"]
+    at = home[0] + 1 if home else 0
+    tls = key_broker_tls_refs()
+    broker = [o for o in extra if o not in tls]
+    return base[:at] + tls + base[at:-1] + broker + base[-1:]

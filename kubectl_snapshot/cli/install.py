@@ -73,6 +73,18 @@ def _importer_key(spec: str) -> tuple[str, bytes]:
     help="Run the agent in the nodes' network namespace (only when the registry is reachable from nodes alone).",
 )
 @click.option(
+    "--key-broker",
+    is_flag=True,
+    help="Keep the namespace keys behind the key broker (a Deployment, the only reader of the key Secret): "
+    "each node's agent gets a key operation only for a save or restore of a pod on its own node (docs/security.md).",
+)
+@click.option(
+    "--key-broker-url",
+    default=None,
+    help="Where the agents reach the key broker (default: its Service; https://127.0.0.1:PORT on host-network "
+    "clusters without kube-proxy, the broker then runs host-network too).",
+)
+@click.option(
     "--rotate-signing-key",
     is_flag=True,
     hidden=True,  # refused with a hint: each node's agent has its own key now
@@ -108,6 +120,8 @@ def install_cmd(
     api_server: str | None,
     node_config: str | None,
     host_network: bool,
+    key_broker: bool,
+    key_broker_url: str | None,
     rotate_signing_key: bool,
     trust_keys: tuple[str, ...],
     importer_keys: tuple[tuple[str, bytes], ...],
@@ -134,6 +148,11 @@ def install_cmd(
     settings = _install_settings(api_server, node_config, **node)
     if host_network:
         settings["host_network"] = True
+    if key_broker_url and not key_broker:
+        raise click.UsageError("--key-broker-url goes with --key-broker")
+    settings["key_broker"] = key_broker
+    if key_broker_url:
+        settings["key_broker_url"] = key_broker_url
     objects = install_app.render(agent_image, settings)
     if dry_run == "client":
         _emit_objects(objects, output)
@@ -158,9 +177,16 @@ def install_cmd(
         kube, trust_keys=pems, importer_keys=importer_keys, allow_unverified=allow_unverified
     )
     keys = install_app.key_objects(kube)
+    if key_broker:
+        keys += install_app.key_broker_tls_objects(kube)
     objects = objects[:-1] + signing + keys + objects[-1:]  # before the DaemonSet, after its namespace
+    # switching key modes: the other mode's objects go (the broker, or the agents' Role on the key Secret)
+    stale = install_app.other_mode_objects(agent_image, settings, key_broker=key_broker)
     with RemoteProgress("install") as bar:
         install_app.install(objects, kube=kube, timeout_s=timeout, on_step=lambda what, _d, _t: bar.step(what))
+        if stale:
+            bar.step("delete the other key mode's objects")
+            kube.delete_objects(stale)
     emit({"installed": [f"{o['kind']}/{o['metadata']['name']}" for o in objects]}, output, lambda _d: "installed")
 
 
@@ -200,7 +226,7 @@ def uninstall_cmd(dry_run: str, timeout: float, force: bool, purge_keys: bool, o
     is one), ConfigMap kubectl-snapshot-trust (the nodes' public keys among it), and so their
     namespace kubectl-snapshot-system. A later install uses them again, so earlier snapshots restore.
     """
-    objects = install_app.render(None, {})
+    objects = install_app.all_mode_objects(None, {})  # with or without the key broker
     if dry_run == "client":
         plan = install_app.removal(objects, kube=None, purge_keys=purge_keys)
     elif dry_run == "server":

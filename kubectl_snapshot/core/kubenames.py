@@ -93,6 +93,17 @@ AGENT_NAMESPACE: Final = "kubectl-snapshot-system"
 AGENT_NAME: Final = "kubectl-snapshot-agent"
 AGENT_LABEL: Final = {"app.kubernetes.io/name": AGENT_NAME}
 AGENT_USER: Final = f"system:serviceaccount:{AGENT_NAMESPACE}:{AGENT_NAME}"
+# The namespace-key broker (opt-in, `install --key-broker`; shim/service/keybroker.py): its name (Deployment,
+# Service, ServiceAccount, roles), port, TLS Secret (made by install), the agents' copy of its certificate.
+KEY_BROKER_NAME: Final = "kubectl-snapshot-key-broker"
+KEY_BROKER_PORT: Final = 9643
+KEY_BROKER_TLS_SECRET: Final = "kubectl-snapshot-key-broker-tls"
+KEY_BROKER_CA_CONFIG_MAP: Final = "kubectl-snapshot-key-broker-ca"
+KEY_BROKER_TLS_DIR: Final = "/etc/kubectl-snapshot/key-broker-tls"  # in the broker: tls.crt, tls.key
+KEY_BROKER_CA_DIR: Final = "/etc/kubectl-snapshot/key-broker"  # in the agent: ca.crt
+KEY_BROKER_TOKEN_DIR: Final = "/var/run/secrets/kubectl-snapshot/keys"  # in the agent: token (audience below)
+KEY_BROKER_AUDIENCE: Final = "kubectl-snapshot-keys"
+ENV_KEY_BROKER: Final = "KUBECTL_SNAPSHOT_KEY_BROKER"  # the agent's broker URL; unset: it reads the key Secret
 # Bound into a namespace (RoleBinding) by its admin where snapshots use registry Secrets.
 AGENT_SECRETS_ROLE: Final = "kubectl-snapshot-agent-registry-secrets"
 # What a pod-bound ServiceAccount token says about the node its pod runs on (user extra).

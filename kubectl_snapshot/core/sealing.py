@@ -35,6 +35,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import BinaryIO, Protocol, overload
 
 from cryptography.exceptions import InvalidTag
@@ -73,10 +74,28 @@ class NamespaceKey(Protocol):
     def mac(self, data: bytes) -> bytes: ...
 
 
+@dataclass(frozen=True)
+class KeyUse:
+    """Whose save or restore a key is for: the pod (its namespace, name, uid) and, for a restore, the
+    snapshot opened (``REGISTRY/REPOSITORY@sha256:...``). The key broker answers only for such a use of
+    a pod on the caller's node (core/keyaccess.py); the local providers need none."""
+
+    namespace: str
+    pod_name: str
+    pod_uid: str
+    snapshot: str = ""
+
+    @property
+    def purpose(self) -> str:
+        return "restore" if self.snapshot else "save"
+
+
 class KeyProvider(Protocol):
-    def namespace_key(self, namespace: str, *, create: bool, key_id: str | None = None) -> NamespaceKey:
+    def namespace_key(
+        self, namespace: str, *, create: bool, key_id: str | None = None, use: KeyUse | None = None
+    ) -> NamespaceKey:
         """The namespace's current key (`create`: make one on first use), or the one named `key_id`
-        (restore of an older snapshot after a rotation). Raises NotFound when there is none."""
+        (restore of an older snapshot after a rotation), for `use`. Raises NotFound when there is none."""
         ...
 
 

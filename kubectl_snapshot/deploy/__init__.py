@@ -13,7 +13,7 @@ from typing import Any
 from kubectl_snapshot import __version__
 from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.errors import InvalidArgument
-from kubectl_snapshot.deploy import admission, agent, crd, keys, rbac, resume_admission, trust
+from kubectl_snapshot.deploy import admission, agent, crd, keybroker, keys, rbac, resume_admission, trust
 from kubectl_snapshot.deploy.agent import DEFAULT_DROPIN_DIR, AgentSettings
 
 DEFAULT_IMAGE = f"kubectl-snapshot-agent:{__version__}"
@@ -34,6 +34,8 @@ def render(
     restart_command: str | None = None,
     per_node_paths: Mapping[str, Mapping[str, str]] | None = None,
     host_network: bool = False,
+    key_broker: bool = False,
+    key_broker_url: str | None = None,
 ) -> list[dict[str, Any]]:
     """The objects to apply, in apply order (CRD and namespace before what lives in them).
 
@@ -45,6 +47,9 @@ def render(
     several nodes on one machine; missing keys fall back to the defaults above. `host_network`: run the
     agent in the node's network namespace, only where the registry is reachable from the nodes alone
     (the local cluster's registry listens on loopback); nothing else in the agent needs it.
+    `key_broker` (opt-in): the namespace keys are read by the key broker only, the agents ask it
+    (deploy/keybroker.py); `key_broker_url` is where agents reach it (default: its Service; a host-network
+    cluster without kube-proxy gives ``https://127.0.0.1:PORT``, the broker then runs host-network too).
     """
     if not image or any(c.isspace() for c in image):
         raise InvalidArgument(f"image must be an image reference, got {image!r}")
@@ -59,6 +64,7 @@ def render(
         restart_command=NS.check_value("restart_command", restart_command) if restart_command else None,
         per_node_paths=agent.check_per_node_paths(per_node_paths or {}),
         host_network=bool(host_network),
+        key_broker_url=_broker_url(key_broker, key_broker_url),
     )
     labels = dict(LABELS)
     objects = [
@@ -74,8 +80,8 @@ def render(
         rbac.grant_cluster_role(labels),
         *rbac.policy_cluster_roles(labels),
         *resume_admission.roles(labels),
-        keys.key_role(labels),
-        keys.key_role_binding(labels),
+        # the agents read the key Secret themselves, or (opt-in) only the key broker does
+        *([] if key_broker else [keys.key_role(labels), keys.key_role_binding(labels)]),
         trust.trust_role(labels),
         trust.trust_role_binding(labels),
         *admission.render(labels),
@@ -84,5 +90,19 @@ def render(
     ]
     if settings.per_node_paths:
         objects.append(agent.node_config_map(settings.per_node_paths, labels))
+    if key_broker:
+        env = agent.api_server_env(settings.api_server) if settings.api_server else []
+        objects += keybroker.objects(image=settings.image, labels=labels, host_network=settings.host_network, env=env)
     objects.append(agent.daemonset(settings, labels))
     return objects
+
+
+def _broker_url(key_broker: bool, url: str | None) -> str | None:
+    if not key_broker:
+        if url:
+            raise InvalidArgument("key_broker_url is for an install with the key broker (key_broker)")
+        return None
+    url = url or keybroker.default_url()
+    if not url.startswith("https://") or any(c.isspace() for c in url):
+        raise InvalidArgument(f"the key broker's URL must be https://HOST:PORT, got {url!r}")
+    return url

@@ -45,6 +45,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.errors import InvalidArgument
+from kubectl_snapshot.deploy import keybroker
 
 NODE_CONFIG_MAP = f"{K.AGENT_NAME}-nodes"
 NODE_CONFIG_KEY = "nodes.json"
@@ -82,6 +83,7 @@ class AgentSettings:
     restart_command: str | None
     per_node_paths: Mapping[str, Mapping[str, str]]
     host_network: bool = False
+    key_broker_url: str | None = None  # opt-in key broker (deploy/keybroker.py): the agents ask it for keys
 
 
 check_path = NS.check_path
@@ -199,6 +201,8 @@ def _env(settings: AgentSettings) -> list[dict[str, Any]]:
     ]
     if settings.api_server:
         env += api_server_env(settings.api_server)
+    if settings.key_broker_url:
+        env.append({"name": K.ENV_KEY_BROKER, "value": settings.key_broker_url})
     return env
 
 
@@ -262,7 +266,14 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                             "resources": copy.deepcopy(AGENT_RESOURCES),
                             "ports": [{"name": "metrics", "containerPort": METRICS_PORT, "protocol": "TCP"}],
                         }
-                        | {"volumeMounts": [*volume_mounts, guard_mount, memory_work_mount(), *provenance_mounts()]},
+                        | {
+                            "volumeMounts": [
+                                *volume_mounts,
+                                guard_mount,
+                                memory_work_mount(),
+                                *agent_key_mounts(settings),
+                            ]
+                        },
                         {
                             "name": "guard",
                             "image": settings.image,
@@ -279,12 +290,21 @@ def daemonset(settings: AgentSettings, labels: dict[str, str]) -> dict[str, Any]
                         *volumes,
                         {"name": "guard", "emptyDir": {}},
                         memory_work_volume(),
-                        *provenance_volumes(),
+                        *agent_key_volumes(settings),
                     ],
                 },
             },
         },
     }
+
+
+def agent_key_volumes(settings: AgentSettings) -> list[dict[str, Any]]:
+    """The trust ConfigMap, and with the key broker its token and certificate (deploy/keybroker.py)."""
+    return [*provenance_volumes(), *(keybroker.agent_volumes() if settings.key_broker_url else [])]
+
+
+def agent_key_mounts(settings: AgentSettings) -> list[dict[str, Any]]:
+    return [*provenance_mounts(), *(keybroker.agent_mounts() if settings.key_broker_url else [])]
 
 
 def memory_work_volume() -> dict[str, Any]:

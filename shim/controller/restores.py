@@ -40,7 +40,7 @@ from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.podspec import pod_status_summary
 from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
-from kubectl_snapshot.core.sealing import KeyProvider
+from kubectl_snapshot.core.sealing import KeyProvider, KeyUse
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
 from shim.controller.kube_api import KubeApi
@@ -392,7 +392,9 @@ class RestoreWorker:
             sealed_for_source = (
                 config.encryption is not None and config.encryption.namespace == allowed.source_namespace
             )
-            opener = opener_for(config, self.keys, ns, other_namespace_ok=sealed_for_source)
+            # (with the key broker: asked for this pod's restore of exactly this snapshot)
+            use = KeyUse(ns, name, uid, snapshot=str(artifact.reference))
+            opener = opener_for(config, self.keys, ns, other_namespace_ok=sealed_for_source, use=use)
             clock.lap("check")
             restore_volume_names(pod, [v.name for v in config.volumes])
             root = host_view(self.settings.kubelet_root)

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kubectl_snapshot.adapters.keybroker import BrokerKeyProvider
 from kubectl_snapshot.adapters.keystore import SecretKeyProvider
 from kubectl_snapshot.adapters.kube import KubeClient
 from kubectl_snapshot.core import kubenames as K
@@ -17,6 +18,7 @@ from kubectl_snapshot.core import saveorder as O
 from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import SnapshotError
 from kubectl_snapshot.core.model import HostFacts
+from kubectl_snapshot.core.sealing import KeyProvider
 from shim.containerd.client import ContainerdClient
 from shim.controller.dumpgate import DumpGate
 from shim.controller.fairness import FairScheduler
@@ -183,8 +185,11 @@ def run(
     dump_slots = O.worker_count(settings.dump_concurrency, None, what="--dump-concurrency", default_min=1)
     log.info("saves: %d at once, %d freezing and dumping at once", save_workers, dump_slots)
     queue = WorkQueue("snapshots", on_length=metrics.queue.set, workers=save_workers)
-    # encryption at rest is on: namespace keys in one Secret of the agent's namespace (adapters/keystore.py)
-    keys = SecretKeyProvider(kube)
+    # encryption at rest is on: namespace keys in one Secret of the agent's namespace (adapters/keystore.py),
+    # or, installed with --key-broker, behind the key broker (adapters/keybroker.py), which alone reads it
+    broker_url = os.environ.get(K.ENV_KEY_BROKER, "")
+    keys: KeyProvider = BrokerKeyProvider(broker_url) if broker_url else SecretKeyProvider(kube)
+    log.info("namespace keys: %s", f"the key broker at {broker_url}" if broker_url else "the key Secret")
     autosave = Autosave(
         kube,
         settings.node,

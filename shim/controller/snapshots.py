@@ -37,7 +37,7 @@ from kubectl_snapshot.core.freeze import FreezePlan, probe_budgets
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.podspec import check_snapshot_source
 from kubectl_snapshot.core.reference import Reference
-from kubectl_snapshot.core.sealing import KeyProvider, Sealer
+from kubectl_snapshot.core.sealing import KeyProvider, KeyUse, Sealer
 from shim import freeze_guard as guard
 from shim.containerd.client import ContainerdClient
 from shim.containerd.runc_checkpoint import RuncCheckpointer
@@ -293,7 +293,9 @@ class SnapshotWorker:
                 node=self.settings.node,
             )
             # the key first: a key store problem fails the snapshot before anything is frozen
-            sealer = Sealer(self.keys.namespace_key(ns, create=True), ns) if self.keys is not None else None
+            # (with the key broker: asked for this pod's save, which it checks runs on this node)
+            use = KeyUse(ns, str(pod["metadata"]["name"]), str(pod["metadata"].get("uid") or ""))
+            sealer = Sealer(self.keys.namespace_key(ns, create=True, use=use), ns) if self.keys is not None else None
             report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
             checkpointer = RuncCheckpointer(self.settings.criu, self.settings.runc_path)  # the installed CRIU
             with (

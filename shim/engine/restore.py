@@ -41,7 +41,7 @@ from kubectl_snapshot.core.oci import Descriptor
 from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
-from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, Opener
+from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, KeyUse, Opener
 from shim.criu import guard as criu_guard
 from shim.engine.node_ports import Registry
 from shim.engine.package import progress_counter
@@ -298,13 +298,19 @@ def _cache_decoded(image_dir: str, paths: StatePaths) -> None:
 
 
 def opener_for(
-    config: SnapshotConfig, keys: KeyProvider | None, namespace: str, *, other_namespace_ok: bool = False
+    config: SnapshotConfig,
+    keys: KeyProvider | None,
+    namespace: str,
+    *,
+    other_namespace_ok: bool = False,
+    use: KeyUse | None = None,
 ) -> Opener | None:
     """How to open an encrypted snapshot restored into `namespace` (None: it is stored in clear).
 
     A snapshot sealed for another namespace is refused unless the caller has established that this
     restore is allowed there (`other_namespace_ok`, e.g. a grant verified with the signature); the
     key used is always the one of the namespace that sealed it, which the wrapped keys are bound to.
+    `use`: the pod and snapshot the key is for (the key broker checks them).
     """
     enc = config.encryption
     if enc is None:
@@ -320,7 +326,7 @@ def opener_for(
             hint="restore it with the agent that holds the namespace keys (--key-dir for the standalone agent)",
         )
     try:
-        key = keys.namespace_key(enc.namespace, create=False, key_id=enc.key_id)
+        key = keys.namespace_key(enc.namespace, create=False, key_id=enc.key_id, use=use)
     except NotFound as e:
         raise FailedPrecondition(
             f"the snapshot is encrypted with key {enc.key_id} of namespace {enc.namespace!r}, "

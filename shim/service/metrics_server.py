@@ -30,7 +30,16 @@ log = logging.getLogger(__name__)
 DEADLINE_S = 10.0  # handshake, request and answer of one connection: a scrape takes milliseconds
 MAX_CONNECTIONS = 16
 
-__all__ = ["DEFAULT_AUDIENCES", "METRICS_PATH", "Authorizer", "Decision", "ReviewApi", "self_signed", "serve"]
+__all__ = [
+    "DEFAULT_AUDIENCES",
+    "METRICS_PATH",
+    "Authorizer",
+    "Decision",
+    "ReviewApi",
+    "TlsServer",
+    "self_signed",
+    "serve",
+]
 
 
 def self_signed(names: list[str], directory: str) -> tuple[str, str]:
@@ -74,7 +83,10 @@ def self_signed(names: list[str], directory: str) -> tuple[str, str]:
     return cert_path, key_path
 
 
-class _Server(ThreadingHTTPServer):
+class TlsServer(ThreadingHTTPServer):
+    """HTTPS with each connection's handshake and request in a bounded set of threads under one deadline
+    (the key broker serves through it too)."""
+
     daemon_threads = True
 
     def __init__(
@@ -167,7 +179,7 @@ def serve(
     for p in (cert, key):
         os.unlink(p)  # loaded: nothing of the key stays on disk
     os.rmdir(tls_dir)
-    server = _Server((host, port), Handler, ctx, deadline_s=deadline_s, max_connections=max_connections)
+    server = TlsServer((host, port), Handler, ctx, deadline_s=deadline_s, max_connections=max_connections)
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server
 

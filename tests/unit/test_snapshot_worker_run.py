@@ -17,13 +17,15 @@ from typing import Any
 
 import pytest
 
+from kubectl_snapshot.adapters.keystore import FileKeyProvider
 from kubectl_snapshot.adapters.signatures import sign_snapshot, trust_from_data, verify_for_restore
 from kubectl_snapshot.core import kubenames as K
-from kubectl_snapshot.core.errors import NotFound, PermissionDenied
+from kubectl_snapshot.core.errors import NotFound, PermissionDenied, Unavailable
 from kubectl_snapshot.core.model import HostFacts, parse_config
 from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.provenance import Origin, SigningKey, signature_tag
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import KeyProvider, KeyUse, NamespaceKey
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import SnapshotWorker
 from tests.support.fakekube import EventRecorder, RecordedEvent
@@ -271,3 +273,44 @@ def test_the_sizes_kept_for_the_save_order_are_bounded_the_latest_pods_kept(
         w._remember_sent(f"uid-{i}", 100 + i)
     w._remember_sent("uid-2", 7)  # saved again: the newest
     assert list(w._sent) == ["uid-3", "uid-4", "uid-2"] and w._sent["uid-2"] == 7
+
+
+class RecordingKeys:
+    """A key store that records for whose save each key is asked (the key broker checks that pod), and
+    can be down like an unreachable broker."""
+
+    def __init__(self, directory: Path, *, down: bool = False) -> None:
+        self.inner, self.down = FileKeyProvider(str(directory)), down
+        self.uses: list[KeyUse | None] = []
+
+    def namespace_key(
+        self, namespace: str, *, create: bool, key_id: str | None = None, use: KeyUse | None = None
+    ) -> NamespaceKey:
+        self.uses.append(use)
+        if self.down:
+            raise Unavailable("keys unavailable: the key broker at https://broker:9643 cannot be reached")
+        return self.inner.namespace_key(namespace, create=create, key_id=key_id, use=use)
+
+
+def sealing_worker(kube: Kube, cd: FakeContainerd, reg: FakeRegistry, tmp_path: Path, keys: KeyProvider) -> Worker:
+    w = worker(kube, cd, reg, tmp_path)
+    w.keys = keys
+    return w
+
+
+def test_a_save_asks_for_its_namespace_key_for_this_pod_and_seals_with_it(tmp_path: Path) -> None:
+    kube, cd, reg = Kube(), FakeContainerd({"a", "b"}), FakeRegistry()
+    keys = RecordingKeys(tmp_path / "keys")
+    sealing_worker(kube, cd, reg, tmp_path, keys).run(snapshot(), pod())
+    ref = saved(kube, reg)
+    config = parse_config(reg.blobs[parse_manifest(reg.manifests[ref.tag or "v1"]).config.digest])
+    assert config.encryption is not None and config.encryption.namespace == "team"
+    assert keys.uses == [KeyUse("team", "web-0", "pod-uid")]  # a save: no snapshot named
+
+
+def test_keys_unavailable_fail_the_save_before_anything_is_frozen(tmp_path: Path) -> None:
+    kube, cd, reg = Kube(), FakeContainerd({"a", "b"}), FakeRegistry()
+    sealing_worker(kube, cd, reg, tmp_path, RecordingKeys(tmp_path / "keys", down=True)).run(snapshot(), pod())
+    final = kube.statuses[-1]
+    assert final["phase"] == K.PHASE_FAILED and final["message"].startswith("keys unavailable"), final
+    assert cd.calls == [] and reg.manifests == {}

@@ -1,0 +1,204 @@
+"""`BrokerKeyProvider`: the `KeyProvider` port of core/sealing.py answered by the key broker
+(shim/service/keybroker.py, opt-in with `kubectl snapshot install --key-broker`).
+
+The agent never holds a namespace key: each operation is one HTTPS request (wire format:
+core/keyaccess.py) carrying the agent pod's projected token for audience ``kubectl-snapshot-keys``
+(read again for every request: the kubelet rotates it), the pod whose save or restore it is for
+(`KeyUse`) and, for a restore, the snapshot opened. The broker's certificate is pinned (the install's
+ConfigMap). Errors: the broker unreachable or failing -> Unavailable ("keys unavailable", retryable);
+refused -> PermissionDenied with the broker's reason; no such key -> NotFound; a wrapped key that does
+not open -> DecryptionFailed.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import ssl
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+from urllib.parse import urlsplit
+
+from kubectl_snapshot.core import keyaccess as KA
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
+from kubectl_snapshot.core.sealing import DecryptionFailed, KeyUse, NamespaceKey
+
+TIMEOUT_S = 30.0
+BUSY_RETRIES = 30  # a save of many chunks waits for the broker's rate bound rather than failing
+BUSY_WAIT_S = 1.0
+
+
+class _Busy(Exception):
+    """The broker answered 429 (too many requests): wait and ask again."""
+
+
+_HINT = (
+    "the key broker answers the agents' key requests: kubectl -n kubectl-snapshot-system get pods"
+    " -l app.kubernetes.io/name=kubectl-snapshot-key-broker (and its logs)"
+)
+
+
+class BrokerKeyProvider:
+    """Namespace keys held by the key broker; each key operation is a request to it."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        token_file: str = f"{K.KEY_BROKER_TOKEN_DIR}/token",
+        ca_file: str = f"{K.KEY_BROKER_CA_DIR}/ca.crt",
+        timeout_s: float = TIMEOUT_S,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        parts = urlsplit(url)
+        if parts.scheme != "https" or not parts.hostname:
+            raise InvalidArgument(f"the key broker's URL must be https://HOST:PORT, got {url!r}")
+        self.url, self.host, self.port = url, parts.hostname, parts.port or 443
+        self.token_file, self.ca_file, self.timeout_s, self.sleep = token_file, ca_file, timeout_s, sleep
+
+    def namespace_key(
+        self, namespace: str, *, create: bool, key_id: str | None = None, use: KeyUse | None = None
+    ) -> NamespaceKey:
+        if use is None:
+            raise FailedPrecondition(
+                f"the key of namespace {namespace!r} is asked for no pod's save or restore",
+                hint="with the key broker, keys are released only for a save or restore of a pod on this node",
+            )
+        key = BrokerNamespaceKey(self, namespace, use, key_id)
+        answer = key.call("key", create=create and use.purpose == "save")
+        key.bind(str(answer.get("keyId") or ""))
+        return key
+
+    def post(self, body: dict[str, Any]) -> dict[str, Any]:
+        """One request; a 429 (the broker's rate bound) is waited out and sent again, `BUSY_RETRIES` times."""
+        for _ in range(BUSY_RETRIES):
+            try:
+                return self._post(body)
+            except _Busy:
+                self.sleep(BUSY_WAIT_S)
+        return self._post(body, last=True)
+
+    def _post(self, body: dict[str, Any], *, last: bool = False) -> dict[str, Any]:
+        pod = f"{body.get('namespace')}/{(body.get('pod') or {}).get('name')}"
+        what = f"{body.get('op')} for the {body.get('purpose')} of pod {pod}"
+        try:
+            with open(self.token_file, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise Unavailable(
+                f"keys unavailable: cannot read the agent's token for the key broker ({self.token_file}): {e.strerror}",
+                hint="install with --key-broker mounts it into the agent; reinstall, or check the DaemonSet",
+            ) from None
+        data = json.dumps(body).encode()
+        try:
+            ctx = ssl.create_default_context(cafile=self.ca_file)
+            conn = http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout_s, context=ctx)
+            try:
+                conn.request(
+                    "POST",
+                    KA.PATH,
+                    body=data,
+                    headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"},
+                )
+                resp = conn.getresponse()
+                raw = resp.read(KA.MAX_REQUEST_BYTES * 2)
+                code = resp.status
+            finally:
+                conn.close()
+        except (OSError, ssl.SSLError, http.client.HTTPException) as e:
+            raise Unavailable(
+                f"keys unavailable: the key broker at {self.url} cannot be reached ({what}): {e}",
+                hint=_HINT,
+                retryable=True,
+            ) from None
+        try:
+            answer = json.loads(raw) if raw else {}
+        except ValueError:
+            answer = {}
+        if not isinstance(answer, dict):
+            answer = {}
+        message = str(answer.get("error") or f"HTTP {code}")
+        if code == 200:
+            return answer
+        if code == 403:
+            raise PermissionDenied(f"the key broker refused the {what}: {message}", hint="a node's agent gets the "
+                                   "keys of its own node's pods only, for their save or restore")  # fmt: skip
+        if code == 404:
+            raise NotFound(f"the key broker has no such key ({what}): {message}")
+        if code == 429 and not last:
+            raise _Busy()
+        if code == 422:
+            raise DecryptionFailed(message, hint="the snapshot was tampered with or sealed with another key")
+        raise Unavailable(
+            f"keys unavailable: the key broker answered {code} to the {what}: {message}",
+            hint=_HINT,
+            retryable=code in (429, 503),
+        )
+
+
+class BrokerNamespaceKey:
+    """One namespace's key as the broker holds it, for one pod's save or restore."""
+
+    def __init__(self, provider: BrokerKeyProvider, namespace: str, use: KeyUse, key_id: str | None) -> None:
+        self.provider, self.namespace, self.use = provider, namespace, use
+        self._key_id = key_id or ""
+
+    def bind(self, key_id: str) -> None:
+        if not key_id:
+            raise Unavailable("keys unavailable: the key broker named no key id", hint=_HINT)
+        self._key_id = key_id
+
+    @property
+    def key_id(self) -> str:
+        return self._key_id
+
+    def call(self, op: str, *, create: bool = False, **payload: Any) -> dict[str, Any]:
+        use = self.use
+        req = KA.KeyRequest(
+            purpose=use.purpose,
+            op=op,
+            namespace=self.namespace,
+            pod_name=use.pod_name,
+            pod_uid=use.pod_uid,
+            snapshot=use.snapshot,
+            create=create,
+        )
+        if self._key_id:
+            payload["keyId"] = self._key_id
+        return self.provider.post(KA.request_body(req, **payload))
+
+    def wrap(self, dek: bytes, aad: bytes) -> bytes:
+        return _bytes(self.call("wrap", dek=_b64(dek), aad=_b64(aad)), "wrapped")
+
+    def unwrap(self, wrapped: bytes, aad: bytes) -> bytes:
+        return _bytes(self.call("unwrap", wrapped=_b64(wrapped), aad=_b64(aad)), "dek")
+
+    def mac(self, data: bytes) -> bytes:
+        return self.mac_many([data])[0]
+
+    def mac_many(self, items: Sequence[bytes]) -> list[bytes]:
+        """Several MACs, at most `MAX_MACS` a request."""
+        out: list[bytes] = []
+        for i in range(0, len(items), KA.MAX_MACS):
+            batch = items[i : i + KA.MAX_MACS]
+            macs = self.call("mac", data=[_b64(d) for d in batch]).get("macs")
+            if not isinstance(macs, list) or len(macs) != len(batch):
+                raise Unavailable(
+                    "keys unavailable: the key broker's mac answer does not match the request", hint=_HINT
+                )
+            out += [base64.b64decode(str(m), validate=True) for m in macs]
+        return out
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _bytes(answer: dict[str, Any], name: str) -> bytes:
+    try:
+        return base64.b64decode(str(answer[name]), validate=True)
+    except (KeyError, ValueError):
+        raise Unavailable(f"keys unavailable: the key broker's answer has no {name}", hint=_HINT) from None

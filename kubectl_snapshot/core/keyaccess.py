@@ -1,0 +1,210 @@
+"""Who gets which namespace key from the key broker (docs/security.md, "Namespace keys released per node").
+
+Pure: the broker (shim/service/keybroker.py) asks the API server and hands the answers here. An agent
+presents its pod's bound service-account token issued for `AUDIENCE`; the TokenReview says whose token
+it is and, for a token bound to a pod, the node that pod runs on (the ``extra`` entry `NODE_EXTRA`). A
+request names a namespace, one pod of it (name and uid) and what the key is for:
+
+- ``save`` (operations ``key``, ``wrap``, ``mac``; ``key`` may create the namespace's key on first use):
+  the pod runs on the caller's node;
+- ``restore`` (operations ``key``, ``unwrap``): the pod is scheduled on the caller's node, is a restore
+  pod (its ``restore-from`` annotation names the snapshot) or a resuming pod (a PodSnapshot of its
+  namespace is claimed by it), and the snapshot asked for is exactly that one (registry, repository
+  and digest).
+
+So a stolen agent token opens the keys of the namespaces with a pod on its node only, only for that
+pod's own save or restore, and only while the pod is there. Everything else is refused with a reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.errors import InvalidArgument
+from kubectl_snapshot.core.reference import Reference
+
+AUDIENCE = K.KEY_BROKER_AUDIENCE
+NODE_EXTRA = "authentication.kubernetes.io/node-name"
+PURPOSES: Mapping[str, frozenset[str]] = {
+    "save": frozenset({"key", "wrap", "mac"}),
+    "restore": frozenset({"key", "unwrap"}),
+}
+MAX_MACS = 256  # one `mac` request's list
+FINISHED = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """An agent, as the TokenReview says: its user and the node its pod is bound to."""
+
+    user: str
+    node: str
+
+
+@dataclass(frozen=True)
+class KeyRequest:
+    purpose: str  # save | restore
+    op: str  # key | wrap | unwrap | mac
+    namespace: str
+    pod_name: str
+    pod_uid: str
+    snapshot: str = ""  # restore: REGISTRY/REPOSITORY@sha256:... being opened
+    create: bool = False  # op key, purpose save: make the namespace's key on first use
+
+
+@dataclass(frozen=True)
+class Verdict:
+    allowed: bool
+    reason: str
+
+
+def _refuse(reason: str) -> Verdict:
+    return Verdict(False, reason)
+
+
+def caller_of(review: Mapping[str, Any], *, agent_user: str = K.AGENT_USER) -> Caller | Verdict:
+    """The caller a TokenReview's answer names, or the refusal (not authenticated, another audience,
+    not the agent's ServiceAccount, a token bound to no node)."""
+    status = review.get("status") or {}
+    if not status.get("authenticated"):
+        return _refuse(f"the token is not valid: {status.get('error') or 'not authenticated'}")
+    if AUDIENCE not in (status.get("audiences") or []):
+        return _refuse(f"the token was not issued for audience {AUDIENCE}")
+    user = status.get("user") or {}
+    name = str(user.get("username") or "")
+    if name != agent_user:
+        return _refuse(f"{name or 'the caller'} is not the agent's ServiceAccount ({agent_user})")
+    nodes = (user.get("extra") or {}).get(NODE_EXTRA) or []
+    if not isinstance(nodes, list) or len(nodes) != 1 or not str(nodes[0]):
+        return _refuse("the token is not bound to a pod on a node (use the agent pod's projected token)")
+    return Caller(user=name, node=str(nodes[0]))
+
+
+def check_request(req: KeyRequest) -> KeyRequest:
+    """Raise InvalidArgument for a request no agent sends (unknown purpose or operation, no pod)."""
+    ops = PURPOSES.get(req.purpose)
+    if ops is None:
+        raise InvalidArgument(f"unknown purpose {req.purpose!r} (save or restore)")
+    if req.op not in ops:
+        raise InvalidArgument(f"operation {req.op!r} is not part of a {req.purpose}")
+    if not (req.namespace and req.pod_name and req.pod_uid):
+        raise InvalidArgument("a key request names the namespace, name and uid of its pod")
+    if req.create and (req.purpose != "save" or req.op != "key"):
+        raise InvalidArgument("only a save's key request may create the namespace's key")
+    if req.purpose == "restore":
+        snapshot_of(req.snapshot)
+    return req
+
+
+def snapshot_of(text: str) -> Reference:
+    ref = Reference.parse(text, default_tag=None) if text else None
+    if ref is None or ref.digest is None:
+        raise InvalidArgument(f"a restore's key request names its snapshot by digest, got {text!r}")
+    return ref
+
+
+def decide(
+    caller: Caller, req: KeyRequest, pod: Mapping[str, Any] | None, claimed: Iterable[Mapping[str, Any]] = ()
+) -> Verdict:
+    """Whether `caller` may have `req` answered. `pod`: the pod read from the API server by the request's
+    namespace and name (None: there is none); `claimed`: PodSnapshots of the namespace (only a resuming
+    pod's restore reads them)."""
+    where = f"{req.namespace}/{req.pod_name}"
+    if pod is None:
+        return _refuse(f"pod {where} does not exist")
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    if str(meta.get("uid") or "") != req.pod_uid or str(meta.get("namespace") or "") != req.namespace:
+        return _refuse(f"pod {where} is not the pod {req.pod_uid} the request names (deleted and made again?)")
+    node = str(spec.get("nodeName") or "")
+    if node != caller.node:
+        return _refuse(f"pod {where} is on node {node or '(none yet)'}, not on the caller's node {caller.node}")
+    phase = str((pod.get("status") or {}).get("phase") or "")
+    if phase in FINISHED:
+        return _refuse(f"pod {where} has ended ({phase})")
+    if req.purpose == "save":
+        if phase != "Running":
+            return _refuse(f"pod {where} is not running ({phase or 'no phase'}): there is nothing to save")
+        return Verdict(True, f"save of pod {where} on node {caller.node}")
+    return _restore(caller, req, meta, claimed)
+
+
+def _restore(caller: Caller, req: KeyRequest, meta: Mapping[str, Any], claimed: Iterable[Mapping[str, Any]]) -> Verdict:
+    where = f"{req.namespace}/{req.pod_name}"
+    asked = snapshot_of(req.snapshot)
+    annotations = meta.get("annotations") or {}
+    source = str(annotations.get(K.ANN_RESTORE_FROM) or "")
+    if source:
+        try:
+            named = Reference.parse(source, default_tag=None)
+        except InvalidArgument:
+            return _refuse(f"pod {where} names no valid snapshot to restore")
+        if _same(named, asked):
+            return Verdict(True, f"restore of {asked.digest} into pod {where} on node {caller.node}")
+        return _refuse(f"pod {where} restores {source}, not {req.snapshot}")
+    if annotations.get(K.ANN_RESUME_POLICY):
+        for save in claimed:
+            smeta = save.get("metadata") or {}
+            if (smeta.get("annotations") or {}).get(K.ANN_CLAIMED_BY) != req.pod_uid:
+                continue
+            if smeta.get("namespace") not in (None, req.namespace):
+                continue
+            ref = str((save.get("status") or {}).get("reference") or "")
+            try:
+                if ref and _same(Reference.parse(ref, default_tag=None), asked):
+                    return Verdict(True, f"resume of pod {where} from {smeta.get('name')} on node {caller.node}")
+            except InvalidArgument:
+                continue
+        return _refuse(f"pod {where} resumes from no save of {req.snapshot} (no PodSnapshot claimed by it names it)")
+    return _refuse(f"pod {where} is not a restore: it names no snapshot to restore from")
+
+
+def _same(named: Reference, asked: Reference) -> bool:
+    """The pod's snapshot is the one asked for: same registry and repository, and the digest when the pod
+    names one (a tag was resolved by the agent to the digest it asks for)."""
+    if (named.registry, named.repository) != (asked.registry, asked.repository):
+        return False
+    return named.digest is None or named.digest == asked.digest
+
+
+# --- the wire format (one JSON object each way; bytes in base64) ---------------------------------------
+
+PATH = "/v1/keys"
+MAX_REQUEST_BYTES = 64 * 1024  # a mac list of MAX_MACS seeds of ~60 bytes, in base64, fits many times
+
+
+def request_body(req: KeyRequest, **payload: Any) -> dict[str, Any]:
+    """The JSON an agent sends: the request and the operation's payload (keyId, dek, aad, wrapped, data)."""
+    return {
+        "purpose": req.purpose,
+        "op": req.op,
+        "namespace": req.namespace,
+        "pod": {"name": req.pod_name, "uid": req.pod_uid},
+        "snapshot": req.snapshot,
+        "create": req.create,
+        **payload,
+    }
+
+
+def parse_request(body: Any) -> KeyRequest:
+    """The request in a JSON body, checked (InvalidArgument otherwise)."""
+    if not isinstance(body, dict) or not isinstance(body.get("pod"), dict):
+        raise InvalidArgument("a key request is a JSON object with a pod")
+    fields = {k: body.get(k) for k in ("purpose", "op", "namespace", "snapshot")}
+    pod = body["pod"]
+    values = [*fields.values(), pod.get("name"), pod.get("uid")]
+    if not all(v is None or isinstance(v, str) for v in values) or not isinstance(body.get("create", False), bool):
+        raise InvalidArgument("a key request's fields are strings (create: a boolean)")
+    return check_request(
+        KeyRequest(
+            purpose=fields["purpose"] or "",
+            op=fields["op"] or "",
+            namespace=fields["namespace"] or "",
+            pod_name=str(pod.get("name") or ""),
+            pod_uid=str(pod.get("uid") or ""),
+            snapshot=fields["snapshot"] or "",
+            create=bool(body.get("create", False)),
+        )
+    )

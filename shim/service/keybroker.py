@@ -1,0 +1,263 @@
+"""The namespace-key broker (`ks-agent key-broker`, a Deployment of `kubectl snapshot install --key-broker`).
+
+The only reader of the namespace keys Secret (through `SecretKeyProvider`); it answers the operations of
+core/sealing's `NamespaceKey` (``key``: the key's id, made on a save's first use; ``wrap``; ``unwrap``;
+``mac``, a list per request) for the agents, one JSON request each (wire format: core/keyaccess.py),
+and never sends a key out. Who gets an answer is core/keyaccess.decide's: the caller's bound token
+(TokenReview with audience ``kubectl-snapshot-keys``) gives its node, the pod named by the request,
+read from the API server, must be on that node (and for a restore name the snapshot asked for).
+
+Costs bounded as the metrics port's (shim/service/metrics_server.py, whose TLS server it uses): each
+connection's handshake and request in a thread of its own under one deadline, at most a few connections
+at once; bodies of at most `MAX_REQUEST_BYTES`; TokenReviews of tokens not seen lately at most
+`REVIEWS_PER_S` a second and answered requests at most `REQUESTS_PER_S` (then 429, Retry-After). Answers
+of reviews are cached by the token's sha256 for `TOKEN_CACHE_S` (a stolen token stops working when its
+pod is deleted: at most that much later here).
+
+Status codes: 200; 400 a malformed request; 401 no valid agent token; 403 refused (the reason in
+``error``); 404 no such key; 422 a wrapped key that does not open; 429 too many; 503 the API server or
+the keys Secret unavailable.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import hashlib
+import json
+import logging
+import ssl
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol
+
+from kubectl_snapshot.core import keyaccess as KA
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.errors import InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider
+from shim.service.metrics_auth import RateLimit
+from shim.service.metrics_server import TlsServer
+
+log = logging.getLogger(__name__)
+PORT = 8443
+DEADLINE_S = 10.0
+MAX_CONNECTIONS = 32
+MAX_REQUEST_BYTES = KA.MAX_REQUEST_BYTES
+PATH = KA.PATH
+REVIEWS_PER_S, REVIEW_BURST = 10.0, 20
+REQUESTS_PER_S, REQUEST_BURST = 200.0, 400
+TOKEN_CACHE_S = 30.0
+TOKEN_CACHE_MAX = 1024
+DRAIN_S = 0.2
+
+
+class BrokerApi(Protocol):
+    """The API calls the broker makes (kubectl_snapshot.adapters.kube.KubeClient has them)."""
+
+    def token_review(self, token: str, *, audiences: Sequence[str] = ()) -> dict[str, Any]: ...
+    def get_pod(self, ns: str, name: str) -> dict[str, Any]: ...
+    def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]: ...
+
+
+@dataclass(frozen=True)
+class Answer:
+    code: int
+    body: dict[str, Any]
+
+
+def _error(code: int, message: str) -> Answer:
+    return Answer(code, {"error": message})
+
+
+class Broker:
+    """Decides and answers one request (no HTTP here: `serve` puts it behind TLS)."""
+
+    def __init__(
+        self,
+        kube: BrokerApi,
+        keys: KeyProvider,
+        *,
+        agent_user: str = K.AGENT_USER,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.kube, self.keys, self.agent_user, self.clock = kube, keys, agent_user, clock
+        self._reviews = RateLimit(REVIEWS_PER_S, REVIEW_BURST, clock)
+        self._requests = RateLimit(REQUESTS_PER_S, REQUEST_BURST, clock)
+        self._lock = threading.Lock()
+        self._callers: OrderedDict[str, tuple[float, KA.Caller]] = OrderedDict()
+
+    def answer(self, authorization: str | None, raw: bytes) -> Answer:
+        if not self._requests.take():
+            return _error(429, "too many key requests, retry")
+        token = _bearer(authorization)
+        if token is None:
+            return _error(401, "no bearer token (the agent's token for audience kubectl-snapshot-keys)")
+        caller = self._caller(token)
+        if not isinstance(caller, KA.Caller):
+            return caller
+        try:
+            body = json.loads(raw)
+            req = KA.parse_request(body)
+        except (ValueError, InvalidArgument) as e:
+            return _error(400, f"bad key request: {e}")
+        try:
+            verdict = self._decide(caller, req)
+        except SnapshotError as e:
+            log.warning("key request of node %s: cannot check it: %s", caller.node, e)
+            return _error(503, f"cannot check the request with the API server: {e.message}")
+        if not verdict.allowed:
+            log.warning(
+                "refused node %s %s/%s for %s: %s", caller.node, req.purpose, req.op, req.namespace, verdict.reason
+            )
+            return _error(403, verdict.reason)
+        try:
+            return self._operate(req, body)
+        except (InvalidArgument, binascii.Error, TypeError, ValueError) as e:
+            return _error(400, f"bad {req.op} request: {e}")
+
+    def _caller(self, token: str) -> KA.Caller | Answer:
+        digest = hashlib.sha256(token.encode()).hexdigest()
+        now = self.clock()
+        with self._lock:
+            hit = self._callers.get(digest)
+            if hit is not None and now - hit[0] < TOKEN_CACHE_S:
+                return hit[1]
+        if not self._reviews.take():
+            return _error(429, "too many new tokens, retry")
+        try:
+            review = self.kube.token_review(token, audiences=[KA.AUDIENCE])
+        except SnapshotError as e:
+            return _error(503, f"cannot review the token: {e.message}")
+        caller = KA.caller_of(review, agent_user=self.agent_user)
+        if not isinstance(caller, KA.Caller):
+            return _error(401, caller.reason)
+        with self._lock:
+            self._callers[digest] = (now, caller)
+            while len(self._callers) > TOKEN_CACHE_MAX:
+                self._callers.popitem(last=False)
+        return caller
+
+    def _decide(self, caller: KA.Caller, req: KA.KeyRequest) -> KA.Verdict:
+        try:
+            pod: dict[str, Any] | None = self.kube.get_pod(req.namespace, req.pod_name)
+        except NotFound:
+            pod = None
+        claimed: list[dict[str, Any]] = []
+        annotations = ((pod or {}).get("metadata") or {}).get("annotations") or {}
+        if (
+            req.purpose == "restore"
+            and not annotations.get(K.ANN_RESTORE_FROM)
+            and annotations.get(K.ANN_RESUME_POLICY)
+        ):
+            claimed = self.kube.list_snapshots(req.namespace)
+        return KA.decide(caller, req, pod, claimed)
+
+    def _operate(self, req: KA.KeyRequest, body: dict[str, Any]) -> Answer:
+        key_id = body.get("keyId")
+        if key_id is not None and not isinstance(key_id, str):
+            raise InvalidArgument("keyId is a string")
+        try:
+            key = self.keys.namespace_key(req.namespace, create=req.create, key_id=key_id or None)
+        except NotFound as e:
+            return _error(404, e.message)
+        except SnapshotError as e:
+            return _error(503, e.message)
+        if req.op == "key":
+            return Answer(200, {"keyId": key.key_id})
+        if req.op == "wrap":
+            return Answer(
+                200, {"keyId": key.key_id, "wrapped": _b64(key.wrap(_unb64(body, "dek"), _unb64(body, "aad")))}
+            )
+        if req.op == "unwrap":
+            try:
+                dek = key.unwrap(_unb64(body, "wrapped"), _unb64(body, "aad"))
+            except DecryptionFailed as e:
+                return _error(422, e.message)
+            return Answer(200, {"keyId": key.key_id, "dek": _b64(dek)})
+        data = body.get("data")
+        if not isinstance(data, list) or not 0 < len(data) <= KA.MAX_MACS:
+            raise InvalidArgument(f"data is a list of 1 to {KA.MAX_MACS} base64 strings")
+        macs = [_b64(key.mac(base64.b64decode(str(d), validate=True))) for d in data]
+        return Answer(200, {"keyId": key.key_id, "macs": macs})
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if not authorization or not authorization.startswith("Bearer "):
+        return None
+    token = authorization[len("Bearer ") :].strip()
+    return token if token and len(token) < 16384 else None
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode()
+
+
+def _unb64(body: dict[str, Any], name: str) -> bytes:
+    value = body.get(name)
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} is a base64 string")
+    return base64.b64decode(value, validate=True)
+
+
+def serve(
+    broker: Broker,
+    *,
+    host: str,
+    port: int,
+    cert_file: str,
+    key_file: str,
+    deadline_s: float = DEADLINE_S,
+    max_connections: int = MAX_CONNECTIONS,
+) -> ThreadingHTTPServer:
+    """Start the HTTPS server in a daemon thread; returns it (``.shutdown()`` stops it)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            if self.path != KA.PATH:
+                self._reply(_error(404, "not found"))
+                return
+            try:
+                length = int(self.headers.get("Content-Length") or "-1")
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_REQUEST_BYTES:
+                self.close_connection = True
+                self._reply(_error(413, f"a key request has a Content-Length of at most {MAX_REQUEST_BYTES} bytes"))
+                self._drain()
+                return
+            self._reply(broker.answer(self.headers.get("Authorization"), self.rfile.read(length)))
+
+        def _reply(self, answer: Answer) -> None:
+            data = json.dumps(answer.body).encode()
+            self.send_response(answer.code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if answer.code == 429:
+                self.send_header("Retry-After", "1")
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("key broker: " + format, *args)
+
+        def _drain(self) -> None:
+            """What the client sent already, read (a little, briefly) and dropped: closing with unread bytes
+            would reset the connection, and the client might lose the answer."""
+            self.wfile.flush()
+            self.connection.settimeout(DRAIN_S)
+            with contextlib.suppress(OSError, ValueError):
+                left = MAX_REQUEST_BYTES
+                while left > 0 and (chunk := self.connection.recv(min(left, 16384))):
+                    left -= len(chunk)
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(cert_file, key_file)
+    server = TlsServer((host, port), Handler, ctx, deadline_s=deadline_s, max_connections=max_connections)
+    threading.Thread(target=server.serve_forever, name="key-broker", daemon=True).start()
+    return server

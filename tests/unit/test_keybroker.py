@@ -1,0 +1,297 @@
+"""The key broker (shim/service/keybroker.py) and the agent's `BrokerKeyProvider` (adapters/keybroker.py),
+over the real wire format on loopback TLS, the API server faked (tests/support/fakekube.StrictKube).
+
+Each refusal beside the legitimate save or restore it must let through; the broker's bounds (request
+size, new tokens per second, a client that says nothing)."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import socket
+import ssl
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.adapters.keybroker import BUSY_WAIT_S, BrokerKeyProvider, BrokerNamespaceKey
+from kubectl_snapshot.adapters.keystore import FileKeyProvider
+from kubectl_snapshot.core import keyaccess as KA
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, PermissionDenied, Unavailable
+from kubectl_snapshot.core.sealing import KeyUse, Opener, Sealer, open_bytes
+from kubectl_snapshot.core.servingcert import serving_cert
+from shim.engine.restore import opener_for
+from shim.service import keybroker
+from shim.service.metrics_auth import RateLimit
+from tests.support.fakekube import StrictKube
+
+DIGEST = "sha256:" + "ab" * 32
+SNAP = f"registry.example:5000/team/app@{DIGEST}"
+
+
+class Cluster(StrictKube):
+    """Pods by (namespace, name); tokens by value -> node."""
+
+    def __init__(self) -> None:
+        self.pods: dict[tuple[str, str], dict[str, Any]] = {}
+        self.tokens: dict[str, str] = {}
+        self.reviews = 0
+
+    def add_pod(self, ns: str, name: str, node: str, *, phase: str = "Running", **annotations: str) -> KeyUse:
+        uid = f"uid-{ns}-{name}"
+        self.pods[(ns, name)] = {
+            "metadata": {"namespace": ns, "name": name, "uid": uid, "annotations": annotations},
+            "spec": {"nodeName": node},
+            "status": {"phase": phase},
+        }
+        return KeyUse(ns, name, uid, snapshot=annotations.get(K.ANN_RESTORE_FROM, ""))
+
+    def token_review(self, token: str, *, audiences: Sequence[str] = ()) -> dict[str, Any]:
+        self.reviews += 1
+        node = self.tokens.get(token)
+        user = {"username": K.AGENT_USER, "extra": {KA.NODE_EXTRA: [node]}}
+        return {"status": {"authenticated": node is not None, "audiences": list(audiences), "user": user}}
+
+    def get_pod(self, ns: str, name: str) -> dict[str, Any]:
+        try:
+            return self.pods[(ns, name)]
+        except KeyError:
+            raise NotFound(f"pod {ns}/{name} not found") from None
+
+    def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
+        return []
+
+
+@pytest.fixture
+def tls(tmp_path: Path) -> tuple[str, str]:
+    cert, key = serving_cert(["localhost", "127.0.0.1"], now=datetime.datetime.now(datetime.UTC))
+    (tmp_path / "tls.crt").write_bytes(cert)
+    (tmp_path / "tls.key").write_bytes(key)
+    return str(tmp_path / "tls.crt"), str(tmp_path / "tls.key")
+
+
+@pytest.fixture
+def cluster() -> Cluster:
+    return Cluster()
+
+
+@pytest.fixture
+def broker(cluster: Cluster, tls: tuple[str, str], tmp_path: Path) -> Iterator[str]:
+    server = keybroker.serve(
+        keybroker.Broker(cluster, FileKeyProvider(str(tmp_path / "keys"))),
+        host="127.0.0.1",
+        port=0,
+        cert_file=tls[0],
+        key_file=tls[1],
+        deadline_s=2.0,
+    )
+    try:
+        yield f"https://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def agent_of(node: str, url: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path) -> BrokerKeyProvider:
+    token = tmp_path / f"token-{node}"
+    token.write_text(f"token-of-{node}\n")
+    cluster.tokens[f"token-of-{node}"] = node
+    return BrokerKeyProvider(url, token_file=str(token), ca_file=tls[0])
+
+
+def test_a_save_and_its_restore_through_the_broker(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    """The legitimate case: node A saves its pod of namespace x (key made on first use, blobs and chunks
+    sealed), then node A's restore pod of that snapshot opens them; the key never reached the agent."""
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    use = cluster.add_pod("x", "app", "node-a")
+    sealer = Sealer(agent.namespace_key("x", create=True, use=use), "x")
+    chunk, chunk_digest = sealer.seal_chunk(b"page" * 1024)
+    again, _ = sealer.seal_chunk(b"page" * 1024)
+    assert again == chunk  # convergent through the broker's mac, as with a local key
+    dek = sealer.stream_key()
+    layer = b"".join(sealer.seal_stream([b"layer bytes"], dek))
+    layer_digest = "sha256:" + hashlib.sha256(layer).hexdigest()
+    sealer.record(layer_digest, dek)
+    info = sealer.info([chunk_digest, layer_digest])
+
+    restore_use = cluster.add_pod("x", "app-restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: SNAP})
+    config = type("Config", (), {"encryption": info})()
+    opener = opener_for(config, agent, "x", use=restore_use)
+    assert isinstance(opener, Opener)
+    assert bytes(opener.open_chunk(chunk_digest, chunk)) == b"page" * 1024
+    assert bytes(open_bytes(layer, opener.data_key(layer_digest))) == b"layer bytes"
+
+
+def test_mac_is_batched(broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path) -> None:
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    key = agent.namespace_key("x", create=True, use=cluster.add_pod("x", "app", "node-a"))
+    assert isinstance(key, BrokerNamespaceKey)
+    macs = key.mac_many([i.to_bytes(2, "big") for i in range(KA.MAX_MACS + 3)])
+    assert len(macs) == KA.MAX_MACS + 3 and macs[258] == key.mac((258).to_bytes(2, "big"))
+
+
+def test_another_nodes_pod_gets_no_key(broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path) -> None:
+    """Node A's token: namespace x (a pod on A) answered; namespace y (its pods on B) refused, whatever
+    pod of y it names, and so is A's own pod once it is gone."""
+    agent_a = agent_of("node-a", broker, cluster, tls, tmp_path)
+    mine = cluster.add_pod("x", "app", "node-a")
+    agent_a.namespace_key("x", create=True, use=mine).wrap(b"k" * 32, b"aad")  # the legitimate one
+    theirs = cluster.add_pod("y", "db", "node-b")
+    with pytest.raises(PermissionDenied, match="on node node-b, not on the caller's node node-a"):
+        agent_a.namespace_key("y", create=True, use=theirs)
+    # B's own agent gets it
+    agent_b = agent_of("node-b", broker, cluster, tls, tmp_path)
+    agent_b.namespace_key("y", create=True, use=theirs).wrap(b"k" * 32, b"aad")
+    # A names its own pod in y's namespace: there is no such pod
+    with pytest.raises(PermissionDenied, match="does not exist"):
+        agent_a.namespace_key("y", create=False, use=KeyUse("y", "app", mine.pod_uid))
+    del cluster.pods[("x", "app")]
+    with pytest.raises(PermissionDenied, match="does not exist"):
+        agent_a.namespace_key("x", create=False, use=mine)
+
+
+def test_a_restore_of_another_snapshot_is_refused(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    agent.namespace_key("x", create=True, use=cluster.add_pod("x", "app", "node-a"))
+    use = cluster.add_pod("x", "restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: SNAP})
+    agent.namespace_key("x", create=False, use=use)  # the legitimate one
+    other = KeyUse("x", "restored", use.pod_uid, snapshot=f"registry.example:5000/team/app@sha256:{'cd' * 32}")
+    with pytest.raises(PermissionDenied, match="restores"):
+        agent.namespace_key("x", create=False, use=other)
+
+
+def test_a_namespace_without_a_key_is_not_found_on_restore(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    use = cluster.add_pod("z", "restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: SNAP})
+    with pytest.raises(NotFound):
+        agent.namespace_key("z", create=False, use=use)
+
+
+def test_a_key_asked_for_no_pod_is_refused_by_the_agent_itself(tls: tuple[str, str]) -> None:
+    with pytest.raises(FailedPrecondition, match="no pod's save or restore"):
+        BrokerKeyProvider("https://127.0.0.1:1", ca_file=tls[0]).namespace_key("x", create=True)
+
+
+def test_an_unreachable_broker_says_keys_unavailable(tls: tuple[str, str], tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there once closed
+    token = tmp_path / "token"
+    token.write_text("t")
+    agent = BrokerKeyProvider(f"https://127.0.0.1:{port}", token_file=str(token), ca_file=tls[0], timeout_s=2)
+    with pytest.raises(Unavailable, match=r"keys unavailable: the key broker at .* cannot be reached") as e:
+        agent.namespace_key("x", create=True, use=KeyUse("x", "app", "u"))
+    assert e.value.retryable and e.value.hint
+
+
+def test_a_broker_with_another_certificate_is_not_trusted(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    use = cluster.add_pod("x", "app", "node-a")
+    agent.namespace_key("x", create=True, use=use)  # the pinned certificate: answered
+    other, _ = serving_cert(["127.0.0.1"], now=datetime.datetime.now(datetime.UTC))
+    (tmp_path / "other.crt").write_bytes(other)
+    agent.ca_file = str(tmp_path / "other.crt")
+    with pytest.raises(Unavailable, match="cannot be reached"):
+        agent.namespace_key("x", create=True, use=use)
+
+
+def test_a_token_that_is_not_an_agents_is_refused(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    use = cluster.add_pod("x", "app", "node-a")
+    agent.namespace_key("x", create=True, use=use)  # the legitimate one
+    Path(agent.token_file).write_text("stolen-or-made-up")
+    with pytest.raises(Unavailable, match="401"):
+        agent.namespace_key("x", create=True, use=use)
+
+
+def _post(url: str, ca: str, body: bytes, *, headers: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    import http.client
+
+    host, port = url.removeprefix("https://").split(":")
+    conn = http.client.HTTPSConnection(host, int(port), timeout=5, context=ssl.create_default_context(cafile=ca))
+    try:
+        conn.request("POST", KA.PATH, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"{}")
+    finally:
+        conn.close()
+
+
+def test_an_oversized_request_is_refused_unread(broker: str, cluster: Cluster, tls: tuple[str, str]) -> None:
+    cluster.tokens["t"] = "node-a"
+    small = json.dumps(KA.request_body(KA.KeyRequest("save", "key", "x", "app", "u"))).encode()
+    assert _post(broker, tls[0], small, headers={"Authorization": "Bearer t"})[0] == 403  # read and decided
+    # announced too long: answered before a byte of the body is read
+    too_long = {"Authorization": "Bearer t", "Content-Length": str(keybroker.MAX_REQUEST_BYTES + 1)}
+    code, answer = _post(broker, tls[0], b"{}", headers=too_long)
+    assert code == 413 and "at most" in answer["error"]
+
+
+def test_a_client_that_says_nothing_holds_no_one_up(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    host, port = broker.removeprefix("https://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(3)]  # no handshake, ever
+    try:
+        agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+        started = time.monotonic()
+        agent.namespace_key("x", create=True, use=cluster.add_pod("x", "app", "node-a"))
+        assert time.monotonic() - started < 1.5
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_new_tokens_are_reviewed_at_a_bounded_rate(cluster: Cluster, tmp_path: Path) -> None:
+    now = [0.0]
+    broker = keybroker.Broker(cluster, FileKeyProvider(str(tmp_path / "keys")), clock=lambda: now[0])
+    body = json.dumps(KA.request_body(KA.KeyRequest("save", "key", "x", "app", "u"))).encode()
+    codes = [broker.answer(f"Bearer made-up-{i}", body).code for i in range(keybroker.REVIEW_BURST + 5)]
+    assert codes.count(401) == keybroker.REVIEW_BURST and codes[-1] == 429
+    assert cluster.reviews == keybroker.REVIEW_BURST
+    # a known token is not reviewed again (cached), and is answered while new ones wait
+    cluster.tokens["agent"] = "node-a"
+    now[0] += 1.0
+    assert broker.answer("Bearer agent", body).code == 403  # reviewed: the pod does not exist
+    reviews = cluster.reviews
+    assert broker.answer("Bearer agent", body).code == 403
+    assert cluster.reviews == reviews
+
+
+def test_the_agent_waits_out_the_brokers_rate_bound(cluster: Cluster, tls: tuple[str, str], tmp_path: Path) -> None:
+    """A save of many chunks is throttled by the broker's 429s (one request a second here), not failed."""
+    now = [0.0]
+    b = keybroker.Broker(cluster, FileKeyProvider(str(tmp_path / "keys")), clock=lambda: now[0])
+    b._requests = RateLimit(1.0, 1, lambda: now[0])
+    server = keybroker.serve(b, host="127.0.0.1", port=0, cert_file=tls[0], key_file=tls[1])
+    try:
+        agent = agent_of("node-a", f"https://127.0.0.1:{server.server_address[1]}", cluster, tls, tmp_path)
+        waited: list[float] = []
+
+        def sleep(s: float) -> None:
+            waited.append(s)
+            now[0] += s
+
+        agent.sleep = sleep
+        key = agent.namespace_key("x", create=True, use=cluster.add_pod("x", "app", "node-a"))
+        assert waited == []
+        assert len(key.wrap(b"k" * 32, b"aad")) == 60  # the bucket was empty: answered after one wait
+        assert waited == [BUSY_WAIT_S]
+    finally:
+        server.shutdown()
+        server.server_close()
