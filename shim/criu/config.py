@@ -2,13 +2,18 @@
 
 runc hands CRIU this file with every checkpoint and restore (unless a container names another one in
 its ``org.criu.config`` annotation); options in it override what runc asks for over RPC. It is the
-only knob between containerd's checkpoint API and CRIU, and kubectl-snapshot sets one option there:
+only knob between containerd's checkpoint API and CRIU, and kubectl-snapshot sets two options there:
 
 ``network-lock nftables``: while a task is frozen CRIU locks its network namespace, so that no TCP
 state moves between the dump of a socket and the end of the dump. The default method runs
 ``iptables-restore`` in the namespace twice (lock and unlock), tens of ms of the freeze on the
 project's VMs. nftables does the same lock through netlink in CRIU's own process:
 same guarantee, a fraction of the time (bench/freeze_breakdown.py shows both).
+
+``skip-in-flight``: a connection that reached a listening socket of the frozen pod but that the pod had
+not accepted yet (an HTTP readiness probe every second, a client) made the whole dump fail ("In-flight
+connection"). It is left out of the dump instead: its client sees the connection reset, as it would if
+the server had restarted, and retries (a probe counts one failure). runc has no flag for it.
 
 Rules: a file that kubectl-snapshot did not write is never touched (it is reported instead); the
 option is written only after a real CRIU dump with it succeeded on this node (a kernel without
@@ -27,7 +32,7 @@ from dataclasses import dataclass
 
 RUNC_CONF = "/etc/criu/runc.conf"
 MARKER = "# managed by kubectl-snapshot (install-node); removed by uninstall-node"
-OPTIONS = ("network-lock nftables",)
+OPTIONS = ("network-lock nftables", "skip-in-flight")
 
 # (shell command) -> (exit status, output): runs the command in the host's mount namespace.
 HostRunner = Callable[[str], tuple[int, str]]
