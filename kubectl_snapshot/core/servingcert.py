@@ -19,16 +19,22 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 VALID_DAYS = 3650
 
 
-def serving_cert(names: Sequence[str], *, now: datetime.datetime, days: int = VALID_DAYS) -> tuple[bytes, bytes]:
-    """(certificate PEM, private key PEM) for `names` (the first is the subject's common name)."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
+def subject_alt_names(names: Sequence[str]) -> list[x509.GeneralName]:
+    """Each name as an IP address where it is one, else a DNS name."""
     sans: list[x509.GeneralName] = []
     for n in names:
         try:
             sans.append(x509.IPAddress(ipaddress.ip_address(n)))
         except ValueError:
             sans.append(x509.DNSName(n))
+    return sans
+
+
+def serving_cert(names: Sequence[str], *, now: datetime.datetime, days: int = VALID_DAYS) -> tuple[bytes, bytes]:
+    """(certificate PEM, private key PEM) for `names` (the first is the subject's common name)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])])
+    sans = subject_alt_names(names)
     ski = x509.SubjectKeyIdentifier.from_public_key(key.public_key())
     cert = (
         x509.CertificateBuilder()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import ipaddress
 import logging
 import os
 import socket
@@ -49,14 +48,11 @@ def self_signed(names: list[str], directory: str) -> tuple[str, str]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
+    from kubectl_snapshot.core.servingcert import subject_alt_names
+
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0] if names else "kubectl-snapshot-agent")])
-    sans: list[x509.GeneralName] = []
-    for n in names:
-        try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(n)))
-        except ValueError:
-            sans.append(x509.DNSName(n))
+    sans = subject_alt_names(names)
     now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
