@@ -8,6 +8,7 @@ on the answers; nothing here does I/O, so every rule is unit-tested on its own.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.workload import Workload, label_value, provenance_labels
 
 BACKOFF_BASE_S = 5.0  # first retry after a failed save; doubles per failure, capped at the interval
+FIRST_SAVE_SPREAD_S = 60.0  # a pod's first save comes within this (or one interval, if shorter) of its start
 KEEP_FAILED = 2  # failed saves kept per pod (to read why); older ones are deleted
 
 _DURATION = re.compile(r"^(?:[0-9]+[hms])+$")
@@ -180,10 +182,24 @@ class Schedule:
     last_good: Save | None
 
 
-def schedule(saves: Iterable[Save], interval_s: float, now: float) -> Schedule:
-    """Where a pod's schedule stands, from its saves alone (so it survives an agent restart): the next
-    save is due one interval after the newest save was created, or after a backoff when the newest
-    finished saves failed; nothing is due while one is in flight."""
+def first_save_due(uid: str, interval_s: float, *, pod_started: float, policy_created: float) -> float:
+    """When a pod's first save is due: at its own offset after it started (or after the policy came, for
+    a pod older than the policy), the offset a fraction of min(interval, FIRST_SAVE_SPREAD_S) set by the
+    pod's uid. Pods that start together, or that a new policy finds running, are so spread over the
+    interval instead of all due in the same second; each next save is due one interval after the last
+    was created, so they stay spread (a node saves one pod at a time: 50 pods due at once queue for half
+    a minute, and a pod's place in that queue changes from one interval to the next). The same uid and
+    times give the same answer after an agent restart."""
+    digest = hashlib.blake2b(uid.encode(), digest_size=8).digest()
+    fraction = int.from_bytes(digest, "big") / 2**64
+    return max(pod_started, policy_created) + fraction * min(interval_s, FIRST_SAVE_SPREAD_S)
+
+
+def schedule(saves: Iterable[Save], interval_s: float, now: float, *, first_due: float | None = None) -> Schedule:
+    """Where a pod's schedule stands, from its saves alone (so it survives an agent restart): the first
+    save is due at `first_due` (first_save_due; at once when not given), the next one interval after the
+    newest save was created, or after a backoff when the newest finished saves failed; nothing is due
+    while one is in flight."""
     ordered = sorted(saves, key=lambda s: (s.created, s.name), reverse=True)
     in_flight = next((s.name for s in ordered if not s.terminal), None)
     terminal = [s for s in ordered if s.terminal]
@@ -195,7 +211,7 @@ def schedule(saves: Iterable[Save], interval_s: float, now: float) -> Schedule:
     last = terminal[0] if terminal else None
     last_good = next((s for s in terminal if s.good), None)
     if not ordered:
-        due = now
+        due = now if first_due is None else first_due
     elif failures and last is not None:
         due = (last.completed or last.created) + backoff_s(failures, interval_s)
     else:

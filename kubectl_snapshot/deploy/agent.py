@@ -59,13 +59,14 @@ METRICS_PORT = 9443  # HTTPS, authorised scrapers only (shim/service/metrics_ser
 DEFAULT_DROPIN_DIR = NS.DEFAULTS.containerd_dropin_dir  # containerd 2.x's default config imports *.toml from here
 GUARD_DIR = "/run/kubectl-snapshot-guard"  # an emptyDir shared by the agent and guard containers
 GUARD_SOCKET = f"{GUARD_DIR}/guard.sock"
-# The agent's requests are what it holds idle. No memory limit: what it writes into the memory work
-# area (a tmpfs: rootfs diffs and volume tars of dumps that fit, up to KUBECTL_SNAPSHOT_MEMORY_WORK_MIB
-# for all saves at once) is charged to its cgroup and cannot be reclaimed, so a limit that did not grow
-# with that setting would have the kernel kill the agent in the middle of a final save; the agent's use
-# under --save-concurrency has not been measured to set one. No CPU limit: a throttled agent would
-# stretch the freezes it holds. CRIU's own memory is containerd's, not the agent's.
-AGENT_RESOURCES = {"requests": {"cpu": "100m", "memory": "128Mi"}}
+# The agent's requests are what it uses saving 50 small pods at a 1-minute interval (bench/density.py,
+# docs/node-loss.md): on average 0.17 cores and a working set of 150 MiB there, so 200m and 256Mi.
+# No memory limit: what it writes into the memory work area (a tmpfs: rootfs diffs and volume tars of
+# dumps that fit, up to KUBECTL_SNAPSHOT_MEMORY_WORK_MIB for all saves at once) is charged to its cgroup
+# and cannot be reclaimed, so a limit that did not grow with that setting would have the kernel kill the
+# agent in the middle of a final save. No CPU limit: a throttled agent would stretch the freezes it
+# holds. CRIU's own memory is containerd's, not the agent's.
+AGENT_RESOURCES = {"requests": {"cpu": "200m", "memory": "256Mi"}}
 GUARD_RESOURCES = {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "128Mi"}}
 
 

@@ -63,6 +63,7 @@ def field_manager(node: str) -> str:
 @dataclass
 class _Pair:
     saves: list[A.Save]
+    first_due: float | None = None  # when the first save is due (A.first_save_due), while there is none
     next_check: float = 0.0
     retention_retry: float = 0.0  # when to try again deleting saves retention could not delete (0: nothing left)
     retention_failures: int = 0  # retention passes in a row that left a doomed save undeleted
@@ -177,10 +178,13 @@ class Autosave:
         interval = A.parse_duration(str(spec.get("interval") or ""), "interval")
         pair = self._pairs.get(key)
         if pair is None:
-            pair = _Pair(saves=self._saves(ns, pname, uid))
+            started = T.seconds((pod.get("status") or {}).get("startTime")) or 0.0
+            came = T.seconds((policy.get("metadata") or {}).get("creationTimestamp")) or 0.0
+            first = A.first_save_due(uid, interval, pod_started=started, policy_created=came)
+            pair = _Pair(saves=self._saves(ns, pname, uid), first_due=first)
             self._pairs[key] = pair
             self._dirty.add((ns, pname))
-        sched = A.schedule(pair.saves, interval, now)
+        sched = A.schedule(pair.saves, interval, now, first_due=pair.first_due)
         if sched.in_flight is not None:
             if now < pair.next_check:
                 return
@@ -196,7 +200,7 @@ class Autosave:
             pair.saves = [current if s.name == current.name else s for s in pair.saves]
             self._dirty.add((ns, pname))
             self._finished(policy, pod, pair, current, interval, now)
-            sched = A.schedule(pair.saves, interval, now)
+            sched = A.schedule(pair.saves, interval, now, first_due=pair.first_due)
         elif pair.retention_retry and now >= pair.retention_retry:
             self._retain(policy, pair, now)
         if spec.get("suspend") or now < sched.due:
@@ -333,7 +337,7 @@ class Autosave:
             for (ns, pname, uid), pair in sorted(self._pairs.items()):
                 if (ns, pname) != pkey or uid not in by_uid:
                     continue
-                sched = A.schedule(pair.saves, interval, now)
+                sched = A.schedule(pair.saves, interval, now, first_due=pair.first_due)
                 entries.append(A.pod_status_entry(by_uid[uid], self.node, sched, suspended=bool(spec.get("suspend"))))
             try:
                 self.kube.apply_policy_pods(pkey[0], pkey[1], entries, field_manager=self.manager)

@@ -315,7 +315,7 @@ def test_protected_workloads_resume_on_the_other_node(cluster: Cluster, agent: A
                 continue
             pods[c.id] = _pod(cluster, ns, name) or {}
             uid = pods[c.id]["metadata"]["uid"]
-            if not _wait("its periodic save", partial(_saved, cluster, ns, uid), 180):
+            if not _wait("its periodic save", partial(_saved, cluster, ns, uid), 240):
                 problems[c.id].append("no periodic save within 180 s")
         before = {
             c.id: _exec(cluster, ns, f"{pod_name(c)}-0", c.workload.read) or "" for c in PROTECTED if c.id in pods

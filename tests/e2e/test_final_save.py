@@ -125,7 +125,7 @@ def test_drain_protected_pods_carry_on_from_their_final_save(cluster, namespace,
             return any(phase(s) == K.PHASE_SUCCEEDED for s in saves(cluster, ns, f"{K.LABEL_POD_UID}={uid}"))
 
         try:
-            cluster.wait_for(f"the first periodic save of {app}", saved, timeout=120)
+            cluster.wait_for(f"the first periodic save of {app}", saved, timeout=180)
         except AssertionError:
             raise AssertionError(diagnose(cluster, ns)) from None
         periodic_upper[app] = counter_value(cluster, ns, old[app]["metadata"]["name"])[1]  # >= the saved value

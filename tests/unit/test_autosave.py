@@ -155,3 +155,30 @@ def test_status_entry() -> None:
     assert entry["lastResult"] == K.PHASE_FAILED and entry["lastMessage"] == "boom"
     assert entry["consecutiveFailures"] == 1 and entry["nextSaveTime"] == "1970-01-01T00:00:46Z"
     assert "nextSaveTime" not in A.pod_status_entry(pod(), "n1", A.schedule(saves, 30, now=50), suspended=True)
+
+
+def test_a_pods_first_save_comes_at_its_own_offset_within_a_minute_of_its_start() -> None:
+    due = A.first_save_due("uid-1", 600, pod_started=1000, policy_created=10)
+    assert due == A.first_save_due("uid-1", 600, pod_started=1000, policy_created=10)  # same after a restart
+    assert 1000 <= due < 1000 + A.FIRST_SAVE_SPREAD_S  # a 10-minute policy still protects within a minute
+    # a pod older than the policy: counted from the policy's creation
+    assert 5000 <= A.first_save_due("uid-1", 600, pod_started=1000, policy_created=5000) < 5060
+    # an interval shorter than the spread: within one interval
+    assert 1000 <= A.first_save_due("uid-1", 10, pod_started=1000, policy_created=0) < 1010
+
+
+def test_fifty_pods_started_together_are_spread_over_the_interval() -> None:
+    dues = sorted(A.first_save_due(f"pod-uid-{i}", 60, pod_started=0, policy_created=0) for i in range(50))
+    assert dues[0] >= 0 and dues[-1] < 60
+    # no second holds more than a few of them, where due-at-start put all 50 in one
+    per_second: dict[int, int] = {}
+    for d in dues:
+        per_second[int(d)] = per_second.get(int(d), 0) + 1
+    assert max(per_second.values()) <= 5 and len(per_second) >= 25
+
+
+def test_the_first_save_waits_for_its_due_time_then_the_interval_keeps_the_spread() -> None:
+    assert A.schedule([], 30, now=100, first_due=120).due == 120
+    assert A.schedule([], 30, now=100).due == 100  # without one: at once
+    # once a save exists the first due time no longer matters: one interval after the save
+    assert A.schedule([s("a", 121)], 30, now=130, first_due=120).due == 151

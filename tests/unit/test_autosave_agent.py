@@ -257,3 +257,36 @@ def test_delete_manifest_without_signature() -> None:
     calls: list[str] = []
     delete_manifest(FakeRegistry(calls), Reference.parse("r.io:5000/saves@sha256:" + "3" * 64))
     assert calls == ["delete manifest sha256:33"]
+
+
+def test_a_pod_that_just_started_is_first_saved_at_its_offset_not_at_once() -> None:
+    start = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC).timestamp()
+    clock = [start]
+    kube = FakeKube(clock)
+    pod: dict[str, Any] = copy.deepcopy(POD)
+    pod["status"]["startTime"] = iso(start)
+    a = Autosave(kube, "n1", registry_for=lambda ns, s, i: FakeRegistry(kube.calls), clock=lambda: clock[0])
+    a.policy_changed(POLICY)
+    a.pod_changed(pod)
+    due = A.first_save_due("u1", 30, pod_started=start, policy_created=0)
+    assert start < due < start + 30
+    while clock[0] < due - 1:
+        a.tick()
+        assert not kube.snapshots, f"saved at {clock[0] - start:.0f}s, due at {due - start:.1f}s"
+        clock[0] += 1
+    clock[0] = due
+    a.tick()
+    assert len(kube.snapshots) == 1
+
+
+def test_a_pod_already_running_when_the_agent_starts_is_saved_at_once() -> None:
+    start = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC).timestamp()
+    clock = [start + 3600]  # the pod and the policy are an hour old: its first save is overdue
+    kube = FakeKube(clock)
+    pod: dict[str, Any] = copy.deepcopy(POD)
+    pod["status"]["startTime"] = iso(start)
+    a = Autosave(kube, "n1", registry_for=lambda ns, s, i: FakeRegistry(kube.calls), clock=lambda: clock[0])
+    a.policy_changed({**POLICY, "metadata": {**POLICY["metadata"], "creationTimestamp": iso(start)}})
+    a.pod_changed(pod)
+    a.tick()
+    assert len(kube.snapshots) == 1
