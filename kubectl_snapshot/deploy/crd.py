@@ -362,6 +362,10 @@ def _policy_status_schema() -> dict[str, Any]:
     }
     return {
         "type": "object",
+        # Nullable: when the last agent that owned entries applies none, server-side apply leaves the
+        # status with no field, which the API server writes as null; without this the apply is refused
+        # ("status: Invalid value: null") and the entries of pods gone from the node stay forever.
+        "nullable": True,
         "description": "Written by the agents (each its own pods' entries, by server-side apply).",
         "properties": {
             "observedGeneration": {"type": "integer", "format": "int64"},

@@ -290,3 +290,35 @@ def test_a_policy_needs_the_restore_verb_too(cluster: Cluster, namespace: str, a
     assert admitted.returncode == 0, admitted.stderr
     elsewhere = create({**body, "spec": {**body["spec"], "destination": f"{cluster.registry}/other/x"}})
     assert elsewhere.returncode != 0 and "is not allowed in namespace" in elsewhere.stderr, elsewhere.stderr
+
+
+def test_the_last_pods_status_entry_goes_with_the_pod(cluster: Cluster, namespace: str, agent: Any, plugin) -> None:  # type: ignore[no-untyped-def]
+    """The policy's status.pods is written by server-side apply, one field manager per node: when the
+    last entry goes the status has no field left, which the API server refused ("status: Invalid value:
+    null") until the CRD let the status be null, so the entry of a deleted pod stayed forever and the
+    agent logged the refusal every second. A second pod's entry shows a removal that never was the
+    last one still works."""
+    ns, n1 = namespace, cluster.nodes[0]
+    repo = f"{cluster.registry}/e2e/entries-{ns}"
+    cluster.kubectl("annotate", "namespace", ns, f"{K.ANN_ALLOWED_DESTINATIONS}={repo}")
+    for name in ("one", "two"):
+        body = pod(name, ns, cluster.busybox_image, {"counter": COUNTER}, node=n1)
+        body["metadata"]["labels"]["tier"] = "entries"
+        cluster.apply(body)
+    for name in ("one", "two"):
+        running(cluster, ns, name)
+    # suspended: the entries are written, no save is made (nothing here depends on the registry)
+    plugin(
+        "policy", "create", POLICY, "-n", ns, "--selector", "tier=entries", "--interval", "10m", "--to", repo,
+        "--suspend",
+    )  # fmt: skip
+
+    def entries() -> list[str]:
+        status = cluster.get_json(K.POLICY_SINGULAR, POLICY, "-n", ns).get("status") or {}
+        return sorted(p["name"] for p in status.get("pods") or [])
+
+    cluster.wait_for("both pods' status entries", lambda: entries() == ["one", "two"], timeout=60)
+    cluster.kubectl("delete", "pod", "one", "-n", ns, "--wait=true")
+    cluster.wait_for("the first deleted pod's entry to go", lambda: entries() == ["two"], timeout=30)
+    cluster.kubectl("delete", "pod", "two", "-n", ns, "--wait=true")
+    cluster.wait_for("the last deleted pod's entry to go", lambda: entries() == [], timeout=30)
