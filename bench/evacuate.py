@@ -7,8 +7,8 @@
 running, and taken down again afterwards), with the agent built from this tree installed for the run:
 
 - a StatefulSet of --pods pods on ks-n1, each holding --mib MiB of incompressible memory and counting
-  in memory; one SnapshotPolicy (--interval, 60 s: a pod's first save is taken as it starts, before
-  its memory is filled, so the drain waits for the next one);
+  in memory; one SnapshotPolicy (--interval, 60 s: a pod's first save comes within a minute of its
+  start, maybe before its memory is filled, so the drain waits for one taken after);
 - once every pod has a periodic save of its filled memory, each rewrites the --dirty fraction of it
   once, and then ``kubectl drain ks-n1`` (the pods' own --grace period, the notice) evicts them all at
   once; the script follows their final saves (polled every 0.25 s) and their replacements on ks-n2;
@@ -189,8 +189,9 @@ def one(cluster: Cluster, agent: AgentInstall, mode: str, a: argparse.Namespace,
             if elsewhere:
                 sys.exit(f"error: {', '.join(elsewhere)} did not go to {n1}: the node lacks room for {a.pods} pods")
 
-            # a pod's first save is taken as it starts, before its memory is filled: the drain waits for
-            # the periodic save of each pod after that (the next interval), as a node's notice finds them
+            # a pod's first save comes within a minute of its start (at its own offset), maybe before its
+            # memory is filled: the drain waits for a periodic save of each pod taken after it was filled,
+            # as a node's notice finds them
             for n in names:
 
                 def is_filled(n: str = n) -> bool:

@@ -4,15 +4,21 @@ who signed it and where it came from."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 
 import pytest
 
+from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.adapters.signatures import sign_snapshot, verify_snapshot
 from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.provenance import TrustPolicy
+from kubectl_snapshot.core.reference import Reference
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
 from tests.support.agent import agent, plugin
 from tests.support.cluster import cluster, namespace
+from tests.support.tamper import agent_signing_key
 
 pytestmark = pytest.mark.e2e
 
@@ -60,3 +66,33 @@ def test_cross_namespace_restore_is_refused_until_granted(cluster, namespace, ag
         assert counter_value(cluster, other, "granted")[0] == tok
     finally:
         cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
+
+
+def test_a_nodes_stolen_key_cannot_vouch_for_a_save_of_another_node(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    """Threat D14: root on n1 reads n1's own signing key (it never leaves the node, but root there has it)
+    and signs a snapshot as taken on n2. Restores check a node's key against the node its signed origin
+    names, so the forgery is refused before any byte is staged; the same snapshot with the signature n1's
+    agent made (its origin n1) restores on n2, where the legitimate migration goes."""
+    ns, (n1, n2) = namespace, cluster.nodes[:2]
+    cluster.apply(pod("origin", ns, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+    running(cluster, ns, "origin")
+    tok, _ = counter_value(cluster, ns, "origin")
+    out = plugin("snapshot", "pod/origin", "-n", ns, "--to", f"{cluster.registry}/e2e/d14-{ns}", "-o", "json")
+    ref = Reference.parse(json.loads(out.stdout)["status"]["reference"])
+
+    # the legitimate case: n1's save, signed by n1's key naming n1, restores on n2
+    plugin("restore", str(ref), "-n", ns, "--name", "moved", "--node", n2)
+    running(cluster, ns, "moved")
+    assert counter_value(cluster, ns, "moved")[0] == tok
+
+    # the forgery: the same snapshot, its signature replaced by one of n1's key claiming node n2
+    stolen = agent_signing_key(n1)
+    reg = RegistryClient()
+    verdict = verify_snapshot(reg, ref, TrustPolicy((stolen.public,)))
+    assert verdict.verified and verdict.claim is not None and verdict.claim.origin.node == n1, verdict.reason
+    sign_snapshot(reg, ref, dataclasses.replace(verdict.claim.origin, node=n2), stolen)
+    proc = plugin("restore", str(ref), "-n", ns, "--name", "forged", "--node", n2, "--timeout", "120s", check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert f"signed by the key of node {n1}" in proc.stderr and f"origin names node {n2}" in proc.stderr, proc.stderr
+    forged = cluster.get_json("pod", "forged", "-n", ns)
+    assert forged["metadata"]["annotations"][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_FAILED_PREFIX)
