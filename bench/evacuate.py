@@ -182,9 +182,16 @@ def one(cluster: Cluster, agent: AgentInstall, mode: str, a: argparse.Namespace,
         with ctx:
             protect(cluster, ns, APP, a.interval)
             sts = statefulset(ns, cluster.busybox_image, n1, pods=a.pods, mib=a.mib, dirty=a.dirty, grace=a.grace)
-            cluster.apply(sts)
             names = [f"{APP}-{i}" for i in range(a.pods)]
-            old = {n: running(cluster, ns, n) for n in names}
+            # the pods prefer n1 (their replacements must be free to go to n2), and the scheduler's default
+            # spreading of a StatefulSet's pods outweighs a preference from about 10 pods on: n2 is
+            # cordoned while they are placed
+            cluster.kubectl("cordon", n2)
+            try:
+                cluster.apply(sts)
+                old = {n: running(cluster, ns, n) for n in names}
+            finally:
+                cluster.kubectl("uncordon", n2, check=False)
             elsewhere = [n for n, p in old.items() if p["spec"]["nodeName"] != n1]
             if elsewhere:
                 sys.exit(f"error: {', '.join(elsewhere)} did not go to {n1}: the node lacks room for {a.pods} pods")
@@ -257,6 +264,7 @@ def one(cluster: Cluster, agent: AgentInstall, mode: str, a: argparse.Namespace,
             failed = [(s.get("status") or {}).get("message") for s in finals if phase(s) == K.PHASE_FAILED]
     finally:
         cluster.kubectl("uncordon", n1, check=False)
+        cluster.kubectl("uncordon", n2, check=False)
         cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
     evacuation = max(pushed) if pushed else float("nan")
     # the bound: the pods' dirty memory (what an incremental final save sends), compressed as the
