@@ -41,6 +41,7 @@ from kubectl_snapshot.core.podspec import pod_status_summary
 from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider, KeyUse
+from kubectl_snapshot.core.tokenclone import cloned_token_warning
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
 from shim.controller.kube_api import KubeApi
@@ -448,6 +449,9 @@ class RestoreWorker:
         message = f"{what} {artifact.reference} staged on {self.settings.node} {clock}"
         log.info("%s/%s: %s", ns, name, message)
         pod_event(self.kube, pod, K.EVENT_RESTORE_STAGED, message)
+        cloned = cloned_token_warning(config)
+        if cloned:
+            pod_event(self.kube, pod, K.EVENT_CLONED_TOKEN, cloned, warning=True)
         return True
 
     def _start_fresh(self, pod: dict[str, Any], gate: str | None, reason: str, gates: _PodGates) -> bool:
