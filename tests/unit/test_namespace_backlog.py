@@ -211,3 +211,18 @@ def test_a_burst_of_restores_is_queued_up_to_the_bound_and_the_next_fails_at_onc
     scheduler.jobs.pop(0)[1]()  # one of a's finished: room for the next
     w.consider(restore_of("a", 3))
     assert [k for k, _ in scheduler.jobs] == ["a", "b", "a"] and len(kube.annotations) == 1
+
+
+def test_a_resume_is_never_refused_but_counts(tmp_path: Path) -> None:
+    """A workload's replacement pod resumes (or starts fresh) whatever its namespace has queued here."""
+    w, kube, scheduler = restores(tmp_path, 1)
+    w.consider(restore_of("a", 0))
+    resuming = {
+        "metadata": {"name": "web-1", "namespace": "a", "uid": "resume-1", "annotations": {K.ANN_RESUME_POLICY: "p"}},
+        "spec": {"nodeName": "n1", "containers": [{"name": "app"}]},
+        "status": {},
+    }
+    w.consider(resuming)
+    assert [k for k, _ in scheduler.jobs] == ["a", "a"] and kube.annotations == []
+    w.consider(restore_of("a", 1))  # and it counts: a's next restore waits for room
+    assert len(scheduler.jobs) == 2 and "refused: namespace a already has 2 restores" in str(kube.annotations)
