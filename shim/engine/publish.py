@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -141,16 +142,23 @@ def push_snapshot(
     )
 
 
+READBACK_WAITS_S = (0.1, 0.3, 0.6)  # between reads of a tag the registry does not serve yet
+
+
 def confirm_manifest(registry: Registry, target: Reference, pinned: Reference) -> None:
     """After the manifest's PUT: the registry serves it under the snapshot's tag. A registry that answered
     the PUT without keeping it fails the save; what it did keep of it is deleted (best effort), so no tag
     is left naming a snapshot that was not confirmed."""
-    try:
-        _body, _media_type, digest = registry.get_manifest(target if target.tag else pinned)
-    except NotFound:
-        digest = ""
-    if digest == pinned.digest:
-        return
+    digest = ""
+    for wait in (*READBACK_WAITS_S, None):  # a registry slow to show what it just stored is given a second
+        try:
+            _body, _media_type, digest = registry.get_manifest(target if target.tag else pinned)
+        except NotFound:
+            digest = ""
+        if digest == pinned.digest:
+            return
+        if wait is not None:
+            time.sleep(wait)
     with contextlib.suppress(SnapshotError):
         registry.delete_manifest(target, pinned.digest or "")
     served = f"manifest {digest}" if digest else "nothing"

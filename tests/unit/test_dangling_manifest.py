@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kubectl_snapshot.core.artifact import load_artifact
-from kubectl_snapshot.core.errors import FailedPrecondition, Unavailable
+from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, Unavailable
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.reference import Reference
@@ -62,6 +62,24 @@ def test_a_manifest_the_registry_did_not_keep_fails_the_save(tmp_path: Path) -> 
     with pytest.raises(Unavailable, match=r"acknowledged manifest sha256:.* but serves nothing there"):
         save(reg, tmp_path)
     assert reg.manifest_puts == ["v1"] and reg.manifests == {}
+
+
+class SlowToShow(FakeRegistry):
+    """Stores the manifest, and serves its tag only from the second read on."""
+
+    reads = 0
+
+    def get_manifest(self, ref: Reference, *, max_size: int = 0) -> tuple[bytes, str, str]:
+        self.reads += 1
+        if self.reads == 1:
+            raise NotFound(f"manifest {ref} unknown")
+        return super().get_manifest(ref, max_size=max_size)
+
+
+def test_a_registry_slow_to_show_the_manifest_it_stored_does_not_fail_the_save(tmp_path: Path) -> None:
+    reg = SlowToShow()
+    result = save(reg, tmp_path)
+    assert reg.reads == 2 and parse_manifest(reg.manifests["v1"]).digest == result.reference.digest
 
 
 def staged_from(reg: FakeRegistry, tmp_path: Path) -> tuple[CountingRegistry, Any, Path]:
