@@ -212,7 +212,12 @@ class SnapshotWorker:
             if self._claim(obj):
                 self._finish_failed(obj, pod, refused)
             return
-        if not self._claim(obj):
+        try:
+            claimed = self._claim(obj)
+        except BaseException:
+            self.backlog.done(ns)
+            raise
+        if not claimed:
             self.backlog.done(ns)
             return
 

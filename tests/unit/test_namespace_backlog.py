@@ -13,7 +13,7 @@ import pytest
 
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.backlog import DEFAULT_NAMESPACE_BACKLOG, Backlog, parse_bound
-from kubectl_snapshot.core.errors import InvalidArgument, NotFound, TooManyRequests
+from kubectl_snapshot.core.errors import InvalidArgument, NotFound, TooManyRequests, Unavailable
 from kubectl_snapshot.core.model import HostFacts, PodRecord
 from kubectl_snapshot.core.podspec import restore_pod
 from kubectl_snapshot.core.reference import Reference
@@ -141,6 +141,18 @@ def test_a_burst_of_snapshots_is_queued_up_to_the_bound_and_the_next_fails_at_on
     queue.jobs.pop(0)[1]()
     w.consider(snap("s4", "a"))
     assert final_status(kube, "s4")["phase"] == K.PHASE_RUNNING and len(queue.jobs) == 4
+
+
+def test_a_claim_that_fails_gives_its_place_back() -> None:
+    w, kube, queue = snapshots(1)
+
+    def unreachable(*a: Any, **kw: Any) -> Any:
+        raise Unavailable("the API server went away")
+
+    kube.patch_snapshot_status = unreachable  # type: ignore[method-assign]
+    with pytest.raises(Unavailable):
+        w.consider(snap("s0", "a"))
+    assert w.backlog.count("a") == 0 and queue.jobs == []
 
 
 def test_a_final_save_is_never_refused() -> None:
