@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import timestamps
 from kubectl_snapshot.core.artifact import Artifact, load_artifact
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, SnapshotError
 from kubectl_snapshot.core.model import SnapshotConfig
@@ -29,6 +30,7 @@ from kubectl_snapshot.core.provenance import (
     TRUST_KEY_SUFFIX,
     TRUST_NAMESPACE_SUFFIX,
     TRUST_NODE_SUFFIX,
+    TRUST_NOT_AFTER_SUFFIX,
     Grant,
     Origin,
     Provenance,
@@ -199,6 +201,7 @@ def trust_from_data(data: Mapping[str, str], *, where: str = "the trust ConfigMa
     keys = []
     nodes: dict[str, str] = {}
     namespaces: dict[str, str] = {}
+    not_after: dict[str, str] = {}
     for name in sorted(data):
         if not name.endswith(TRUST_KEY_SUFFIX):
             continue
@@ -218,12 +221,16 @@ def trust_from_data(data: Mapping[str, str], *, where: str = "the trust ConfigMa
         scope = data.get(f"{key.id}{TRUST_NAMESPACE_SUFFIX}", "").strip()
         if scope:
             namespaces[key.id] = scope
+        retired = data.get(f"{key.id}{TRUST_NOT_AFTER_SUFFIX}")
+        if retired is not None:  # an empty or malformed one retires the key altogether (provenance.evaluate)
+            not_after[key.id] = retired.strip()
     return TrustPolicy(
         tuple(keys),
         allow_unverified=data.get(TRUST_ALLOW_UNVERIFIED_FILE, "").strip().lower() == "true",
         cluster=data.get(TRUST_CLUSTER_FILE, "").strip(),
         nodes=nodes,
         namespaces=namespaces,
+        not_after=not_after,
     )
 
 
@@ -231,16 +238,30 @@ def merge_trust(policies: Iterable[TrustPolicy], *, allow_unverified: bool = Fal
     keys: dict[str, PublicKey] = {}
     nodes: dict[str, str] = {}
     namespaces: dict[str, str] = {}
+    not_after: dict[str, str] = {}
     cluster = ""
     for pol in policies:
         keys.update((k.id, k) for k in pol.keys)
         nodes.update(pol.nodes)
         namespaces.update(pol.namespaces)
+        for kid, retired in pol.not_after.items():  # the earliest retirement any source states wins
+            not_after[kid] = min(retired, not_after.get(kid, retired), key=_retirement_order)
         cluster = cluster or pol.cluster
         allow_unverified = allow_unverified or pol.allow_unverified
     return TrustPolicy(
-        tuple(keys.values()), allow_unverified=allow_unverified, cluster=cluster, nodes=nodes, namespaces=namespaces
+        tuple(keys.values()),
+        allow_unverified=allow_unverified,
+        cluster=cluster,
+        nodes=nodes,
+        namespaces=namespaces,
+        not_after=not_after,
     )
+
+
+def _retirement_order(raw: str) -> float:
+    """Malformed first (it retires the key altogether), then the earliest time."""
+    parsed = timestamps.parse(raw)
+    return float("-inf") if parsed is None or parsed.tzinfo is None else parsed.timestamp()
 
 
 def _read_dir(path: str) -> Mapping[str, str]:

@@ -10,6 +10,7 @@ from kubectl_snapshot.cli.params import common_options, dry_run_option, wait_opt
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.console.errors import handle_errors
 from kubectl_snapshot.console.output import emit, output_option
+from kubectl_snapshot.core.tokenclone import cloned_token_warning
 
 
 @click.command("restore")
@@ -56,6 +57,9 @@ def restore_cmd(
         emit(body, "yaml" if output in ("text", "wide") else output, str, name=pod_ref)
         return
     created = create_restore_pod(body, kube=kube)
+    cloned = cloned_token_warning(artifact.config)
+    if cloned:  # the agent records it too, as a Warning Event on the pod
+        click.echo(f"warning: {cloned}", err=True)
     pod_name = created["metadata"]["name"]
     if no_wait:
         emit(created, output, pod_ref, name=pod_ref)

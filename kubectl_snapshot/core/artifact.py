@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core.errors import FailedPrecondition
+from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError, Unavailable
 from kubectl_snapshot.core.model import SnapshotConfig, check_layers_match, parse_config
 from kubectl_snapshot.core.oci import Manifest, parse_manifest
 from kubectl_snapshot.core.reference import Reference
@@ -51,3 +51,28 @@ def load_artifact(
     config = parse_config(registry.read_blob(pinned, manifest.config.digest, max_size=MAX_CONFIG_BYTES))
     check_layers_match(config, [layer.digest for layer in manifest.layers])
     return Artifact(pinned, manifest, config)
+
+
+def blob_digests(manifest: Manifest) -> list[str]:
+    """Every blob a manifest names (its config, layers and chunks), each once, in the manifest's order."""
+    return list(dict.fromkeys(d.digest for d in (manifest.config, *manifest.layers)))
+
+
+def dangling_after_push(ref: Reference, missing: list[str], total: int) -> SnapshotError:
+    """A save whose registry lacks blobs it acknowledged: no manifest (and no tag) is pushed for it."""
+    return Unavailable(
+        f"the registry lacks {len(missing)} of the {total} blobs of {ref} it acknowledged (first: {missing[0]}); "
+        "no manifest or tag was pushed for this snapshot",
+        hint="check the registry's storage (or a proxy in front of it), then snapshot again",
+        retryable=True,
+    )
+
+
+def dangling_before_restore(ref: Reference, missing: list[str], total: int) -> SnapshotError:
+    """A restore of a manifest whose registry lacks blobs: refused before anything is downloaded or staged."""
+    return FailedPrecondition(
+        f"snapshot {ref} is incomplete: the registry lacks {len(missing)} of its {total} blobs "
+        f"(first: {missing[0]}); nothing was staged",
+        hint="the registry lost part of this snapshot (storage fault, or a garbage collection); "
+        "restore another snapshot of the pod",
+    )

@@ -8,6 +8,7 @@
     |   +-- DigestMismatch        content does not match its digest: never trusted, never extracted
     |   +-- UnsafeArchive         an archive member would escape its staging dir, or is a device, ...
     |   +-- SourcePodReplaced     the pod a PodSnapshot was made for is gone; one of its name runs now
+    |   +-- TooManyRequests       a namespace's backlog on a node is full: refused at once, not queued
     +-- PermissionDenied          credentials missing or refused
     +-- Unavailable               a service cannot be reached (retryable by default)
     +-- Internal                  a bug or an unexpected answer
@@ -89,6 +90,13 @@ class SourcePodReplaced(FailedPrecondition):
     """The pod a PodSnapshot names (spec.podUID) was deleted and another pod of its name runs now."""
 
     category = "source-pod-replaced"
+
+
+class TooManyRequests(FailedPrecondition):
+    """A namespace already has as many snapshots (or restores) queued or running on the node as it may
+    (core/backlog.py): the request fails at once instead of waiting behind them."""
+
+    category = "too-many-requests"
 
 
 class PermissionDenied(SnapshotError):

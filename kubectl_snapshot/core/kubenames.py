@@ -119,6 +119,8 @@ EVENT_SNAPSHOT_SUCCEEDED: Final = "SnapshotSucceeded"
 EVENT_SNAPSHOT_FAILED: Final = "SnapshotFailed"
 EVENT_SOURCE_POD_REPLACED: Final = "SourcePodReplaced"  # the PodSnapshot's pod (spec.podUID) was replaced
 EVENT_RESTORE_STAGED: Final = "RestoreStaged"
+# Warning beside RestoreStaged: the restored processes may hold the old pod's bound token (core/tokenclone.py)
+EVENT_CLONED_TOKEN: Final = "ClonedServiceAccountToken"
 EVENT_RESTORE_FAILED: Final = "RestoreFailed"
 EVENT_RESTORE_REFUSED: Final = "RestoreRefused"  # the runtime wrapper refused the images: they grant more than the pod
 EVENT_RESUME_SKIPPED: Final = "ResumeSkipped"  # a resuming pod starts fresh, and why

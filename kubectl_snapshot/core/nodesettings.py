@@ -149,6 +149,15 @@ class NodeSettings:
         per_node=True,
         env="KUBECTL_SNAPSHOT_DUMP_CONCURRENCY",
     )
+    namespace_backlog: str = _opt(
+        "",
+        "How many snapshots, and how many restores, one namespace may have queued or running on this node; one "
+        "more fails at once (TooManyRequests) instead of waiting (threat E2). Final saves and resumes are never "
+        "refused. Empty: 20.",
+        kind="count",
+        per_node=True,
+        env="KUBECTL_SNAPSHOT_NAMESPACE_BACKLOG",
+    )
     # mounted by the DaemonSet at fixed places (deploy/agent.py provenance_mounts): not options
     trust_dir: str = K.TRUST_DIR
     # install-node's tmpfs for the memory work area (shim/host/workfs.py; KUBECTL_SNAPSHOT_MEMORY_WORK_MIB=0

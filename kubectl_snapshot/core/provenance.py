@@ -38,6 +38,8 @@ try:  # the node agent always has it; the krew zipapp (pure Python, one file for
 except ImportError:  # pragma: no cover - exercised by the krew zipapp test
     HAVE_CRYPTOGRAPHY = False
 
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import timestamps
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from kubectl_snapshot.core.oci import Descriptor, Manifest, canonical_json, is_digest, sha256_digest
 
@@ -65,12 +67,20 @@ TRUST_ALLOW_UNVERIFIED_FILE: Final = "allow-unverified-snapshots"
 TRUST_KEY_SUFFIX: Final = ".pub"
 TRUST_NODE_SUFFIX: Final = ".node"  # `<key id>.node`: the node whose agent holds that key
 TRUST_NAMESPACE_SUFFIX: Final = ".namespace"  # `<key id>.namespace`: the one namespace an importer's key vouches for
+# `<key id>.not-after`: RFC 3339 time at which the key was retired: it vouches only for what it signed up to then
+TRUST_NOT_AFTER_SUFFIX: Final = ".not-after"
 SIGNING_KEY_FILE: Final = "signing.key"  # in the signing-key Secret (PKCS#8 PEM)
 
 _UNTRUSTED_HINT = (
     "restore only snapshots this cluster's agents signed; an administrator can trust another key "
     "(kubectl snapshot install --trust-key PUB.pem) or, knowingly, unverified snapshots "
     "(kubectl snapshot install --allow-unverified-snapshots)"
+)
+
+_EXPIRED_HINT = (
+    "its key was retired before it signed this snapshot: restore a snapshot signed while the key was in service, "
+    f"or by a key in service; a key retired by mistake: correct its `<key id>{TRUST_NOT_AFTER_SUFFIX}` entry in "
+    f"ConfigMap {K.AGENT_NAMESPACE}/{K.TRUST_CONFIG_MAP}"
 )
 
 
@@ -312,6 +322,9 @@ class TrustPolicy:
     # key id -> the one namespace whose origins that key may vouch for (an importer's key, listed by an
     # administrator: docs/security.md, "Imported checkpoints")
     namespaces: Mapping[str, str] = field(default_factory=dict)
+    # key id -> the time (RFC 3339, as an administrator wrote it) the key was retired: a signature whose signed
+    # time is later does not verify; what it signed before still does (docs/security.md, "Retiring a key")
+    not_after: Mapping[str, str] = field(default_factory=dict)
 
     def key(self, kid: str) -> PublicKey | None:
         return next((k for k in self.keys if k.id == kid), None)
@@ -338,11 +351,13 @@ class Verdict:
     key_id: str = ""
     problems: tuple[str, ...] = field(default_factory=tuple)  # per rejected signature
     key_node: str = ""  # the node the signing key is bound to ('' for a key not bound to a node)
+    expired: bool = False  # a trusted key signed it, after that key's retirement (its not-after)
 
 
 def evaluate(candidates: Iterable[SignatureCandidate], digest: str, policy: TrustPolicy) -> Verdict:
     """The first signature that verifies with a trusted key and names `digest`, or why none does."""
     problems: list[str] = []
+    expired = False
     for i, cand in enumerate(list(candidates)[:MAX_SIGNATURES]):
         where = f"signature {i + 1}"
         try:
@@ -399,12 +414,45 @@ def evaluate(candidates: Iterable[SignatureCandidate], digest: str, policy: Trus
                 f"names namespace {claim.origin.namespace or '(none)'}"
             )
             continue
+        late = _after_retirement(claim, signer.id, policy)
+        if late:
+            problems.append(f"{where}: {late}")
+            expired = True
+            continue
         reason = f"signed by trusted key {signer.id}" + (f" of node {bound}" if bound else "")
         reason += f" (trusted for namespace {scope})" if scope else ""
+        retired = policy.not_after.get(signer.id, "")
+        reason += f" before its retirement at {retired}" if retired else ""
         return Verdict(True, reason, claim, signer.id, key_node=bound)
     if not problems:
         return Verdict(False, "the snapshot is not signed")
-    return Verdict(False, "no signature verifies: " + "; ".join(problems), problems=tuple(problems))
+    return Verdict(False, "no signature verifies: " + "; ".join(problems), problems=tuple(problems), expired=expired)
+
+
+def _after_retirement(claim: Claim, kid: str, policy: TrustPolicy) -> str:
+    """Why the signature of a retired key does not count ("" when the key is not retired, or signed before).
+
+    The time compared is the one the key signed (the origin's `created`): a snapshot signed while its key was
+    in service keeps verifying after the key's retirement. A key whose signatures could have been forged (stolen)
+    is removed from the trust ConfigMap instead: its holder can sign any time."""
+    raw = policy.not_after.get(kid)
+    if raw is None:
+        return ""
+    retired = timestamps.parse(raw)
+    if retired is None or retired.tzinfo is None:
+        return (
+            f"key {kid} is retired, but its not-after {raw[:64]!r} is not an RFC 3339 time with a zone: the key "
+            "vouches for nothing until an administrator corrects it"
+        )
+    signed = timestamps.parse(claim.origin.created)
+    if signed is None or signed.tzinfo is None:
+        return f"signed by key {kid}, retired at {raw}, with no signed time: it cannot show it was signed before then"
+    if signed > retired:
+        return (
+            f"signed by key {kid} at {claim.origin.created}, after the key was retired at {raw} (expired): a retired "
+            "key vouches only for what it signed before"
+        )
+    return ""
 
 
 def _claimed_key(payload: bytes) -> str:
@@ -421,7 +469,8 @@ def require_trusted(verdict: Verdict, policy: TrustPolicy, what: str) -> None:
     """Refuse a snapshot without a trusted signature, unless the policy trusts unverified ones."""
     if verdict.verified or policy.allow_unverified:
         return
-    raise PermissionDenied(f"refusing to restore {what}: {verdict.reason}", hint=_UNTRUSTED_HINT)
+    hint = _EXPIRED_HINT if verdict.expired else _UNTRUSTED_HINT
+    raise PermissionDenied(f"refusing to restore {what}: {verdict.reason}", hint=hint)
 
 
 def check_claim_matches(claim: Claim, *, namespace: str, pod_uid: str, what: str) -> None:

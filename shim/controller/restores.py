@@ -35,12 +35,15 @@ from kubectl_snapshot.adapters.signatures import (
 )
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.backlog import parse_bound
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError, render
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.podspec import pod_status_summary
 from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider, KeyUse
+from kubectl_snapshot.core.tokenclone import cloned_token_warning
+from shim.controller.backlog import NamespaceBacklog
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
 from shim.controller.kube_api import KubeApi
@@ -167,6 +170,15 @@ def _failure_reason(err: SnapshotError) -> str:
     return K.EVENT_RESTORE_REFUSED if err.message.startswith("refusing to restore") else K.EVENT_RESTORE_FAILED
 
 
+def _refuse(err: SnapshotError) -> Callable[[dict[str, Any]], RestoreSource | StartFresh]:
+    """A restore source that refuses: staged with it, the pod fails with `err` (status, Event, its gate)."""
+
+    def source(pod: dict[str, Any]) -> RestoreSource | StartFresh:
+        raise err
+
+    return source
+
+
 def gated_containers(pod: dict[str, Any]) -> list[str]:
     """Every container of the pod the kubelet may create once the pod's gate is open: its init
     containers after the gate, and its app containers (none may run on half-written volumes), an app
@@ -224,6 +236,8 @@ class RestoreWorker:
         self._active: set[str] = set()
         self._lock = threading.Lock()
         self.resume = Resumer(kube, wait_s=RESUME_WAIT_S)
+        # threat E2: what each namespace may have queued or running here (core/backlog.py)
+        self.backlog = NamespaceBacklog(parse_bound(settings.namespace_backlog), "restores", settings.node)
 
     def consider(self, pod: dict[str, Any]) -> None:
         if self.follow(pod):  # not restored whole: reported with the wrapper's reason (it includes refusals)
@@ -239,12 +253,25 @@ class RestoreWorker:
         if uid in self._seen:
             return
         self._seen.add(uid)
+        ns = pod["metadata"]["namespace"]
+        # a namespace's burst is bounded: one restore more than it may have waiting or running here fails at
+        # once, its gate answered with the reason (a resume, a workload's replacement, is never refused)
+        over = self.backlog.admit(ns, exempt=not wants_restore(pod, self.settings.node))
+        if over is not None:
+            self.stage(pod, _refuse(over))
+            return
         if self.scheduler is None:
             self._run_tracked(pod)
         else:  # per namespace, in turn: one namespace's restores (or a slow registry) do not hold up others
-            self.scheduler.submit(pod["metadata"]["namespace"], lambda: self._run_tracked(pod))
+            self.scheduler.submit(ns, lambda: self._run_tracked(pod))
 
     def _run_tracked(self, pod: dict[str, Any]) -> None:
+        try:
+            self._run_active(pod)
+        finally:
+            self.backlog.done(pod["metadata"]["namespace"])
+
+    def _run_active(self, pod: dict[str, Any]) -> None:
         uid = pod["metadata"]["uid"]
         with self._lock:
             self._active.add(uid)
@@ -448,6 +475,9 @@ class RestoreWorker:
         message = f"{what} {artifact.reference} staged on {self.settings.node} {clock}"
         log.info("%s/%s: %s", ns, name, message)
         pod_event(self.kube, pod, K.EVENT_RESTORE_STAGED, message)
+        cloned = cloned_token_warning(config)
+        if cloned:
+            pod_event(self.kube, pod, K.EVENT_CLONED_TOKEN, cloned, warning=True)
         return True
 
     def _start_fresh(self, pod: dict[str, Any], gate: str | None, reason: str, gates: _PodGates) -> bool:

@@ -25,6 +25,7 @@ from kubectl_snapshot.core import saveorder as O
 from kubectl_snapshot.core import status as S
 from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core import workload as W
+from kubectl_snapshot.core.backlog import parse_bound
 from kubectl_snapshot.core.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -41,6 +42,7 @@ from kubectl_snapshot.core.sealing import KeyProvider, KeyUse, Sealer
 from shim import freeze_guard as guard
 from shim.containerd.client import ContainerdClient
 from shim.containerd.runc_checkpoint import RuncCheckpointer
+from shim.controller.backlog import NamespaceBacklog
 from shim.controller.dumpgate import DumpGate
 from shim.controller.events import pod_event, snapshot_event
 from shim.controller.kube_api import ContainerdFor, KubeApi, RegistryFor
@@ -131,6 +133,8 @@ class SnapshotWorker:
         self.queue = queue or WorkQueue.inline()
         # how many of them freeze and dump at once (--dump-concurrency)
         self.dump_gate = dump_gate or DumpGate(1)
+        # threat E2: what each namespace may have queued or running here (core/backlog.py)
+        self.backlog = NamespaceBacklog(parse_bound(settings.namespace_backlog), "snapshots", settings.node)
         self._sent: dict[str, int] = {}  # pod uid -> bytes its last save sent (what its next is expected to)
         self._handled: set[str | None] = set()  # uids this agent process claimed (stale events follow)
 
@@ -199,16 +203,35 @@ class SnapshotWorker:
             if self._claim(obj):
                 self._finish_failed(obj, None, e, event_reason=K.EVENT_SOURCE_POD_REPLACED)
             return
-        if not self._claim(obj):
-            return
         # final saves first, then by deadline and size, namespaces in turn (issue 10, issue 43)
         order = self.order_of(obj, pod)
-        self.queue.submit(
-            lambda: self._run_tracked(obj, pod),
-            key=ns,
-            order=order,
-            on_drop=lambda why: self._finish_failed(obj, pod, FailedPrecondition(f"not started: {why}")),
-        )
+        # a namespace's burst is bounded: one more than it may have waiting or running here fails at once
+        # (a final save, a pod's last chance, is never refused)
+        refused = self.backlog.admit(ns, exempt=order.kind == O.URGENT)
+        if refused is not None:
+            if self._claim(obj):
+                self._finish_failed(obj, pod, refused)
+            return
+        try:
+            claimed = self._claim(obj)
+        except BaseException:
+            self.backlog.done(ns)
+            raise
+        if not claimed:
+            self.backlog.done(ns)
+            return
+
+        def dropped(why: str) -> None:
+            self.backlog.done(ns)
+            self._finish_failed(obj, pod, FailedPrecondition(f"not started: {why}"))
+
+        self.queue.submit(lambda: self._run_counted(obj, pod), key=ns, order=order, on_drop=dropped)
+
+    def _run_counted(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
+        try:
+            self._run_tracked(obj, pod)
+        finally:
+            self.backlog.done(obj["metadata"]["namespace"])
 
     def _remember_sent(self, uid: str, sent: int) -> None:
         """What a pod's next save is expected to send; the oldest pods' entries go past SENT_KEPT (pods

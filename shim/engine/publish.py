@@ -4,7 +4,9 @@ checkpoint of a running pod and the import of another runtime's checkpoint archi
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -12,8 +14,9 @@ from dataclasses import dataclass, field, replace
 from kubectl_snapshot.adapters.signatures import PendingSignature, publish_signature
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
+from kubectl_snapshot.core.artifact import blob_digests, dangling_after_push
 from kubectl_snapshot.core.chunks import chunk_digests, chunk_sizes, delta_digests
-from kubectl_snapshot.core.errors import SnapshotError
+from kubectl_snapshot.core.errors import NotFound, SnapshotError, Unavailable
 from kubectl_snapshot.core.model import (
     ContainerRecord,
     DumpStats,
@@ -28,6 +31,7 @@ from kubectl_snapshot.core.reference import Reference
 from shim.criu.images import summarize_checkpoint
 from shim.engine.node_ports import Registry
 from shim.engine.package import PackagedBlob, PackagedContainer
+from shim.engine.presence import missing_blobs
 
 
 @dataclass
@@ -109,12 +113,13 @@ def push_snapshot(
     chunk_type = layer_media_type(C.CHUNK_MEDIA_TYPE, config)
     delta_type, deltas = layer_media_type(C.DELTA_MEDIA_TYPE, config), delta_digests(all_pages)
     descs.extend(Descriptor(delta_type if d in deltas else chunk_type, d, sizes[d]) for d in chunk_digests(all_pages))
-    manifest = build_manifest(
+    built = build_manifest(
         config=config_desc,
         layers=descs,
         artifact_type=C.ARTIFACT_TYPE,
         annotations=manifest_annotations(config),
-    ).to_bytes()
+    )
+    manifest = built.to_bytes()
     pinned = replace(target, tag=None, digest=sha256_digest(manifest))
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sign") as pool:
         signing = pool.submit(signed, pinned) if signed is not None else None
@@ -122,9 +127,44 @@ def push_snapshot(
         if registry.push_blob(target, digest=config_desc.digest, size=config_desc.size, data=config_bytes, fresh=True):
             sent += len(config_bytes)
         pending = signing.result() if signing is not None else None
+    # a registry that acknowledged an upload it did not keep gets no manifest (nor signature) naming it:
+    # registries need not refuse a manifest whose blobs are missing (threat B3)
+    digests = blob_digests(built)
+    missing = missing_blobs(registry, target, digests)
+    if missing:
+        raise dangling_after_push(pinned, missing, len(digests))
     if pending is not None:
         publish_signature(registry, pending)  # cosign's .sig tag names the digest, not the snapshot's tag
     registry.push_manifest(target, manifest, C.OCI_MANIFEST)
+    confirm_manifest(registry, target, pinned)
     return CheckpointResult(reference=pinned, tagged=target, config=config, size=stored, uploaded=sent), (
         pending is not None
+    )
+
+
+READBACK_WAITS_S = (0.1, 0.3, 0.6)  # between reads of a tag the registry does not serve yet
+
+
+def confirm_manifest(registry: Registry, target: Reference, pinned: Reference) -> None:
+    """After the manifest's PUT: the registry serves it under the snapshot's tag. A registry that answered
+    the PUT without keeping it fails the save; what it did keep of it is deleted (best effort), so no tag
+    is left naming a snapshot that was not confirmed."""
+    digest = ""
+    for wait in (*READBACK_WAITS_S, None):  # a registry slow to show what it just stored is given a second
+        try:
+            _body, _media_type, digest = registry.get_manifest(target if target.tag else pinned)
+        except NotFound:
+            digest = ""
+        if digest == pinned.digest:
+            return
+        if wait is not None:
+            time.sleep(wait)
+    with contextlib.suppress(SnapshotError):
+        registry.delete_manifest(target, pinned.digest or "")
+    served = f"manifest {digest}" if digest else "nothing"
+    raise Unavailable(
+        f"the registry acknowledged manifest {pinned.digest} for {target} but serves {served} there; "
+        "the snapshot failed and what was pushed of it was deleted",
+        hint="check the registry's storage (or a proxy in front of it), then snapshot again",
+        retryable=True,
     )

@@ -24,7 +24,7 @@ from typing import Any
 
 from kubectl_snapshot.adapters.signatures import load_signed, verify_for_restore
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core.artifact import Artifact
+from kubectl_snapshot.core.artifact import Artifact, blob_digests, dangling_before_restore
 from kubectl_snapshot.core.diskspace import STAGING, Ask
 from kubectl_snapshot.core.errors import (
     CriuFailed,
@@ -45,6 +45,7 @@ from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, KeyUse,
 from shim.criu import guard as criu_guard
 from shim.engine.node_ports import Registry
 from shim.engine.package import progress_counter
+from shim.engine.presence import missing_blobs
 from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, check_key
 from shim.engine.stream import fetch_chunks
 from shim.files.archive import safe_extract
@@ -205,6 +206,11 @@ def stage_artifact(
     plan = plan_space(artifact)
     limits = limits or RestoreLimits()
     check_limit(plan, limits)
+    # a manifest whose registry lacks some of its blobs (threat B3) is refused before any download
+    digests = blob_digests(artifact.manifest)
+    missing = missing_blobs(registry, artifact.reference, digests)
+    if missing:
+        raise dangling_before_restore(artifact.reference, missing, len(digests))
     count = progress_counter(on_bytes, plan.download_bytes)
     blobs: dict[str, str] = {}
     # Each container's page files download beside its layer, into a private directory next to its

@@ -115,7 +115,9 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
     assert [x["metadata"]["name"] for x in listed] == [psnap["metadata"]["name"]]
 
     cluster.kubectl("delete", "pod", "counter", "-n", namespace, "--wait=true")
-    plugin("restore", psnap["metadata"]["name"], "-n", namespace, "--name", "counter2", "--node", n2)
+    restoring = plugin("restore", psnap["metadata"]["name"], "-n", namespace, "--name", "counter2", "--node", n2)
+    # the counter mounts its ServiceAccount token (the default): its processes may hold the old pod's (C13)
+    assert "warning: the restored processes of container(s) counter may hold" in restoring.stderr, restoring.stderr
     restored = running(cluster, namespace, "counter2")
     assert restored["spec"]["nodeName"] == n2
     tok2, after = counter_value(cluster, namespace, "counter2")
@@ -136,6 +138,14 @@ def test_snapshot_then_restore_on_the_other_node(cluster, namespace, agent, plug
 
     cluster.wait_for("the RestoreStaged Event", lambda: bool(staged()), timeout=30)
     assert ref.split("@")[1] in staged()[0] and f"staged on {n2}" in staged()[0], told
+
+    def cloned() -> list[dict[str, str]]:  # posted right after RestoreStaged
+        staged()
+        return [e for e in told if e["reason"] == K.EVENT_CLONED_TOKEN]
+
+    cluster.wait_for("the ClonedServiceAccountToken Event", lambda: bool(cloned()), timeout=30)
+    assert cloned()[0]["type"] == "Warning", told
+    assert "stops working once the old pod is deleted" in cloned()[0]["message"], told
 
 
 def test_two_containers_sharing_an_empty_dir(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]

@@ -37,6 +37,7 @@ from tests.integration.test_agent_roundtrip import (
     cleanup,
     client,
     on,
+    read_counter,
     restore_on,
     start_counter,
     unique,
@@ -204,3 +205,30 @@ def test_an_administrator_may_trust_unverified_snapshots(containerd_a, registry,
     # past verification, the restore goes on to its next check (here: one new name for no container)
     proc = agent(*restore_on(containerd_a), "--allow-unverified", str(unsigned.ref), "a", "b", check=False)
     assert proc.returncode != 0 and "new name(s) were given" in proc.stderr, proc.stderr
+
+
+def test_a_snapshot_signed_after_its_keys_retirement_is_refused_and_one_signed_before_restores(  # type: ignore[no-untyped-def]
+    containerd_a, registry, running, repo, tmp_path, cleanup
+):
+    """C10, "expired": the trust directory (the ConfigMap's layout) retires the signing key with
+    `<id>.not-after`. A snapshot it signed after that time is refused before any layer is fetched; the same
+    snapshot, with the key retired after it was signed, restores and runs on."""
+    snap = take(containerd_a, registry, repo, running)
+    key = session_key().key.public
+
+    def trust_retired_at(when: str) -> dict[str, str]:
+        d = tmp_path / when.replace(":", "-")
+        d.mkdir()
+        (d / f"{key.id}.pub").write_bytes(key.to_pem())
+        (d / f"{key.id}.not-after").write_text(when)
+        return {"KUBECTL_SNAPSHOT_TRUSTED_KEYS": str(d)}
+
+    err = refused(containerd_a, snap, registry, env=trust_retired_at("2020-01-01T00:00:00Z"))
+    assert f"signed by key {key.id} at " in err and "after the key was retired at 2020-01-01T00:00:00Z (expired)" in err
+    assert "hint: its key was retired before it signed this snapshot" in err
+
+    new = unique("retired-later")
+    c = client(containerd_a)
+    cleanup(c, new)
+    agent(*restore_on(containerd_a), str(snap.ref), new, env=trust_retired_at("2099-01-01T00:00:00Z"))
+    assert read_counter(c, new)[1] >= 20

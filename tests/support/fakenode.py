@@ -77,9 +77,12 @@ class FakeRegistry:
     down: bool = False
     loses: list[str] = field(default_factory=list)
     loses_last_layer: bool = False  # ... and the last layer of the manifest pushed (digests vary with the time)
+    keeps_no_layers: bool = False  # acknowledges every upload but the config's (pushed fresh) and keeps none
+    keeps_no_manifest: bool = False  # acknowledges the manifest's PUT and keeps nothing
     blobs: dict[str, bytes] = field(default_factory=dict)
     manifests: dict[str, bytes] = field(default_factory=dict)
     mount_sources: list[Reference] = field(default_factory=list)
+    manifest_puts: list[str] = field(default_factory=list)  # the tag (or "") of every manifest PUT
 
     def add_mount_sources(self, sources: Any) -> None:
         self.mount_sources.extend(sources)
@@ -101,6 +104,8 @@ class FakeRegistry:
     ) -> bool:
         if self.fail_push:
             raise Unavailable("connection reset mid-push")
+        if self.keeps_no_layers and not fresh:
+            return True
         self.blobs[digest] = bytes(data) if data is not None else Path(path or "").read_bytes()
         return True
 
@@ -109,12 +114,16 @@ class FakeRegistry:
             raise Unavailable("connection reset mid-push")
         data = b"".join(chunks)
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        self.blobs[digest] = data
+        if not self.keeps_no_layers:
+            self.blobs[digest] = data
         return digest, len(data)
 
     def push_manifest(self, ref: Reference, manifest: bytes, media_type: str) -> str:
-        self.manifests[ref.tag or ""] = manifest
+        self.manifest_puts.append(ref.tag or "")
         digest = "sha256:" + hashlib.sha256(manifest).hexdigest()
+        if self.keeps_no_manifest:
+            return digest
+        self.manifests[ref.tag or ""] = manifest
         self.manifests[digest] = manifest
         if self.loses_last_layer and parse_manifest(manifest).layers:
             self.loses.append(parse_manifest(manifest).layers[-1].digest)
@@ -123,8 +132,15 @@ class FakeRegistry:
         return digest
 
     def get_manifest(self, ref: Reference, *, max_size: int = 0) -> tuple[bytes, str, str]:
-        body = self.manifests[ref.digest or ref.tag or ""]
-        return body, "application/vnd.oci.image.manifest.v1+json", ref.digest or ""
+        body = self.manifests.get(ref.digest or ref.tag or "")
+        if body is None:
+            raise NotFound(f"manifest {ref} unknown")
+        return body, "application/vnd.oci.image.manifest.v1+json", "sha256:" + hashlib.sha256(body).hexdigest()
+
+    def delete_manifest(self, ref: Reference, digest: str) -> None:
+        body = self.manifests.pop(digest, None)
+        for name in [n for n, b in self.manifests.items() if b == body]:
+            del self.manifests[name]
 
     def blob_exists(self, ref: Reference, digest: str) -> bool:
         return digest in self.blobs

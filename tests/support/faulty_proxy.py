@@ -6,7 +6,9 @@ the middle of the request that crosses N. ``fail_on=(method, path_regex)`` answe
 (with a distribution error body, optional Retry-After and ``fail_headers``) instead of forwarding.
 ``corrupt_on=(method, path_regex)`` flips one byte of the matching responses' bodies.
 ``redirect_on=(method, path_regex)`` answers 307 to the same path on the upstream (as registries
-with object-storage backends do), or to ``redirect_to`` (host, port) when given. ``times`` bounds how
+with object-storage backends do), or to ``redirect_to`` (host, port) when given. ``swallow_on=(method,
+path_regex)`` answers 201 Created (with the Docker-Content-Digest and Location a registry gives) and
+forwards nothing: a blob upload's last PUT or a manifest's PUT acknowledged and never stored. ``times`` bounds how
 many failures are injected (None: every time). ``.requests`` records (method, path, status) for every
 request, status 0 for a reset; ``.authorized`` the (method, path) of those that carried an Authorization
 header. Use as a context manager.
@@ -17,6 +19,7 @@ so upload sessions keep going through the proxy.
 
 from __future__ import annotations
 
+import hashlib
 import http.client
 import http.server
 import json
@@ -44,6 +47,7 @@ class FaultyProxy:
         corrupt_on: tuple[str, str] | None = None,
         redirect_on: tuple[str, str] | None = None,
         redirect_to: tuple[str, int] | None = None,
+        swallow_on: tuple[str, str] | None = None,
         times: int | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
@@ -52,6 +56,7 @@ class FaultyProxy:
         self.corrupt_on = (corrupt_on[0].upper(), re.compile(corrupt_on[1])) if corrupt_on else None
         self.redirect_on = (redirect_on[0].upper(), re.compile(redirect_on[1])) if redirect_on else None
         self.redirect_to = redirect_to or (upstream_host, upstream_port)
+        self.swallow_on = (swallow_on[0].upper(), re.compile(swallow_on[1])) if swallow_on else None
         self.authorized: list[tuple[str, str]] = []
         self.status = status
         self.retry_after = retry_after
@@ -130,6 +135,10 @@ class FaultyProxy:
                 if matches and proxy._may_fail():
                     self._fail(method, path)
                     return
+                swallow = proxy.swallow_on
+                if swallow and swallow[0] in (method, "*") and swallow[1].search(path) and proxy._may_fail():
+                    self._swallow(method, path)
+                    return
                 redirect = proxy.redirect_on
                 if redirect and redirect[0] in (method, "*") and redirect[1].search(path):
                     proxy._record(method, path, 307)
@@ -193,6 +202,21 @@ class FaultyProxy:
                         self.wfile.write(body)
                 finally:
                     upstream.close()
+
+            def _swallow(self, method: str, path: str) -> None:
+                body = self._read_body() or self.rfile.read(int(self.headers.get("Content-Length", "0") or 0))
+                query = re.search(r"[?&]digest=([^&]+)", path)
+                if query:  # the last PUT of a blob upload: /v2/REPO/blobs/uploads/ID?digest=D
+                    digest = query.group(1).replace("%3A", ":")
+                    location = path.split("/blobs/uploads/")[0] + f"/blobs/{digest}"
+                else:  # a manifest
+                    digest, location = "sha256:" + hashlib.sha256(body).hexdigest(), path
+                proxy._record(method, path, 201)
+                self.send_response(201)
+                self.send_header("Docker-Content-Digest", digest)
+                self.send_header("Location", location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def _fail(self, method: str, path: str) -> None:
                 self._read_body()

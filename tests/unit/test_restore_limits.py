@@ -36,6 +36,9 @@ class RecordingRegistry:
     def __init__(self) -> None:
         self.calls: list[str] = []
 
+    def blob_exists(self, ref: Reference, digest: str) -> bool:
+        return True  # a HEAD: nothing downloaded
+
     def fetch_blob(self, ref: Reference, digest: str, out: Any, **kw: Any) -> None:
         self.calls.append(digest)
         raise AssertionError("nothing may be downloaded")
@@ -128,6 +131,9 @@ class HeldRegistry:
     def __init__(self) -> None:
         self.downloading, self.go = threading.Event(), threading.Event()
         self.calls: list[str] = []
+
+    def blob_exists(self, ref: Reference, digest: str) -> bool:
+        return True
 
     def fetch_blob(self, ref: Reference, digest: str, out: Any, **kw: Any) -> None:
         self.calls.append(digest)

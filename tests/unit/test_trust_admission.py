@@ -179,3 +179,20 @@ def test_the_agent_may_get_and_patch_the_trust_configmap_by_name_only() -> None:
     objs = {(o["kind"], o["metadata"]["name"]) for o in render("img")}
     assert ("Role", trust.ROLE) in objs and ("RoleBinding", trust.ROLE) in objs
     assert all("configmaps" not in r["resources"] for r in rbac.agent_rules())  # nothing cluster-wide
+
+
+def test_an_agent_cannot_lift_or_move_a_keys_retirement() -> None:
+    """An administrator's `<id>.not-after` (docs/security.md, "Retiring a key") stays as it is: no agent
+    removes or changes it, nor writes one; the same ConfigMap lets the agent add its own key beside it."""
+    retired = live()
+    retired["data"][f"{NODE_B_KEY.public.id}.not-after"] = "2026-11-30T12:00:00Z"
+    entry = f"{NODE_B_KEY.public.id}.not-after"
+    assert not update({entry: None}, node="n2", base=copy.deepcopy(retired)).allowed
+    assert not update({entry: "2099-01-01T00:00:00Z"}, node="n2", base=copy.deepcopy(retired)).allowed
+    key = own_key("n1")
+    [pub] = [k for k in key if k.endswith(".pub")]
+    assert not update(
+        {**key, pub.replace(".pub", ".not-after"): "2099-01-01T00:00:00Z"}, base=copy.deepcopy(retired)
+    ).allowed
+    d = update(key, base=copy.deepcopy(retired))
+    assert d.applies and d.allowed, d.denied
