@@ -146,13 +146,14 @@ READBACK_WAITS_S = (0.1, 0.3, 0.6)  # between reads of a tag the registry does n
 
 
 def confirm_manifest(registry: Registry, target: Reference, pinned: Reference) -> None:
-    """After the manifest's PUT: the registry serves it under the snapshot's tag. A registry that answered
-    the PUT without keeping it fails the save; what it did keep of it is deleted (best effort), so no tag
-    is left naming a snapshot that was not confirmed."""
+    """After the manifest's PUT: the registry serves it (read by digest: another save may have moved the
+    same tag since, which is not this save's failure). A registry that answered the PUT without keeping
+    it fails the save; what it did keep of it is deleted (best effort), so no tag is left naming a
+    snapshot that was not confirmed."""
     digest = ""
     for wait in (*READBACK_WAITS_S, None):  # a registry slow to show what it just stored is given a second
         try:
-            _body, _media_type, digest = registry.get_manifest(target if target.tag else pinned)
+            _body, _media_type, digest = registry.get_manifest(pinned)
         except NotFound:
             digest = ""
         if digest == pinned.digest:
