@@ -93,3 +93,39 @@ def test_one_snapshot_restored_twice_at_once(cluster, namespace, agent, plugin):
     assert "already exists" in refused[0].stderr and "hint:" in refused[0].stderr, refused[0].stderr
     running(cluster, namespace, "twin-c")
     assert counter_value(cluster, namespace, "twin-c")[0] == tok  # the one that ran is whole
+
+
+def test_a_namespace_over_its_backlog_is_refused_at_once_and_another_namespace_is_not(  # type: ignore[no-untyped-def]
+    cluster, namespace, agent
+):
+    """Threat E2 on the real agent: a burst of PodSnapshots from one namespace beyond the node's
+    --namespace-backlog (2 here) is refused at once with the reason, never queued; the ones admitted
+    succeed, and another namespace's snapshot during the burst is not held back by it."""
+    n1 = cluster.nodes[0]
+    other = f"{namespace}-b"
+    cluster.kubectl("create", "namespace", other)
+    try:
+        cluster.wait_for(
+            f"serviceaccount default in {other}",
+            lambda: cluster.kubectl("get", "serviceaccount", "default", "-n", other, check=False).returncode == 0,
+            timeout=60,
+        )
+        for ns in (namespace, other):
+            cluster.apply(pod("busy", ns, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+            running(cluster, ns, "busy")
+        repo = f"{cluster.registry}/e2e/burst"
+        names = [f"burst-{i}" for i in range(8)]
+        with agent.node_override(n1, namespace_backlog="2", save_concurrency="1"):
+            cluster.apply([_psnap(namespace, n, "busy", f"{repo}:{n}") for n in names])  # one request, eight objects
+            cluster.apply(_psnap(other, "neighbour", "busy", f"{repo}:neighbour"))
+            finals = {n: _final(cluster, namespace, n, timeout=300)["status"] for n in names}
+            neighbour = _final(cluster, other, "neighbour", timeout=300)["status"]
+        refused = {n: s for n, s in finals.items() if s.get("reason") == "TooManyRequests"}
+        done = [n for n, s in finals.items() if s.get("phase") == "Succeeded"]
+        assert refused and len(done) >= 2, finals
+        assert len(refused) + len(done) == len(names), finals  # nothing failed for another reason
+        for s in refused.values():
+            assert s.get("phase") == "Failed" and "--namespace-backlog=2" in s.get("message", ""), s
+        assert neighbour.get("phase") == "Succeeded", neighbour
+    finally:
+        cluster.kubectl("delete", "namespace", other, "--wait=false", check=False)
