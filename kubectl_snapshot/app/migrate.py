@@ -34,6 +34,7 @@ from kubectl_snapshot.app.snapshot import SnapshotRequest, StatusFn, start_snaps
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, Unavailable
 from kubectl_snapshot.core.podspec import check_pod_running, restored_name
+from kubectl_snapshot.core.tokenclone import cloned_token_warning
 from kubectl_snapshot.core.workload import completion_index, controller_of
 
 
@@ -53,6 +54,7 @@ class MigrateResult:
     pod: Obj
     from_node: str
     to_node: str
+    warnings: tuple[str, ...] = ()  # for the user, e.g. a cloned ServiceAccount token (core/tokenclone.py)
 
 
 def is_ready(node: Obj) -> bool:
@@ -109,7 +111,7 @@ def migrate(
         ns, snap_name, kube=kube, timeout_s=req.timeout_s, claim_timeout_s=req.claim_timeout_s, on_status=on_status
     )
     step(f"restore as {ns}/{name} on {target}")
-    body, _artifact = build_restore(
+    body, artifact = build_restore(
         RestoreRequest(
             source=snap_name,
             namespace=ns,
@@ -126,7 +128,9 @@ def migrate(
     running = wait_running(ns, name, kube=kube, timeout_s=req.timeout_s, on_state=on_state)
     step(f"delete the original {ns}/{pod_name}")
     kube.delete_pod(ns, pod_name)
-    return MigrateResult(snapshot=done, pod=running, from_node=current, to_node=target)
+    cloned = cloned_token_warning(artifact.config)
+    warnings = (cloned,) if cloned else ()
+    return MigrateResult(snapshot=done, pod=running, from_node=current, to_node=target, warnings=warnings)
 
 
 RESUMABLE_OWNERS = ("StatefulSet", "ReplicaSet", "Job")

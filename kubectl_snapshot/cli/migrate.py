@@ -62,6 +62,8 @@ def migrate_cmd(
             on_state=bar.restore,
             on_step=bar.step,
         )
+    for warning in result.warnings:  # the agent records it too, as a Warning Event on the copy
+        click.echo(f"warning: {warning}", err=True)
     data = {
         "snapshot": result.snapshot,  # the PodSnapshot object
         "restored": {"name": result.pod["metadata"]["name"], "namespace": ns, "node": result.to_node},

@@ -302,3 +302,17 @@ def test_node_and_name_do_not_apply_to_a_resuming_workload(node_name: str | None
     with pytest.raises(InvalidArgument, match="--node and --name do not apply"):
         migrate(request("web-0", node_name=node_name, name=name), kube=kube, stores=registry.store)
     assert kube.journal == []
+
+
+def test_a_copy_whose_processes_may_hold_the_old_pods_token_is_warned_about() -> None:
+    kube, registry = cluster()  # the scripted agent's save records the pod's token mount, as a real one does
+    (warning,) = migrate(request(), kube=kube, stores=registry.store).warnings
+    assert "may hold pod team/web" in warning and "re-read the token file" in warning
+
+
+def test_a_copy_whose_snapshot_had_no_token_carries_no_warning(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubectl_snapshot.app import migrate as app
+
+    kube, registry = cluster()
+    monkeypatch.setattr(app, "cloned_token_warning", lambda config: "")  # core/tokenclone.py's own tests say when
+    assert migrate(request(), kube=kube, stores=registry.store).warnings == ()

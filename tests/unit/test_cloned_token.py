@@ -166,3 +166,21 @@ def test_the_plugin_prints_no_warning_for_a_pod_without_a_token(monkeypatch: pyt
     result = plugin_restore(monkeypatch, config(PROC, pod_spec=spec))
     assert result.exit_code == 0, result.output
     assert "warning:" not in result.stderr and "pod/web-restored" in result.stdout
+
+
+def test_migrate_prints_the_warning_the_copy_carries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubectl_snapshot.app.migrate import MigrateResult
+    from kubectl_snapshot.app.snapshot import SnapshotRequest
+    from kubectl_snapshot.cli import migrate as cli
+
+    snap = SnapshotRequest(namespace="team-a", pod="web", repository="127.0.0.1:1/x")
+    done = {"metadata": {"name": "web-1"}, "status": {"phase": "Succeeded", "reference": f"127.0.0.1:1/x@{DIGEST}"}}
+    copy = {"metadata": {"name": "web-restored"}}
+    monkeypatch.setattr(cli, "snapshot_request", lambda *a, **kw: (object(), snap))
+    for warnings, shown in (((), False), (("the restored processes may hold a token",), True)):
+        result = MigrateResult(snapshot=done, pod=copy, from_node="n1", to_node="n2", warnings=warnings)
+        monkeypatch.setattr(cli, "migrate", lambda req, **kw: result)
+        out = CliRunner().invoke(cli.migrate_cmd, ["pod/web", "--to", "127.0.0.1:1/x"])
+        assert out.exit_code == 0, out.output
+        assert ("warning: the restored processes may hold a token" in out.stderr) is shown
+        assert "pod/web-restored runs on n2" in out.stdout
