@@ -179,7 +179,7 @@ def test_migrate_prints_the_warning_the_copy_carries(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(cli, "snapshot_request", lambda *a, **kw: (object(), snap))
     for warnings, shown in (((), False), (("the restored processes may hold a token",), True)):
         result = MigrateResult(snapshot=done, pod=copy, from_node="n1", to_node="n2", warnings=warnings)
-        monkeypatch.setattr(cli, "migrate", lambda req, **kw: result)
+        monkeypatch.setattr(cli, "migrate", lambda req, result=result, **kw: result)
         out = CliRunner().invoke(cli.migrate_cmd, ["pod/web", "--to", "127.0.0.1:1/x"])
         assert out.exit_code == 0, out.output
         assert ("warning: the restored processes may hold a token" in out.stderr) is shown
