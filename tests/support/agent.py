@@ -214,7 +214,17 @@ def installed_agent(
     if tmpfs_large_folios():
         for area in areas:
             top = criu_kdat.mount_at(area, _host_mounts())
-            assert top is not None and top.source == workfs.SOURCE, f"after install, {area} is not our tmpfs: {top}"
+            if top is None or top.source != workfs.SOURCE:  # seen once, not understood: say what install-node did
+                logs = cluster.kubectl(
+                    "logs", "-n", K.AGENT_NAMESPACE, "-l", f"app.kubernetes.io/name={K.AGENT_NAME}",
+                    "-c", "install-node", "--tail", "40", "--prefix", check=False,
+                )  # fmt: skip
+                mounts = [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if "/dev/shm" in line]
+                raise AssertionError(
+                    f"after install, {area} is not our tmpfs: {top}\nmounts under /dev/shm:\n"
+                    + "\n".join(mounts)
+                    + f"\ninstall-node:\n{logs.stdout[-6000:]}{logs.stderr[-1000:]}"
+                )
     try:
         yield installed
         # every CRIU that ran during the session was the installed one, handed to runc with --criu
