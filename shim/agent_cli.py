@@ -42,7 +42,7 @@ from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
 from shim.host import freezer, malloc
-from shim.net import dumplock
+from shim.net import criulock, dumplock
 from shim.service import localapi
 from shim.service import text as agent_text
 from shim.service.text import checkpoint_text, restore_text
@@ -315,6 +315,7 @@ def checkpoint_data(
         on_bytes=on_bytes,
         sealer=sealer,
         net_lock=dumplock.pod_network_locked,
+        criu_lock=criulock.lifted_after_failure,
     )
     return {
         "reference": str(result.reference),

@@ -54,7 +54,7 @@ from shim.engine.node_ports import Freezer
 from shim.engine.publish import CheckpointResult
 from shim.engine.staging import StatePaths, check_key
 from shim.host import freezer
-from shim.net import dumplock, unixpeers
+from shim.net import criulock, dumplock, unixpeers
 from shim.service.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
@@ -318,6 +318,7 @@ class SnapshotWorker:
                     sealer=sealer,
                     unix_links=unixpeers.find_cross_links,
                     net_lock=dumplock.pod_network_locked,
+                    criu_lock=criulock.lifted_after_failure,
                 )
         except SnapshotError as e:
             if clamp.passed():

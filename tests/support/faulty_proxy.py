@@ -7,9 +7,11 @@ the middle of the request that crosses N. ``fail_on=(method, path_regex)`` answe
 ``corrupt_on=(method, path_regex)`` flips one byte of the matching responses' bodies.
 ``redirect_on=(method, path_regex)`` answers 307 to the same path on the upstream (as registries
 with object-storage backends do), or to ``redirect_to`` (host, port) when given. ``times`` bounds how
-many failures are injected (None: every time). ``.requests`` records (method, path, status) for every
-request, status 0 for a reset; ``.authorized`` the (method, path) of those that carried an Authorization
-header. Use as a context manager.
+many failures are injected (None: every time). ``hold_on=(method, path_regex)`` reads the matching
+request and holds it, never forwarding it: ``.holding`` is set once one is held; ``release()`` ends the
+held requests with a reset (a client killed meanwhile has gone already). ``.requests`` records
+(method, path, status) for every request, status 0 for a reset; ``.authorized`` the (method, path) of
+those that carried an Authorization header. Use as a context manager.
 
 The registry builds Location headers from the Host header, which the proxy forwards unchanged,
 so upload sessions keep going through the proxy.
@@ -45,6 +47,7 @@ class FaultyProxy:
         redirect_on: tuple[str, str] | None = None,
         redirect_to: tuple[str, int] | None = None,
         times: int | None = None,
+        hold_on: tuple[str, str] | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.fail_after_bytes = fail_after_bytes
@@ -52,6 +55,9 @@ class FaultyProxy:
         self.corrupt_on = (corrupt_on[0].upper(), re.compile(corrupt_on[1])) if corrupt_on else None
         self.redirect_on = (redirect_on[0].upper(), re.compile(redirect_on[1])) if redirect_on else None
         self.redirect_to = redirect_to or (upstream_host, upstream_port)
+        self.hold_on = (hold_on[0].upper(), re.compile(hold_on[1])) if hold_on else None
+        self.holding = threading.Event()
+        self._released = threading.Event()
         self.authorized: list[tuple[str, str]] = []
         self.status = status
         self.retry_after = retry_after
@@ -71,7 +77,11 @@ class FaultyProxy:
         self._thread.start()
         return self
 
+    def release(self) -> None:
+        self._released.set()
+
     def close(self) -> None:
+        self._released.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -129,6 +139,10 @@ class FaultyProxy:
                 matches = bool(proxy.fail_on and proxy.fail_on[0] in (method, "*") and proxy.fail_on[1].search(path))
                 if matches and proxy._may_fail():
                     self._fail(method, path)
+                    return
+                hold = proxy.hold_on
+                if hold and hold[0] in (method, "*") and hold[1].search(path):
+                    self._hold(method, path)
                     return
                 redirect = proxy.redirect_on
                 if redirect and redirect[0] in (method, "*") and redirect[1].search(path):
@@ -193,6 +207,22 @@ class FaultyProxy:
                         self.wfile.write(body)
                 finally:
                     upstream.close()
+
+            def _hold(self, method: str, path: str) -> None:
+                self._drain()
+                proxy._record(method, path, 0)
+                proxy.holding.set()
+                proxy._released.wait(300)
+                self._reset()
+
+            def _drain(self) -> None:
+                self._read_body()
+                length = int(self.headers.get("Content-Length", "0") or 0)
+                while length > 0:
+                    got = self.rfile.read(min(PIECE, length))
+                    if not got:
+                        break
+                    length -= len(got)
 
             def _fail(self, method: str, path: str) -> None:
                 self._read_body()

@@ -1,0 +1,204 @@
+"""CRIU failing in the middle of a real dump (threats A2 and A4): CRIU's own fault injection.
+
+CRIU reads ``CRIU_FAULT`` from its environment (criu/fault-injection.c). The codes that act on a dump,
+from CRIU's source (criu/cr-dump.c, mem.c, parasite-syscall.c):
+
+- 1 ``FI_DUMP_EARLY``: CRIU sends itself SIGKILL while dumping the first task, after it froze the tree
+  and locked the network (``network_lock`` comes before ``dump_one_task``): a ``kill -9`` of CRIU in the
+  middle of the dump, at the same point every time;
+- 3 ``FI_DUMP_PAGES``: the dump of the memory pages fails with the parasite in the task;
+- 5 ``FI_PARASITE_CONNECT``: the parasite's control socket does not connect;
+- 136 ``FI_DUMP_CRASH``: CRIU aborts *when a dump failed*; on its own it changes nothing, so the dump
+  succeeds (the legitimate case, beside the failures).
+
+The dumps run as the agent runs them (shim/controller/snapshots.py): ``runc --criu`` names the CRIU to
+run (here a script that sets ``CRIU_FAULT`` and execs the node's CRIU), through the node engine with
+the node's CRIU configuration (``network-lock nftables``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core import criulock
+from kubectl_snapshot.core.errors import CriuFailed, NotFound
+from kubectl_snapshot.core.reference import Reference
+from shim.containerd.client import ContainerdClient
+from shim.containerd.runc_checkpoint import RuncCheckpointer
+from shim.engine.checkpoint import CheckpointRequest, checkpoint
+from shim.engine.publish import CheckpointResult
+from shim.engine.staging import StatePaths
+from shim.net import criulock as criu_netlock
+from shim.net import dumplock, netns, nftlock
+from tests.integration.test_agent_roundtrip import cleanup, client, read_counter, start_counter, unique, wait_for
+from tests.support.containerd import CRIU, RUNC, ContainerdDaemon, containerd_a
+from tests.support.images import busybox_image
+from tests.support.nft import nft_tables
+from tests.support.registry import registry
+
+pytestmark = pytest.mark.integration
+
+__all__ = ["cleanup", "containerd_a", "registry"]  # fixtures
+
+
+def criu_with_fault(where: Path, code: int) -> str:
+    """A CRIU for `runc --criu`: the node's CRIU with CRIU_FAULT=`code` in its environment."""
+    script = where / f"criu-fault-{code}"
+    script.write_text(f'#!/bin/sh\nCRIU_FAULT={code} exec {CRIU} "$@"\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+def dump(daemon: ContainerdDaemon, cid: str, criu: str, ref: str, *, lift: bool = True) -> CheckpointResult:
+    """The node engine's snapshot of `cid` with `criu` (the agent's runc checkpoint); `lift`: with the
+    defence of threat A2 (shim/net/criulock.py), as the agent runs it."""
+    with ContainerdClient(
+        daemon.address, daemon.namespace, checkpointer=RuncCheckpointer(criu=criu, runc=RUNC)
+    ) as containerd:
+        return checkpoint(
+            CheckpointRequest(containers=[cid], target=Reference.parse(ref), namespace="test"),
+            containerd=containerd,
+            registry=RegistryClient(),
+            paths=StatePaths.from_env(),
+            net_lock=dumplock.pod_network_locked,
+            criu_lock=criu_netlock.lifted_after_failure if lift else None,
+        )
+
+
+def process_view(pid: int) -> dict[str, object]:
+    """What CRIU's parasite could leave changed in a task: its open files, its mappings, its mounts."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    fds = {}
+    for fd in fd_dir.iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            fds[fd.name] = os.readlink(fd)
+    return {
+        "fds": fds,
+        "maps": Path(f"/proc/{pid}/maps").read_text(),
+        "mountinfo": Path(f"/proc/{pid}/mountinfo").read_text(),
+    }
+
+
+def criu_tables(pid: int) -> list[str]:
+    return [t for t in nft_tables(f"/proc/{pid}/ns/net") if criulock.is_criu_table(t)]
+
+
+@pytest.fixture
+def counter(containerd_a, cleanup):  # type: ignore[no-untyped-def]
+    """A counting container in its own network namespace, and its init pid."""
+    a = client(containerd_a)
+    cid = unique("criufault")
+    cleanup(a, cid)
+    start_counter(a, containerd_a, cid, busybox_image(containerd_a))
+    task = a.get_task(cid)
+    assert task is not None
+    assert os.readlink(f"/proc/{task.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    return a, containerd_a, cid, task.pid
+
+
+def assert_counting(a: ContainerdClient, cid: str) -> None:
+    task = a.get_task(cid)
+    assert task is not None and task.status == "running"
+    _, v = read_counter(a, cid)
+    wait_for(lambda: read_counter(a, cid)[1] > v + 2, what="the counter to keep counting")
+
+
+def steady_view(pid: int) -> dict[str, object]:
+    """The view once it no longer changes by itself (two readings 200 ms apart agree)."""
+    import time
+
+    for _ in range(20):
+        first = process_view(pid)
+        time.sleep(0.2)
+        if process_view(pid) == first:
+            return first
+    pytest.fail("the container's fds, maps or mounts change by themselves: nothing to compare")
+
+
+@pytest.mark.parametrize(
+    "code, in_log",
+    [
+        (1, "fault: CRIU sudden detach"),
+        (3, "fault: Dump VMA pages failure!"),
+        (5, "Can't"),  # the parasite's connect fails: CRIU's error lines name what it could not do
+    ],
+)
+def test_an_injected_criu_fault_fails_the_dump_and_leaves_the_container_as_it_was(  # type: ignore[no-untyped-def]
+    counter, registry, tmp_path, code, in_log
+):
+    """Threat A4: each failed dump resumes the container, keeps CRIU's log lines in the error, and leaves
+    the task's fds, memory mappings and mounts as they were; no snapshot in the registry."""
+    a, daemon, cid, pid = counter
+    before = steady_view(pid)
+    ref = registry.ref(f"fault{code}", "v1")
+    with pytest.raises(CriuFailed) as failed:
+        dump(daemon, cid, criu_with_fault(tmp_path, code), ref)
+    err = failed.value
+    assert in_log in (err.details or ""), err.details
+    assert "CRIU dump failed" in err.message and err.hint
+    assert_counting(a, cid)
+    assert steady_view(pid) == before
+    assert criu_tables(pid) == []
+    with pytest.raises(NotFound):
+        RegistryClient().get_manifest(Reference.parse(ref))
+
+
+@pytest.mark.parametrize("code", [0, 136])
+def test_a_dump_without_a_fault_that_acts_succeeds_and_changes_nothing(counter, registry, tmp_path, code):  # type: ignore[no-untyped-def]
+    """The legitimate case beside A4: no fault (0), or one that acts only on a failed dump (136), and the
+    same dump through the same script is pushed; the task's view is the same after it too."""
+    a, daemon, cid, pid = counter
+    before = steady_view(pid)
+    result = dump(daemon, cid, criu_with_fault(tmp_path, code), registry.ref(f"fault{code}", "v1"))
+    assert RegistryClient().get_manifest(Reference.parse(str(result.reference)))
+    assert_counting(a, cid)
+    assert steady_view(pid) == before
+    assert criu_tables(pid) == []
+
+
+def test_criu_killed_mid_dump_leaves_no_network_lock(counter, registry, tmp_path):  # type: ignore[no-untyped-def]
+    """Threat A2: CRIU killed (SIGKILL, ``CRIU_FAULT=1``) after it locked the container's network: the
+    container runs on, and its network namespace holds no ``CRIU-*`` table: the agent lifted it. Without
+    the agent's defence (shown first, then put right by hand) the table stays and drops every packet."""
+    a, daemon, cid, pid = counter
+    killer = criu_with_fault(tmp_path, 1)
+    with pytest.raises(CriuFailed):
+        dump(daemon, cid, killer, registry.ref("a2", "v0"), lift=False)
+    left = criu_tables(pid)
+    assert len(left) == 1, f"CRIU's lock table was expected to outlive a killed CRIU: {left}"
+    for table in left:  # what the defence does, by hand, for the case with it
+        netns.run_in(f"/proc/{pid}/ns/net", lambda t=table: nftlock.unlock(t))  # type: ignore[misc]
+    with pytest.raises(CriuFailed) as failed:
+        dump(daemon, cid, killer, registry.ref("a2", "v1"))
+    assert "fault: CRIU sudden detach" in (failed.value.details or "")
+    assert criu_tables(pid) == []
+    assert_counting(a, cid)
+
+
+@contextlib.contextmanager
+def foreign_criu_table(pid: int, name: str) -> Iterator[None]:
+    """A table of CRIU's name that another CRIU holds in the namespace (made here, removed after)."""
+    path = f"/proc/{pid}/ns/net"
+    netns.run_in(path, lambda: nftlock.lock(name))
+    try:
+        yield
+    finally:
+        netns.run_in(path, lambda: nftlock.unlock(name))
+
+
+def test_a_criu_table_that_was_there_before_the_dump_is_left_alone(counter, registry, tmp_path):  # type: ignore[no-untyped-def]
+    """The legitimate case beside A2: a lock table of CRIU's name that was there before the dump (another
+    CRIU, still working) is not the agent's to lift, even when the dump fails; the killed CRIU's is."""
+    a, daemon, cid, pid = counter
+    with foreign_criu_table(pid, "CRIU-someone-else"):
+        with pytest.raises(CriuFailed):
+            dump(daemon, cid, criu_with_fault(tmp_path, 1), registry.ref("a2keep", "v1"))
+        assert criu_tables(pid) == ["CRIU-someone-else"]
+    assert criu_tables(pid) == []
+    assert_counting(a, cid)
