@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -269,4 +272,63 @@ def test_criu_killed_while_frozen_through_containerd_leaves_the_task_running_to_
     assert criu_tables(pid) == []
     assert_counting(a, cid)
     dump(daemon, cid, criu_with_fault(tmp_path, None), registry.ref("a2pause", "v2"), guard=False)
+    assert_counting(a, cid)
+
+
+def _criu_of(cid: str) -> list[int]:
+    """The CRIU processes runc runs for `cid` (their parent's command line names it): never another's."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != "criu":
+                continue
+            ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if cid.encode() in parent:
+            found.append(int(entry.name))
+    return found
+
+
+BIG = "import os\nheld = bytearray(b'x') * (384 << 20)\ndef step(): pass\n"
+
+
+def test_criu_killed_from_outside_while_it_holds_the_lock_leaves_none(containerd_a, registry, cleanup, tmp_path):  # type: ignore[no-untyped-def]
+    """Threat A2 with an outside ``kill -9``: a container with 384 MiB of memory (its dump lasts a while),
+    the node's CRIU (no fault), killed by the test the moment its ``CRIU-*`` table is in the container's
+    namespace: the dump fails, the container counts on, no table is left."""
+    from tests.integration.test_uncheckpointable import start
+
+    a = client(containerd_a)
+    cid = unique("a2kill")
+    cleanup(a, cid)
+    start(a, containerd_a, cid, BIG, [])
+    task = a.get_task(cid)
+    assert task is not None
+    pid = task.pid
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def killer() -> None:
+        while not stop.is_set() and not killed:
+            with contextlib.suppress(OSError):
+                if criu_tables(pid):
+                    for criu_pid in _criu_of(cid):
+                        os.kill(criu_pid, signal.SIGKILL)
+                        killed.append(criu_pid)
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(CriuFailed):
+            dump(containerd_a, cid, criu_with_fault(tmp_path, None), registry.ref("a2kill", "v1"))
+    finally:
+        stop.set()
+        thread.join(10)
+    assert killed, "CRIU was never seen holding its lock"
+    assert criu_tables(pid) == []
     assert_counting(a, cid)
