@@ -49,12 +49,13 @@ from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_c
 from shim.controller.settings import NodeSettings
 from shim.controller.signing import NodeSigner
 from shim.controller.workqueue import WorkQueue
+from shim.engine import criufail
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.node_ports import Freezer
 from shim.engine.publish import CheckpointResult
 from shim.engine.staging import StatePaths, check_key
 from shim.host import freezer
-from shim.net import criulock, dumplock, unixpeers
+from shim.net import dumplock, unixpeers
 from shim.service.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
@@ -318,7 +319,7 @@ class SnapshotWorker:
                     sealer=sealer,
                     unix_links=unixpeers.find_cross_links,
                     net_lock=dumplock.pod_network_locked,
-                    criu_lock=criulock.lifted_after_failure,
+                    criu_lock=criufail.cleaned_after_failure,
                 )
         except SnapshotError as e:
             if clamp.passed():

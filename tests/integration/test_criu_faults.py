@@ -35,11 +35,11 @@ from kubectl_snapshot.core.reference import Reference
 from shim import freeze_guard
 from shim.containerd.client import ContainerdClient
 from shim.containerd.runc_checkpoint import RuncCheckpointer
+from shim.engine import criufail
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.publish import CheckpointResult
 from shim.engine.staging import StatePaths
 from shim.host import freezer
-from shim.net import criulock as criu_netlock
 from shim.net import dumplock, netns, nftlock
 from tests.integration.test_agent_roundtrip import cleanup, client, read_counter, start_counter, unique, wait_for
 from tests.support.containerd import CRIU, RUNC, ContainerdDaemon, containerd_a
@@ -82,7 +82,7 @@ def dump(
             freezer_for=held.freezer_for if guard else None,
             memory_of=freezer.task_memory,
             net_lock=dumplock.pod_network_locked,
-            criu_lock=criu_netlock.lifted_after_failure if lift else None,
+            criu_lock=criufail.cleaned_after_failure if lift else None,
         )
 
 
@@ -331,4 +331,59 @@ def test_criu_killed_from_outside_while_it_holds_the_lock_leaves_none(containerd
         thread.join(10)
     assert killed, "CRIU was never seen holding its lock"
     assert criu_tables(pid) == []
+    assert_counting(a, cid)
+
+
+def _runc_checkpoint_of(cid: str) -> list[int]:
+    """The ``runc checkpoint`` of `cid` (its command line names both): never another's."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"runc") and b"checkpoint" in argv and cid.encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def test_runc_killed_while_its_criu_holds_the_lock_leaves_none(containerd_a, registry, cleanup, tmp_path):  # type: ignore[no-untyped-def]
+    """Threat A2, runc's side: the ``runc checkpoint`` that runs CRIU is SIGKILLed the moment CRIU's table
+    is in the container's namespace. The orphaned CRIU went on and, at its end, froze the cgroup again as
+    it had found it (frozen by the agent, who had thawed it meanwhile): the container stayed frozen for
+    good. Now the agent stops a CRIU still tracing the containers before it lifts the lock and thaws
+    (shim/criu/tracers.py): the dump fails, the container counts on, no table is left."""
+    from tests.integration.test_uncheckpointable import start
+
+    a = client(containerd_a)
+    cid = unique("a2runc")
+    cleanup(a, cid)
+    start(a, containerd_a, cid, BIG, [])
+    task = a.get_task(cid)
+    assert task is not None
+    pid = task.pid
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def killer() -> None:
+        while not stop.is_set() and not killed:
+            with contextlib.suppress(OSError):
+                if criu_tables(pid):
+                    for runc_pid in _runc_checkpoint_of(cid):
+                        os.kill(runc_pid, signal.SIGKILL)
+                        killed.append(runc_pid)
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(CriuFailed):
+            dump(containerd_a, cid, criu_with_fault(tmp_path, None), registry.ref("a2runc", "v1"))
+    finally:
+        stop.set()
+        thread.join(10)
+    assert killed, "runc was never seen while CRIU held its lock"
+    wait_for(lambda: criu_tables(pid) == [], what="no CRIU lock table in the container's namespace")
     assert_counting(a, cid)
