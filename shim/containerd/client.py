@@ -172,6 +172,7 @@ def _read_dump_log(work_path: str) -> str | None:
 
 
 _DEADLINE_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+RUNC_NOT_PAUSED = "container not paused"  # runc resume of a container whose cgroup is not frozen
 
 
 def _deadline_passed(e: grpc.RpcError) -> bool:
@@ -395,7 +396,28 @@ class ContainerdClient:
         self._call(self._tasks.Pause, tasks_pb2.PauseTaskRequest(container_id=cid), f"pause task of {cid!r}")
 
     def resume_task(self, cid: str) -> None:
-        self._call(self._tasks.Resume, tasks_pb2.ResumeTaskRequest(container_id=cid), f"resume task of {cid!r}")
+        what = f"resume task of {cid!r}"
+        try:
+            self._call(self._tasks.Resume, tasks_pb2.ResumeTaskRequest(container_id=cid), what)
+        except SnapshotError as e:
+            if RUNC_NOT_PAUSED not in e.message:
+                raise
+            # containerd's shim calls the task paused, runc finds it running: a CRIU killed mid-dump thawed the
+            # cgroup that containerd's Pause froze (CRIU thaws it once it has seized the tasks) and never froze it
+            # again. The shim refuses a new Pause, so runc freezes it again itself, and the Resume then thaws it
+            # and puts the shim's state back in step (threat A2): otherwise every later snapshot is refused.
+            self._runc_pause(cid, what)
+            self._call(self._tasks.Resume, tasks_pb2.ResumeTaskRequest(container_id=cid), what)
+
+    def _runc_pause(self, cid: str, what: str) -> None:
+        runner = self.checkpointer or RuncCheckpointer(criu="")
+        rc, err = runner.run(runner.pause_command(cid, self.namespace, self.get_container(cid)), 30.0)
+        if rc != 0:
+            raise FailedPrecondition(
+                f"{what}: containerd calls it paused while runc finds it running, and `runc pause` failed: "
+                f"{err[-300:] or f'runc exited with {rc}'}",
+                hint="the container runs; containerd's view of it is stale until its task is restarted",
+            )
 
     def checkpoint_task(
         self,

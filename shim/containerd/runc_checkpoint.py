@@ -66,13 +66,21 @@ class RuncCheckpointer:
             hint="set runcPath for this node in the agent's node map (the runc containerd's shim runs)",
         )
 
-    def command(self, cid: str, namespace: str, info: ContainerInfo, a: CheckpointArgs) -> list[str]:
-        """go-runc's Runc.Checkpoint argv as containerd-shim-runc-v2 builds it, plus ``--criu``."""
+    def _global(self, namespace: str, info: ContainerInfo) -> list[str]:
+        """runc and its global options as containerd-shim-runc-v2 runs it for this container."""
         opts = info.runc_options
         root = os.path.join((opts.root if opts and opts.root else SHIM_RUNC_ROOT), namespace)
-        cmd = [self.runc_binary(info), "--root", root, "--criu", self.criu]
-        if opts and opts.systemd_cgroup:
-            cmd.append("--systemd-cgroup")
+        cmd = [self.runc_binary(info), "--root", root]
+        return [*cmd, "--systemd-cgroup"] if opts and opts.systemd_cgroup else cmd
+
+    def pause_command(self, cid: str, namespace: str, info: ContainerInfo) -> list[str]:
+        """``runc pause`` of the container, as the shim would run it (its cgroup frozen by runc)."""
+        return [*self._global(namespace, info), "pause", cid]
+
+    def command(self, cid: str, namespace: str, info: ContainerInfo, a: CheckpointArgs) -> list[str]:
+        """go-runc's Runc.Checkpoint argv as containerd-shim-runc-v2 builds it, plus ``--criu``."""
+        g = self._global(namespace, info)
+        cmd = [*g[:3], "--criu", self.criu, *g[3:]]
         cmd += ["checkpoint", "--image-path", a.image_path, "--work-path", a.work_path]
         if a.open_tcp:
             cmd.append("--tcp-established")

@@ -51,6 +51,7 @@ from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_c
 from shim.controller.settings import NodeSettings
 from shim.controller.signing import NodeSigner
 from shim.controller.workqueue import WorkQueue
+from shim.engine import criufail
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.node_ports import Freezer
 from shim.engine.publish import CheckpointResult
@@ -341,6 +342,7 @@ class SnapshotWorker:
                     sealer=sealer,
                     unix_links=unixpeers.find_cross_links,
                     net_lock=dumplock.pod_network_locked,
+                    criu_lock=criufail.cleaned_after_failure,
                 )
         except SnapshotError as e:
             if clamp.passed():

@@ -64,6 +64,7 @@ PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]  # (new bytes, total bytes)
 UnixLinksFn = Callable[[list[int]], Sequence[Any]]  # init pids -> shim.net.unixpeers.CrossLink list
 NetLockFn = Callable[[list[int]], AbstractContextManager[None]]  # init pids -> shim.net.dumplock.pod_network_locked
+CriuLockFn = Callable[[list[int]], AbstractContextManager[Any]]  # init pids -> shim.net.criulock.lifted_after_failure
 VOLUME_ENTRIES = 200_000  # a volume with more entries than this is not sized before its tar (the walk is not free)
 
 
@@ -128,6 +129,7 @@ def checkpoint(
     unix_links: UnixLinksFn | None = None,
     net_lock: NetLockFn | None = None,
     disk: DiskLedger | None = None,
+    criu_lock: CriuLockFn | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -144,6 +146,8 @@ def checkpoint(
     cannot dump one container at a time: the snapshot is refused before anything is frozen.
     `net_lock` holds the network the containers share locked while they are dumped one after the
     other (shim.net.dumplock), so that both ends of a connection between them are dumped in agreement.
+    `criu_lock` lifts the network lock a CRIU killed mid-dump left in the containers' namespaces
+    (shim.net.criulock: tables listed before the freeze, lifted on failure before the thaw).
     `disk` is the ledger a dump on disk reserves its bytes in (default: the node's, shim/host/diskspace.py).
     """
     names = _validate(req)
@@ -171,7 +175,9 @@ def checkpoint(
         if in_memory is None:
             private.makedirs(work)  # work/ too: 0700, as everything of the dump (shim/host/private.py)
         try:
-            frozen, volume_tar = _freeze_and_dump(req, names, pre, containerd, work, phase, clock, timings, net_lock)
+            frozen, volume_tar = _freeze_and_dump(
+                req, names, pre, containerd, work, phase, clock, timings, net_lock, criu_lock
+            )
             # Everything below runs after the resume: compression, hashing and upload never extend the freeze.
             phase("upload")
             result = _package_and_push(
@@ -323,6 +329,7 @@ def _freeze_and_dump(
     clock: Callable[[], float],
     timings: dict[str, float],
     net_lock: NetLockFn | None,
+    criu_lock: CriuLockFn | None = None,
 ) -> tuple[list[str], str | None]:
     """Freeze every container, dump them (under the shared network's lock), capture the volumes, and
     thaw them again unless `stop`. Returns the containers still frozen (with `stop`) and the volume tar.
@@ -339,18 +346,20 @@ def _freeze_and_dump(
     t_freeze = clock()
     frozen: list[str] = []
     try:
-        for cid in req.containers:
-            _freeze(containerd, pre.direct, cid, pre.plan.deadline_s)
-            frozen.append(cid)
-        timings["freezing_ms"] = (clock() - t_freeze) * 1000
-        phase("dump")
-        _test_hold([pre.direct[c] for c in frozen if c in pre.direct])
-        with net_lock(pre.pids) if net_lock is not None else contextlib.nullcontext():
-            _dump_all(containerd, req, names, pre.upperdirs, work, clock, timings)
-        t_volumes = clock()
-        volume_tar = _capture_volumes(req, work) if req.volumes else None
-        timings["volumes_ms"] = (clock() - t_volumes) * 1000
-        timings["dump_ms"] = (clock() - t_freeze) * 1000
+        # entered before the first freeze (its listing costs the freeze nothing), left before the thaw
+        with criu_lock(pre.pids) if criu_lock is not None else contextlib.nullcontext():
+            for cid in req.containers:
+                _freeze(containerd, pre.direct, cid, pre.plan.deadline_s)
+                frozen.append(cid)
+            timings["freezing_ms"] = (clock() - t_freeze) * 1000
+            phase("dump")
+            _test_hold([pre.direct[c] for c in frozen if c in pre.direct])
+            with net_lock(pre.pids) if net_lock is not None else contextlib.nullcontext():
+                _dump_all(containerd, req, names, pre.upperdirs, work, clock, timings)
+            t_volumes = clock()
+            volume_tar = _capture_volumes(req, work) if req.volumes else None
+            timings["volumes_ms"] = (clock() - t_volumes) * 1000
+            timings["dump_ms"] = (clock() - t_freeze) * 1000
     except BaseException:
         _resume_all(containerd, frozen, pre.direct)
         raise

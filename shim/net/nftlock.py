@@ -25,6 +25,7 @@ from shim.net.netlink import (
     attr_be32,
     attr_str,
     nested,
+    parse_attrs,
 )
 
 NFNL_SUBSYS_NFTABLES = 10
@@ -102,6 +103,14 @@ def locked(table: str) -> bool:
             return False
         raise
     return True
+
+
+def tables(family: int = NFPROTO_INET) -> list[str]:
+    """The names of this thread's network namespace's nf_tables tables of `family` (a netlink dump)."""
+    with Netlink(NETLINK_NETFILTER) as nl:
+        msgs = nl.dump(_kind(NFT_MSG_GETTABLE), _nfgen(family), "nf_tables: listing tables")
+    names = [parse_attrs(m.body[4:]).get(NFTA_TABLE_NAME, b"") for m in msgs if m.body[:1] == bytes([family])]
+    return [n.rstrip(b"\0").decode(errors="replace") for n in names]
 
 
 def probe() -> str:

@@ -21,6 +21,7 @@ from kubectl_snapshot.core.reference import Reference
 from shim.containerd.client import ContainerdClient
 from shim.host import facts as hostfacts
 from tests.integration.test_agent_roundtrip import (
+    AGENT,
     agent,
     cleanup,
     client,
@@ -35,7 +36,7 @@ from tests.support.containerd import containerd_a, containerd_b
 from tests.support.faulty_proxy import FaultyProxy
 from tests.support.images import busybox_image, python_image
 from tests.support.registry import registry
-from tests.support.signing import sign
+from tests.support.signing import sign, signing_env
 from tests.support.tarcraft import craft_tar, dev, reg, sym
 
 pytestmark = pytest.mark.integration
@@ -349,3 +350,37 @@ def test_a_signature_tag_that_cannot_be_pushed_leaves_no_snapshot_tag(running_co
     assert ok.returncode == 0, ok.stderr
     digest = RegistryClient().get_manifest(Reference.parse(registry.ref("b4", "v2")))[2]
     RegistryClient().get_manifest(Reference.parse(registry.ref("b4", digest.replace(":", "-") + ".sig")))
+
+
+def test_the_agent_killed_before_the_manifest_put_leaves_no_tag_and_the_pod_running(running_counter, registry):  # type: ignore[no-untyped-def]
+    """Threat B2: the agent is killed (SIGKILL) once every blob is in the registry, while its manifest
+    PUT is held in the proxy. With ``--stop`` the container is still frozen then: its freeze guard thaws
+    it when the agent dies. No snapshot tag exists afterwards (a signature's tag may, naming a digest
+    nothing else names), and the legitimate case beside it: a later save of the same container through
+    the same proxy succeeds and is tagged."""
+    a, daemon, cid = running_counter
+    host, port = registry.host.rsplit(":", 1)
+    with FaultyProxy(host, int(port), hold_on=("PUT", r"/b2/manifests/v1$")) as proxy:
+        env = {**os.environ, **signing_env()}
+        argv = [AGENT, "checkpoint", *on(daemon), "--stop", "--to", f"{proxy.host}/b2:v1", cid]
+        killed = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            assert proxy.holding.wait(120), "the manifest PUT never came"
+            blobs = [r for r in proxy.requests if r[0] == "PUT" and "/blobs/uploads/" in r[1]]
+            assert blobs and all(status == 201 for _, _, status in blobs), proxy.requests
+            killed.kill()
+            killed.wait(30)
+        finally:
+            if killed.poll() is None:
+                killed.kill()
+                killed.wait(30)
+        proxy.release()
+        assert_still_running(a, cid)  # thawed by the guard, never stopped: --stop needs the pushed tag
+        tags = RegistryClient().list_tags(Reference.parse(registry.ref("b2", "v1")))
+        assert "v1" not in tags and all(t.endswith(".sig") for t in tags), tags
+        with pytest.raises(NotFound):
+            RegistryClient().get_manifest(Reference.parse(registry.ref("b2", "v1")))
+        again = agent("checkpoint", *on(daemon), "--to", f"{proxy.host}/b2:v2", cid, check=False)
+    assert again.returncode == 0, again.stderr
+    RegistryClient().get_manifest(Reference.parse(registry.ref("b2", "v2")))
+    assert_still_running(a, cid)

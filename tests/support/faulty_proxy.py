@@ -8,10 +8,12 @@ the middle of the request that crosses N. ``fail_on=(method, path_regex)`` answe
 ``redirect_on=(method, path_regex)`` answers 307 to the same path on the upstream (as registries
 with object-storage backends do), or to ``redirect_to`` (host, port) when given. ``swallow_on=(method,
 path_regex)`` answers 201 Created (with the Docker-Content-Digest and Location a registry gives) and
-forwards nothing: a blob upload's last PUT or a manifest's PUT acknowledged and never stored. ``times`` bounds how
-many failures are injected (None: every time). ``.requests`` records (method, path, status) for every
-request, status 0 for a reset; ``.authorized`` the (method, path) of those that carried an Authorization
-header. Use as a context manager.
+forwards nothing: a blob upload's last PUT or a manifest's PUT acknowledged and never stored.
+``hold_on=(method, path_regex)`` reads the matching request and holds it, never forwarding it:
+``.holding`` is set once one is held; ``release()`` ends the held requests with a reset (a client killed
+meanwhile has gone already). ``times`` bounds how many failures are injected (None: every time).
+``.requests`` records (method, path, status) for every request, status 0 for a reset; ``.authorized``
+the (method, path) of those that carried an Authorization header. Use as a context manager.
 
 The registry builds Location headers from the Host header, which the proxy forwards unchanged,
 so upload sessions keep going through the proxy.
@@ -49,6 +51,7 @@ class FaultyProxy:
         redirect_to: tuple[str, int] | None = None,
         swallow_on: tuple[str, str] | None = None,
         times: int | None = None,
+        hold_on: tuple[str, str] | None = None,
     ) -> None:
         self.upstream = (upstream_host, upstream_port)
         self.fail_after_bytes = fail_after_bytes
@@ -57,6 +60,9 @@ class FaultyProxy:
         self.redirect_on = (redirect_on[0].upper(), re.compile(redirect_on[1])) if redirect_on else None
         self.redirect_to = redirect_to or (upstream_host, upstream_port)
         self.swallow_on = (swallow_on[0].upper(), re.compile(swallow_on[1])) if swallow_on else None
+        self.hold_on = (hold_on[0].upper(), re.compile(hold_on[1])) if hold_on else None
+        self.holding = threading.Event()
+        self._released = threading.Event()
         self.authorized: list[tuple[str, str]] = []
         self.status = status
         self.retry_after = retry_after
@@ -76,7 +82,11 @@ class FaultyProxy:
         self._thread.start()
         return self
 
+    def release(self) -> None:
+        self._released.set()
+
     def close(self) -> None:
+        self._released.set()
         self._server.shutdown()
         self._server.server_close()
 
@@ -138,6 +148,10 @@ class FaultyProxy:
                 swallow = proxy.swallow_on
                 if swallow and swallow[0] in (method, "*") and swallow[1].search(path) and proxy._may_fail():
                     self._swallow(method, path)
+                    return
+                hold = proxy.hold_on
+                if hold and hold[0] in (method, "*") and hold[1].search(path):
+                    self._hold(method, path)
                     return
                 redirect = proxy.redirect_on
                 if redirect and redirect[0] in (method, "*") and redirect[1].search(path):
@@ -217,6 +231,22 @@ class FaultyProxy:
                 self.send_header("Location", location)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
+
+            def _hold(self, method: str, path: str) -> None:
+                self._drain()
+                proxy._record(method, path, 0)
+                proxy.holding.set()
+                proxy._released.wait(300)
+                self._reset()
+
+            def _drain(self) -> None:
+                self._read_body()
+                length = int(self.headers.get("Content-Length", "0") or 0)
+                while length > 0:
+                    got = self.rfile.read(min(PIECE, length))
+                    if not got:
+                        break
+                    length -= len(got)
 
             def _fail(self, method: str, path: str) -> None:
                 self._read_body()

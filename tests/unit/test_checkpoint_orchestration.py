@@ -496,3 +496,46 @@ def test_files_in_the_runtimes_dev_shm_are_refused_a_volume_there_is_not() -> No
     assert "emptyDir with medium: Memory at /dev/shm" in (e.value.hint or "")
     _refuse_runtime_shm(sandbox, 42, "app", listdir=lambda _p: [])  # an empty one: nothing is lost
     _refuse_runtime_shm(volume, 42, "app", listdir=lambda _p: ["app-counter"])  # captured as a volume
+
+
+def _criu_lock_recorder(cd: FakeContainerd) -> Any:
+    """A `criu_lock` port that records, among the containerd calls, when it is entered and left."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def criu_lock(pids: list[int]) -> Any:
+        cd.calls.append(("criu-lock-listed", ""))
+        try:
+            yield []
+        except BaseException:
+            cd.calls.append(("criu-lock-lifted", ""))
+            raise
+
+    return criu_lock
+
+
+def test_a_failed_dump_lifts_criu_s_network_lock_before_the_thaw(tmp_path: Path) -> None:
+    """Threat A2: the namespaces' tables are listed before anything is frozen, and what a failed CRIU left
+    is lifted before the containers run again (shim/net/criulock.py does it on the kernel)."""
+    cd, reg = FakeContainerd({"a", "b"}, fail_checkpoint="b"), FakeRegistry()
+    req = CheckpointRequest(containers=["a", "b"], target=TARGET)
+    with pytest.raises(CriuFailed):
+        checkpoint(
+            req, containerd=cd, registry=reg, paths=StatePaths(str(tmp_path)), host=HOST,
+            criu_lock=_criu_lock_recorder(cd),
+        )  # fmt: skip
+    names = [c for c, _ in cd.calls]
+    assert names.index("criu-lock-listed") < names.index("pause")
+    assert names.index("criu-lock-lifted") < names.index("resume")
+    assert cd.paused == set()
+
+
+def test_a_dump_that_succeeds_lifts_no_criu_lock(tmp_path: Path) -> None:
+    cd, reg = FakeContainerd({"a", "b"}), FakeRegistry()
+    req = CheckpointRequest(containers=["a", "b"], target=TARGET)
+    checkpoint(
+        req, containerd=cd, registry=reg, paths=StatePaths(str(tmp_path)), host=HOST,
+        criu_lock=_criu_lock_recorder(cd),
+    )  # fmt: skip
+    names = [c for c, _ in cd.calls]
+    assert names[0] == "criu-lock-listed" and "criu-lock-lifted" not in names

@@ -136,6 +136,15 @@ def test_checkpoint_command_is_the_shims_plus_criu() -> None:
     assert RuncCheckpointer(criu="c", runc="/my/runc").runc_binary(_info(None)) == "/my/runc"
 
 
+def test_pause_command_is_the_shims_runc_pause() -> None:
+    """What the client runs when containerd calls a task paused that runc finds running (threat A2)."""
+    cp = RuncCheckpointer(criu="c")
+    opts = RuncOptions(binary_name="/x/runc", root="/run/r", systemd_cgroup=True)
+    assert cp.pause_command("c1", "k8s.io", _info(opts)) == [
+        "/x/runc", "--root", "/run/r/k8s.io", "--systemd-cgroup", "pause", "c1",
+    ]  # fmt: skip
+
+
 def test_containerd_config_imports_and_pending_restart(tmp_path: Path) -> None:
     dropin = "/etc/containerd/conf.d/kubectl-snapshot.toml"
     assert nodecheck.imports_dropin(nodecheck.Containerd(1, "/etc/containerd/config.toml", None), dropin)
