@@ -1,0 +1,293 @@
+"""A runc container holding a known pattern, checkpointed with plain ``runc checkpoint`` and restored eagerly
+or lazily (``runc restore --lazy-pages`` beside ``criu lazy-pages --page-server`` and the agent's
+PageServer). Used by tests/integration/test_lazy_restore.py and bench/lazy_restore.py. Root, real runc
+and CRIU; run it under ``flock /run/ks-e2e.lock``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from shim.criu.lazyimages import ImagePageSource, LazyImages, prepare_lazy_images
+from shim.criu.pageproto import PageSource
+from shim.criu.pageserver import PageServer
+
+# the container's program: `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
+# 50 ms (it stops while the program waits for a page); on /data/verify, the SHA-256 of the bytearray
+WORKLOAD = textwrap.dedent(
+    """
+    import hashlib, os, random, sys, time
+    size, seed = int(sys.argv[1]), int(sys.argv[2])
+    buf = bytearray(random.Random(seed).randbytes(size))
+    def put(name, text):
+        with open(f"/data/{name}.tmp", "w") as f:
+            f.write(text)
+        os.replace(f"/data/{name}.tmp", f"/data/{name}")
+    put("sum0", hashlib.sha256(buf).hexdigest())
+    i = 0
+    while True:
+        i += 1
+        put("n", str(i))
+        if os.path.exists("/data/verify"):
+            os.unlink("/data/verify")
+            put("sum", hashlib.sha256(buf).hexdigest())
+        time.sleep(0.05)
+    """
+)
+
+
+def expected_sum(size: int, seed: int) -> str:
+    return hashlib.sha256(random.Random(seed).randbytes(size)).hexdigest()
+
+
+def criu_version() -> str:
+    out = subprocess.run(["criu", "--version"], capture_output=True, text=True, check=True).stdout
+    return out.split("Version:")[1].split()[0]
+
+
+def log_tail(path: Path, n: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-n:]
+    except OSError:
+        return f"({path} missing)"
+
+
+@dataclass
+class Box:
+    """One container's bundle, data dir and runc root under `base`."""
+
+    base: Path
+    name: str
+    size: int
+    seed: int = 44
+
+    @property
+    def bundle(self) -> Path:
+        return self.base / "bundle"
+
+    @property
+    def data(self) -> Path:
+        return self.base / "data"
+
+    @property
+    def root(self) -> Path:
+        return self.base / "runc-root"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.base / "pid"
+
+    def make(self) -> Box:
+        rootfs = self.bundle / "rootfs"
+        for d in ("usr", "etc", "data", "proc", "dev", "sys", "tmp"):
+            (rootfs / d).mkdir(parents=True, exist_ok=True)
+        for link in ("bin", "lib", "lib64", "sbin"):
+            if os.path.islink(f"/{link}"):
+                (rootfs / link).symlink_to(os.readlink(f"/{link}"))
+        self.data.mkdir(parents=True, exist_ok=True)
+        (self.data / "work.py").write_text(WORKLOAD)
+        subprocess.run(["runc", "spec", "--bundle", str(self.bundle)], check=True)
+        spec = json.loads((self.bundle / "config.json").read_text())
+        spec["process"]["terminal"] = False
+        spec["process"]["args"] = ["/usr/bin/python3", "/data/work.py", str(self.size), str(self.seed)]
+        spec["root"]["readonly"] = False
+        for dest, src, opts in (("/usr", "/usr", ["rbind", "ro"]), ("/etc", "/etc", ["rbind", "ro"])):
+            spec["mounts"].append({"destination": dest, "type": "bind", "source": src, "options": opts})
+        spec["mounts"].append({"destination": "/data", "type": "bind", "source": str(self.data), "options": ["rbind"]})
+        conf = self.bundle / "criu.conf"  # what install-node writes, whatever /etc/criu/runc.conf says now
+        conf.write_text("network-lock nftables\n")
+        spec["annotations"] = {"org.criu.config": str(conf)}
+        (self.bundle / "config.json").write_text(json.dumps(spec))
+        return self
+
+    def runc(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["runc", "--root", str(self.root), *args],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def run(self) -> None:
+        for f in ("sum0", "sum", "n", "verify"):
+            (self.data / f).unlink(missing_ok=True)
+        proc = subprocess.run(
+            ["runc", "--root", str(self.root), "run", "-d", "--bundle", str(self.bundle), "--pid-file",
+             str(self.pid_file), self.name],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60,
+        )  # fmt: skip
+        if proc.returncode:
+            raise AssertionError(f"runc run failed: {proc.stderr}")
+        self.wait_for(lambda: (self.data / "sum0").exists(), 120, "the workload's pattern")
+
+    def pid(self) -> int:
+        return int(self.pid_file.read_text().strip())
+
+    def counter(self) -> int:
+        text = (self.data / "n").read_text().strip()
+        return int(text) if text else 0
+
+    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+            time.sleep(0.02)
+
+    def verify(self, timeout: float = 120) -> str:
+        """The SHA-256 the running program computes over its pattern now."""
+        (self.data / "sum").unlink(missing_ok=True)
+        (self.data / "verify").write_text("")
+        self.wait_for(lambda: (self.data / "sum").exists(), timeout, "the workload's checksum")
+        return (self.data / "sum").read_text().strip()
+
+    def checkpoint(self, images: Path, work: Path) -> None:
+        images.mkdir(parents=True)
+        work.mkdir(parents=True, exist_ok=True)
+        res = self.runc("checkpoint", "--image-path", str(images), "--work-path", str(work), self.name)
+        if res.returncode:
+            raise AssertionError(f"runc checkpoint failed: {res.stderr}\n{log_tail(work / 'dump.log')}")
+
+    def restore_eager(self, images: Path, work: Path) -> float:
+        """Seconds from `runc restore -d` to its return (the process runs)."""
+        work.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        res = self.restore_cmd(images, work)
+        took = time.monotonic() - start
+        if res.returncode:
+            raise AssertionError(f"runc restore failed: {res.stderr}\n{log_tail(work / 'restore.log')}")
+        return took
+
+    def restore_cmd(self, images: Path, work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        self.pid_file.unlink(missing_ok=True)
+        return self.runc(
+            "restore", "-d", *extra, "--image-path", str(images), "--work-path", str(work),
+            "--bundle", str(self.bundle), "--pid-file", str(self.pid_file), self.name,
+        )  # fmt: skip
+
+    def kill(self) -> None:
+        """SIGKILL the container's process (what the agent's failure handler does) where it still runs."""
+        try:
+            os.kill(self.pid(), signal.SIGKILL)
+        except (OSError, ValueError):
+            self.runc("kill", self.name, "KILL")
+
+    def remove(self) -> None:
+        self.runc("delete", "--force", self.name, timeout=60)
+
+
+@dataclass
+class LazyRestore:
+    """A lazy restore in flight: its page server, its lazy-pages daemon and their timings."""
+
+    server: PageServer
+    daemon: subprocess.Popen[bytes]
+    work: Path
+    started: float
+    running_s: float  # restore start -> runc restore returned (the process runs)
+    prepared: LazyImages
+
+    def daemon_log(self) -> str:
+        return log_tail(self.work / "lazy-pages.log")
+
+    def wait_resident(self, timeout: float = 300) -> float:
+        """Seconds from the restore's start to the daemon's exit (every page copied, or it failed)."""
+        try:
+            self.daemon.wait(timeout)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(f"the lazy-pages daemon still runs after {timeout} s\n{self.daemon_log()}") from e
+        return time.monotonic() - self.started
+
+    def close(self) -> None:
+        if self.daemon.poll() is None:
+            self.daemon.kill()
+            self.daemon.wait(30)
+        self.server.stop()
+
+
+def prepare(images: Path, lazy_dir: Path) -> LazyImages:
+    lazy_dir.mkdir(parents=True)
+    return prepare_lazy_images(str(images), str(lazy_dir))
+
+
+def restore_lazy(
+    box: Box,
+    images: Path,
+    prepared: LazyImages,
+    work: Path,
+    *,
+    source: PageSource | None = None,
+    on_failure: Callable[[str], None] | None = None,
+    request_timeout_s: float = 30.0,
+    retries: int = 3,
+) -> LazyRestore:
+    """Start the page server and `criu lazy-pages`, then `runc restore -d --lazy-pages`; returns once the
+    restore has (the process runs; its pages come on demand and in the background)."""
+    work.mkdir(parents=True, exist_ok=True)
+    src = source if source is not None else ImagePageSource(str(images), prepared.tasks)
+    server = PageServer(
+        src, criu_version=criu_version(), on_failure=on_failure, request_timeout_s=request_timeout_s,
+        retries=retries, retry_delay_s=0.1,
+    ).start()  # fmt: skip
+    started = time.monotonic()
+    daemon = subprocess.Popen(
+        ["criu", "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(server.port),
+         "-D", prepared.images_dir, "-W", str(work), "-o", "lazy-pages.log", "-v4"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    lazy = LazyRestore(server=server, daemon=daemon, work=work, started=started, running_s=0.0, prepared=prepared)
+    try:
+        box.wait_for(
+            lambda: (work / "lazy-pages.socket").exists() or daemon.poll() is not None, 30, "criu lazy-pages' socket"
+        )
+        if daemon.poll() is not None:
+            raise AssertionError(f"criu lazy-pages exited {daemon.returncode}\n{lazy.daemon_log()}")
+        res = box.restore_cmd(Path(prepared.images_dir), work, "--lazy-pages")
+        lazy.running_s = time.monotonic() - started
+        if res.returncode:
+            raise AssertionError(
+                f"runc restore --lazy-pages failed: {res.stderr}\n{log_tail(work / 'restore.log')}\n"
+                f"lazy-pages.log:\n{lazy.daemon_log()}"
+            )
+    except BaseException:
+        lazy.close()
+        raise
+    return lazy
+
+
+class StallingSource:
+    """A PageSource that serves `after_pages` pages from `inner`, then raises (mode "fail") or stops
+    answering (mode "hang") until `release` is set."""
+
+    def __init__(self, inner: PageSource, after_pages: int, mode: str) -> None:
+        import threading
+
+        self.inner, self.left, self.mode = inner, after_pages, mode
+        self.release = threading.Event()
+        self.stalled_at: float | None = None
+
+    def pages(self, dst_id: int, vaddr: int, nr_pages: int) -> bytes | bytearray | memoryview:
+        if self.left <= 0:
+            if self.stalled_at is None:
+                self.stalled_at = time.monotonic()
+            if self.mode == "hang":
+                self.release.wait(600)
+            raise OSError("registry: 503 Service Unavailable")
+        data = self.inner.pages(dst_id, vaddr, min(nr_pages, self.left))
+        self.left -= len(data) // 4096
+        return data
+
+
+def cleanup(base: Path) -> None:
+    shutil.rmtree(base, ignore_errors=True)
