@@ -21,6 +21,7 @@ from kubectl_snapshot.core.errors import FailedPrecondition
 from shim.criu.images import _HINT_CORRUPT, _int, _load, _pycriu_images
 from shim.criu.pageproto import (
     PAGE_SIZE,
+    PE_PRESENT,
     LazyLayout,
     PagemapEntry,
     PageRange,
@@ -85,7 +86,11 @@ def read_task_layout(images: Any, dump: str, pid: int, threads: list[int]) -> Ta
     if not pagemap:
         raise FailedPrecondition(f"{pm_path} has no header", hint=_HINT_CORRUPT)
     entries = [
-        PagemapEntry(_int(e, "vaddr", pm_path), _int(e, "nr_pages", pm_path), int(e.get("flags", 4)))
+        PagemapEntry(
+            _int(e, "vaddr", pm_path),
+            _int(e, "nr_pages" if "nr_pages" in e else "compat_nr_pages", pm_path),  # CRIU < 4.2: u32 at 2
+            _int(e, "flags", pm_path) if "flags" in e else PE_PRESENT,
+        )
         for e in pagemap[1:]
     ]
     sps: list[int] = []
@@ -148,7 +153,14 @@ def prepare_lazy_images(dump: str, out: str) -> LazyImages:
         with open(pm_path, "rb") as f:
             img = images.load(f)
         img["entries"] = [img["entries"][0]] + [
-            {"vaddr": e.vaddr, "nr_pages": e.nr_pages, "flags": e.flags} for e in t.layout.entries
+            # as CRIU 4.2 writes them, and readable by older ones (which know only compat_nr_pages)
+            {
+                "vaddr": e.vaddr,
+                "compat_nr_pages": e.nr_pages if e.nr_pages < 1 << 32 else 0,
+                "flags": e.flags,
+                "nr_pages": e.nr_pages,
+            }
+            for e in t.layout.entries
         ]
         with open(os.path.join(out, f"pagemap-{pid}.img"), "xb") as f:
             images.dump(img, f)

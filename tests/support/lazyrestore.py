@@ -111,24 +111,25 @@ class Box:
         return self
 
     def runc(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["runc", "--root", str(self.root), *args],
+        """runc with the container's stdio on /dev/null (a pipe would be inherited by the container and
+        never reach its end; a host file cannot be dumped); runc's own messages (stdout) in its log."""
+        log = self.base / "runc.log"
+        log.unlink(missing_ok=True)
+        proc = subprocess.run(
+            ["runc", "--root", str(self.root), "--log", str(log), *args],
             stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
             timeout=timeout,
         )
+        return subprocess.CompletedProcess(proc.args, proc.returncode, log_tail(log), "")
 
     def run(self) -> None:
         for f in ("sum0", "sum", "n", "verify"):
             (self.data / f).unlink(missing_ok=True)
-        proc = subprocess.run(
-            ["runc", "--root", str(self.root), "run", "-d", "--bundle", str(self.bundle), "--pid-file",
-             str(self.pid_file), self.name],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=60,
-        )  # fmt: skip
-        if proc.returncode:
-            raise AssertionError(f"runc run failed: {proc.stderr}")
+        res = self.runc("run", "-d", "--bundle", str(self.bundle), "--pid-file", str(self.pid_file), self.name)
+        if res.returncode:
+            raise AssertionError(f"runc run failed: {res.stdout}")
         self.wait_for(lambda: (self.data / "sum0").exists(), 120, "the workload's pattern")
 
     def pid(self) -> int:
@@ -157,7 +158,7 @@ class Box:
         work.mkdir(parents=True, exist_ok=True)
         res = self.runc("checkpoint", "--image-path", str(images), "--work-path", str(work), self.name)
         if res.returncode:
-            raise AssertionError(f"runc checkpoint failed: {res.stderr}\n{log_tail(work / 'dump.log')}")
+            raise AssertionError(f"runc checkpoint failed: {res.stdout}\n{log_tail(work / 'dump.log')}")
 
     def restore_eager(self, images: Path, work: Path) -> float:
         """Seconds from `runc restore -d` to its return (the process runs)."""
@@ -166,7 +167,7 @@ class Box:
         res = self.restore_cmd(images, work)
         took = time.monotonic() - start
         if res.returncode:
-            raise AssertionError(f"runc restore failed: {res.stderr}\n{log_tail(work / 'restore.log')}")
+            raise AssertionError(f"runc restore failed: {res.stdout}\n{log_tail(work / 'restore.log')}")
         return took
 
     def restore_cmd(self, images: Path, work: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -244,7 +245,7 @@ def restore_lazy(
     daemon = subprocess.Popen(
         ["criu", "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(server.port),
          "-D", prepared.images_dir, "-W", str(work), "-o", "lazy-pages.log", "-v4"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work,
     )  # fmt: skip
     lazy = LazyRestore(server=server, daemon=daemon, work=work, started=started, running_s=0.0, prepared=prepared)
     try:
@@ -257,7 +258,7 @@ def restore_lazy(
         lazy.running_s = time.monotonic() - started
         if res.returncode:
             raise AssertionError(
-                f"runc restore --lazy-pages failed: {res.stderr}\n{log_tail(work / 'restore.log')}\n"
+                f"runc restore --lazy-pages failed: {res.stdout}\n{log_tail(work / 'restore.log')}\n"
                 f"lazy-pages.log:\n{lazy.daemon_log()}"
             )
     except BaseException:
