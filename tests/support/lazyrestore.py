@@ -136,7 +136,10 @@ class Box:
         return int(self.pid_file.read_text().strip())
 
     def counter(self) -> int:
-        text = (self.data / "n").read_text().strip()
+        try:
+            text = (self.data / "n").read_text().strip()
+        except FileNotFoundError:  # not written since this restore
+            return 0
         return int(text) if text else 0
 
     def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
@@ -232,6 +235,7 @@ def restore_lazy(
     on_failure: Callable[[str], None] | None = None,
     request_timeout_s: float = 30.0,
     retries: int = 3,
+    record: bool = False,
 ) -> LazyRestore:
     """Start the page server and `criu lazy-pages`, then `runc restore -d --lazy-pages`; returns once the
     restore has (the process runs; its pages come on demand and in the background)."""
@@ -239,7 +243,7 @@ def restore_lazy(
     src = source if source is not None else ImagePageSource(str(images), prepared.tasks)
     server = PageServer(
         src, criu_version=criu_version(), on_failure=on_failure, request_timeout_s=request_timeout_s,
-        retries=retries, retry_delay_s=0.1,
+        retries=retries, retry_delay_s=0.1, record=record,
     ).start()  # fmt: skip
     started = time.monotonic()
     daemon = subprocess.Popen(
