@@ -28,7 +28,9 @@ WORKLOAD = textwrap.dedent(
     """
     import hashlib, os, random, sys, time
     size, seed = int(sys.argv[1]), int(sys.argv[2])
-    buf = bytearray(random.Random(seed).randbytes(size))
+    r, buf = random.Random(seed), bytearray(size)
+    for off in range(0, size, 16 << 20):  # randbytes takes at most 256 MiB at once
+        buf[off : off + (16 << 20)] = r.randbytes(min(16 << 20, size - off))
     def put(name, text):
         with open(f"/data/{name}.tmp", "w") as f:
             f.write(text)
@@ -47,7 +49,11 @@ WORKLOAD = textwrap.dedent(
 
 
 def expected_sum(size: int, seed: int) -> str:
-    return hashlib.sha256(random.Random(seed).randbytes(size)).hexdigest()
+    """The SHA-256 of the workload's pattern, computed here (not by the workload)."""
+    r, h = random.Random(seed), hashlib.sha256()
+    for off in range(0, size, 16 << 20):
+        h.update(r.randbytes(min(16 << 20, size - off)))
+    return h.hexdigest()
 
 
 def criu_version() -> str:
@@ -200,6 +206,7 @@ class LazyRestore:
     work: Path
     started: float
     running_s: float  # restore start -> runc restore returned (the process runs)
+    restore_s: float  # runc restore --lazy-pages alone (the daemon started ahead)
     prepared: LazyImages
 
     def daemon_log(self) -> str:
@@ -251,15 +258,18 @@ def restore_lazy(
          "-D", prepared.images_dir, "-W", str(work), "-o", "lazy-pages.log", "-v4"],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work,
     )  # fmt: skip
-    lazy = LazyRestore(server=server, daemon=daemon, work=work, started=started, running_s=0.0, prepared=prepared)
+    lazy = LazyRestore(
+        server=server, daemon=daemon, work=work, started=started, running_s=0.0, restore_s=0.0, prepared=prepared
+    )
     try:
         box.wait_for(
             lambda: (work / "lazy-pages.socket").exists() or daemon.poll() is not None, 30, "criu lazy-pages' socket"
         )
         if daemon.poll() is not None:
             raise AssertionError(f"criu lazy-pages exited {daemon.returncode}\n{lazy.daemon_log()}")
+        t = time.monotonic()
         res = box.restore_cmd(Path(prepared.images_dir), work, "--lazy-pages")
-        lazy.running_s = time.monotonic() - started
+        lazy.running_s, lazy.restore_s = time.monotonic() - started, time.monotonic() - t
         if res.returncode:
             raise AssertionError(
                 f"runc restore --lazy-pages failed: {res.stdout}\n{log_tail(work / 'restore.log')}\n"
