@@ -125,7 +125,7 @@ def test_a_page_that_cannot_be_fetched_kills_the_process(
     _, images = dumped
     prepared = lr.prepare(images, tmp_path / "lazy")
     inner = ImagePageSource(str(images), prepared.tasks)
-    source = lr.StallingSource(inner, after_pages=(SIZE // PAGE_SIZE) // 4, mode="fail")
+    source = lr.StallingSource(inner, after_pages=(SIZE // PAGE_SIZE) // 4)
     reasons: list[str] = []
 
     def kill(reason: str) -> None:
@@ -135,6 +135,7 @@ def test_a_page_that_cannot_be_fetched_kills_the_process(
     lazy = lr.restore_lazy(box, images, prepared, tmp_path / "work", source=source, on_failure=kill, retries=2)
     try:
         pid = box.pid()
+        source.release.set()  # from here the source fails
         (box.data / "verify").write_text("")
         box.wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), 60, "the process to be killed")
         assert not (box.data / "sum").exists()  # it never finished reading its memory
@@ -155,7 +156,7 @@ def test_a_page_server_that_stops_answering_blocks_the_process_until_its_timeout
     _, images = dumped
     prepared = lr.prepare(images, tmp_path / "lazy")
     inner = ImagePageSource(str(images), prepared.tasks)
-    source = lr.StallingSource(inner, after_pages=(SIZE // PAGE_SIZE) // 4, mode="hang")
+    source = lr.StallingSource(inner, after_pages=(SIZE // PAGE_SIZE) // 4)
     killed_at: list[float] = []
 
     def kill(reason: str) -> None:
@@ -195,13 +196,14 @@ def test_criu_zero_fills_what_a_page_server_that_hangs_up_never_sent(
     _, images = dumped
     prepared = lr.prepare(images, tmp_path / "lazy")
     inner = ImagePageSource(str(images), prepared.tasks)
-    source = lr.StallingSource(inner, after_pages=(SIZE // PAGE_SIZE) // 4, mode="fail")
+    source = lr.StallingSource(inner, after_pages=(SIZE // PAGE_SIZE) // 4)
     lazy = lr.restore_lazy(
         box, images, prepared, tmp_path / "work", source=source, on_failure=None, retries=0, record=True
     )
     try:
         pid = box.pid()
-        os.kill(pid, signal.SIGSTOP)  # no fault of its own from here: only the background transfer runs
+        os.kill(pid, signal.SIGSTOP)  # no fault of its own from here
+        source.release.set()  # the source fails, the page server hangs up
         lazy.wait_resident(60)
         assert lazy.daemon.returncode != 0
         assert "Remote side closed connection" in lazy.daemon_log()

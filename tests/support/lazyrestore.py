@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -282,13 +283,12 @@ def restore_lazy(
 
 
 class StallingSource:
-    """A PageSource that serves `after_pages` pages from `inner`, then raises (mode "fail") or stops
-    answering (mode "hang") until `release` is set."""
+    """A PageSource that serves `after_pages` pages from `inner`, then stops answering until `release` is
+    set, and from then on raises (a registry that stopped answering, then answers 503). The test sets
+    `release` once the restore has returned (the background transfer can reach the stall before that)."""
 
-    def __init__(self, inner: PageSource, after_pages: int, mode: str) -> None:
-        import threading
-
-        self.inner, self.left, self.mode = inner, after_pages, mode
+    def __init__(self, inner: PageSource, after_pages: int) -> None:
+        self.inner, self.left = inner, after_pages
         self.release = threading.Event()
         self.stalled_at: float | None = None
 
@@ -296,8 +296,7 @@ class StallingSource:
         if self.left <= 0:
             if self.stalled_at is None:
                 self.stalled_at = time.monotonic()
-            if self.mode == "hang":
-                self.release.wait(600)
+            self.release.wait(600)
             raise OSError("registry: 503 Service Unavailable")
         data = self.inner.pages(dst_id, vaddr, min(nr_pages, self.left))
         self.left -= len(data) // 4096
