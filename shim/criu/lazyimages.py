@@ -6,7 +6,7 @@ lazy ranges (shim/criu/pageproto.lazy_layout: CRIU's own rule) are flagged PE_LA
 which keeps only the pages the restore itself writes (stacks, file-backed and shared mappings, ...).
 What `out` leaves out is served by a page server from a `PageSource`: `ImagePageSource` reads it from
 the dump's own pages images; a source over the registry's chunks takes its place where the pages were
-never downloaded (docs/performance.md, "Lazy restore").
+never downloaded (docs/lazy-restore.md).
 """
 
 from __future__ import annotations
