@@ -4,7 +4,9 @@
 userfaultfds; each page fault (and, once the restore is done, its background transfer, in address
 order) becomes a ``PS_IOV_GET`` on one TCP connection to A:P (the protocol: shim/criu/pageproto.py).
 `PageServer` listens there and answers each in order with pages from its source; when the daemon has
-every page it sends ``PS_IOV_CLOSE``, is answered, and exits.
+every page it sends ``PS_IOV_CLOSE`` (``PS_IOV_FORCE_CLOSE`` on a socket it was given), is answered, and
+exits. Better than a port, which any local process could connect to first (and read a pod's memory
+through): `PageServer.over_socketpair`, whose other end the daemon gets as ``--ps-socket FD``.
 
 What CRIU does when the pages stop coming (tests/integration/test_lazy_restore.py records it):
 - a page server that stops answering leaves the faulting thread blocked in the kernel and the daemon
@@ -26,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from shim.criu.pageproto import (
     PAGE_SIZE,
@@ -77,6 +80,7 @@ class PageServer:
         accept_timeout_s: float = 120.0,
         on_failure: Callable[[str], None] | None = None,
         record: bool = False,
+        connected: socket.socket | None = None,
     ) -> None:
         self._source = source
         self._layout = iov_layout(criu_version)
@@ -86,15 +90,27 @@ class PageServer:
         self._accept_timeout_s = accept_timeout_s
         self._on_failure = on_failure
         self._record = record
-        self._listener = socket.create_server((address, port))
-        self._conn: socket.socket | None = None
+        # a connected socket (one end of a socketpair, the other given to the daemon as --ps-socket) or
+        # a TCP listener on address:port, which any local process could connect to first
+        self._listener = None if connected is not None else socket.create_server((address, port))
+        self._conn: socket.socket | None = connected
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="page-source")
         self.stats = ServeStats()
 
+    @classmethod
+    def over_socketpair(cls, source: PageSource, **kwargs: Any) -> tuple[PageServer, socket.socket]:
+        """A page server on one end of a Unix socketpair, and the other end (inheritable) for ``criu
+        lazy-pages --page-server --ps-socket FD``: no port, nothing another local process can reach."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        theirs.set_inheritable(True)
+        return cls(source, connected=ours, **kwargs), theirs
+
     @property
     def port(self) -> int:
+        if self._listener is None:
+            raise PageServerError("this page server serves a connected socket, not a port")
         return int(self._listener.getsockname()[1])
 
     def start(self) -> PageServer:
@@ -117,23 +133,28 @@ class PageServer:
             if s is not None:
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
+        if self._listener is not None:
+            self._listener.close()
         if self._thread is not None:
             self._thread.join(10)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         try:
-            self._listener.settimeout(self._accept_timeout_s)
-            try:
-                conn, _ = self._listener.accept()
-            except TimeoutError:
-                self.stats.error = f"no lazy-pages daemon connected within {self._accept_timeout_s} s"
+            if self._listener is not None:
+                self._listener.settimeout(self._accept_timeout_s)
+                try:
+                    accepted, _ = self._listener.accept()
+                except TimeoutError:
+                    self.stats.error = f"no lazy-pages daemon connected within {self._accept_timeout_s} s"
+                    return
+                self._listener.close()
+                accepted.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self._conn = accepted
+            conn = self._conn
+            if conn is None:
                 return
-            self._listener.close()
             conn.settimeout(None)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._conn = conn
             self.stats.connected_at = time.monotonic()
             with conn:
                 self._serve(conn)

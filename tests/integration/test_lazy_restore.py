@@ -95,12 +95,14 @@ def test_the_lazy_images_keep_only_what_the_restore_writes(dumped: tuple[lr.Box,
             src.close()
 
 
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
 def test_a_lazy_restore_runs_first_and_gets_every_page_from_the_page_server(
-    dumped: tuple[lr.Box, Path], box: lr.Box, tmp_path: Path
+    dumped: tuple[lr.Box, Path], box: lr.Box, tmp_path: Path, transport: str
 ) -> None:
+    """Over a socketpair (the daemon's --ps-socket: what the agent should use) and over TCP on loopback."""
     _, images = dumped
     prepared = lr.prepare(images, tmp_path / "lazy")
-    lazy = lr.restore_lazy(box, images, prepared, tmp_path / "work")
+    lazy = lr.restore_lazy(box, images, prepared, tmp_path / "work", transport=transport)
     try:
         # the process runs before its memory is back: it checks its pattern through page faults
         assert box.verify() == lr.expected_sum(SIZE, box.seed), lazy.daemon_log()

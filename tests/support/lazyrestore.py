@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from shim.criu.lazyimages import ImagePageSource, LazyImages, prepare_lazy_images
 from shim.criu.pageproto import PageSource
@@ -244,21 +245,32 @@ def restore_lazy(
     request_timeout_s: float = 30.0,
     retries: int = 3,
     record: bool = False,
+    transport: str = "unix",
 ) -> LazyRestore:
     """Start the page server and `criu lazy-pages`, then `runc restore -d --lazy-pages`; returns once the
     restore has (the process runs; its pages come on demand and in the background)."""
     work.mkdir(parents=True, exist_ok=True)
     src = source if source is not None else ImagePageSource(str(images), prepared.tasks)
-    server = PageServer(
-        src, criu_version=criu_version(), on_failure=on_failure, request_timeout_s=request_timeout_s,
-        retries=retries, retry_delay_s=0.1, record=record,
-    ).start()  # fmt: skip
+    opts: dict[str, Any] = {
+        "criu_version": criu_version(), "on_failure": on_failure, "request_timeout_s": request_timeout_s,
+        "retries": retries, "retry_delay_s": 0.1, "record": record,
+    }  # fmt: skip
+    fds: tuple[int, ...] = ()
+    if transport == "unix":  # a socketpair: the daemon's end is its --ps-socket
+        server, theirs = PageServer.over_socketpair(src, **opts)
+        where, fds = ["--ps-socket", str(theirs.fileno())], (theirs.fileno(),)
+    else:
+        server, theirs = PageServer(src, **opts), None
+        where = ["--address", "127.0.0.1", "--port", str(server.port)]
+    server.start()
     started = time.monotonic()
     daemon = subprocess.Popen(
-        ["criu", "lazy-pages", "--page-server", "--address", "127.0.0.1", "--port", str(server.port),
-         "-D", prepared.images_dir, "-W", str(work), "-o", "lazy-pages.log", "-v4"],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work,
+        ["criu", "lazy-pages", "--page-server", *where, "-D", prepared.images_dir, "-W", str(work),
+         "-o", "lazy-pages.log", "-v4"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=work, pass_fds=fds,
     )  # fmt: skip
+    if theirs is not None:
+        theirs.close()
     lazy = LazyRestore(
         server=server, daemon=daemon, work=work, started=started, running_s=0.0, restore_s=0.0, prepared=prepared
     )

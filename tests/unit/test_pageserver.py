@@ -173,3 +173,20 @@ def test_garbage_and_a_daemon_that_leaves_without_close_are_errors() -> None:
 def test_no_daemon_connecting_is_reported() -> None:
     server = PageServer(Source(), criu_version="4.2.1", accept_timeout_s=0.1).start()
     assert "no lazy-pages daemon connected" in (server.wait(5).error or "")
+
+
+def test_a_socketpair_server_answers_force_close_and_has_no_port() -> None:
+    """``criu lazy-pages --ps-socket FD`` uses the socket it is given and ends with PS_IOV_FORCE_CLOSE."""
+    server, theirs = PageServer.over_socketpair(Source(), criu_version="4.2.1")
+    assert theirs.get_inheritable() and theirs.family == socket.AF_UNIX
+    with pytest.raises(Exception, match="not a port"):
+        _ = server.port
+    server.start()
+    with theirs:
+        theirs.sendall(pp.get_request(1, 0x1000, 2).encode(L))
+        assert pp.decode_iov(recv_exact(theirs, L.size), L).nr_pages == 2
+        assert recv_exact(theirs, 2 * PAGE_SIZE) == page(1, 0x1000) + page(1, 0x1000 + PAGE_SIZE)
+        theirs.sendall(pp.Iov(pp.PS_IOV_FORCE_CLOSE).encode(L))
+        assert recv_exact(theirs, 4) == pp.close_reply(0)
+    stats = server.wait(5)
+    assert stats.error is None and stats.closed_at is not None and stats.pages == 2
