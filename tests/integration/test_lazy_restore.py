@@ -249,3 +249,40 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
     except OSError:
         return True
+
+
+@pytest.fixture(scope="module")
+def dumped_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[lr.Box, Path]]:
+    _require()
+    base = tmp_path_factory.mktemp("lazy-tree")
+    box = lr.Box(base, f"ks-lazy-tree-{os.getpid()}", size=64 << 20, child=True).make()
+    box.run()
+    box.checkpoint(base / "images", base / "dump-work")
+    try:
+        yield box, base / "images"
+    finally:
+        box.kill()
+        box.remove()
+
+
+def test_a_process_tree_is_restored_lazily(dumped_tree: tuple[lr.Box, Path], tmp_path: Path) -> None:
+    """A parent and its child sharing most of the pattern copy-on-write (the child rewrote a quarter):
+    the daemon asks for each task's pages by its pid; both come back whole."""
+    box, images = dumped_tree
+    prepared = lr.prepare(images, tmp_path / "lazy")
+    assert len(prepared.tasks) == 2
+    lazy = lr.restore_lazy(box, images, prepared, tmp_path / "work", record=True)
+    try:
+        want, want_child = lr.expected_sum(box.size, box.seed), lr.expected_child_sum(box.size, box.seed)
+        assert box.verify() == want, lazy.daemon_log()
+        assert box.verify(prefix="c") == want_child, lazy.daemon_log()
+        lazy.wait_resident()
+        assert lazy.daemon.returncode == 0, lazy.daemon_log()
+        stats = lazy.server.wait(10)
+        assert stats.error is None and stats.closed_at is not None
+        assert {dst for dst, _, _ in stats.served} == set(prepared.tasks)
+        assert box.verify() == want and box.verify(prefix="c") == want_child
+    finally:
+        lazy.close()
+        box.kill()
+        box.remove()

@@ -26,6 +26,10 @@ from shim.criu.pageserver import PageServer
 
 # the container's program: `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
 # 50 ms (it stops while the program waits for a page); on /data/verify, the SHA-256 of the bytearray
+# the container's program: `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
+# 50 ms (it stops while the program waits for a page); on /data/verify, the SHA-256 of the bytearray.
+# With "child": a forked child shares the pattern copy-on-write but for its last quarter, which it
+# rewrites (Random(seed + 1)), and does the same under the names c<name>.
 WORKLOAD = textwrap.dedent(
     """
     import hashlib, os, random, sys, time
@@ -37,17 +41,30 @@ WORKLOAD = textwrap.dedent(
         with open(f"/data/{name}.tmp", "w") as f:
             f.write(text)
         os.replace(f"/data/{name}.tmp", f"/data/{name}")
-    put("sum0", hashlib.sha256(buf).hexdigest())
+    prefix = ""
+    if sys.argv[3:] == ["child"] and os.fork() == 0:
+        prefix, q = "c", size * 3 // 4
+        buf[q:] = random.Random(seed + 1).randbytes(size - q)
+    put(prefix + "sum0", hashlib.sha256(buf).hexdigest())
     i = 0
     while True:
         i += 1
-        put("n", str(i))
-        if os.path.exists("/data/verify"):
-            os.unlink("/data/verify")
-            put("sum", hashlib.sha256(buf).hexdigest())
+        put(prefix + "n", str(i))
+        if os.path.exists(f"/data/{prefix}verify"):
+            os.unlink(f"/data/{prefix}verify")
+            put(prefix + "sum", hashlib.sha256(buf).hexdigest())
         time.sleep(0.05)
     """
 )
+
+
+def expected_child_sum(size: int, seed: int) -> str:
+    """The SHA-256 of the child's copy: the pattern, its last quarter from Random(seed + 1)."""
+    r, h, q = random.Random(seed), hashlib.sha256(), size * 3 // 4
+    for off in range(0, q, 16 << 20):
+        h.update(r.randbytes(min(16 << 20, size - off))[: q - off])
+    h.update(random.Random(seed + 1).randbytes(size - q))
+    return h.hexdigest()
 
 
 def expected_sum(size: int, seed: int) -> str:
@@ -78,6 +95,7 @@ class Box:
     name: str
     size: int
     seed: int = 44
+    child: bool = False
 
     @property
     def bundle(self) -> Path:
@@ -108,6 +126,8 @@ class Box:
         spec = json.loads((self.bundle / "config.json").read_text())
         spec["process"]["terminal"] = False
         spec["process"]["args"] = ["/usr/bin/python3", "/data/work.py", str(self.size), str(self.seed)]
+        if self.child:
+            spec["process"]["args"].append("child")
         spec["root"]["readonly"] = False
         for dest, src, opts in (("/usr", "/usr", ["rbind", "ro"]), ("/etc", "/etc", ["rbind", "ro"])):
             spec["mounts"].append({"destination": dest, "type": "bind", "source": src, "options": opts})
@@ -134,11 +154,14 @@ class Box:
 
     def run(self) -> None:
         for f in ("sum0", "sum", "n", "verify"):
-            (self.data / f).unlink(missing_ok=True)
+            for prefix in ("", "c"):
+                (self.data / (prefix + f)).unlink(missing_ok=True)
         res = self.runc("run", "-d", "--bundle", str(self.bundle), "--pid-file", str(self.pid_file), self.name)
         if res.returncode:
             raise AssertionError(f"runc run failed: {res.stdout}")
         self.wait_for(lambda: (self.data / "sum0").exists(), 120, "the workload's pattern")
+        if self.child:
+            self.wait_for(lambda: (self.data / "csum0").exists(), 120, "the workload child's pattern")
 
     def pid(self) -> int:
         return int(self.pid_file.read_text().strip())
@@ -157,12 +180,12 @@ class Box:
                 raise AssertionError(f"timed out after {timeout} s waiting for {what}")
             time.sleep(0.02)
 
-    def verify(self, timeout: float = 120) -> str:
-        """The SHA-256 the running program computes over its pattern now."""
-        (self.data / "sum").unlink(missing_ok=True)
-        (self.data / "verify").write_text("")
-        self.wait_for(lambda: (self.data / "sum").exists(), timeout, "the workload's checksum")
-        return (self.data / "sum").read_text().strip()
+    def verify(self, timeout: float = 120, *, prefix: str = "") -> str:
+        """The SHA-256 the running program (prefix "c": its child) computes over its pattern now."""
+        (self.data / f"{prefix}sum").unlink(missing_ok=True)
+        (self.data / f"{prefix}verify").write_text("")
+        self.wait_for(lambda: (self.data / f"{prefix}sum").exists(), timeout, "the workload's checksum")
+        return (self.data / f"{prefix}sum").read_text().strip()
 
     def checkpoint(self, images: Path, work: Path) -> None:
         images.mkdir(parents=True)
