@@ -81,6 +81,17 @@ def test_the_lazy_images_keep_only_what_the_restore_writes(dumped: tuple[lr.Box,
     assert (tmp_path / "lazy" / pages).stat().st_size == prepared.kept_bytes < (images / pages).stat().st_size // 4
     lazy_flags = [e["flags"] for e in _load(_pycriu_images(), str(tmp_path / "lazy" / f"pagemap-{task.pid}.img"))[1:]]
     assert set(lazy_flags) == {PE_LAZY, PE_PRESENT}
+    # each thread's stack-pointer page stays with the restore (CRIU's is_stack), the rest of its stack is lazy
+    (entry,) = _load(_pycriu_images(), str(images / "pstree.img"))
+    assert len(entry["threads"]) == 2
+    for tid in entry["threads"]:
+        sp = _load(_pycriu_images(), str(images / f"core-{tid}.img"))[0]["thread_info"]["gpregs"]["sp"]
+        page = sp & ~(PAGE_SIZE - 1)
+        assert any(r.vaddr <= page < r.end for r in task.layout.kept), hex(sp)
+        assert not any(r.vaddr <= page < r.end for r in task.layout.lazy), hex(sp)
+        assert any(r.vaddr <= page - PAGE_SIZE < r.end for r in task.layout.lazy) or any(
+            r.vaddr <= page + PAGE_SIZE < r.end for r in task.layout.lazy
+        ), hex(sp)
     # what is kept is the original's bytes, in order; what is lazy, the source reads from the original
     with open(images / pages, "rb") as orig, open(tmp_path / "lazy" / pages, "rb") as kept:
         for r in task.layout.kept:

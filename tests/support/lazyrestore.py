@@ -24,16 +24,17 @@ from shim.criu.lazyimages import ImagePageSource, LazyImages, prepare_lazy_image
 from shim.criu.pageproto import PageSource
 from shim.criu.pageserver import PageServer
 
-# the container's program: `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
+# the container's program (two threads): `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
 # 50 ms (it stops while the program waits for a page); on /data/verify, the SHA-256 of the bytearray
-# the container's program: `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
+# the container's program (two threads): `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
 # 50 ms (it stops while the program waits for a page); on /data/verify, the SHA-256 of the bytearray.
 # With "child": a forked child shares the pattern copy-on-write but for its last quarter, which it
 # rewrites (Random(seed + 1)), and does the same under the names c<name>.
 WORKLOAD = textwrap.dedent(
     """
-    import hashlib, os, random, sys, time
+    import hashlib, os, random, sys, threading, time
     size, seed = int(sys.argv[1]), int(sys.argv[2])
+    threading.Thread(target=time.sleep, args=(86400,), daemon=True).start()  # a second stack
     r, buf = random.Random(seed), bytearray(size)
     for off in range(0, size, 16 << 20):  # randbytes takes at most 256 MiB at once
         buf[off : off + (16 << 20)] = r.randbytes(min(16 << 20, size - off))
