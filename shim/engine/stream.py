@@ -338,38 +338,12 @@ def fetch_chunks(
                 setattr(_local, name, buf)
             return buf
 
-        def blob_into(digest: str, size: int, raw_length: int, what: str, out: bytearray) -> int:
-            """Download one blob whole, verified (digest, size), opened, and decompress it into `out`,
-            exactly `raw_length` bytes; returns that length."""
-            fetched = Into(scratch("fetched"), size)
-            registry.fetch_blob(ref, digest, cast(BinaryIO, fetched), expected_size=size, max_size=size)
-            with fetched.view() as sealed:
-                if opener is None:
-                    got = _decompressed(sealed, out, raw_length, what, digest)
-                else:  # decrypted into this worker's scratch buffer, every segment authenticated first
-                    with opener.open_chunk(digest, sealed, into=scratch("opened")) as blob:
-                        got = _decompressed(blob, out, raw_length, what, digest)
-            if got != raw_length:
-                held = f"more than {raw_length}" if got > raw_length else str(got)
-                raise DigestMismatch(f"{what} {digest} holds {held} bytes, the snapshot says {raw_length}", hint=_HINT)
-            return got
-
         def one(job: tuple[Chunk, list[tuple[str, int]]]) -> None:
             if cancelled is not None and cancelled.is_set():
                 raise FetchCancelled("the restore's staging stopped")
             c, places = job  # c: the chunk at its first place
             name = places[0][0]
-            d = c.delta
-            buf = scratch("raw")
-            blob_into(c.digest, c.size, d.base_length if d else c.length, f"chunk of {name}", buf)
-            raw: bytes | bytearray = buf
-            if d is not None:
-                delta = bytearray()
-                blob_into(d.digest, d.size, delta_raw_length(d.pages, d.copies), f"page delta of {name}", delta)
-                where = f"page delta {d.digest} of {name} (offset {c.offset})"
-                with memoryview(buf)[: d.base_length] as base:
-                    raw = apply_delta(base, delta[: delta_raw_length(d.pages, d.copies)], length=c.length,
-                                      literals=d.pages, copies=d.copies, where=where)  # fmt: skip
+            raw = chunk_content(registry, ref, c, what=name, opener=opener, buffer=scratch)
             runs = nonzero_runs(raw, c.length)
             with memoryview(raw) as view:
                 write_runs(fds[name], view, runs, c.offset)
@@ -386,6 +360,49 @@ def fetch_chunks(
             os.close(fd)
         os.close(dfd)
     return total.value
+
+
+def chunk_content(
+    registry: Registry,
+    ref: Reference,
+    c: Chunk,
+    *,
+    what: str,
+    opener: Opener | None = None,
+    buffer: Callable[[str], bytearray] = lambda _name: bytearray(),
+) -> bytes | bytearray:
+    """One chunk's pages, `c.length` bytes (what a buffer holds past them is not the chunk's): its blob
+    downloaded whole, verified (digest, size), opened (`opener`: every segment authenticated) and
+    decompressed to exactly its recorded length; with a page delta (format v4), its base so made and the
+    delta's pages put in (core/pagedelta.apply_delta checks its page list). `buffer(name)` gives the
+    scratch buffers ("raw", "fetched", "opened") a caller keeps from chunk to chunk; fresh ones by
+    default. Staging writes the result to the page file (fetch_chunks); a lazy restore serves pages from
+    it (shim/engine/lazysource.py)."""
+
+    def blob_into(digest: str, size: int, raw_length: int, kind: str, out: bytearray) -> None:
+        fetched = Into(buffer("fetched"), size)
+        registry.fetch_blob(ref, digest, cast(BinaryIO, fetched), expected_size=size, max_size=size)
+        with fetched.view() as sealed:
+            if opener is None:
+                got = _decompressed(sealed, out, raw_length, kind, digest)
+            else:  # decrypted into the scratch buffer, every segment authenticated first
+                with opener.open_chunk(digest, sealed, into=buffer("opened")) as blob:
+                    got = _decompressed(blob, out, raw_length, kind, digest)
+        if got != raw_length:
+            held = f"more than {raw_length}" if got > raw_length else str(got)
+            raise DigestMismatch(f"{kind} {digest} holds {held} bytes, the snapshot says {raw_length}", hint=_HINT)
+
+    d = c.delta
+    buf = buffer("raw")
+    blob_into(c.digest, c.size, d.base_length if d else c.length, f"chunk of {what}", buf)
+    if d is None:
+        return buf
+    delta = bytearray()
+    blob_into(d.digest, d.size, delta_raw_length(d.pages, d.copies), f"page delta of {what}", delta)
+    where = f"page delta {d.digest} of {what} (offset {c.offset})"
+    with memoryview(buf)[: d.base_length] as base:
+        return apply_delta(base, delta[: delta_raw_length(d.pages, d.copies)], length=c.length,
+                           literals=d.pages, copies=d.copies, where=where)  # fmt: skip
 
 
 def _decompressed(blob: memoryview, out: bytearray, raw_length: int, what: str, digest: str) -> int:

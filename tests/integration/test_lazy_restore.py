@@ -8,6 +8,7 @@ built on (shim/criu/pageserver.py). Root; run under ``flock /run/ks-e2e.lock``."
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import signal
@@ -15,13 +16,20 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import zstandard
 
+from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core.chunks import Chunk, PagesFile
+from kubectl_snapshot.core.reference import Reference
 from shim.criu.images import _load, _pycriu_images
 from shim.criu.lazyimages import ImagePageSource
 from shim.criu.pageproto import PAGE_SIZE, PE_LAZY, PE_PRESENT
+from shim.engine.lazysource import ChunkPageSource, from_registry
 from tests.support import lazyrestore as lr
+from tests.support.registry import RegistryServer, registry_server
 
 SIZE = 128 << 20
 
@@ -297,3 +305,48 @@ def test_a_process_tree_is_restored_lazily(dumped_tree: tuple[lr.Box, Path], tmp
         lazy.close()
         box.kill()
         box.remove()
+
+
+def test_a_lazy_restore_gets_its_pages_from_the_registrys_chunks(
+    dumped: tuple[lr.Box, Path], box: lr.Box, tmp_path: Path, registry: RegistryServer
+) -> None:
+    """The page source a lazy restore from a snapshot uses (shim/engine/lazysource.py): the dump's pages
+    image cut into zstd chunks pushed to a real registry, each fetched whole (verified) on the first
+    request that falls in it; the pattern comes back byte for byte and each chunk was downloaded once."""
+    _, images = dumped
+    prepared = lr.prepare(images, tmp_path / "lazy")
+    (task,) = prepared.tasks.values()
+    name = f"pages-{task.pages_id}.img"
+    client = RegistryClient(plain_http=True)
+    ref = Reference.parse(f"{registry.host}/lazy/chunks-{os.getpid()}@sha256:" + "0" * 64)
+    chunks, span = [], 4 << 20
+    with open(images / name, "rb") as f:
+        offset = 0
+        while data := f.read(span):
+            z = zstandard.ZstdCompressor(level=1).compress(data)
+            digest = "sha256:" + hashlib.sha256(z).hexdigest()
+            client.push_blob(ref, digest=digest, size=len(z), data=z)
+            chunks.append(Chunk(offset, len(data), digest, len(z)))
+            offset += len(data)
+    pf = PagesFile(name, offset, tuple(chunks))
+    fetched: list[str] = []
+
+    class Counting(RegistryClient):
+        def fetch_blob(self, ref: Reference, digest: str, out: Any, **kw: Any) -> int:
+            fetched.append(digest)
+            return super().fetch_blob(ref, digest, out, **kw)
+
+    source = ChunkPageSource(prepared.tasks, {name: pf}, from_registry(Counting(plain_http=True), ref))
+    lazy = lr.restore_lazy(box, images, prepared, tmp_path / "work", source=source)
+    try:
+        assert box.verify() == lr.expected_sum(SIZE, box.seed), lazy.daemon_log()
+        lazy.wait_resident()
+        stats = lazy.server.wait(10)
+        assert stats.error is None and stats.closed_at is not None, stats
+        assert box.verify() == lr.expected_sum(SIZE, box.seed)
+        lazy_chunks = {c.digest for c in chunks if any(
+            r.offset < c.offset + c.length and c.offset < r.offset + r.nr_pages * PAGE_SIZE for r in task.layout.lazy
+        )}  # fmt: skip
+        assert sorted(fetched) == sorted(lazy_chunks)  # each chunk holding lazy pages, once (the cache holds all)
+    finally:
+        lazy.close()

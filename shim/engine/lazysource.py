@@ -1,0 +1,117 @@
+"""A lazy restore's pages, served from the snapshot's chunks in the registry (docs/lazy-restore.md).
+
+The page server (shim/criu/pageserver.py) asks its PageSource for the pages of a task at an address; this
+source finds them in the task's pages file (the lazy ranges of shim/criu/lazyimages.py map addresses to
+offsets) and that offset in the chunks that tile the file (the config's ``containers[].pages[].chunks``).
+A chunk is one zstd frame verified whole by its digest (docs/format.md), so the first request that falls
+in a chunk downloads all of it, verified, opened and with its page delta applied exactly as staging does
+(stream.chunk_content); later requests are answered from memory, and an answer never crosses a chunk's
+end (the daemon asks again for the rest). Chunks are kept up to a byte budget, least recently used
+first out; two requests in one chunk download it once. Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+
+from kubectl_snapshot.core.chunks import Chunk, PagesFile
+from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import Opener
+from shim.criu.lazyimages import TaskLayout
+from shim.criu.pageproto import PAGE_SIZE, RangeIndex
+from shim.engine import stream
+from shim.engine.node_ports import Registry
+
+DEFAULT_CACHE_BYTES = 256 << 20  # 16 chunks of the largest span
+
+
+class ChunkPageSource:
+    """A PageSource over the lazy ranges of `tasks`, read from the chunks of their pages files (`files`,
+    by name: ``pages-<id>.img``); `fetch(chunk, what)` gives a chunk's `length` bytes (verified)."""
+
+    def __init__(
+        self,
+        tasks: Mapping[int, TaskLayout],
+        files: Mapping[str, PagesFile],
+        fetch: Callable[[Chunk, str], bytes | bytearray],
+        *,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> None:
+        self._index = RangeIndex({pid: t.layout.lazy for pid, t in tasks.items()})
+        self._file_of: dict[int, PagesFile] = {}
+        for pid, t in tasks.items():
+            name = f"pages-{t.pages_id}.img"
+            pf = files.get(name)
+            if pf is None:
+                raise KeyError(f"task {pid}'s {name} is not among the snapshot's page files")
+            self._file_of[pid] = pf
+        self._starts = {pf.name: [c.offset for c in pf.chunks] for pf in files.values()}
+        self._fetch = fetch
+        self._budget = cache_bytes
+        self._cached: OrderedDict[tuple[str, int], bytes | bytearray] = OrderedDict()
+        self._held = 0
+        self._lock = threading.Lock()
+        self._loading: dict[tuple[str, int], threading.Lock] = {}
+        self.fetched = 0  # chunks downloaded (a chunk pushed out of the cache and asked again counts twice)
+
+    def pages(self, dst_id: int, vaddr: int, nr_pages: int) -> bytes | bytearray | memoryview:
+        offset, n = self._index.find(dst_id, vaddr, nr_pages)
+        pf = self._file_of[dst_id]
+        chunk = self._chunk_at(pf, offset)
+        within = offset - chunk.offset
+        n = min(n, (chunk.length - within) // PAGE_SIZE)
+        if n < 1:
+            raise OSError(f"{pf.name}: offset {offset} is not in a whole page of its chunk at {chunk.offset}")
+        data = self._content(pf, chunk)
+        return memoryview(data)[within : within + n * PAGE_SIZE]
+
+    def total_pages(self) -> int:
+        return self._index.total_pages()
+
+    def _chunk_at(self, pf: PagesFile, offset: int) -> Chunk:
+        i = bisect.bisect_right(self._starts[pf.name], offset) - 1
+        if i < 0 or offset >= pf.chunks[i].offset + pf.chunks[i].length:
+            raise OSError(f"{pf.name}: no chunk holds offset {offset}; the snapshot's chunks do not tile the file")
+        return pf.chunks[i]
+
+    def _content(self, pf: PagesFile, chunk: Chunk) -> bytes | bytearray:
+        key = (pf.name, chunk.offset)
+        with self._lock:
+            hit = self._cached.get(key)
+            if hit is not None:
+                self._cached.move_to_end(key)
+                return hit
+            loading = self._loading.setdefault(key, threading.Lock())
+        with loading:  # one download per chunk; the others wait for it
+            with self._lock:
+                hit = self._cached.get(key)
+                if hit is not None:
+                    return hit
+            data = self._fetch(chunk, pf.name)
+            if len(data) < chunk.length:
+                raise OSError(f"{pf.name}: the chunk at {chunk.offset} gave {len(data)} bytes of {chunk.length}")
+            data = data[: chunk.length] if len(data) > chunk.length else data
+            with self._lock:
+                self.fetched += 1
+                self._cached[key] = data
+                self._held += chunk.length
+                while self._held > self._budget and len(self._cached) > 1:
+                    _key, old = self._cached.popitem(last=False)
+                    self._held -= len(old)
+                self._loading.pop(key, None)
+            return data
+
+
+def from_registry(
+    registry: Registry, ref: Reference, opener: Opener | None = None
+) -> Callable[[Chunk, str], bytearray]:
+    """The `fetch` of a ChunkPageSource over a snapshot in a registry (`opener`: a sealed snapshot's)."""
+
+    def fetch(chunk: Chunk, what: str) -> bytearray:
+        data = stream.chunk_content(registry, ref, chunk, what=what, opener=opener)
+        return data if isinstance(data, bytearray) else bytearray(data)
+
+    return fetch

@@ -1,0 +1,166 @@
+"""A lazy restore's pages served from a snapshot's chunks (shim/engine/lazysource.py): the bytes are the
+page file's, as staging would write it; an answer ends at its chunk's end; a chunk is downloaded once
+however many requests fall in it (at once too), and again only after the cache let it go; what is not a
+lazy page is refused as the page server expects. Through the page server: the last test. With real CRIU:
+tests/integration/test_lazy_restore.py (a dump's own pages image as the source)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zstandard
+
+from kubectl_snapshot.core.chunks import PAGE_SIZE, Chunk, PagesFile
+from kubectl_snapshot.core.errors import DigestMismatch
+from kubectl_snapshot.core.reference import Reference
+from shim.criu import pageproto as pp
+from shim.criu.lazyimages import TaskLayout
+from shim.criu.pageproto import LazyLayout, PageRange
+from shim.criu.pageserver import PageServer
+from shim.engine import stream
+from shim.engine.lazysource import ChunkPageSource, from_registry
+
+P = PAGE_SIZE
+REF = Reference.parse("reg.example/ns/app@sha256:" + "0" * 64)
+HEAP = 0x7F0000000000
+
+
+class Blobs:
+    """A registry's blob reads (digest -> bytes), counted; `slow` holds each read that long."""
+
+    def __init__(self, blobs: dict[str, bytes], slow: float = 0.0) -> None:
+        self.blobs, self.slow = blobs, slow
+        self.fetched: list[str] = []
+
+    def fetch_blob(self, ref: object, digest: str, out: Any, **_: Any) -> int:
+        self.fetched.append(digest)
+        time.sleep(self.slow)
+        out.write(self.blobs[digest])
+        return len(self.blobs[digest])
+
+
+def chunked(raw: bytes, span: int) -> tuple[PagesFile, dict[str, bytes]]:
+    """pages-1.img of `raw`, in chunks of `span` bytes, and their blobs."""
+    chunks, blobs = [], {}
+    for off in range(0, len(raw), span):
+        z = zstandard.ZstdCompressor(level=1).compress(raw[off : off + span])
+        d = "sha256:" + hashlib.sha256(z).hexdigest()
+        blobs[d] = z
+        chunks.append(Chunk(off, len(raw[off : off + span]), d, len(z)))
+    return PagesFile("pages-1.img", len(raw), tuple(chunks)), blobs
+
+
+def task(*ranges: PageRange) -> dict[int, TaskLayout]:
+    return {1: TaskLayout(pid=1, pages_id=1, layout=LazyLayout(entries=(), kept=(), lazy=ranges))}
+
+
+RAW = os.urandom(24 * P)  # the page file: 3 chunks of 8 pages
+# task 1's lazy pages: 4 pages at HEAP (file pages 2-5), 16 at HEAP + 1 MiB (file pages 6-21)
+LAZY = (PageRange(HEAP, 4, 2 * P), PageRange(HEAP + (1 << 20), 16, 6 * P))
+
+
+def source(blobs: Blobs, pf: PagesFile, **kw: Any) -> ChunkPageSource:
+    return ChunkPageSource(task(*LAZY), {pf.name: pf}, from_registry(blobs, REF), **kw)  # type: ignore[arg-type]
+
+
+def test_pages_are_the_page_files_bytes_and_an_answer_ends_at_its_chunks_end(tmp_path: Path) -> None:
+    pf, z = chunked(RAW, 8 * P)
+    blobs = Blobs(z)
+    src = source(blobs, pf)
+    # what staging writes is what the source serves
+    stream.fetch_chunks(Blobs(z), REF, [pf], str(tmp_path))  # type: ignore[arg-type]
+    staged = (tmp_path / "pages-1.img").read_bytes()
+    assert staged == RAW
+    assert bytes(src.pages(1, HEAP, 4)) == staged[2 * P : 6 * P]
+    assert bytes(src.pages(1, HEAP + P, 2)) == staged[3 * P : 5 * P]
+    # file pages 6-21 span three chunks: each answer stops at a chunk's end, the daemon asks again
+    second = HEAP + (1 << 20)
+    assert bytes(src.pages(1, second, 16)) == staged[6 * P : 8 * P]
+    assert bytes(src.pages(1, second + 2 * P, 14)) == staged[8 * P : 16 * P]
+    assert bytes(src.pages(1, second + 10 * P, 6)) == staged[16 * P : 22 * P]
+    assert sorted(blobs.fetched) == sorted(z)  # three chunks, each downloaded once for five requests
+    assert src.fetched == 3 and src.total_pages() == 20
+
+
+def test_what_is_not_a_lazy_page_is_refused_as_the_page_server_expects() -> None:
+    pf, z = chunked(RAW, 8 * P)
+    src = source(Blobs(z), pf)
+    for dst, vaddr in ((1, HEAP + 4 * P), (1, HEAP - P), (2, HEAP), (1, HEAP + 1)):
+        with pytest.raises(KeyError):
+            src.pages(dst, vaddr, 1)
+    with pytest.raises(KeyError, match=r"pages-9\.img"):  # a task whose pages file the snapshot lacks
+        ChunkPageSource(
+            {1: TaskLayout(pid=1, pages_id=9, layout=LazyLayout((), (), LAZY))}, {pf.name: pf}, lambda c, w: b""
+        )
+
+
+def test_a_chunk_the_cache_let_go_is_downloaded_again_and_a_kept_one_is_not() -> None:
+    pf, z = chunked(RAW, 8 * P)
+    blobs = Blobs(z)
+    src = source(blobs, pf, cache_bytes=8 * P)  # room for one chunk
+    second = HEAP + (1 << 20)
+    src.pages(1, second, 1)  # chunk 0
+    src.pages(1, second + 2 * P, 1)  # chunk 1: chunk 0 goes
+    src.pages(1, second + 3 * P, 1)  # chunk 1 again: kept
+    src.pages(1, second, 1)  # chunk 0 again: downloaded again
+    assert src.fetched == 3 and len(blobs.fetched) == 3
+
+
+def test_requests_in_one_chunk_at_once_download_it_once() -> None:
+    pf, z = chunked(RAW, 8 * P)
+    blobs = Blobs(z, slow=0.2)
+    src = source(blobs, pf)
+    got: list[bytes] = []
+    threads = [threading.Thread(target=lambda i=i: got.append(bytes(src.pages(1, HEAP + i * P, 1)))) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert sorted(got) == sorted(RAW[(2 + i) * P : (3 + i) * P] for i in range(4))
+    assert len(blobs.fetched) == 1
+
+
+def test_a_chunk_that_is_not_what_its_digest_says_is_an_error_and_not_kept() -> None:
+    pf, z = chunked(RAW, 8 * P)
+    first = pf.chunks[0].digest
+    bad = dict(z)
+    bad[first] = b"not zstd"
+    src = source(Blobs(bad), pf)
+    with pytest.raises(DigestMismatch):
+        src.pages(1, HEAP, 1)
+    with pytest.raises(DigestMismatch):  # asked again (the page server retries): fetched again, refused again
+        src.pages(1, HEAP, 1)
+    assert src.fetched == 0
+
+
+def test_the_page_server_serves_a_task_from_the_chunks() -> None:
+    pf, z = chunked(RAW, 8 * P)
+    server, theirs = PageServer.over_socketpair(source(Blobs(z), pf), criu_version="4.2.1")
+    server.start()
+    layout = pp.LAYOUT_32
+    with theirs:
+        second = HEAP + (1 << 20)
+        theirs.sendall(pp.get_request(1, second, 16).encode(layout))
+        reply = pp.decode_iov(_recv(theirs, layout.size), layout)
+        assert reply == pp.Iov(pp.PS_IOV_ADD_F, 2, second, 1, flags=pp.PE_PRESENT)  # up to chunk 0's end
+        assert _recv(theirs, 2 * P) == RAW[6 * P : 8 * P]
+        theirs.sendall(pp.Iov(pp.PS_IOV_FORCE_CLOSE).encode(layout))
+        assert _recv(theirs, 4) == pp.close_reply(0)
+    stats = server.wait(5)
+    assert stats.error is None and stats.pages == 2
+
+
+def _recv(s: Any, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        part = s.recv(n - len(buf))
+        if not part:
+            break
+        buf += part
+    return buf
