@@ -52,6 +52,29 @@ def load_or_create(state_dir: str) -> SigningKey:
     return again
 
 
+def replace(state_dir: str) -> SigningKey:
+    """A new key in place of the node's current one (retired by an administrator: its public key stays
+    listed in the trust ConfigMap with its not-after, so what it signed before still verifies). The new
+    file is renamed over the old one: a reader sees one key or the other, never a partial file."""
+    directory = os.path.join(state_dir, KEY_DIR)
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    path = os.path.join(directory, KEY_FILE)
+    key = SigningKey.generate()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(key.to_pem())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return key
+
+
 def _read(path: str) -> SigningKey | None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import stat
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 from kubectl_snapshot.adapters.keystore import FileKeyProvider
 from kubectl_snapshot.adapters.signatures import sign_snapshot, trust_from_data, verify_for_restore
 from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import NotFound, PermissionDenied, Unavailable
 from kubectl_snapshot.core.model import HostFacts, parse_config
 from kubectl_snapshot.core.oci import parse_manifest
@@ -188,6 +190,38 @@ def test_a_save_is_signed_with_the_nodes_own_key_which_verifies_for_that_node(tm
     worker(kube, cd, reg, tmp_path).run(snapshot(), pod())
     assert verify_for_restore(reg, saved(kube, reg), "team", "pod-uid", trust_from_data(kube.trust)).key_id == kid
     assert len(kube.trust_patches) == 1
+
+
+def test_a_key_an_administrator_retired_is_replaced_before_it_signs_again(tmp_path: Path) -> None:
+    """Threat C10's legitimate case: retiring a node's key (`<id>.not-after`) must not make that node's
+    next saves unrestorable. The agent sees the retirement, makes a new key, registers it and signs with
+    it; the save before the retirement still verifies with the old key, the one after with the new."""
+    kube, cd, reg = Kube(), FakeContainerd({"a", "b"}), FakeRegistry()
+    worker(kube, cd, reg, tmp_path).run(snapshot(), pod())
+    before = saved(kube, reg)
+    assert kube.trust is not None
+    [old] = [k.removesuffix(".pub") for k in kube.trust if k.endswith(".pub")]
+    kube.trust[f"{old}.not-after"] = T.rfc3339(time.time() + 60)  # retired in a minute: replaced now
+    kube.statuses.clear()
+    worker(kube, cd, reg, tmp_path).run(snapshot(), pod())
+    after = saved(kube, reg)
+    trust = trust_from_data(kube.trust)
+    assert verify_for_restore(reg, before, "team", "pod-uid", trust).key_id == old  # signed before: still good
+    new = verify_for_restore(reg, after, "team", "pod-uid", trust)
+    assert new.verified and new.key_id != old and new.key_node == "n1"
+    assert kube.trust[f"{new.key_id}.node"] == "n1"
+
+
+def test_a_key_retired_later_signs_on_until_its_retirement_comes_near(tmp_path: Path) -> None:
+    kube, cd, reg = Kube(), FakeContainerd({"a", "b"}), FakeRegistry()
+    worker(kube, cd, reg, tmp_path).run(snapshot(), pod())
+    assert kube.trust is not None
+    [old] = [k.removesuffix(".pub") for k in kube.trust if k.endswith(".pub")]
+    kube.trust[f"{old}.not-after"] = T.rfc3339(time.time() + 86400)  # retired tomorrow
+    kube.statuses.clear()
+    worker(kube, cd, reg, tmp_path).run(snapshot(), pod())
+    assert verify_for_restore(reg, saved(kube, reg), "team", "pod-uid", trust_from_data(kube.trust)).key_id == old
+    assert len([k for k in kube.trust if k.endswith(".pub")]) == 1  # no new key
 
 
 def test_the_nodes_key_taken_off_the_node_cannot_vouch_for_another_node(tmp_path: Path) -> None:
