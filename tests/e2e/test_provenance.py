@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import uuid
 
 import pytest
@@ -96,3 +97,38 @@ def test_a_nodes_stolen_key_cannot_vouch_for_a_save_of_another_node(cluster, nam
     assert f"signed by the key of node {n1}" in proc.stderr and f"origin names node {n2}" in proc.stderr, proc.stderr
     forged = cluster.get_json("pod", "forged", "-n", ns)
     assert forged["metadata"]["annotations"][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_FAILED_PREFIX)
+
+
+def test_retiring_a_nodes_key_rotates_it_and_every_save_still_restores(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    """Threat C10's legitimate case on the real cluster: an administrator retires n1's key (its `not-after`
+    a minute away). n1's agent makes, registers and signs with a new key before it saves again, so the
+    save after the retirement restores, and so does the one before it (signed while the key served)."""
+    ns, (n1, n2) = namespace, cluster.nodes[:2]
+    cluster.apply(pod("rotor", ns, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+    running(cluster, ns, "rotor")
+    repo = f"{cluster.registry}/e2e/rotate-{ns}"
+
+    def save() -> Reference:
+        out = plugin("snapshot", "pod/rotor", "-n", ns, "--to", repo, "-o", "json")
+        return Reference.parse(json.loads(out.stdout)["status"]["reference"])
+
+    def signer(ref: Reference) -> str:
+        info = json.loads(plugin("inspect", str(ref), "-o", "json").stdout)["provenance"]
+        assert info["verified"], info
+        return str(info["keyId"])
+
+    before = save()
+    old = agent_signing_key(n1).public.id
+    assert signer(before) == old
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 60))
+    patch = json.dumps({"data": {f"{old}.not-after": when}})
+    # the old key's retirement stays (an administrator's entry): later tests' saves use n1's new key
+    cluster.kubectl("patch", "configmap", K.TRUST_CONFIG_MAP, "-n", K.AGENT_NAMESPACE, "--type", "merge", "-p", patch)
+    after = save()
+    new = agent_signing_key(n1).public.id
+    assert new != old and signer(after) == new
+    trust = cluster.get_json("configmap", K.TRUST_CONFIG_MAP, "-n", K.AGENT_NAMESPACE)["data"]
+    assert trust[f"{new}.node"] == n1 and trust[f"{old}.not-after"] == when
+    for name, ref in (("from-before", before), ("from-after", after)):
+        plugin("restore", str(ref), "-n", ns, "--name", name, "--node", n2)
+        running(cluster, ns, name)
