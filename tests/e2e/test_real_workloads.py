@@ -160,9 +160,9 @@ def test_a_restore_the_pod_cannot_take_is_refused_at_staging_and_by_dry_run(clus
     n1, n2 = cluster.nodes[:2]
     cluster.apply(pod("wide", namespace, cluster.busybox_image, {"counter": COUNTER}, node=n1))
     running(cluster, namespace, "wide")
+    tok, before = counter_value(cluster, namespace, "wide")  # read before the save: the save holds at least this
     out = plugin("snapshot", "pod/wide", "-n", namespace, "--to", f"{cluster.registry}/e2e/wide", "-o", "json")
     snap = json.loads(out.stdout)["metadata"]["name"]
-    tok, before = counter_value(cluster, namespace, "wide")
     # the bound's default capabilities are what this node's containerd really gives a default pod
     status = cluster.kubectl("exec", "-n", namespace, "wide", "--", "cat", "/proc/1/status").stdout
     bnd = int(next(x for x in status.splitlines() if x.startswith("CapBnd:")).split()[1], 16)

@@ -19,7 +19,9 @@ from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
 from kubectl_snapshot.core.reference import Reference
 from shim.containerd.client import ContainerdClient
+from shim.engine.staging import StatePaths
 from shim.host import facts as hostfacts
+from shim.host import memwork
 from tests.integration.test_agent_roundtrip import (
     AGENT,
     agent,
@@ -376,6 +378,11 @@ def test_the_agent_killed_before_the_manifest_put_leaves_no_tag_and_the_pod_runn
                 killed.wait(30)
         proxy.release()
         assert_still_running(a, cid)  # thawed by the guard, never stopped: --stop needs the pushed tag
+        # what the killed save left (its work directory, in the memory work area or on disk) goes when the
+        # node's agent starts again (recover_interrupted, as the DaemonSet's agent runs it at start)
+        agent("recover", *on(daemon))
+        area = memwork.area_dir(StatePaths.from_env().root)
+        assert not os.path.exists(area) or os.listdir(area) == [], os.listdir(area)
         tags = RegistryClient().list_tags(Reference.parse(registry.ref("b2", "v1")))
         assert "v1" not in tags and all(t.endswith(".sig") for t in tags), tags
         with pytest.raises(NotFound):
