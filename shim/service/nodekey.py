@@ -34,18 +34,7 @@ def load_or_create(state_dir: str) -> SigningKey:
     key = _read(path)
     if key is not None:
         return key
-    key = SigningKey.generate()
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(key.to_pem())
-            f.flush()
-            os.fsync(f.fileno())
-        with contextlib.suppress(FileExistsError):  # another agent made one first: use that one
-            os.link(tmp, path)
-    finally:
-        os.unlink(tmp)
+    _write_new(path, SigningKey.generate(), replace=False)
     again = _read(path)
     if again is None:
         raise FailedPrecondition(f"the node's signing key {path} vanished while it was made")
@@ -58,8 +47,14 @@ def replace(state_dir: str) -> SigningKey:
     file is renamed over the old one: a reader sees one key or the other, never a partial file."""
     directory = os.path.join(state_dir, KEY_DIR)
     os.makedirs(directory, mode=0o700, exist_ok=True)
-    path = os.path.join(directory, KEY_FILE)
     key = SigningKey.generate()
+    _write_new(os.path.join(directory, KEY_FILE), key, replace=True)
+    return key
+
+
+def _write_new(path: str, key: SigningKey, *, replace: bool) -> None:
+    """`key` written to a private temporary file, synced, then put at `path`: renamed over what is there
+    (`replace`), or linked only where nothing is (another agent's key, made first, stays)."""
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -67,12 +62,14 @@ def replace(state_dir: str) -> SigningKey:
             f.write(key.to_pem())
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
+        if replace:
+            os.replace(tmp, path)
+        else:
+            with contextlib.suppress(FileExistsError):  # another agent made one first: use that one
+                os.link(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):  # renamed into place
             os.unlink(tmp)
-        raise
-    return key
 
 
 def _read(path: str) -> SigningKey | None:

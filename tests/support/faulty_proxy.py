@@ -249,13 +249,7 @@ class FaultyProxy:
                     length -= len(got)
 
             def _fail(self, method: str, path: str) -> None:
-                self._read_body()
-                length = int(self.headers.get("Content-Length", "0") or 0)
-                while length > 0:
-                    got = self.rfile.read(min(PIECE, length))
-                    if not got:
-                        break
-                    length -= len(got)
+                self._drain()
                 payload = json.dumps(
                     {"errors": [{"code": "UNAVAILABLE", "message": f"injected failure {proxy.status}"}]}
                 ).encode()
