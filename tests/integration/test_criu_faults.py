@@ -23,7 +23,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -296,14 +296,16 @@ def _criu_of(cid: str) -> list[int]:
 BIG = "import os\nheld = bytearray(b'x') * (384 << 20)\ndef step(): pass\n"
 
 
-def test_criu_killed_from_outside_while_it_holds_the_lock_leaves_none(containerd_a, registry, cleanup, tmp_path):  # type: ignore[no-untyped-def]
-    """Threat A2 with an outside ``kill -9``: a container with 384 MiB of memory (its dump lasts a while),
-    the node's CRIU (no fault), killed by the test the moment its ``CRIU-*`` table is in the container's
-    namespace: the dump fails, the container counts on, no table is left."""
+def _dump_killed_under_lock(  # type: ignore[no-untyped-def]
+    containerd_a, registry, cleanup, tmp_path, name: str, victims: Callable[[str], list[int]]
+) -> tuple[ContainerdClient, str, int, list[int]]:
+    """A container of BIG memory dumped by the node's CRIU (no fault) while a thread SIGKILLs the processes
+    `victims(cid)` names the moment CRIU's ``CRIU-*`` table is in the container's namespace; the dump must
+    fail. Returns the client, the container, its pid and what was killed."""
     from tests.integration.test_uncheckpointable import start
 
     a = client(containerd_a)
-    cid = unique("a2kill")
+    cid = unique(name)
     cleanup(a, cid)
     start(a, containerd_a, cid, BIG, [])
     task = a.get_task(cid)
@@ -316,19 +318,27 @@ def test_criu_killed_from_outside_while_it_holds_the_lock_leaves_none(containerd
         while not stop.is_set() and not killed:
             with contextlib.suppress(OSError):
                 if criu_tables(pid):
-                    for criu_pid in _criu_of(cid):
-                        os.kill(criu_pid, signal.SIGKILL)
-                        killed.append(criu_pid)
+                    for victim in victims(cid):
+                        os.kill(victim, signal.SIGKILL)
+                        killed.append(victim)
             time.sleep(0.002)
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     try:
         with pytest.raises(CriuFailed):
-            dump(containerd_a, cid, criu_with_fault(tmp_path, None), registry.ref("a2kill", "v1"))
+            dump(containerd_a, cid, criu_with_fault(tmp_path, None), registry.ref(name, "v1"))
     finally:
         stop.set()
         thread.join(10)
+    return a, cid, pid, killed
+
+
+def test_criu_killed_from_outside_while_it_holds_the_lock_leaves_none(containerd_a, registry, cleanup, tmp_path):  # type: ignore[no-untyped-def]
+    """Threat A2 with an outside ``kill -9``: a container with 384 MiB of memory (its dump lasts a while),
+    the node's CRIU (no fault), killed by the test the moment its ``CRIU-*`` table is in the container's
+    namespace: the dump fails, the container counts on, no table is left."""
+    a, cid, pid, killed = _dump_killed_under_lock(containerd_a, registry, cleanup, tmp_path, "a2kill", _criu_of)
     assert killed, "CRIU was never seen holding its lock"
     assert criu_tables(pid) == []
     assert_counting(a, cid)
@@ -355,35 +365,9 @@ def test_runc_killed_while_its_criu_holds_the_lock_leaves_none(containerd_a, reg
     it had found it (frozen by the agent, who had thawed it meanwhile): the container stayed frozen for
     good. Now the agent stops a CRIU still tracing the containers before it lifts the lock and thaws
     (shim/criu/tracers.py): the dump fails, the container counts on, no table is left."""
-    from tests.integration.test_uncheckpointable import start
-
-    a = client(containerd_a)
-    cid = unique("a2runc")
-    cleanup(a, cid)
-    start(a, containerd_a, cid, BIG, [])
-    task = a.get_task(cid)
-    assert task is not None
-    pid = task.pid
-    killed: list[int] = []
-    stop = threading.Event()
-
-    def killer() -> None:
-        while not stop.is_set() and not killed:
-            with contextlib.suppress(OSError):
-                if criu_tables(pid):
-                    for runc_pid in _runc_checkpoint_of(cid):
-                        os.kill(runc_pid, signal.SIGKILL)
-                        killed.append(runc_pid)
-            time.sleep(0.002)
-
-    thread = threading.Thread(target=killer, daemon=True)
-    thread.start()
-    try:
-        with pytest.raises(CriuFailed):
-            dump(containerd_a, cid, criu_with_fault(tmp_path, None), registry.ref("a2runc", "v1"))
-    finally:
-        stop.set()
-        thread.join(10)
+    a, cid, pid, killed = _dump_killed_under_lock(
+        containerd_a, registry, cleanup, tmp_path, "a2runc", _runc_checkpoint_of
+    )
     assert killed, "runc was never seen while CRIU held its lock"
     wait_for(lambda: criu_tables(pid) == [], what="no CRIU lock table in the container's namespace")
     assert_counting(a, cid)
