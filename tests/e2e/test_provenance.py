@@ -16,6 +16,7 @@ from kubectl_snapshot.adapters.signatures import sign_snapshot, verify_snapshot
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.provenance import TrustPolicy
 from kubectl_snapshot.core.reference import Reference
+from shim.controller.signing import RETIREMENT_CHECK_S
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
 from tests.support.agent import agent, plugin
 from tests.support.cluster import cluster, namespace
@@ -124,6 +125,9 @@ def test_retiring_a_nodes_key_rotates_it_and_every_save_still_restores(cluster, 
     patch = json.dumps({"data": {f"{old}.not-after": when}})
     # the old key's retirement stays (an administrator's entry): later tests' saves use n1's new key
     cluster.kubectl("patch", "configmap", K.TRUST_CONFIG_MAP, "-n", K.AGENT_NAMESPACE, "--type", "merge", "-p", patch)
+    # the agent reads the ConfigMap for its key's retirement at most every RETIREMENT_CHECK_S: a save sooner
+    # than that after the patch may still be signed by the old key, which vouches for it (not-after is ahead)
+    time.sleep(RETIREMENT_CHECK_S + 1)
     after = save()
     new = agent_signing_key(n1).public.id
     assert new != old and signer(after) == new
