@@ -190,9 +190,22 @@ def first_save_due(uid: str, interval_s: float, *, pod_started: float, policy_cr
     was created, so they stay spread (a node saves one pod at a time: 50 pods due at once queue for half
     a minute, and a pod's place in that queue changes from one interval to the next). The same uid and
     times give the same answer after an agent restart."""
+    return spread_due(uid, interval_s, max(pod_started, policy_created))
+
+
+def spread_due(uid: str, interval_s: float, since: float) -> float:
+    """`since` plus the pod's own offset: a fraction of min(interval, FIRST_SAVE_SPREAD_S) set by its uid."""
     digest = hashlib.blake2b(uid.encode(), digest_size=8).digest()
     fraction = int.from_bytes(digest, "big") / 2**64
-    return max(pod_started, policy_created) + fraction * min(interval_s, FIRST_SAVE_SPREAD_S)
+    return since + fraction * min(interval_s, FIRST_SAVE_SPREAD_S)
+
+
+def overdue_not_before(uid: str, interval_s: float, due: float, now: float) -> float:
+    """The earliest a save found overdue when an agent takes a pod up (it was down, or the pod's node
+    agent changed) may start: at the pod's own offset from now, so the pods whose saves fell due while
+    no agent ran are spread as first saves are, not all started in the same second (which queues them
+    behind each other and meets the namespace's backlog bound, E2). 0 when the save is not overdue."""
+    return spread_due(uid, interval_s, now) if due < now else 0.0
 
 
 def schedule(saves: Iterable[Save], interval_s: float, now: float, *, first_due: float | None = None) -> Schedule:

@@ -22,12 +22,12 @@ snapshot worker of the same node claims and runs them as it runs any other. What
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kubectl_snapshot.core import autosave as A
@@ -60,14 +60,15 @@ def field_manager(node: str) -> str:
     return f"{K.AGENT_NAME}/{node}"[:128]
 
 
-@dataclass
+@dataclasses.dataclass
 class _Pair:
     saves: list[A.Save]
     first_due: float | None = None  # when the first save is due (A.first_save_due), while there is none
+    not_before: float = 0.0  # a save overdue when this agent took the pod up waits until then (A.overdue_not_before)
     next_check: float = 0.0
     retention_retry: float = 0.0  # when to try again deleting saves retention could not delete (0: nothing left)
     retention_failures: int = 0  # retention passes in a row that left a doomed save undeleted
-    applied: dict[str, Any] = field(default_factory=dict)
+    applied: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class Autosave:
@@ -182,9 +183,12 @@ class Autosave:
             came = T.seconds((policy.get("metadata") or {}).get("creationTimestamp")) or 0.0
             first = A.first_save_due(uid, interval, pod_started=started, policy_created=came)
             pair = _Pair(saves=self._saves(ns, pname, uid), first_due=first)
+            if pair.saves:
+                due = A.schedule(pair.saves, interval, now).due
+                pair.not_before = A.overdue_not_before(uid, interval, due, now)
             self._pairs[key] = pair
             self._dirty.add((ns, pname))
-        sched = A.schedule(pair.saves, interval, now, first_due=pair.first_due)
+        sched = self._schedule(pair, interval, now)
         if sched.in_flight is not None:
             if now < pair.next_check:
                 return
@@ -200,7 +204,7 @@ class Autosave:
             pair.saves = [current if s.name == current.name else s for s in pair.saves]
             self._dirty.add((ns, pname))
             self._finished(policy, pod, pair, current, interval, now)
-            sched = A.schedule(pair.saves, interval, now, first_due=pair.first_due)
+            sched = self._schedule(pair, interval, now)
         elif pair.retention_retry and now >= pair.retention_retry:
             self._retain(policy, pair, now)
         if spec.get("suspend") or now < sched.due:
@@ -209,6 +213,13 @@ class Autosave:
         pair.saves.append(A.Save.of(created))
         pair.next_check = now + POLL_S
         self._dirty.add((ns, pname))
+
+    @staticmethod
+    def _schedule(pair: _Pair, interval: float, now: float) -> A.Schedule:
+        sched = A.schedule(pair.saves, interval, now, first_due=pair.first_due)
+        if sched.due < pair.not_before:
+            return dataclasses.replace(sched, due=pair.not_before)
+        return sched
 
     def _saves(self, ns: str, policy: str, uid: str) -> list[A.Save]:
         selector = f"{K.LABEL_POLICY}={policy},{K.LABEL_POD_UID}={uid}"
@@ -337,7 +348,7 @@ class Autosave:
             for (ns, pname, uid), pair in sorted(self._pairs.items()):
                 if (ns, pname) != pkey or uid not in by_uid:
                     continue
-                sched = A.schedule(pair.saves, interval, now, first_due=pair.first_due)
+                sched = self._schedule(pair, interval, now)
                 entries.append(A.pod_status_entry(by_uid[uid], self.node, sched, suspended=bool(spec.get("suspend"))))
             try:
                 self.kube.apply_policy_pods(pkey[0], pkey[1], entries, field_manager=self.manager)

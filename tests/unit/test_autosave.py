@@ -182,3 +182,18 @@ def test_the_first_save_waits_for_its_due_time_then_the_interval_keeps_the_sprea
     assert A.schedule([], 30, now=100).due == 100  # without one: at once
     # once a save exists the first due time no longer matters: one interval after the save
     assert A.schedule([s("a", 121)], 30, now=130, first_due=120).due == 151
+
+
+def test_a_save_that_fell_due_while_no_agent_ran_waits_for_its_pods_offset_from_now() -> None:
+    # overdue (due 100, now 500): at the pod's own offset within a minute of now, the same for the same uid
+    later = A.overdue_not_before("uid-1", 600, due=100, now=500)
+    assert 500 <= later < 500 + A.FIRST_SAVE_SPREAD_S
+    assert later == A.overdue_not_before("uid-1", 600, due=100, now=500)
+    # the legitimate case: a save not yet due is not held back at all
+    assert A.overdue_not_before("uid-1", 600, due=900, now=500) == 0.0
+    # fifty pods overdue together are spread over the minute, not started in one second
+    dues = [A.overdue_not_before(f"pod-uid-{i}", 60, due=0, now=1000) for i in range(50)]
+    per_second: dict[int, int] = {}
+    for d in dues:
+        per_second[int(d)] = per_second.get(int(d), 0) + 1
+    assert max(per_second.values()) <= 5 and len(per_second) >= 25

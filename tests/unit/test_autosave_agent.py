@@ -234,6 +234,40 @@ def test_the_schedule_survives_an_agent_restart() -> None:
     assert len(kube.snapshots) == 2
 
 
+def test_saves_that_fell_due_while_the_agent_was_down_are_spread_not_started_at_once() -> None:
+    clock = [3_500_000.0]
+    kube = FakeKube(clock)
+    pods = [copy.deepcopy(POD) for _ in range(20)]
+    for i, p in enumerate(pods):
+        p["metadata"].update(name=f"web-{i}", uid=f"u{i}")
+    a = Autosave(kube, "n1", registry_for=lambda ns, s, i: FakeRegistry(kube.calls), clock=lambda: clock[0])
+    a.policy_changed(POLICY)
+    for p in pods:
+        a.pod_changed(p)
+    while len(kube.snapshots) < 20:  # every pod saved once (overdue ones at once: they have no save yet)
+        a.tick()
+        for name, obj in kube.snapshots.items():
+            if "status" not in obj:
+                kube.finish(name, K.PHASE_SUCCEEDED, "sha256:" + "1" * 64)
+        clock[0] += 1
+    clock[0] += 300  # the agent was down for five minutes: every pod's next save (30 s) is overdue
+    restarted = Autosave(kube, "n1", registry_for=lambda ns, s, i: FakeRegistry(kube.calls), clock=lambda: clock[0])
+    restarted.policy_changed(POLICY)
+    for p in pods:
+        restarted.pod_changed(p)
+    started: list[int] = []
+    for second in range(31):
+        before = len(kube.snapshots)
+        restarted.tick()
+        started.append(len(kube.snapshots) - before)
+        if second == 0:  # the policy's status says when each waiting pod's save comes
+            waiting = [e for e in kube.applied[-1][1] if (T.seconds(e.get("nextSaveTime")) or 0.0) > clock[0]]
+            assert len(waiting) >= 15, kube.applied[-1][1]  # (whole seconds: one due within this one reads as now)
+        clock[0] += 1
+    assert sum(started) == 20, started  # each overdue pod saved within one interval of the restart ...
+    assert max(started) <= 5, started  # ... at its own offset: not all twenty in the first second
+
+
 def test_suspend_and_leaving_the_node() -> None:
     clock = [4_000_000.0]
     kube = FakeKube(clock)
