@@ -237,7 +237,7 @@ def test_the_schedule_survives_an_agent_restart() -> None:
 def test_saves_that_fell_due_while_the_agent_was_down_are_spread_not_started_at_once() -> None:
     clock = [3_500_000.0]
     kube = FakeKube(clock)
-    pods = [copy.deepcopy(POD) for _ in range(20)]
+    pods: list[dict[str, Any]] = [copy.deepcopy(POD) for _ in range(20)]
     for i, p in enumerate(pods):
         p["metadata"].update(name=f"web-{i}", uid=f"u{i}")
     a = Autosave(kube, "n1", registry_for=lambda ns, s, i: FakeRegistry(kube.calls), clock=lambda: clock[0])
