@@ -58,6 +58,11 @@ RUNTIME_CLASS: Final = "kubectl-snapshot"
 ANN_RESTORE_FROM: Final = f"{GROUP}/restore-from"  # REGISTRY/REPO@sha256:...
 ANN_RESTORE_STATUS: Final = f"{GROUP}/restore-status"  # Staged | Failed: <reason>
 ANN_REGISTRY_SECRET: Final = f"{GROUP}/registry-secret"
+# "lazy": the pod's processes come back before their memory does, pages served from the registry as they
+# are touched (docs/lazy-restore.md); absent or "eager": every page is staged before the restore
+ANN_RESTORE_MODE: Final = f"{GROUP}/restore-mode"
+RESTORE_MODE_LAZY: Final = "lazy"
+RESTORE_MODE_EAGER: Final = "eager"
 LABEL_RESTORED_FROM: Final = f"{GROUP}/restored-from"
 LABEL_POD: Final = f"{GROUP}/pod"  # on a PodSnapshot: its pod's name (`kubectl snapshot list -l ...`)
 # Who may restore: a verb of its own on podsnapshots, checked at admission (deploy/admission.py).

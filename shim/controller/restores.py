@@ -121,7 +121,10 @@ def wants_resume(pod: dict[str, Any], node: str) -> bool:
 
 def annotated_source(pod: dict[str, Any]) -> RestoreSource:
     annotations = pod["metadata"]["annotations"]
-    return RestoreSource(Reference.parse(annotations[K.ANN_RESTORE_FROM]), annotations.get(K.ANN_REGISTRY_SECRET))
+    lazy = annotations.get(K.ANN_RESTORE_MODE) == K.RESTORE_MODE_LAZY
+    return RestoreSource(
+        Reference.parse(annotations[K.ANN_RESTORE_FROM]), annotations.get(K.ANN_REGISTRY_SECRET), lazy=lazy
+    )
 
 
 def wrapper_refusal(pod: dict[str, Any], node: str) -> str:

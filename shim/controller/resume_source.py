@@ -37,6 +37,7 @@ class RestoreSource:
     registry_secret: str | None = None
     insecure: bool = False
     resume: bool = False  # a failure starts the pod fresh instead of failing it (a workload never blocks)
+    lazy: bool = False  # pages served from the registry as the processes touch them (docs/lazy-restore.md)
 
 
 @dataclass(frozen=True)
