@@ -35,7 +35,7 @@ from kubectl_snapshot.console import leave
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, criu_first_error, log_tail
-from shim.engine.staging import PendingPages, StatePaths, wait_pod_staged, wait_staged_images
+from shim.engine.staging import PendingPages, StatePaths, lazy_used_dir, wait_pod_staged, wait_staged_images
 from shim.host import private
 
 # The hook runs on every container create and its start-up is on a restore's critical path: at start
@@ -272,8 +272,23 @@ def restore_command(runc: str, inv: Invocation, create: CreateArgs, staged: str,
         cmd.append("--tcp-established")
     if options.get("fileLocks", True):
         cmd.append("--file-locks")
+    if lazy_restore(staged):
+        cmd.append("--lazy-pages")
     cmd.append(create.container_id)
     return cmd
+
+
+def lazy_restore(staged: str) -> bool:
+    """The agent staged this container for a lazy restore: CRIU's lazy-pages daemon listens in its work dir
+    (a socket, which nothing extracted from a layer is). The daemon reads the images and logs there after
+    `runc restore` returns, so this hook moves the staged dir aside (lazy_used_dir) and the agent removes it
+    (shim/engine/lazyrestore.py)."""
+    import stat
+
+    try:
+        return stat.S_ISSOCK(os.lstat(os.path.join(staged, C.LAZY_PAGES_SOCKET)).st_mode)
+    except OSError:
+        return False
 
 
 def bundle_rootfs(bundle: str, spec: dict[str, Any]) -> str:
@@ -477,7 +492,13 @@ def _restore(
         f.write(staged)
     trace_copy(os.path.join(staged, C.RESTORE_LOG_FILE))
     # Used once: a later re-create of this container (a restart) starts it afresh.
-    remove_detached(staged)
+    if lazy_restore(staged):
+        try:
+            os.rename(staged, lazy_used_dir(staged))
+        except OSError as e:  # a restart of the container would restore it again: refused at its create
+            print(f"kubectl-snapshot-runc: could not move the lazily restored {staged} aside: {e}", file=sys.stderr)
+    else:
+        remove_detached(staged)
     trace("done")
     return 0, ""
 

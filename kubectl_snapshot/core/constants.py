@@ -80,6 +80,9 @@ DELETED_FILES_FILE: Final = "deleted.files"
 STATS_DUMP_FILE: Final = "stats-dump"
 DUMP_LOG_FILE: Final = "dump.log"
 RESTORE_LOG_FILE: Final = "restore.log"
+# CRIU's lazy-pages daemon listens on this in a lazy restore's work dir (the staged dir), and logs there
+LAZY_PAGES_SOCKET: Final = "lazy-pages.socket"
+LAZY_PAGES_LOG: Final = "lazy-pages.log"
 # the project's own member: options the dump was made with (tcp, file locks, ...), JSON
 DUMP_OPTIONS_FILE: Final = "kubectl-snapshot.options.json"
 

@@ -127,6 +127,9 @@ EVENT_RESTORE_STAGED: Final = "RestoreStaged"
 # Warning beside RestoreStaged: the restored processes may hold the old pod's bound token (core/tokenclone.py)
 EVENT_CLONED_TOKEN: Final = "ClonedServiceAccountToken"
 EVENT_RESTORE_FAILED: Final = "RestoreFailed"
+# a lazy restore: every page in (Normal), or a page that could not be fetched ended the container (Warning)
+EVENT_LAZY_RESTORE_COMPLETE: Final = "LazyRestoreComplete"
+EVENT_LAZY_RESTORE_FAILED: Final = "LazyRestoreFailed"
 EVENT_RESTORE_REFUSED: Final = "RestoreRefused"  # the runtime wrapper refused the images: they grant more than the pod
 EVENT_RESUME_SKIPPED: Final = "ResumeSkipped"  # a resuming pod starts fresh, and why
 EVENT_FINAL_SAVE: Final = "FinalSave"  # a terminating protected pod is saved before SIGTERM

@@ -47,6 +47,7 @@ from shim.controller.backlog import NamespaceBacklog
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
 from shim.controller.kube_api import KubeApi
+from shim.controller.lazypods import start_sessions
 from shim.controller.podinfo import (
     check_restore_pod,
     check_resume_pod,
@@ -59,6 +60,7 @@ from shim.controller.podinfo import (
 from shim.controller.resume_source import RESUME_WAIT_S, RestoreSource, Resumer, StartFresh
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
+from shim.engine.lazyrestore import LAZY_SLOTS, give_slot, take_slots
 from shim.engine.precheck import check_staged
 from shim.engine.restore import RestoreLimits, VolumeTarget, opener_for, stage_artifact
 from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, check_key
@@ -385,6 +387,7 @@ class RestoreWorker:
             gates.answer(FAILED, render(err))
             return False
         staged: list[str] = []
+        lazy = False  # node slots held for lazy sessions not started yet
         src: RestoreSource | None = None
         clock = _Clock()
         try:
@@ -438,7 +441,9 @@ class RestoreWorker:
             # The kubelet creates the containers while the save downloads; each create waits at its gate.
             if gate is not None:
                 self._open_gate(gate, K.GATE_STAGED_FILE, f"staging {artifact.reference}\n")
-            stage_artifact(
+            paged = sum(1 for c in config.containers if c.pages)  # a container without page files is not lazy
+            lazy = src.lazy and self._lazy_slots(pod, paged)
+            stages = stage_artifact(
                 artifact,
                 staged,
                 registry=registry,
@@ -447,17 +452,30 @@ class RestoreWorker:
                 limits=self.limits,
                 opener=opener,
                 namespace=ns,  # the tenant restoring: its restores together keep within its share
+                lazy=lazy,
             )
+            if lazy:
+                give_slot(paged - len(stages))  # containers staged eagerly after all
+            lazy = False  # the slots are the stages' from here
             clock.lap("download")
             # what the image check at create would certainly refuse, refused now with its reason
-            check_staged(
-                spec,
-                [(c.name, d) for c, d in zip(config.containers, staged, strict=True)],
-                cache_dir=self.paths.image_cache(),
-            )
+            try:
+                check_staged(
+                    spec,
+                    [(c.name, d) for c, d in zip(config.containers, staged, strict=True)],
+                    cache_dir=self.paths.image_cache(),
+                )
+            except BaseException:
+                give_slot(len(stages))
+                raise
+            if stages:  # their daemons listen in the staged dirs before any create is let through
+                start_sessions(self.kube, pod, stages, criu=self.settings.criu, facts=self.facts,
+                               registry_host=artifact.reference.registry, stop=self._stop_containers)  # fmt: skip
             gates.answer(READY)
             clock.lap("image check")
         except Exception as e:  # never leave a gate closed forever
+            if lazy:  # failed while staging lazily: no session took the slots
+                give_slot(paged)
             if not isinstance(e, SnapshotError):
                 log.exception("restore of %s/%s failed", ns, name)
             err = e if isinstance(e, SnapshotError) else SnapshotError(f"internal error: {e}")
@@ -482,6 +500,15 @@ class RestoreWorker:
         if cloned:
             pod_event(self.kube, pod, K.EVENT_CLONED_TOKEN, cloned, warning=True)
         return True
+
+    def _lazy_slots(self, pod: dict[str, Any], containers: int) -> bool:
+        """Places on this node for the lazy sessions of that many containers; False (said in the log): eager."""
+        if not containers or take_slots(containers):
+            return containers > 0
+        meta = pod["metadata"]
+        log.warning("%s/%s asked for a lazy restore: restored eagerly, %d lazy restores already run on %s",
+                    meta["namespace"], meta["name"], LAZY_SLOTS, self.settings.node)  # fmt: skip
+        return False
 
     def _start_fresh(self, pod: dict[str, Any], gate: str | None, reason: str, gates: _PodGates) -> bool:
         """Open the gate (the gate init container's, when the pod has one, and its containers' staging

@@ -11,9 +11,11 @@ never downloaded (docs/lazy-restore.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,24 +151,28 @@ def prepare_lazy_images(dump: str, out: str) -> LazyImages:
             continue
         shutil.copyfile(path, os.path.join(out, name), follow_symlinks=False)
     for pid, t in tasks.items():
-        pm_path = os.path.join(dump, f"pagemap-{pid}.img")
-        with open(pm_path, "rb") as f:
-            img = images.load(f)
-        img["entries"] = [img["entries"][0]] + [
-            # as CRIU 4.2 writes them, and readable by older ones (which know only compat_nr_pages)
-            {
-                "vaddr": e.vaddr,
-                "compat_nr_pages": e.nr_pages if e.nr_pages < 1 << 32 else 0,
-                "flags": e.flags,
-                "nr_pages": e.nr_pages,
-            }
-            for e in t.layout.entries
-        ]
-        with open(os.path.join(out, f"pagemap-{pid}.img"), "xb") as f:
-            images.dump(img, f)
+        write_lazy_pagemap(images, os.path.join(dump, f"pagemap-{pid}.img"), os.path.join(out, f"pagemap-{pid}.img"), t)
         name = f"pages-{t.pages_id}.img"
         _copy_ranges(os.path.join(dump, name), os.path.join(out, name), t.layout.kept)
     return LazyImages(images_dir=out, tasks=tasks)
+
+
+def write_lazy_pagemap(images: Any, src: str, dst: str, t: TaskLayout) -> None:
+    """Task `t`'s pagemap `src` with its lazy ranges flagged PE_LAZY, written to the new file `dst`."""
+    with open(src, "rb") as f:
+        img = images.load(f)
+    img["entries"] = [img["entries"][0]] + [
+        # as CRIU 4.2 writes them, and readable by older ones (which know only compat_nr_pages)
+        {
+            "vaddr": e.vaddr,
+            "compat_nr_pages": e.nr_pages if e.nr_pages < 1 << 32 else 0,
+            "flags": e.flags,
+            "nr_pages": e.nr_pages,
+        }
+        for e in t.layout.entries
+    ]
+    with open(dst, "xb") as f:
+        images.dump(img, f)
 
 
 class ImagePageSource:
@@ -198,3 +204,32 @@ class ImagePageSource:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def rewrite_for_lazy(
+    checkpoint_dir: str, tasks: dict[int, TaskLayout], read: Callable[[str, int, int], bytes | bytearray]
+) -> int:
+    """Make the staged `checkpoint_dir`, whose pages files are not there, ready for a lazy restore: each
+    task's pagemap rewritten in place (its lazy ranges flagged) and its pages file written with only the
+    pages CRIU writes itself, read with `read(file name, offset, length)` (from the registry's chunks);
+    returns the bytes written."""
+    images = _pycriu_images()
+    written = 0
+    for pid, t in tasks.items():
+        pm = os.path.join(checkpoint_dir, f"pagemap-{pid}.img")
+        tmp = pm + ".lazy"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        write_lazy_pagemap(images, pm, tmp, t)
+        os.replace(tmp, pm)
+        name = f"pages-{t.pages_id}.img"
+        fd = os.open(os.path.join(checkpoint_dir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            for r in t.layout.kept:
+                data = memoryview(read(name, r.offset, r.nr_pages * PAGE_SIZE))
+                while data:
+                    n = os.write(fd, data)
+                    data, written = data[n:], written + n
+        finally:
+            os.close(fd)
+    return written

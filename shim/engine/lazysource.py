@@ -48,6 +48,7 @@ class ChunkPageSource:
             if pf is None:
                 raise KeyError(f"task {pid}'s {name} is not among the snapshot's page files")
             self._file_of[pid] = pf
+        self._files = dict(files)
         self._starts = {pf.name: [c.offset for c in pf.chunks] for pf in files.values()}
         self._fetch = fetch
         self._budget = cache_bytes
@@ -70,6 +71,20 @@ class ChunkPageSource:
 
     def total_pages(self) -> int:
         return self._index.total_pages()
+
+    def read(self, name: str, offset: int, length: int) -> bytearray:
+        """`length` bytes of page file `name` at `offset`, across chunks (the pages a lazy restore keeps)."""
+        pf = self._files.get(name)
+        if pf is None:
+            raise KeyError(f"{name} is not among the snapshot's page files")
+        out = bytearray()
+        while len(out) < length:
+            at = offset + len(out)
+            chunk = self._chunk_at(pf, at)
+            within = at - chunk.offset
+            take = min(length - len(out), chunk.length - within)
+            out += memoryview(self._content(pf, chunk))[within : within + take]
+        return out
 
     def _chunk_at(self, pf: PagesFile, offset: int) -> Chunk:
         i = bisect.bisect_right(self._starts[pf.name], offset) - 1

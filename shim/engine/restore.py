@@ -43,6 +43,7 @@ from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, KeyUse, Opener
 from shim.criu import guard as criu_guard
+from shim.engine.lazyrestore import LazyStage, stage_lazy
 from shim.engine.node_ports import Registry
 from shim.engine.package import progress_counter
 from shim.engine.presence import missing_blobs
@@ -175,7 +176,8 @@ def stage_artifact(
     on_images: Callable[[], None] | None = None,
     namespace: str = "",
     disk: DiskLedger | None = None,
-) -> None:
+    lazy: bool = False,
+) -> list[LazyStage]:
     """Download, verify and extract every layer: container i into staged_dirs[i], volumes into targets.
 
     Format v2 page files are rebuilt from their chunks meanwhile by parallel workers, each chunk verified
@@ -189,8 +191,12 @@ def stage_artifact(
     pages_ms: page files rebuilt, beside those; pages_wait_ms: what was left of that after the extraction).
     `on_images` is called once everything but the page files is in place, when page files are still to
     come (a two-phase staging gate's first answer, shim/engine/staging.py).
+    `lazy`: the page files of the tasks' private memory are left in the registry (shim/engine/lazyrestore.py);
+    returns the containers so staged, whose sessions the caller starts (a container whose images cannot be
+    restored lazily is staged eagerly, and not in the list).
     """
     config = artifact.config
+    stages: list[LazyStage] = []
     spent = timings if timings is not None else {}
     clock = time.monotonic
     if (config.encryption is None) != (opener is None):
@@ -229,7 +235,7 @@ def stage_artifact(
         pool = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="pages"))
         try:
             for record, target in zip(config.containers, staged_dirs, strict=True):
-                if record.pages:
+                if record.pages and not lazy:
                     pdir = _pages_dir(target)
                     aside.append((pdir, pool.submit(_fetch_pages, registry, artifact.reference, record, pdir, count,
                                                     opener, stop)))  # fmt: skip
@@ -262,6 +268,10 @@ def stage_artifact(
                 for vol, vtarget in zip(config.volumes, volume_targets, strict=True):
                     _extract_volume(blobs[config.volumes_layer], vol.name, vtarget, opener, config.volumes_layer)
             spent["extract_ms"] = (clock() - t) * 1000
+            if lazy:
+                t = clock()
+                stages = _stage_lazily(artifact, staged_dirs, registry, count, opener, stop)
+                spent["lazy_ms"] = (clock() - t) * 1000
             if on_images is not None and any(p is not None and not p[1].done() for p in aside):
                 on_images()  # everything but the page files: the hooks may start CRIU (it waits for them)
             for record, target, pending in zip(config.containers, staged_dirs, aside, strict=True):
@@ -280,6 +290,34 @@ def stage_artifact(
             for path in blobs.values():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+    return stages
+
+
+def _stage_lazily(
+    artifact: Artifact,
+    staged_dirs: Sequence[str],
+    registry: Registry,
+    count: Callable[[int], None] | None,
+    opener: Opener | None,
+    stop: threading.Event,
+) -> list[LazyStage]:
+    """The containers with page files staged for a lazy restore, or eagerly where that cannot be."""
+    stages = []
+    for record, target in zip(artifact.config.containers, staged_dirs, strict=True):
+        if not record.pages:
+            continue
+        os.close(_checkpoint_dir(record, target))  # no page file in the layer itself
+        stage = stage_lazy(record, target, registry=registry, ref=artifact.reference, opener=opener, on_bytes=count)
+        if stage is not None:
+            stages.append(stage)
+            continue
+        pdir = _pages_dir(target)
+        try:
+            _fetch_pages(registry, artifact.reference, record, pdir, count, opener, stop)
+            _place_pages(record, pdir, target)
+        finally:
+            shutil.rmtree(pdir, ignore_errors=True)
+    return stages
 
 
 def _remove_pages_dirs(aside: Sequence[tuple[str, Future[float]] | None]) -> None:

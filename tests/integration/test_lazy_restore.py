@@ -317,18 +317,9 @@ def test_a_lazy_restore_gets_its_pages_from_the_registrys_chunks(
     prepared = lr.prepare(images, tmp_path / "lazy")
     (task,) = prepared.tasks.values()
     name = f"pages-{task.pages_id}.img"
-    client = RegistryClient(plain_http=True)
     ref = Reference.parse(f"{registry.host}/lazy/chunks-{os.getpid()}@sha256:" + "0" * 64)
-    chunks, span = [], 4 << 20
-    with open(images / name, "rb") as f:
-        offset = 0
-        while data := f.read(span):
-            z = zstandard.ZstdCompressor(level=1).compress(data)
-            digest = "sha256:" + hashlib.sha256(z).hexdigest()
-            client.push_blob(ref, digest=digest, size=len(z), data=z)
-            chunks.append(Chunk(offset, len(data), digest, len(z)))
-            offset += len(data)
-    pf = PagesFile(name, offset, tuple(chunks))
+    pf = lr.push_chunks(RegistryClient(plain_http=True), ref, images / name)
+    chunks = pf.chunks
     fetched: list[str] = []
 
     class Counting(RegistryClient):

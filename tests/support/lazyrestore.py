@@ -20,6 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import zstandard
+
+from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.core.chunks import Chunk, PagesFile
+from kubectl_snapshot.core.reference import Reference
 from shim.criu.lazyimages import ImagePageSource, LazyImages, prepare_lazy_images
 from shim.criu.pageproto import PageSource
 from shim.criu.pageserver import PageServer
@@ -341,3 +346,18 @@ class StallingSource:
 
 def cleanup(base: Path) -> None:
     shutil.rmtree(base, ignore_errors=True)
+
+
+def push_chunks(client: RegistryClient, ref: Reference, path: Path, span: int = 4 << 20) -> PagesFile:
+    """A pages image cut into zstd chunks of `span` bytes pushed to `ref`'s repository (as a snapshot
+    stores them, without deltas or sealing): the file's PagesFile."""
+    chunks = []
+    with open(path, "rb") as f:
+        offset = 0
+        while data := f.read(span):
+            z = zstandard.ZstdCompressor(level=1).compress(data)
+            digest = "sha256:" + hashlib.sha256(z).hexdigest()
+            client.push_blob(ref, digest=digest, size=len(z), data=z)
+            chunks.append(Chunk(offset, len(data), digest, len(z)))
+            offset += len(data)
+    return PagesFile(path.name, offset, tuple(chunks))
