@@ -1,0 +1,142 @@
+"""Lazy restore on the real cluster (issue 44, item 2): `kubectl snapshot restore --lazy` of a Debian
+python pod holding a 1 GiB pattern runs on the other node before its memory is back, every page comes
+from the registry's chunks (a LazyRestoreComplete Event), and the pattern is checked byte for byte (its
+SHA-256, computed by the restored process over its own memory) once every page is in. A chunk the
+registry no longer serves intact ends the container with a LazyRestoreFailed Event saying why, and the
+kubelet starts it afresh: never a process running on memory the kernel zero-filled."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kubectl_snapshot.adapters.registry import RegistryClient
+from kubectl_snapshot.adapters.signatures import load_signed
+from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.reference import Reference
+from tests.e2e.test_autosave_policy import private_registry
+from tests.e2e.test_snapshot_flows import pod, read, running
+from tests.e2e.test_whole_pod import _push_python_image
+from tests.support.agent import agent, plugin
+from tests.support.cluster import Cluster, cluster, namespace
+from tests.support.registry import RegistryServer
+
+pytestmark = pytest.mark.e2e
+__all__ = ["agent", "cluster", "namespace", "plugin", "private_registry"]
+
+# SIZE bytes of os.urandom in one bytearray; its SHA-256 in /tmp/sum0, and again in /tmp/sum on /tmp/verify;
+# a counter in /tmp/n every 0.1 s
+PATTERN = """
+import hashlib, os, sys, time
+size = int(sys.argv[1])
+buf = bytearray(size)
+for off in range(0, size, 1 << 24):
+    buf[off:off + (1 << 24)] = os.urandom(min(1 << 24, size - off))
+def put(name, text):
+    with open(f'/tmp/{name}.t', 'w') as f:
+        f.write(text)
+    os.rename(f'/tmp/{name}.t', f'/tmp/{name}')
+put('sum0', hashlib.sha256(buf).hexdigest())
+n = 0
+while True:
+    n += 1
+    put('n', str(n))
+    if os.path.exists('/tmp/verify'):
+        os.unlink('/tmp/verify')
+        put('sum', hashlib.sha256(buf).hexdigest())
+    time.sleep(0.1)
+"""
+
+
+def _pattern_pod(cluster: Cluster, ns: str, name: str, size: int) -> tuple[str, int]:
+    manifest = pod(name, ns, _push_python_image(cluster), {"app": ""}, node=cluster.nodes[0])
+    manifest["spec"]["containers"][0]["command"] = ["python3", "-c", PATTERN, str(size)]
+    cluster.apply(manifest)
+    running(cluster, ns, name, timeout=300)
+    cluster.wait_for("the pattern", lambda: _read(cluster, ns, name, "/tmp/n") not in ("", "0"), timeout=120)
+    return _read(cluster, ns, name, "/tmp/sum0"), int(_read(cluster, ns, name, "/tmp/n"))
+
+
+def _read(cluster: Cluster, ns: str, name: str, path: str) -> str:
+    proc = cluster.kubectl("exec", "-n", ns, name, "-c", "app", "--", "cat", path, check=False)
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def _events(cluster: Cluster, ns: str, name: str, reason: str) -> list[dict[str, Any]]:
+    sel = f"involvedObject.kind=Pod,involvedObject.name={name},reason={reason}"
+    return list(cluster.get_json("events", "-n", ns, "--field-selector", sel)["items"])
+
+
+def _save(plugin: Any, ns: str, name: str, repo: str) -> Reference:
+    out = plugin("snapshot", f"pod/{name}", "-n", ns, "--to", repo, "-o", "json", "--timeout", "300s")
+    psnap = json.loads(out.stdout)
+    assert psnap["status"]["phase"] == "Succeeded", psnap
+    return Reference.parse(psnap["status"]["reference"])
+
+
+def test_a_lazy_restore_of_a_1gib_pattern_runs_first_and_comes_back_byte_for_byte(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
+    ns, n2 = namespace, cluster.nodes[1]
+    size = 1 << 30
+    sum0, _ = _pattern_pod(cluster, ns, "big", size)
+    ref = _save(plugin, ns, "big", f"{cluster.registry}/e2e/lazy-{ns}")
+    proc = plugin("restore", str(ref), "-n", ns, "--name", "big-2", "--node", n2, "--lazy", "--timeout", "300s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    restored = running(cluster, ns, "big-2", timeout=300)
+    assert restored["metadata"]["annotations"].get(K.ANN_RESTORE_MODE) == K.RESTORE_MODE_LAZY
+    # it runs on (its counter) and, once every page is in, says so
+    n = int(_read(cluster, ns, "big-2", "/tmp/n") or 0)
+    cluster.wait_for("the counter to go on", lambda: int(_read(cluster, ns, "big-2", "/tmp/n") or 0) > n)
+    cluster.wait_for("every page in", lambda: _events(cluster, ns, "big-2", K.EVENT_LAZY_RESTORE_COMPLETE), timeout=300)
+    (done,) = _events(cluster, ns, "big-2", K.EVENT_LAZY_RESTORE_COMPLETE)
+    pages = int(done["message"].split(": ")[1].split()[0])
+    assert pages * 4096 >= size, done["message"]  # the pattern itself came through the page server
+    assert not _events(cluster, ns, "big-2", K.EVENT_LAZY_RESTORE_FAILED)
+    # byte for byte: the restored process hashes its own memory
+    assert _read(cluster, ns, "big-2", "/tmp/sum0") == sum0
+    cluster.kubectl("exec", "-n", ns, "big-2", "-c", "app", "--", "python3", "-c", "open('/tmp/verify', 'w')")
+    cluster.wait_for("the restored process's hash", lambda: _read(cluster, ns, "big-2", "/tmp/sum") != "", timeout=120)
+    assert _read(cluster, ns, "big-2", "/tmp/sum") == sum0
+    status = cluster.get_json("pod", "big-2", "-n", ns)["status"]["containerStatuses"][0]
+    assert status["restartCount"] == 0, status
+
+
+def test_a_chunk_the_registry_cannot_serve_ends_the_lazy_container_with_the_reason(  # type: ignore[no-untyped-def]
+    cluster, namespace, agent, plugin, private_registry
+):
+    ns, n2 = namespace, cluster.nodes[1]
+    reg: RegistryServer = private_registry
+    repo = f"{reg.host}/e2e/lazy-fail-{ns}"
+    cluster.kubectl("annotate", "namespace", ns, f"{K.ANN_ALLOWED_DESTINATIONS}={repo}")
+    sum0, _ = _pattern_pod(cluster, ns, "doomed", 256 << 20)
+    ref = _save(plugin, ns, "doomed", repo)
+    # the middle chunk of the largest page file (inside the pattern: private memory, so never staged, only
+    # served) is damaged in the registry's storage: every read of it fails its digest check
+    artifact, _ = load_signed(RegistryClient(plain_http=True), ref)
+    (record,) = artifact.config.containers
+    biggest = max(record.pages, key=lambda pf: pf.size)
+    chunk = biggest.chunks[len(biggest.chunks) // 2]
+    blob = reg.blob_path(chunk.digest)
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    proc = plugin("restore", str(ref), "-n", ns, "--name", "doomed-2", "--node", n2, "--lazy", "--timeout", "300s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cluster.wait_for(
+        "the LazyRestoreFailed event",
+        lambda: _events(cluster, ns, "doomed-2", K.EVENT_LAZY_RESTORE_FAILED),
+        timeout=300,
+    )
+    (failed,) = _events(cluster, ns, "doomed-2", K.EVENT_LAZY_RESTORE_FAILED)
+    assert failed["type"] == "Warning"
+    assert "could not all be fetched" in failed["message"] and "digest" in failed["message"].lower(), failed
+    assert not _events(cluster, ns, "doomed-2", K.EVENT_LAZY_RESTORE_COMPLETE)
+
+    def restarted_fresh() -> bool:
+        st = (cluster.get_json("pod", "doomed-2", "-n", ns)["status"].get("containerStatuses") or [{}])[0]
+        return bool(st.get("restartCount", 0) >= 1 and st.get("ready"))
+
+    cluster.wait_for("the container to start afresh", restarted_fresh, timeout=180)
+    # afresh from its image: a new pattern of its own, never the old one with zero-filled holes
+    cluster.wait_for("the new pattern", lambda: _read(cluster, ns, "doomed-2", "/tmp/sum0") not in ("", sum0))
