@@ -10,6 +10,8 @@ image (the restore is used once), never with memory the kernel zero-filled.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,8 +20,10 @@ from kubectl_snapshot.core.errors import render
 from kubectl_snapshot.core.model import HostFacts
 from shim.controller.events import pod_event
 from shim.controller.kube_api import KubeApi
+from shim.criu.lazydaemon import listening
 from shim.criu.pageserver import ServeStats
 from shim.engine.lazyrestore import LazySession, LazyStage, give_slot, session_failure
+from shim.engine.staging import LAZY_PREFIX
 
 log = logging.getLogger(__name__)
 StopFn = Callable[[str, list[str]], list[str]]  # (pod uid, container names) -> those stopped
@@ -76,3 +80,37 @@ def start_sessions(
         give_slot(len(stages) - len(sessions))
         raise
     return sessions
+
+
+def end_orphaned(staged_root: str, stop: StopFn, report: Callable[[str, str, str], None]) -> list[str]:
+    """At the agent's start: the lazily restored containers whose lazy phase an earlier agent did not see
+    through (its sessions died with it, and the kernel zero-fills what had not come) are stopped, each
+    reported with `report(pod uid, container, reason)`, and their dirs removed; staged dirs whose daemon
+    is gone before their restore ran are removed (the wrapper then finds nothing to restore lazily).
+    `staged_root`: the agent's staged/by-pod. Returns the dirs removed."""
+    removed = []
+    for uid in _listdir(staged_root):
+        pod_dir = os.path.join(staged_root, uid)
+        for name in _listdir(pod_dir):
+            path = os.path.join(pod_dir, name)
+            if name.startswith(LAZY_PREFIX) and os.path.isdir(path):
+                container = name[len(LAZY_PREFIX) :]
+                stopped = stop(uid, [container])
+                reason = (
+                    f"the node's agent restarted while container {container}'s memory was still being "
+                    "fetched: it was stopped" + ("" if stopped else " (it was not running)")
+                    + "; the kubelet starts it afresh"
+                )  # fmt: skip
+                report(uid, container, reason)
+            elif not (os.path.isdir(path) and not os.path.islink(path) and listening(path)):
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except OSError:
+        return []

@@ -47,7 +47,7 @@ from shim.controller.backlog import NamespaceBacklog
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
 from shim.controller.kube_api import KubeApi
-from shim.controller.lazypods import start_sessions
+from shim.controller.lazypods import end_orphaned, start_sessions
 from shim.controller.podinfo import (
     check_restore_pod,
     check_resume_pod,
@@ -470,7 +470,8 @@ class RestoreWorker:
                 raise
             if stages:  # their daemons listen in the staged dirs before any create is let through
                 start_sessions(self.kube, pod, stages, criu=self.settings.criu, facts=self.facts,
-                               registry_host=artifact.reference.registry, stop=self._stop_containers)  # fmt: skip
+                               registry_host=artifact.reference.registry,
+                               stop=lambda uid, names: self._stop_containers(uid, only=names))  # fmt: skip
             gates.answer(READY)
             clock.lap("image check")
         except Exception as e:  # never leave a gate closed forever
@@ -500,6 +501,24 @@ class RestoreWorker:
         if cloned:
             pod_event(self.kube, pod, K.EVENT_CLONED_TOKEN, cloned, warning=True)
         return True
+
+    def end_orphaned_lazy(self) -> list[str]:
+        """At start: the lazy phases an earlier agent left unfinished ended (lazypods.end_orphaned)."""
+
+        def report(uid: str, container: str, reason: str) -> None:
+            try:
+                with open(os.path.join(self.paths.pod_dir(uid), POD_FILE)) as f:
+                    owner = json.load(f)
+                meta = {"namespace": str(owner["namespace"]), "name": str(owner["name"]), "uid": uid}
+                pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta}
+            except (OSError, ValueError, KeyError, TypeError, SnapshotError):
+                log.warning("pod %s: %s", uid, reason)
+                return
+            log.warning("%s/%s: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], reason)
+            pod_event(self.kube, pod, K.EVENT_LAZY_RESTORE_FAILED, reason, warning=True)
+
+        root = os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod")
+        return end_orphaned(root, lambda uid, names: self._stop_containers(uid, only=names), report)
 
     def _lazy_slots(self, pod: dict[str, Any], containers: int) -> bool:
         """Places on this node for the lazy sessions of that many containers; False (said in the log): eager."""

@@ -217,6 +217,8 @@ def run(
         keys=keys,
     )
 
+    for path in restores.end_orphaned_lazy():  # before any restore of this agent: none of them is its own
+        log.info("removed what an earlier agent's lazy restore left: %s", path)
     # issue 13: a protected pod being terminated is saved with stop before its containers get SIGTERM
     final = FinalSaver(kube, settings.node, policy_of=autosave.policy, workload_of=autosave.workload)
 

@@ -196,12 +196,15 @@ class StagingGate:
         self.release()
 
 
+LAZY_PREFIX = ".lazy-"
+
+
 def lazy_used_dir(staged: str) -> str:
     """Where the runtime wrapper moves a lazily restored container's staged dir once `runc restore` returned:
     out of the way of a later create (a restart starts afresh), in place for CRIU's lazy-pages daemon,
     which reads its images and logs there until every page is in; its session removes it then
     (shim/engine/lazyrestore.py). No staged dir has a leading dot (check_key)."""
-    return os.path.join(os.path.dirname(staged), ".lazy-" + os.path.basename(staged))
+    return os.path.join(os.path.dirname(staged), LAZY_PREFIX + os.path.basename(staged))
 
 
 def pages_gate(gate: str) -> str:

@@ -14,6 +14,7 @@ import pytest
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.errors import UnsafeArchive
 from shim import runtime_wrapper as W
+from shim.controller.lazypods import end_orphaned
 from shim.criu.lazydaemon import LazyPagesDaemon
 from shim.engine import lazyrestore
 
@@ -96,3 +97,31 @@ def test_lazy_sessions_are_bounded_per_node_and_all_or_none_per_pod() -> None:
     lazyrestore.give_slot(lazyrestore.LAZY_SLOTS)
     lazyrestore.give_slot()  # one too many is ignored: never more than LAZY_SLOTS
     assert not lazyrestore.take_slots(lazyrestore.LAZY_SLOTS + 1)
+
+
+def test_an_agent_start_ends_the_lazy_phases_an_earlier_agent_left(tmp_path: Path) -> None:
+    root = tmp_path / "by-pod"
+    used = root / "uid-1" / ".lazy-app"  # restored lazily, its pages still coming when the agent died
+    used.mkdir(parents=True)
+    waiting = root / "uid-2" / "app"  # staged lazily, the restore not run yet: its daemon is gone
+    waiting.mkdir(parents=True)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(waiting / C.LAZY_PAGES_SOCKET))
+    sock.close()
+    eager = root / "uid-3" / "app"  # the legitimate case: an eager restore's staged dir, left alone
+    (eager / C.CHECKPOINT_DIRECTORY).mkdir(parents=True)
+    planted = root / "uid-4" / "app"  # ... also when its layer holds a file of the socket's name
+    planted.mkdir(parents=True)
+    (planted / C.LAZY_PAGES_SOCKET).write_text("")
+    stopped: list[tuple[str, list[str]]] = []
+    reports: list[tuple[str, str, str]] = []
+
+    def stop(uid: str, names: list[str]) -> list[str]:
+        stopped.append((uid, names))
+        return names
+
+    removed = end_orphaned(str(root), stop, lambda *r: reports.append(r))
+    assert sorted(removed) == sorted([str(used), str(waiting)])
+    assert stopped == [("uid-1", ["app"])]
+    assert len(reports) == 1 and reports[0][:2] == ("uid-1", "app") and "agent restarted" in reports[0][2]
+    assert eager.is_dir() and planted.is_dir() and not used.exists() and not waiting.exists()
