@@ -42,8 +42,8 @@ from shim.engine.stream import fetch_chunks
 
 log = logging.getLogger(__name__)
 
-LAZY_SLOTS = 4  # lazy sessions at once on a node (each holds up to SESSION_CACHE_BYTES of chunks)
-SESSION_CACHE_BYTES = 64 << 20
+LAZY_SLOTS = 4  # lazy sessions at once on a node (each holds up to SESSION_CACHE_BYTES of chunks: 3 of 16 MiB)
+SESSION_CACHE_BYTES = 48 << 20
 CONNECT_TIMEOUT_S = 300.0  # a staged lazy restore that no restore asked a page of within this is ended
 _slots = threading.BoundedSemaphore(LAZY_SLOTS)
 
