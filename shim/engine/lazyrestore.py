@@ -95,13 +95,13 @@ def stage_lazy(
     for a lazy restore (see the module); None, with nothing changed, when its images cannot be restored
     lazily (the caller stages its pages eagerly)."""
     cp = os.path.join(staged_dir, C.CHECKPOINT_DIRECTORY)
+    files = {pf.name: pf for pf in record.pages}
     try:
         tasks = read_lazy_layouts(cp)
-    except FailedPrecondition as e:
+        source = ChunkPageSource(tasks, files, from_registry(registry, ref, opener), cache_bytes=cache_bytes)
+    except (FailedPrecondition, KeyError) as e:  # a layout CRIU's rule refuses, a pages file not in chunks
         log.warning("container %s is restored eagerly: its images cannot be restored lazily: %s", record.name, e)
         return None
-    files = {pf.name: pf for pf in record.pages}
-    source = ChunkPageSource(tasks, files, from_registry(registry, ref, opener), cache_bytes=cache_bytes)
     served = {f"pages-{t.pages_id}.img" for t in tasks.values()}
     others = [pf for pf in record.pages if pf.name not in served]
     if others:
