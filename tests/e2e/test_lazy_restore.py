@@ -21,38 +21,16 @@ from tests.e2e.test_snapshot_flows import pod, read, running
 from tests.e2e.test_whole_pod import _push_python_image
 from tests.support.agent import agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace
+from tests.support.lazyrestore import POD_PATTERN
 from tests.support.registry import RegistryServer
 
 pytestmark = pytest.mark.e2e
 __all__ = ["agent", "cluster", "namespace", "plugin", "private_registry"]
 
-# SIZE bytes of os.urandom in one bytearray; its SHA-256 in /tmp/sum0, and again in /tmp/sum on /tmp/verify;
-# a counter in /tmp/n every 0.1 s
-PATTERN = """
-import hashlib, os, sys, time
-size = int(sys.argv[1])
-buf = bytearray(size)
-for off in range(0, size, 1 << 24):
-    buf[off:off + (1 << 24)] = os.urandom(min(1 << 24, size - off))
-def put(name, text):
-    with open(f'/tmp/{name}.t', 'w') as f:
-        f.write(text)
-    os.rename(f'/tmp/{name}.t', f'/tmp/{name}')
-put('sum0', hashlib.sha256(buf).hexdigest())
-n = 0
-while True:
-    n += 1
-    put('n', str(n))
-    if os.path.exists('/tmp/verify'):
-        os.unlink('/tmp/verify')
-        put('sum', hashlib.sha256(buf).hexdigest())
-    time.sleep(0.1)
-"""
-
 
 def _pattern_pod(cluster: Cluster, ns: str, name: str, size: int) -> tuple[str, int]:
     manifest = pod(name, ns, _push_python_image(cluster), {"app": ""}, node=cluster.nodes[0])
-    manifest["spec"]["containers"][0]["command"] = ["python3", "-c", PATTERN, str(size)]
+    manifest["spec"]["containers"][0]["command"] = ["python3", "-c", POD_PATTERN, str(size)]
     cluster.apply(manifest)
     running(cluster, ns, name, timeout=300)
     cluster.wait_for("the pattern", lambda: _read(cluster, ns, name, "/tmp/n") not in ("", "0"), timeout=120)

@@ -29,6 +29,30 @@ from shim.criu.lazyimages import ImagePageSource, LazyImages, prepare_lazy_image
 from shim.criu.pageproto import PageSource
 from shim.criu.pageserver import PageServer
 
+# A pod's program (python3, a Debian image): argv[1] bytes of os.urandom in one bytearray; its SHA-256 in
+# /tmp/sum0, and again in /tmp/sum on /tmp/verify; a counter in /tmp/n every 0.1 s (tests/e2e/test_lazy_restore.py,
+# bench/lazy_cluster.py)
+POD_PATTERN = """
+import hashlib, os, sys, time
+size = int(sys.argv[1])
+buf = bytearray(size)
+for off in range(0, size, 1 << 24):
+    buf[off:off + (1 << 24)] = os.urandom(min(1 << 24, size - off))
+def put(name, text):
+    with open(f'/tmp/{name}.t', 'w') as f:
+        f.write(text)
+    os.rename(f'/tmp/{name}.t', f'/tmp/{name}')
+put('sum0', hashlib.sha256(buf).hexdigest())
+n = 0
+while True:
+    n += 1
+    put('n', str(n))
+    if os.path.exists('/tmp/verify'):
+        os.unlink('/tmp/verify')
+        put('sum', hashlib.sha256(buf).hexdigest())
+    time.sleep(0.1)
+"""
+
 # the container's program (two threads): `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
 # 50 ms (it stops while the program waits for a page); on /data/verify, the SHA-256 of the bytearray
 # the container's program (two threads): `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
