@@ -104,13 +104,7 @@ def one(cluster: Cluster, mib: int, rounds: int) -> dict[str, Any]:
             "metadata": {"name": "mem", "namespace": ns},
             "spec": {
                 "nodeSelector": {"kubernetes.io/hostname": cluster.nodes[0]},
-                "containers": [
-                    {
-                        "name": "app",
-                        "image": _push_python_image(cluster),
-                        "command": ["python3", "-c", POD_PATTERN, str(mib << 20)],
-                    }
-                ],  # fmt: skip
+                "containers": [{"name": "app", "image": _push_python_image(cluster), "command": command}],
                 "terminationGracePeriodSeconds": 1,
             },
         }
