@@ -44,6 +44,7 @@ class MigrateRequest:
     node: str | None = None
     name: str | None = None
     agent_image: str | None = None
+    lazy: bool = False  # the copy runs before its memory is back (docs/lazy-restore.md)
     timeout_s: float = 600
     claim_timeout_s: float = 60
 
@@ -120,6 +121,7 @@ def migrate(
             registry_secret=req.snapshot.registry_secret,
             agent_image=req.agent_image,
             insecure=req.snapshot.insecure,
+            lazy=req.lazy,
         ),
         kube=kube,
         stores=stores,
@@ -173,6 +175,12 @@ def migrate_owned(
             f"pod {ns}/{name} is owned by {kind} {owner_name}: its replacement is created by the controller and"
             " placed by the scheduler, so --node and --name do not apply",
             hint="drop --node/--name (cordon the old node first to keep the replacement off it)",
+        )
+    if req.lazy:
+        raise InvalidArgument(
+            f"pod {ns}/{name} is owned by {kind} {owner_name}: its replacement resumes as SnapshotPolicy {policy}"
+            " says, so --lazy does not apply",
+            hint=f"drop --lazy; to resume lazily, set spec.restoreMode: lazy on SnapshotPolicy {policy}",
         )
     current = str((pod.get("spec") or {}).get("nodeName") or "")
     on_step(f"save {ns}/{name} on {current} and stop it ({kind} {owner_name} resumes it, policy {policy})")

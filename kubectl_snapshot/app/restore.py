@@ -88,6 +88,7 @@ class RestoreRequest:
     registry_secret: str | None = None
     agent_image: str | None = None
     insecure: bool = False
+    lazy: bool = False  # the processes run before their memory is back (docs/lazy-restore.md)
 
 
 def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> tuple[Obj, Artifact]:
@@ -110,6 +111,7 @@ def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> t
         name=req.name,
         node=req.node,
         registry_secret=req.registry_secret,
+        lazy=req.lazy,
     )
     return body, artifact
 

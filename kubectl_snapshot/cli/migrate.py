@@ -8,7 +8,7 @@ import click
 
 from kubectl_snapshot.app.migrate import MigrateRequest, migrate
 from kubectl_snapshot.cli import completion, wiring
-from kubectl_snapshot.cli.params import Duration, common_options
+from kubectl_snapshot.cli.params import Duration, common_options, lazy_option
 from kubectl_snapshot.cli.snapshot import snapshot_options, snapshot_request
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.console.errors import handle_errors
@@ -22,6 +22,7 @@ from kubectl_snapshot.core.status import read as snapshot_status
 @click.option("--node", shell_complete=completion.nodes, help="Target node (default: another Ready node).")
 @click.option("--name", help="Name of the new pod (default: <original>-restored).")
 @click.option("--agent-image", help="Image of the gate init container (default: the agent DaemonSet's image).")
+@lazy_option
 @click.option("--timeout", type=Duration(), default="10m", show_default=True, help="Per step (snapshot, restore) wait.")
 @output_option
 @click.argument("target", metavar="pod/NAME", shell_complete=completion.pods)
@@ -36,6 +37,7 @@ def migrate_cmd(
     node: str | None,
     name: str | None,
     agent_image: str | None,
+    lazy: bool,
     timeout: float,
     output: str,
 ) -> None:
@@ -51,6 +53,7 @@ def migrate_cmd(
         node=node,
         name=name,
         agent_image=agent_image,
+        lazy=lazy,
         timeout_s=timeout,
     )
     with RemoteProgress(f"migrate {pod}") as bar:

@@ -151,3 +151,15 @@ def selector_option(fn: F) -> F:
         "--selector",
         help="Label selector (e.g. -l kubectl-snapshot.io/pod=web,tier!=db), as kubectl takes it.",
     )(fn)
+
+
+LAZY_HELP = (
+    "Lazy restore: the pod runs before its memory is back, pages fetched from the registry as the processes"
+    " touch them. If a page cannot be fetched later (the registry must stay reachable until all memory is back),"
+    " the pod is killed (with an Event). Workloads that must not be killed mid-run stay eager (the default)."
+)
+
+
+def lazy_option(fn: F) -> F:
+    """--lazy of the commands that create a restore pod (docs/lazy-restore.md)."""
+    return click.option("--lazy", is_flag=True, help=LAZY_HELP)(fn)

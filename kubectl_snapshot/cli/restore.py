@@ -6,7 +6,7 @@ import click
 
 from kubectl_snapshot.app.restore import RestoreRequest, build_restore, create_restore_pod, server_dry_run, wait_running
 from kubectl_snapshot.cli import completion, wiring
-from kubectl_snapshot.cli.params import common_options, dry_run_option, wait_options
+from kubectl_snapshot.cli.params import common_options, dry_run_option, lazy_option, wait_options
 from kubectl_snapshot.cli.watch_progress import RemoteProgress
 from kubectl_snapshot.console.errors import handle_errors
 from kubectl_snapshot.console.output import emit, output_option
@@ -20,6 +20,7 @@ from kubectl_snapshot.core.tokenclone import cloned_token_warning
 @click.option("--registry-secret", help="dockerconfigjson Secret the agent pulls with.")
 @click.option("--agent-image", help="Image of the gate init container (default: the agent DaemonSet's image).")
 @click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
+@lazy_option
 @dry_run_option
 @wait_options
 @output_option
@@ -32,6 +33,7 @@ def restore_cmd(
     registry_secret: str | None,
     agent_image: str | None,
     insecure: bool,
+    lazy: bool,
     dry_run: str,
     no_wait: bool,
     timeout: float,
@@ -48,6 +50,7 @@ def restore_cmd(
         registry_secret=registry_secret,
         agent_image=agent_image,
         insecure=insecure,
+        lazy=lazy,
     )
     body, artifact = build_restore(req, kube=kube, stores=wiring.artifact_store)
     pod_ref = lambda d: f"pod/{d['metadata']['name']}"  # noqa: E731

@@ -195,8 +195,11 @@ def restore_pod(
     name: str | None = None,
     node: str | None = None,
     registry_secret: str | None = None,
+    lazy: bool = False,
 ) -> dict[str, Any]:
-    """The Pod that `kubectl snapshot restore` creates from a recorded pod (docs/kubernetes.md)."""
+    """The Pod that `kubectl snapshot restore` creates from a recorded pod (docs/kubernetes.md). `lazy`:
+    it carries the restore-mode annotation, and its processes run before their memory is back
+    (docs/lazy-restore.md); without it, no annotation: every page is staged first, as always."""
     if not reference.digest:
         raise InvalidArgument(f"restore needs a reference pinned by digest, got {reference}")
     if not record.spec.get("containers"):
@@ -227,6 +230,8 @@ def restore_pod(
     annotations = {K.ANN_RESTORE_FROM: f"{reference.registry}/{reference.repository}@{reference.digest}"}
     if registry_secret:
         annotations[K.ANN_REGISTRY_SECRET] = validate_name(registry_secret, "secret")
+    if lazy:
+        annotations[K.ANN_RESTORE_MODE] = K.RESTORE_MODE_LAZY
     spec["runtimeClassName"] = K.RUNTIME_CLASS
     if node:
         spec["nodeSelector"] = {**(spec.get("nodeSelector") or {}), "kubernetes.io/hostname": node}

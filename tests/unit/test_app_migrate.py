@@ -5,6 +5,7 @@ refused before anything is created). The whole flow on a real cluster: tests/e2e
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -113,6 +114,15 @@ def test_node_and_name_choose_where_and_what_the_copy_is() -> None:
     result = migrate(request(node_name="n3", name="moved"), kube=kube, stores=registry.store)
     assert result.to_node == "n3" and result.pod["metadata"]["name"] == "moved"
     assert result.pod["spec"]["nodeSelector"] == {"kubernetes.io/hostname": "n3"}
+
+
+def test_lazy_makes_the_copy_a_lazy_restore_and_the_default_stays_eager() -> None:
+    kube, registry = cluster()
+    result = migrate(replace(request(), lazy=True), kube=kube, stores=registry.store)
+    assert result.pod["metadata"]["annotations"][K.ANN_RESTORE_MODE] == K.RESTORE_MODE_LAZY
+    kube, registry = cluster()
+    result = migrate(request(), kube=kube, stores=registry.store)
+    assert K.ANN_RESTORE_MODE not in result.pod["metadata"]["annotations"]
 
 
 def test_a_failed_restore_leaves_the_original_running_and_the_snapshot_kept() -> None:
@@ -302,6 +312,13 @@ def test_node_and_name_do_not_apply_to_a_resuming_workload(node_name: str | None
     with pytest.raises(InvalidArgument, match="--node and --name do not apply"):
         migrate(request("web-0", node_name=node_name, name=name), kube=kube, stores=registry.store)
     assert kube.journal == []
+
+
+def test_lazy_does_not_apply_to_a_resuming_workload_its_policy_decides() -> None:
+    kube, registry, _ = owned_cluster("StatefulSet")
+    with pytest.raises(InvalidArgument, match="--lazy does not apply") as e:
+        migrate(replace(request("web-0"), lazy=True), kube=kube, stores=registry.store)
+    assert "spec.restoreMode: lazy" in (e.value.hint or "") and kube.journal == []
 
 
 def test_a_copy_whose_processes_may_hold_the_old_pods_token_is_warned_about() -> None:

@@ -3,9 +3,16 @@ PodSnapshot or a reference, what it refuses and with which hint, and how it wait
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
+import yaml
+from click.testing import CliRunner, Result
 
 from kubectl_snapshot.app.restore import RestoreRequest, build_restore, create_restore_pod, wait_running
+from kubectl_snapshot.cli import main as cli_main
+from kubectl_snapshot.cli import wiring
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
 from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConfig
@@ -113,6 +120,42 @@ def test_a_snapshot_of_bare_containers_is_refused_with_the_node_side_command() -
     with pytest.raises(FailedPrecondition, match="a snapshot of containers, not of a Kubernetes pod") as e:
         build_restore(req(str(ref)), kube=kube, stores=registry.store)
     assert "ks-agent restore" in (e.value.hint or "")
+
+
+# --- --lazy (docs/lazy-restore.md) -------------------------------------------------------------------
+
+
+def test_lazy_marks_the_pod_for_a_lazy_restore_and_the_default_stays_eager() -> None:
+    kube, registry, _ = restorable()
+    lazy, _ = build_restore(replace(req(), lazy=True), kube=kube, stores=registry.store)
+    assert lazy["metadata"]["annotations"][K.ANN_RESTORE_MODE] == K.RESTORE_MODE_LAZY
+    eager, _ = build_restore(req(), kube=kube, stores=registry.store)
+    assert K.ANN_RESTORE_MODE not in eager["metadata"]["annotations"]  # no annotation: all memory first
+
+
+def restore_cli(monkeypatch: pytest.MonkeyPatch, *args: str) -> Result:
+    kube, registry, _ = restorable()
+    monkeypatch.setattr(wiring, "kube_client", lambda: kube)
+    monkeypatch.setattr(wiring, "artifact_store", registry.store)
+    result = CliRunner().invoke(cli_main.cli, ["restore", "-n", NS, *args], catch_exceptions=False)
+    assert kube.journal == [], kube.journal  # a client dry run creates nothing
+    return result
+
+
+@pytest.mark.parametrize("output", ["json", "yaml"])
+def test_the_dry_run_shows_the_restore_mode_in_the_pod(monkeypatch: pytest.MonkeyPatch, output: str) -> None:
+    for flags, mode in ((["--lazy"], K.RESTORE_MODE_LAZY), ([], None)):
+        result = restore_cli(monkeypatch, *flags, "--dry-run=client", "-o", output, "web-1")
+        assert result.exit_code == 0, result.output
+        pod = json.loads(result.output) if output == "json" else yaml.safe_load(result.output)
+        assert pod["kind"] == "Pod" and pod["metadata"]["annotations"].get(K.ANN_RESTORE_MODE) == mode
+
+
+@pytest.mark.parametrize("command", ["restore", "migrate"])
+def test_the_help_says_what_lazy_risks(command: str) -> None:
+    text = " ".join(CliRunner().invoke(cli_main.cli, [command, "--help"]).output.split())
+    assert "--lazy" in text and "runs before its memory is back" in text
+    assert "the pod is killed (with an Event)" in text and "must not be killed mid-run stay eager" in text
 
 
 # --- --node and the agent ----------------------------------------------------------------------------

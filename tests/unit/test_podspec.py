@@ -207,6 +207,20 @@ def test_restore_pod_without_node_lets_the_scheduler_pick_and_keeps_affinity() -
     assert "affinity" not in pinned["spec"]  # it may contradict --node
 
 
+def test_a_lazy_restore_pod_says_so_and_an_eager_one_carries_no_mode() -> None:
+    """docs/lazy-restore.md: the agent reads the restore-mode annotation (shim/controller/restores.py);
+    without --lazy the pod is as it always was, every page staged before it runs."""
+    ref = Reference.parse("r.example/s/web@" + DIGEST)
+    lazy = restore_pod(_record(), reference=ref, namespace="a", gate_image="g", lazy=True)
+    assert lazy["metadata"]["annotations"] == {
+        K.ANN_RESTORE_FROM: "r.example/s/web@" + DIGEST,
+        K.ANN_RESTORE_MODE: K.RESTORE_MODE_LAZY,
+    }
+    eager = restore_pod(_record(), reference=ref, namespace="a", gate_image="g")
+    assert K.ANN_RESTORE_MODE not in eager["metadata"]["annotations"]
+    assert {**eager, "metadata": {}} == {**lazy, "metadata": {}}  # nothing else differs
+
+
 def test_restore_pod_refuses_unpinned_images_and_missing_spec() -> None:
     ref = Reference.parse("r.example/s/web@" + DIGEST)
     with pytest.raises(FailedPrecondition, match="not pinned by digest"):
