@@ -39,6 +39,15 @@ def policy_group() -> None:
 @click.option("--registry-secret", help="dockerconfigjson Secret in the namespace, used by the agents to push.")
 @click.option("--insecure", is_flag=True, help="Plain HTTP to a non-loopback registry.")
 @click.option("--no-resume", is_flag=True, help="New pods of the workload start fresh instead of resuming.")
+@click.option(
+    "--restore-mode",
+    type=click.Choice(K.RESTORE_MODES),
+    default=K.RESTORE_MODE_EAGER,
+    show_default=True,
+    help="How resuming pods get their memory back. lazy: they run first, pages fetched from the registry as"
+    " touched; a page that cannot be fetched later kills the pod (with an Event). Keep eager for workloads"
+    " that must not be killed mid-run.",
+)
 @click.option("--no-volumes", is_flag=True, help="Do not save emptyDir volumes.")
 @click.option("--suspend", is_flag=True, help="Create the policy paused.")
 @dry_run_option
@@ -55,6 +64,7 @@ def create_cmd(
     registry_secret: str | None,
     insecure: bool,
     no_resume: bool,
+    restore_mode: str,
     no_volumes: bool,
     suspend: bool,
     dry_run: str,
@@ -74,6 +84,7 @@ def create_cmd(
         registry_secret=registry_secret,
         insecure=insecure,
         resume=not no_resume,
+        restore_mode=restore_mode,
         include_volumes=not no_volumes,
         suspend=suspend,
     )
@@ -142,6 +153,7 @@ def describe_text(d: P.Description) -> str:
         f"Retention:       keep last {retention.get('keepLast', 3)}"
         + (f", max age {retention['maxAge']}" if retention.get("maxAge") else ""),
         f"Resume:          {str(spec.get('resume', True)).lower()}",
+        f"Restore mode:    {spec.get('restoreMode') or K.RESTORE_MODE_EAGER}",
         f"Volumes:         {str(spec.get('includeVolumes', True)).lower()}",
         f"Suspend:         {str(spec.get('suspend', False)).lower()}",
         "Pods:",

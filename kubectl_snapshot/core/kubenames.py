@@ -63,6 +63,7 @@ ANN_REGISTRY_SECRET: Final = f"{GROUP}/registry-secret"
 ANN_RESTORE_MODE: Final = f"{GROUP}/restore-mode"
 RESTORE_MODE_LAZY: Final = "lazy"
 RESTORE_MODE_EAGER: Final = "eager"
+RESTORE_MODES: Final = (RESTORE_MODE_EAGER, RESTORE_MODE_LAZY)  # a SnapshotPolicy's spec.restoreMode
 LABEL_RESTORED_FROM: Final = f"{GROUP}/restored-from"
 LABEL_POD: Final = f"{GROUP}/pod"  # on a PodSnapshot: its pod's name (`kubectl snapshot list -l ...`)
 # Who may restore: a verb of its own on podsnapshots, checked at admission (deploy/admission.py).

@@ -61,6 +61,7 @@ def policy_object(
     resume: bool = True,
     include_volumes: bool = True,
     suspend: bool = False,
+    restore_mode: str = K.RESTORE_MODE_EAGER,
 ) -> dict[str, Any]:
     """The SnapshotPolicy to create; checked here as the CRD and admission would (clear errors before any call)."""
     validate_name(name, "policy")
@@ -84,6 +85,11 @@ def policy_object(
     if max_age:
         parse_duration(max_age, "--max-age")
         retention["maxAge"] = max_age
+    if restore_mode not in K.RESTORE_MODES:
+        raise InvalidArgument(
+            f"--restore-mode {restore_mode!r} is not one of {', '.join(K.RESTORE_MODES)}",
+            hint="eager (the default) stages all memory before the pod runs; lazy runs it first (docs/lazy-restore.md)",
+        )
     spec: dict[str, Any] = {
         "selector": {"matchLabels": dict(selector)},
         "interval": interval,
@@ -91,6 +97,7 @@ def policy_object(
         "insecure": insecure,
         "includeVolumes": include_volumes,
         "resume": resume,
+        "restoreMode": restore_mode,
         "suspend": suspend,
     }
     if workload:

@@ -337,6 +337,15 @@ def _policy_spec_schema() -> dict[str, Any]:
                 "default": True,
                 "description": "New pods of the workload resume from their predecessor's last good save.",
             },
+            "restoreMode": {
+                "type": "string",
+                "enum": list(K.RESTORE_MODES),
+                "default": K.RESTORE_MODE_EAGER,
+                "description": "How a resuming pod's memory comes back. eager: all of it before the pod runs. "
+                "lazy: the pod runs first, pages fetched from the registry as they are touched; a page that "
+                "cannot be fetched then kills the pod (with an Event). Workloads that must not be killed "
+                "mid-run stay eager.",
+            },
             "suspend": {"type": "boolean", "default": False, "description": "Pause the schedule."},
         },
     }
@@ -389,6 +398,7 @@ def snapshotpolicy_crd(labels: dict[str, str]) -> dict[str, Any]:
         {"name": "Suspend", "type": "boolean", "jsonPath": ".spec.suspend"},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         {"name": "Selector", "type": "string", "jsonPath": ".spec.selector.matchLabels", "priority": 1},
+        {"name": "RestoreMode", "type": "string", "jsonPath": ".spec.restoreMode", "priority": 1},
     ]
     return _crd(
         POLICY_CRD_NAME,

@@ -130,6 +130,7 @@ class Resumer:
                 registry_secret=spec.get("registrySecret") or None,
                 insecure=bool(spec.get("insecure")),
                 resume=True,
+                lazy=spec.get("restoreMode") == K.RESTORE_MODE_LAZY,  # absent (an older CRD): eager
             )
         return StartFresh("other new pods kept claiming the saves first")
 

@@ -463,6 +463,8 @@ def test_snapshotpolicy_crd_schema_is_the_contract() -> None:
     assert spec["properties"]["workload"]["properties"]["kind"]["enum"] == list(K.WORKLOAD_KINDS)
     interval = spec["properties"]["interval"]
     assert f"duration('{K.POLICY_MIN_INTERVAL_S}s')" in interval["x-kubernetes-validations"][0]["rule"]
+    mode = spec["properties"]["restoreMode"]  # docs/lazy-restore.md: resumes stay eager unless asked
+    assert (mode["enum"], mode["default"]) == (["eager", "lazy"], "eager") and "restoreMode" not in spec["required"]
     pods = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["pods"]
     # each agent owns its own pods' entries (server-side apply merges them by name)
     assert pods["x-kubernetes-list-type"] == "map" and pods["x-kubernetes-list-map-keys"] == ["name"]

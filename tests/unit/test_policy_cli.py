@@ -4,11 +4,15 @@ real commands run in tests/e2e/test_autosave_policy.py."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
+from click.testing import CliRunner, Result
 
 from kubectl_snapshot.app import policy as P
+from kubectl_snapshot.cli import main as cli_main
+from kubectl_snapshot.cli import wiring
 from kubectl_snapshot.cli.policy import _table, describe_text
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
@@ -45,6 +49,7 @@ def test_policy_object() -> None:
         resume=False,
         include_volumes=False,
         suspend=True,
+        restore_mode="lazy",
     )
     assert obj["apiVersion"] == K.API_VERSION and obj["kind"] == K.POLICY_KIND
     assert obj["metadata"] == {"name": "p", "namespace": "team"}
@@ -58,10 +63,12 @@ def test_policy_object() -> None:
         "insecure": True,
         "includeVolumes": False,
         "resume": False,
+        "restoreMode": "lazy",
         "suspend": True,
     }
     minimal = policy_object(name="p", namespace="t", selector={"a": "b"}, interval="10s", destination="r.io/x")
     assert "retention" not in minimal["spec"] and minimal["spec"]["resume"] is True
+    assert minimal["spec"]["restoreMode"] == "eager"  # resumes stage all memory first unless asked
 
 
 @pytest.mark.parametrize(
@@ -73,6 +80,7 @@ def test_policy_object() -> None:
         ({"keep_last": 0}, "at least 1"),
         ({"max_age": "1d"}, "not a duration"),
         ({"name": "Bad_Name"}, "invalid policy name"),
+        ({"restore_mode": "Lazy"}, "not one of eager, lazy"),
     ],
 )
 def test_policy_object_refuses(kwargs: dict[str, Any], words: str) -> None:
@@ -188,3 +196,21 @@ def test_list_and_describe_text() -> None:
     assert "web-0 on ks-n1: last save 2026-11-30T10:05:00Z (web-0-1, 2.0 KiB), result Succeeded" in text
     assert "Warning  SnapshotFailed  t  boom" in text and "other" not in text and "pod" not in text.split()
     assert "Saves:           1 PodSnapshots" in text
+    assert "Restore mode:    eager" in text
+    live["spec"]["restoreMode"] = "lazy"
+    assert "Restore mode:    lazy" in describe_text(P.describe_policy(kube, "t", "p"))
+
+
+def create_cli(monkeypatch: pytest.MonkeyPatch, *args: str) -> Result:
+    monkeypatch.setattr(wiring, "kube_client", lambda: FakeKube(namespace="t"))
+    argv = ["policy", "create", "p", "--selector", "app=web", "--interval", "1m", "--to", "r.io/x", *args]
+    return CliRunner().invoke(cli_main.cli, [*argv, "--dry-run=client", "-o", "json"], catch_exceptions=False)
+
+
+def test_create_sets_the_restore_mode_eager_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    for args, mode in (([], "eager"), (["--restore-mode", "lazy"], "lazy"), (["--restore-mode=eager"], "eager")):
+        result = create_cli(monkeypatch, *args)
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["spec"]["restoreMode"] == mode
+    refused = create_cli(monkeypatch, "--restore-mode", "sometimes")
+    assert refused.exit_code == 2 and "sometimes" in refused.output

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
+
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import resume as R
 from kubectl_snapshot.core import workload as W
@@ -164,6 +166,18 @@ def test_two_new_pods_claim_distinct_saves_even_when_they_race() -> None:
     assert isinstance(got, RestoreSource) and got.resume and got.registry_secret == "s"
     assert kube.claims == [("b1", "p1")]  # a1 was taken by the thief: the 409 made it pick again
     assert isinstance(r.source(rs_pod("p2")), StartFresh)  # nothing left
+
+
+@pytest.mark.parametrize(
+    ("spec", "lazy"),
+    [({}, False), ({"restoreMode": "eager"}, False), ({"restoreMode": "lazy"}, True)],
+)
+def test_the_policys_restore_mode_decides_whether_the_resume_is_lazy(spec: dict[str, str], lazy: bool) -> None:
+    """docs/lazy-restore.md: spec.restoreMode lazy resumes lazily; eager (the CRD's default) and a policy
+    written before the field existed resume as always, every page staged first."""
+    kube = FakeKube([save("a1", "ua", "2026-01-01T00:00:05Z")], policy=policy(**spec))
+    got = Resumer(kube, sleep=lambda _s: None).source(rs_pod("p1"))
+    assert isinstance(got, RestoreSource) and got.resume and got.lazy is lazy
 
 
 def test_other_images_or_no_policy_start_fresh() -> None:
