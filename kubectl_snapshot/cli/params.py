@@ -156,7 +156,8 @@ def selector_option(fn: F) -> F:
 LAZY_HELP = (
     "Lazy restore: the pod runs before its memory is back, pages fetched from the registry as the processes"
     " touch them. If a page cannot be fetched later (the registry must stay reachable until all memory is back),"
-    " the pod is killed (with an Event). Workloads that must not be killed mid-run stay eager (the default)."
+    " the container is killed (a LazyRestoreFailed Event) and starts afresh, its restored state lost. Workloads"
+    " that must not be killed mid-run stay eager (the default)."
 )
 
 

@@ -45,8 +45,8 @@ def policy_group() -> None:
     default=K.RESTORE_MODE_EAGER,
     show_default=True,
     help="How resuming pods get their memory back. lazy: they run first, pages fetched from the registry as"
-    " touched; a page that cannot be fetched later kills the pod (with an Event). Keep eager for workloads"
-    " that must not be killed mid-run.",
+    " touched; a page that cannot be fetched later kills the container (a LazyRestoreFailed Event), which"
+    " starts afresh, its resumed state lost. Keep eager for workloads that must not be killed mid-run.",
 )
 @click.option("--no-volumes", is_flag=True, help="Do not save emptyDir volumes.")
 @click.option("--suspend", is_flag=True, help="Create the policy paused.")

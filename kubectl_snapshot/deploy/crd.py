@@ -343,8 +343,8 @@ def _policy_spec_schema() -> dict[str, Any]:
                 "default": K.RESTORE_MODE_EAGER,
                 "description": "How a resuming pod's memory comes back. eager: all of it before the pod runs. "
                 "lazy: the pod runs first, pages fetched from the registry as they are touched; a page that "
-                "cannot be fetched then kills the pod (with an Event). Workloads that must not be killed "
-                "mid-run stay eager.",
+                "cannot be fetched then kills the container (a LazyRestoreFailed Event), which starts afresh "
+                "without the resumed state. Workloads that must not be killed mid-run stay eager.",
             },
             "suspend": {"type": "boolean", "default": False, "description": "Pause the schedule."},
         },

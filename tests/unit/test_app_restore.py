@@ -155,7 +155,8 @@ def test_the_dry_run_shows_the_restore_mode_in_the_pod(monkeypatch: pytest.Monke
 def test_the_help_says_what_lazy_risks(command: str) -> None:
     text = " ".join(CliRunner().invoke(cli_main.cli, [command, "--help"]).output.split())
     assert "--lazy" in text and "runs before its memory is back" in text
-    assert "the pod is killed (with an Event)" in text and "must not be killed mid-run stay eager" in text
+    assert "the container is killed (a LazyRestoreFailed Event) and starts afresh" in text
+    assert "must not be killed mid-" in text and "stay eager (the default)" in text  # click may wrap at the '-'
 
 
 # --- --node and the agent ----------------------------------------------------------------------------
