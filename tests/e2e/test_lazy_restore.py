@@ -24,7 +24,7 @@ from tests.support.cluster import Cluster, cluster, namespace
 from tests.support.lazyrestore import POD_PATTERN
 from tests.support.registry import RegistryServer
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.skip(reason="written in session 34, not yet run against real CRIU/runc/cluster (the session ran out): run it, fix, then remove this mark")]
 __all__ = ["agent", "cluster", "namespace", "plugin", "private_registry"]
 
 

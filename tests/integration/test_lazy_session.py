@@ -31,6 +31,7 @@ from tests.support import lazyrestore as lr
 from tests.support.registry import RegistryServer
 
 SIZE = 96 << 20
+pytestmark = pytest.mark.skip(reason="written in session 34, not yet run against real CRIU/runc/cluster (the session ran out): run it, fix, then remove this mark")
 
 
 @dataclass
