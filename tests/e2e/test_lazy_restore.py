@@ -24,7 +24,8 @@ from tests.support.cluster import Cluster, cluster, namespace
 from tests.support.lazyrestore import POD_PATTERN
 from tests.support.registry import RegistryServer
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skip(reason="written in session 34, not yet run against real CRIU/runc/cluster (the session ran out): run it, fix, then remove this mark")]
+NOT_YET_RUN = "written in session 34, not yet run against real CRIU, runc and cluster: run it, fix, drop this"
+pytestmark = [pytest.mark.e2e, pytest.mark.skip(reason=NOT_YET_RUN)]
 __all__ = ["agent", "cluster", "namespace", "plugin", "private_registry"]
 
 

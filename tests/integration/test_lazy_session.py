@@ -31,7 +31,8 @@ from tests.support import lazyrestore as lr
 from tests.support.registry import RegistryServer
 
 SIZE = 96 << 20
-pytestmark = pytest.mark.skip(reason="written in session 34, not yet run against real CRIU/runc/cluster (the session ran out): run it, fix, then remove this mark")
+NOT_YET_RUN = "written in session 34, not yet run against real CRIU, runc and cluster: run it, fix, drop this"
+pytestmark = pytest.mark.skip(reason=NOT_YET_RUN)
 
 
 @dataclass
