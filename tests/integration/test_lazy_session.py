@@ -31,8 +31,6 @@ from tests.support import lazyrestore as lr
 from tests.support.registry import RegistryServer
 
 SIZE = 96 << 20
-NOT_YET_RUN = "written in session 34, not yet run against real CRIU, runc and cluster: run it, fix, drop this"
-pytestmark = pytest.mark.skip(reason=NOT_YET_RUN)
 
 
 @dataclass
