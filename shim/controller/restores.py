@@ -47,7 +47,7 @@ from shim.controller.backlog import NamespaceBacklog
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
 from shim.controller.kube_api import KubeApi
-from shim.controller.lazypods import end_orphaned, start_sessions
+from shim.controller.lazypods import Fallback, end_orphaned, start_sessions
 from shim.controller.podinfo import (
     check_restore_pod,
     check_resume_pod,
@@ -469,9 +469,11 @@ class RestoreWorker:
                 give_slot(len(stages))
                 raise
             if stages:  # their daemons listen in the staged dirs before any create is let through
+                again = Fallback(artifact, registry, opener, self.paths, self.limits, src.resume)
                 start_sessions(self.kube, pod, stages, criu=self.settings.criu, facts=self.facts,
                                registry_host=artifact.reference.registry,
-                               stop=lambda uid, names: self._stop_containers(uid, only=names))  # fmt: skip
+                               stop=lambda uid, names: self._stop_containers(uid, only=names),
+                               fallback=again)  # fmt: skip
             gates.answer(READY)
             clock.lap("image check")
         except Exception as e:  # never leave a gate closed forever

@@ -213,10 +213,11 @@ class LazySession:
         give_slot()
 
 
-def session_failure(container: str, registry_host: str, reason: str) -> CriuFailed:
-    """The error a pod's Event carries when its lazy restore ended it."""
+def session_failure(container: str, registry_host: str, reason: str, *, again: bool = False) -> CriuFailed:
+    """The error a pod's Event carries when its lazy restore ended it (`again`: restored eagerly next)."""
     return CriuFailed(
         f"container {container}'s memory could not all be fetched from {registry_host}: {reason}; "
-        "the container was stopped (running on would have read zeros where its memory was)",
+        "the container was stopped (running on would have read zeros where its memory was)"
+        + ("; it is restored again, eagerly, from the same save" if again else ""),
         hint="restore it eagerly (without --lazy, or restoreMode: eager) once the registry answers",
     )

@@ -34,42 +34,16 @@ from tests.support.registry import RegistryServer, registry_server
 SIZE = 128 << 20
 
 
-def _require() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("runc and CRIU need root")
-    for tool in ("runc", "criu"):
-        if shutil.which(tool) is None:
-            pytest.skip(f"{tool} is not installed (hack/install-node-deps.sh)")
-    check = subprocess.run(["criu", "check", "--feature", "uffd-noncoop"], capture_output=True, text=True)
-    if check.returncode:
-        pytest.skip(f"this kernel has no non-cooperative userfaultfd: {check.stdout}{check.stderr}")
-
-
 @pytest.fixture(scope="module")
 def dumped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[lr.Box, Path]]:
-    _require()
-    base = tmp_path_factory.mktemp("lazy")
-    box = lr.Box(base, f"ks-lazy-{os.getpid()}", size=SIZE).make()
-    box.run()
-    assert (box.data / "sum0").read_text().strip() == lr.expected_sum(SIZE, box.seed)
-    box.checkpoint(base / "images", base / "dump-work")
-    try:
-        yield box, base / "images"
-    finally:
-        box.kill()
-        box.remove()
+    with lr.dumped(tmp_path_factory.mktemp("lazy"), f"ks-lazy-{os.getpid()}", SIZE, check_sum=True) as d:
+        yield d
 
 
 @pytest.fixture
 def box(dumped: tuple[lr.Box, Path]) -> Iterator[lr.Box]:
-    b, _ = dumped
-    for name in ("sum", "verify", "n"):  # the last test's restore wrote them
-        (b.data / name).unlink(missing_ok=True)
-    try:
+    with lr.fresh(dumped[0]) as b:
         yield b
-    finally:
-        b.kill()
-        b.remove()
 
 
 def _present_pages(images: Path, name: str) -> int:
@@ -158,7 +132,7 @@ def test_a_page_that_cannot_be_fetched_kills_the_process(
         pid = box.pid()
         source.release.set()  # from here the source fails
         (box.data / "verify").write_text("")
-        box.wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), 60, "the process to be killed")
+        box.wait_for(lambda: not os.path.exists(f"/proc/{pid}") or lr.zombie(pid), 60, "the process to be killed")
         assert not (box.data / "sum").exists()  # it never finished reading its memory
         lazy.wait_resident(60)
         stats = lazy.server.wait(10)
@@ -195,9 +169,9 @@ def test_a_page_server_that_stops_answering_blocks_the_process_until_its_timeout
         n = box.counter()
         time.sleep(2)
         # blocked in a page fault: alive, its loop stopped, the daemon still waiting
-        assert os.path.exists(f"/proc/{pid}") and not _zombie(pid) and box.counter() == n
+        assert os.path.exists(f"/proc/{pid}") and not lr.zombie(pid) and box.counter() == n
         assert lazy.daemon.poll() is None and not killed_at
-        box.wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), 30, "the process to be killed")
+        box.wait_for(lambda: not os.path.exists(f"/proc/{pid}") or lr.zombie(pid), 30, "the process to be killed")
         assert source.stalled_at is not None and killed_at and 5 < killed_at[0] - source.stalled_at < 15
         lazy.wait_resident(60)
     finally:
@@ -248,8 +222,8 @@ def test_criu_zero_fills_what_a_page_server_that_hangs_up_never_sent(
         n = box.counter()
         os.kill(pid, signal.SIGCONT)
         # not killed by CRIU: it runs on (until, perhaps, it crashes on a zeroed pointer)
-        box.wait_for(lambda: box.counter() > n or _zombie(pid), 10, "the process to go on or crash")
-        if not _zombie(pid):
+        box.wait_for(lambda: box.counter() > n or lr.zombie(pid), 10, "the process to go on or crash")
+        if not lr.zombie(pid):
             try:
                 got: str | None = box.verify(timeout=10)
             except AssertionError:  # it crashed meanwhile
@@ -262,17 +236,9 @@ def test_criu_zero_fills_what_a_page_server_that_hangs_up_never_sent(
         inner.close()
 
 
-def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 @pytest.fixture(scope="module")
 def dumped_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[lr.Box, Path]]:
-    _require()
+    lr.require()
     base = tmp_path_factory.mktemp("lazy-tree")
     box = lr.Box(base, f"ks-lazy-tree-{os.getpid()}", size=64 << 20, child=True).make()
     box.run()

@@ -26,7 +26,6 @@ from shim.criu.pageserver import ServeStats
 from shim.engine import lazyrestore
 from shim.engine.lazyrestore import LazySession, stage_lazy
 from shim.engine.staging import lazy_used_dir
-from tests.integration.test_lazy_restore import _require, _zombie
 from tests.support import lazyrestore as lr
 from tests.support.registry import RegistryServer
 
@@ -41,28 +40,14 @@ class Record:  # what stage_lazy reads of a snapshot's ContainerRecord
 
 @pytest.fixture(scope="module")
 def dumped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[lr.Box, Path]]:
-    _require()
-    base = tmp_path_factory.mktemp("lazy-session")
-    box = lr.Box(base, f"ks-lazys-{os.getpid()}", size=SIZE).make()
-    box.run()
-    box.checkpoint(base / "images", base / "dump-work")
-    try:
-        yield box, base / "images"
-    finally:
-        box.kill()
-        box.remove()
+    with lr.dumped(tmp_path_factory.mktemp("lazy-session"), f"ks-lazys-{os.getpid()}", SIZE) as d:
+        yield d
 
 
 @pytest.fixture
 def box(dumped: tuple[lr.Box, Path]) -> Iterator[lr.Box]:
-    b, _ = dumped
-    for name in ("sum", "verify", "n"):
-        (b.data / name).unlink(missing_ok=True)
-    try:
+    with lr.fresh(dumped[0]) as b:
         yield b
-    finally:
-        b.kill()
-        b.remove()
 
 
 def _staged(images: Path, staged: Path, registry: RegistryServer) -> tuple[Record, Reference]:
@@ -162,7 +147,7 @@ def test_a_registry_that_dies_mid_restore_ends_the_container_with_the_reason(
         pid = box.pid()
         (box.data / "verify").write_text("")
         assert killed.wait(60), "on_failure was never called"
-        box.wait_for(lambda: not os.path.exists(f"/proc/{pid}") or _zombie(pid), 30, "the process to be killed")
+        box.wait_for(lambda: not os.path.exists(f"/proc/{pid}") or lr.zombie(pid), 30, "the process to be killed")
         assert not (box.data / "sum").exists()  # it never computed over memory that had not come
         assert session.thread is not None
         session.thread.join(60)

@@ -5,6 +5,7 @@ and CRIU; run it under ``flock /run/ks-e2e.lock``."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -15,7 +16,7 @@ import subprocess
 import textwrap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -385,3 +386,54 @@ def push_chunks(client: RegistryClient, ref: Reference, path: Path, span: int = 
             chunks.append(Chunk(offset, len(data), digest, len(z)))
             offset += len(data)
     return PagesFile(path.name, offset, tuple(chunks))
+
+
+def require() -> None:
+    """Skip where runc, CRIU or the kernel's non-cooperative userfaultfd are missing."""
+    import pytest
+
+    if os.geteuid() != 0:
+        pytest.skip("runc and CRIU need root")
+    for tool in ("runc", "criu"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed (hack/install-node-deps.sh)")
+    check = subprocess.run(["criu", "check", "--feature", "uffd-noncoop"], capture_output=True, text=True)
+    if check.returncode:
+        pytest.skip(f"this kernel has no non-cooperative userfaultfd: {check.stdout}{check.stderr}")
+
+
+def zombie(pid: int) -> bool:
+    """Whether the process is gone or a zombie (its memory no longer runs)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@contextlib.contextmanager
+def dumped(base: Path, name: str, size: int, *, check_sum: bool = False) -> Iterator[tuple[Box, Path]]:
+    """A pattern container run and checkpointed once (its images in base/images); removed at the end."""
+    require()
+    box = Box(base, name, size=size).make()
+    box.run()
+    if check_sum:
+        assert (box.data / "sum0").read_text().strip() == expected_sum(size, box.seed)
+    box.checkpoint(base / "images", base / "dump-work")
+    try:
+        yield box, base / "images"
+    finally:
+        box.kill()
+        box.remove()
+
+
+@contextlib.contextmanager
+def fresh(box: Box) -> Iterator[Box]:
+    """The dumped container for one restore: the last restore's outputs cleared, killed and removed after."""
+    for name in ("sum", "verify", "n"):
+        (box.data / name).unlink(missing_ok=True)
+    try:
+        yield box
+    finally:
+        box.kill()
+        box.remove()

@@ -8,10 +8,13 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import UnsafeArchive
 from shim import runtime_wrapper as W
 from shim.controller.lazypods import end_orphaned
@@ -125,3 +128,88 @@ def test_an_agent_start_ends_the_lazy_phases_an_earlier_agent_left(tmp_path: Pat
     assert stopped == [("uid-1", ["app"])]
     assert len(reports) == 1 and reports[0][:2] == ("uid-1", "app") and "agent restarted" in reports[0][2]
     assert eager.is_dir() and planted.is_dir() and not used.exists() and not waiting.exists()
+
+
+def _fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: int, *, resume: bool) -> tuple[Any, ...]:
+    """A Fallback whose eager staging fails `fails` times (a registry that went away), then stages."""
+    from kubectl_snapshot.core.errors import Unavailable
+    from shim.controller import lazypods
+    from shim.engine.staging import StatePaths
+
+    calls: list[str] = []
+
+    def stage_artifact(artifact: Any, dirs: list[str], **kw: Any) -> list[Any]:
+        calls.append(dirs[0])
+        if len(calls) <= fails:
+            raise Unavailable("fetch blob: connection refused")
+        os.makedirs(os.path.join(dirs[0], C.CHECKPOINT_DIRECTORY))
+        assert [c.name for c in artifact.config.containers] == ["app"] and not artifact.config.volumes
+        return []
+
+    said: list[tuple[str, str]] = []
+    monkeypatch.setattr(lazypods, "stage_artifact", stage_artifact)
+    monkeypatch.setattr(lazypods, "check_staged", lambda spec, dirs, cache_dir: None)
+    monkeypatch.setattr(lazypods, "pod_event", lambda kube, pod, reason, msg, warning=False: said.append((reason, msg)))
+    paths = StatePaths(str(tmp_path / "state"))
+    config = SimpleNamespace(containers=(SimpleNamespace(name="app"), SimpleNamespace(name="side")), volumes=())
+    artifact = SimpleNamespace(config=config, reference="reg.example/app@sha256:" + "1" * 64)
+    monkeypatch.setattr(lazypods, "replace", lambda obj, **kw: SimpleNamespace(**{**vars(obj), **kw}))
+    fb = lazypods.Fallback(artifact, None, None, paths, None, resume, retry_s=(0.0, 0.0))  # type: ignore[arg-type]
+    pod = {"metadata": {"uid": "u1", "namespace": "ns", "name": "p"}, "spec": {}}
+    os.makedirs(paths.pod_dir("u1"), exist_ok=True)
+    return fb, pod, calls, said, paths
+
+
+def _gate_answer(paths: Any) -> tuple[str, str] | None:
+    from shim.engine.staging import _read_answer
+
+    return _read_answer(paths.pod_gate("u1", "app"))
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_failed_lazy_container_is_staged_again_eagerly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, resume: bool
+) -> None:
+    # the legitimate case: the registry answers again on the second try; the gate says ready, nothing is
+    # marked failed or fresh, and the kubelet's restart restores the staged container
+    from shim.engine.staging import READY
+    from shim.net.podrestore import PodRestore
+
+    fb, pod, calls, said, paths = _fallback(tmp_path, monkeypatch, 1, resume=resume)
+    gate = fb.hold("u1", "app")
+    assert gate is not None
+    assert fb.stage(None, pod, "app", gate) is True
+    assert len(calls) == 2
+    assert _gate_answer(paths) == (READY, "")
+    assert os.path.isdir(os.path.join(paths.staged_by_pod("u1", "app"), C.CHECKPOINT_DIRECTORY))
+    record = PodRestore(paths.pod_dir("u1"))
+    assert record.failed() is None and record.fresh() is None
+    assert [r for r, _ in said] == [K.EVENT_RESTORE_STAGED]
+
+
+def test_a_resume_whose_eager_staging_fails_too_starts_fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shim.engine.staging import READY
+    from shim.net.podrestore import PodRestore
+
+    fb, pod, calls, said, paths = _fallback(tmp_path, monkeypatch, 3, resume=True)
+    gate = fb.hold("u1", "app")
+    assert fb.stage(None, pod, "app", gate) is False
+    assert len(calls) == 3  # every try
+    state, message = _gate_answer(paths) or ("", "")
+    assert state == READY and message.startswith("no restore:")  # the workload is never held down
+    assert "connection refused" in (PodRestore(paths.pod_dir("u1")).fresh() or "")
+    assert not os.path.exists(paths.staged_by_pod("u1", "app"))
+    assert [r for r, _ in said] == [K.EVENT_LAZY_RESTORE_FAILED] and "starts fresh" in said[0][1]
+
+
+def test_a_restore_whose_eager_staging_fails_too_is_given_up(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shim.engine.staging import FAILED
+    from shim.net.podrestore import PodRestore
+
+    fb, pod, _, said, paths = _fallback(tmp_path, monkeypatch, 3, resume=False)
+    gate = fb.hold("u1", "app")
+    assert fb.stage(None, pod, "app", gate) is False
+    state, message = _gate_answer(paths) or ("", "")
+    assert state == FAILED and "connection refused" in message
+    assert PodRestore(paths.pod_dir("u1")).failed() is not None  # whole or not at all: not from its image
+    assert "not started from its image" in said[0][1]
