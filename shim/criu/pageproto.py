@@ -243,10 +243,26 @@ def can_be_lazy(vma: Vma) -> bool:
     return not any(vma.status & bit == bit for bit in (VMA_AREA_VDSO, VMA_AREA_VVAR, VMA_AREA_VSYSCALL))
 
 
+# CRIU's lazy-pages daemon (4.2, and its master at the time of writing: criu/uffd.c, collect_iovs) keeps the
+# longest lazy range of a task in an int and allocates a buffer that long: a lazy pagemap entry of 2 GiB or
+# more makes it exit, silently, before the first page (the restore then fails with "Failed sending restore
+# finished indication"). Lazy entries are cut at this length; the daemon moves at most 4 MiB at a time.
+MAX_LAZY_ENTRY_PAGES = (64 << 20) // PAGE_SIZE
+
+
+def _split(r: PageRange) -> tuple[PageRange, ...]:
+    """`r` in pieces of at most MAX_LAZY_ENTRY_PAGES pages, in order (offsets stay contiguous)."""
+    step = MAX_LAZY_ENTRY_PAGES
+    return tuple(
+        PageRange(r.vaddr + i * PAGE_SIZE, min(step, r.nr_pages - i), r.offset + i * PAGE_SIZE)
+        for i in range(0, r.nr_pages, step)
+    )
+
+
 def lazy_layout(vmas: Sequence[Vma], entries: Sequence[PagemapEntry], stack_pointers: Iterable[int]) -> LazyLayout:
     """The lazy layout of one task's eager pagemap (entries in image order, each PE_PRESENT; the pages
     image holds them in that order). Entries are split at VMA bounds and around stack pages; adjacent
-    pieces of one kind are joined again."""
+    pieces of one kind are joined again, lazy ones up to MAX_LAZY_ENTRY_PAGES."""
     vmas = sorted(vmas, key=lambda v: v.start)
     starts = [v.start for v in vmas]
     stack_pages = {sp & ~(PAGE_SIZE - 1) for sp in stack_pointers}
@@ -290,6 +306,7 @@ def lazy_layout(vmas: Sequence[Vma], entries: Sequence[PagemapEntry], stack_poin
                 pieces.append((lazy, PageRange(addr, n, offset)))
             offset += n * PAGE_SIZE
             addr = end
+    pieces = [(lazy, part) for lazy, r in pieces for part in (_split(r) if lazy else (r,))]
     out = tuple(PagemapEntry(r.vaddr, r.nr_pages, PE_LAZY if lazy else PE_PRESENT) for lazy, r in pieces)
     return LazyLayout(
         entries=out,

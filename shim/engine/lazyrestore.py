@@ -186,7 +186,7 @@ class LazySession:
                 rc = daemon.wait(1.0)
             stats = self.server.wait(30)
             if rc != 0 or stats.error or stats.failed_range is not None:
-                why = stats.error or f"criu lazy-pages exited {rc}"
+                why = "; ".join(w for w in (stats.error, f"criu lazy-pages exited {rc}") if w)
                 self._fail(
                     f"the lazy restore stopped with pages missing ({why}); {stats.pages} of "
                     f"{self.stage.source.total_pages()} pages had come; lazy-pages.log tail:\n"

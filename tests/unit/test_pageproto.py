@@ -131,6 +131,23 @@ def test_lazy_layout_joins_adjacent_entries_and_keeps_pages_outside_vmas() -> No
     assert lay.kept == (PageRange(0x120 * P, 1, 5 * P),)
 
 
+def test_lazy_entries_are_cut_below_what_criu_lazy_pages_can_take() -> None:
+    # a 3 GiB anonymous range (a training job's tensor): one eager entry, lazy in pieces CRIU's daemon takes
+    n = (3 << 30) // P
+    base = 0x7F0000000000
+    lay = pp.lazy_layout([Vma(base, base + n * P, ANON, 0)], [PagemapEntry(base, n, pp.PE_PRESENT)], [])
+    assert all(e.nr_pages <= pp.MAX_LAZY_ENTRY_PAGES and e.flags == pp.PE_LAZY for e in lay.entries)
+    assert len(lay.entries) == -(-n // pp.MAX_LAZY_ENTRY_PAGES) and lay.lazy_pages == n
+    # in order, back to back, in the pages image as in memory
+    for a, b in zip(lay.lazy, lay.lazy[1:], strict=False):
+        assert b.vaddr == a.end and b.offset == a.offset + a.nr_pages * P
+    index = pp.RangeIndex({1: lay.lazy})
+    assert index.find(1, base + (n - 1) * P, 8) == ((n - 1) * P, 1)
+    # the legitimate small case stays one entry (the tests above)
+    one = pp.lazy_layout([Vma(base, base + 64 * P, ANON, 0)], [PagemapEntry(base, 64, pp.PE_PRESENT)], [])
+    assert one.entries == (PagemapEntry(base, 64, pp.PE_LAZY),)
+
+
 def test_lazy_layout_refuses_incremental_entries() -> None:
     vmas = [Vma(0, 4 * P, ANON, 0)]
     for flags in (pp.PE_PARENT, pp.PE_LAZY, 0):
