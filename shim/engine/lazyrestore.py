@@ -42,8 +42,9 @@ from shim.engine.stream import fetch_chunks
 
 log = logging.getLogger(__name__)
 
-LAZY_SLOTS = 4  # lazy sessions at once on a node (each holds up to SESSION_CACHE_BYTES of chunks: 3 of 16 MiB)
-SESSION_CACHE_BYTES = 48 << 20
+LAZY_SLOTS = 4  # lazy sessions at once on a node (each holds up to SESSION_CACHE_BYTES of chunks: 4 of 16 MiB)
+SESSION_CACHE_BYTES = 64 << 20
+READAHEAD_CHUNKS = 3  # chunks downloaded ahead of the one served (as many as the cache holds beside it)
 CONNECT_TIMEOUT_S = 300.0  # a staged lazy restore that no restore asked a page of within this is ended
 _slots = threading.BoundedSemaphore(LAZY_SLOTS)
 
@@ -98,7 +99,8 @@ def stage_lazy(
     files = {pf.name: pf for pf in record.pages}
     try:
         tasks = read_lazy_layouts(cp)
-        source = ChunkPageSource(tasks, files, from_registry(registry, ref, opener), cache_bytes=cache_bytes)
+        source = ChunkPageSource(tasks, files, from_registry(registry, ref, opener), cache_bytes=cache_bytes,
+                                 readahead=READAHEAD_CHUNKS)  # fmt: skip
     except (FailedPrecondition, KeyError) as e:  # a layout CRIU's rule refuses, a pages file not in chunks
         log.warning("container %s is restored eagerly: its images cannot be restored lazily: %s", record.name, e)
         return None
@@ -204,6 +206,7 @@ class LazySession:
         if self.daemon is not None:
             self.daemon.kill()
         self.server.stop()
+        self.stage.source.close()
         with self._lock:
             if self._closed:
                 return

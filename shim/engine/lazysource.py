@@ -8,14 +8,22 @@ in a chunk downloads all of it, verified, opened and with its page delta applied
 (stream.chunk_content); later requests are answered from memory, and an answer never crosses a chunk's
 end (the daemon asks again for the rest). Chunks are kept up to a byte budget, least recently used
 first out; two requests in one chunk download it once. Nothing is written to disk.
+
+CRIU's daemon fills what no fault asked for in address order, a few MiB at a time, each request waiting
+for the last: a chunk served is followed by the download of the next `readahead` chunks of its file in the
+background (as far as the budget holds them beside it), so that the fill runs at the registry's parallel
+download speed rather than at one chunk's round trip. A read-ahead that fails is forgotten: the request
+that needs that chunk downloads it again and reports what fails.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 from kubectl_snapshot.core.chunks import Chunk, PagesFile
 from kubectl_snapshot.core.reference import Reference
@@ -39,6 +47,7 @@ class ChunkPageSource:
         fetch: Callable[[Chunk, str], bytes | bytearray],
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
+        readahead: int = 0,
     ) -> None:
         self._index = RangeIndex({pid: t.layout.lazy for pid, t in tasks.items()})
         self._file_of: dict[int, PagesFile] = {}
@@ -57,6 +66,10 @@ class ChunkPageSource:
         self._lock = threading.Lock()
         self._loading: dict[tuple[str, int], threading.Lock] = {}
         self.fetched = 0  # chunks downloaded (a chunk pushed out of the cache and asked again counts twice)
+        self._readahead = max(0, readahead)
+        self._pool: ThreadPoolExecutor | None = None
+        self._ahead: set[tuple[str, int]] = set()  # read-aheads queued or running
+        self._closed = False
 
     def pages(self, dst_id: int, vaddr: int, nr_pages: int) -> bytes | bytearray | memoryview:
         offset, n = self._index.find(dst_id, vaddr, nr_pages)
@@ -67,7 +80,44 @@ class ChunkPageSource:
         if n < 1:
             raise OSError(f"{pf.name}: offset {offset} is not in a whole page of its chunk at {chunk.offset}")
         data = self._content(pf, chunk)
+        self._read_ahead(pf, chunk)
         return memoryview(data)[within : within + n * PAGE_SIZE]
+
+    def close(self) -> None:
+        """Stop reading ahead (what runs ends on its own; its result is dropped)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _read_ahead(self, pf: PagesFile, chunk: Chunk) -> None:
+        if not self._readahead:
+            return
+        i = bisect.bisect_right(self._starts[pf.name], chunk.offset) - 1
+        room = self._budget - chunk.length  # the chunk being served stays
+        with self._lock:
+            if self._closed:
+                return
+            for nxt in pf.chunks[i + 1 : i + 1 + self._readahead]:
+                key = (pf.name, nxt.offset)
+                room -= nxt.length
+                if room < 0:
+                    break
+                if key in self._cached or key in self._ahead or key in self._loading:
+                    continue
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(self._readahead, thread_name_prefix="lazy-readahead")
+                self._ahead.add(key)
+                self._pool.submit(self._fetch_ahead, pf, nxt)
+
+    def _fetch_ahead(self, pf: PagesFile, chunk: Chunk) -> None:
+        try:
+            with contextlib.suppress(Exception):  # the request that needs it fetches it again and says why
+                self._content(pf, chunk)
+        finally:
+            with self._lock:
+                self._ahead.discard((pf.name, chunk.offset))
 
     def total_pages(self) -> int:
         return self._index.total_pages()

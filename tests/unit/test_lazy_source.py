@@ -164,3 +164,64 @@ def _recv(s: Any, n: int) -> bytes:
             break
         buf += part
     return buf
+
+
+def _wait(cond: Any, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_the_chunks_after_one_served_are_read_ahead_within_the_budget() -> None:
+    raw = os.urandom(48 * P)  # six chunks of 8 pages; one lazy range over all of it
+    pf, z = chunked(raw, 8 * P)
+    blobs = Blobs(z)
+    src = ChunkPageSource(task(PageRange(HEAP, 48, 0)), {pf.name: pf}, from_registry(blobs, REF),  # type: ignore[arg-type]
+                          cache_bytes=3 * 8 * P, readahead=4)  # fmt: skip
+    try:
+        assert bytes(src.pages(1, HEAP, 8)) == raw[: 8 * P]
+        # chunks 1 and 2 come in the background: the budget holds two beside the one served, not four
+        _wait(lambda: src.fetched == 3, "the read-ahead")
+        time.sleep(0.1)
+        assert src.fetched == 3 and blobs.fetched == [c.digest for c in pf.chunks[:3]]
+        # served from memory: no download for the next two chunks
+        assert bytes(src.pages(1, HEAP + 8 * P, 8)) == raw[8 * P : 16 * P]
+        assert bytes(src.pages(1, HEAP + 16 * P, 8)) == raw[16 * P : 24 * P]
+        _wait(lambda: src.fetched == 5, "the read-ahead of chunks 3 and 4")
+        # the last chunk: nothing after it to read
+        assert bytes(src.pages(1, HEAP + 40 * P, 8)) == raw[40 * P :]
+        assert src.fetched == 6 and sorted(blobs.fetched) == sorted(z)
+    finally:
+        src.close()
+
+
+class Damaged(Blobs):
+    """A registry whose blob `bad` fails its digest check (as the registry client reports it)."""
+
+    def __init__(self, blobs: dict[str, bytes], bad: str) -> None:
+        super().__init__(blobs)
+        self.bad = bad
+
+    def fetch_blob(self, ref: object, digest: str, out: Any, **kw: Any) -> int:
+        if digest == self.bad:
+            self.fetched.append(digest)
+            raise DigestMismatch(f"fetch blob {digest}: content does not match its digest")
+        return super().fetch_blob(ref, digest, out, **kw)
+
+
+def test_a_read_ahead_that_fails_is_forgotten_and_the_request_says_why() -> None:
+    raw = os.urandom(16 * P)
+    pf, z = chunked(raw, 8 * P)
+    blobs = Damaged(z, pf.chunks[1].digest)
+    src = ChunkPageSource(task(PageRange(HEAP, 16, 0)), {pf.name: pf}, from_registry(blobs, REF),  # type: ignore[arg-type]
+                          readahead=2)  # fmt: skip
+    try:
+        assert bytes(src.pages(1, HEAP, 8)) == raw[: 8 * P]
+        time.sleep(0.2)  # the read-ahead of chunk 1 failed, silently
+        assert blobs.fetched == [pf.chunks[0].digest, pf.chunks[1].digest]
+        with pytest.raises(DigestMismatch):
+            src.pages(1, HEAP + 8 * P, 8)  # the request downloads it again and says why
+        assert blobs.fetched[2:] == [pf.chunks[1].digest]
+    finally:
+        src.close()
