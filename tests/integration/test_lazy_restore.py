@@ -253,16 +253,8 @@ def test_criu_zero_fills_what_a_page_server_that_hangs_up_never_sent(
 
 @pytest.fixture(scope="module")
 def dumped_tree(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[lr.Box, Path]]:
-    lr.require()
-    base = tmp_path_factory.mktemp("lazy-tree")
-    box = lr.Box(base, f"ks-lazy-tree-{os.getpid()}", size=64 << 20, child=True).make()
-    box.run()
-    box.checkpoint(base / "images", base / "dump-work")
-    try:
-        yield box, base / "images"
-    finally:
-        box.kill()
-        box.remove()
+    with lr.dumped(tmp_path_factory.mktemp("lazy-tree"), f"ks-lazy-tree-{os.getpid()}", 64 << 20, child=True) as d:
+        yield d
 
 
 def test_a_process_tree_is_restored_lazily(dumped_tree: tuple[lr.Box, Path], tmp_path: Path) -> None:

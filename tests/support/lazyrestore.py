@@ -412,10 +412,13 @@ def zombie(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def dumped(base: Path, name: str, size: int, *, check_sum: bool = False) -> Iterator[tuple[Box, Path]]:
-    """A pattern container run and checkpointed once (its images in base/images); removed at the end."""
+def dumped(
+    base: Path, name: str, size: int, *, check_sum: bool = False, child: bool = False
+) -> Iterator[tuple[Box, Path]]:
+    """A pattern container (with its child process: `child`) run and checkpointed once (its images in
+    base/images); removed at the end."""
     require()
-    box = Box(base, name, size=size).make()
+    box = Box(base, name, size=size, child=child).make()
     box.run()
     if check_sum:
         assert (box.data / "sum0").read_text().strip() == expected_sum(size, box.seed)
