@@ -55,8 +55,6 @@ while True:
 """
 
 # the container's program (two threads): `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
-# 50 ms (it stops while the program waits for a page); on /data/verify, the SHA-256 of the bytearray
-# the container's program (two threads): `size` bytes of Random(seed) in one bytearray; a counter it rewrites every
 # 50 ms (it stops while the program waits for a page); on /data/verify, the SHA-256 of the bytearray.
 # With "child": a forked child shares the pattern copy-on-write but for its last quarter, which it
 # rewrites (Random(seed + 1)), and does the same under the names c<name>.
