@@ -131,10 +131,13 @@ def start_sessions(
     same save by `fallback` (None: the kubelet starts it as the pod's restore record says)."""
     uid = str(pod["metadata"]["uid"])
     sessions: list[LazySession] = []
+    by_container: dict[str, LazySession] = {}
 
     def failed(container: str) -> Callable[[str], None]:
         def report(reason: str) -> None:
             gate = fallback.hold(uid, container) if fallback is not None else None  # before the stop
+            if gate is not None:  # the session's end must not remove what the eager staging writes
+                by_container[container].hand_over()
             stopped = stop(uid, [container])
             err = session_failure(container, registry_host, reason, again=gate is not None)
             log.error("%s/%s: %s (stopped %s)", pod["metadata"]["namespace"], pod["metadata"]["name"], err, stopped)
@@ -165,6 +168,7 @@ def start_sessions(
                 on_done=done(st.container),
             )
             sessions.append(session)
+            by_container[st.container] = session
             session.start()
     except BaseException:
         for s in sessions:

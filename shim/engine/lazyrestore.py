@@ -136,6 +136,7 @@ class LazySession:
         self._failed = threading.Event()
         self._lock = threading.Lock()
         self._closed = False
+        self._keep_staged_dir = False
         self.server, self._theirs = PageServer.over_socketpair(
             stage.source,
             criu_version=criu_version,
@@ -201,6 +202,12 @@ class LazySession:
         finally:
             self.close()
 
+    def hand_over(self) -> None:
+        """The container's staged dir is another's from now (an eager restore of the same save staged
+        there after this lazy one failed): close() leaves it, and removes only what the restore used."""
+        with self._lock:
+            self._keep_staged_dir = True
+
     def close(self) -> None:
         """Stop serving, end the daemon, remove the staged dir and free the node's slot (idempotent)."""
         if self.daemon is not None:
@@ -211,7 +218,9 @@ class LazySession:
             if self._closed:
                 return
             self._closed = True
-        shutil.rmtree(self.stage.staged_dir, ignore_errors=True)  # a restore that never ran
+            keep = self._keep_staged_dir
+        if not keep:
+            shutil.rmtree(self.stage.staged_dir, ignore_errors=True)  # a restore that never ran
         shutil.rmtree(lazy_used_dir(self.stage.staged_dir), ignore_errors=True)
         give_slot()
 

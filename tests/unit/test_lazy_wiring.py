@@ -20,6 +20,7 @@ from shim import runtime_wrapper as W
 from shim.controller.lazypods import end_orphaned
 from shim.criu.lazydaemon import LazyPagesDaemon
 from shim.engine import lazyrestore
+from shim.engine.staging import lazy_used_dir
 
 
 @pytest.fixture
@@ -213,3 +214,34 @@ def test_a_restore_whose_eager_staging_fails_too_is_given_up(tmp_path: Path, mon
     assert state == FAILED and "connection refused" in message
     assert PodRestore(paths.pod_dir("u1")).failed() is not None  # whole or not at all: not from its image
     assert "not started from its image" in said[0][1]
+
+
+class _Source:
+    def total_pages(self) -> int:
+        return 0
+
+    def pages(self, dst_id: int, vaddr: int, nr_pages: int) -> bytes:
+        raise KeyError(vaddr)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("handed_over", [False, True])
+def test_a_sessions_end_leaves_the_staged_dir_to_the_eager_restore_it_handed_over_to(
+    tmp_path: Path, handed_over: bool
+) -> None:
+    # the legitimate end removes the staged dir and what the lazy restore used; once the eager fallback
+    # stages the same container there, the session's end (after it) must leave its data alone
+    staged = tmp_path / "by-pod" / "u1" / "app"
+    (staged / C.CHECKPOINT_DIRECTORY).mkdir(parents=True)
+    used = Path(lazy_used_dir(str(staged)))
+    used.mkdir()
+    stage = lazyrestore.LazyStage("app", str(staged), {}, _Source(), 0)  # type: ignore[arg-type]
+    assert lazyrestore.take_slots(1)
+    session = lazyrestore.LazySession(stage, criu=["criu"], criu_version="4.2.1", on_failure=lambda why: None)
+    if handed_over:
+        session.hand_over()
+    session.close()
+    assert not used.exists()
+    assert staged.exists() == handed_over
