@@ -48,6 +48,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from shim.host.facts import find_host_pid
 from shim.host.mounts import (
     MS_BIND,
     MS_NODEV,
@@ -245,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: list[str], host_pid: int | None) -> KdatResult:
-    got = run_child("shim.criu.kdat", args, host_pid, timeout=180)
+    got = run_child("shim.criu.kdat", args, host_pid, timeout=180, rescan=find_host_pid)
     try:
         return KdatResult(**got) if isinstance(got, dict) else KdatResult(KDAT_FILE, "failed", got)
     except TypeError:

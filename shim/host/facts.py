@@ -91,6 +91,11 @@ def host_pid() -> int | None:
     return _host_pid()
 
 
+def find_host_pid() -> int | None:
+    """host_pid(), looked up afresh (never this thread's remembered answer): the one it had may be gone."""
+    return _host_pid()
+
+
 def _host_pid() -> int | None:
     try:
         mine = os.readlink("/proc/self/ns/mnt")

@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,9 +106,31 @@ def join_host(host_pid: int) -> None:
     os.chdir("/")
 
 
-def run_child(module: str, args: list[str], host_pid: int | None, timeout: float) -> dict[str, Any] | str:
+def run_child(
+    module: str,
+    args: list[str],
+    host_pid: int | None,
+    timeout: float,
+    *,
+    rescan: Callable[[], int | None] | None = None,
+) -> dict[str, Any] | str:
     """``python -m module args`` (joining `host_pid`'s mount namespace first, where given): the JSON
-    object on its last line of output, or, when there is none, the tail of what it printed."""
+    object on its last line of output, or, when there is none, the tail of what it printed.
+
+    Where the child could not join because `host_pid` ended meanwhile (the node's containerd, which
+    stands in for the host's init where that is out of reach, restarted by the install a moment before),
+    `rescan` (facts.find_host_pid) looks up a live host process and the child runs again (twice at most)."""
+    got = _run_child(module, args, host_pid, timeout)
+    for _ in range(2 if rescan is not None else 0):
+        ns = f"/proc/{host_pid}/ns/mnt"
+        if not host_pid or ns not in str(got) or os.path.exists(ns):
+            break
+        host_pid = rescan() if rescan is not None else None
+        got = _run_child(module, args, host_pid, timeout)
+    return got
+
+
+def _run_child(module: str, args: list[str], host_pid: int | None, timeout: float) -> dict[str, Any] | str:
     cmd = [sys.executable, "-m", module, *args] + (["--host-pid", str(host_pid)] if host_pid else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     try:

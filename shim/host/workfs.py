@@ -39,6 +39,7 @@ import os
 import sys
 from dataclasses import asdict, dataclass
 
+from shim.host.facts import find_host_pid
 from shim.host.mounts import (
     MS_NODEV,
     MS_NOEXEC,
@@ -149,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: list[str], path: str, host_pid: int | None) -> WorkFsResult:
-    got = run_child("shim.host.workfs", [*args, "--path", path], host_pid, timeout=60)
+    got = run_child("shim.host.workfs", [*args, "--path", path], host_pid, timeout=60, rescan=find_host_pid)
     try:
         return WorkFsResult(**got) if isinstance(got, dict) else WorkFsResult(path, "failed", got)
     except TypeError:
