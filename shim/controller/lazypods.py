@@ -130,14 +130,13 @@ def start_sessions(
     every slot given back). A container whose lazy phase fails is stopped, then restored eagerly from the
     same save by `fallback` (None: the kubelet starts it as the pod's restore record says)."""
     uid = str(pod["metadata"]["uid"])
-    sessions: list[LazySession] = []
-    by_container: dict[str, LazySession] = {}
+    sessions: dict[str, LazySession] = {}  # by container
 
     def failed(container: str) -> Callable[[str], None]:
         def report(reason: str) -> None:
             gate = fallback.hold(uid, container) if fallback is not None else None  # before the stop
             if gate is not None:  # the session's end must not remove what the eager staging writes
-                by_container[container].hand_over()
+                sessions[container].hand_over()
             stopped = stop(uid, [container])
             err = session_failure(container, registry_host, reason, again=gate is not None)
             log.error("%s/%s: %s (stopped %s)", pod["metadata"]["namespace"], pod["metadata"]["name"], err, stopped)
@@ -167,15 +166,14 @@ def start_sessions(
                 on_failure=failed(st.container),
                 on_done=done(st.container),
             )
-            sessions.append(session)
-            by_container[st.container] = session
+            sessions[st.container] = session
             session.start()
     except BaseException:
-        for s in sessions:
+        for s in sessions.values():
             s.close()
         give_slot(len(stages) - len(sessions))
         raise
-    return sessions
+    return list(sessions.values())
 
 
 def end_orphaned(staged_root: str, stop: StopFn, report: Callable[[str, str, str], None]) -> list[str]:
