@@ -184,7 +184,9 @@ def test_the_chunks_after_one_served_are_read_ahead_within_the_budget() -> None:
         # chunks 1 and 2 come in the background: the budget holds two beside the one served, not four
         _wait(lambda: src.fetched == 3, "the read-ahead")
         time.sleep(0.1)
-        assert src.fetched == 3 and blobs.fetched == [c.digest for c in pf.chunks[:3]]
+        # the background fetches run side by side: which chunks came matters, not their order
+        assert src.fetched == 3 and blobs.fetched[0] == pf.chunks[0].digest
+        assert sorted(blobs.fetched) == sorted(c.digest for c in pf.chunks[:3])
         # served from memory: no download for the next two chunks
         assert bytes(src.pages(1, HEAP + 8 * P, 8)) == raw[8 * P : 16 * P]
         assert bytes(src.pages(1, HEAP + 16 * P, 8)) == raw[16 * P : 24 * P]
