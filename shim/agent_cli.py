@@ -38,6 +38,7 @@ from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, render
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
 from shim import freeze_guard as guard
+from shim.criu import parasite
 from shim.engine import criufail
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.restore import RestoreRequest, restore
@@ -317,6 +318,7 @@ def checkpoint_data(
         sealer=sealer,
         net_lock=dumplock.pod_network_locked,
         criu_lock=criufail.cleaned_after_failure,
+        criu_cure=parasite.cured_after_failure,
     )
     return {
         "reference": str(result.reference),

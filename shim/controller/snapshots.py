@@ -51,6 +51,7 @@ from shim.controller.podinfo import empty_dirs, host_view, record_pod, running_c
 from shim.controller.settings import NodeSettings
 from shim.controller.signing import NodeSigner
 from shim.controller.workqueue import WorkQueue
+from shim.criu import parasite
 from shim.engine import criufail
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
 from shim.engine.node_ports import Freezer
@@ -343,6 +344,7 @@ class SnapshotWorker:
                     unix_links=unixpeers.find_cross_links,
                     net_lock=dumplock.pod_network_locked,
                     criu_lock=criufail.cleaned_after_failure,
+                    criu_cure=parasite.cured_after_failure,
                 )
         except SnapshotError as e:
             if clamp.passed():

@@ -130,6 +130,7 @@ def checkpoint(
     net_lock: NetLockFn | None = None,
     disk: DiskLedger | None = None,
     criu_lock: CriuLockFn | None = None,
+    criu_cure: CriuLockFn | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -148,6 +149,8 @@ def checkpoint(
     other (shim.net.dumplock), so that both ends of a connection between them are dumped in agreement.
     `criu_lock` lifts the network lock a CRIU killed mid-dump left in the containers' namespaces
     (shim.net.criulock: tables listed before the freeze, lifted on failure before the thaw).
+    `criu_cure` unmaps what CRIU's parasite left in the tasks of a dump that failed, once they are thawed
+    (shim.criu.parasite: its mappings listed before the freeze).
     `disk` is the ledger a dump on disk reserves its bytes in (default: the node's, shim/host/diskspace.py).
     """
     names = _validate(req)
@@ -176,7 +179,7 @@ def checkpoint(
             private.makedirs(work)  # work/ too: 0700, as everything of the dump (shim/host/private.py)
         try:
             frozen, volume_tar = _freeze_and_dump(
-                req, names, pre, containerd, work, phase, clock, timings, net_lock, criu_lock
+                req, names, pre, containerd, work, phase, clock, timings, net_lock, criu_lock, criu_cure
             )
             # Everything below runs after the resume: compression, hashing and upload never extend the freeze.
             phase("upload")
@@ -330,6 +333,7 @@ def _freeze_and_dump(
     timings: dict[str, float],
     net_lock: NetLockFn | None,
     criu_lock: CriuLockFn | None = None,
+    criu_cure: CriuLockFn | None = None,
 ) -> tuple[list[str], str | None]:
     """Freeze every container, dump them (under the shared network's lock), capture the volumes, and
     thaw them again unless `stop`. Returns the containers still frozen (with `stop`) and the volume tar.
@@ -342,27 +346,30 @@ def _freeze_and_dump(
     # agent start (recover_interrupted) finds the list and thaws them. Never lose the workload.
     with private.create(os.path.join(work, FROZEN_FILE)) as f:
         json.dump(list(req.containers), f)
-    phase("freeze")
-    t_freeze = clock()
     frozen: list[str] = []
-    try:
-        # entered before the first freeze (its listing costs the freeze nothing), left before the thaw
-        with criu_lock(pre.pids) if criu_lock is not None else contextlib.nullcontext():
-            for cid in req.containers:
-                _freeze(containerd, pre.direct, cid, pre.plan.deadline_s)
-                frozen.append(cid)
-            timings["freezing_ms"] = (clock() - t_freeze) * 1000
-            phase("dump")
-            _test_hold([pre.direct[c] for c in frozen if c in pre.direct])
-            with net_lock(pre.pids) if net_lock is not None else contextlib.nullcontext():
-                _dump_all(containerd, req, names, pre.upperdirs, work, clock, timings)
-            t_volumes = clock()
-            volume_tar = _capture_volumes(req, work) if req.volumes else None
-            timings["volumes_ms"] = (clock() - t_volumes) * 1000
-            timings["dump_ms"] = (clock() - t_freeze) * 1000
-    except BaseException:
-        _resume_all(containerd, frozen, pre.direct)
-        raise
+    # entered before the clock starts (its listing costs the freeze nothing), left after the thaw below:
+    # on a failure, what CRIU's parasite left is unmapped from the running tasks
+    with criu_cure(pre.pids) if criu_cure is not None else contextlib.nullcontext():
+        phase("freeze")
+        t_freeze = clock()
+        try:
+            # entered before the first freeze (its listing costs the freeze nothing), left before the thaw
+            with criu_lock(pre.pids) if criu_lock is not None else contextlib.nullcontext():
+                for cid in req.containers:
+                    _freeze(containerd, pre.direct, cid, pre.plan.deadline_s)
+                    frozen.append(cid)
+                timings["freezing_ms"] = (clock() - t_freeze) * 1000
+                phase("dump")
+                _test_hold([pre.direct[c] for c in frozen if c in pre.direct])
+                with net_lock(pre.pids) if net_lock is not None else contextlib.nullcontext():
+                    _dump_all(containerd, req, names, pre.upperdirs, work, clock, timings)
+                t_volumes = clock()
+                volume_tar = _capture_volumes(req, work) if req.volumes else None
+                timings["volumes_ms"] = (clock() - t_volumes) * 1000
+                timings["dump_ms"] = (clock() - t_freeze) * 1000
+        except BaseException:
+            _resume_all(containerd, frozen, pre.direct)
+            raise
     if not req.stop:
         t_thaw = clock()
         _resume_all(containerd, frozen, pre.direct, strict=True)

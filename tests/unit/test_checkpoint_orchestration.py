@@ -498,17 +498,18 @@ def test_files_in_the_runtimes_dev_shm_are_refused_a_volume_there_is_not() -> No
     _refuse_runtime_shm(volume, 42, "app", listdir=lambda _p: ["app-counter"])  # captured as a volume
 
 
-def _criu_lock_recorder(cd: FakeContainerd) -> Any:
-    """A `criu_lock` port that records, among the containerd calls, when it is entered and left."""
+def _criu_lock_recorder(cd: FakeContainerd, what: str = "criu-lock") -> Any:
+    """A `criu_lock` (or `criu_cure`) port that records, among the containerd calls, when it is entered
+    and left."""
     import contextlib
 
     @contextlib.contextmanager
     def criu_lock(pids: list[int]) -> Any:
-        cd.calls.append(("criu-lock-listed", ""))
+        cd.calls.append((f"{what}-listed", ""))
         try:
             yield []
         except BaseException:
-            cd.calls.append(("criu-lock-lifted", ""))
+            cd.calls.append((f"{what}-lifted", ""))
             raise
 
     return criu_lock
@@ -535,7 +536,26 @@ def test_a_dump_that_succeeds_lifts_no_criu_lock(tmp_path: Path) -> None:
     req = CheckpointRequest(containers=["a", "b"], target=TARGET)
     checkpoint(
         req, containerd=cd, registry=reg, paths=StatePaths(str(tmp_path)), host=HOST,
-        criu_lock=_criu_lock_recorder(cd),
+        criu_lock=_criu_lock_recorder(cd), criu_cure=_criu_lock_recorder(cd, "cure"),
     )  # fmt: skip
     names = [c for c, _ in cd.calls]
-    assert names[0] == "criu-lock-listed" and "criu-lock-lifted" not in names
+    assert names[:2] == ["cure-listed", "criu-lock-listed"]
+    assert "criu-lock-lifted" not in names and "cure-lifted" not in names
+
+
+def test_a_failed_dump_cures_the_tasks_after_the_thaw(tmp_path: Path) -> None:
+    """Threat A4: CRIU's parasite mappings are listed before anything is frozen; what a failed CRIU left is
+    unmapped once every container runs again (a frozen task would not run the injected munmap:
+    shim/criu/parasite.py does it through ptrace)."""
+    cd, reg = FakeContainerd({"a", "b"}, fail_checkpoint="b"), FakeRegistry()
+    req = CheckpointRequest(containers=["a", "b"], target=TARGET)
+    with pytest.raises(CriuFailed):
+        checkpoint(
+            req, containerd=cd, registry=reg, paths=StatePaths(str(tmp_path)), host=HOST,
+            criu_lock=_criu_lock_recorder(cd), criu_cure=_criu_lock_recorder(cd, "cure"),
+        )  # fmt: skip
+    names = [c for c, _ in cd.calls]
+    assert names.index("cure-listed") < names.index("pause")
+    resumes = [i for i, n in enumerate(names) if n == "resume"]
+    assert len(resumes) == 2 and names.index("cure-lifted") > max(resumes)
+    assert cd.paused == set()
