@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -246,11 +247,8 @@ def one(cluster: Cluster, agent: AgentInstall, mode: str, a: argparse.Namespace,
             finals = saves(cluster, ns, f"{K.LABEL_FINAL_SAVE}=true")
             pushed = [t for p, t in seen.values() if p == K.PHASE_SUCCEEDED]
             created = [T.seconds(s["metadata"]["creationTimestamp"]) or t0 for s in finals]
-            totals = [
-                float(((s.get("status") or {}).get("timings") or {}).get("totalMs") or 0) / 1000
-                for s in finals
-                if phase(s) == K.PHASE_SUCCEEDED
-            ]
+            timings = [(s.get("status") or {}).get("timings") or {} for s in finals if phase(s) == K.PHASE_SUCCEEDED]
+            totals = [float(t.get("totalMs") or 0) / 1000 for t in timings]
             lost = []
             for n in names:
                 new = running(cluster, ns, n, not_uid=old[n]["metadata"]["uid"])
@@ -288,7 +286,20 @@ def one(cluster: Cluster, agent: AgentInstall, mode: str, a: argparse.Namespace,
         "first_created_s": round(min(created) - t0, 1) if created else None,
         "save_total_s": round(sum(totals), 2),
         "save_max_s": round(max(totals, default=0.0), 2),
+        # where one final save's time goes: the median of each part (status.timings), and what the parts
+        # leave out of the total (the dump gate's wait, the volumes, the config)
+        "final_median_ms": _medians(timings),
     }
+
+
+PARTS = ("preflightMs", "freezeMs", "packageMs", "uploadMs", "stopMs")
+
+
+def _medians(timings: list[dict[str, Any]]) -> dict[str, float]:
+    if not timings:
+        return {}
+    rows = [{**t, "otherMs": float(t.get("totalMs") or 0) - sum(float(t.get(k) or 0) for k in PARTS)} for t in timings]
+    return {k: round(statistics.median(float(r.get(k) or 0) for r in rows), 1) for k in (*PARTS, "otherMs", "totalMs")}
 
 
 def main() -> None:
@@ -344,6 +355,10 @@ def report(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
             f" | {r['pushed']}/{r['pods']} | {len(r['lost'])}/{r['pods']}"
             f" | {r['first_created_s']} s | {r['save_total_s']:.1f} s, longest {r['save_max_s']:.1f} s |"
         )
+    for r in rows:
+        if r.get("final_median_ms"):
+            parts = ", ".join(f"{k.removesuffix('Ms')} {v:.0f}" for k, v in r["final_median_ms"].items())
+            out.append(f"\n{r['mode']}: a final save's parts, median ms: {parts}")
     for mode in (m for m in by if m != "serial" and "serial" in by):
         out.append(f"\n{mode} / serial evacuation time: {by[mode]['evacuation_s'] / by['serial']['evacuation_s']:.2f}x")
     out.append(

@@ -117,7 +117,9 @@ class Outcome:
     timings_ms: Mapping[str, float]
 
 
-TIMING_KEYS: Final = ("freezeMs", "dumpMs", "packageMs", "uploadMs", "totalMs")
+# preflight: the checks before the freeze; stop (a save with stop, a final save): the push verified, the
+# pod deleted, its containers killed and gone
+TIMING_KEYS: Final = ("preflightMs", "freezeMs", "dumpMs", "packageMs", "uploadMs", "stopMs", "totalMs")
 
 
 def succeeded(o: Outcome, *, node: str, now: str, generation: int | None) -> dict[str, Any]:
@@ -129,7 +131,7 @@ def succeeded(o: Outcome, *, node: str, now: str, generation: int | None) -> dic
         "stage": Stage.DONE.value,
         "bytesDone": o.size,
         "bytesTotal": o.size,
-        "timings": {k: round(float(t.get(_snake(k), 0)), 1) for k in TIMING_KEYS},
+        "timings": {k: round(float(t.get(_snake(k), 0)), 1) for k in TIMING_KEYS if k != "stopMs" or "stop_ms" in t},
         "frozenBy": o.frozen_by,
         "reference": o.reference,
         "tag": o.tag,

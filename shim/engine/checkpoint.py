@@ -202,7 +202,9 @@ def checkpoint(
 
     if req.stop:
         phase("stop")
+        t_stop = clock()
         _stop_frozen(containerd, registry, frozen, pre.direct, result.reference, before_stop)
+        timings["stop_ms"] = (clock() - t_stop) * 1000
     timings["total_ms"] = (clock() - t0) * 1000
     result.timings_ms = timings
     result.frozen_by = " + ".join(
