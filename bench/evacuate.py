@@ -43,6 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import cpushare
 from bench.recovery import e2e_lock
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import timestamps as T
@@ -229,6 +230,7 @@ def one(cluster: Cluster, agent: AgentInstall, mode: str, a: argparse.Namespace,
 
             cluster.wait_for("every pod's dirty part rewritten", rewritten, 120)
             before = {n: counter(cluster, ns, n) for n in names}
+            cpu0 = cpushare.sample()
             t0 = time.time()
             drain = subprocess.Popen(
                 [str(cluster.kubectl_bin), "--kubeconfig", str(cluster.kubeconfig), "drain", n1,
@@ -243,6 +245,7 @@ def one(cluster: Cluster, agent: AgentInstall, mode: str, a: argparse.Namespace,
                     if name not in seen and phase(s) in K.TERMINAL_PHASES:
                         seen[name] = (phase(s), time.time() - t0)
                 time.sleep(POLL_S)
+            cpu = cpushare.shares(cpu0, cpushare.sample())  # drain start -> the last final save seen
             _, err = drain.communicate(timeout=a.grace + 180)
             finals = saves(cluster, ns, f"{K.LABEL_FINAL_SAVE}=true")
             pushed = [t for p, t in seen.values() if p == K.PHASE_SUCCEEDED]
@@ -289,6 +292,8 @@ def one(cluster: Cluster, agent: AgentInstall, mode: str, a: argparse.Namespace,
         # where one final save's time goes: the median of each part (status.timings), and what the parts
         # leave out of the total (the dump gate's wait, the volumes, the config)
         "final_median_ms": _medians(timings),
+        # the CPU seconds each component of the cluster used from the drain to the last final save seen
+        "cpu_s": cpu,
     }
 
 
@@ -359,6 +364,10 @@ def report(rows: list[dict[str, Any]], a: argparse.Namespace) -> str:
         if r.get("final_median_ms"):
             parts = ", ".join(f"{k.removesuffix('Ms')} {v:.0f}" for k, v in r["final_median_ms"].items())
             out.append(f"\n{r['mode']}: a final save's parts, median ms: {parts}")
+        if r.get("cpu_s"):
+            window = (os.cpu_count() or 1) * r["evacuation_s"]
+            cpu = ", ".join(f"{k} {v / window:.0%}" for k, v in r["cpu_s"].items())
+            out.append(f"{r['mode']}: the CPU from the drain to the last final save ({window:.0f} CPU-s): {cpu}")
     for mode in (m for m in by if m != "serial" and "serial" in by):
         out.append(f"\n{mode} / serial evacuation time: {by[mode]['evacuation_s'] / by['serial']['evacuation_s']:.2f}x")
     out.append(

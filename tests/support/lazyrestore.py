@@ -249,6 +249,11 @@ class Box:
 
     def remove(self) -> None:
         self.runc("delete", "--force", self.name, timeout=60)
+        # runc restore bind-mounts the rootfs here for CRIU and unmounts it after; a restore that ended
+        # half-way (the failure cases) leaves it mounted, and the test's directory could not be removed
+        criu_root = self.root / self.name / "criu-root"
+        if os.path.ismount(criu_root):
+            subprocess.run(["umount", "-l", str(criu_root)], check=False)
 
 
 @dataclass
