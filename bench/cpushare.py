@@ -1,9 +1,11 @@
 """Where a machine's CPU went during a window, by component of the local cluster (bench/evacuate.py).
 
 Each long-lived process's user and system time, with that of the children it reaped (a CRIU under runc
-under the agent, a pod's processes under their shim), read from /proc/PID/stat at the window's start and
-end; processes are grouped by what they are for the cluster (the agent of ks-n1, ks-n2's containerd and
-its shims, the API server, the registry, ...). The machine's own busy time (/proc/stat) is the total.
+under the agent; not a shim's: it reaps its pod's processes, whose whole life would count), read from
+/proc/PID/stat at the window's start and end, grouped by what they are for the cluster (the agent of
+ks-n1, ks-n2's containerd, the API server, the registry, the bench itself with the kubectl it runs). The
+machine's busy time (/proc/stat) is the total; what the groups leave of it is the pods' own work and
+short-lived processes reaped by none of them.
 """
 
 from __future__ import annotations
@@ -43,16 +45,16 @@ def component(pid: int) -> str:
     if name == "kubelet":
         return f"kubelet {node}".strip()
     if name.startswith("containerd-shim"):
-        return f"shims and pods {node}".strip()
+        return f"shims {node}".strip()
     if name == "containerd":
         return f"containerd {node}".strip()
     return ""
 
 
-def _cpu(pid: int) -> float:
-    """utime + stime + cutime + cstime of `pid`, in seconds."""
+def _cpu(pid: int, children: bool) -> float:
+    """utime + stime of `pid`, with cutime + cstime (its reaped children's) where `children`, in seconds."""
     fields = _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()
-    return sum(int(x) for x in fields[11:15]) / TICK
+    return sum(int(x) for x in fields[11 : 15 if children else 13]) / TICK
 
 
 Sample = tuple[dict[int, tuple[str, float]], float]
@@ -68,7 +70,10 @@ def sample() -> Sample:
         what = component(pid)
         if what:
             with contextlib.suppress(OSError, IndexError, ValueError):
-                procs[pid] = (what, _cpu(pid))
+                # a shim reaps its pod's processes: their whole life's CPU would land in the window
+                procs[pid] = (what, _cpu(pid, children=not what.startswith("shims")))
+    me = os.times()  # this script and the kubectl it runs (its polling)
+    procs[os.getpid()] = ("the bench and its kubectl", me.user + me.system + me.children_user + me.children_system)
     cpu = _read("/proc/stat").split(b"\n", 1)[0].split()[1:]
     busy = (sum(int(x) for x in cpu) - int(cpu[3]) - int(cpu[4])) / TICK  # all but idle and iowait
     return procs, busy
@@ -82,5 +87,7 @@ def shares(start: Sample, end: Sample) -> dict[str, float]:
         before = start[0].get(pid)
         got[what] = got.get(what, 0.0) + secs - (before[1] if before and before[0] == what else 0.0)
     out = {k: round(v, 2) for k, v in sorted(got.items(), key=lambda kv: -kv[1])}
-    out["machine busy"] = round(end[1] - start[1], 2)
+    busy = end[1] - start[1]
+    out["the rest (the pods' own work, ...)"] = round(busy - sum(got.values()), 2)
+    out["machine busy"] = round(busy, 2)
     return out

@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -64,6 +65,7 @@ from shim.service.metrics import AgentMetrics
 log = logging.getLogger(__name__)
 SENT_KEPT = 4096  # pods whose last save's size the agent keeps for the save order (the most recent)
 STATUS_INTERVAL_S = 1.0
+STATUS_CLOSE_S = 10.0  # a progress write still in flight when the outcome is ready: waited for this long
 RESULT_RETRY_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 
 
@@ -281,7 +283,7 @@ class SnapshotWorker:
     # --- running ----------------------------------------------------------------------------------
 
     def run(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
-        meta, spec = obj["metadata"], obj.get("spec") or {}
+        meta = obj["metadata"]
         order = self.order_of(obj, pod)  # its rank at the dump gate, and a final save's thaw_by
         clamp = _ThawClamp(order.deadline)
         ns, name = meta["namespace"], meta["name"]
@@ -290,62 +292,10 @@ class SnapshotWorker:
         pod_event(self.kube, pod, K.EVENT_SNAPSHOT_STARTED, started)
         reporter = _StatusReporter(self.kube, ns, name, self.clock)
         try:
-            # before anything is frozen: a save whose provenance is not recorded is never resumed from
-            self._record_provenance(obj, pod)
-            containers = running_containers(pod)
-            # through the host's mount namespace: memory-backed emptyDirs are mounts made after the agent started
-            root = host_view(self.settings.kubelet_root)
-            volumes = empty_dirs(pod, root) if spec.get("includeVolumes", True) else {}
-            registry = self.registries(ns, spec.get("registrySecret"), bool(spec.get("insecure")))
-            target = Reference.parse(spec.get("destination", ""))
-            registry.add_mount_sources(previous_repositories(self.kube, ns, str(spec.get("podName") or ""), target))
-            signing_key = self.signer.key_for_save()
-            trust = load_trust([self.settings.trust_dir]) if os.path.isdir(self.settings.trust_dir) else None
-            req = CheckpointRequest(
-                containers=containers.ids,
-                names=containers.names,
-                target=target,
-                volumes=list(volumes.values()),
-                volume_names=list(volumes.keys()),
-                stop=bool(spec.get("stop")),
-                group=pod["metadata"]["name"],
-                namespace=ns,
-                pod=record_pod(pod, self.settings.node),
-                probe_budgets=probe_budgets(pod),
-                ignore_liveness=bool(spec.get("ignoreLiveness")),
-                signing_key=signing_key,
-                cluster=trust.cluster if trust is not None else "",
-                node=self.settings.node,
-            )
-            # the key first: a key store problem fails the snapshot before anything is frozen
-            # (with the key broker: asked for this pod's save, which it checks runs on this node)
-            use = KeyUse(ns, str(pod["metadata"]["name"]), str(pod["metadata"].get("uid") or ""))
-            sealer = Sealer(self.keys.namespace_key(ns, create=True, use=use), ns) if self.keys is not None else None
-            report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
-            checkpointer = RuncCheckpointer(self.settings.criu, self.settings.runc_path)  # the installed CRIU
-            with (
-                self._guard(report) as held,
-                self.containerd(checkpointer) as containerd,
-                self.dump_gate.phases(order, reporter.stage, name=name) as on_phase,
-            ):
-                result = checkpoint(
-                    req,
-                    containerd=containerd,
-                    registry=registry,
-                    paths=StatePaths(self.settings.state_dir),
-                    on_phase=on_phase,
-                    on_bytes=reporter.bytes,
-                    before_stop=lambda: self._delete_pod(pod),
-                    host=self.facts,
-                    freezer_for=clamp.wrap(held.freezer_for),
-                    memory_of=freezer.task_memory,
-                    on_plan=reporter.plan,
-                    sealer=sealer,
-                    unix_links=unixpeers.find_cross_links,
-                    net_lock=dumplock.pod_network_locked,
-                    criu_lock=criufail.cleaned_after_failure,
-                    criu_cure=parasite.cured_after_failure,
-                )
+            try:
+                result = self._save(obj, pod, order, clamp, reporter)
+            finally:
+                reporter.close()  # no progress may land after the outcome written below
         except SnapshotError as e:
             if clamp.passed():
                 e = type(e)(f"{O.thawed_message(name, F.THAW_MARGIN_S)}: {e.message}", hint=e.hint, details=e.details)
@@ -356,6 +306,74 @@ class SnapshotWorker:
             self._finish_failed(obj, pod, SnapshotError(f"internal error: {e}"))
             return
         self._finish_ok(obj, pod, result)
+
+    def _save(
+        self,
+        obj: dict[str, Any],
+        pod: dict[str, Any],
+        order: O.SaveRequest,
+        clamp: _ThawClamp,
+        reporter: _StatusReporter,
+    ) -> CheckpointResult:
+        """The save itself: provenance recorded, the pod's containers checkpointed and pushed."""
+        meta, spec = obj["metadata"], obj.get("spec") or {}
+        ns, name = meta["namespace"], meta["name"]
+        # before anything is frozen: a save whose provenance is not recorded is never resumed from
+        self._record_provenance(obj, pod)
+        containers = running_containers(pod)
+        # through the host's mount namespace: memory-backed emptyDirs are mounts made after the agent started
+        root = host_view(self.settings.kubelet_root)
+        volumes = empty_dirs(pod, root) if spec.get("includeVolumes", True) else {}
+        registry = self.registries(ns, spec.get("registrySecret"), bool(spec.get("insecure")))
+        target = Reference.parse(spec.get("destination", ""))
+        registry.add_mount_sources(previous_repositories(self.kube, ns, str(spec.get("podName") or ""), target))
+        signing_key = self.signer.key_for_save()
+        trust = load_trust([self.settings.trust_dir]) if os.path.isdir(self.settings.trust_dir) else None
+        req = CheckpointRequest(
+            containers=containers.ids,
+            names=containers.names,
+            target=target,
+            volumes=list(volumes.values()),
+            volume_names=list(volumes.keys()),
+            stop=bool(spec.get("stop")),
+            group=pod["metadata"]["name"],
+            namespace=ns,
+            pod=record_pod(pod, self.settings.node),
+            probe_budgets=probe_budgets(pod),
+            ignore_liveness=bool(spec.get("ignoreLiveness")),
+            signing_key=signing_key,
+            cluster=trust.cluster if trust is not None else "",
+            node=self.settings.node,
+        )
+        # the key first: a key store problem fails the snapshot before anything is frozen
+        # (with the key broker: asked for this pod's save, which it checks runs on this node)
+        use = KeyUse(ns, str(pod["metadata"]["name"]), str(pod["metadata"].get("uid") or ""))
+        sealer = Sealer(self.keys.namespace_key(ns, create=True, use=use), ns) if self.keys is not None else None
+        report = {"namespace": ns, "name": name, "uid": meta.get("uid", "")}
+        checkpointer = RuncCheckpointer(self.settings.criu, self.settings.runc_path)  # the installed CRIU
+        with (
+            self._guard(report) as held,
+            self.containerd(checkpointer) as containerd,
+            self.dump_gate.phases(order, reporter.stage, name=name) as on_phase,
+        ):
+            return checkpoint(
+                req,
+                containerd=containerd,
+                registry=registry,
+                paths=StatePaths(self.settings.state_dir),
+                on_phase=on_phase,
+                on_bytes=reporter.bytes,
+                before_stop=lambda: self._delete_pod(pod),
+                host=self.facts,
+                freezer_for=clamp.wrap(held.freezer_for),
+                memory_of=freezer.task_memory,
+                on_plan=reporter.plan,
+                sealer=sealer,
+                unix_links=unixpeers.find_cross_links,
+                net_lock=dumplock.pod_network_locked,
+                criu_lock=criufail.cleaned_after_failure,
+                criu_cure=parasite.cured_after_failure,
+            )
 
     def _record_provenance(self, obj: dict[str, Any], pod: dict[str, Any]) -> None:
         """Overwrite the pod/workload labels and the images annotation from the real pod (a tenant's own
@@ -526,7 +544,12 @@ class SnapshotWorker:
 
 
 class _StatusReporter:
-    """Writes progress into status at most once per interval (the API server is not a progress bar)."""
+    """Writes a save's progress into its status at most once per interval (the API server is not a
+    progress bar), from a thread of its own: the save never waits on the API server to say where it is
+    (the dump's stage is reached with the pod frozen: a write there would lengthen the freeze). Only the
+    latest progress waits to be written (a stage the writer did not reach in time is skipped); `close`,
+    before the outcome is written, drops what is still waiting and waits for a write in flight, so that
+    no progress lands after the outcome."""
 
     def __init__(self, kube: KubeApi, ns: str, name: str, clock: Callable[[], float]) -> None:
         self.kube, self.ns, self.name, self.clock = kube, ns, name, clock
@@ -534,12 +557,14 @@ class _StatusReporter:
         self.total = 0
         self.current = ""
         self._last = 0.0
+        self._cv = threading.Condition()
+        self._pending: dict[str, Any] | None = None
+        self._writing = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
 
     def plan(self, plan: FreezePlan) -> None:
-        try:
-            self.kube.patch_snapshot_status(self.ns, self.name, _plan_status(plan))
-        except SnapshotError:
-            log.warning("could not record the freeze plan of %s/%s", self.ns, self.name)
+        self._post(_plan_status(plan))
 
     def stage(self, stage: str) -> None:
         self.current = stage
@@ -555,12 +580,40 @@ class _StatusReporter:
         if not force and t - self._last < STATUS_INTERVAL_S:
             return
         self._last = t
-        try:
-            self.kube.patch_snapshot_status(
-                self.ns, self.name, S.progress(stage=self.current, done=self.done, total=self.total)
-            )
-        except SnapshotError:
-            log.warning("could not update the progress of %s/%s", self.ns, self.name)
+        self._post(S.progress(stage=self.current, done=self.done, total=self.total))
+
+    def _post(self, patch: dict[str, Any]) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            self._pending = {**(self._pending or {}), **patch}
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._write, name="status-writer", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def _write(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._pending is not None or self._closed)
+                if self._closed:
+                    return
+                patch, self._pending, self._writing = self._pending, None, True
+            try:
+                self.kube.patch_snapshot_status(self.ns, self.name, patch or {})
+            except SnapshotError:
+                log.warning("could not update the progress of %s/%s", self.ns, self.name)
+            finally:
+                with self._cv:
+                    self._writing = False
+                    self._cv.notify_all()
+
+    def close(self, timeout: float = STATUS_CLOSE_S) -> None:
+        """No more progress: what waits is dropped, a write in flight is waited for (up to `timeout`)."""
+        with self._cv:
+            self._closed, self._pending = True, None
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: not self._writing, timeout)
 
 
 class _ThawBy:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import stat
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from kubectl_snapshot.core.provenance import Origin, SigningKey, signature_tag
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyProvider, KeyUse, NamespaceKey
 from shim.controller.settings import NodeSettings
-from shim.controller.snapshots import SnapshotWorker
+from shim.controller.snapshots import SnapshotWorker, _StatusReporter
 from tests.support.fakekube import EventRecorder, RecordedEvent
 from tests.support.fakenode import FakeContainerd, FakeRegistry
 
@@ -138,9 +139,10 @@ def test_a_save_freezes_both_containers_pushes_and_reports_success(tmp_path: Pat
         ("resume", "a"),
         ("resume", "b"),
     ]
-    # progress through stages, then the outcome: reference, size and timings
+    # progress (written beside the save, so maybe not every stage: test_progress_* below), then the
+    # outcome: reference, size and timings
     stages = [s.get("stage") for s in kube.statuses if s.get("stage")]
-    assert "dump" in stages and "upload" in stages, stages
+    assert set(stages[:-1]) <= {"freeze", "dump", "upload"} and stages[-1] == "done", stages
     final = kube.statuses[-1]
     assert final["phase"] == K.PHASE_SUCCEEDED and final["node"] == "n1"
     assert final["reference"].startswith(f"{DEST}@sha256:") and final["size"] > 0
@@ -348,3 +350,63 @@ def test_keys_unavailable_fail_the_save_before_anything_is_frozen(tmp_path: Path
     final = kube.statuses[-1]
     assert final["phase"] == K.PHASE_FAILED and final["message"].startswith("keys unavailable"), final
     assert cd.calls == [] and reg.manifests == {}
+
+
+class SlowKube(Kube):
+    """A status write takes until `go` is set; each write's stage is recorded as it starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.go = threading.Event()
+        self.started: list[str] = []
+
+    def patch_snapshot_status(
+        self, ns: str, name: str, status: dict[str, Any], *, resource_version: str | None = None
+    ) -> dict[str, Any]:
+        self.started.append(str(status.get("stage")))
+        assert self.go.wait(10)
+        return super().patch_snapshot_status(ns, name, status, resource_version=resource_version)
+
+
+def test_progress_is_written_beside_the_save_which_never_waits_for_it() -> None:
+    """The stage reached with the pod frozen is not a write the freeze waits for: each stage returns at
+    once while the API server is slow; only the latest progress waits; close drops it, waits for the write
+    in flight, and nothing is written after it (the outcome comes next)."""
+    kube = SlowKube()
+    reporter = _StatusReporter(kube, "ns", "s", time.monotonic)
+    t = time.monotonic()
+    reporter.stage("freeze")
+    _wait_for(lambda: kube.started == ["freeze"])
+    for stage in ("dump", "upload"):
+        reporter.stage(stage)
+    assert time.monotonic() - t < 5  # none of them waited for the write in flight
+    closing = threading.Thread(target=reporter.close)
+    closing.start()
+    time.sleep(0.05)
+    assert closing.is_alive()  # the write in flight is waited for
+    kube.go.set()
+    closing.join(10)
+    assert not closing.is_alive()
+    reporter.stage("stop")  # after close: nothing
+    time.sleep(0.1)
+    assert kube.started == ["freeze"] and [s["stage"] for s in kube.statuses] == ["freeze"]
+
+
+def test_progress_that_waited_is_written_once_with_the_latest_stage() -> None:
+    kube = SlowKube()
+    reporter = _StatusReporter(kube, "ns", "s", time.monotonic)
+    reporter.stage("freeze")
+    _wait_for(lambda: kube.started == ["freeze"])
+    reporter.stage("dump")
+    reporter.stage("upload")  # "dump" is never written: "upload" took its place
+    kube.go.set()
+    _wait_for(lambda: len(kube.statuses) == 2)
+    reporter.close()
+    assert [s["stage"] for s in kube.statuses] == ["freeze", "upload"]
+
+
+def _wait_for(cond: Any) -> None:
+    deadline = time.monotonic() + 10
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
