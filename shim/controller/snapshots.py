@@ -603,6 +603,8 @@ class _StatusReporter:
                 self.kube.patch_snapshot_status(self.ns, self.name, patch or {})
             except SnapshotError:
                 log.warning("could not update the progress of %s/%s", self.ns, self.name)
+            except Exception:  # a bug: the next progress is still written, the save goes on
+                log.exception("could not update the progress of %s/%s", self.ns, self.name)
             finally:
                 with self._cv:
                     self._writing = False

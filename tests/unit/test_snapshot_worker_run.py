@@ -410,3 +410,28 @@ def _wait_for(cond: Any) -> None:
     while not cond():
         assert time.monotonic() < deadline
         time.sleep(0.005)
+
+
+class BrokenOnceKube(Kube):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def patch_snapshot_status(
+        self, ns: str, name: str, status: dict[str, Any], *, resource_version: str | None = None
+    ) -> dict[str, Any]:
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("a bug in the client")
+        return super().patch_snapshot_status(ns, name, status, resource_version=resource_version)
+
+
+def test_a_progress_write_that_raises_does_not_stop_the_next_one() -> None:
+    kube = BrokenOnceKube()
+    reporter = _StatusReporter(kube, "ns", "s", time.monotonic)
+    reporter.stage("freeze")
+    _wait_for(lambda: kube.calls == 1)
+    reporter.stage("dump")
+    _wait_for(lambda: len(kube.statuses) == 1)
+    reporter.close()
+    assert [s["stage"] for s in kube.statuses] == ["dump"]
