@@ -66,13 +66,15 @@ REWRITE = "/tmp/rewrite"  # a pod rewrites its dirty part once when this file ap
 PROBE_MAX_MIB = 512  # the throughput probe's memory, at most
 
 # Holds CLEAN bytes (base64 of random: incompressible enough) for good and DIRTY bytes it rewrites when
-# told (REWRITE), and counts in memory (a fresh start draws a new token).
+# told (REWRITE), and counts in memory (a fresh start draws a new token), once a second: each count
+# forks the shell twice (mv, sleep), and at 5 a second 30 pods' counting took about a third of this
+# machine's CPU from the saves it measures (docs/node-loss.md, "Where the time and the CPU go").
 WORKLOAD = (
     "hold=$(head -c {clean} /dev/urandom | base64 -w0); d=$(head -c {dirty} /dev/urandom | base64 -w0); "
     "tok=$(cat /proc/sys/kernel/random/uuid); i=0; "
     "while true; do "
     f"if [ -f {REWRITE} ]; then d=$(head -c {{dirty}} /dev/urandom | base64 -w0); rm -f {REWRITE}; fi; "
-    'i=$((i+1)); echo "$tok $i" > /tmp/count.t; mv /tmp/count.t /tmp/count; sleep 0.2; done'
+    'i=$((i+1)); echo "$tok $i" > /tmp/count.t; mv /tmp/count.t /tmp/count; sleep 1; done'
 )
 
 
