@@ -349,10 +349,10 @@ def _freeze_and_dump(
     with private.create(os.path.join(work, FROZEN_FILE)) as f:
         json.dump(list(req.containers), f)
     frozen: list[str] = []
+    phase("freeze")  # where the dump gate is waited for
     # entered before the clock starts (its listing costs the freeze nothing), left after the thaw below:
     # on a failure, what CRIU's parasite left is unmapped from the running tasks
     with criu_cure(pre.pids) if criu_cure is not None else contextlib.nullcontext():
-        phase("freeze")
         t_freeze = clock()
         try:
             # entered before the first freeze (its listing costs the freeze nothing), left before the thaw
