@@ -16,6 +16,7 @@ import base64
 import http.client
 import json
 import ssl
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,10 @@ from kubectl_snapshot.core.sealing import DecryptionFailed, KeyUse, NamespaceKey
 TIMEOUT_S = 30.0
 BUSY_RETRIES = 30  # a save of many chunks waits for the broker's rate bound rather than failing
 BUSY_WAIT_S = 1.0
+
+
+class _NotOpened(Exception):
+    """The broker holds no opened snapshot for this restore (it restarted, or forgot it): open it again."""
 
 
 class _Busy(Exception):
@@ -130,6 +135,8 @@ class BrokerKeyProvider:
             raise NotFound(f"the key broker has no such key ({what}): {message}")
         if code == 429 and not last:
             raise _Busy()
+        if code == 409 and body.get("op") == "unwrap":
+            raise _NotOpened()
         if code == 422:
             raise DecryptionFailed(message, hint="the snapshot was tampered with or sealed with another key")
         raise Unavailable(
@@ -145,6 +152,8 @@ class BrokerNamespaceKey:
     def __init__(self, provider: BrokerKeyProvider, namespace: str, use: KeyUse, key_id: str | None) -> None:
         self.provider, self.namespace, self.use = provider, namespace, use
         self._key_id = key_id or ""
+        self._lock = threading.Lock()
+        self._opened = False
 
     def bind(self, key_id: str) -> None:
         if not key_id:
@@ -174,7 +183,30 @@ class BrokerNamespaceKey:
         return _bytes(self.call("wrap", dek=_b64(dek), aad=_b64(aad)), "wrapped")
 
     def unwrap(self, wrapped: bytes, aad: bytes) -> bytes:
-        return _bytes(self.call("unwrap", wrapped=_b64(wrapped), aad=_b64(aad)), "dek")
+        """A restore's data key: the broker opens only those of the snapshot it was shown (`open`, once; again
+        when the broker no longer holds it)."""
+        for again in (False, True):
+            self._open(again)
+            try:
+                return _bytes(self.call("unwrap", wrapped=_b64(wrapped), aad=_b64(aad)), "dek")
+            except _NotOpened:
+                continue
+        raise Unavailable("keys unavailable: the key broker forgot the opened snapshot twice", hint=_HINT)
+
+    def _open(self, again: bool) -> None:
+        """Show the broker the restore's snapshot (manifest and config: it checks them against the digest the
+        pod names and then unwraps only the data keys that config lists)."""
+        with self._lock:
+            if self._opened and not again:
+                return
+            use = self.use
+            if not (use.manifest and use.config):
+                raise FailedPrecondition(
+                    f"the restore of {use.snapshot} did not pass its manifest and config to the key broker",
+                    hint="a bug in the agent: report it",
+                )
+            self.call("open", manifest=_b64(use.manifest), config=_b64(use.config))
+            self._opened = True
 
     def mac(self, data: bytes) -> bytes:
         return self.mac_many([data])[0]

@@ -7,7 +7,7 @@ only manifest + config are read, layers stay in the registry.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from kubectl_snapshot.core import constants as C
@@ -29,6 +29,9 @@ class Artifact:
     reference: Reference  # pinned by digest
     manifest: Manifest
     config: SnapshotConfig
+    # both as read (the digests name these bytes): what a restore shows the key broker (core/keyaccess.py)
+    manifest_bytes: bytes = field(default=b"", repr=False)
+    config_bytes: bytes = field(default=b"", repr=False)
 
 
 def load_artifact(
@@ -48,9 +51,10 @@ def load_artifact(
     pinned = Reference(ref.registry, ref.repository, tag=ref.tag, digest=digest)
     if on_pinned is not None:
         on_pinned(pinned)
-    config = parse_config(registry.read_blob(pinned, manifest.config.digest, max_size=MAX_CONFIG_BYTES))
+    raw_config = registry.read_blob(pinned, manifest.config.digest, max_size=MAX_CONFIG_BYTES)
+    config = parse_config(raw_config)
     check_layers_match(config, [layer.digest for layer in manifest.layers])
-    return Artifact(pinned, manifest, config)
+    return Artifact(pinned, manifest, config, manifest_bytes=body, config_bytes=raw_config)
 
 
 def blob_digests(manifest: Manifest) -> list[str]:

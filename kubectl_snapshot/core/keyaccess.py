@@ -7,10 +7,13 @@ request names a namespace, one pod of it (name and uid) and what the key is for:
 
 - ``save`` (operations ``key``, ``wrap``, ``mac``; ``key`` may create the namespace's key on first use):
   the pod runs on the caller's node;
-- ``restore`` (operations ``key``, ``unwrap``): the pod is scheduled on the caller's node, is a restore
-  pod (its ``restore-from`` annotation names the snapshot) or a resuming pod (a PodSnapshot of its
-  namespace is claimed by it), and the snapshot asked for is exactly that one (registry, repository
-  and digest).
+- ``restore`` (operations ``key``, ``open``, ``unwrap``): the pod is scheduled on the caller's node, is a
+  restore pod (its ``restore-from`` annotation names the snapshot) or a resuming pod (a PodSnapshot of
+  its namespace is claimed by it), and the snapshot asked for is exactly that one (registry, repository
+  and digest). ``open`` hands the broker that snapshot's manifest and config: they must be the ones its
+  digest names (`opened_keys`), and ``unwrap`` then opens only the data keys that config lists, each for
+  the blob it names (`may_unwrap`): what a restore pod on a node lets that node open is that snapshot,
+  not whatever wrapped keys of the namespace the node sends.
 
 So a stolen agent token opens the keys of the namespaces with a pod on its node only, only for that
 pod's own save or restore, and only while the pod is there. Everything else is refused with a reason.
@@ -23,14 +26,17 @@ from dataclasses import dataclass
 from typing import Any
 
 from kubectl_snapshot.core import kubenames as K
-from kubectl_snapshot.core.errors import InvalidArgument
+from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError
+from kubectl_snapshot.core.model import parse_config
+from kubectl_snapshot.core.oci import parse_manifest, sha256_digest
 from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import wrapped_blob
 
 AUDIENCE = K.KEY_BROKER_AUDIENCE
 NODE_EXTRA = "authentication.kubernetes.io/node-name"
 PURPOSES: Mapping[str, frozenset[str]] = {
     "save": frozenset({"key", "wrap", "mac"}),
-    "restore": frozenset({"key", "unwrap"}),
+    "restore": frozenset({"key", "open", "unwrap"}),
 }
 MAX_MACS = 256  # one `mac` request's list
 FINISHED = ("Succeeded", "Failed")
@@ -169,10 +175,45 @@ def _same(named: Reference, asked: Reference) -> bool:
     return named.digest is None or named.digest == asked.digest
 
 
+def opened_keys(asked: Reference, namespace: str, manifest: bytes, config: bytes) -> dict[str, str]:
+    """The wrapped data keys (blob digest -> base64) of the snapshot `asked` names by digest, from its
+    manifest and config as an agent sends them with ``open``: the manifest must be the one that digest
+    names, the config the one the manifest names, sealed with `namespace`'s key (InvalidArgument otherwise)."""
+    if asked.digest is None or sha256_digest(manifest) != asked.digest:
+        raise InvalidArgument(f"the manifest sent is not the one {asked} names")
+    try:
+        named = parse_manifest(manifest).config.digest
+        if sha256_digest(config) != named:
+            raise InvalidArgument(f"the config sent is not the one the manifest of {asked} names ({named})")
+        encryption = parse_config(config).encryption
+    except InvalidArgument:
+        raise
+    except SnapshotError as e:  # its digest matched: a snapshot this build cannot read
+        raise InvalidArgument(f"{asked}: {e.message}") from None
+    if encryption is None:
+        raise InvalidArgument(f"{asked} is not sealed: it has no data keys to open")
+    if encryption.namespace != namespace:
+        raise InvalidArgument(f"{asked} is sealed for namespace {encryption.namespace!r}, not {namespace!r}")
+    return dict(encryption.keys)
+
+
+def may_unwrap(keys: Mapping[str, str], namespace: str, wrapped_b64: str, aad: bytes) -> Verdict:
+    """Whether an ``unwrap`` of `wrapped_b64` with `aad` is one of the opened snapshot's own (`keys`): the
+    AAD names a blob of `namespace` that the snapshot lists, with exactly that wrapped key."""
+    blob = wrapped_blob(aad)
+    if blob is None or blob[0] != namespace:
+        return _refuse(f"the unwrap names no blob of namespace {namespace}")
+    if keys.get(blob[1]) != wrapped_b64:
+        return _refuse(f"blob {blob[1]} with this wrapped key is not in the snapshot opened for this restore")
+    return Verdict(True, f"the data key of blob {blob[1]}")
+
+
 # --- the wire format (one JSON object each way; bytes in base64) ---------------------------------------
 
 PATH = "/v1/keys"
 MAX_REQUEST_BYTES = 64 * 1024  # a mac list of MAX_MACS seeds of ~60 bytes, in base64, fits many times
+# an ``open`` (a snapshot's manifest and config, base64): read only once its token is known to be an agent's
+MAX_OPEN_BYTES = 24 << 20
 
 
 def request_body(req: KeyRequest, **payload: Any) -> dict[str, Any]:

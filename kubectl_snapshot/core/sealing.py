@@ -35,7 +35,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol, overload
 
 from cryptography.exceptions import InvalidTag
@@ -84,6 +84,9 @@ class KeyUse:
     pod_name: str
     pod_uid: str
     snapshot: str = ""
+    # a restore's snapshot as read (its manifest, then its config): the broker opens only its data keys
+    manifest: bytes = field(default=b"", repr=False)
+    config: bytes = field(default=b"", repr=False)
 
     @property
     def purpose(self) -> str:
@@ -343,8 +346,21 @@ def _read_exact(f: BinaryIO, n: int) -> bytes:
 # --- per snapshot ------------------------------------------------------------------------------------
 
 
-def _wrap_aad(namespace: str, digest: str) -> bytes:
+def wrap_aad(namespace: str, digest: str) -> bytes:
     return _WRAP_LABEL + namespace.encode() + b"\x00" + digest.encode()
+
+
+def wrapped_blob(aad: bytes) -> tuple[str, str] | None:
+    """(namespace, blob digest) a data key's wrap names in its AAD; None for any other AAD."""
+    if not aad.startswith(_WRAP_LABEL):
+        return None
+    namespace, sep, digest = aad[len(_WRAP_LABEL) :].partition(b"\x00")
+    if not sep:
+        return None
+    try:
+        return namespace.decode(), digest.decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def _sha256(data: bytes | bytearray | memoryview) -> str:
@@ -389,7 +405,7 @@ class Sealer:
         self._record(digest, dek)
 
     def _record(self, digest: str, dek: bytes) -> None:
-        wrapped = base64.b64encode(self.key.wrap(dek, _wrap_aad(self.namespace, digest))).decode()
+        wrapped = base64.b64encode(self.key.wrap(dek, wrap_aad(self.namespace, digest))).decode()
         with self._lock:
             self._keys.setdefault(digest, wrapped)
 
@@ -415,7 +431,7 @@ class Opener:
         except ValueError:
             raise DecryptionFailed(f"the data key of blob {digest} is not base64", hint=_TAMPER_HINT) from None
         try:
-            return self.key.unwrap(raw, _wrap_aad(self.info.namespace, digest))
+            return self.key.unwrap(raw, wrap_aad(self.info.namespace, digest))
         except DecryptionFailed as e:
             raise DecryptionFailed(
                 f"cannot decrypt blob {digest}: {e.message} (snapshot sealed for namespace "

@@ -426,7 +426,10 @@ class RestoreWorker:
                 config.encryption is not None and config.encryption.namespace == allowed.source_namespace
             )
             # (with the key broker: asked for this pod's restore of exactly this snapshot)
-            use = KeyUse(ns, name, uid, snapshot=str(artifact.reference))
+            use = KeyUse(
+                ns, name, uid, snapshot=str(artifact.reference),
+                manifest=artifact.manifest_bytes, config=artifact.config_bytes,
+            )  # fmt: skip
             opener = opener_for(config, self.keys, ns, other_namespace_ok=sealed_for_source, use=use)
             clock.lap("check")
             restore_volume_names(pod, [v.name for v in config.volumes])

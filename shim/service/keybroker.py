@@ -2,7 +2,9 @@
 
 The only reader of the namespace keys Secret (through `SecretKeyProvider`); it answers the operations of
 core/sealing's `NamespaceKey` (``key``: the key's id, made on a save's first use; ``wrap``; ``unwrap``;
-``mac``, a list per request) for the agents, one JSON request each (wire format: core/keyaccess.py),
+``mac``, a list per request) for the agents, and ``open`` (a restore's snapshot: its manifest and config,
+checked against the digest the pod names; that restore's ``unwrap`` then opens only the data keys that
+config lists, kept per node, pod and snapshot for `OPENED_S`), one JSON request each (wire format: core/keyaccess.py),
 and never sends a key out. Who gets an answer is core/keyaccess.decide's: the caller's bound token
 (TokenReview with audience ``kubectl-snapshot-keys``) gives its node, the pod named by the request,
 read from the API server, must be on that node (and for a restore name the snapshot asked for).
@@ -15,8 +17,10 @@ of reviews are cached by the token's sha256 for `TOKEN_CACHE_S` (a stolen token 
 pod is deleted: at most that much later here).
 
 Status codes: 200; 400 a malformed request; 401 no valid agent token; 403 refused (the reason in
-``error``); 404 no such key; 422 a wrapped key that does not open; 429 too many; 503 the API server or
-the keys Secret unavailable.
+``error``); 404 no such key; 409 an ``unwrap`` of a restore whose snapshot was not opened (again); 413 too
+large; 422 a wrapped key that does not open; 429 too many; 503 the API server or the keys Secret
+unavailable. A body larger than `MAX_REQUEST_BYTES` (an ``open``, up to `MAX_OPEN_BYTES`) is read only
+once its token is known to be an agent's.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ REVIEWS_PER_S, REVIEW_BURST = 10.0, 20
 REQUESTS_PER_S, REQUEST_BURST = 200.0, 400
 TOKEN_CACHE_S = 30.0
 TOKEN_CACHE_MAX = 1024
+OPENED_S = 3600.0  # an opened snapshot's data keys, kept for its restore (a lazy one reads for long)
+OPENED_MAX = 256
 DRAIN_S = 0.2
 
 
@@ -90,6 +96,8 @@ class Broker:
         self._requests = RateLimit(REQUESTS_PER_S, REQUEST_BURST, clock)
         self._lock = threading.Lock()
         self._callers: OrderedDict[str, tuple[float, KA.Caller]] = OrderedDict()
+        # (node, pod uid, snapshot digest) -> (when opened, the snapshot's wrapped data keys)
+        self._opened: OrderedDict[tuple[str, str, str], tuple[float, dict[str, str]]] = OrderedDict()
 
     def answer(self, authorization: str | None, raw: bytes) -> Answer:
         if not self._requests.take():
@@ -105,6 +113,8 @@ class Broker:
             req = KA.parse_request(body)
         except (ValueError, InvalidArgument) as e:
             return _error(400, f"bad key request: {e}")
+        if len(raw) > MAX_REQUEST_BYTES and req.op != "open":
+            return _error(413, f"a {req.op} request has at most {MAX_REQUEST_BYTES} bytes")
         try:
             verdict = self._decide(caller, req)
         except SnapshotError as e:
@@ -116,9 +126,44 @@ class Broker:
             )
             return _error(403, verdict.reason)
         try:
+            if req.op == "open":
+                return self._open(caller, req, body)
+            if req.op == "unwrap":
+                refused = self._unwrap_refused(caller, req, body)
+                if refused is not None:
+                    return refused
             return self._operate(req, body)
         except (InvalidArgument, binascii.Error, TypeError, ValueError) as e:
             return _error(400, f"bad {req.op} request: {e}")
+
+    def agent(self, authorization: str | None) -> bool:
+        """Whether `authorization` carries a valid agent token (before a large body is read)."""
+        token = _bearer(authorization)
+        return token is not None and isinstance(self._caller(token), KA.Caller)
+
+    def _open(self, caller: KA.Caller, req: KA.KeyRequest, body: dict[str, Any]) -> Answer:
+        asked = KA.snapshot_of(req.snapshot)
+        keys = KA.opened_keys(asked, req.namespace, _unb64(body, "manifest"), _unb64(body, "config"))
+        with self._lock:
+            self._opened[(caller.node, req.pod_uid, str(asked.digest))] = (self.clock(), keys)
+            while len(self._opened) > OPENED_MAX:
+                self._opened.popitem(last=False)
+        return Answer(200, {"blobs": len(keys)})
+
+    def _unwrap_refused(self, caller: KA.Caller, req: KA.KeyRequest, body: dict[str, Any]) -> Answer | None:
+        """None when the unwrap is one of the restore's opened snapshot's own data keys, else the answer."""
+        at = (caller.node, req.pod_uid, str(KA.snapshot_of(req.snapshot).digest))
+        with self._lock:
+            hit = self._opened.get(at)
+        if hit is None or self.clock() - hit[0] > OPENED_S:
+            return _error(409, f"open {req.snapshot} first (op open, with its manifest and config)")
+        wrapped = body.get("wrapped")
+        verdict = KA.may_unwrap(hit[1], req.namespace, wrapped if isinstance(wrapped, str) else "", _unb64(body, "aad"))
+        if not verdict.allowed:
+            where = f"{req.namespace}/{req.pod_name}"
+            log.warning("refused node %s unwrap for %s: %s", caller.node, where, verdict.reason)
+            return _error(403, verdict.reason)
+        return None
 
     def _caller(self, token: str) -> KA.Caller | Answer:
         digest = hashlib.sha256(token.encode()).hexdigest()
@@ -225,12 +270,19 @@ def serve(
                 length = int(self.headers.get("Content-Length") or "-1")
             except ValueError:
                 length = -1
-            if not 0 <= length <= MAX_REQUEST_BYTES:
+            authorization = self.headers.get("Authorization")
+            large = MAX_REQUEST_BYTES < length <= KA.MAX_OPEN_BYTES
+            if not (0 <= length <= MAX_REQUEST_BYTES or large):
                 self.close_connection = True
-                self._reply(_error(413, f"a key request has a Content-Length of at most {MAX_REQUEST_BYTES} bytes"))
+                self._reply(_error(413, f"a key request has a Content-Length of at most {KA.MAX_OPEN_BYTES} bytes"))
                 self._drain()
                 return
-            self._reply(broker.answer(self.headers.get("Authorization"), self.rfile.read(length)))
+            if large and not broker.agent(authorization):  # a large body is read for an agent only
+                self.close_connection = True
+                self._reply(_error(401, "no valid agent token for a request of this size"))
+                self._drain()
+                return
+            self._reply(broker.answer(authorization, self.rfile.read(length)))
 
         def _reply(self, answer: Answer) -> None:
             data = json.dumps(answer.body).encode()

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 from typing import Any
 
 import pytest
 
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import keyaccess as KA
 from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.encryption import SCHEME, WRAPPED_BYTES, EncryptionInfo
 from kubectl_snapshot.core.errors import InvalidArgument
+from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConfig
+from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
+from kubectl_snapshot.core.reference import Reference
+from kubectl_snapshot.core.sealing import wrap_aad
 
 DIGEST = "sha256:" + "ab" * 32
 OTHER = "sha256:" + "cd" * 32
@@ -188,3 +195,62 @@ def test_requests_no_agent_sends_are_malformed(body: Any) -> None:
     KA.parse_request(copy.deepcopy(KA.request_body(save())))  # the legitimate one
     with pytest.raises(InvalidArgument):
         KA.parse_request(body)
+
+
+# --- a restore's unwraps bound to its own snapshot (threat D14) ---------------------------------------
+
+
+def _snapshot(namespace: str = "x", sealed: bool = True) -> tuple[Reference, bytes, bytes, dict[str, str]]:
+    layer, vol = "sha256:" + "1" * 64, "sha256:" + "2" * 64
+    keys = {
+        layer: base64.b64encode(b"1" * WRAPPED_BYTES).decode(),
+        vol: base64.b64encode(b"2" * WRAPPED_BYTES).decode(),
+    }
+    info = EncryptionInfo(SCHEME, namespace, "k" * 16, keys) if sealed else None
+    rec = ContainerRecord(name="c", id="c", image="i", image_digest="", layer_digest=layer, spec={})
+    cfg = SnapshotConfig(
+        group="g", namespace=namespace, created="t", containers=(rec,), host=HostFacts(), encryption=info,
+        volumes_layer=vol,
+    ).to_bytes()  # fmt: skip
+    manifest = build_manifest(
+        config=Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(cfg), len(cfg)),
+        layers=[Descriptor(C.CHECKPOINT_LAYER_MEDIA_TYPE, d, 1) for d in (layer, vol)],
+        artifact_type=C.ARTIFACT_TYPE,
+        annotations={},
+    ).to_bytes()
+    ref = Reference("registry.example:5000", "team/app", digest=sha256_digest(manifest))
+    return ref, manifest, cfg, keys
+
+
+def test_an_opened_snapshot_gives_its_own_wrapped_keys() -> None:
+    ref, manifest, cfg, keys = _snapshot()
+    assert KA.opened_keys(ref, "x", manifest, cfg) == keys
+
+
+def test_an_open_with_bytes_other_than_the_snapshot_named_is_refused() -> None:
+    ref, manifest, cfg, _ = _snapshot()
+    _, other_manifest, other_cfg, _ = _snapshot(namespace="y")
+    with pytest.raises(InvalidArgument, match="manifest sent is not the one"):
+        KA.opened_keys(ref, "x", other_manifest, cfg)
+    with pytest.raises(InvalidArgument, match="config sent is not the one the manifest"):
+        KA.opened_keys(ref, "x", manifest, other_cfg)
+    with pytest.raises(InvalidArgument, match="sealed for namespace 'x', not 'y'"):
+        KA.opened_keys(ref, "y", manifest, cfg)
+    clear_ref, clear_manifest, clear_cfg, _ = _snapshot(sealed=False)
+    with pytest.raises(InvalidArgument, match="is not sealed"):
+        KA.opened_keys(clear_ref, "x", clear_manifest, clear_cfg)
+
+
+def test_only_the_opened_snapshots_own_wrapped_keys_may_be_unwrapped() -> None:
+    _, _, _, keys = _snapshot()
+    (layer, wrapped), (vol, other) = keys.items()
+    assert KA.may_unwrap(keys, "x", wrapped, wrap_aad("x", layer)).allowed  # the legitimate one
+    assert KA.may_unwrap(keys, "x", other, wrap_aad("x", vol)).allowed
+    for w, aad, why in (
+        (other, wrap_aad("x", layer), "not in the snapshot opened"),  # another key under its blob's name
+        (wrapped, wrap_aad("x", "sha256:" + "3" * 64), "not in the snapshot opened"),  # a blob it does not list
+        (wrapped, wrap_aad("y", layer), "no blob of namespace x"),
+        (wrapped, b"something else", "no blob of namespace x"),
+    ):
+        verdict = KA.may_unwrap(keys, "x", w, aad)
+        assert not verdict.allowed and why in verdict.reason

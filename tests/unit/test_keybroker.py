@@ -6,6 +6,7 @@ size, new tokens per second, a client that says nothing)."""
 
 from __future__ import annotations
 
+import base64
 import datetime
 import hashlib
 import json
@@ -13,6 +14,7 @@ import socket
 import ssl
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +22,14 @@ import pytest
 
 from kubectl_snapshot.adapters.keybroker import BUSY_WAIT_S, BrokerKeyProvider, BrokerNamespaceKey
 from kubectl_snapshot.adapters.keystore import FileKeyProvider
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import keyaccess as KA
 from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.encryption import EncryptionInfo
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, PermissionDenied, Unavailable
-from kubectl_snapshot.core.sealing import KeyUse, Opener, Sealer, open_bytes
+from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConfig, parse_config
+from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
+from kubectl_snapshot.core.sealing import KeyUse, Opener, Sealer, open_bytes, wrap_aad
 from kubectl_snapshot.core.servingcert import serving_cert
 from shim.engine.restore import opener_for
 from shim.service import keybroker
@@ -121,12 +127,110 @@ def test_a_save_and_its_restore_through_the_broker(
     sealer.record(layer_digest, dek)
     info = sealer.info([chunk_digest, layer_digest])
 
-    restore_use = cluster.add_pod("x", "app-restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: SNAP})
-    config = type("Config", (), {"encryption": info})()
-    opener = opener_for(config, agent, "x", use=restore_use)
+    snap, manifest, config = sealed_snapshot(info, layer_digest, chunk_digest)
+    restore_use = cluster.add_pod("x", "app-restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: snap})
+    restore_use = replace(restore_use, manifest=manifest, config=config)
+    opener = opener_for(parse_config(config), agent, "x", use=restore_use)
     assert isinstance(opener, Opener)
     assert bytes(opener.open_chunk(chunk_digest, chunk)) == b"page" * 1024
     assert bytes(open_bytes(layer, opener.data_key(layer_digest))) == b"layer bytes"
+
+
+def sealed_snapshot(info: EncryptionInfo, layer: str, volumes: str) -> tuple[str, bytes, bytes]:
+    """A snapshot (reference by digest, manifest, config) whose config names a container layer and a
+    volumes layer sealed with `info`'s keys."""
+    rec = ContainerRecord(name="c", id="c", image="i", image_digest="", layer_digest=layer, spec={})
+    cfg = SnapshotConfig(
+        group="g", namespace=info.namespace, created="t", containers=(rec,), host=HostFacts(), encryption=info,
+        volumes_layer=volumes,
+    ).to_bytes()  # fmt: skip
+    manifest = build_manifest(
+        config=Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(cfg), len(cfg)),
+        layers=[Descriptor(C.CHECKPOINT_LAYER_MEDIA_TYPE, d, 1) for d in (layer, volumes)],
+        artifact_type=C.ARTIFACT_TYPE,
+        annotations={},
+    ).to_bytes()
+    return f"registry.example:5000/team/app@{sha256_digest(manifest)}", manifest, cfg
+
+
+def two_sealed_snapshots(
+    agent: BrokerKeyProvider, cluster: Cluster
+) -> tuple[tuple[str, bytes, bytes, str, bytes], tuple[str, bytes, bytes, str, bytes]]:
+    """Two saves of node A's pod of namespace x, each (reference, manifest, config, its layer's digest, the
+    layer's wrapped data key)."""
+    out = []
+    for n in (1, 2):
+        use = cluster.add_pod("x", "app", "node-a")
+        sealer = Sealer(agent.namespace_key("x", create=True, use=use), "x")
+        dek = sealer.stream_key()
+        layer = b"".join(sealer.seal_stream([f"layer {n}".encode()], dek))
+        layer_digest = "sha256:" + hashlib.sha256(layer).hexdigest()
+        sealer.record(layer_digest, dek)
+        vol = b"".join(sealer.seal_stream([f"volumes {n}".encode()], dek2 := sealer.stream_key()))
+        vol_digest = "sha256:" + hashlib.sha256(vol).hexdigest()
+        sealer.record(vol_digest, dek2)
+        info = sealer.info([layer_digest, vol_digest])
+        snap, manifest, config = sealed_snapshot(info, layer_digest, vol_digest)
+        out.append((snap, manifest, config, layer_digest, base64.b64decode(info.keys[layer_digest])))
+    return out[0], out[1]
+
+
+def test_a_restore_opens_only_the_data_keys_of_its_own_snapshot(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    """D14: node A holds a restore pod of snapshot 1 of namespace x. The broker unwraps snapshot 1's data
+    keys for it (the legitimate case), and refuses a data key of snapshot 2 of the same namespace that A
+    sends in that restore's name (before: any wrapped key of x was unwrapped for any restore pod of x on A)."""
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    (snap1, man1, cfg1, layer1, wrapped1), (_snap2, _man2, _cfg2, layer2, wrapped2) = two_sealed_snapshots(
+        agent, cluster
+    )
+    use = replace(
+        cluster.add_pod("x", "restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: snap1}),
+        manifest=man1, config=cfg1,
+    )  # fmt: skip
+    key = agent.namespace_key("x", create=False, use=use)
+    assert key.unwrap(wrapped1, wrap_aad("x", layer1))  # its own
+    with pytest.raises(PermissionDenied, match="not in the snapshot opened for this restore"):
+        key.unwrap(wrapped2, wrap_aad("x", layer2))
+    with pytest.raises(PermissionDenied, match="not in the snapshot opened for this restore"):
+        key.unwrap(wrapped2, wrap_aad("x", layer1))  # another key under its blob's name
+
+
+def test_an_open_must_show_the_snapshot_the_pod_names(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    """The manifest and config sent must be the ones the pod's restore-from digest names: snapshot 2's,
+    sent for a restore of snapshot 1, is refused, and so is a config the manifest does not name."""
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    first, second = two_sealed_snapshots(agent, cluster)
+    snap1, man1, _cfg1, layer1, wrapped1 = first
+    _s2, man2, cfg2, layer2, wrapped2 = second
+    pod = cluster.add_pod("x", "restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: snap1})
+    for manifest, config, why in ((man2, cfg2, "not the one"), (man1, cfg2, "not the one the manifest")):
+        key = agent.namespace_key("x", create=False, use=replace(pod, manifest=manifest, config=config))
+        with pytest.raises(Unavailable, match=why):
+            key.unwrap(wrapped2, wrap_aad("x", layer2))
+    # without them (an agent that does not open): refused, never unwrapped
+    key = agent.namespace_key("x", create=False, use=pod)
+    with pytest.raises(FailedPrecondition, match="did not pass its manifest and config"):
+        key.unwrap(wrapped1, wrap_aad("x", layer1))
+
+
+def test_an_unwrap_before_any_open_is_refused_by_the_broker(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    """What an agent that never opens the snapshot (an older one) sends: 409, nothing unwrapped."""
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    (snap1, _m, _c, layer1, wrapped1), _ = two_sealed_snapshots(agent, cluster)
+    use = cluster.add_pod("x", "restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: snap1})
+    body = KA.request_body(
+        KA.KeyRequest("restore", "unwrap", "x", "restored", use.pod_uid, snapshot=snap1),
+        wrapped=base64.b64encode(wrapped1).decode(),
+        aad=base64.b64encode(wrap_aad("x", layer1)).decode(),
+    )
+    code, answer = _post(broker, tls[0], json.dumps(body).encode(), headers={"Authorization": "Bearer token-of-node-a"})
+    assert code == 409 and "open" in answer["error"] and "dek" not in answer
 
 
 def test_mac_is_batched(broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path) -> None:
@@ -237,9 +341,17 @@ def test_an_oversized_request_is_refused_unread(broker: str, cluster: Cluster, t
     small = json.dumps(KA.request_body(KA.KeyRequest("save", "key", "x", "app", "u"))).encode()
     assert _post(broker, tls[0], small, headers={"Authorization": "Bearer t"})[0] == 403  # read and decided
     # announced too long: answered before a byte of the body is read
-    too_long = {"Authorization": "Bearer t", "Content-Length": str(keybroker.MAX_REQUEST_BYTES + 1)}
+    too_long = {"Authorization": "Bearer t", "Content-Length": str(KA.MAX_OPEN_BYTES + 1)}
     code, answer = _post(broker, tls[0], b"{}", headers=too_long)
     assert code == 413 and "at most" in answer["error"]
+    # longer than a key request (an open's size): read for an agent's token only
+    open_size = {"Authorization": "Bearer nobody", "Content-Length": str(keybroker.MAX_REQUEST_BYTES + 1)}
+    code, answer = _post(broker, tls[0], b"{}", headers=open_size)
+    assert code == 401 and "agent token" in answer["error"]
+    # an agent's, but not an open: refused once read
+    body = json.dumps({**KA.request_body(KA.KeyRequest("save", "key", "x", "app", "u")), "pad": "x" * 70000})
+    code, answer = _post(broker, tls[0], body.encode(), headers={"Authorization": "Bearer t"})
+    assert code == 413 and "key request has at most" in answer["error"]
 
 
 def test_a_client_that_says_nothing_holds_no_one_up(
