@@ -25,7 +25,7 @@ from kubectl_snapshot.core.errors import PermissionDenied, Unavailable
 from kubectl_snapshot.core.model import parse_config
 from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.reference import Reference
-from kubectl_snapshot.core.sealing import KeyUse, key_id_of
+from kubectl_snapshot.core.sealing import KeyUse, key_id_of, wrap_aad
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
 from tests.support.agent import AgentInstall, _plugin, agent, plugin
 from tests.support.cluster import HACK, Cluster, cluster, namespace
@@ -219,6 +219,47 @@ def test_a_sealed_snapshot_saves_and_restores_through_the_broker(
     assert tok2 == tok and after >= before
     logs = cluster.kubectl("logs", "-n", K.AGENT_NAMESPACE, f"deployment/{BROKER}", check=False).stdout
     assert "refused" not in logs or namespace not in logs, logs[-4000:]
+
+
+def _sealed(ref: Reference) -> tuple[bytes, bytes, Any]:
+    """A snapshot's manifest and config as stored, and its encryption record."""
+    reg = RegistryClient()
+    manifest = reg.get_manifest(ref)[0]
+    config = reg.read_blob(ref, parse_manifest(manifest).config.digest)
+    encryption = parse_config(config).encryption
+    assert encryption is not None
+    return manifest, config, encryption
+
+
+def test_a_restore_pods_unwraps_are_bound_to_its_own_snapshot(
+    cluster: Cluster, broker: AgentInstall, namespace: str, plugin: Any, tmp_path: Path
+) -> None:
+    """D14: with a restore pod of save 1 on n2, n2's agent token opens save 1's data keys (the restore itself
+    ran so) and not those of save 2 of the same pod, which it could read from the registry."""
+    n1, n2 = cluster.nodes[:2]
+    cluster.apply(pod("twice", namespace, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+    running(cluster, namespace, "twice")
+    refs = []
+    for _ in range(2):
+        out = plugin("snapshot", "pod/twice", "-n", namespace, "--to", f"{cluster.registry}/e2e/bound", "-o", "json")
+        psnap = json.loads(out.stdout)
+        assert psnap["status"]["phase"] == "Succeeded", psnap
+        refs.append((psnap["metadata"]["name"], Reference.parse(psnap["status"]["reference"])))
+    (first, ref1), (_, ref2) = refs
+    plugin("restore", first, "-n", namespace, "--name", "bound", "--node", n2)  # the legitimate restore
+    running(cluster, namespace, "bound")
+    man1, cfg1, enc1 = _sealed(ref1)
+    _, cfg2, enc2 = _sealed(ref2)
+    layer1 = parse_config(cfg1).containers[0].layer_digest
+    layer2 = parse_config(cfg2).containers[0].layer_digest
+    p = cluster.get_json("pod", "bound", "-n", namespace)
+    use = KeyUse(namespace, "bound", p["metadata"]["uid"], snapshot=str(ref1), manifest=man1, config=cfg1)
+    with _forwarded_broker(cluster) as port:
+        n2_agent = _provider(cluster, port, _agent_token(cluster, broker, n2, K.KEY_BROKER_AUDIENCE), tmp_path, "n2")
+        key = n2_agent.namespace_key(namespace, create=False, use=use)
+        assert len(key.unwrap(base64.b64decode(enc1.keys[layer1]), wrap_aad(namespace, layer1))) == 32
+        with pytest.raises(PermissionDenied, match="not in the snapshot opened for this restore"):
+            key.unwrap(base64.b64decode(enc2.keys[layer2]), wrap_aad(namespace, layer2))
 
 
 def test_without_the_broker_a_save_fails_as_keys_unavailable_and_the_pod_runs_on(
