@@ -60,6 +60,13 @@ def processes(pids: Sequence[int]) -> list[int]:
     return seen
 
 
+def _pid_namespace(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:
+        return ""
+
+
 def _mappings(pid: int) -> list[Mapping]:
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -77,9 +84,12 @@ def cure(pids: Sequence[int], before: dict[int, frozenset[int]]) -> list[str]:
     """Unmap the CRIUMFD mappings of `pids`' trees that `before` does not list; what was unmapped, as
     ``PID:START-END``. A process whose cure fails is logged and left as it is (it runs on)."""
     cured: list[str] = []
+    pods = {ns for ns in map(_pid_namespace, pids) if ns}
     for pid in processes(pids):
         left = [m for m in _mappings(pid) if m.inode not in before.get(pid, frozenset())]
-        if not left:
+        # a pid the walk listed that ended and was given to a process elsewhere (a CRIU dumping another pod
+        # holds CRIUMFD mappings of its own) is not traced: only processes of the containers' pid namespaces
+        if not left or _pid_namespace(pid) not in pods:
             continue
         try:
             results = ptrace.run_munmap(pid, [(m.start, m.end) for m in left])

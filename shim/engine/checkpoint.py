@@ -65,6 +65,7 @@ BytesFn = Callable[[int, int], None]  # (new bytes, total bytes)
 UnixLinksFn = Callable[[list[int]], Sequence[Any]]  # init pids -> shim.net.unixpeers.CrossLink list
 NetLockFn = Callable[[list[int]], AbstractContextManager[None]]  # init pids -> shim.net.dumplock.pod_network_locked
 CriuLockFn = Callable[[list[int]], AbstractContextManager[Any]]  # init pids -> shim.net.criulock.lifted_after_failure
+CriuCureFn = Callable[[list[int]], AbstractContextManager[Any]]  # init pids -> shim.criu.parasite.cured_after_failure
 VOLUME_ENTRIES = 200_000  # a volume with more entries than this is not sized before its tar (the walk is not free)
 
 
@@ -130,7 +131,7 @@ def checkpoint(
     net_lock: NetLockFn | None = None,
     disk: DiskLedger | None = None,
     criu_lock: CriuLockFn | None = None,
-    criu_cure: CriuLockFn | None = None,
+    criu_cure: CriuCureFn | None = None,
 ) -> CheckpointResult:
     """Checkpoint `req.containers` together and push one artifact; see the module docstring.
 
@@ -335,7 +336,7 @@ def _freeze_and_dump(
     timings: dict[str, float],
     net_lock: NetLockFn | None,
     criu_lock: CriuLockFn | None = None,
-    criu_cure: CriuLockFn | None = None,
+    criu_cure: CriuCureFn | None = None,
 ) -> tuple[list[str], str | None]:
     """Freeze every container, dump them (under the shared network's lock), capture the volumes, and
     thaw them again unless `stop`. Returns the containers still frozen (with `stop`) and the volume tar.

@@ -144,8 +144,8 @@ class _Held:
 
 def _live_thread(pid: int) -> int:
     """A thread of `pid` that has not exited (its main thread first: a leader may end before the others)."""
-    tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
-    for tid in sorted(tids, key=lambda t: t != pid):
+    tids = sorted((int(t) for t in os.listdir(f"/proc/{pid}/task")), key=lambda t: t != pid)
+    for tid in tids:
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):

@@ -17,6 +17,7 @@ from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConf
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import wrap_aad
+from tests.support.snapshotbytes import snapshot_bytes
 
 DIGEST = "sha256:" + "ab" * 32
 OTHER = "sha256:" + "cd" * 32
@@ -207,17 +208,7 @@ def _snapshot(namespace: str = "x", sealed: bool = True) -> tuple[Reference, byt
         vol: base64.b64encode(b"2" * WRAPPED_BYTES).decode(),
     }
     info = EncryptionInfo(SCHEME, namespace, "k" * 16, keys) if sealed else None
-    rec = ContainerRecord(name="c", id="c", image="i", image_digest="", layer_digest=layer, spec={})
-    cfg = SnapshotConfig(
-        group="g", namespace=namespace, created="t", containers=(rec,), host=HostFacts(), encryption=info,
-        volumes_layer=vol,
-    ).to_bytes()  # fmt: skip
-    manifest = build_manifest(
-        config=Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(cfg), len(cfg)),
-        layers=[Descriptor(C.CHECKPOINT_LAYER_MEDIA_TYPE, d, 1) for d in (layer, vol)],
-        artifact_type=C.ARTIFACT_TYPE,
-        annotations={},
-    ).to_bytes()
+    manifest, cfg = snapshot_bytes(namespace, layer, vol, info)
     ref = Reference("registry.example:5000", "team/app", digest=sha256_digest(manifest))
     return ref, manifest, cfg, keys
 

@@ -35,6 +35,7 @@ from shim.engine.restore import opener_for
 from shim.service import keybroker
 from shim.service.metrics_auth import RateLimit
 from tests.support.fakekube import StrictKube
+from tests.support.snapshotbytes import snapshot_bytes
 
 DIGEST = "sha256:" + "ab" * 32
 SNAP = f"registry.example:5000/team/app@{DIGEST}"
@@ -139,17 +140,7 @@ def test_a_save_and_its_restore_through_the_broker(
 def sealed_snapshot(info: EncryptionInfo, layer: str, volumes: str) -> tuple[str, bytes, bytes]:
     """A snapshot (reference by digest, manifest, config) whose config names a container layer and a
     volumes layer sealed with `info`'s keys."""
-    rec = ContainerRecord(name="c", id="c", image="i", image_digest="", layer_digest=layer, spec={})
-    cfg = SnapshotConfig(
-        group="g", namespace=info.namespace, created="t", containers=(rec,), host=HostFacts(), encryption=info,
-        volumes_layer=volumes,
-    ).to_bytes()  # fmt: skip
-    manifest = build_manifest(
-        config=Descriptor(C.CONFIG_MEDIA_TYPE, sha256_digest(cfg), len(cfg)),
-        layers=[Descriptor(C.CHECKPOINT_LAYER_MEDIA_TYPE, d, 1) for d in (layer, volumes)],
-        artifact_type=C.ARTIFACT_TYPE,
-        annotations={},
-    ).to_bytes()
+    manifest, cfg = snapshot_bytes(info.namespace, layer, volumes, info)
     return f"registry.example:5000/team/app@{sha256_digest(manifest)}", manifest, cfg
 
 

@@ -7,6 +7,7 @@ The cure with a real CRIU dump that failed: tests/integration/test_criu_faults.p
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -138,3 +139,26 @@ def test_system_calls_run_inside_a_busy_process_leave_it_running(victim: subproc
     for _ in range(50):
         assert ptrace.remote_syscalls(victim.pid, [(39, ()), (39, ())]) == [victim.pid, victim.pid]
     assert ask(victim, "check") == "o True"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or os.uname().machine != "x86_64", reason="ptrace of a child, x86-64")
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="util-linux's unshare")
+def test_a_process_of_another_pid_namespace_under_the_tree_is_not_traced() -> None:
+    """Only processes in the containers' own pid namespaces are cured: a pid the walk listed may meanwhile
+    belong to a process elsewhere (one in its own namespace stands for it here); beside it, the same
+    process in the tree's namespace is cured (test_the_parasite_s_mapping_is_unmapped_and_the_process_runs_on)."""
+    outer = subprocess.Popen(
+        ["unshare", "--pid", "--fork", sys.executable, "-c", VICTIM],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert outer.stdout is not None and outer.stdout.readline() == "ready\n"
+        inner = [p for p in parasite.processes([outer.pid]) if p != outer.pid]
+        assert len(inner) == 1 and os.readlink(f"/proc/{inner[0]}/ns/pid") != os.readlink("/proc/self/ns/pid")
+        ask(outer, "map")  # a mapping "left by CRIU" in the inner process
+        assert ask(outer, "check") == "o True" and criumfd_count(inner[0]) == 2
+        assert parasite.cure([outer.pid], {}) == []
+        assert criumfd_count(inner[0]) == 2 and ask(outer, "check") == "o True"
+    finally:
+        outer.kill()
+        outer.wait()
