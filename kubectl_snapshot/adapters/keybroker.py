@@ -87,7 +87,8 @@ class BrokerKeyProvider:
         return self._post(body, last=True)
 
     def _post(self, body: dict[str, Any], *, last: bool = False) -> dict[str, Any]:
-        pod = f"{body.get('namespace')}/{(body.get('pod') or {}).get('name')}"
+        who = body.get("pod") or {}
+        pod = f"{who.get('namespace') or body.get('namespace')}/{who.get('name')}"
         what = f"{body.get('op')} for the {body.get('purpose')} of pod {pod}"
         try:
             with open(self.token_file, encoding="utf-8") as f:
@@ -174,6 +175,7 @@ class BrokerNamespaceKey:
             pod_uid=use.pod_uid,
             snapshot=use.snapshot,
             create=create,
+            pod_namespace=use.namespace if use.namespace != self.namespace else "",
         )
         if self._key_id:
             payload["keyId"] = self._key_id
@@ -182,13 +184,33 @@ class BrokerNamespaceKey:
     def wrap(self, dek: bytes, aad: bytes) -> bytes:
         return _bytes(self.call("wrap", dek=_b64(dek), aad=_b64(aad)), "wrapped")
 
+    def wrap_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+        """Several data keys wrapped, `KA.MAX_ITEMS` to a request."""
+        out: list[bytes] = []
+        for i in range(0, len(items), KA.MAX_ITEMS):
+            batch = items[i : i + KA.MAX_ITEMS]
+            answer = self.call("wrap", items=[{"dek": _b64(d), "aad": _b64(a)} for d, a in batch])
+            out += _list(answer, "wrapped", len(batch))
+        return out
+
+    def unwrap_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+        """Several of the restore's data keys, `KA.MAX_ITEMS` to a request (after `open`, as `unwrap`)."""
+        out: list[bytes] = []
+        for i in range(0, len(items), KA.MAX_ITEMS):
+            batch = [{"wrapped": _b64(w), "aad": _b64(a)} for w, a in items[i : i + KA.MAX_ITEMS]]
+            out += _list(self._opened_call("unwrap", items=batch), "deks", len(batch))
+        return out
+
     def unwrap(self, wrapped: bytes, aad: bytes) -> bytes:
         """A restore's data key: the broker opens only those of the snapshot it was shown (`open`, once; again
         when the broker no longer holds it)."""
+        return _bytes(self._opened_call("unwrap", wrapped=_b64(wrapped), aad=_b64(aad)), "dek")
+
+    def _opened_call(self, op: str, **payload: Any) -> dict[str, Any]:
         for again in (False, True):
             self._open(again)
             try:
-                return _bytes(self.call("unwrap", wrapped=_b64(wrapped), aad=_b64(aad)), "dek")
+                return self.call(op, **payload)
             except _NotOpened:
                 continue
         raise Unavailable("keys unavailable: the key broker forgot the opened snapshot twice", hint=_HINT)
@@ -216,17 +238,22 @@ class BrokerNamespaceKey:
         out: list[bytes] = []
         for i in range(0, len(items), KA.MAX_MACS):
             batch = items[i : i + KA.MAX_MACS]
-            macs = self.call("mac", data=[_b64(d) for d in batch]).get("macs")
-            if not isinstance(macs, list) or len(macs) != len(batch):
-                raise Unavailable(
-                    "keys unavailable: the key broker's mac answer does not match the request", hint=_HINT
-                )
-            out += [base64.b64decode(str(m), validate=True) for m in macs]
+            out += _list(self.call("mac", data=[_b64(d) for d in batch]), "macs", len(batch))
         return out
 
 
 def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
+
+
+def _list(answer: dict[str, Any], name: str, n: int) -> list[bytes]:
+    values = answer.get(name)
+    if not isinstance(values, list) or len(values) != n:
+        raise Unavailable(f"keys unavailable: the key broker's answer has no {n} {name}", hint=_HINT)
+    try:
+        return [base64.b64decode(str(v), validate=True) for v in values]
+    except ValueError:
+        raise Unavailable(f"keys unavailable: the key broker's {name} are not base64", hint=_HINT) from None
 
 
 def _bytes(answer: dict[str, Any], name: str) -> bytes:

@@ -6,14 +6,17 @@ it is and, for a token bound to a pod, the node that pod runs on (the ``extra`` 
 request names a namespace, one pod of it (name and uid) and what the key is for:
 
 - ``save`` (operations ``key``, ``wrap``, ``mac``; ``key`` may create the namespace's key on first use):
-  the pod runs on the caller's node;
+  the pod runs on the caller's node, in that namespace;
 - ``restore`` (operations ``key``, ``open``, ``unwrap``): the pod is scheduled on the caller's node, is a
   restore pod (its ``restore-from`` annotation names the snapshot) or a resuming pod (a PodSnapshot of
   its namespace is claimed by it), and the snapshot asked for is exactly that one (registry, repository
   and digest). ``open`` hands the broker that snapshot's manifest and config: they must be the ones its
   digest names (`opened_keys`), and ``unwrap`` then opens only the data keys that config lists, each for
   the blob it names (`may_unwrap`): what a restore pod on a node lets that node open is that snapshot,
-  not whatever wrapped keys of the namespace the node sends.
+  not whatever wrapped keys of the namespace the node sends. A restore into another namespace (the
+  pod's, `pod_namespace`) of a snapshot sealed for this one is answered only where a SnapshotGrant of
+  the sealing namespace lets the pod's namespace restore that repository (as the agent checks it:
+  core/provenance.check_namespace).
 
 So a stolen agent token opens the keys of the namespaces with a pod on its node only, only for that
 pod's own save or restore, and only while the pod is there. Everything else is refused with a reason.
@@ -21,14 +24,16 @@ pod's own save or restore, and only while the pod is there. Everything else is r
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kubectl_snapshot.core import kubenames as K
-from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError
+from kubectl_snapshot.core.errors import InvalidArgument, PermissionDenied, SnapshotError
 from kubectl_snapshot.core.model import parse_config
 from kubectl_snapshot.core.oci import parse_manifest, sha256_digest
+from kubectl_snapshot.core.provenance import Grant, check_namespace
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import wrapped_blob
 
@@ -39,6 +44,7 @@ PURPOSES: Mapping[str, frozenset[str]] = {
     "restore": frozenset({"key", "open", "unwrap"}),
 }
 MAX_MACS = 256  # one `mac` request's list
+MAX_ITEMS = 128  # one `wrap` or `unwrap` request's list of items (each ~300 bytes of JSON)
 FINISHED = ("Succeeded", "Failed")
 
 
@@ -54,11 +60,16 @@ class Caller:
 class KeyRequest:
     purpose: str  # save | restore
     op: str  # key | wrap | unwrap | mac
-    namespace: str
+    namespace: str  # the key's
     pod_name: str
     pod_uid: str
     snapshot: str = ""  # restore: REGISTRY/REPOSITORY@sha256:... being opened
     create: bool = False  # op key, purpose save: make the namespace's key on first use
+    pod_namespace: str = ""  # the pod's, when not the key's (a granted restore into another namespace)
+
+    @property
+    def pod_ns(self) -> str:
+        return self.pod_namespace or self.namespace
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,8 @@ def check_request(req: KeyRequest) -> KeyRequest:
         raise InvalidArgument("a key request names the namespace, name and uid of its pod")
     if req.create and (req.purpose != "save" or req.op != "key"):
         raise InvalidArgument("only a save's key request may create the namespace's key")
+    if req.purpose == "save" and req.pod_ns != req.namespace:
+        raise InvalidArgument("a save is sealed with its own pod's namespace key")
     if req.purpose == "restore":
         snapshot_of(req.snapshot)
     return req
@@ -113,16 +126,21 @@ def snapshot_of(text: str) -> Reference:
 
 
 def decide(
-    caller: Caller, req: KeyRequest, pod: Mapping[str, Any] | None, claimed: Iterable[Mapping[str, Any]] = ()
+    caller: Caller,
+    req: KeyRequest,
+    pod: Mapping[str, Any] | None,
+    claimed: Iterable[Mapping[str, Any]] = (),
+    grants: Iterable[Grant] = (),
 ) -> Verdict:
     """Whether `caller` may have `req` answered. `pod`: the pod read from the API server by the request's
-    namespace and name (None: there is none); `claimed`: PodSnapshots of the namespace (only a resuming
-    pod's restore reads them)."""
-    where = f"{req.namespace}/{req.pod_name}"
+    pod namespace and name (None: there is none); `claimed`: PodSnapshots of the pod's namespace (only a
+    resuming pod's restore reads them); `grants`: the SnapshotGrants of the key's namespace (only a
+    restore into another namespace reads them)."""
+    where = f"{req.pod_ns}/{req.pod_name}"
     if pod is None:
         return _refuse(f"pod {where} does not exist")
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-    if str(meta.get("uid") or "") != req.pod_uid or str(meta.get("namespace") or "") != req.namespace:
+    if str(meta.get("uid") or "") != req.pod_uid or str(meta.get("namespace") or "") != req.pod_ns:
         return _refuse(f"pod {where} is not the pod {req.pod_uid} the request names (deleted and made again?)")
     node = str(spec.get("nodeName") or "")
     if node != caller.node:
@@ -134,11 +152,18 @@ def decide(
         if phase != "Running":
             return _refuse(f"pod {where} is not running ({phase or 'no phase'}): there is nothing to save")
         return Verdict(True, f"save of pod {where} on node {caller.node}")
-    return _restore(caller, req, meta, claimed)
+    verdict = _restore(caller, req, meta, claimed)
+    if not verdict.allowed or req.pod_ns == req.namespace:
+        return verdict
+    try:  # a snapshot sealed for the key's namespace, restored into the pod's: granted by the former
+        granted = check_namespace(req.namespace, req.pod_ns, snapshot_of(req.snapshot).name, grants)
+    except PermissionDenied as e:
+        return _refuse(e.message)
+    return Verdict(True, f"{verdict.reason} ({granted})")
 
 
 def _restore(caller: Caller, req: KeyRequest, meta: Mapping[str, Any], claimed: Iterable[Mapping[str, Any]]) -> Verdict:
-    where = f"{req.namespace}/{req.pod_name}"
+    where = f"{req.pod_ns}/{req.pod_name}"
     asked = snapshot_of(req.snapshot)
     annotations = meta.get("annotations") or {}
     source = str(annotations.get(K.ANN_RESTORE_FROM) or "")
@@ -155,7 +180,7 @@ def _restore(caller: Caller, req: KeyRequest, meta: Mapping[str, Any], claimed: 
             smeta = save.get("metadata") or {}
             if (smeta.get("annotations") or {}).get(K.ANN_CLAIMED_BY) != req.pod_uid:
                 continue
-            if smeta.get("namespace") not in (None, req.namespace):
+            if smeta.get("namespace") not in (None, req.pod_ns):
                 continue
             ref = str((save.get("status") or {}).get("reference") or "")
             try:
@@ -197,6 +222,27 @@ def opened_keys(asked: Reference, namespace: str, manifest: bytes, config: bytes
     return dict(encryption.keys)
 
 
+def items_of(body: Mapping[str, Any], fields: tuple[str, str]) -> list[tuple[bytes, bytes]] | None:
+    """A ``wrap`` or ``unwrap`` request's list of items (`fields`: ("dek", "aad") or ("wrapped", "aad")),
+    decoded; None for a request of one (the fields at the top). InvalidArgument when malformed."""
+    items = body.get("items")
+    if items is None:
+        return None
+    if not isinstance(items, list) or not 0 < len(items) <= MAX_ITEMS:
+        raise InvalidArgument(f"items is a list of 1 to {MAX_ITEMS} objects")
+    out: list[tuple[bytes, bytes]] = []
+    for item in items:
+        if not isinstance(item, dict) or not all(isinstance(item.get(f), str) for f in fields):
+            raise InvalidArgument(f"each item has {' and '.join(fields)} as base64 strings")
+        try:
+            out.append(
+                (base64.b64decode(item[fields[0]], validate=True), base64.b64decode(item[fields[1]], validate=True))
+            )
+        except ValueError:
+            raise InvalidArgument(f"an item's {' or '.join(fields)} is not base64") from None
+    return out
+
+
 def may_unwrap(keys: Mapping[str, str], namespace: str, wrapped_b64: str, aad: bytes) -> Verdict:
     """Whether an ``unwrap`` of `wrapped_b64` with `aad` is one of the opened snapshot's own (`keys`): the
     AAD names a blob of `namespace` that the snapshot lists, with exactly that wrapped key."""
@@ -222,11 +268,15 @@ def request_body(req: KeyRequest, **payload: Any) -> dict[str, Any]:
         "purpose": req.purpose,
         "op": req.op,
         "namespace": req.namespace,
-        "pod": {"name": req.pod_name, "uid": req.pod_uid},
+        "pod": {"name": req.pod_name, "uid": req.pod_uid, **_pod_namespace(req)},
         "snapshot": req.snapshot,
         "create": req.create,
         **payload,
     }
+
+
+def _pod_namespace(req: KeyRequest) -> dict[str, str]:
+    return {"namespace": req.pod_namespace} if req.pod_namespace else {}
 
 
 def parse_request(body: Any) -> KeyRequest:
@@ -235,7 +285,7 @@ def parse_request(body: Any) -> KeyRequest:
         raise InvalidArgument("a key request is a JSON object with a pod")
     fields = {k: body.get(k) for k in ("purpose", "op", "namespace", "snapshot")}
     pod = body["pod"]
-    values = [*fields.values(), pod.get("name"), pod.get("uid")]
+    values = [*fields.values(), pod.get("name"), pod.get("uid"), pod.get("namespace")]
     if not all(v is None or isinstance(v, str) for v in values) or not isinstance(body.get("create", False), bool):
         raise InvalidArgument("a key request's fields are strings (create: a boolean)")
     return check_request(
@@ -247,5 +297,6 @@ def parse_request(body: Any) -> KeyRequest:
             pod_uid=str(pod.get("uid") or ""),
             snapshot=fields["snapshot"] or "",
             create=bool(body.get("create", False)),
+            pod_namespace=str(pod.get("namespace") or ""),
         )
     )

@@ -34,7 +34,7 @@ import hmac
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO, Protocol, overload
 
@@ -55,6 +55,7 @@ WRAP_NONCE = 12
 _WRAP_LABEL = b"kubectl-snapshot/dek/v1\x00"
 _CHUNK_LABEL = b"kubectl-snapshot/chunk-key/v1\x00"
 _TAMPER_HINT = "the snapshot was tampered with or damaged; nothing of it was used"
+WRAP_BATCH = 128  # data keys wrapped or unwrapped in one call (a key broker request stays under 64 KiB)
 
 
 class DecryptionFailed(FailedPrecondition):
@@ -72,6 +73,9 @@ class NamespaceKey(Protocol):
     def wrap(self, dek: bytes, aad: bytes) -> bytes: ...
     def unwrap(self, wrapped: bytes, aad: bytes) -> bytes: ...
     def mac(self, data: bytes) -> bytes: ...
+    # several at once (a remote key answers them in one round trip): (dek, aad) -> wrapped, (wrapped, aad) -> dek
+    def wrap_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]: ...
+    def unwrap_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]: ...
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,12 @@ class LocalNamespaceKey:
 
     def mac(self, data: bytes) -> bytes:
         return hmac.new(self._mac, data, hashlib.sha256).digest()
+
+    def wrap_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+        return [self.wrap(dek, aad) for dek, aad in items]
+
+    def unwrap_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+        return [self.unwrap(wrapped, aad) for wrapped, aad in items]
 
 
 def new_key() -> bytes:
@@ -368,12 +378,14 @@ def _sha256(data: bytes | bytearray | memoryview) -> str:
 
 
 class Sealer:
-    """Seals the blobs of one snapshot for `namespace` and collects their wrapped data keys."""
+    """Seals the blobs of one snapshot for `namespace` and collects their data keys, wrapped together when
+    the config's record is made (`info`: one round trip per `WRAP_BATCH` keys where the key is remote)."""
 
     def __init__(self, key: NamespaceKey, namespace: str, *, segment_size: int = SEGMENT_SIZE) -> None:
         self.key, self.namespace, self.segment_size = key, namespace, segment_size
         self._lock = threading.Lock()
-        self._keys: dict[str, str] = {}
+        self._deks: dict[str, bytes] = {}
+        self._keys: dict[str, str] = {}  # wrapped, base64
 
     def seal_chunk(self, plain: bytes | bytearray, seed: bytes | None = None) -> tuple[bytearray, str]:
         """(ciphertext, its digest) of a chunk; same plaintext in the same namespace -> same ciphertext.
@@ -405,24 +417,64 @@ class Sealer:
         self._record(digest, dek)
 
     def _record(self, digest: str, dek: bytes) -> None:
-        wrapped = base64.b64encode(self.key.wrap(dek, wrap_aad(self.namespace, digest))).decode()
         with self._lock:
-            self._keys.setdefault(digest, wrapped)
+            self._deks.setdefault(digest, dek)
 
     def info(self, digests: Iterable[str]) -> EncryptionInfo:
-        """The config record for the blobs named by `digests` (each must have been sealed here)."""
+        """The config record for the blobs named by `digests` (each must have been sealed here); their data
+        keys are wrapped now, `WRAP_BATCH` to a call."""
+        names = list(dict.fromkeys(digests))
         with self._lock:
-            keys = {d: self._keys[d] for d in digests}
+            todo = [(d, self._deks[d]) for d in names if d not in self._keys]
+        for i in range(0, len(todo), WRAP_BATCH):
+            batch = todo[i : i + WRAP_BATCH]
+            wrapped = self.key.wrap_many([(dek, wrap_aad(self.namespace, d)) for d, dek in batch])
+            if len(wrapped) != len(batch):
+                raise FailedPrecondition(f"asked to wrap {len(batch)} data keys, got {len(wrapped)}")
+            with self._lock:
+                for (d, _), w in zip(batch, wrapped, strict=True):
+                    self._keys.setdefault(d, base64.b64encode(w).decode())
+        with self._lock:
+            keys = {d: self._keys[d] for d in names}
         return EncryptionInfo(SCHEME, self.namespace, self.key.key_id, keys)
 
 
 class Opener:
-    """Unwraps the data keys of one snapshot with its namespace key; opens its blobs."""
+    """Unwraps the data keys of one snapshot with its namespace key; opens its blobs. The first key asked
+    for unwraps them all (`WRAP_BATCH` to a call: one round trip each where the key is remote); when that
+    fails, each is unwrapped on its own, so the error names the blob."""
 
     def __init__(self, info: EncryptionInfo, key: NamespaceKey) -> None:
         self.info, self.key = info, key
+        self._lock = threading.Lock()
+        self._deks: dict[str, bytes] | None = None
 
     def data_key(self, digest: str) -> bytes:
+        with self._lock:
+            if self._deks is None:
+                self._deks = self._unwrap_all()
+            dek = self._deks.get(digest)
+        return dek if dek is not None else self._unwrap(digest)
+
+    def _unwrap_all(self) -> dict[str, bytes]:
+        """Every listed key that opens in batches ({} when one batch fails: each is then asked on its own)."""
+        try:
+            items = [(d, base64.b64decode(w, validate=True)) for d, w in self.info.keys.items()]
+        except ValueError:
+            return {}
+        out: dict[str, bytes] = {}
+        for i in range(0, len(items), WRAP_BATCH):
+            batch = items[i : i + WRAP_BATCH]
+            try:
+                deks = self.key.unwrap_many([(w, wrap_aad(self.info.namespace, d)) for d, w in batch])
+            except DecryptionFailed:
+                return {}
+            if len(deks) != len(batch):
+                return {}
+            out.update(zip((d for d, _ in batch), deks, strict=True))
+        return out
+
+    def _unwrap(self, digest: str) -> bytes:
         wrapped = self.info.keys.get(digest)
         if wrapped is None:
             raise DecryptionFailed(f"snapshot config has no data key for blob {digest}", hint=_TAMPER_HINT)

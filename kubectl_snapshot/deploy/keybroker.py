@@ -43,6 +43,7 @@ def objects(
     cluster_rules = [
         {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
         {"apiGroups": [K.GROUP], "resources": [K.PLURAL], "verbs": ["list"]},
+        {"apiGroups": [K.GROUP], "resources": [K.GRANT_PLURAL], "verbs": ["list"]},  # a granted restore
         {"apiGroups": ["authentication.k8s.io"], "resources": ["tokenreviews"], "verbs": ["create"]},
     ]
     pull = "IfNotPresent" if "@sha256:" in image else "Always"

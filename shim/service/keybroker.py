@@ -1,13 +1,15 @@
 """The namespace-key broker (`ks-agent key-broker`, a Deployment of `kubectl snapshot install --key-broker`).
 
 The only reader of the namespace keys Secret (through `SecretKeyProvider`); it answers the operations of
-core/sealing's `NamespaceKey` (``key``: the key's id, made on a save's first use; ``wrap``; ``unwrap``;
-``mac``, a list per request) for the agents, and ``open`` (a restore's snapshot: its manifest and config,
-checked against the digest the pod names; that restore's ``unwrap`` then opens only the data keys that
-config lists, kept per node, pod and snapshot for `OPENED_S`), one JSON request each (wire format: core/keyaccess.py),
+core/sealing's `NamespaceKey` (``key``: the key's id, made on a save's first use; ``wrap`` and ``unwrap``,
+one or a list of items; ``mac``, a list) for the agents, and ``open`` (a restore's snapshot: its manifest
+and config, checked against the digest the pod names; that restore's ``unwrap`` then opens only the data
+keys that config lists, kept per node, pod and snapshot for `OPENED_S`), one JSON request each (wire
+format: core/keyaccess.py),
 and never sends a key out. Who gets an answer is core/keyaccess.decide's: the caller's bound token
 (TokenReview with audience ``kubectl-snapshot-keys``) gives its node, the pod named by the request,
-read from the API server, must be on that node (and for a restore name the snapshot asked for).
+read from the API server, must be on that node (and for a restore name the snapshot asked for; a restore
+into another namespace needs a SnapshotGrant of the key's namespace, read here).
 
 Costs bounded as the metrics port's (shim/service/metrics_server.py, whose TLS server it uses): each
 connection's handshake and request in a thread of its own under one deadline, at most a few connections
@@ -43,6 +45,7 @@ from typing import Any, Protocol
 from kubectl_snapshot.core import keyaccess as KA
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import InvalidArgument, NotFound, SnapshotError
+from kubectl_snapshot.core.provenance import Grant, parse_grant
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider
 from shim.service.metrics_auth import RateLimit
 from shim.service.metrics_server import TlsServer
@@ -68,6 +71,7 @@ class BrokerApi(Protocol):
     def token_review(self, token: str, *, audiences: Sequence[str] = ()) -> dict[str, Any]: ...
     def get_pod(self, ns: str, name: str) -> dict[str, Any]: ...
     def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]: ...
+    def list_snapshot_grants(self, ns: str) -> list[dict[str, Any]]: ...
 
 
 @dataclass(frozen=True)
@@ -157,12 +161,18 @@ class Broker:
             hit = self._opened.get(at)
         if hit is None or self.clock() - hit[0] > OPENED_S:
             return _error(409, f"open {req.snapshot} first (op open, with its manifest and config)")
-        wrapped = body.get("wrapped")
-        verdict = KA.may_unwrap(hit[1], req.namespace, wrapped if isinstance(wrapped, str) else "", _unb64(body, "aad"))
-        if not verdict.allowed:
-            where = f"{req.namespace}/{req.pod_name}"
-            log.warning("refused node %s unwrap for %s: %s", caller.node, where, verdict.reason)
-            return _error(403, verdict.reason)
+        items = KA.items_of(body, ("wrapped", "aad"))
+        if items is None:
+            wrapped = body.get("wrapped")
+            items = [
+                (base64.b64decode(wrapped, validate=True) if isinstance(wrapped, str) else b"", _unb64(body, "aad"))
+            ]
+        for raw, aad in items:
+            verdict = KA.may_unwrap(hit[1], req.namespace, _b64(raw), aad)
+            if not verdict.allowed:
+                where = f"{req.pod_ns}/{req.pod_name}"
+                log.warning("refused node %s unwrap for %s: %s", caller.node, where, verdict.reason)
+                return _error(403, verdict.reason)
         return None
 
     def _caller(self, token: str) -> KA.Caller | Answer:
@@ -189,7 +199,7 @@ class Broker:
 
     def _decide(self, caller: KA.Caller, req: KA.KeyRequest) -> KA.Verdict:
         try:
-            pod: dict[str, Any] | None = self.kube.get_pod(req.namespace, req.pod_name)
+            pod: dict[str, Any] | None = self.kube.get_pod(req.pod_ns, req.pod_name)
         except NotFound:
             pod = None
         claimed: list[dict[str, Any]] = []
@@ -199,8 +209,11 @@ class Broker:
             and not annotations.get(K.ANN_RESTORE_FROM)
             and annotations.get(K.ANN_RESUME_POLICY)
         ):
-            claimed = self.kube.list_snapshots(req.namespace)
-        return KA.decide(caller, req, pod, claimed)
+            claimed = self.kube.list_snapshots(req.pod_ns)
+        grants: list[Grant] = []
+        if pod is not None and req.pod_ns != req.namespace:  # a restore into another namespace: granted?
+            grants = [g for g in map(parse_grant, self.kube.list_snapshot_grants(req.namespace)) if g is not None]
+        return KA.decide(caller, req, pod, claimed, grants)
 
     def _operate(self, req: KA.KeyRequest, body: dict[str, Any]) -> Answer:
         key_id = body.get("keyId")
@@ -215,11 +228,17 @@ class Broker:
         if req.op == "key":
             return Answer(200, {"keyId": key.key_id})
         if req.op == "wrap":
+            items = KA.items_of(body, ("dek", "aad"))
+            if items is not None:
+                return Answer(200, {"keyId": key.key_id, "wrapped": [_b64(w) for w in key.wrap_many(items)]})
             return Answer(
                 200, {"keyId": key.key_id, "wrapped": _b64(key.wrap(_unb64(body, "dek"), _unb64(body, "aad")))}
             )
         if req.op == "unwrap":
+            items = KA.items_of(body, ("wrapped", "aad"))
             try:
+                if items is not None:
+                    return Answer(200, {"keyId": key.key_id, "deks": [_b64(d) for d in key.unwrap_many(items)]})
                 dek = key.unwrap(_unb64(body, "wrapped"), _unb64(body, "aad"))
             except DecryptionFailed as e:
                 return _error(422, e.message)

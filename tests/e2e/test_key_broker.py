@@ -221,6 +221,41 @@ def test_a_sealed_snapshot_saves_and_restores_through_the_broker(
     assert "refused" not in logs or namespace not in logs, logs[-4000:]
 
 
+def test_a_granted_restore_into_another_namespace_opens_through_the_broker(
+    cluster: Cluster, broker: AgentInstall, namespace: str, other_namespace: str, plugin: Any
+) -> None:
+    """A snapshot sealed for `namespace`, restored into `other_namespace` once a SnapshotGrant of
+    `namespace` allows it: n2's agent holds no key, the broker opens the sealing namespace's data keys for
+    the restore pod of the other namespace (it was refused in this mode before: the broker looked for the
+    pod in the sealing namespace). Without the grant, refused, and nothing runs."""
+    n1, n2 = cluster.nodes[:2]
+    cluster.apply(pod("granted-src", namespace, cluster.busybox_image, {"counter": COUNTER}, node=n1))
+    running(cluster, namespace, "granted-src")
+    tok, before = counter_value(cluster, namespace, "granted-src")
+    to = f"{cluster.registry}/e2e/granted"
+    ref = json.loads(plugin("snapshot", "pod/granted-src", "-n", namespace, "--to", to, "-o", "json").stdout)["status"][
+        "reference"
+    ]
+    proc = plugin(
+        "restore", ref, "-n", other_namespace, "--name", "thief", "--node", n2, "--timeout", "120s", check=False
+    )
+    assert proc.returncode == 1 and f"no SnapshotGrant in '{namespace}' grants '{other_namespace}'" in proc.stderr
+
+    cluster.apply(
+        {
+            "apiVersion": K.API_VERSION,
+            "kind": K.GRANT_KIND,
+            "metadata": {"name": "to-other", "namespace": namespace},
+            "spec": {"targetNamespaces": [other_namespace]},
+        }
+    )
+    plugin("restore", ref, "-n", other_namespace, "--name", "granted", "--node", n2)
+    restored = running(cluster, other_namespace, "granted")
+    assert restored["spec"]["nodeName"] == n2
+    tok2, after = counter_value(cluster, other_namespace, "granted")
+    assert tok2 == tok and after >= before
+
+
 def _sealed(ref: Reference) -> tuple[bytes, bytes, Any]:
     """A snapshot's manifest and config as stored, and its encryption record."""
     reg = RegistryClient()

@@ -15,6 +15,7 @@ from kubectl_snapshot.core.encryption import SCHEME, WRAPPED_BYTES, EncryptionIn
 from kubectl_snapshot.core.errors import InvalidArgument
 from kubectl_snapshot.core.model import ContainerRecord, HostFacts, SnapshotConfig
 from kubectl_snapshot.core.oci import Descriptor, build_manifest, sha256_digest
+from kubectl_snapshot.core.provenance import Grant
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import wrap_aad
 from tests.support.snapshotbytes import snapshot_bytes
@@ -171,11 +172,65 @@ def test_a_resuming_pod_gets_no_key_of_a_save_it_did_not_claim(claimed: list[dic
     assert not verdict.allowed and "resumes from no save" in verdict.reason
 
 
+# --- a granted restore into another namespace ------------------------------------------------------
+
+
+def granted_restore(op: str = "unwrap") -> KA.KeyRequest:
+    """A restore pod of namespace y asks for the key of namespace x (its snapshot is sealed for x)."""
+    return KA.KeyRequest(
+        purpose="restore", op=op, namespace="x", pod_name="p", pod_uid="u1", snapshot=SNAP, pod_namespace="y"
+    )
+
+
+def pod_in_y(the_pod: dict[str, Any]) -> dict[str, Any]:
+    the_pod = copy.deepcopy(the_pod)
+    the_pod["metadata"]["namespace"] = "y"
+    return the_pod
+
+
+def grant(targets: tuple[str, ...] = ("y",), repositories: tuple[str, ...] = (), namespace: str = "x") -> Grant:
+    return Grant(name="to-y", namespace=namespace, target_namespaces=targets, repositories=repositories)
+
+
+@pytest.mark.parametrize("op", ["key", "open", "unwrap"])
+def test_a_restore_into_a_granted_namespace_gets_the_sealing_namespaces_key(op: str) -> None:
+    verdict = KA.decide(A, granted_restore(op), pod_in_y(restore_pod()), grants=[grant()])
+    assert verdict.allowed and "granted by snapshotgrant x/to-y" in verdict.reason, verdict.reason
+    repo = grant(repositories=("registry.example:5000/team",))  # a grant limited to the repository's prefix
+    assert KA.decide(A, granted_restore(op), pod_in_y(restore_pod()), grants=[repo]).allowed
+
+
+@pytest.mark.parametrize(
+    ("grants", "the_pod", "says"),
+    [
+        ([], pod_in_y(restore_pod()), "no SnapshotGrant in 'x' grants 'y'"),
+        ([grant(targets=("z",))], pod_in_y(restore_pod()), "no SnapshotGrant in 'x' grants 'y'"),
+        ([grant(repositories=("registry.example:5000/other",))], pod_in_y(restore_pod()), "no SnapshotGrant"),
+        ([grant(namespace="y")], pod_in_y(restore_pod()), "no SnapshotGrant"),  # y cannot grant itself x's
+        ([grant()], restore_pod(), "is not the pod"),  # the pod named is in x, not in y
+        ([grant()], pod_in_y(restore_pod(node="node-b")), "not on the caller's node"),
+        ([grant()], pod_in_y(pod()), "is not a restore"),
+    ],
+)
+def test_a_restore_into_another_namespace_without_its_grant_is_refused(
+    grants: list[Grant], the_pod: dict[str, Any], says: str
+) -> None:
+    assert KA.decide(A, granted_restore(), pod_in_y(restore_pod()), grants=[grant()]).allowed  # the legitimate one
+    verdict = KA.decide(A, granted_restore(), the_pod, grants=grants)
+    assert not verdict.allowed and says in verdict.reason, verdict.reason
+
+
+def test_a_save_is_never_sealed_with_another_namespaces_key() -> None:
+    KA.parse_request(KA.request_body(save()))  # the legitimate one
+    with pytest.raises(InvalidArgument, match="its own pod's namespace key"):
+        KA.parse_request(KA.request_body(save()) | {"pod": {"name": "p", "uid": "u1", "namespace": "y"}})
+
+
 # --- requests -----------------------------------------------------------------------------------------
 
 
 def test_the_wire_format_round_trips() -> None:
-    for req in (save("key", create=True), save("mac"), restore()):
+    for req in (save("key", create=True), save("mac"), restore(), granted_restore()):
         assert KA.parse_request(KA.request_body(req, data=["eA=="])) == req
 
 

@@ -47,6 +47,7 @@ class Cluster(StrictKube):
     def __init__(self) -> None:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.tokens: dict[str, str] = {}
+        self.grants: dict[str, list[dict[str, Any]]] = {}
         self.reviews = 0
 
     def add_pod(self, ns: str, name: str, node: str, *, phase: str = "Running", **annotations: str) -> KeyUse:
@@ -72,6 +73,9 @@ class Cluster(StrictKube):
 
     def list_snapshots(self, ns: str | None, *, label_selector: str | None = None) -> list[dict[str, Any]]:
         return []
+
+    def list_snapshot_grants(self, ns: str) -> list[dict[str, Any]]:
+        return self.grants.get(ns, [])
 
 
 @pytest.fixture
@@ -222,6 +226,73 @@ def test_an_unwrap_before_any_open_is_refused_by_the_broker(
     )
     code, answer = _post(broker, tls[0], json.dumps(body).encode(), headers={"Authorization": "Bearer token-of-node-a"})
     assert code == 409 and "open" in answer["error"] and "dek" not in answer
+
+
+def test_a_restore_into_another_namespace_opens_only_where_a_grant_allows_it(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    """A snapshot sealed for namespace x restored by a pod of namespace y (the agent's grant check passed):
+    the broker opens x's data keys for it only while a SnapshotGrant of x lists y (before: refused always,
+    since the broker looked for the pod in x; a granted restore failed in this mode)."""
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    (snap1, man1, cfg1, layer1, wrapped1), _ = two_sealed_snapshots(agent, cluster)
+    use = replace(
+        cluster.add_pod("y", "restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: snap1}),
+        manifest=man1, config=cfg1,
+    )  # fmt: skip
+    with pytest.raises(PermissionDenied, match="no SnapshotGrant in 'x' grants 'y'"):
+        agent.namespace_key("x", create=False, use=use)
+    cluster.grants["y"] = [_grant("y", ["y"])]  # y granting itself x's snapshots counts for nothing
+    with pytest.raises(PermissionDenied, match="no SnapshotGrant in 'x' grants 'y'"):
+        agent.namespace_key("x", create=False, use=use)
+    cluster.grants["x"] = [_grant("x", ["y"])]
+    opener = opener_for(parse_config(cfg1), agent, "y", other_namespace_ok=True, use=use)
+    assert isinstance(opener, Opener)
+    assert opener.data_key(layer1) == agent.namespace_key("x", create=False, use=use).unwrap(
+        wrapped1, wrap_aad("x", layer1)
+    )
+    cluster.grants["x"] = []  # the grant withdrawn: no further key (the broker reads grants per request)
+    with pytest.raises(PermissionDenied, match="no SnapshotGrant"):
+        agent.namespace_key("x", create=False, use=use).unwrap(wrapped1, wrap_aad("x", layer1))
+
+
+def test_a_snapshots_data_keys_cross_the_wire_in_batches(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    """A save of 300 chunks wraps their keys in 3 requests (not 300), its restore unwraps them in 3 after
+    one open; a batch holding one key of another snapshot is refused whole."""
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    sent: list[str] = []
+    post = agent.post
+    agent.post = lambda body: (sent.append(str(body["op"])), post(body))[1]  # type: ignore[method-assign]
+    sealer = Sealer(agent.namespace_key("x", create=True, use=cluster.add_pod("x", "app", "node-a")), "x")
+    blobs = dict(sealer.seal_chunk(i.to_bytes(4, "big") * 16)[::-1] for i in range(300))
+    info = sealer.info(blobs)
+    assert sent.count("wrap") == 3, sent
+    layer, vol, *chunks = list(blobs)
+    manifest, cfg = snapshot_bytes("x", layer, vol, info, chunks)
+    snap = f"registry.example:5000/team/app@{sha256_digest(manifest)}"
+    use = replace(
+        cluster.add_pod("x", "restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: snap}),
+        manifest=manifest, config=cfg,
+    )  # fmt: skip
+    sent.clear()
+    opener = opener_for(parse_config(cfg), agent, "x", use=use)
+    assert isinstance(opener, Opener)
+    for digest, sealed in blobs.items():
+        assert bytes(opener.open_chunk(digest, sealed)) == int.to_bytes(list(blobs).index(digest), 4, "big") * 16
+    assert sent == ["key", "open", "unwrap", "unwrap", "unwrap"], sent
+    (_, _, _, other_layer, other_wrapped), _ = two_sealed_snapshots(agent, cluster)
+    key = agent.namespace_key("x", create=False, use=use)
+    assert isinstance(key, BrokerNamespaceKey)
+    own = [(base64.b64decode(info.keys[layer]), wrap_aad("x", layer))]
+    assert key.unwrap_many(own) == [opener.data_key(layer)]  # the legitimate one
+    with pytest.raises(PermissionDenied, match="not in the snapshot opened"):
+        key.unwrap_many([*own, (other_wrapped, wrap_aad("x", other_layer))])
+
+
+def _grant(ns: str, targets: list[str]) -> dict[str, Any]:
+    return {"metadata": {"name": "g", "namespace": ns}, "spec": {"targetNamespaces": targets}}
 
 
 def test_mac_is_batched(broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path) -> None:

@@ -54,7 +54,8 @@ def test_with_the_broker_only_the_broker_reads_the_key_secret() -> None:
             assert role is None or not any(
                 "secrets" in r["resources"] and K.KEY_SECRET in (r.get("resourceNames") or []) for r in role["rules"]
             )
-    # the broker's: that one Secret by name (get, update), pods get, PodSnapshots list, TokenReviews create
+    # the broker's: that one Secret by name (get, update), pods get, PodSnapshots and SnapshotGrants list,
+    # TokenReviews create
     role = found[("Role", BROKER)]
     assert role["rules"] == [
         {"apiGroups": [""], "resources": ["secrets"], "resourceNames": [K.KEY_SECRET], "verbs": ["get", "update"]}
@@ -62,6 +63,7 @@ def test_with_the_broker_only_the_broker_reads_the_key_secret() -> None:
     assert rules(found[("ClusterRole", BROKER)]) == {
         ("", "pods", "get"),
         (K.GROUP, K.PLURAL, "list"),
+        (K.GROUP, K.GRANT_PLURAL, "list"),
         ("authentication.k8s.io", "tokenreviews", "create"),
     }
     for kind in ("RoleBinding", "ClusterRoleBinding"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+from collections.abc import Sequence
 
 import pytest
 
@@ -26,6 +27,7 @@ from kubectl_snapshot.core.sealing import (
     MAGIC,
     MIN_SEGMENT,
     TAG,
+    WRAP_BATCH,
     DecryptionFailed,
     LocalNamespaceKey,
     Opener,
@@ -303,3 +305,66 @@ def test_inspect_says_whether_and_how_a_snapshot_is_encrypted() -> None:
             assert "Encrypted:  no" in text
         else:
             assert f"Encrypted:  {SCHEME} with the key of namespace team-a ({key_id_of(kek)})" in text
+
+
+class CountingKey(LocalNamespaceKey):
+    """A local key that counts its calls (a remote key pays a round trip for each)."""
+
+    def __init__(self, kek: bytes) -> None:
+        super().__init__(kek)
+        self.calls: list[tuple[str, int]] = []
+
+    def wrap(self, dek: bytes, aad: bytes) -> bytes:
+        self.calls.append(("wrap", 1))
+        return super().wrap(dek, aad)
+
+    def unwrap(self, wrapped: bytes, aad: bytes) -> bytes:
+        self.calls.append(("unwrap", 1))
+        return super().unwrap(wrapped, aad)
+
+    def wrap_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+        self.calls.append(("wrap_many", len(items)))
+        return [LocalNamespaceKey.wrap(self, d, a) for d, a in items]
+
+    def unwrap_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
+        self.calls.append(("unwrap_many", len(items)))
+        return [LocalNamespaceKey.unwrap(self, w, a) for w, a in items]
+
+
+def test_a_snapshots_data_keys_are_wrapped_and_unwrapped_in_batches() -> None:
+    """300 chunks: their keys are wrapped when the config's record is made, WRAP_BATCH to a call (a key
+    broker's round trip each), not one call per chunk; a restore's first key unwraps them all likewise."""
+    kek = new_key()
+    key = CountingKey(kek)
+    sealer = Sealer(key, "ns")
+    blobs = dict(sealer.seal_chunk(os.urandom(64))[::-1] for _ in range(300))
+    assert key.calls == []  # nothing wrapped while sealing
+    info = sealer.info(blobs)
+    assert key.calls == [("wrap_many", WRAP_BATCH), ("wrap_many", WRAP_BATCH), ("wrap_many", 300 - 2 * WRAP_BATCH)]
+    assert sealer.info(list(blobs)[:5]).keys == {d: info.keys[d] for d in list(blobs)[:5]}  # wrapped once
+    assert len(key.calls) == 3
+
+    key.calls.clear()
+    opener = Opener(info, key)
+    for digest, sealed in blobs.items():
+        assert len(opener.open_chunk(digest, sealed)) == 64
+    assert key.calls == [("unwrap_many", WRAP_BATCH), ("unwrap_many", WRAP_BATCH), ("unwrap_many", 44)]
+
+
+def test_a_batch_that_does_not_open_names_the_blob_and_the_others_still_open() -> None:
+    kek = new_key()
+    key = CountingKey(kek)
+    sealer = Sealer(key, "ns")
+    blobs = dict(sealer.seal_chunk(os.urandom(64))[::-1] for _ in range(3))
+    info = sealer.info(blobs)
+    bad, *good = list(blobs)
+    raw = bytearray(base64.b64decode(info.keys[bad]))
+    raw[20] ^= 1
+    tampered = EncryptionInfo(
+        info.scheme, info.namespace, info.key_id, {**info.keys, bad: base64.b64encode(raw).decode()}
+    )
+    opener = Opener(tampered, key)
+    for digest in good:  # the batch fails; each is then asked on its own
+        assert len(opener.open_chunk(digest, blobs[digest])) == 64
+    with pytest.raises(DecryptionFailed, match=f"cannot decrypt blob {bad}"):
+        opener.open_chunk(bad, blobs[bad])
