@@ -16,7 +16,6 @@ import base64
 import http.client
 import json
 import ssl
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -153,8 +152,6 @@ class BrokerNamespaceKey:
     def __init__(self, provider: BrokerKeyProvider, namespace: str, use: KeyUse, key_id: str | None) -> None:
         self.provider, self.namespace, self.use = provider, namespace, use
         self._key_id = key_id or ""
-        self._lock = threading.Lock()
-        self._opened = False
 
     def bind(self, key_id: str) -> None:
         if not key_id:
@@ -194,41 +191,36 @@ class BrokerNamespaceKey:
         return out
 
     def unwrap_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bytes]:
-        """Several of the restore's data keys, `KA.MAX_ITEMS` to a request (after `open`, as `unwrap`)."""
+        """Several of the restore's data keys, `KA.MAX_ITEMS` to a request."""
         out: list[bytes] = []
         for i in range(0, len(items), KA.MAX_ITEMS):
             batch = [{"wrapped": _b64(w), "aad": _b64(a)} for w, a in items[i : i + KA.MAX_ITEMS]]
-            out += _list(self._opened_call("unwrap", items=batch), "deks", len(batch))
+            out += _list(self._unwrap_call(items=batch), "deks", len(batch))
         return out
 
     def unwrap(self, wrapped: bytes, aad: bytes) -> bytes:
-        """A restore's data key: the broker opens only those of the snapshot it was shown (`open`, once; again
-        when the broker no longer holds it)."""
-        return _bytes(self._opened_call("unwrap", wrapped=_b64(wrapped), aad=_b64(aad)), "dek")
+        return _bytes(self._unwrap_call(wrapped=_b64(wrapped), aad=_b64(aad)), "dek")
 
-    def _opened_call(self, op: str, **payload: Any) -> dict[str, Any]:
-        for again in (False, True):
-            self._open(again)
-            try:
-                return self.call(op, **payload)
-            except _NotOpened:
-                continue
-        raise Unavailable("keys unavailable: the key broker forgot the opened snapshot twice", hint=_HINT)
-
-    def _open(self, again: bool) -> None:
-        """Show the broker the restore's snapshot (manifest and config: it checks them against the digest the
-        pod names and then unwraps only the data keys that config lists)."""
-        with self._lock:
-            if self._opened and not again:
-                return
-            use = self.use
-            if not (use.manifest and use.config):
-                raise FailedPrecondition(
-                    f"the restore of {use.snapshot} did not pass its manifest and config to the key broker",
-                    hint="a bug in the agent: report it",
-                )
-            self.call("open", manifest=_b64(use.manifest), config=_b64(use.config))
-            self._opened = True
+    def _unwrap_call(self, **payload: Any) -> dict[str, Any]:
+        """An ``unwrap`` carries the restore's snapshot as read (manifest and config: the broker checks them
+        against the digest the pod names and unwraps only the data keys that config lists), so that any
+        replica of the broker answers it, holding nothing. A broker that wants ``open`` first (409: an
+        earlier release) is shown it, once, and asked again."""
+        use = self.use
+        if not (use.manifest and use.config):
+            raise FailedPrecondition(
+                f"the restore of {use.snapshot} did not pass its manifest and config to the key broker",
+                hint="a bug in the agent: report it",
+            )
+        shown: dict[str, Any] = {"manifest": _b64(use.manifest), "config": _b64(use.config)}
+        try:
+            return self.call("unwrap", **shown, **payload)
+        except _NotOpened:
+            self.call("open", **shown)
+        try:
+            return self.call("unwrap", **shown, **payload)
+        except _NotOpened:
+            raise Unavailable("keys unavailable: the key broker forgot the opened snapshot", hint=_HINT) from None
 
     def mac(self, data: bytes) -> bytes:
         return self.mac_many([data])[0]

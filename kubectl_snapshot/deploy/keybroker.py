@@ -1,7 +1,8 @@
 """The namespace-key broker's objects (opt-in: `kubectl snapshot install --key-broker`; docs/security.md,
 "Namespace keys released per node").
 
-The broker (a Deployment of one replica, the agent image running ``ks-agent key-broker``) is then the
+The broker (a Deployment, the agent image running ``ks-agent key-broker``: two replicas behind its
+Service with a PodDisruptionBudget, one on host-network installs) is then the
 only reader of the namespace-key Secret: its Role reaches that Secret by name (``get``, ``update``: it
 adds a namespace's key on a save's first use, as the agents did), its ClusterRole reads pods and
 PodSnapshots (is the pod on the caller's node, which save does a resuming pod restore) and creates
@@ -22,6 +23,7 @@ from kubectl_snapshot.deploy.rbac import RBAC
 NAME = K.KEY_BROKER_NAME
 TOKEN_S = 3600
 SELECTOR = {"app.kubernetes.io/name": NAME}
+REPLICAS = 2
 
 
 def default_url() -> str:
@@ -31,7 +33,7 @@ def default_url() -> str:
 def objects(
     *, image: str, labels: dict[str, str], host_network: bool, env: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """ServiceAccount, roles and bindings, Service, Deployment (in apply order)."""
+    """ServiceAccount, roles and bindings, Service, Deployment, PodDisruptionBudget (in apply order)."""
     meta = {"name": NAME, "namespace": K.AGENT_NAMESPACE, "labels": dict(labels)}
     subject = [{"kind": "ServiceAccount", "name": NAME, "namespace": K.AGENT_NAMESPACE}]
     secret_rule = {
@@ -48,13 +50,23 @@ def objects(
     ]
     pull = "IfNotPresent" if "@sha256:" in image else "Always"
     port = K.KEY_BROKER_PORT
+    # Behind its Service, two replicas on different nodes where there are (any answers any request: an
+    # unwrap shows its snapshot), kept by a PodDisruptionBudget through drains; on the nodes' network,
+    # one (a second would find the port taken where nodes share a network namespace)
+    replicas = 1 if host_network else REPLICAS
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": copy.deepcopy(meta),
         "spec": {
-            "replicas": 1,
-            "strategy": {"type": "Recreate"},  # host-network clusters: one listener on the port at a time
+            "replicas": replicas,
+            # host-network clusters: one listener on the port at a time; behind the Service: a new replica
+            # is ready before an old one goes
+            "strategy": (
+                {"type": "Recreate"}
+                if host_network
+                else {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+            ),
             "selector": {"matchLabels": dict(SELECTOR)},
             "template": {
                 "metadata": {"labels": labels | SELECTOR},
@@ -65,6 +77,7 @@ def objects(
                     "priorityClassName": "system-cluster-critical",
                     "tolerations": [{"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}],
                     "affinity": {
+                        **({} if replicas == 1 else {"podAntiAffinity": _apart()}),
                         "nodeAffinity": {
                             "preferredDuringSchedulingIgnoredDuringExecution": [
                                 {
@@ -76,7 +89,7 @@ def objects(
                                     },
                                 }
                             ]
-                        }
+                        },
                     },
                     "containers": [
                         {
@@ -137,7 +150,23 @@ def objects(
             "spec": {"selector": dict(SELECTOR), "ports": [{"name": "keys", "port": port, "targetPort": port}]},
         },
         deployment,
+        *([] if replicas == 1 else [_budget(meta)]),
     ]
+
+
+def _apart() -> dict[str, Any]:
+    term = {"labelSelector": {"matchLabels": dict(SELECTOR)}, "topologyKey": "kubernetes.io/hostname"}
+    return {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 100, "podAffinityTerm": term}]}
+
+
+def _budget(meta: dict[str, Any]) -> dict[str, Any]:
+    """A drain evicts one replica at a time: saves and restores of the drained node's pods find the other."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": copy.deepcopy(meta),
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": dict(SELECTOR)}},
+    }
 
 
 def agent_volumes() -> list[dict[str, Any]]:

@@ -22,7 +22,8 @@ Status codes: 200; 400 a malformed request; 401 no valid agent token; 403 refuse
 ``error``); 404 no such key; 409 an ``unwrap`` of a restore whose snapshot was not opened (again); 413 too
 large; 422 a wrapped key that does not open; 429 too many; 503 the API server or the keys Secret
 unavailable. A body larger than `MAX_REQUEST_BYTES` (an ``open``, up to `MAX_OPEN_BYTES`) is read only
-once its token is known to be an agent's.
+once its token is known to be an agent's. An ``unwrap`` may carry the ``open``'s manifest and config
+itself (what agents send: no replica then needs to have seen the open).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class Broker:
             req = KA.parse_request(body)
         except (ValueError, InvalidArgument) as e:
             return _error(400, f"bad key request: {e}")
-        if len(raw) > MAX_REQUEST_BYTES and req.op != "open":
+        if len(raw) > MAX_REQUEST_BYTES and req.op not in ("open", "unwrap"):
             return _error(413, f"a {req.op} request has at most {MAX_REQUEST_BYTES} bytes")
         try:
             verdict = self._decide(caller, req)
@@ -156,6 +157,8 @@ class Broker:
 
     def _unwrap_refused(self, caller: KA.Caller, req: KA.KeyRequest, body: dict[str, Any]) -> Answer | None:
         """None when the unwrap is one of the restore's opened snapshot's own data keys, else the answer."""
+        if "manifest" in body or "config" in body:  # shown with the unwrap (any replica answers it)
+            self._open(caller, req, body)
         at = (caller.node, req.pod_uid, str(KA.snapshot_of(req.snapshot).digest))
         with self._lock:
             hit = self._opened.get(at)

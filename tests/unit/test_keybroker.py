@@ -264,7 +264,12 @@ def test_a_snapshots_data_keys_cross_the_wire_in_batches(
     agent = agent_of("node-a", broker, cluster, tls, tmp_path)
     sent: list[str] = []
     post = agent.post
-    agent.post = lambda body: (sent.append(str(body["op"])), post(body))[1]  # type: ignore[method-assign]
+
+    def counted(body: dict[str, Any]) -> dict[str, Any]:
+        sent.append(str(body["op"]))
+        return post(body)
+
+    agent.post = counted  # type: ignore[method-assign]
     sealer = Sealer(agent.namespace_key("x", create=True, use=cluster.add_pod("x", "app", "node-a")), "x")
     blobs = dict(sealer.seal_chunk(i.to_bytes(4, "big") * 16)[::-1] for i in range(300))
     info = sealer.info(blobs)
@@ -281,7 +286,7 @@ def test_a_snapshots_data_keys_cross_the_wire_in_batches(
     assert isinstance(opener, Opener)
     for digest, sealed in blobs.items():
         assert bytes(opener.open_chunk(digest, sealed)) == int.to_bytes(list(blobs).index(digest), 4, "big") * 16
-    assert sent == ["key", "open", "unwrap", "unwrap", "unwrap"], sent
+    assert sent == ["key", "unwrap", "unwrap", "unwrap"], sent  # each shows the snapshot itself: no open
     (_, _, _, other_layer, other_wrapped), _ = two_sealed_snapshots(agent, cluster)
     key = agent.namespace_key("x", create=False, use=use)
     assert isinstance(key, BrokerNamespaceKey)
@@ -289,6 +294,43 @@ def test_a_snapshots_data_keys_cross_the_wire_in_batches(
     assert key.unwrap_many(own) == [opener.data_key(layer)]  # the legitimate one
     with pytest.raises(PermissionDenied, match="not in the snapshot opened"):
         key.unwrap_many([*own, (other_wrapped, wrap_aad("x", other_layer))])
+
+
+def test_any_replica_answers_a_restores_unwrap(cluster: Cluster, tls: tuple[str, str], tmp_path: Path) -> None:
+    """Two brokers (replicas: the same keys, nothing else shared) behind one address that sends each
+    request to the other one: every unwrap shows the snapshot, so a replica that saw no open answers it
+    (before, an open on one and the unwrap on the other was 409, twice: "keys unavailable"); an unwrap
+    showing another snapshot's manifest is refused by either."""
+    keys = FileKeyProvider(str(tmp_path / "keys"))
+    servers = [
+        keybroker.serve(keybroker.Broker(cluster, keys), host="127.0.0.1", port=0, cert_file=tls[0], key_file=tls[1])
+        for _ in range(2)
+    ]
+    try:
+        ports = [s.server_address[1] for s in servers]
+        agent = agent_of("node-a", f"https://127.0.0.1:{ports[0]}", cluster, tls, tmp_path)
+        post = agent._post
+
+        def round_robin(body: dict[str, Any], *, last: bool = False) -> dict[str, Any]:
+            agent.port = ports[1] if agent.port == ports[0] else ports[0]
+            return post(body, last=last)
+
+        agent._post = round_robin  # type: ignore[method-assign]
+        (snap1, man1, cfg1, layer1, wrapped1), (_, man2, _, _, _) = two_sealed_snapshots(agent, cluster)
+        use = replace(
+            cluster.add_pod("x", "restored", "node-a", phase="Pending", **{K.ANN_RESTORE_FROM: snap1}),
+            manifest=man1, config=cfg1,
+        )  # fmt: skip
+        key = agent.namespace_key("x", create=False, use=use)
+        assert key.unwrap(wrapped1, wrap_aad("x", layer1)) == key.unwrap(wrapped1, wrap_aad("x", layer1))
+        for _ in range(2):  # on each replica
+            key = agent.namespace_key("x", create=False, use=replace(use, manifest=man2))
+            with pytest.raises(Unavailable, match="not the one"):
+                key.unwrap(wrapped1, wrap_aad("x", layer1))
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
 
 
 def _grant(ns: str, targets: list[str]) -> dict[str, Any]:

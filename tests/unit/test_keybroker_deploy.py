@@ -104,6 +104,26 @@ def test_the_broker_deployment() -> None:
     assert env[K.ENV_KEY_BROKER] == "https://127.0.0.1:9643"
     svc = by_kind(objs)[("Service", BROKER)]
     assert svc["spec"]["selector"] == keybroker.SELECTOR
+    assert ("PodDisruptionBudget", BROKER) not in by_kind(objs)  # with one replica it would block every drain
+
+
+def test_behind_its_service_the_broker_runs_two_replicas_kept_through_drains() -> None:
+    """Any replica answers any request (tests/unit/test_keybroker.py::test_any_replica_answers_a_restores_unwrap),
+    so the broker behind its Service runs two, apart where nodes allow, rolled one at a time, and a drain
+    evicts one only while the other is available."""
+    objs = render("img", key_broker=True)
+    dep = by_kind(objs)[("Deployment", BROKER)]
+    assert dep["spec"]["replicas"] == 2
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    pod = dep["spec"]["template"]["spec"]
+    (apart,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert apart["podAffinityTerm"] == {
+        "labelSelector": {"matchLabels": keybroker.SELECTOR},
+        "topologyKey": "kubernetes.io/hostname",
+    }
+    pdb = by_kind(objs)[("PodDisruptionBudget", BROKER)]
+    assert pdb["spec"] == {"minAvailable": 1, "selector": {"matchLabels": keybroker.SELECTOR}}
+    assert [o["kind"] for o in objs].index("PodDisruptionBudget") > [o["kind"] for o in objs].index("Deployment")
 
 
 def _with_deployments(kube: FakeKube) -> FakeKube:
