@@ -91,19 +91,7 @@ class Fallback:
         except Exception as e:  # every way out answers the gate
             if staged:
                 shutil.rmtree(staged, ignore_errors=True)
-            err = e if isinstance(e, SnapshotError) else SnapshotError(f"internal error: {e}")
-            restored = PodRestore(self.paths.pod_dir(uid))
-            why = f"container {container}'s eager restore after its failed lazy restore: {err.message}"
-            if self.resume:
-                restored.start_fresh(why)
-                gate.answer(READY, f"no restore: {why}")
-                said = f"{why}; the pod starts fresh"
-            else:
-                restored.fail(why)
-                gate.answer(FAILED, why)
-                said = f"{why}; the container is not started from its image (a restored pod comes back whole)"
-            log.error("%s/%s: %s", ns, meta["name"], said)
-            pod_event(kube, pod, K.EVENT_LAZY_RESTORE_FAILED, said, warning=True)
+            give_up(kube, self.paths, pod, container, gate, e, resume=self.resume)
             return False
         finally:
             gate.release()
@@ -113,6 +101,34 @@ class Fallback:
         log.info("%s/%s: %s", ns, meta["name"], message)
         pod_event(kube, pod, K.EVENT_RESTORE_STAGED, message)
         return True
+
+
+def give_up(
+    kube: KubeApi,
+    paths: StatePaths,
+    pod: dict[str, Any],
+    container: str,
+    gate: StagingGate,
+    e: Exception,
+    *,
+    resume: bool,
+) -> None:
+    """The eager restore after a lazy one could not be staged: a resume starts the pod fresh, a restore is
+    failed (its container not started from its image); the gate answered, a LazyRestoreFailed Warning."""
+    meta = pod["metadata"]
+    err = e if isinstance(e, SnapshotError) else SnapshotError(f"internal error: {e}")
+    restored = PodRestore(paths.pod_dir(str(meta["uid"])))
+    why = f"container {container}'s eager restore after its failed lazy restore: {err.message}"
+    if resume:
+        restored.start_fresh(why)
+        gate.answer(READY, f"no restore: {why}")
+        said = f"{why}; the pod starts fresh"
+    else:
+        restored.fail(why)
+        gate.answer(FAILED, why)
+        said = f"{why}; the container is not started from its image (a restored pod comes back whole)"
+    log.error("%s/%s: %s", meta["namespace"], meta["name"], said)
+    pod_event(kube, pod, K.EVENT_LAZY_RESTORE_FAILED, said, warning=True)
 
 
 def start_sessions(
@@ -176,11 +192,19 @@ def start_sessions(
     return list(sessions.values())
 
 
-def end_orphaned(staged_root: str, stop: StopFn, report: Callable[[str, str, str], None]) -> list[str]:
+AgainFn = Callable[[str, str], Callable[[], object] | None]
+
+
+def end_orphaned(
+    staged_root: str, stop: StopFn, report: Callable[[str, str, str], None], again: AgainFn | None = None
+) -> list[str]:
     """At the agent's start: the lazily restored containers whose lazy phase an earlier agent did not see
     through (its sessions died with it, and the kernel zero-fills what had not come) are stopped, each
     reported with `report(pod uid, container, reason)`, and their dirs removed; staged dirs whose daemon
     is gone before their restore ran are removed (the wrapper then finds nothing to restore lazily).
+    `again(pod uid, container)`, asked before the stop, takes the container's staging gate (the kubelet's
+    restart then waits at its create) and returns what restores the same save eagerly, run in a thread of
+    its own after the stop; None: nothing to restore it from, the kubelet starts it afresh.
     `staged_root`: the agent's staged/by-pod. Returns the dirs removed."""
     removed = []
     for uid in _listdir(staged_root):
@@ -189,13 +213,19 @@ def end_orphaned(staged_root: str, stop: StopFn, report: Callable[[str, str, str
             path = os.path.join(pod_dir, name)
             if name.startswith(LAZY_PREFIX) and os.path.isdir(path):
                 container = name[len(LAZY_PREFIX) :]
+                restage = again(uid, container) if again is not None else None
                 stopped = stop(uid, [container])
+                then = (
+                    "; it is restored again, eagerly, from the same save" if restage is not None
+                    else "; the kubelet starts it afresh"
+                )  # fmt: skip
                 reason = (
                     f"the node's agent restarted while container {container}'s memory was still being "
-                    "fetched: it was stopped" + ("" if stopped else " (it was not running)")
-                    + "; the kubelet starts it afresh"
-                )  # fmt: skip
+                    "fetched: it was stopped" + ("" if stopped else " (it was not running)") + then
+                )
                 report(uid, container, reason)
+                if restage is not None:
+                    threading.Thread(target=restage, name=f"lazy-again-{container}", daemon=True).start()
             elif not (os.path.isdir(path) and not os.path.islink(path) and listening(path)):
                 continue
             shutil.rmtree(path, ignore_errors=True)

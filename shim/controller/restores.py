@@ -35,19 +35,20 @@ from kubectl_snapshot.adapters.signatures import (
 )
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kubenames as K
+from kubectl_snapshot.core.artifact import Artifact
 from kubectl_snapshot.core.backlog import parse_bound
 from kubectl_snapshot.core.errors import FailedPrecondition, NotFound, SnapshotError, render
 from kubectl_snapshot.core.model import HostFacts
 from kubectl_snapshot.core.podspec import pod_status_summary
 from kubectl_snapshot.core.provenance import Grant, TrustPolicy, parse_grant
 from kubectl_snapshot.core.reference import Reference
-from kubectl_snapshot.core.sealing import KeyProvider, KeyUse
+from kubectl_snapshot.core.sealing import KeyProvider, KeyUse, Opener
 from kubectl_snapshot.core.tokenclone import cloned_token_warning
 from shim.controller.backlog import NamespaceBacklog
 from shim.controller.events import pod_event
 from shim.controller.fairness import FairScheduler
 from shim.controller.kube_api import KubeApi
-from shim.controller.lazypods import Fallback, end_orphaned, start_sessions
+from shim.controller.lazypods import Fallback, end_orphaned, give_up, start_sessions
 from shim.controller.podinfo import (
     check_restore_pod,
     check_resume_pod,
@@ -61,6 +62,7 @@ from shim.controller.resume_source import RESUME_WAIT_S, RestoreSource, Resumer,
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
 from shim.engine.lazyrestore import LAZY_SLOTS, give_slot, take_slots
+from shim.engine.node_ports import Registry
 from shim.engine.precheck import check_staged
 from shim.engine.restore import RestoreLimits, VolumeTarget, opener_for, stage_artifact
 from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, check_key
@@ -81,6 +83,9 @@ GC_GRACE_S = 600.0  # staged data younger than this is never collected (a restor
 DOWNLOAD_GC_S = 6 * 3600.0  # partial downloads older than this belong to no live restore
 WRAPPER_REFUSAL = "refusing to restore"  # how the runtime wrapper's image check starts its message
 POD_FILE = ".pod"  # in staged/by-pod/UID/: the pod's namespace and name (container names never start with ".")
+# in staged/by-pod/UID/ too: the save a lazy restore serves, for the eager restore of a container whose lazy
+# phase an agent's restart ended (end_orphaned_lazy)
+LAZY_SOURCE_FILE = ".restored-from"
 
 
 def _listdir(path: str) -> list[str]:
@@ -396,41 +401,9 @@ class RestoreWorker:
             if isinstance(chosen, StartFresh):
                 return self._start_fresh(pod, gate, chosen.reason, gates)
             src = chosen
-            ref = src.reference
-            registry = registry_for(self.kube, ns, src.registry_secret, insecure=src.insecure)
-            artifact, signatures = load_signed(registry, ref)
+            registry, artifact, opener = self._opened(pod, src)
             config = artifact.config
-            # provenance before anything else is fetched: signed by a key the cluster trusts, exactly
-            # this digest, from this namespace or one that granted it (docs/security.md)
-            allowed = authorize_restore(
-                registry, artifact.reference, config, ns, self._trust(), self._grants, signatures
-            )
-            log.info("restore of %s into %s/%s allowed: %s", artifact.reference, ns, name, allowed.reason)
-            problems = hostfacts.preflight_problems(config.host, self.facts)
-            if problems:
-                raise FailedPrecondition(
-                    f"node {self.settings.node} cannot restore {ref}: {'; '.join(problems)}",
-                    hint="restore on a node that has CRIU and matches the snapshot's (choose it with --node)",
-                )
             spec = pod.get("spec") or {}
-            app = {c["name"] for c in [*(spec.get("containers") or []), *sidecars(spec)]}
-            missing = [c.name for c in config.containers if c.name not in app]
-            if missing:
-                raise FailedPrecondition(
-                    f"the pod has no container named {', '.join(missing)} that the snapshot holds",
-                    hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
-                )
-            # an encrypted snapshot opens only in the namespace it was sealed for (before any download)
-            # (a granted restore into another namespace opens it with the key of the namespace it is bound to)
-            sealed_for_source = (
-                config.encryption is not None and config.encryption.namespace == allowed.source_namespace
-            )
-            # (with the key broker: asked for this pod's restore of exactly this snapshot)
-            use = KeyUse(
-                ns, name, uid, snapshot=str(artifact.reference),
-                manifest=artifact.manifest_bytes, config=artifact.config_bytes,
-            )  # fmt: skip
-            opener = opener_for(config, self.keys, ns, other_namespace_ok=sealed_for_source, use=use)
             clock.lap("check")
             restore_volume_names(pod, [v.name for v in config.volumes])
             root = host_view(self.settings.kubelet_root)
@@ -472,6 +445,7 @@ class RestoreWorker:
                 give_slot(len(stages))
                 raise
             if stages:  # their daemons listen in the staged dirs before any create is let through
+                self._record_lazy_source(uid, artifact.reference, src)
                 again = Fallback(artifact, registry, opener, self.paths, self.limits, src.resume)
                 start_sessions(self.kube, pod, stages, criu=self.settings.criu, facts=self.facts,
                                registry_host=artifact.reference.registry,
@@ -507,8 +481,103 @@ class RestoreWorker:
             pod_event(self.kube, pod, K.EVENT_CLONED_TOKEN, cloned, warning=True)
         return True
 
+    def _opened(self, pod: dict[str, Any], src: RestoreSource) -> tuple[Registry, Artifact, Opener | None]:
+        """The snapshot `src` names, read and checked for `pod` on this node: its registry client, the
+        artifact (signature, provenance, namespace binding) and, when sealed, its opener."""
+        meta = pod["metadata"]
+        ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
+        registry = registry_for(self.kube, ns, src.registry_secret, insecure=src.insecure)
+        artifact, signatures = load_signed(registry, src.reference)
+        config = artifact.config
+        # provenance before anything else is fetched: signed by a key the cluster trusts, exactly
+        # this digest, from this namespace or one that granted it (docs/security.md)
+        allowed = authorize_restore(registry, artifact.reference, config, ns, self._trust(), self._grants, signatures)
+        log.info("restore of %s into %s/%s allowed: %s", artifact.reference, ns, name, allowed.reason)
+        problems = hostfacts.preflight_problems(config.host, self.facts)
+        if problems:
+            raise FailedPrecondition(
+                f"node {self.settings.node} cannot restore {src.reference}: {'; '.join(problems)}",
+                hint="restore on a node that has CRIU and matches the snapshot's (choose it with --node)",
+            )
+        spec = pod.get("spec") or {}
+        app = {c["name"] for c in [*(spec.get("containers") or []), *sidecars(spec)]}
+        missing = [c.name for c in config.containers if c.name not in app]
+        if missing:
+            raise FailedPrecondition(
+                f"the pod has no container named {', '.join(missing)} that the snapshot holds",
+                hint="create the pod with `kubectl snapshot restore`, which copies the recorded spec",
+            )
+        # an encrypted snapshot opens only in the namespace it was sealed for (before any download)
+        # (a granted restore into another namespace opens it with the key of the namespace it is bound to)
+        sealed_for_source = config.encryption is not None and config.encryption.namespace == allowed.source_namespace
+        # (with the key broker: asked for this pod's restore of exactly this snapshot)
+        use = KeyUse(
+            ns, name, uid, snapshot=str(artifact.reference),
+            manifest=artifact.manifest_bytes, config=artifact.config_bytes,
+        )  # fmt: skip
+        return registry, artifact, opener_for(config, self.keys, ns, other_namespace_ok=sealed_for_source, use=use)
+
+    def _record_lazy_source(self, uid: str, reference: Reference, src: RestoreSource) -> None:
+        record = {
+            "reference": str(reference),  # by digest: the very save
+            "registrySecret": src.registry_secret or "",
+            "insecure": src.insecure,
+            "resume": src.resume,
+        }
+        path = os.path.join(self.paths.pod_dir(uid), LAZY_SOURCE_FILE)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        with private.create(path) as f:
+            json.dump(record, f)
+
+    def _again_eagerly(self, uid: str, container: str) -> Callable[[], object] | None:
+        """For end_orphaned: the container's staging gate taken, and what stages the save its lazy restore
+        served (its record) eagerly for it, verified again as any restore; None without a record."""
+        try:
+            with open(os.path.join(self.paths.pod_dir(uid), LAZY_SOURCE_FILE)) as f:
+                record = json.load(f)
+            with open(os.path.join(self.paths.pod_dir(uid), POD_FILE)) as f:
+                owner = json.load(f)
+            ns, name = str(owner["namespace"]), str(owner["name"])
+            src = RestoreSource(
+                Reference.parse(str(record["reference"]), default_tag=None),
+                str(record.get("registrySecret") or "") or None,
+                insecure=bool(record.get("insecure")),
+                resume=bool(record.get("resume")),
+            )
+        except (OSError, ValueError, KeyError, TypeError, SnapshotError) as e:
+            log.warning("pod %s: container %s's lazy restore left no record of its save: %s", uid, container, e)
+            return None
+        try:
+            gate = StagingGate(self.paths.pod_gate(uid, container))
+        except (OSError, SnapshotError) as e:
+            log.warning("pod %s: container %s's staging gate could not be taken again: %s", uid, container, e)
+            return None
+
+        def restage() -> None:
+            try:
+                pod = self.kube.get_pod(ns, name)
+                if pod["metadata"].get("uid") != uid:
+                    raise NotFound(f"pod {ns}/{name} is another pod now")
+            except SnapshotError as e:
+                log.warning("%s/%s: container %s not restored again: %s", ns, name, container, e.message)
+                gate.release()
+                return
+            try:
+                registry, artifact, opener = self._opened(pod, src)
+            except Exception as e:  # the save can no longer be read or is refused: as a failed eager staging
+                give_up(self.kube, self.paths, pod, container, gate, e, resume=src.resume)
+                gate.release()
+                return
+            Fallback(artifact, registry, opener, self.paths, self.limits, src.resume).stage(
+                self.kube, pod, container, gate
+            )
+
+        return restage
+
     def end_orphaned_lazy(self) -> list[str]:
-        """At start: the lazy phases an earlier agent left unfinished ended (lazypods.end_orphaned)."""
+        """At start: the lazy phases an earlier agent left unfinished ended (lazypods.end_orphaned), each
+        container restored again, eagerly, from the save its lazy restore served."""
 
         def report(uid: str, container: str, reason: str) -> None:
             try:
@@ -523,7 +592,9 @@ class RestoreWorker:
             pod_event(self.kube, pod, K.EVENT_LAZY_RESTORE_FAILED, reason, warning=True)
 
         root = os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod")
-        return end_orphaned(root, lambda uid, names: self._stop_containers(uid, only=names), report)
+        return end_orphaned(
+            root, lambda uid, names: self._stop_containers(uid, only=names), report, again=self._again_eagerly
+        )
 
     def _lazy_slots(self, pod: dict[str, Any], containers: int) -> bool:
         """Places on this node for the lazy sessions of that many containers; False (said in the log): eager."""

@@ -50,24 +50,33 @@ def private_registry(tmp_path: Path) -> Iterator[RegistryServer]:
     network namespace (where the agents run) through the cluster's own relay script (as up.sh does)."""
     server = RegistryServer(tmp_path / "registry")
     server.start()
-    sock = tmp_path / "registry.sock"
+    try:
+        with relayed_into_cluster(server.host, tmp_path / "registry.sock"):
+            yield server
+    finally:
+        server.close()
+
+
+@contextlib.contextmanager
+def relayed_into_cluster(host: str, sock: Path) -> Iterator[None]:
+    """HOST (127.0.0.1:PORT of an HTTP server on this machine) reachable at the same address from the
+    cluster's network namespace, through the cluster's own relay script over the unix socket `sock`."""
     forward = str(REPO_ROOT / "hack" / "cluster" / "forward.py")
     relays = [
-        subprocess.Popen([sys.executable, forward, f"unix:{sock}", f"tcp:{server.host}"]),
-        subprocess.Popen(["nsenter", f"--net={NETNS}", sys.executable, forward, f"tcp:{server.host}", f"unix:{sock}"]),
+        subprocess.Popen([sys.executable, forward, f"unix:{sock}", f"tcp:{host}"]),
+        subprocess.Popen(["nsenter", f"--net={NETNS}", sys.executable, forward, f"tcp:{host}", f"unix:{sock}"]),
     ]
     try:
         deadline = time.monotonic() + 20
-        probe = ["nsenter", f"--net={NETNS}", "curl", "-fsS", "-o", "/dev/null", f"{server.url}/v2/"]
+        probe = ["nsenter", f"--net={NETNS}", "curl", "-fsS", "-o", "/dev/null", f"http://{host}/v2/"]
         while subprocess.run(probe, capture_output=True).returncode != 0:
             assert time.monotonic() < deadline, "the relay into the cluster's network namespace did not come up"
             time.sleep(0.2)
-        yield server
+        yield
     finally:
         for r in relays:
             r.terminate()
             r.wait(timeout=10)
-        server.close()
 
 
 def blob_bytes(storage: Path) -> int:

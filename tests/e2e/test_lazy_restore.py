@@ -2,12 +2,15 @@
 python pod holding a 1 GiB pattern runs on the other node before its memory is back, every page comes
 from the registry's chunks (a LazyRestoreComplete Event), and the pattern is checked byte for byte (its
 SHA-256, computed by the restored process over its own memory) once every page is in. A chunk the
-registry no longer serves intact ends the container with a LazyRestoreFailed Event saying why, and the
-kubelet starts it afresh: never a process running on memory the kernel zero-filled."""
+registry no longer serves intact ends the container with a LazyRestoreFailed Event saying why, and it is
+restored again, eagerly, from the same save (given up where that fails too), as it is when the agent
+serving its pages restarts: never a process running on memory the kernel zero-filled for long."""
 
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +20,12 @@ from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.adapters.signatures import load_signed
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.reference import Reference
-from tests.e2e.test_autosave_policy import private_registry
+from tests.e2e.test_autosave_policy import private_registry, relayed_into_cluster
 from tests.e2e.test_snapshot_flows import pod, read, running
 from tests.e2e.test_whole_pod import _push_python_image
 from tests.support.agent import agent, plugin
 from tests.support.cluster import Cluster, cluster, namespace
+from tests.support.faulty_proxy import FaultyProxy
 from tests.support.lazyrestore import POD_PATTERN
 from tests.support.registry import RegistryServer
 
@@ -157,3 +161,72 @@ def test_a_lazy_restore_that_cannot_fetch_a_page_is_restored_eagerly_or_given_up
     assert "digest" in given_up()[0]["message"].lower(), given_up()
     assert not _container(cluster, ns, "doomed-3").get("ready")
     assert _read(cluster, ns, "doomed-3", "/tmp/sum0") == ""  # no fresh pattern: it never ran from its image
+
+
+@pytest.fixture
+def held_registry(private_registry: RegistryServer, tmp_path: Path) -> Iterator[FaultyProxy]:
+    """The private registry behind a proxy (reached at the proxy's address from the cluster too) that can
+    hold chosen requests unanswered."""
+    reg = private_registry
+    with FaultyProxy("127.0.0.1", reg.port) as proxy, relayed_into_cluster(proxy.host, tmp_path / "proxy.sock"):
+        yield proxy
+
+
+def test_an_agent_restart_in_a_lazy_phase_restores_the_container_again_eagerly(  # type: ignore[no-untyped-def]
+    cluster, namespace, agent, plugin, held_registry
+):
+    """The agent serving a lazy restore dies (killed, as a crash or an upgrade's roll would) while a chunk
+    of the pattern is still on its way (the registry holds it). The next agent stops the container (its
+    lazy pages would come zero-filled) and restores it again, eagerly, from the same save: the saved
+    process runs on with its memory whole (before, the kubelet started it afresh from its image)."""
+    ns, n2 = namespace, cluster.nodes[1]
+    proxy: FaultyProxy = held_registry
+    repo = f"{proxy.host}/e2e/lazy-restart-{ns}"
+    cluster.kubectl("annotate", "namespace", ns, f"{K.ANN_ALLOWED_DESTINATIONS}={repo}")
+    sum0, n0 = _pattern_pod(cluster, ns, "kept", 256 << 20)
+    ref = _save(plugin, ns, "kept", repo)
+    artifact, _ = load_signed(RegistryClient(plain_http=True), ref)
+    (record,) = artifact.config.containers
+    biggest = max(record.pages, key=lambda pf: pf.size)
+    held = biggest.chunks[len(biggest.chunks) // 2].digest  # inside the pattern: only ever served lazily
+    proxy.hold_on = ("GET", re.compile(f"/blobs/{held}$"))
+
+    proc = plugin("restore", str(ref), "-n", ns, "--name", "kept-2", "--node", n2, "--lazy", "--timeout", "300s")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    running(cluster, ns, "kept-2", timeout=300)
+    assert proxy.holding.wait(120), "the lazy phase never asked for the held chunk"
+    assert not _events(cluster, ns, "kept-2", K.EVENT_LAZY_RESTORE_COMPLETE)
+    old = agent.agent_pod(n2)
+    assert old is not None
+    cluster.kubectl(
+        "delete", "pod", "-n", K.AGENT_NAMESPACE, old["metadata"]["name"], "--grace-period=0", "--force",
+        "--wait=false",
+    )  # fmt: skip
+    agent.wait_ready(n2, not_uid=old["metadata"]["uid"])
+    proxy.hold_on = None
+    proxy.release()  # the held request ends (its agent is gone); the chunk is served from now on
+
+    def ended() -> list[dict[str, Any]]:
+        return [e for e in _events(cluster, ns, "kept-2", K.EVENT_LAZY_RESTORE_FAILED)
+                if "agent restarted" in e["message"]]  # fmt: skip
+
+    cluster.wait_for("the next agent to end the lazy phase", ended, timeout=180)
+    assert "restored again, eagerly, from the same save" in ended()[0]["message"], ended()
+
+    def staged() -> list[str]:
+        return [e["message"] for e in _events(cluster, ns, "kept-2", K.EVENT_RESTORE_STAGED)]
+
+    cluster.wait_for("the eager staging", lambda: any("staged again, eagerly" in m for m in staged()), timeout=300)
+    cluster.wait_for(
+        "the eager restore",
+        lambda: _container(cluster, ns, "kept-2").get("ready") and _read(cluster, ns, "kept-2", "/tmp/n"),
+        timeout=300,
+    )
+    assert _container(cluster, ns, "kept-2")["restartCount"] >= 1
+    # the saved process, not a fresh one: its counter goes on from the save, its memory is the pattern
+    assert int(_read(cluster, ns, "kept-2", "/tmp/n")) >= n0
+    assert _read(cluster, ns, "kept-2", "/tmp/sum0") == sum0
+    cluster.kubectl("exec", "-n", ns, "kept-2", "-c", "app", "--", "python3", "-c", "open('/tmp/verify', 'w')")
+    hashed = lambda: _read(cluster, ns, "kept-2", "/tmp/sum") != ""  # noqa: E731
+    cluster.wait_for("the restored process's hash", hashed, timeout=120)
+    assert _read(cluster, ns, "kept-2", "/tmp/sum") == sum0

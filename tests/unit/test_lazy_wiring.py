@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -129,6 +130,43 @@ def test_an_agent_start_ends_the_lazy_phases_an_earlier_agent_left(tmp_path: Pat
     assert stopped == [("uid-1", ["app"])]
     assert len(reports) == 1 and reports[0][:2] == ("uid-1", "app") and "agent restarted" in reports[0][2]
     assert eager.is_dir() and planted.is_dir() and not used.exists() and not waiting.exists()
+
+
+def test_an_agent_start_restores_again_eagerly_what_a_lazy_phase_it_did_not_see_through_served(tmp_path: Path) -> None:
+    """With the save's record (`again` returns what stages it), the container is held at its gate before
+    it is stopped and restored eagerly after; without one (None), the kubelet starts it afresh."""
+    root = tmp_path / "by-pod"
+    for uid in ("uid-1", "uid-2"):
+        (root / uid / ".lazy-app").mkdir(parents=True)
+    order: list[str] = []
+    reports: list[tuple[str, str, str]] = []
+    staged = threading.Event()
+
+    def again(uid: str, container: str) -> Any:
+        order.append(f"hold {uid}/{container}")
+        if uid == "uid-2":
+            return None  # no record of the save
+
+        def restage() -> None:
+            order.append(f"restage {uid}/{container}")
+            staged.set()
+
+        return restage
+
+    def stop(uid: str, names: list[str]) -> list[str]:
+        order.append(f"stop {uid}/{names[0]}")
+        return names
+
+    end_orphaned(str(root), stop, lambda *r: reports.append(r), again=again)
+    assert staged.wait(5)
+    assert sorted(order) == sorted(
+        ["hold uid-1/app", "stop uid-1/app", "restage uid-1/app", "hold uid-2/app", "stop uid-2/app"]
+    )
+    # held before the stop, restaged after it (in a thread of its own: the next pod does not wait for it)
+    assert order.index("hold uid-1/app") < order.index("stop uid-1/app") < order.index("restage uid-1/app")
+    by_uid = {r[0]: r[2] for r in reports}
+    assert "restored again, eagerly, from the same save" in by_uid["uid-1"]
+    assert "the kubelet starts it afresh" in by_uid["uid-2"]
 
 
 def _fallback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fails: int, *, resume: bool) -> tuple[Any, ...]:
