@@ -33,6 +33,7 @@ from shim.controller.signing import NodeSigner
 from shim.controller.snapshots import SnapshotWorker, registry_for
 from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import recover_interrupted
+from shim.engine.lazyrestore import wait_until_idle
 from shim.engine.staging import StatePaths
 from shim.host import diskspace, freezer
 from shim.host import facts as hostfacts
@@ -41,6 +42,7 @@ from shim.service import metrics_server, nodecheck
 from shim.service.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
+STOP_LAZY_WAIT_S = 20.0  # of the DaemonSet's 30 s grace period (deploy/agent.py)
 WATCH_TIMEOUT_S = 60  # each watch is re-opened from its last resourceVersion: cheap, so kept short
 RESTORE_WORKERS = 4
 
@@ -249,3 +251,5 @@ def run(
         for path in restores.collect_garbage():
             log.info("removed staged data of a pod that is gone: %s", path)
         snapshots.flush_results()
+    if not wait_until_idle(STOP_LAZY_WAIT_S):  # a roll: the lazy phases served here finish first
+        log.warning("stopping with lazy restores still serving pages: the next agent restores them again, eagerly")

@@ -47,6 +47,8 @@ SESSION_CACHE_BYTES = 64 << 20
 READAHEAD_CHUNKS = 3  # chunks downloaded ahead of the one served (as many as the cache holds beside it)
 CONNECT_TIMEOUT_S = 300.0  # a staged lazy restore that no restore asked a page of within this is ended
 _slots = threading.BoundedSemaphore(LAZY_SLOTS)
+_in_use = [0]  # slots taken (sessions staged or serving), under _in_use_lock
+_in_use_lock = threading.Condition()
 
 
 def take_slots(n: int) -> bool:
@@ -55,6 +57,8 @@ def take_slots(n: int) -> bool:
     taken = 0
     while taken < n and _slots.acquire(blocking=False):
         taken += 1
+    with _in_use_lock:
+        _in_use[0] += taken
     if taken < n:
         give_slot(taken)
         return False
@@ -65,6 +69,17 @@ def give_slot(n: int = 1) -> None:
     for _ in range(n):
         with contextlib.suppress(ValueError):
             _slots.release()
+            with _in_use_lock:
+                _in_use[0] -= 1
+                _in_use_lock.notify_all()
+
+
+def wait_until_idle(timeout_s: float) -> bool:
+    """Wait (at most `timeout_s`) until no lazy session runs on this node: an agent asked to stop (a
+    DaemonSet's roll) lets the lazy phases it serves finish first, since its successor can only restore
+    their containers again, eagerly. True when none runs."""
+    with _in_use_lock:
+        return _in_use_lock.wait_for(lambda: _in_use[0] <= 0, timeout=timeout_s)
 
 
 @dataclass

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -283,3 +284,19 @@ def test_a_sessions_end_leaves_the_staged_dir_to_the_eager_restore_it_handed_ove
     session.close()
     assert not used.exists()
     assert staged.exists() == handed_over
+
+
+def test_an_agent_asked_to_stop_waits_for_the_lazy_phases_it_serves() -> None:
+    from shim.engine import lazyrestore
+
+    assert lazyrestore.wait_until_idle(0)  # none: at once
+    assert lazyrestore.take_slots(2)
+    assert not lazyrestore.wait_until_idle(0.2)  # two serving: not idle
+    timer = threading.Timer(0.3, lazyrestore.give_slot, args=(2,))
+    timer.start()
+    t0 = time.monotonic()
+    assert lazyrestore.wait_until_idle(10)  # both phases end: it stops then, not at the bound
+    assert time.monotonic() - t0 < 5
+    timer.join()
+    assert not lazyrestore.take_slots(lazyrestore.LAZY_SLOTS + 1)  # refused whole: nothing left counted
+    assert lazyrestore.wait_until_idle(0)
