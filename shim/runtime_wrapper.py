@@ -641,6 +641,21 @@ def _restored_pod(paths: StatePaths, spec: dict[str, Any]) -> tuple[PodRestore, 
     return pod, uid, name
 
 
+LAZY_CUT = (
+    "container {name!r} was restored lazily and its memory did not all come: the node's agent restores it "
+    "again, eagerly, from the same save; not started from its image"
+)
+
+
+def _lazy_phase_cut(paths: StatePaths, uid: str, name: str) -> bool:
+    """The container's lazily restored dir is still there (lazy_used_dir: its session removes it when every
+    page is in, or when it ends the container): its lazy phase did not finish."""
+    try:
+        return os.path.isdir(lazy_used_dir(paths.staged_by_pod(uid, name)))
+    except SnapshotError:
+        return False
+
+
 def _create_in_restored_pod(
     inv: Invocation,
     runc: str,
@@ -657,6 +672,11 @@ def _create_in_restored_pod(
 
     resume = resuming(spec, name)
     with pod.mutex():
+        if staged is None and _lazy_phase_cut(paths, uid, name):
+            # its memory never all came (the agent serving it stopped, or the process died on it): the
+            # agent stops it and restores it again, eagerly; until then no create, and no failure of the pod
+            _log_error(inv, LAZY_CUT.format(name=name))
+            return 1
         why = pod.refusal(name, staged is not None)
         if why is not None:
             _log_error(inv, why)

@@ -155,6 +155,29 @@ def test_a_restored_container_that_dies_at_once_is_not_recreated(pyz: Path, tmp_
     assert [c[0] for c in calls(log)] == ["restore"]
 
 
+def test_a_lazily_restored_container_whose_memory_did_not_all_come_waits_for_its_eager_restore(
+    pyz: Path, tmp_path: Path
+) -> None:
+    """Restored lazily, its process died before every page came (the agent serving them was killed): the
+    kubelet's create is refused without failing the pod, so the agent's eager restore of the same save
+    (staged again into its dir) restores it; the legitimate case beside it: a restored container that dies
+    at once (nothing lazy left) fails the pod, as above."""
+    runc, log = fake_runc(tmp_path)
+    state = tmp_path / "state"
+    pod = stage(state, ["app"], ["app"])
+    assert create(pyz, runc, state, bundle(tmp_path, "app"), "ok-app").returncode == 0
+    used = state / "staged" / "by-pod" / UID / ".lazy-app"  # where the wrapper leaves a lazy restore's dir
+    used.mkdir()
+    proc = create(pyz, runc, state, bundle(tmp_path, "app"), "ok-app-1")
+    assert proc.returncode == 1 and "restores it again, eagerly" in proc.stderr, proc.stderr
+    assert not (Path(pod.directory) / FAILED_FILE).exists()
+    # the agent ended the lazy phase (dir removed) and staged the save again: restored, eagerly
+    used.rmdir()
+    stage(state, ["app"], ["app"])
+    assert create(pyz, runc, state, bundle(tmp_path, "app"), "ok-app-2").returncode == 0
+    assert [c[0] for c in calls(log)] == ["restore", "restore"]
+
+
 @pytest.fixture
 def netns() -> Iterator[str]:
     """A scratch network namespace (with lo up) held by a sleeping process."""
