@@ -27,11 +27,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.lazy_cluster import _answers, _phase, _plugin, _until
+from bench.lazy_cluster import _phase, _plugin, _until, pattern_pod
 from bench.recovery import cluster_up, e2e_lock
 from tests.support.agent import AgentInstall, installed_agent
 from tests.support.cluster import RUN_DIR, Cluster
-from tests.support.lazyrestore import POD_PATTERN
 
 MODES = ("secret", "broker")
 
@@ -76,26 +75,7 @@ def run(cluster: Cluster, agent: AgentInstall, mib: int, rounds: int) -> dict[st
     runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     current = "secret"  # installed_agent's
     try:
-        from tests.e2e.test_whole_pod import _push_python_image
-
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "mem", "namespace": ns},
-            "spec": {
-                "nodeSelector": {"kubernetes.io/hostname": cluster.nodes[0]},
-                "containers": [
-                    {
-                        "name": "app",
-                        "image": _push_python_image(cluster),
-                        "command": ["python3", "-c", POD_PATTERN, str(mib << 20)],
-                    }
-                ],
-                "terminationGracePeriodSeconds": 1,
-            },
-        }
-        cluster.apply(body)
-        _until("mem counting", lambda: _phase(cluster, ns, "mem") == "Running" and _answers(cluster, ns, "mem"), 300)
+        pattern_pod(cluster, ns, mib)
         for i in range(rounds):
             for mode in MODES if i % 2 == 0 else MODES[::-1]:
                 if mode != current:

@@ -93,25 +93,31 @@ def restore_once(cluster: Cluster, ns: str, ref: str, name: str, lazy: bool, mib
     return {"created_s": created - t0, "running_s": running - t0, "answer_s": answer - t0, "resident_s": resident - t0}
 
 
+def pattern_pod(cluster: Cluster, ns: str, mib: int) -> None:
+    """Pod `mem` on the first node: a Debian python process holding `mib` MiB of random bytes and counting;
+    returns once it counts."""
+    from tests.e2e.test_whole_pod import _push_python_image
+
+    command = ["python3", "-c", POD_PATTERN, str(mib << 20)]
+    body = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "mem", "namespace": ns},
+        "spec": {
+            "nodeSelector": {"kubernetes.io/hostname": cluster.nodes[0]},
+            "containers": [{"name": "app", "image": _push_python_image(cluster), "command": command}],
+            "terminationGracePeriodSeconds": 1,
+        },
+    }
+    cluster.apply(body)
+    _until("mem counting", lambda: _phase(cluster, ns, "mem") == "Running" and _answers(cluster, ns, "mem"), 300)
+
+
 def one(cluster: Cluster, mib: int, rounds: int) -> dict[str, Any]:
     ns = f"bench-lazy-{uuid.uuid4().hex[:6]}"
     cluster.kubectl("create", "namespace", ns)
     try:
-        from tests.e2e.test_whole_pod import _push_python_image
-
-        command = ["python3", "-c", POD_PATTERN, str(mib << 20)]
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": "mem", "namespace": ns},
-            "spec": {
-                "nodeSelector": {"kubernetes.io/hostname": cluster.nodes[0]},
-                "containers": [{"name": "app", "image": _push_python_image(cluster), "command": command}],
-                "terminationGracePeriodSeconds": 1,
-            },
-        }
-        cluster.apply(body)
-        _until("mem counting", lambda: _phase(cluster, ns, "mem") == "Running" and _answers(cluster, ns, "mem"), 300)
+        pattern_pod(cluster, ns, mib)
         save = _plugin(cluster, "snapshot", "pod/mem", "-n", ns, "--to", f"{cluster.registry}/bench/lazy-{ns}",
                        "-o", "json", "--timeout", "600s")  # fmt: skip
         out, err = save.communicate(timeout=900)

@@ -26,6 +26,7 @@ from kubectl_snapshot.core.model import parse_config
 from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import KeyUse, key_id_of, wrap_aad
+from tests.e2e.test_provenance import grant
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
 from tests.support.agent import AgentInstall, _plugin, agent, plugin
 from tests.support.cluster import HACK, Cluster, cluster, namespace
@@ -241,14 +242,7 @@ def test_a_granted_restore_into_another_namespace_opens_through_the_broker(
     )
     assert proc.returncode == 1 and f"no SnapshotGrant in '{namespace}' grants '{other_namespace}'" in proc.stderr
 
-    cluster.apply(
-        {
-            "apiVersion": K.API_VERSION,
-            "kind": K.GRANT_KIND,
-            "metadata": {"name": "to-other", "namespace": namespace},
-            "spec": {"targetNamespaces": [other_namespace]},
-        }
-    )
+    grant(cluster, namespace, other_namespace)
     plugin("restore", ref, "-n", other_namespace, "--name", "granted", "--node", n2)
     restored = running(cluster, other_namespace, "granted")
     assert restored["spec"]["nodeName"] == n2

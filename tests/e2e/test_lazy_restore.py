@@ -104,6 +104,24 @@ def _container(cluster: Cluster, ns: str, name: str) -> dict[str, Any]:
     return dict((cluster.get_json("pod", name, "-n", ns)["status"].get("containerStatuses") or [{}])[0])
 
 
+def _restored_again_eagerly(cluster: Cluster, ns: str, name: str, n0: int, sum0: str) -> None:
+    """The container came back after its restart from the eager staging of the same save (its RestoreStaged
+    says so), as the saved process: its counter goes on from the save, its memory hashes to the pattern's."""
+    cluster.wait_for(
+        "the eager restore",
+        lambda: bool(_container(cluster, ns, name).get("ready") and _read(cluster, ns, name, "/tmp/n")),
+        timeout=300,
+    )
+    assert _container(cluster, ns, name)["restartCount"] >= 1
+    staged = [e["message"] for e in _events(cluster, ns, name, K.EVENT_RESTORE_STAGED)]
+    assert any("staged again, eagerly" in m for m in staged), staged
+    assert int(_read(cluster, ns, name, "/tmp/n")) >= n0
+    assert _read(cluster, ns, name, "/tmp/sum0") == sum0
+    cluster.kubectl("exec", "-n", ns, name, "-c", "app", "--", "python3", "-c", "open('/tmp/verify', 'w')")
+    cluster.wait_for("the restored process's hash", lambda: _read(cluster, ns, name, "/tmp/sum") != "", timeout=120)
+    assert _read(cluster, ns, name, "/tmp/sum") == sum0
+
+
 def test_a_lazy_restore_that_cannot_fetch_a_page_is_restored_eagerly_or_given_up_with_the_reason(  # type: ignore[no-untyped-def]
     cluster, namespace, agent, plugin, private_registry
 ):
@@ -132,20 +150,7 @@ def test_a_lazy_restore_that_cannot_fetch_a_page_is_restored_eagerly_or_given_up
     assert "could not all be fetched" in message and "digest" in message.lower(), failed
     assert "restored again, eagerly, from the same save" in message, failed
     assert not _events(cluster, ns, "doomed-2", K.EVENT_LAZY_RESTORE_COMPLETE)
-    cluster.wait_for(
-        "the eager restore",
-        lambda: _container(cluster, ns, "doomed-2").get("ready") and _read(cluster, ns, "doomed-2", "/tmp/n"),
-        timeout=300,
-    )
-    assert _container(cluster, ns, "doomed-2")["restartCount"] >= 1
-    staged = [e["message"] for e in _events(cluster, ns, "doomed-2", K.EVENT_RESTORE_STAGED)]
-    assert any("staged again, eagerly" in m for m in staged), staged
-    # the saved process, not a fresh one: its counter goes on from the save, its memory is the pattern
-    assert int(_read(cluster, ns, "doomed-2", "/tmp/n")) >= n0
-    cluster.kubectl("exec", "-n", ns, "doomed-2", "-c", "app", "--", "python3", "-c", "open('/tmp/verify', 'w')")
-    hashed = lambda: _read(cluster, ns, "doomed-2", "/tmp/sum") != ""  # noqa: E731
-    cluster.wait_for("the restored process's hash", hashed, timeout=120)
-    assert _read(cluster, ns, "doomed-2", "/tmp/sum") == sum0
+    _restored_again_eagerly(cluster, ns, "doomed-2", n0, sum0)
 
     # 2. the chunk stays damaged: the eager restore cannot be staged either (after its tries), and a
     # `kubectl snapshot restore` is given up with the reason, never started from its image
@@ -213,20 +218,4 @@ def test_an_agent_restart_in_a_lazy_phase_restores_the_container_again_eagerly( 
     cluster.wait_for("the next agent to end the lazy phase", ended, timeout=180)
     assert "restored again, eagerly, from the same save" in ended()[0]["message"], ended()
 
-    def staged() -> list[str]:
-        return [e["message"] for e in _events(cluster, ns, "kept-2", K.EVENT_RESTORE_STAGED)]
-
-    cluster.wait_for("the eager staging", lambda: any("staged again, eagerly" in m for m in staged()), timeout=300)
-    cluster.wait_for(
-        "the eager restore",
-        lambda: _container(cluster, ns, "kept-2").get("ready") and _read(cluster, ns, "kept-2", "/tmp/n"),
-        timeout=300,
-    )
-    assert _container(cluster, ns, "kept-2")["restartCount"] >= 1
-    # the saved process, not a fresh one: its counter goes on from the save, its memory is the pattern
-    assert int(_read(cluster, ns, "kept-2", "/tmp/n")) >= n0
-    assert _read(cluster, ns, "kept-2", "/tmp/sum0") == sum0
-    cluster.kubectl("exec", "-n", ns, "kept-2", "-c", "app", "--", "python3", "-c", "open('/tmp/verify', 'w')")
-    hashed = lambda: _read(cluster, ns, "kept-2", "/tmp/sum") != ""  # noqa: E731
-    cluster.wait_for("the restored process's hash", hashed, timeout=120)
-    assert _read(cluster, ns, "kept-2", "/tmp/sum") == sum0
+    _restored_again_eagerly(cluster, ns, "kept-2", n0, sum0)

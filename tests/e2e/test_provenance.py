@@ -19,10 +19,22 @@ from kubectl_snapshot.core.reference import Reference
 from shim.controller.signing import RETIREMENT_CHECK_S
 from tests.e2e.test_snapshot_flows import COUNTER, counter_value, pod, running
 from tests.support.agent import agent, plugin
-from tests.support.cluster import cluster, namespace
+from tests.support.cluster import Cluster, cluster, namespace
 from tests.support.tamper import agent_signing_key
 
 pytestmark = pytest.mark.e2e
+
+
+def grant(cluster: Cluster, source: str, target: str) -> None:
+    """A SnapshotGrant `to-other` in `source`: its snapshots may be restored into `target`."""
+    cluster.apply(
+        {
+            "apiVersion": K.API_VERSION,
+            "kind": K.GRANT_KIND,
+            "metadata": {"name": "to-other", "namespace": source},
+            "spec": {"targetNamespaces": [target]},
+        }
+    )
 
 
 def test_cross_namespace_restore_is_refused_until_granted(cluster, namespace, agent, plugin):  # type: ignore[no-untyped-def]
@@ -55,14 +67,7 @@ def test_cross_namespace_restore_is_refused_until_granted(cluster, namespace, ag
         assert thief["metadata"]["annotations"][K.ANN_RESTORE_STATUS].startswith(K.RESTORE_FAILED_PREFIX)
 
         # the source namespace grants it: the same restore works, with the same process memory
-        cluster.apply(
-            {
-                "apiVersion": K.API_VERSION,
-                "kind": K.GRANT_KIND,
-                "metadata": {"name": "to-other", "namespace": namespace},
-                "spec": {"targetNamespaces": [other]},
-            }
-        )
+        grant(cluster, namespace, other)
         plugin("restore", ref, "-n", other, "--name", "granted", "--node", n2)
         running(cluster, other, "granted")
         assert counter_value(cluster, other, "granted")[0] == tok
