@@ -29,6 +29,10 @@ from kubectl_snapshot.core.sealing import DecryptionFailed, KeyUse, NamespaceKey
 TIMEOUT_S = 30.0
 BUSY_RETRIES = 30  # a save of many chunks waits for the broker's rate bound rather than failing
 BUSY_WAIT_S = 1.0
+# a broker that cannot be reached is asked again for this long (a replica restarting or rescheduled, say
+# by a drain of its node) before a save or restore fails as "keys unavailable"
+UNREACHABLE_WAIT_S = 15.0
+UNREACHABLE_RETRY_S = 1.0
 
 
 class _NotOpened(Exception):
@@ -37,6 +41,10 @@ class _NotOpened(Exception):
 
 class _Busy(Exception):
     """The broker answered 429 (too many requests): wait and ask again."""
+
+
+class _Unreachable(Exception):
+    """No connection to the broker (refused, reset, timed out): wait and ask again, for a while."""
 
 
 _HINT = (
@@ -55,13 +63,16 @@ class BrokerKeyProvider:
         token_file: str = f"{K.KEY_BROKER_TOKEN_DIR}/token",
         ca_file: str = f"{K.KEY_BROKER_CA_DIR}/ca.crt",
         timeout_s: float = TIMEOUT_S,
+        unreachable_s: float = UNREACHABLE_WAIT_S,
         sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         parts = urlsplit(url)
         if parts.scheme != "https" or not parts.hostname:
             raise InvalidArgument(f"the key broker's URL must be https://HOST:PORT, got {url!r}")
         self.url, self.host, self.port = url, parts.hostname, parts.port or 443
         self.token_file, self.ca_file, self.timeout_s, self.sleep = token_file, ca_file, timeout_s, sleep
+        self.unreachable_s, self.clock = unreachable_s, clock
 
     def namespace_key(
         self, namespace: str, *, create: bool, key_id: str | None = None, use: KeyUse | None = None
@@ -77,15 +88,21 @@ class BrokerKeyProvider:
         return key
 
     def post(self, body: dict[str, Any]) -> dict[str, Any]:
-        """One request; a 429 (the broker's rate bound) is waited out and sent again, `BUSY_RETRIES` times."""
-        for _ in range(BUSY_RETRIES):
+        """One request; a 429 (the broker's rate bound) is waited out and sent again, `BUSY_RETRIES` times,
+        and a broker that cannot be reached is asked again for `unreachable_s`."""
+        busy = 0
+        give_up_at = self.clock() + self.unreachable_s
+        while True:
             try:
-                return self._post(body)
+                return self._post(body, last=busy >= BUSY_RETRIES, reachable_only=self.clock() >= give_up_at)
             except _Busy:
+                busy += 1
                 self.sleep(BUSY_WAIT_S)
-        return self._post(body, last=True)
+            except _Unreachable:
+                self.sleep(UNREACHABLE_RETRY_S)
 
-    def _post(self, body: dict[str, Any], *, last: bool = False) -> dict[str, Any]:
+    def _post(self, body: dict[str, Any], *, last: bool = False, reachable_only: bool = True) -> dict[str, Any]:
+        """`reachable_only`: a connection that fails is the caller's error (else _Unreachable: ask again)."""
         who = body.get("pod") or {}
         pod = f"{who.get('namespace') or body.get('namespace')}/{who.get('name')}"
         what = f"{body.get('op')} for the {body.get('purpose')} of pod {pod}"
@@ -114,6 +131,8 @@ class BrokerKeyProvider:
             finally:
                 conn.close()
         except (OSError, ssl.SSLError, http.client.HTTPException) as e:
+            if not reachable_only and not isinstance(e, ssl.SSLCertVerificationError):  # not trusted: at once
+                raise _Unreachable() from None
             raise Unavailable(
                 f"keys unavailable: the key broker at {self.url} cannot be reached ({what}): {e}",
                 hint=_HINT,

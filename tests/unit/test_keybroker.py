@@ -12,6 +12,7 @@ import hashlib
 import json
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -311,9 +312,9 @@ def test_any_replica_answers_a_restores_unwrap(cluster: Cluster, tls: tuple[str,
         agent = agent_of("node-a", f"https://127.0.0.1:{ports[0]}", cluster, tls, tmp_path)
         post = agent._post
 
-        def round_robin(body: dict[str, Any], *, last: bool = False) -> dict[str, Any]:
+        def round_robin(body: dict[str, Any], *, last: bool = False, reachable_only: bool = True) -> dict[str, Any]:
             agent.port = ports[1] if agent.port == ports[0] else ports[0]
-            return post(body, last=last)
+            return post(body, last=last, reachable_only=reachable_only)
 
         agent._post = round_robin  # type: ignore[method-assign]
         (snap1, man1, cfg1, layer1, wrapped1), (_, man2, _, _, _) = two_sealed_snapshots(agent, cluster)
@@ -397,10 +398,42 @@ def test_an_unreachable_broker_says_keys_unavailable(tls: tuple[str, str], tmp_p
         port = s.getsockname()[1]  # nothing listens there once closed
     token = tmp_path / "token"
     token.write_text("t")
-    agent = BrokerKeyProvider(f"https://127.0.0.1:{port}", token_file=str(token), ca_file=tls[0], timeout_s=2)
+    agent = BrokerKeyProvider(
+        f"https://127.0.0.1:{port}", token_file=str(token), ca_file=tls[0], timeout_s=2, unreachable_s=1.5
+    )
+    t0 = time.monotonic()
     with pytest.raises(Unavailable, match=r"keys unavailable: the key broker at .* cannot be reached") as e:
         agent.namespace_key("x", create=True, use=KeyUse("x", "app", "u"))
     assert e.value.retryable and e.value.hint
+    assert 1.5 <= time.monotonic() - t0 < 10  # asked again for its bound, then given up
+
+
+def test_a_broker_that_comes_back_within_the_bound_answers(
+    cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    """A replica restarting, or rescheduled by a drain of its node: the save asks again and goes on."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agent = agent_of("node-a", f"https://127.0.0.1:{port}", cluster, tls, tmp_path)
+    started: list[Any] = []
+
+    def start() -> None:
+        broker = keybroker.Broker(cluster, FileKeyProvider(str(tmp_path / "keys")))
+        started.append(
+            keybroker.serve(broker, host="127.0.0.1", port=port, cert_file=tls[0], key_file=tls[1], deadline_s=2.0)
+        )
+
+    timer = threading.Timer(1.5, start)
+    timer.start()
+    try:
+        key = agent.namespace_key("x", create=True, use=cluster.add_pod("x", "app", "node-a"))
+        assert key.key_id
+    finally:
+        timer.join()
+        for server in started:
+            server.shutdown()
+            server.server_close()
 
 
 def test_a_broker_with_another_certificate_is_not_trusted(
