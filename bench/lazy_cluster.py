@@ -89,6 +89,9 @@ def restore_once(cluster: Cluster, ns: str, ref: str, name: str, lazy: bool, mib
     _, err = proc.communicate(timeout=timeout)
     if proc.returncode:
         raise AssertionError(f"kubectl snapshot restore {name} failed: {err[-2000:]}")
+    sel = f"involvedObject.name={name},reason={K.EVENT_RESTORE_STAGED}"
+    staged = [str(e.get("message")) for e in cluster.get_json("events", "-n", ns, "--field-selector", sel)["items"]]
+    print(json.dumps({"pod": name, "staged": staged}), file=sys.stderr)  # where the node's staging time went
     cluster.kubectl("delete", "pod", name, "-n", ns, "--wait=true", timeout=180)
     return {"created_s": created - t0, "running_s": running - t0, "answer_s": answer - t0, "resident_s": resident - t0}
 
