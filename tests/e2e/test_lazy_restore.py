@@ -85,14 +85,28 @@ def test_a_lazy_restore_of_a_1gib_pattern_runs_first_and_comes_back_byte_for_byt
     assert status["restartCount"] == 0, status
 
 
+def _saved_pattern(cluster: Cluster, plugin: Any, ns: str, name: str, repo: str) -> tuple[str, int, Reference]:
+    """A 256 MiB pattern pod saved into `repo` (a registry the namespace is allowed to push to): the pattern's
+    hash, the counter at the save's start, the save."""
+    cluster.kubectl("annotate", "namespace", ns, f"{K.ANN_ALLOWED_DESTINATIONS}={repo}")
+    sum0, n0 = _pattern_pod(cluster, ns, name, 256 << 20)
+    return sum0, n0, _save(plugin, ns, name, repo)
+
+
+def _pattern_chunk(ref: Reference) -> str:
+    """The middle chunk of the save's largest page file: inside the pattern, private memory, so never staged
+    ahead of a lazy restore, only served."""
+    artifact, _ = load_signed(RegistryClient(plain_http=True), ref)
+    (record,) = artifact.config.containers
+    biggest = max(record.pages, key=lambda pf: pf.size)
+    return biggest.chunks[len(biggest.chunks) // 2].digest
+
+
 def _damage(reg: RegistryServer, ref: Reference) -> tuple[Path, bytes]:
     """Damage, in the registry's storage, the middle chunk of the save's largest page file (inside the
     pattern: private memory, so never staged ahead, only served): every read of it fails its digest check.
     Returns the blob's path and its bytes, to repair it."""
-    artifact, _ = load_signed(RegistryClient(plain_http=True), ref)
-    (record,) = artifact.config.containers
-    biggest = max(record.pages, key=lambda pf: pf.size)
-    blob = reg.blob_path(biggest.chunks[len(biggest.chunks) // 2].digest)
+    blob = reg.blob_path(_pattern_chunk(ref))
     good = blob.read_bytes()
     data = bytearray(good)
     data[len(data) // 2] ^= 0xFF
@@ -127,10 +141,7 @@ def test_a_lazy_restore_that_cannot_fetch_a_page_is_restored_eagerly_or_given_up
 ):
     ns, n2 = namespace, cluster.nodes[1]
     reg: RegistryServer = private_registry
-    repo = f"{reg.host}/e2e/lazy-fail-{ns}"
-    cluster.kubectl("annotate", "namespace", ns, f"{K.ANN_ALLOWED_DESTINATIONS}={repo}")
-    sum0, n0 = _pattern_pod(cluster, ns, "doomed", 256 << 20)
-    ref = _save(plugin, ns, "doomed", repo)
+    sum0, n0, ref = _saved_pattern(cluster, plugin, ns, "doomed", f"{reg.host}/e2e/lazy-fail-{ns}")
 
     # 1. the registry serves the chunk damaged while the pages are fetched, intact again afterwards (a
     # registry that came back): the container is stopped with the reason, then restored eagerly from the
@@ -186,14 +197,8 @@ def test_an_agent_restart_in_a_lazy_phase_restores_the_container_again_eagerly( 
     process runs on with its memory whole (before, the kubelet started it afresh from its image)."""
     ns, n2 = namespace, cluster.nodes[1]
     proxy: FaultyProxy = held_registry
-    repo = f"{proxy.host}/e2e/lazy-restart-{ns}"
-    cluster.kubectl("annotate", "namespace", ns, f"{K.ANN_ALLOWED_DESTINATIONS}={repo}")
-    sum0, n0 = _pattern_pod(cluster, ns, "kept", 256 << 20)
-    ref = _save(plugin, ns, "kept", repo)
-    artifact, _ = load_signed(RegistryClient(plain_http=True), ref)
-    (record,) = artifact.config.containers
-    biggest = max(record.pages, key=lambda pf: pf.size)
-    held = biggest.chunks[len(biggest.chunks) // 2].digest  # inside the pattern: only ever served lazily
+    sum0, n0, ref = _saved_pattern(cluster, plugin, ns, "kept", f"{proxy.host}/e2e/lazy-restart-{ns}")
+    held = _pattern_chunk(ref)
     proxy.hold_on = ("GET", re.compile(f"/blobs/{held}$"))
 
     proc = plugin("restore", str(ref), "-n", ns, "--name", "kept-2", "--node", n2, "--lazy", "--timeout", "300s")
