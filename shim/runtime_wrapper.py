@@ -672,7 +672,7 @@ def _create_in_restored_pod(
 
     resume = resuming(spec, name)
     with pod.mutex():
-        if staged is None and _lazy_phase_cut(paths, uid, name):
+        if staged is None and pod.fresh() is None and _lazy_phase_cut(paths, uid, name):
             # its memory never all came (the agent serving it stopped, or the process died on it): the
             # agent stops it and restores it again, eagerly; until then no create, and no failure of the pod
             _log_error(inv, LAZY_CUT.format(name=name))

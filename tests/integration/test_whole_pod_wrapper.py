@@ -22,7 +22,7 @@ import pytest
 
 from kubectl_snapshot.core import kubenames as K
 from shim.engine.staging import READY, StagingGate, StatePaths
-from shim.net.podrestore import FAILED_FILE, LOCK_TABLE, RELEASED_FILE, PodRestore
+from shim.net.podrestore import FAILED_FILE, FRESH_FILE, LOCK_TABLE, RELEASED_FILE, PodRestore
 from tests.integration.test_wrapper_pyz import HOST_PYTHON, calls, pyz, run_pyz
 from tests.support.nft import nft_tables
 from tests.unit.test_criu_guard import bundle as guard_bundle
@@ -171,11 +171,17 @@ def test_a_lazily_restored_container_whose_memory_did_not_all_come_waits_for_its
     proc = create(pyz, runc, state, bundle(tmp_path, "app"), "ok-app-1")
     assert proc.returncode == 1 and "restores it again, eagerly" in proc.stderr, proc.stderr
     assert not (Path(pod.directory) / FAILED_FILE).exists()
+    # a resume given up (the eager staging failed too): its containers start from their images, a lazy dir
+    # left or not
+    fresh = PodRestore(pod.directory)
+    fresh.start_fresh("the eager restore failed")
+    assert create(pyz, runc, state, bundle(tmp_path, "app"), "ok-app-fresh").returncode == 0
+    os.unlink(os.path.join(pod.directory, FRESH_FILE))
     # the agent ended the lazy phase (dir removed) and staged the save again: restored, eagerly
     used.rmdir()
     stage(state, ["app"], ["app"])
     assert create(pyz, runc, state, bundle(tmp_path, "app"), "ok-app-2").returncode == 0
-    assert [c[0] for c in calls(log)] == ["restore", "restore"]
+    assert [c[0] for c in calls(log)] == ["restore", "create", "restore"]
 
 
 @pytest.fixture
