@@ -88,6 +88,17 @@ POD_FILE = ".pod"  # in staged/by-pod/UID/: the pod's namespace and name (contai
 LAZY_SOURCE_FILE = ".restored-from"
 
 
+def _owner(directory: str) -> tuple[str, str] | None:
+    """The (namespace, name) of the pod that `directory` (a staged/by-pod dir) records, None when it records
+    none (not made by this agent's staging, or unreadable)."""
+    try:
+        with open(os.path.join(directory, POD_FILE)) as f:
+            owner = json.load(f)
+        return str(owner["namespace"]), str(owner["name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _listdir(path: str) -> list[str]:
     try:
         return os.listdir(path)
@@ -333,12 +344,10 @@ class RestoreWorker:
 
     def _pod_still_here(self, path: str, uid: str) -> bool:
         """True unless the API server says the pod that owns `path` is gone (errors: keep it)."""
-        try:
-            with open(os.path.join(path, POD_FILE)) as f:
-                owner = json.load(f)
-            ns, name = str(owner["namespace"]), str(owner["name"])
-        except (OSError, ValueError, KeyError, TypeError):
+        owner = _owner(path)
+        if owner is None:
             return False  # not made by this agent's staging (or unreadable): nothing refers to it
+        ns, name = owner
         try:
             pod = self.kube.get_pod(ns, name)
         except NotFound:
@@ -536,9 +545,10 @@ class RestoreWorker:
         try:
             with open(os.path.join(self.paths.pod_dir(uid), LAZY_SOURCE_FILE)) as f:
                 record = json.load(f)
-            with open(os.path.join(self.paths.pod_dir(uid), POD_FILE)) as f:
-                owner = json.load(f)
-            ns, name = str(owner["namespace"]), str(owner["name"])
+            owner = _owner(self.paths.pod_dir(uid))
+            if owner is None:
+                raise ValueError(f"{self.paths.pod_dir(uid)} names no pod")
+            ns, name = owner
             src = RestoreSource(
                 Reference.parse(str(record["reference"]), default_tag=None),
                 str(record.get("registrySecret") or "") or None,
@@ -581,15 +591,16 @@ class RestoreWorker:
 
         def report(uid: str, container: str, reason: str) -> None:
             try:
-                with open(os.path.join(self.paths.pod_dir(uid), POD_FILE)) as f:
-                    owner = json.load(f)
-                meta = {"namespace": str(owner["namespace"]), "name": str(owner["name"]), "uid": uid}
-                pod: dict[str, Any] = {"apiVersion": "v1", "kind": "Pod", "metadata": meta}
-            except (OSError, ValueError, KeyError, TypeError, SnapshotError):
+                owner = _owner(self.paths.pod_dir(uid))
+            except SnapshotError:  # not a pod uid
+                owner = None
+            if owner is None:
                 log.warning("pod %s: %s", uid, reason)
                 return
-            log.warning("%s/%s: %s", pod["metadata"]["namespace"], pod["metadata"]["name"], reason)
-            pod_event(self.kube, pod, K.EVENT_LAZY_RESTORE_FAILED, reason, warning=True)
+            meta = {"namespace": owner[0], "name": owner[1], "uid": uid}
+            log.warning("%s/%s: %s", owner[0], owner[1], reason)
+            pod_event(self.kube, {"apiVersion": "v1", "kind": "Pod", "metadata": meta}, K.EVENT_LAZY_RESTORE_FAILED,
+                      reason, warning=True)  # fmt: skip
 
         root = os.path.join(self.paths.root, C.STAGING_SUBDIR, "by-pod")
         return end_orphaned(

@@ -133,11 +133,12 @@ class Broker:
         try:
             if req.op == "open":
                 return self._open(caller, req, body)
-            if req.op == "unwrap":
-                refused = self._unwrap_refused(caller, req, body)
+            unwraps = _unwraps(body) if req.op == "unwrap" else None  # decoded once, checked, then answered
+            if unwraps is not None:
+                refused = self._unwrap_refused(caller, req, body, unwraps)
                 if refused is not None:
                     return refused
-            return self._operate(req, body)
+            return self._operate(req, body, unwraps)
         except (InvalidArgument, binascii.Error, TypeError, ValueError) as e:
             return _error(400, f"bad {req.op} request: {e}")
 
@@ -155,23 +156,25 @@ class Broker:
                 self._opened.popitem(last=False)
         return Answer(200, {"blobs": len(keys)})
 
-    def _unwrap_refused(self, caller: KA.Caller, req: KA.KeyRequest, body: dict[str, Any]) -> Answer | None:
-        """None when the unwrap is one of the restore's opened snapshot's own data keys, else the answer."""
-        if "manifest" in body or "config" in body:  # shown with the unwrap (any replica answers it)
-            self._open(caller, req, body)
-        at = (caller.node, req.pod_uid, str(KA.snapshot_of(req.snapshot).digest))
-        with self._lock:
-            hit = self._opened.get(at)
-        if hit is None or self.clock() - hit[0] > OPENED_S:
-            return _error(409, f"open {req.snapshot} first (op open, with its manifest and config)")
-        items = KA.items_of(body, ("wrapped", "aad"))
-        if items is None:
-            wrapped = body.get("wrapped")
-            items = [
-                (base64.b64decode(wrapped, validate=True) if isinstance(wrapped, str) else b"", _unb64(body, "aad"))
-            ]
-        for raw, aad in items:
-            verdict = KA.may_unwrap(hit[1], req.namespace, _b64(raw), aad)
+    def _unwrap_refused(
+        self, caller: KA.Caller, req: KA.KeyRequest, body: dict[str, Any], unwraps: list[tuple[bytes, bytes]]
+    ) -> Answer | None:
+        """None when every (wrapped key, aad) of the unwrap is one of the restore's snapshot's own data keys,
+        else the answer. The snapshot is the one the unwrap shows (its manifest and config: any replica
+        answers it) or, for an agent of an earlier release, the one it opened before."""
+        if "manifest" in body or "config" in body:
+            keys = KA.opened_keys(
+                KA.snapshot_of(req.snapshot), req.namespace, _unb64(body, "manifest"), _unb64(body, "config")
+            )
+        else:
+            at = (caller.node, req.pod_uid, str(KA.snapshot_of(req.snapshot).digest))
+            with self._lock:
+                hit = self._opened.get(at)
+            if hit is None or self.clock() - hit[0] > OPENED_S:
+                return _error(409, f"open {req.snapshot} first (op open, with its manifest and config)")
+            keys = hit[1]
+        for wrapped, aad in unwraps:
+            verdict = KA.may_unwrap(keys, req.namespace, _b64(wrapped), aad)
             if not verdict.allowed:
                 where = f"{req.pod_ns}/{req.pod_name}"
                 log.warning("refused node %s unwrap for %s: %s", caller.node, where, verdict.reason)
@@ -218,7 +221,9 @@ class Broker:
             grants = [g for g in map(parse_grant, self.kube.list_snapshot_grants(req.namespace)) if g is not None]
         return KA.decide(caller, req, pod, claimed, grants)
 
-    def _operate(self, req: KA.KeyRequest, body: dict[str, Any]) -> Answer:
+    def _operate(
+        self, req: KA.KeyRequest, body: dict[str, Any], unwraps: list[tuple[bytes, bytes]] | None = None
+    ) -> Answer:
         key_id = body.get("keyId")
         if key_id is not None and not isinstance(key_id, str):
             raise InvalidArgument("keyId is a string")
@@ -238,14 +243,13 @@ class Broker:
                 200, {"keyId": key.key_id, "wrapped": _b64(key.wrap(_unb64(body, "dek"), _unb64(body, "aad")))}
             )
         if req.op == "unwrap":
-            items = KA.items_of(body, ("wrapped", "aad"))
             try:
-                if items is not None:
-                    return Answer(200, {"keyId": key.key_id, "deks": [_b64(d) for d in key.unwrap_many(items)]})
-                dek = key.unwrap(_unb64(body, "wrapped"), _unb64(body, "aad"))
+                deks = key.unwrap_many(unwraps if unwraps is not None else _unwraps(body))
             except DecryptionFailed as e:
                 return _error(422, e.message)
-            return Answer(200, {"keyId": key.key_id, "dek": _b64(dek)})
+            if "items" in body:
+                return Answer(200, {"keyId": key.key_id, "deks": [_b64(d) for d in deks]})
+            return Answer(200, {"keyId": key.key_id, "dek": _b64(deks[0])})
         data = body.get("data")
         if not isinstance(data, list) or not 0 < len(data) <= KA.MAX_MACS:
             raise InvalidArgument(f"data is a list of 1 to {KA.MAX_MACS} base64 strings")
@@ -262,6 +266,12 @@ def _bearer(authorization: str | None) -> str | None:
 
 def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode()
+
+
+def _unwraps(body: dict[str, Any]) -> list[tuple[bytes, bytes]]:
+    """An unwrap's (wrapped key, aad) pairs: its list of items, or the one at the top of the request."""
+    items = KA.items_of(body, ("wrapped", "aad"))
+    return items if items is not None else [(_unb64(body, "wrapped"), _unb64(body, "aad"))]
 
 
 def _unb64(body: dict[str, Any], name: str) -> bytes:
