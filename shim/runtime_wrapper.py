@@ -217,6 +217,16 @@ def resuming(spec: dict[str, Any], container_name: str) -> bool:
     return K.ANN_RESUME_POLICY in annotations and container_name != K.GATE_CONTAINER
 
 
+def held(spec: dict[str, Any], container_name: str) -> bool:
+    """A container whose create waits for the agent's gate to appear: a resuming pod's, or a restore
+    pod's (the restore-from annotation, passed the same way; a lazy restore pod has no gate init
+    container: core/podspec.restore_pod). The gate init container of either waits for the agent itself."""
+    annotations = spec.get("annotations") or {}
+    return (K.ANN_RESUME_POLICY in annotations or K.ANN_RESTORE_FROM in annotations) and (
+        container_name != K.GATE_CONTAINER
+    )
+
+
 def find_staged(paths: StatePaths, container_id: str, spec: dict[str, Any]) -> str | None:
     """The staged snapshot directory for this container, if the agent prepared one."""
     with contextlib.suppress(SnapshotError):
@@ -762,7 +772,7 @@ def run(argv: Sequence[str]) -> int:  # returns only for create/start of a resto
         why, pages = wait_staged_images(paths, create.container_id, meanwhile=_load_restore_code)
         key = pod_key(spec)
         if why is None and key is not None:
-            why = wait_pod_staged(paths, *key, expected=resuming(spec, key[1]), meanwhile=_load_pod_restore_code)
+            why = wait_pod_staged(paths, *key, expected=held(spec, key[1]), meanwhile=_load_pod_restore_code)
         trace("staged")
         if why is not None:
             msg = f"refusing to restore: {why}"

@@ -9,16 +9,26 @@ annotation or as the gate container's exit.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj, StoreFactory
 from kubectl_snapshot.app.watching import follow
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.artifact import Artifact, load_artifact
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
-from kubectl_snapshot.core.podspec import RestoreState, restore_pod, restore_state, validate_name
+from kubectl_snapshot.core.podspec import (
+    RestoreState,
+    gate_needed,
+    holds_restore_pods,
+    restore_pod,
+    restore_state,
+    validate_name,
+)
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.runtimegrant import dry_run_problems
 
@@ -100,20 +110,56 @@ def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> t
             f"{artifact.reference} is a snapshot of containers, not of a Kubernetes pod",
             hint="restore it on a node with: ks-agent restore",
         )
+    node = kube.get_node(req.node) if req.node else None  # NotFound names the node
     if req.node:
-        kube.get_node(req.node)  # NotFound names the node
         check_agent_on(req.node, kube=kube)
+    why_gate = gate_needed(
+        artifact.config.pod.spec,
+        lazy=req.lazy,
+        staged_bytes=staged_first(artifact),
+        nodes_hold=req.lazy and nodes_hold([node] if node is not None else None, kube=kube),
+    )
     body = restore_pod(
         artifact.config.pod,
         reference=artifact.reference,
         namespace=req.namespace,
-        gate_image=gate_image(kube=kube, explicit=req.agent_image),
+        gate_image=gate_image(kube=kube, explicit=req.agent_image) if why_gate else "",
         name=req.name,
         node=req.node,
         registry_secret=req.registry_secret,
         lazy=req.lazy,
+        gate=why_gate is not None,
     )
     return body, artifact
+
+
+def staged_first(artifact: Artifact) -> int:
+    """Bytes a lazy restore stages before the processes run: every blob but the memory's chunks."""
+    chunk = (C.CHUNK_MEDIA_TYPE, C.CHUNK_MEDIA_TYPE + C.ENCRYPTED_SUFFIX)
+    return sum(layer.size for layer in artifact.manifest.layers if layer.media_type not in chunk)
+
+
+def nodes_hold(nodes: list[Obj] | None, *, kube: Kube) -> bool:
+    """Whether every node the restore pod may land on (`nodes`; None: every node with a kubectl-snapshot
+    agent) holds a restore pod's containers at their create (its agent's published facts). False when
+    the nodes cannot be read: the pod then keeps its gate init container, which works everywhere."""
+    if nodes is None:
+        try:
+            nodes = [
+                n for n in kube.list_nodes() if K.ANN_NODE_FACTS in ((n.get("metadata") or {}).get("annotations") or {})
+            ]
+        except PermissionDenied:
+            return False
+    return bool(nodes) and all(holds_restore_pods(_facts(n)) for n in nodes)
+
+
+def _facts(node: Obj) -> dict[str, Any]:
+    raw = ((node.get("metadata") or {}).get("annotations") or {}).get(K.ANN_NODE_FACTS) or ""
+    try:
+        facts = json.loads(raw)
+    except ValueError:
+        return {}
+    return facts if isinstance(facts, dict) else {}
 
 
 def server_dry_run(body: Obj, artifact: Artifact, *, kube: Kube) -> Obj:

@@ -12,7 +12,7 @@ import datetime
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, SourcePodReplaced
@@ -196,10 +196,14 @@ def restore_pod(
     node: str | None = None,
     registry_secret: str | None = None,
     lazy: bool = False,
+    gate: bool = True,
 ) -> dict[str, Any]:
     """The Pod that `kubectl snapshot restore` creates from a recorded pod (docs/kubernetes.md). `lazy`:
     it carries the restore-mode annotation, and its processes run before their memory is back
-    (docs/lazy-restore.md); without it, no annotation: every page is staged first, as always."""
+    (docs/lazy-restore.md); without it, no annotation: every page is staged first, as always. `gate`:
+    the gate init container waits until the agent staged the data; without it (`gate_needed` says when)
+    the runtime wrapper holds each container at its create instead, which saves the kubelet's noticing
+    the gate's exit (its relist, up to a second) and the gate's own start."""
     if not reference.digest:
         raise InvalidArgument(f"restore needs a reference pinned by digest, got {reference}")
     if not record.spec.get("containers"):
@@ -238,14 +242,53 @@ def restore_pod(
         if _requires_node_affinity(spec):
             spec.pop("affinity", None)  # recorded for the old node; --node decides now
     volumes = [v for v in spec.get("volumes") or [] if v.get("name") != K.GATE_VOLUME]
-    spec["volumes"] = [*volumes, {"name": K.GATE_VOLUME, "emptyDir": {}}]
-    spec["initContainers"] = [gate_container(gate_image), *sidecars]
+    if gate:
+        spec["volumes"] = [*volumes, {"name": K.GATE_VOLUME, "emptyDir": {}}]
+        spec["initContainers"] = [gate_container(gate_image), *sidecars]
+    else:  # the runtime wrapper holds each container at its create until the agent answers
+        if volumes:
+            spec["volumes"] = volumes
+        else:
+            spec.pop("volumes", None)
+        if sidecars:
+            spec["initContainers"] = sidecars
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": pod_name, "namespace": namespace, "labels": labels, "annotations": annotations},
         "spec": spec,
     }
+
+
+# A restore pod goes without the gate init container only when what is staged before its containers
+# run is small: the runtime wrapper can hold a create only within the kubelet's runtime request timeout
+# (2 minutes; the wrapper waits 100 s), which a large eager staging would pass.
+GATELESS_MAX_STAGED_BYTES: Final = 1 << 30
+
+
+def holds_restore_pods(facts: Mapping[str, Any]) -> bool:
+    """Whether a node's published facts (its agent's node-facts annotation) say that its containerd
+    passes the restore-from annotation to the runtime wrapper, which then holds a restore pod's
+    containers at their create (`ks-agent install-node`'s drop-in, read by containerd since)."""
+    node = facts.get("node")
+    containerd = node.get("containerd") if isinstance(node, Mapping) else None
+    passed = containerd.get("podAnnotations") if isinstance(containerd, Mapping) else None
+    return isinstance(passed, list) and K.ANN_RESTORE_FROM in passed
+
+
+def gate_needed(spec: Mapping[str, Any], *, lazy: bool, staged_bytes: int, nodes_hold: bool) -> str | None:
+    """Why a restore pod keeps the gate init container; None when it goes without (a lazy restore whose
+    containers the nodes' runtime wrappers hold while the agent stages the little it stages first).
+    `staged_bytes`: what is staged before the processes run (everything but the memory's chunks)."""
+    if not lazy:
+        return "an eager restore stages every page first, longer than a container create may be held"
+    if spec.get("restartPolicy") == "Never":
+        return "a pod never restarted fails at a refused create (restartPolicy Never)"
+    if staged_bytes > GATELESS_MAX_STAGED_BYTES:
+        return f"{staged_bytes} bytes are staged before the processes run, more than a create may wait for"
+    if not nodes_hold:
+        return "the node's containerd does not pass the restore annotation to the runtime wrapper (node facts)"
+    return None
 
 
 def gate_container(image: str) -> dict[str, Any]:
@@ -302,6 +345,12 @@ def restore_state(pod: Mapping[str, Any]) -> RestoreState:
             return RestoreState("failed", f"container {c.get('name')}: {str(detail).strip()}")
     statuses = status.get("containerStatuses") or []
     if phase == "Running" and statuses and all("running" in (c.get("state") or {}) for c in statuses):
+        spec = pod.get("spec") or {}
+        gateless = K.ANN_RESTORE_FROM in (meta.get("annotations") or {}) and not any(
+            c.get("name") == K.GATE_CONTAINER for c in spec.get("initContainers") or []
+        )
+        if gateless and ann != K.RESTORE_STAGED:  # no gate said the agent staged it: its own word must
+            return RestoreState("waiting", "running; waiting for the agent to say it restored the pod")
         return RestoreState("running")
     for c in statuses:
         waiting = (c.get("state") or {}).get("waiting") or {}

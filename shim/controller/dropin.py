@@ -33,6 +33,9 @@ from shim.service import nodecheck
 CRI_V1 = "io.containerd.grpc.v1.cri"  # containerd 1.x (config version 2)
 CRI_RUNTIME_V2 = "io.containerd.cri.v1.runtime"  # containerd 2.x (config version 3)
 HEADER = "# written by ks-agent install-node; removed by uninstall-node\n"
+# what containerd passes to the runtime wrapper (the handler's pod_annotations): a container of a pod
+# carrying one of these waits at its create until the node's agent takes the pod up (runtime_wrapper.py)
+POD_ANNOTATIONS = (K.ANN_RESUME_POLICY, K.ANN_RESTORE_FROM)
 
 
 def major_version(version: str) -> int:
@@ -50,8 +53,8 @@ def handler(launcher: str) -> dict[str, Any]:
     """The runtime handler's table (the same keys in 1.7 and 2.x)."""
     return {
         "runtime_type": "io.containerd.runc.v2",
-        # a resuming pod's containers wait at their create for the agent (shim/engine/staging.py)
-        "pod_annotations": [K.ANN_RESUME_POLICY],
+        # a resuming or restoring pod's containers wait at their create for the agent (shim/engine/staging.py)
+        "pod_annotations": list(POD_ANNOTATIONS),
         "options": {"BinaryName": launcher, "SystemdCgroup": False},
     }
 
@@ -66,8 +69,8 @@ def render(containerd_version: str, launcher: str, node_cri: dict[str, Any] | No
             HEADER + "version = 3\n"
             f"[{table}]\n"
             "  runtime_type = 'io.containerd.runc.v2'\n"
-            "  # a resuming pod's containers wait at their create for the agent (shim/engine/staging.py)\n"
-            f"  pod_annotations = ['{K.ANN_RESUME_POLICY}']\n"
+            "  # a resuming or restoring pod's containers wait at their create for the agent (shim/engine/staging.py)\n"
+            f"  pod_annotations = [{', '.join(repr(a) for a in POD_ANNOTATIONS)}]\n"
             f"[{table}.options]\n"
             f"  BinaryName = '{launcher}'\n"
             "  SystemdCgroup = false\n"

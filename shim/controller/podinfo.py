@@ -128,6 +128,24 @@ def check_restore_pod(pod: dict[str, Any]) -> None:
         raise FailedPrecondition(f"{where} has ephemeral containers before its restore was staged", hint=hint)
 
 
+def held_restore(pod: dict[str, Any]) -> bool:
+    """A restore pod without the gate init container, as `kubectl snapshot restore --lazy` makes it
+    (core/podspec.restore_pod): every container it has is held at its create by the runtime wrapper
+    until this agent answers (the restore-from annotation reaches the wrapper: the runtime handler's
+    pod_annotations), so no tenant code runs before the agent writes its volumes. Its init containers
+    may only be native sidecars (held too) and nothing may name the gate volume; any other shape is
+    checked as a gated restore pod (check_restore_pod), which refuses it."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    if K.ANN_RESTORE_FROM not in (meta.get("annotations") or {}) or has_gate(pod):
+        return False
+    inits = spec.get("initContainers") or []
+    return (
+        all(c.get("restartPolicy") == "Always" for c in inits)
+        and not any(v.get("name") == K.GATE_VOLUME for v in spec.get("volumes") or [])
+        and not spec.get("ephemeralContainers")
+    )
+
+
 def has_gate(pod: dict[str, Any]) -> bool:
     """A pod made with the gate init container (`kubectl snapshot restore`, or a resume admitted before
     resumes went without one); a resuming pod without it is held by the runtime wrapper instead."""
@@ -150,10 +168,11 @@ def check_resume_pod(pod: dict[str, Any]) -> None:
         for state in (cs.get("state") or {}, cs.get("lastState") or {})
         if "running" in state or (state.get("terminated") or {}).get("startedAt")
     ]
+    what = "restore" if K.ANN_RESTORE_FROM in (meta.get("annotations") or {}) else "resume"
     if started:
         raise FailedPrecondition(
-            f"{where}: container(s) {', '.join(started)} started before this node's agent took up the resume",
-            hint="the node's containerd must pass the resume annotation to the runtime "
+            f"{where}: container(s) {', '.join(started)} started before this node's agent took up the {what}",
+            hint=f"the node's containerd must pass the {what} annotation to the runtime "
             "(runtime handler pod_annotations, written by `ks-agent install-node`; containerd restarted since)",
         )
     if spec.get("ephemeralContainers"):

@@ -54,6 +54,7 @@ from shim.controller.podinfo import (
     check_resume_pod,
     empty_dir_rel,
     has_gate,
+    held_restore,
     host_view,
     restore_volume_names,
     sidecars,
@@ -376,14 +377,16 @@ class RestoreWorker:
         meta = pod["metadata"]
         ns, name, uid = meta["namespace"], meta["name"], meta["uid"]
         gates = _PodGates()
-        gate: str | None = None  # the gate init container's volume (None: a resuming pod held by the wrapper)
+        gate: str | None = None  # the gate init container's volume (None: a pod held by the wrapper)
         try:
-            gated = K.ANN_RESTORE_FROM in (meta.get("annotations") or {}) or has_gate(pod)
+            restore = K.ANN_RESTORE_FROM in (meta.get("annotations") or {})
+            gated = has_gate(pod) or (restore and not held_restore(pod))
             if gated:
                 check_restore_pod(pod)
                 gate = empty_dir_rel(uid, K.GATE_VOLUME)
-            # Its containers wait at their create for these gates (those of a resuming pod wait for them
-            # to appear): taken first, so that every way out below answers them, starting fresh included.
+            # Its containers wait at their create for these gates (those of a pod without the gate init
+            # container wait for them to appear): taken first, so that every way out below answers them,
+            # starting fresh included.
             gates.take(self.paths, uid, gated_containers(pod))
             self._record_owner(pod, self.paths.pod_gates(uid))
             if not gated:
@@ -392,6 +395,8 @@ class RestoreWorker:
                 try:
                     check_resume_pod(pod)
                 except SnapshotError as e:  # what already runs there started fresh: so does the rest
+                    if restore:  # a restore is refused instead (nothing of the snapshot is written)
+                        raise
                     return self._start_fresh(pod, None, e.message, gates)
         except (SnapshotError, OSError) as e:
             err = e if isinstance(e, SnapshotError) else SnapshotError(f"internal error: {e}")

@@ -120,8 +120,9 @@ class StatePaths:
 # - pod gates (Kubernetes): keyed by pod uid + container name, taken for every container of the pod
 #   (but the gate init container) before the pod's gate volume says "go", so the kubelet creates the
 #   containers while the save downloads. A resuming pod (the resume-policy annotation, which containerd
-#   passes to the runtime) has no gate init container: the agent takes its gates as soon as it sees
-#   the pod, and the hook waits for them to appear. They stay as long as the pod (`.pod` beside them
+#   passes to the runtime) and a lazy restore pod (the restore-from annotation, passed the same way) have
+#   no gate init container: the agent takes their gates as soon as it sees the pod, and the hook waits
+#   for them to appear. They stay as long as the pod (`.pod` beside them
 #   names it for garbage collection): the kubelet may create a container again (after a refused
 #   create, or a restart), and each create reads the same answer. Lock got but no answer: the agent
 #   died while staging, and its successor stages the pod again and takes the gate again, so the hook
@@ -396,7 +397,7 @@ def wait_pod_staged(
         while not os.path.exists(path):
             if time.monotonic() >= deadline:
                 return (
-                    f"the node's agent did not take up this resuming pod within {timeout_s:g} s "
+                    f"the node's agent did not take up this pod's restore within {timeout_s:g} s "
                     "(is the kubectl-snapshot agent running on this node?)"
                 )
             time.sleep(_APPEAR_POLL_S)

@@ -22,6 +22,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any
 
+from kubectl_snapshot.core import kubenames as K
 from shim.net import nftlock, tcpabort
 
 DEFAULT_CONFIG = "/etc/containerd/config.toml"
@@ -110,6 +111,26 @@ def restart_pending(c: Containerd, dropin_file: str) -> bool | None:
     except OSError:
         return None
     return None if start is None else mtime > start + 1
+
+
+def dropin_pod_annotations(dropin_file: str) -> list[str]:
+    """The pod annotations the drop-in's kubectl-snapshot runtime handler passes to the runtime wrapper
+    (containerd 1.7's and 2.x's layouts alike); [] when the file is absent or unreadable."""
+    try:
+        with open(dropin_file, "rb") as f:
+            doc = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError):
+        return []
+
+    def walk(node: Any) -> list[str]:
+        if not isinstance(node, dict):
+            return []
+        handler = (node.get("runtimes") or {}).get(K.RUNTIME_CLASS) if isinstance(node.get("runtimes"), dict) else None
+        if isinstance(handler, dict) and isinstance(handler.get("pod_annotations"), list):
+            return [str(a) for a in handler["pod_annotations"]]
+        return next((found for v in node.values() if (found := walk(v))), [])
+
+    return walk(doc)
 
 
 def criu_check(criu: str, timeout: float = 60) -> dict[str, Any]:
@@ -230,5 +251,8 @@ def node_status(
         "importsDropin": imports_dropin(c, dropin_file, containerd_version) if c else None,
         "restartPending": restart_pending(c, dropin_file) if c else None,
     }
+    # what containerd passes to the wrapper now: the drop-in's, once containerd has read it
+    active = c is not None and status["containerd"]["importsDropin"] and status["containerd"]["restartPending"] is False
+    status["containerd"]["podAnnotations"] = dropin_pod_annotations(dropin_file) if active else []
     status["blockers"] = blockers(status)
     return status

@@ -68,6 +68,10 @@ def test_a_lazy_restore_of_a_1gib_pattern_runs_first_and_comes_back_byte_for_byt
     assert proc.returncode == 0, proc.stdout + proc.stderr
     restored = running(cluster, ns, "big-2", timeout=300)
     assert restored["metadata"]["annotations"].get(K.ANN_RESTORE_MODE) == K.RESTORE_MODE_LAZY
+    # the nodes' containerd passes the restore annotation to the runtime wrapper (their agents' facts say so):
+    # no gate init container, the wrapper held the container at its create until the agent answered
+    assert [c["name"] for c in restored["spec"].get("initContainers") or []] == []
+    assert restored["metadata"]["annotations"].get(K.ANN_RESTORE_STATUS) == K.RESTORE_STAGED
     # it runs on (its counter) and, once every page is in, says so
     n = int(_read(cluster, ns, "big-2", "/tmp/n") or 0)
     cluster.wait_for("the counter to go on", lambda: int(_read(cluster, ns, "big-2", "/tmp/n") or 0) > n)

@@ -153,7 +153,7 @@ def test_the_release_loads_the_drop_in_with_the_handler_and_the_nodes_settings(v
     handler = runtimes[K.RUNTIME_CLASS]
     assert handler["runtime_type"] == "io.containerd.runc.v2"
     assert handler["options"]["BinaryName"] == launcher
-    assert K.ANN_RESUME_POLICY in handler["pod_annotations"]
+    assert K.ANN_RESUME_POLICY in handler["pod_annotations"] and K.ANN_RESTORE_FROM in handler["pod_annotations"]
 
 
 @pytest.mark.parametrize("version", [INSTALLED_VERSION, *OTHER_VERSIONS])

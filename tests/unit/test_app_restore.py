@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import yaml
@@ -131,6 +132,62 @@ def test_lazy_marks_the_pod_for_a_lazy_restore_and_the_default_stays_eager() -> 
     assert lazy["metadata"]["annotations"][K.ANN_RESTORE_MODE] == K.RESTORE_MODE_LAZY
     eager, _ = build_restore(req(), kube=kube, stores=registry.store)
     assert K.ANN_RESTORE_MODE not in eager["metadata"]["annotations"]  # no annotation: all memory first
+
+
+HOLDING: dict[str, Any] = {"node": {"containerd": {"podAnnotations": [K.ANN_RESUME_POLICY, K.ANN_RESTORE_FROM]}}}
+
+
+def holding_cluster(facts: dict[str, Any] = HOLDING) -> tuple[FakeKube, FakeRegistry]:
+    """restorable(), its two nodes publishing `facts` (by default: their containerd passes the restore
+    annotation to the runtime wrapper, as `ks-agent install-node`'s drop-in makes it)."""
+    kube, registry = FakeKube(), FakeRegistry()
+    for n in ("n1", "n2"):
+        kube.add(node(n, facts=facts))
+    install_agent(kube)
+    ref = push_pod_snapshot(registry, "registry.example/snaps:web-1", running_pod("web", NS, labels={"app": "web"}))
+    kube.add(snapshot("web-1", NS, status=succeeded(ref)))
+    return kube, registry
+
+
+def gated(body: dict[str, Any]) -> bool:
+    spec = body["spec"]
+    names = [c["name"] for c in spec.get("initContainers") or []]
+    volumes = [v["name"] for v in spec.get("volumes") or []]
+    assert (K.GATE_CONTAINER in names) == (K.GATE_VOLUME in volumes)
+    return K.GATE_CONTAINER in names
+
+
+def test_a_lazy_restore_goes_without_the_gate_init_container_where_the_nodes_hold_its_containers() -> None:
+    """The kubelet notices an init container's exit only at its next relist (up to a second): a lazy
+    restore, whose staging before the processes run is small, is held at the containers' create by the
+    runtime wrapper instead, on nodes whose published facts say containerd passes it the annotation."""
+    kube, registry = holding_cluster()
+    for r in (replace(req(), lazy=True), replace(req(node="n2"), lazy=True)):
+        body, _ = build_restore(r, kube=kube, stores=registry.store)
+        assert not gated(body) and body["metadata"]["annotations"][K.ANN_RESTORE_FROM]
+        assert body["metadata"]["annotations"][K.ANN_RESTORE_MODE] == K.RESTORE_MODE_LAZY
+    eager, _ = build_restore(req(), kube=kube, stores=registry.store)
+    assert gated(eager)  # every page staged first: longer than a create may be held
+
+
+def test_a_lazy_restore_keeps_the_gate_where_a_node_may_not_hold_its_containers() -> None:
+    lazy = replace(req(), lazy=True)
+    # facts from an agent whose drop-in passes only the resume annotation (or containerd not restarted)
+    kube, registry = holding_cluster({"node": {"containerd": {"podAnnotations": [K.ANN_RESUME_POLICY]}}})
+    assert gated(build_restore(lazy, kube=kube, stores=registry.store)[0])
+    assert gated(build_restore(replace(req(node="n2"), lazy=True), kube=kube, stores=registry.store)[0])
+    # one node of two holds: the scheduler may pick the other; pinned to the one that holds, no gate
+    kube, registry = holding_cluster()
+    kube.add(node("n2", facts={"node": {"containerd": {"podAnnotations": []}}}))
+    assert gated(build_restore(lazy, kube=kube, stores=registry.store)[0])
+    assert not gated(build_restore(replace(req(node="n1"), lazy=True), kube=kube, stores=registry.store)[0])
+    # a user who may not list nodes: the gate, which works everywhere
+    kube, registry = holding_cluster()
+    kube.deny("list_nodes", "list nodes")
+    assert gated(build_restore(lazy, kube=kube, stores=registry.store)[0])
+    # no node has an agent's facts (restorable(): nodes without annotations)
+    kube, registry, _ = restorable()
+    assert gated(build_restore(lazy, kube=kube, stores=registry.store)[0])
 
 
 def restore_cli(monkeypatch: pytest.MonkeyPatch, *args: str) -> Result:

@@ -51,6 +51,23 @@ def test_containerd_1_gets_the_nodes_cri_table_with_the_handler_in_config_versio
     assert K.RUNTIME_CLASS not in node["containerd"]["runtimes"]  # the caller's table is not changed
 
 
+@pytest.mark.parametrize("version", ["v1.7.35", "v2.0.14", "v2.2.9"])
+def test_both_layouts_pass_the_resume_and_restore_annotations_and_the_node_reads_them_back(
+    tmp_path: Path, version: str
+) -> None:
+    """The wrapper holds a resuming or a (lazy, gateless) restore pod's containers only when containerd
+    passes it their annotation; the agent publishes what its drop-in passes (node facts), which the
+    plugin reads before it leaves the gate init container out (core/podspec.gate_needed)."""
+    f = tmp_path / "kubectl-snapshot.toml"
+    f.write_text(dropin.render(version, LAUNCHER, {"containerd": {"runtimes": {"runc": {}}}}))
+    assert nodecheck.dropin_pod_annotations(str(f)) == [K.ANN_RESUME_POLICY, K.ANN_RESTORE_FROM]
+    f.write_text("version = 3\n")  # a drop-in without the handler (or none, or not TOML): nothing passed
+    assert nodecheck.dropin_pod_annotations(str(f)) == []
+    assert nodecheck.dropin_pod_annotations(str(tmp_path / "absent.toml")) == []
+    f.write_text("not = [toml")
+    assert nodecheck.dropin_pod_annotations(str(f)) == []
+
+
 def test_unsupported_majors_are_refused() -> None:
     with pytest.raises(FailedPrecondition, match="not supported"):
         dropin.render("v0.2.1", LAUNCHER)

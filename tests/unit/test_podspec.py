@@ -12,9 +12,12 @@ from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, So
 from kubectl_snapshot.core.model import PodRecord
 from kubectl_snapshot.core.podspec import (
     GATE_SCRIPT,
+    RestoreState,
     check_pod_running,
     check_snapshot_source,
     destination,
+    gate_needed,
+    holds_restore_pods,
     parse_pod_arg,
     restore_pod,
     restore_state,
@@ -219,6 +222,59 @@ def test_a_lazy_restore_pod_says_so_and_an_eager_one_carries_no_mode() -> None:
     eager = restore_pod(_record(), reference=ref, namespace="a", gate_image="g")
     assert K.ANN_RESTORE_MODE not in eager["metadata"]["annotations"]
     assert {**eager, "metadata": {}} == {**lazy, "metadata": {}}  # nothing else differs
+
+
+def test_a_restore_pod_without_the_gate_keeps_its_sidecars_and_volumes_and_nothing_of_the_gate() -> None:
+    ref = Reference.parse("r.example/s/web@" + DIGEST)
+    side = {"name": "proxy", "image": IMG, "restartPolicy": "Always"}
+    record = _record(initContainers=[{"name": "init", "image": IMG}, side], volumes=[{"name": "d", "emptyDir": {}}])
+    gated = restore_pod(record, reference=ref, namespace="a", gate_image="g", lazy=True)
+    bare = restore_pod(record, reference=ref, namespace="a", gate_image="", lazy=True, gate=False)
+    assert [c["name"] for c in gated["spec"]["initContainers"]] == [K.GATE_CONTAINER, "proxy"]
+    assert bare["spec"]["initContainers"] == [side] and bare["spec"]["volumes"] == [{"name": "d", "emptyDir": {}}]
+    assert bare["metadata"] == gated["metadata"]  # the restore-from annotation: the wrapper holds its containers
+    plain = restore_pod(_record(volumes=[]), reference=ref, namespace="a", gate_image="", lazy=True, gate=False)
+    assert "initContainers" not in plain["spec"] and "volumes" not in plain["spec"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "lazy", "staged", "hold", "why"),
+    [
+        ({}, False, 0, True, "an eager restore stages every page first"),
+        ({"restartPolicy": "Never"}, True, 0, True, "restartPolicy Never"),
+        ({}, True, (1 << 30) + 1, True, "more than a create may wait for"),
+        ({}, True, 0, False, "does not pass the restore annotation"),
+        ({}, True, 1 << 30, True, None),  # the legitimate case: lazy, small, nodes that hold
+        ({"restartPolicy": "OnFailure"}, True, 0, True, None),
+    ],
+)
+def test_a_restore_pod_keeps_its_gate_unless_lazy_small_restartable_and_held(
+    spec: dict[str, Any], lazy: bool, staged: int, hold: bool, why: str | None
+) -> None:
+    got = gate_needed(spec, lazy=lazy, staged_bytes=staged, nodes_hold=hold)
+    assert got is None if why is None else (got is not None and why in got)
+
+
+def test_node_facts_say_whether_containerd_passes_the_restore_annotation() -> None:
+    assert holds_restore_pods({"node": {"containerd": {"podAnnotations": [K.ANN_RESTORE_FROM]}}})
+    for facts in ({}, {"node": {"error": "x"}}, {"node": {"containerd": {"podAnnotations": [K.ANN_RESUME_POLICY]}}}):
+        assert not holds_restore_pods(facts)
+
+
+def test_a_gateless_restore_pod_runs_only_once_the_agent_said_it_staged_it() -> None:
+    """Without a gate, running containers alone do not show a restore (a container its runtime did not
+    hold would run from its image): the agent's Staged annotation must be there too."""
+    running = {
+        "phase": "Running",
+        "containerStatuses": [{"name": "app", "state": {"running": {}}}],
+    }
+    ann = {K.ANN_RESTORE_FROM: "r.example/s/web@" + DIGEST}
+    pod = {"metadata": {"annotations": ann}, "spec": {"containers": [{"name": "app"}]}, "status": running}
+    assert restore_state(pod).state == "waiting"
+    pod["metadata"] = {"annotations": {**ann, K.ANN_RESTORE_STATUS: K.RESTORE_STAGED}}
+    assert restore_state(pod) == RestoreState("running")
+    gate_pod = {"metadata": {"annotations": ann}, "spec": {"initContainers": [{"name": K.GATE_CONTAINER}]}}
+    assert restore_state({**gate_pod, "status": running}) == RestoreState("running")  # its gate said so
 
 
 def test_restore_pod_refuses_unpinned_images_and_missing_spec() -> None:

@@ -337,7 +337,7 @@ def test_a_resuming_pods_container_waits_for_its_gate_to_appear(tmp_path: Path) 
 
 def test_a_resuming_pod_no_agent_takes_up_is_refused_at_the_deadline(tmp_path: Path) -> None:
     why = wait_pod_staged(StatePaths(str(tmp_path)), UID, "app", expected=True, timeout_s=0.3)
-    assert why is not None and "did not take up this resuming pod within 0.3 s" in why
+    assert why is not None and "did not take up this pod's restore within 0.3 s" in why
 
 
 def test_the_hook_expects_a_gate_only_for_a_resuming_pods_containers() -> None:
@@ -347,6 +347,18 @@ def test_the_hook_expects_a_gate_only_for_a_resuming_pods_containers() -> None:
     assert resuming({"annotations": {K.ANN_RESUME_POLICY: "p"}}, "app")
     assert not resuming({"annotations": {K.ANN_RESUME_POLICY: "p"}}, K.GATE_CONTAINER)  # a gated pod's own gate
     assert not resuming({"annotations": {}}, "app") and not resuming({}, "app")
+
+
+def test_the_hook_waits_for_the_gate_of_a_resuming_or_restore_pods_containers_only() -> None:
+    """A lazy restore pod has no gate init container (core/podspec.restore_pod): its containers wait for
+    the agent at their create, as a resuming pod's do; an ordinary pod's create never waits."""
+    from kubectl_snapshot.core import kubenames as K
+    from shim.runtime_wrapper import held
+
+    restore = {"annotations": {K.ANN_RESTORE_FROM: "reg/r@sha256:" + "a" * 64}}
+    assert held(restore, "app") and held({"annotations": {K.ANN_RESUME_POLICY: "p"}}, "app")
+    assert not held(restore, K.GATE_CONTAINER)  # a gated restore pod's gate waits for the agent by itself
+    assert not held({"annotations": {"other": "x"}}, "app") and not held({}, "app")
 
 
 class _Kube:
@@ -588,3 +600,76 @@ def test_a_failed_restore_waits_briefly_for_the_agents_reason(tmp_path: Path) ->
         assert why is not None and "DigestMismatch" in why
         t = time.monotonic()
         assert pending.failure(wait_s=5) == why and time.monotonic() - t < 1  # a free gate: at once
+
+
+# --- a lazy restore pod without the gate init container (core/podspec.gate_needed) --------------------
+
+
+def _gateless_restore_pod(**status: Any) -> dict[str, Any]:
+    from kubectl_snapshot.core import kubenames as K
+
+    pod = _resuming_pod(**status)
+    pod["metadata"]["annotations"] = {
+        K.ANN_RESTORE_FROM: "reg.example/snaps@sha256:" + "a" * 64,
+        K.ANN_RESTORE_MODE: K.RESTORE_MODE_LAZY,
+    }
+    return pod
+
+
+def test_a_gateless_restore_pods_containers_are_held_while_the_agent_stages_it(tmp_path: Path) -> None:
+    """Its gates are taken before the snapshot is read (the wrapper waits for them to appear), and a
+    restore that fails answers them with the reason: the create is refused, nothing runs from the image."""
+    from kubectl_snapshot.core import kubenames as K
+    from kubectl_snapshot.core.errors import Unavailable
+
+    worker, kube = _worker(tmp_path)
+
+    def source(pod: dict[str, Any]) -> Any:
+        for name in ("app", "side"):
+            assert os.path.exists(worker.paths.pod_gate(UID, name))
+        raise Unavailable("registry reg.example is not reachable")
+
+    assert not worker.stage(_gateless_restore_pod(), source)
+    why = wait_pod_staged(worker.paths, UID, "app", expected=True, timeout_s=1)
+    assert why is not None and "registry reg.example is not reachable" in why
+    assert kube.patches[-1][K.ANN_RESTORE_STATUS] == K.RESTORE_FAILED_PREFIX + "registry reg.example is not reachable"
+
+
+def test_a_gateless_restore_pod_whose_container_already_runs_is_refused_not_restored(tmp_path: Path) -> None:
+    """A node whose containerd does not pass the restore annotation ran the container from its image:
+    the restore fails with why (a resume would start fresh; a restore must not look done)."""
+    from kubectl_snapshot.core import kubenames as K
+
+    worker, kube = _worker(tmp_path)
+
+    def source(pod: dict[str, Any]) -> Any:
+        raise AssertionError("no snapshot is read for a pod that already runs")
+
+    running = _gateless_restore_pod(
+        containerStatuses=[{"name": "app", "containerID": "containerd://x", "state": {"running": {}}}]
+    )
+    assert not worker.stage(running, source)
+    status = kube.patches[-1][K.ANN_RESTORE_STATUS]
+    assert (
+        status.startswith(K.RESTORE_FAILED_PREFIX) and "started before this node's agent took up the restore" in status
+    )
+
+
+def test_a_restore_pod_with_another_init_container_and_no_gate_is_refused_as_not_a_restore_pod(tmp_path: Path) -> None:
+    """Only native sidecars, held like the app containers, may come with a gateless restore pod: an init
+    container would run the tenant's code in the volumes before the agent writes them."""
+    from kubectl_snapshot.core import kubenames as K
+    from shim.controller.podinfo import held_restore
+
+    worker, kube = _worker(tmp_path)
+    pod = _gateless_restore_pod()
+    assert held_restore(pod)
+    pod["spec"]["initContainers"] = [{"name": "proxy", "restartPolicy": "Always"}]
+    assert held_restore(pod)  # a native sidecar: held at its create too
+    pod["spec"]["initContainers"] = [{"name": "setup"}]
+    assert not held_restore(pod)
+    assert not worker.stage(pod, lambda p: (_ for _ in ()).throw(AssertionError("not read")))
+    assert "is not a restore pod: its first init container must be the project's gate" in str(kube.patches[-1])
+    pod["spec"]["initContainers"] = []
+    pod["spec"]["volumes"] = [{"name": K.GATE_VOLUME, "emptyDir": {}}]  # the gate's volume without the gate
+    assert not held_restore(pod)

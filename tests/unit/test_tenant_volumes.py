@@ -22,7 +22,13 @@ from kubectl_snapshot.core.errors import FailedPrecondition, UnsafeArchive
 from kubectl_snapshot.core.model import HostFacts, PodRecord
 from kubectl_snapshot.core.podspec import restore_pod
 from kubectl_snapshot.core.reference import Reference
-from shim.controller.podinfo import check_restore_pod, empty_dir_rel, restore_volume_names, running_containers
+from shim.controller.podinfo import (
+    check_restore_pod,
+    empty_dir_rel,
+    held_restore,
+    restore_volume_names,
+    running_containers,
+)
 from shim.controller.restores import RestoreWorker
 from shim.controller.settings import NodeSettings
 from shim.files.archive import safe_extract, tar_directories
@@ -130,6 +136,20 @@ def test_pods_that_only_look_like_a_restore_are_refused(mutate: Any) -> None:
     mutate(pod)
     with pytest.raises(FailedPrecondition, match=r"restore pod|ephemeral"):
         check_restore_pod(pod)
+    # nor is any of them taken for a lazy restore pod without the gate (held at create instead): the agent
+    # checks them as gated restore pods (shim/controller/restores.py), which refuses them
+    assert not held_restore(pod)
+
+
+def test_a_restore_pod_without_the_gate_or_its_volume_is_held_not_checked_for_a_gate() -> None:
+    """The legitimate gateless shape (`kubectl snapshot restore --lazy` on nodes that hold its containers):
+    no gate volume, native sidecars only; with the restore annotation alone."""
+    pod = good_pod()
+    pod["spec"]["initContainers"] = [{"name": "side", "image": "busybox", "restartPolicy": "Always"}]
+    pod["spec"]["volumes"] = [v for v in pod["spec"]["volumes"] if v["name"] != K.GATE_VOLUME]
+    assert held_restore(pod)
+    pod["metadata"]["annotations"].pop(K.ANN_RESTORE_FROM)
+    assert not held_restore(pod)  # not a restore pod at all
 
 
 def test_restored_volumes_must_be_emptydirs_of_the_pod() -> None:
