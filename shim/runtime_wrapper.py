@@ -219,8 +219,9 @@ def resuming(spec: dict[str, Any], container_name: str) -> bool:
 
 def held(spec: dict[str, Any], container_name: str) -> bool:
     """A container whose create waits for the agent's gate to appear: a resuming pod's, or a restore
-    pod's (the restore-from annotation, passed the same way; a lazy restore pod has no gate init
-    container: core/podspec.restore_pod). The gate init container of either waits for the agent itself."""
+    pod's (the restore-from annotation, passed the same way; a restore pod goes without the gate
+    init container where the node passes it: core/podspec.gate_needed). The gate init container of
+    either waits for the agent itself."""
     annotations = spec.get("annotations") or {}
     return (K.ANN_RESUME_POLICY in annotations or K.ANN_RESTORE_FROM in annotations) and (
         container_name != K.GATE_CONTAINER

@@ -17,7 +17,6 @@ from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj, StoreFactory
 from kubectl_snapshot.app.watching import follow
-from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.artifact import Artifact, load_artifact
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied, Unavailable
@@ -113,12 +112,7 @@ def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> t
     node = kube.get_node(req.node) if req.node else None  # NotFound names the node
     if req.node:
         check_agent_on(req.node, kube=kube)
-    why_gate = gate_needed(
-        artifact.config.pod.spec,
-        lazy=req.lazy,
-        staged_bytes=staged_first(artifact),
-        nodes_hold=req.lazy and nodes_hold([node] if node is not None else None, kube=kube),
-    )
+    why_gate = gate_needed(artifact.config.pod.spec, nodes_hold=nodes_hold([node] if node else None, kube=kube))
     body = restore_pod(
         artifact.config.pod,
         reference=artifact.reference,
@@ -131,12 +125,6 @@ def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> t
         gate=why_gate is not None,
     )
     return body, artifact
-
-
-def staged_first(artifact: Artifact) -> int:
-    """Bytes a lazy restore stages before the processes run: every blob but the memory's chunks."""
-    chunk = (C.CHUNK_MEDIA_TYPE, C.CHUNK_MEDIA_TYPE + C.ENCRYPTED_SUFFIX)
-    return sum(layer.size for layer in artifact.manifest.layers if layer.media_type not in chunk)
 
 
 def nodes_hold(nodes: list[Obj] | None, *, kube: Kube) -> bool:

@@ -12,7 +12,7 @@ import datetime
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import FailedPrecondition, InvalidArgument, SourcePodReplaced
@@ -201,9 +201,10 @@ def restore_pod(
     """The Pod that `kubectl snapshot restore` creates from a recorded pod (docs/kubernetes.md). `lazy`:
     it carries the restore-mode annotation, and its processes run before their memory is back
     (docs/lazy-restore.md); without it, no annotation: every page is staged first, as always. `gate`:
-    the gate init container waits until the agent staged the data; without it (`gate_needed` says when)
-    the runtime wrapper holds each container at its create instead, which saves the kubelet's noticing
-    the gate's exit (its relist, up to a second) and the gate's own start."""
+    the gate init container waits until the agent has checked the snapshot and the pod's volumes are
+    there; without it (`gate_needed` says when) the runtime wrapper holds each container at its create
+    from the start, which saves the gate's own start and the kubelet's noticing its exit (its next
+    relist, up to a second later)."""
     if not reference.digest:
         raise InvalidArgument(f"restore needs a reference pinned by digest, got {reference}")
     if not record.spec.get("containers"):
@@ -260,12 +261,6 @@ def restore_pod(
     }
 
 
-# A restore pod goes without the gate init container only when what is staged before its containers
-# run is small: the runtime wrapper can hold a create only within the kubelet's runtime request timeout
-# (2 minutes; the wrapper waits 100 s), which a large eager staging would pass.
-GATELESS_MAX_STAGED_BYTES: Final = 1 << 30
-
-
 def holds_restore_pods(facts: Mapping[str, Any]) -> bool:
     """Whether a node's published facts (its agent's node-facts annotation) say that its containerd
     passes the restore-from annotation to the runtime wrapper, which then holds a restore pod's
@@ -276,16 +271,12 @@ def holds_restore_pods(facts: Mapping[str, Any]) -> bool:
     return isinstance(passed, list) and K.ANN_RESTORE_FROM in passed
 
 
-def gate_needed(spec: Mapping[str, Any], *, lazy: bool, staged_bytes: int, nodes_hold: bool) -> str | None:
-    """Why a restore pod keeps the gate init container; None when it goes without (a lazy restore whose
-    containers the nodes' runtime wrappers hold while the agent stages the little it stages first).
-    `staged_bytes`: what is staged before the processes run (everything but the memory's chunks)."""
-    if not lazy:
-        return "an eager restore stages every page first, longer than a container create may be held"
+def gate_needed(spec: Mapping[str, Any], *, nodes_hold: bool) -> str | None:
+    """Why a restore pod keeps the gate init container; None when it goes without: its containers'
+    creates are then held by the nodes' runtime wrappers from the start instead of from the gate's
+    opening (which comes before the download: the creates wait through the staging either way)."""
     if spec.get("restartPolicy") == "Never":
-        return "a pod never restarted fails at a refused create (restartPolicy Never)"
-    if staged_bytes > GATELESS_MAX_STAGED_BYTES:
-        return f"{staged_bytes} bytes are staged before the processes run, more than a create may wait for"
+        return "a pod never restarted fails for good at a refused create (restartPolicy Never)"
     if not nodes_hold:
         return "the node's containerd does not pass the restore annotation to the runtime wrapper (node facts)"
     return None

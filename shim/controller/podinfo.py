@@ -129,12 +129,12 @@ def check_restore_pod(pod: dict[str, Any]) -> None:
 
 
 def held_restore(pod: dict[str, Any]) -> bool:
-    """A restore pod without the gate init container, as `kubectl snapshot restore --lazy` makes it
-    (core/podspec.restore_pod): every container it has is held at its create by the runtime wrapper
-    until this agent answers (the restore-from annotation reaches the wrapper: the runtime handler's
-    pod_annotations), so no tenant code runs before the agent writes its volumes. Its init containers
-    may only be native sidecars (held too) and nothing may name the gate volume; any other shape is
-    checked as a gated restore pod (check_restore_pod), which refuses it."""
+    """A restore pod without the gate init container, as `kubectl snapshot restore` makes it where the
+    nodes hold its containers (core/podspec.gate_needed): every container it has is held at its create
+    by the runtime wrapper until this agent answers (the restore-from annotation reaches the wrapper:
+    the runtime handler's pod_annotations), so no tenant code runs before the agent writes its
+    volumes. Its init containers may only be native sidecars (held too) and nothing may name the gate
+    volume; any other shape is checked as a gated restore pod (check_restore_pod), which refuses it."""
     meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
     if K.ANN_RESTORE_FROM not in (meta.get("annotations") or {}) or has_gate(pod):
         return False

@@ -120,7 +120,7 @@ class StatePaths:
 # - pod gates (Kubernetes): keyed by pod uid + container name, taken for every container of the pod
 #   (but the gate init container) before the pod's gate volume says "go", so the kubelet creates the
 #   containers while the save downloads. A resuming pod (the resume-policy annotation, which containerd
-#   passes to the runtime) and a lazy restore pod (the restore-from annotation, passed the same way) have
+#   passes to the runtime) and a restore pod (the restore-from annotation, passed the same way) have
 #   no gate init container: the agent takes their gates as soon as it sees the pod, and the hook waits
 #   for them to appear. They stay as long as the pod (`.pod` beside them
 #   names it for garbage collection): the kubelet may create a container again (after a refused

@@ -238,20 +238,18 @@ def test_a_restore_pod_without_the_gate_keeps_its_sidecars_and_volumes_and_nothi
 
 
 @pytest.mark.parametrize(
-    ("spec", "lazy", "staged", "hold", "why"),
+    ("spec", "hold", "why"),
     [
-        ({}, False, 0, True, "an eager restore stages every page first"),
-        ({"restartPolicy": "Never"}, True, 0, True, "restartPolicy Never"),
-        ({}, True, (1 << 30) + 1, True, "more than a create may wait for"),
-        ({}, True, 0, False, "does not pass the restore annotation"),
-        ({}, True, 1 << 30, True, None),  # the legitimate case: lazy, small, nodes that hold
-        ({"restartPolicy": "OnFailure"}, True, 0, True, None),
+        ({"restartPolicy": "Never"}, True, "restartPolicy Never"),
+        ({}, False, "does not pass the restore annotation"),
+        ({}, True, None),  # the legitimate case: a pod restarted on failure, on nodes that hold its containers
+        ({"restartPolicy": "OnFailure"}, True, None),
     ],
 )
-def test_a_restore_pod_keeps_its_gate_unless_lazy_small_restartable_and_held(
-    spec: dict[str, Any], lazy: bool, staged: int, hold: bool, why: str | None
+def test_a_restore_pod_keeps_its_gate_unless_restartable_and_held(
+    spec: dict[str, Any], hold: bool, why: str | None
 ) -> None:
-    got = gate_needed(spec, lazy=lazy, staged_bytes=staged, nodes_hold=hold)
+    got = gate_needed(spec, nodes_hold=hold)
     assert got is None if why is None else (got is not None and why in got)
 
 

@@ -350,7 +350,7 @@ def test_the_hook_expects_a_gate_only_for_a_resuming_pods_containers() -> None:
 
 
 def test_the_hook_waits_for_the_gate_of_a_resuming_or_restore_pods_containers_only() -> None:
-    """A lazy restore pod has no gate init container (core/podspec.restore_pod): its containers wait for
+    """A restore pod goes without the gate init container (core/podspec.gate_needed): its containers wait for
     the agent at their create, as a resuming pod's do; an ordinary pod's create never waits."""
     from kubectl_snapshot.core import kubenames as K
     from shim.runtime_wrapper import held
@@ -602,7 +602,7 @@ def test_a_failed_restore_waits_briefly_for_the_agents_reason(tmp_path: Path) ->
         assert pending.failure(wait_s=5) == why and time.monotonic() - t < 1  # a free gate: at once
 
 
-# --- a lazy restore pod without the gate init container (core/podspec.gate_needed) --------------------
+# --- a restore pod without the gate init container (core/podspec.gate_needed) -------------------------
 
 
 def _gateless_restore_pod(**status: Any) -> dict[str, Any]:

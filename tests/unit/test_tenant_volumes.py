@@ -136,13 +136,13 @@ def test_pods_that_only_look_like_a_restore_are_refused(mutate: Any) -> None:
     mutate(pod)
     with pytest.raises(FailedPrecondition, match=r"restore pod|ephemeral"):
         check_restore_pod(pod)
-    # nor is any of them taken for a lazy restore pod without the gate (held at create instead): the agent
+    # nor is any of them taken for a restore pod without the gate (held at create instead): the agent
     # checks them as gated restore pods (shim/controller/restores.py), which refuses them
     assert not held_restore(pod)
 
 
 def test_a_restore_pod_without_the_gate_or_its_volume_is_held_not_checked_for_a_gate() -> None:
-    """The legitimate gateless shape (`kubectl snapshot restore --lazy` on nodes that hold its containers):
+    """The legitimate gateless shape (`kubectl snapshot restore` on nodes that hold its containers):
     no gate volume, native sidecars only; with the restore annotation alone."""
     pod = good_pod()
     pod["spec"]["initContainers"] = [{"name": "side", "image": "busybox", "restartPolicy": "Always"}]
