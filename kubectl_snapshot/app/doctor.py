@@ -12,12 +12,12 @@ Cluster: the CRD, the agent DaemonSet and the RuntimeClass.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import PermissionDenied
+from kubectl_snapshot.core.podspec import holds_restore_pods, published_facts
 
 NODE_FACTS_ANNOTATION = K.ANN_NODE_FACTS
 UNKNOWN = "unknown"
@@ -25,13 +25,7 @@ FACT_KEYS = ("criuVersion", "containerdVersion", "runcVersion", "kernel", "runti
 
 
 def node_facts(node: Obj) -> dict[str, Any]:
-    raw = ((node.get("metadata") or {}).get("annotations") or {}).get(NODE_FACTS_ANNOTATION)
-    try:
-        facts = json.loads(raw) if raw else {}
-    except ValueError:
-        facts = {}
-    if not isinstance(facts, dict):
-        facts = {}
+    facts = published_facts(node)
     out: dict[str, Any] = {k: facts[k] if k in facts and facts[k] not in (None, "") else UNKNOWN for k in FACT_KEYS}
     status = facts.get("node")
     status = status if isinstance(status, dict) else {}
@@ -65,6 +59,8 @@ def node_facts(node: Obj) -> dict[str, Any]:
     out["containerdConfig"] = str(containerd.get("config") or UNKNOWN)
     out["importsDropin"] = containerd.get("importsDropin", UNKNOWN) if containerd else UNKNOWN
     out["restartPending"] = containerd.get("restartPending", UNKNOWN) if containerd else UNKNOWN
+    # restore pods go without the gate init container on this node (core/podspec.gate_needed)
+    out["holdsRestorePods"] = holds_restore_pods(facts)
     blockers = status.get("blockers")
     out["blockers"] = [str(b) for b in blockers] if isinstance(blockers, list) else []
     if not status:

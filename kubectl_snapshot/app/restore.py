@@ -9,11 +9,9 @@ annotation or as the gate container's exit.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from kubectl_snapshot.app.ports import Kube, Obj, StoreFactory
 from kubectl_snapshot.app.watching import follow
@@ -24,6 +22,7 @@ from kubectl_snapshot.core.podspec import (
     RestoreState,
     gate_needed,
     holds_restore_pods,
+    published_facts,
     restore_pod,
     restore_state,
     validate_name,
@@ -133,21 +132,10 @@ def nodes_hold(nodes: list[Obj] | None, *, kube: Kube) -> bool:
     the nodes cannot be read: the pod then keeps its gate init container, which works everywhere."""
     if nodes is None:
         try:
-            nodes = [
-                n for n in kube.list_nodes() if K.ANN_NODE_FACTS in ((n.get("metadata") or {}).get("annotations") or {})
-            ]
+            nodes = [n for n in kube.list_nodes() if published_facts(n)]  # nodes without an agent publish none
         except PermissionDenied:
             return False
-    return bool(nodes) and all(holds_restore_pods(_facts(n)) for n in nodes)
-
-
-def _facts(node: Obj) -> dict[str, Any]:
-    raw = ((node.get("metadata") or {}).get("annotations") or {}).get(K.ANN_NODE_FACTS) or ""
-    try:
-        facts = json.loads(raw)
-    except ValueError:
-        return {}
-    return facts if isinstance(facts, dict) else {}
+    return bool(nodes) and all(holds_restore_pods(published_facts(n)) for n in nodes)
 
 
 def server_dry_run(body: Obj, artifact: Artifact, *, kube: Kube) -> Obj:

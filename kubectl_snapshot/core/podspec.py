@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -259,6 +260,16 @@ def restore_pod(
         "metadata": {"name": pod_name, "namespace": namespace, "labels": labels, "annotations": annotations},
         "spec": spec,
     }
+
+
+def published_facts(node: Mapping[str, Any]) -> dict[str, Any]:
+    """What a node's agent published about its node (the node-facts annotation's JSON); {} when none."""
+    raw = ((node.get("metadata") or {}).get("annotations") or {}).get(K.ANN_NODE_FACTS)
+    try:
+        facts = json.loads(raw) if raw else {}
+    except ValueError:
+        return {}
+    return facts if isinstance(facts, dict) else {}
 
 
 def holds_restore_pods(facts: Mapping[str, Any]) -> bool:

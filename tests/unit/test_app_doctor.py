@@ -65,6 +65,20 @@ def test_a_healthy_cluster_is_ok_with_each_nodes_agent_and_facts() -> None:
     n1 = by_node(report)["n1"]
     assert n1["agentPod"] == f"{K.AGENT_NAME}-n1" and n1["agentReady"] is True
     assert n1["criuVersion"] == "4.2.1" and n1["criuCheck"] == "ok" and n1["blockers"] == []
+    assert n1["holdsRestorePods"] is False  # its drop-in's annotations not published (an older agent)
+
+
+def test_doctor_says_which_nodes_hold_restore_pods_at_create() -> None:
+    """Where containerd passes the restore annotation to the runtime wrapper, restore pods go without
+    the gate init container (core/podspec.gate_needed): doctor shows it per node."""
+    kube = healthy("n1", "n2")
+    held = facts()
+    held["node"]["containerd"]["podAnnotations"] = [K.ANN_RESUME_POLICY, K.ANN_RESTORE_FROM]
+    n1 = kube.get("Node", "", "n1")
+    assert n1 is not None
+    n1["metadata"]["annotations"][K.ANN_NODE_FACTS] = json.dumps(held)
+    report = doctor(kube=kube)
+    assert by_node(report)["n1"]["holdsRestorePods"] is True and by_node(report)["n2"]["holdsRestorePods"] is False
 
 
 def test_without_the_agent_every_node_says_so_and_the_report_is_not_ok() -> None:
