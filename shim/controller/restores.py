@@ -381,14 +381,20 @@ class RestoreWorker:
         try:
             restore = K.ANN_RESTORE_FROM in (meta.get("annotations") or {})
             gated = has_gate(pod) or (restore and not held_restore(pod))
+            shape: SnapshotError | None = None
             if gated:
-                check_restore_pod(pod)
-                gate = empty_dir_rel(uid, K.GATE_VOLUME)
-            # Its containers wait at their create for these gates (those of a pod without the gate init
-            # container wait for them to appear): taken first, so that every way out below answers them,
-            # starting fresh included.
+                try:
+                    check_restore_pod(pod)
+                    gate = empty_dir_rel(uid, K.GATE_VOLUME)
+                except SnapshotError as e:
+                    shape = e
+            # Its containers wait at their create for these gates (the wrapper waits for those of a pod
+            # with the restore or resume annotation to appear): taken first, so that every way out below
+            # answers them, starting fresh and a pod refused as not a restore pod included.
             gates.take(self.paths, uid, gated_containers(pod))
             self._record_owner(pod, self.paths.pod_gates(uid))
+            if shape is not None:
+                raise shape
             if not gated:
                 # what an agent that died while staging this pod left (its containers wait at the gates)
                 shutil.rmtree(self.paths.pod_dir(uid), ignore_errors=True)

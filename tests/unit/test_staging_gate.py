@@ -670,6 +670,9 @@ def test_a_restore_pod_with_another_init_container_and_no_gate_is_refused_as_not
     assert not held_restore(pod)
     assert not worker.stage(pod, lambda p: (_ for _ in ()).throw(AssertionError("not read")))
     assert "is not a restore pod: its first init container must be the project's gate" in str(kube.patches[-1])
+    # its containers, held at their create (the restore annotation), hear why at once, not after a timeout
+    why = wait_pod_staged(worker.paths, UID, "app", expected=True, timeout_s=1)
+    assert why is not None and "is not a restore pod" in why
     pod["spec"]["initContainers"] = []
     pod["spec"]["volumes"] = [{"name": K.GATE_VOLUME, "emptyDir": {}}]  # the gate's volume without the gate
     assert not held_restore(pod)
