@@ -173,16 +173,17 @@ class _Clock:
 
     def __init__(self) -> None:
         self.start = self.last = time.monotonic()
-        self.laps: list[tuple[str, float]] = []
+        self.laps: list[tuple[str, float, str]] = []
 
-    def lap(self, what: str) -> None:
+    def lap(self, what: str, *, of_it: str = "") -> None:
+        """`of_it`: a part of this lap worth naming (shown in brackets after it)."""
         now = time.monotonic()
-        self.laps.append((what, now - self.last))
+        self.laps.append((what, now - self.last, of_it))
         self.last = now
 
     def __str__(self) -> str:
         # never raises: it runs after the pod's gates are answered, where a failure would lose the Event
-        parts = ", ".join(f"{self.LABELS.get(w, w)} {s:.2f} s" for w, s in self.laps)
+        parts = ", ".join(f"{self.LABELS.get(w, w)} {s:.2f} s" + (f" ({n})" if n else "") for w, s, n in self.laps)
         return f"in {self.last - self.start:.2f} s ({parts})"
 
 
@@ -439,6 +440,7 @@ class RestoreWorker:
                 self._open_gate(gate, K.GATE_STAGED_FILE, f"staging {artifact.reference}\n")
             paged = sum(1 for c in config.containers if c.pages)  # a container without page files is not lazy
             lazy = src.lazy and self._lazy_slots(pod, paged)
+            spent: dict[str, float] = {}
             stages = stage_artifact(
                 artifact,
                 staged,
@@ -449,11 +451,12 @@ class RestoreWorker:
                 opener=opener,
                 namespace=ns,  # the tenant restoring: its restores together keep within its share
                 lazy=lazy,
+                timings=spent,
             )
             if lazy:
                 give_slot(paged - len(stages))  # containers staged eagerly after all
             lazy = False  # the slots are the stages' from here
-            clock.lap("download")
+            clock.lap("download", of_it=f"of it the blobs' presence {spent.get('presence_ms', 0) / 1000:.2f} s")
             # what the image check at create would certainly refuse, refused now with its reason
             try:
                 check_staged(

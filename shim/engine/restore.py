@@ -187,8 +187,9 @@ def stage_artifact(
     the node's ledger), charged to `namespace` (the tenant restoring; "" outside Kubernetes).
     An encrypted snapshot needs its `opener` (`opener_for`): each blob is decrypted after its digest is
     verified, every segment authenticated before its bytes reach the extraction. `timings` gets the
-    milliseconds of its steps (layers_ms: downloaded; extract_ms: extracted, decode cache filled;
-    pages_ms: page files rebuilt, beside those; pages_wait_ms: what was left of that after the extraction).
+    milliseconds of its steps (presence_ms: the registry asked for every blob; layers_ms: downloaded;
+    extract_ms: extracted, decode cache filled; pages_ms: page files rebuilt, beside those;
+    pages_wait_ms: what was left of that after the extraction).
     `on_images` is called once everything but the page files is in place, when page files are still to
     come (a two-phase staging gate's first answer, shim/engine/staging.py).
     `lazy`: the page files of the tasks' private memory are left in the registry (shim/engine/lazyrestore.py);
@@ -214,7 +215,9 @@ def stage_artifact(
     check_limit(plan, limits)
     # a manifest whose registry lacks some of its blobs (threat B3) is refused before any download
     digests = blob_digests(artifact.manifest)
+    t = clock()
     missing = missing_blobs(registry, artifact.reference, digests)
+    spent["presence_ms"] = (clock() - t) * 1000
     if missing:
         raise dangling_before_restore(artifact.reference, missing, len(digests))
     count = progress_counter(on_bytes, plan.download_bytes)

@@ -305,6 +305,8 @@ def test_the_staging_clock_names_every_step_of_a_staging() -> None:
     assert line.startswith("in ") and "the image check" in line and "choosing the save" in line
     clock.lap("a step added later")
     assert "a step added later" in str(clock)
+    clock.lap("download", of_it="of it the blobs' presence 0.25 s")  # a part named in brackets
+    assert "download, verify, extract 0." in str(clock) and "s (of it the blobs' presence 0.25 s)" in str(clock)
 
 
 class _PodKube(_AnnotatingKube):
