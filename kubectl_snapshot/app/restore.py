@@ -109,9 +109,10 @@ def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> t
             hint="restore it on a node with: ks-agent restore",
         )
     node = kube.get_node(req.node) if req.node else None  # NotFound names the node
+    agents = ready_agent_nodes(kube=kube, node=req.node)
     if req.node:
-        check_agent_on(req.node, kube=kube)
-    why_gate = gate_needed(artifact.config.pod.spec, nodes_hold=nodes_hold([node] if node else None, kube=kube))
+        _require_agent(req.node, agents)
+    why_gate = gate_needed(artifact.config.pod.spec, nodes_hold=nodes_hold(node, agents, kube=kube))
     body = restore_pod(
         artifact.config.pod,
         reference=artifact.reference,
@@ -126,15 +127,19 @@ def build_restore(req: RestoreRequest, *, kube: Kube, stores: StoreFactory) -> t
     return body, artifact
 
 
-def nodes_hold(nodes: list[Obj] | None, *, kube: Kube) -> bool:
-    """Whether every node the restore pod may land on (`nodes`; None: every node with a kubectl-snapshot
-    agent) holds a restore pod's containers at their create (its agent's published facts). False when
-    the nodes cannot be read: the pod then keeps its gate init container, which works everywhere."""
-    if nodes is None:
-        try:
-            nodes = [n for n in kube.list_nodes() if published_facts(n)]  # nodes without an agent publish none
-        except PermissionDenied:
-            return False
+def nodes_hold(node: Obj | None, agents: set[str] | None, *, kube: Kube) -> bool:
+    """Whether every node the restore pod may land on (`node`, else every node whose agent published
+    facts) holds a restore pod's containers at their create (its agent's published facts), with a
+    Ready agent there (`agents`: ready_agent_nodes; facts outlive an uninstalled agent). False when
+    that cannot be read: the pod then keeps its gate init container, which works everywhere."""
+    if not agents:
+        return False
+    if node is not None:
+        return node["metadata"]["name"] in agents and holds_restore_pods(published_facts(node))
+    try:
+        nodes = [n for n in kube.list_nodes() if published_facts(n)]  # nodes without an agent publish none
+    except PermissionDenied:
+        return False
     return bool(nodes) and all(holds_restore_pods(published_facts(n)) for n in nodes)
 
 
@@ -154,26 +159,38 @@ def server_dry_run(body: Obj, artifact: Artifact, *, kube: Kube) -> Obj:
     return admitted
 
 
+def ready_agent_nodes(*, kube: Kube, node: str | None = None) -> set[str] | None:
+    """The nodes (only `node`, when given) where a kubectl-snapshot agent pod is Ready; None when the
+    user may not read the agent's namespace."""
+    try:
+        pods = kube.list_pods(
+            K.AGENT_NAMESPACE,
+            label_selector=",".join(f"{k}={v}" for k, v in K.AGENT_LABEL.items()),
+            field_selector=f"spec.nodeName={node}" if node else None,
+        )
+    except PermissionDenied:
+        return None
+    return {
+        str((p.get("spec") or {}).get("nodeName") or "")
+        for p in pods
+        if any(
+            c.get("type") == "Ready" and c.get("status") == "True"
+            for c in (p.get("status") or {}).get("conditions") or []
+        )
+    }
+
+
 def check_agent_on(node: str, *, kube: Kube) -> None:
     """Refuse early when no agent is ready on the target node (nobody would stage the restore).
 
     Users who may not read the agent's namespace get no early answer; the gate then times out with
     a hint instead.
     """
-    try:
-        pods = kube.list_pods(
-            K.AGENT_NAMESPACE,
-            label_selector=",".join(f"{k}={v}" for k, v in K.AGENT_LABEL.items()),
-            field_selector=f"spec.nodeName={node}",
-        )
-    except PermissionDenied:
-        return
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True"
-        for p in pods
-        for c in (p.get("status") or {}).get("conditions") or []
-    )
-    if not ready:
+    _require_agent(node, ready_agent_nodes(kube=kube, node=node))
+
+
+def _require_agent(node: str, ready: set[str] | None) -> None:
+    if ready is not None and node not in ready:
         raise FailedPrecondition(
             f"no kubectl-snapshot agent is ready on node {node}",
             hint="kubectl snapshot doctor shows the agents; choose another --node, or install the agent there",

@@ -74,7 +74,17 @@ def running(cluster: Cluster, ns: str, name: str, timeout: float = 180) -> dict[
 
 
 def read(cluster: Cluster, ns: str, name: str, container: str, path: str) -> str:
-    return cluster.kubectl("exec", "-n", ns, name, "-c", container, "--", "cat", path).stdout.strip()
+    """`cat path` in the container. A pod of an autosave policy is frozen while a save dumps it (runc then
+    refuses an exec: "cannot exec in a paused container"): asked again until the save has thawed it."""
+    deadline = time.monotonic() + 30
+    while True:
+        proc = cluster.kubectl("exec", "-n", ns, name, "-c", container, "--", "cat", path, check=False)
+        if proc.returncode == 0 or "paused container" not in proc.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if proc.returncode != 0:
+        raise AssertionError(f"kubectl exec -n {ns} {name} -c {container} -- cat {path} failed: {proc.stderr.strip()}")
+    return proc.stdout.strip()
 
 
 def counter_value(cluster: Cluster, ns: str, name: str, container: str = "counter") -> tuple[str, int]:

@@ -179,6 +179,16 @@ def test_a_restore_keeps_the_gate_where_a_node_may_not_hold_its_containers() -> 
     kube.add(node("n2", facts={"node": {"containerd": {"podAnnotations": []}}}))
     assert gated(build_restore(lazy, kube=kube, stores=registry.store)[0])
     assert not gated(build_restore(replace(req(node="n1"), lazy=True), kube=kube, stores=registry.store)[0])
+    # facts outlive an agent: without a Ready agent (uninstalled, say) they count for nothing
+    kube, registry = holding_cluster()
+    for n in ("n1", "n2"):
+        kube.add(agent_pod(n, ready=False))
+    assert gated(build_restore(lazy, kube=kube, stores=registry.store)[0])
+    kube.add(agent_pod("n1"))  # one Ready: the scheduler may still pick n2, whose facts hold too
+    assert not gated(build_restore(lazy, kube=kube, stores=registry.store)[0])
+    kube, registry = holding_cluster()
+    kube.deny("list_pods", f"list pods in {K.AGENT_NAMESPACE}")  # the agents cannot be read: the gate
+    assert gated(build_restore(lazy, kube=kube, stores=registry.store)[0])
     # a user who may not list nodes: the gate, which works everywhere
     kube, registry = holding_cluster()
     kube.deny("list_nodes", "list nodes")
