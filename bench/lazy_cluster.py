@@ -9,7 +9,8 @@ python pod holding S MiB of os.urandom and counting (tests/support/lazyrestore.P
 ks-n1 and is saved once; then, in each round, it is restored on ks-n2 with `kubectl snapshot restore`,
 eagerly and with `--lazy` in turn (the order alternates between rounds), each restore deleted before the
 next. Measured from the restore request: the pod created (the plugin's checks and the API), Running (the
-pod's phase), the first answer (the first `kubectl exec cat /tmp/n` that reads the counter), and every page
+pod's phase; both read from one watch of the namespace's pods, bench/podwatch.py, as the fresh start's
+Running is), the first answer (the first `kubectl exec cat /tmp/n` that reads the counter), and every page
 resident (eager: at Running; lazy: the
 LazyRestoreComplete Event's time, polled every 0.25 s, so it reads up to that late).
 
