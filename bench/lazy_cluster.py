@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.podwatch import PhaseWatch
-from bench.recovery import cluster_up, e2e_lock, pull_all
+from bench.recovery import cluster_up, e2e_lock, fresh_pod, pull_all
 from kubectl_snapshot.core import kubenames as K
 from tests.support.agent import PLUGIN, installed_agent
 from tests.support.cluster import RUN_DIR, Cluster
@@ -106,18 +106,8 @@ def fresh_start(cluster: Cluster, watch: PhaseWatch, ns: str, node: str) -> floa
     took = 0.0
     for i in range(2):
         name = f"fresh-{i}"
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "namespace": ns},
-            "spec": {
-                "nodeName": node,  # bound at creation: no scheduler in this bound
-                "containers": [{"name": "c", "image": cluster.busybox_image, "command": ["sleep", "3600"]}],
-                "terminationGracePeriodSeconds": 0,
-            },
-        }
         t0 = time.monotonic()
-        cluster.apply(body)
+        cluster.apply(fresh_pod(cluster, ns, name, node))
         took = watch.first(name, "Running", timeout=180) - t0
         cluster.kubectl("delete", "pod", name, "-n", ns, "--wait=false")
     return took

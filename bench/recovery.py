@@ -113,24 +113,28 @@ def pull_all(reference: str) -> tuple[float, int]:
     return time.monotonic() - t0, total
 
 
+def fresh_pod(cluster: Cluster, ns: str, name: str, node: str) -> dict[str, Any]:
+    """A plain pod of the busybox image, bound to `node` at creation (no scheduler in the bound)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": ns},
+        "spec": {
+            "nodeName": node,
+            "containers": [{"name": "c", "image": cluster.busybox_image, "command": ["sleep", "3600"]}],
+            "terminationGracePeriodSeconds": 0,
+        },
+    }
+
+
 def fresh_start(cluster: Cluster, ns: str, node: str) -> float:
     """Seconds from bound to Running of a plain pod of the busybox image on `node` (second of two:
     the first makes sure the image is cached there)."""
     took = 0.0
     for i in range(2):
         name = f"fresh-{i}"
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "namespace": ns},
-            "spec": {
-                "nodeName": node,  # bound at creation: no scheduler in this bound
-                "containers": [{"name": "c", "image": cluster.busybox_image, "command": ["sleep", "3600"]}],
-                "terminationGracePeriodSeconds": 0,
-            },
-        }
         t0 = time.monotonic()
-        cluster.apply(body)
+        cluster.apply(fresh_pod(cluster, ns, name, node))
         while cluster.get_json("pod", name, "-n", ns)["status"].get("phase") != "Running":
             if time.monotonic() - t0 > 180:
                 raise AssertionError(f"{name} did not run on {node}")
