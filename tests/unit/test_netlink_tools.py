@@ -24,10 +24,16 @@ def test_the_lock_is_one_batch_a_table_and_two_drop_policy_base_chains() -> None
     msgs = nftlock.lock_messages("t")
     kinds = [k for k, _, _ in msgs]
     assert kinds[0] == nftlock.NFNL_MSG_BATCH_BEGIN and kinds[-1] == nftlock.NFNL_MSG_BATCH_END
-    assert kinds[1:-1] == [(10 << 8) | nftlock.NFT_MSG_NEWTABLE] + [(10 << 8) | nftlock.NFT_MSG_NEWCHAIN] * 2
+    chain, rule = (10 << 8) | nftlock.NFT_MSG_NEWCHAIN, (10 << 8) | nftlock.NFT_MSG_NEWRULE
+    assert kinds[1:-1] == [(10 << 8) | nftlock.NFT_MSG_NEWTABLE] + [chain, rule] * 2
     assert all(flags & netlink.NLM_F_ACK for _, flags, _ in msgs[1:-1])
+    # each chain lets CRIU's own marked packets pass (its FIN of a half-closed connection), nothing else
+    for _, _, body in (m for m in msgs if m[0] == rule):
+        attrs = netlink.parse_attrs(body[4:])
+        assert attrs[nftlock.NFTA_RULE_TABLE] == b"t\0"
+        assert struct.pack("=I", nftlock.SOCCR_MARK) in attrs[nftlock.NFTA_RULE_EXPRESSIONS]
     hooks = []
-    for _, _, body in msgs[2:-1]:
+    for _, _, body in (m for m in msgs[2:-1] if m[0] == chain):
         assert body[0] == nftlock.NFPROTO_INET
         attrs = netlink.parse_attrs(body[4:])
         assert attrs[nftlock.NFTA_CHAIN_TABLE] == b"t\0" and attrs[nftlock.NFTA_CHAIN_TYPE] == b"filter\0"
