@@ -39,6 +39,7 @@ def run(*args: str, show: bool = True, env: dict[str, str] | None = None) -> str
         print("$ " + " ".join(shlex.quote(a) for a in args), flush=True)
     proc = subprocess.run(args, text=True, stdout=subprocess.PIPE, env=env)
     if proc.returncode != 0:
+        print(proc.stdout.rstrip(), flush=True)  # what it said before it failed (doctor's table, say)
         raise SystemExit(f"demo: `{' '.join(args)}` failed ({proc.returncode})")
     if show and proc.stdout.strip():
         print(proc.stdout.rstrip(), flush=True)
