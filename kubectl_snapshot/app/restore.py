@@ -137,10 +137,10 @@ def nodes_hold(node: Obj | None, agents: set[str] | None, *, kube: Kube) -> bool
     if node is not None:
         return node["metadata"]["name"] in agents and holds_restore_pods(published_facts(node))
     try:
-        nodes = [n for n in kube.list_nodes() if published_facts(n)]  # nodes without an agent publish none
+        facts = [f for f in map(published_facts, kube.list_nodes()) if f]  # nodes without an agent publish none
     except PermissionDenied:
         return False
-    return bool(nodes) and all(holds_restore_pods(published_facts(n)) for n in nodes)
+    return bool(facts) and all(map(holds_restore_pods, facts))
 
 
 def server_dry_run(body: Obj, artifact: Artifact, *, kube: Kube) -> Obj:

@@ -119,7 +119,8 @@ def _accept_mark(table: str, chain: str) -> bytes:
 
 
 def lock(table: str) -> None:
-    """Drop every packet in this thread's network namespace (idempotent)."""
+    """Drop every packet in this thread's network namespace but CRIU's own (taken again, the same table and
+    chains stay; each gets its accept rule once more, which passes the same packets)."""
     with Netlink(NETLINK_NETFILTER) as nl:
         nl.transact(lock_messages(table), f"nf_tables: creating the lock table inet {table}")
 

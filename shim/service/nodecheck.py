@@ -125,7 +125,8 @@ def dropin_pod_annotations(dropin_file: str) -> list[str]:
     def walk(node: Any) -> list[str]:
         if not isinstance(node, dict):
             return []
-        handler = (node.get("runtimes") or {}).get(K.RUNTIME_CLASS) if isinstance(node.get("runtimes"), dict) else None
+        runtimes = node.get("runtimes")
+        handler = runtimes.get(K.RUNTIME_CLASS) if isinstance(runtimes, dict) else None
         if isinstance(handler, dict) and isinstance(handler.get("pod_annotations"), list):
             return [str(a) for a in handler["pod_annotations"]]
         return next((found for v in node.values() if (found := walk(v))), [])
