@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core.chunks import chunk_digests
 from kubectl_snapshot.core.errors import FailedPrecondition, SnapshotError, Unavailable
 from kubectl_snapshot.core.model import SnapshotConfig, check_layers_match, parse_config
 from kubectl_snapshot.core.oci import Manifest, parse_manifest
@@ -60,6 +61,19 @@ def load_artifact(
 def blob_digests(manifest: Manifest) -> list[str]:
     """Every blob a manifest names (its config, layers and chunks), each once, in the manifest's order."""
     return list(dict.fromkeys(d.digest for d in (manifest.config, *manifest.layers)))
+
+
+def checked_before_restore(artifact: Artifact, *, lazy: bool = False) -> list[str]:
+    """The blobs a restore HEADs before it reserves, downloads or stages anything (threat B3): every one,
+    but a lazy restore leaves out the chunks of the page files. Those are what a lazy restore serves while
+    the pod runs, one HEAD each before it could run (an 8 GiB pod's 500 round trips), and each is verified
+    as it is fetched, served or staged: one the registry lost ends the pod with the lazy failure's Event
+    and its eager restore is refused (docs/lazy-restore.md)."""
+    digests = blob_digests(artifact.manifest)
+    if not lazy:
+        return digests
+    served = set(chunk_digests(p for c in artifact.config.containers for p in c.pages))
+    return [d for d in digests if d not in served]
 
 
 def dangling_after_push(ref: Reference, missing: list[str], total: int) -> SnapshotError:

@@ -24,7 +24,7 @@ from typing import Any
 
 from kubectl_snapshot.adapters.signatures import load_signed, verify_for_restore
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core.artifact import Artifact, blob_digests, dangling_before_restore
+from kubectl_snapshot.core.artifact import Artifact, blob_digests, checked_before_restore, dangling_before_restore
 from kubectl_snapshot.core.diskspace import STAGING, Ask
 from kubectl_snapshot.core.errors import (
     CriuFailed,
@@ -214,12 +214,12 @@ def stage_artifact(
     limits = limits or RestoreLimits()
     check_limit(plan, limits)
     # a manifest whose registry lacks some of its blobs (threat B3) is refused before any download
-    digests = blob_digests(artifact.manifest)
+    # (a lazy restore: but the page files' chunks, each verified as it is fetched; see checked_before_restore)
     t = clock()
-    missing = missing_blobs(registry, artifact.reference, digests)
+    missing = missing_blobs(registry, artifact.reference, checked_before_restore(artifact, lazy=lazy))
     spent["presence_ms"] = (clock() - t) * 1000
     if missing:
-        raise dangling_before_restore(artifact.reference, missing, len(digests))
+        raise dangling_before_restore(artifact.reference, missing, len(blob_digests(artifact.manifest)))
     count = progress_counter(on_bytes, plan.download_bytes)
     blobs: dict[str, str] = {}
     # Each container's page files download beside its layer, into a private directory next to its

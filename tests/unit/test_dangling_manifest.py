@@ -122,3 +122,30 @@ def test_a_restore_of_a_complete_manifest_downloads_and_stages(tmp_path: Path) -
     stage_artifact(art, [str(staged / "a"), str(staged / "b")], registry=pulls, paths=paths)
     assert sorted(pulls.downloads) == sorted(layer.digest for layer in art.manifest.layers)
     assert os.listdir(staged / "a") and os.listdir(staged / "b")
+
+
+def _with_pages() -> Any:
+    """A snapshot whose one container keeps its pages in two chunks (one with a delta on a base)."""
+    from kubectl_snapshot.core.artifact import Artifact
+    from kubectl_snapshot.core.chunks import Chunk, Delta, PagesFile
+    from kubectl_snapshot.core.model import ContainerRecord, SnapshotConfig
+    from kubectl_snapshot.core.oci import Descriptor, Manifest
+
+    layer, base, delta, other, config = ("sha256:" + c * 64 for c in "abcde")
+    pages = (PagesFile("pages-1.img", 2 << 20, (Chunk(0, 1 << 20, base, 10, Delta(delta, 5, 1, 0, 1 << 20)),
+                                                 Chunk(1 << 20, 1 << 20, other, 10))),)  # fmt: skip
+    rec = ContainerRecord(name="c", id="c", image="i", image_digest="", layer_digest=layer, spec={}, pages=pages)
+    cfg = SnapshotConfig(group="g", namespace="n", created="", containers=(rec,), host=HOST)
+    layers = tuple(Descriptor("application/x", d, 1) for d in (layer, base, delta, other))
+    return Artifact(TARGET, Manifest(Descriptor("application/y", config, 1), layers), cfg), (layer, config)
+
+
+def test_a_lazy_restore_heads_all_but_the_chunks_it_serves_as_the_pod_runs() -> None:
+    from kubectl_snapshot.core.artifact import blob_digests, checked_before_restore
+
+    art, (layer, config) = _with_pages()
+    # eager: every blob, chunks included, before anything is staged
+    assert checked_before_restore(art) == blob_digests(art.manifest) and len(blob_digests(art.manifest)) == 5
+    # lazy: the config and the layer still (a missing layer is refused before the pod runs); each chunk is
+    # verified as it is fetched, and one the registry lost ends the pod (tests/e2e/test_lazy_restore.py)
+    assert checked_before_restore(art, lazy=True) == [config, layer]
