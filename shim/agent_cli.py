@@ -593,13 +593,13 @@ def serve_cmd(address: str, namespace: str, socket_path: str, guard_socket: str)
     "--tls-dir",
     default=K.KEY_BROKER_TLS_DIR,
     show_default=True,
-    help="tls.crt and tls.key (the Secret `kubectl snapshot install --key-broker` makes).",
+    help="tls.crt and tls.key (the Secret `kubectl snapshot install` makes with the key broker).",
 )
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Out-of-cluster use (development).")
 @handle_errors
 def key_broker_cmd(listen: str, tls_dir: str, kubeconfig: str | None) -> None:
     """Serve the namespace keys' operations to the agents, each for a pod of the caller's own node
-    (the Deployment of `kubectl snapshot install --key-broker`; docs/security.md)."""
+    (the Deployment `kubectl snapshot install` makes unless --no-key-broker; docs/security.md)."""
     import signal
 
     from kubectl_snapshot.adapters.keystore import SecretKeyProvider

@@ -1,5 +1,5 @@
 """`BrokerKeyProvider`: the `KeyProvider` port of core/sealing.py answered by the key broker
-(shim/service/keybroker.py, opt-in with `kubectl snapshot install --key-broker`).
+(shim/service/keybroker.py, deployed by `kubectl snapshot install` unless --no-key-broker).
 
 The agent never holds a namespace key: each operation is one HTTPS request (wire format:
 core/keyaccess.py) carrying the agent pod's projected token for audience ``kubectl-snapshot-keys``
@@ -112,7 +112,7 @@ class BrokerKeyProvider:
         except OSError as e:
             raise Unavailable(
                 f"keys unavailable: cannot read the agent's token for the key broker ({self.token_file}): {e.strerror}",
-                hint="install with --key-broker mounts it into the agent; reinstall, or check the DaemonSet",
+                hint="an install with the key broker mounts it into the agent; reinstall, or check the DaemonSet",
             ) from None
         data = json.dumps(body).encode()
         try:

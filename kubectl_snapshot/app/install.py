@@ -378,7 +378,25 @@ def trust_objects(
     return [{**cm_ref, "metadata": {**cm_ref["metadata"], "labels": labels}, "data": data}]
 
 
-# --- the key broker (opt-in: install --key-broker; kubectl_snapshot/deploy/keybroker.py) -------------------
+# --- the key broker (install's default but on host-network; kubectl_snapshot/deploy/keybroker.py) ---------
+
+NO_BROKER_NOTE = (
+    "note: every node's agent can read every namespace's key (--host-network installs go without the key "
+    "broker unless asked: it runs as one replica there, which a node's loss takes away for a while); "
+    "--key-broker with --key-broker-url https://127.0.0.1:PORT where Services are not routed keeps them behind "
+    'it (docs/security.md, "Namespace keys released per node")'
+)
+
+
+def key_broker_default(asked: bool | None, *, host_network: bool, url: str | None) -> bool:
+    """Whether an install keeps the namespace keys behind the key broker: as asked (--key-broker or
+    --no-key-broker), else where a URL for it is given or the agents are not on the nodes' network. On a
+    host-network install the broker is one replica (a second would find its port taken where nodes share
+    a network), so a node's loss would stop every sealed save and restore until it is rescheduled: there
+    it is the operator's choice."""
+    if asked is not None:
+        return asked
+    return bool(url) or not host_network
 
 
 def _ref(kind: str, name: str) -> Obj:

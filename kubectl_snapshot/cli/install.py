@@ -73,16 +73,17 @@ def _importer_key(spec: str) -> tuple[str, bytes]:
     help="Run the agent in the nodes' network namespace (only when the registry is reachable from nodes alone).",
 )
 @click.option(
-    "--key-broker",
-    is_flag=True,
+    "--key-broker/--no-key-broker",
+    default=None,
     help="Keep the namespace keys behind the key broker (a Deployment, the only reader of the key Secret): "
-    "each node's agent gets a key operation only for a save or restore of a pod on its own node (docs/security.md).",
+    "each node's agent gets a key operation only for a save or restore of a pod on its own node (docs/security.md). "
+    "Default: on; off with --host-network unless --key-broker-url is given (the broker then runs as one replica).",
 )
 @click.option(
     "--key-broker-url",
     default=None,
     help="Where the agents reach the key broker (default: its Service; https://127.0.0.1:PORT on host-network "
-    "clusters without kube-proxy, the broker then runs host-network too).",
+    "clusters without kube-proxy, the broker then runs host-network too). Implies --key-broker.",
 )
 @click.option(
     "--rotate-signing-key",
@@ -120,7 +121,7 @@ def install_cmd(
     api_server: str | None,
     node_config: str | None,
     host_network: bool,
-    key_broker: bool,
+    key_broker: bool | None,
     key_broker_url: str | None,
     rotate_signing_key: bool,
     trust_keys: tuple[str, ...],
@@ -148,8 +149,11 @@ def install_cmd(
     settings = _install_settings(api_server, node_config, **node)
     if host_network:
         settings["host_network"] = True
-    if key_broker_url and not key_broker:
-        raise click.UsageError("--key-broker-url goes with --key-broker")
+    if key_broker_url and key_broker is False:
+        raise click.UsageError("--key-broker-url goes with the key broker, not with --no-key-broker")
+    key_broker = install_app.key_broker_default(key_broker, host_network=host_network, url=key_broker_url)
+    if not key_broker and host_network and dry_run != "client":
+        click.echo(install_app.NO_BROKER_NOTE, err=True)
     settings["key_broker"] = key_broker
     if key_broker_url:
         settings["key_broker_url"] = key_broker_url

@@ -99,8 +99,9 @@ AGENT_NAMESPACE: Final = "kubectl-snapshot-system"
 AGENT_NAME: Final = "kubectl-snapshot-agent"
 AGENT_LABEL: Final = {"app.kubernetes.io/name": AGENT_NAME}
 AGENT_USER: Final = f"system:serviceaccount:{AGENT_NAMESPACE}:{AGENT_NAME}"
-# The namespace-key broker (opt-in, `install --key-broker`; shim/service/keybroker.py): its name (Deployment,
-# Service, ServiceAccount, roles), port, TLS Secret (made by install), the agents' copy of its certificate.
+# The namespace-key broker (install's default, on host-network when asked; shim/service/keybroker.py): its
+# name (Deployment, Service, ServiceAccount, roles), port, TLS Secret (made by install), the agents' copy
+# of its certificate.
 KEY_BROKER_NAME: Final = "kubectl-snapshot-key-broker"
 KEY_BROKER_PORT: Final = 9643
 KEY_BROKER_TLS_SECRET: Final = "kubectl-snapshot-key-broker-tls"

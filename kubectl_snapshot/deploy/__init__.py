@@ -47,9 +47,10 @@ def render(
     several nodes on one machine; missing keys fall back to the defaults above. `host_network`: run the
     agent in the node's network namespace, only where the registry is reachable from the nodes alone
     (the local cluster's registry listens on loopback); nothing else in the agent needs it.
-    `key_broker` (opt-in): the namespace keys are read by the key broker only, the agents ask it
-    (deploy/keybroker.py); `key_broker_url` is where agents reach it (default: its Service; a host-network
-    cluster without kube-proxy gives ``https://127.0.0.1:PORT``, the broker then runs host-network too).
+    `key_broker` (the CLI install's default; render()'s and the chart's: off): the namespace keys are read
+    by the key broker only, the agents ask it (deploy/keybroker.py); `key_broker_url` is where agents reach
+    it (default: its Service; a host-network cluster without kube-proxy gives ``https://127.0.0.1:PORT``, the
+    broker then runs host-network too).
     """
     if not image or any(c.isspace() for c in image):
         raise InvalidArgument(f"image must be an image reference, got {image!r}")
@@ -80,7 +81,7 @@ def render(
         rbac.grant_cluster_role(labels),
         *rbac.policy_cluster_roles(labels),
         *resume_admission.roles(labels),
-        # the agents read the key Secret themselves, or (opt-in) only the key broker does
+        # the agents read the key Secret themselves, or (with the broker) only the key broker does
         *([] if key_broker else [keys.key_role(labels), keys.key_role_binding(labels)]),
         trust.trust_role(labels),
         trust.trust_role_binding(labels),

@@ -84,7 +84,7 @@ class AgentSettings:
     restart_command: str | None
     per_node_paths: Mapping[str, Mapping[str, str]]
     host_network: bool = False
-    key_broker_url: str | None = None  # opt-in key broker (deploy/keybroker.py): the agents ask it for keys
+    key_broker_url: str | None = None  # key broker (deploy/keybroker.py): the agents ask it for keys
 
 
 check_path = NS.check_path

@@ -1,5 +1,5 @@
-"""The namespace-key broker's objects (opt-in: `kubectl snapshot install --key-broker`; docs/security.md,
-"Namespace keys released per node").
+"""The namespace-key broker's objects (`kubectl snapshot install`'s default, on host-network when asked;
+docs/security.md, "Namespace keys released per node").
 
 The broker (a Deployment, the agent image running ``ks-agent key-broker``: two replicas behind its
 Service with a PodDisruptionBudget, one on host-network installs) is then the

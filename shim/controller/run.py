@@ -188,7 +188,7 @@ def run(
     log.info("saves: %d at once, %d freezing and dumping at once", save_workers, dump_slots)
     queue = WorkQueue("snapshots", on_length=metrics.queue.set, workers=save_workers)
     # encryption at rest is on: namespace keys in one Secret of the agent's namespace (adapters/keystore.py),
-    # or, installed with --key-broker, behind the key broker (adapters/keybroker.py), which alone reads it
+    # or, installed with the key broker (the default), behind it (adapters/keybroker.py), which alone reads it
     broker_url = os.environ.get(K.ENV_KEY_BROKER, "")
     keys: KeyProvider = BrokerKeyProvider(broker_url) if broker_url else SecretKeyProvider(kube)
     log.info("namespace keys: %s", f"the key broker at {broker_url}" if broker_url else "the key Secret")

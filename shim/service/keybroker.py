@@ -1,4 +1,4 @@
-"""The namespace-key broker (`ks-agent key-broker`, a Deployment of `kubectl snapshot install --key-broker`).
+"""The namespace-key broker (`ks-agent key-broker`, a Deployment of `kubectl snapshot install`).
 
 The only reader of the namespace keys Secret (through `SecretKeyProvider`); it answers the operations of
 core/sealing's `NamespaceKey` (``key``: the key's id, made on a save's first use; ``wrap`` and ``unwrap``,

@@ -27,7 +27,7 @@ CLEANUP = f"DaemonSet {K.AGENT_NAMESPACE}/{CLEANUP_NAME}"
 
 class Controllers:
     """The API server's and the DaemonSet controller's work, done when the installer sleeps: CRDs become
-    Established, DaemonSets roll out on `nodes` nodes (unless told to hang)."""
+    Established, DaemonSets roll out on `nodes` nodes and Deployments become available (unless told to hang)."""
 
     def __init__(self, kube: FakeKube, *, nodes: int = 2, crds_hang: bool = False, ds_hang: bool = False) -> None:
         self.kube, self.nodes, self.crds_hang, self.ds_hang = kube, nodes, crds_hang, ds_hang
@@ -46,6 +46,13 @@ class Controllers:
                     "desiredNumberScheduled": n,
                     "updatedNumberScheduled": n,
                     "numberAvailable": n,
+                }
+            if obj["kind"] == "Deployment" and not self.ds_hang:  # the key broker
+                r = obj["spec"].get("replicas", 1)
+                obj["status"] = {
+                    "observedGeneration": obj["metadata"]["generation"],
+                    "updatedReplicas": r,
+                    "availableReplicas": r,
                 }
 
     def run(self, fn: Any, objects: list[Obj], **kw: Any) -> list[str]:
@@ -241,8 +248,11 @@ def cli(kube: FakeKube | None, monkeypatch: pytest.MonkeyPatch, *args: str) -> A
     return CliRunner().invoke(cli_main.cli, list(args), catch_exceptions=False)
 
 
+CLI_DEFAULT = {"key_broker": True}  # what `kubectl snapshot install` renders without flags
+
+
 def installed() -> tuple[FakeKube, list[Obj]]:
-    objects = A.render(None, {})
+    objects = A.render(None, CLI_DEFAULT)
     kube = FakeKube(crds=False)
     Controllers(kube).run(A.install, objects)
     kube.journal.clear()
@@ -268,7 +278,7 @@ def test_install_server_dry_run_on_a_fresh_cluster_checks_what_it_can(monkeypatc
     """The API server refuses a dry run inside a namespace that does not exist yet (kubernetes#83562):
     what the install puts in its own namespace is shown unchecked, said so, instead of failing."""
     kube = FakeKube(crds=False)
-    objects = A.render(None, {})
+    objects = A.render(None, CLI_DEFAULT)
     before = dict(kube.objects)
     monkeypatch.setattr(wiring, "kube_client", lambda: kube)
     result = CliRunner().invoke(cli_main.cli, ["install", "--dry-run=server", "-o", "name"], catch_exceptions=False)
@@ -341,8 +351,17 @@ def _rolled_out_at_once(kube: FakeKube) -> None:
             "numberAvailable": 2,
         }
 
+    def available(_kube: FakeKube, obj: Obj) -> None:
+        replicas = obj["spec"].get("replicas", 1)
+        kube.objects[kube._key(obj)]["status"] = {
+            "observedGeneration": obj["metadata"]["generation"],
+            "updatedReplicas": replicas,
+            "availableReplicas": replicas,
+        }
+
     kube.react("CustomResourceDefinition", established)
     kube.react("DaemonSet", rolled_out)
+    kube.react("Deployment", available)
 
 
 NAMESPACE_KEY = base64.b64encode(b"k" * 32).decode()  # the agent's entry for namespace "team"
@@ -381,10 +400,11 @@ def test_uninstall_keeps_the_keys_in_their_namespace_and_a_reinstall_uses_them(m
     assert result.exit_code == 0, result.output
     assert _key_data(kube) == keys  # untouched
     assert kube.get_object({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": K.AGENT_NAMESPACE}})
-    assert not [line for line in kube.journal if "Secret" in line or "ConfigMap" in line]
+    kept_names = (K.KEY_SECRET, K.SIGNING_KEY_SECRET, K.TRUST_CONFIG_MAP)
+    assert not [line for line in kube.journal if any(line.endswith(f"/{name}") for name in kept_names)]
     assert f"delete Namespace {K.AGENT_NAMESPACE}" not in kube.journal
-    # everything else is gone: the agent, its RBAC, the CRDs, the policies, the RuntimeClass
-    rendered = A.render(None, {})
+    # everything else is gone: the agent, its RBAC, the key broker, the CRDs, the policies, the RuntimeClass
+    rendered = A.render(None, CLI_DEFAULT)
     assert all(kube.get_object(o) is None for o in rendered if o["kind"] != "Namespace")
     assert kube.names("DaemonSet") == [] and kube.names("ServiceAccount") == []
     kept = [f"Secret/{K.KEY_SECRET}", f"Secret/{K.SIGNING_KEY_SECRET}", f"ConfigMap/{K.TRUST_CONFIG_MAP}"]
@@ -421,7 +441,8 @@ def test_uninstall_dry_runs_show_the_keys_kept_or_purged(monkeypatch: pytest.Mon
     kube.journal.clear()
     result = cli(kube, monkeypatch, "uninstall", "--dry-run=server", "-o", "json")
     assert result.exit_code == 0, result.output
-    assert not any("Secret" in line or line.startswith("delete Namespace") for line in kube.journal)
+    kept = (K.KEY_SECRET, K.SIGNING_KEY_SECRET, K.TRUST_CONFIG_MAP)
+    assert not any(f"/{name} " in line or line.startswith("delete Namespace") for line in kube.journal for name in kept)
     assert f"Namespace/{K.AGENT_NAMESPACE}" in json.loads(result.stdout)["kept"]
     kube.journal.clear()
     result = cli(kube, monkeypatch, "uninstall", "--dry-run=server", "--purge-keys", "-o", "json")

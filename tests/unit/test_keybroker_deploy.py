@@ -145,8 +145,9 @@ def _secret_and_cm(kube: FakeKube) -> tuple[dict[str, Any] | None, dict[str, Any
 
 def test_install_with_the_broker_then_without_and_uninstall(monkeypatch: pytest.MonkeyPatch) -> None:
     kube = _with_deployments(FakeKube(crds=False))
-    result = cli(kube, monkeypatch, "install", "--key-broker")
+    result = cli(kube, monkeypatch, "install")  # the default: with the broker
     assert result.exit_code == 0, result.output
+    assert "every node's agent can read every namespace's key" not in result.output
     secret, cm = _secret_and_cm(kube)
     assert secret is not None and cm is not None and secret["type"] == "kubernetes.io/tls"
     cert = base64.b64decode(secret["data"]["tls.crt"]).decode()
@@ -163,8 +164,8 @@ def test_install_with_the_broker_then_without_and_uninstall(monkeypatch: pytest.
     result = cli(kube, monkeypatch, "install", "--key-broker", "--key-broker-url", "https://127.0.0.1:9643")
     assert result.exit_code == 0, result.output
     assert _secret_and_cm(kube)[0] == secret
-    # back to the default: the broker and its certificate go, the agents' Role on the key Secret is back
-    result = cli(kube, monkeypatch, "install")
+    # without it: the broker and its certificate go, the agents' Role on the key Secret is back
+    result = cli(kube, monkeypatch, "install", "--no-key-broker")
     assert result.exit_code == 0, result.output
     assert _secret_and_cm(kube) == (None, None)
     assert not [n for n in kube.names("Deployment") if BROKER in n]
@@ -179,6 +180,38 @@ def test_install_with_the_broker_then_without_and_uninstall(monkeypatch: pytest.
     assert kube.get_object(A.kept_key_objects()[0]) is not None
 
 
-def test_key_broker_url_needs_the_broker(monkeypatch: pytest.MonkeyPatch) -> None:
-    result = cli(FakeKube(crds=False), monkeypatch, "install", "--key-broker-url", "https://127.0.0.1:9643")
-    assert result.exit_code == 2 and "--key-broker-url goes with --key-broker" in result.output
+def test_key_broker_url_does_not_go_with_no_key_broker(monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = FakeKube(crds=False)
+    result = cli(kube, monkeypatch, "install", "--no-key-broker", "--key-broker-url", "https://127.0.0.1:9643")
+    assert result.exit_code == 2 and "--key-broker-url goes with the key broker" in result.output
+    assert kube.journal == []  # refused before anything was applied
+
+
+def _names(monkeypatch: pytest.MonkeyPatch, *flags: str) -> list[str]:
+    result = cli(None, monkeypatch, "install", "--dry-run=client", "-o", "name", *flags)
+    assert result.exit_code == 0, result.output
+    return list(result.stdout.split())
+
+
+def test_the_broker_is_installed_by_default_and_on_host_network_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    broker = f"deployment.apps/{BROKER}"
+    agents_keys = f"role.rbac.authorization.k8s.io/{keys.key_role({})['metadata']['name']}"
+    assert broker in _names(monkeypatch) and agents_keys not in _names(monkeypatch)
+    without = _names(monkeypatch, "--no-key-broker")
+    assert broker not in without and agents_keys in without
+    # host-network: one replica, which a node's loss would take away: off unless asked (a URL asks)
+    assert broker not in _names(monkeypatch, "--host-network")
+    assert broker in _names(monkeypatch, "--host-network", "--key-broker-url", "https://127.0.0.1:9643")
+    assert broker in _names(monkeypatch, "--host-network", "--key-broker")
+
+
+def test_a_host_network_install_without_the_broker_says_what_agents_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    kube = _with_deployments(FakeKube(crds=False))
+    result = cli(kube, monkeypatch, "install", "--host-network")
+    assert result.exit_code == 0, result.output
+    assert "note: every node's agent can read every namespace's key" in result.output
+    assert "--key-broker" in result.output
+    assert not [n for n in kube.names("Deployment") if BROKER in n]
+    result = cli(kube, monkeypatch, "install", "--host-network", "--key-broker", "--key-broker-url",
+                 "https://127.0.0.1:9643")  # fmt: skip
+    assert result.exit_code == 0 and "note: every node's agent" not in result.output, result.output
