@@ -16,6 +16,7 @@ import base64
 import http.client
 import json
 import ssl
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -165,12 +166,76 @@ class BrokerKeyProvider:
         )
 
 
+class _Slot:
+    def __init__(self, item: bytes) -> None:
+        self.item = item
+        self.woken = threading.Event()
+        self.lead = False
+        self.result: bytes | None = None
+        self.error: BaseException | None = None
+
+    def outcome(self) -> bytes:
+        if self.error is not None:
+            raise self.error
+        assert self.result is not None
+        return self.result
+
+
+class _Coalesced:
+    """One item's call of `many` (a list's request) from several threads at once, made in as few requests
+    as they allow: while a request is in flight, the items other threads ask for wait, and go together
+    in the next (at most `limit`), sent by one of them; a caller with no request in flight sends at once.
+    A save seals its chunks on several workers, each chunk's key a `mac` of the broker: one request per
+    chunk before, one per wave of workers now. A failed request fails the calls whose items it held."""
+
+    def __init__(self, many: Callable[[Sequence[bytes]], list[bytes]], limit: int) -> None:
+        self._many, self._limit = many, max(1, limit)
+        self._lock = threading.Lock()
+        self._waiting: list[_Slot] = []
+        self._busy = False
+        self.requests = 0  # sent so far (for the tests and the curious)
+
+    def __call__(self, item: bytes) -> bytes:
+        slot = _Slot(item)
+        with self._lock:
+            self._waiting.append(slot)
+            lead, self._busy = not self._busy, True
+        if not lead:
+            slot.woken.wait()  # its result came, or the request before it ended and it sends the next
+            if not slot.lead:
+                return slot.outcome()
+        with self._lock:  # the first waiting slot is this one: nothing is taken from the list but here
+            batch, self._waiting = self._waiting[: self._limit], self._waiting[self._limit :]
+            self.requests += 1
+        try:
+            results = self._many([s.item for s in batch])
+            if len(results) != len(batch):
+                raise Unavailable(f"keys unavailable: {len(results)} answers to {len(batch)} items", hint=_HINT)
+            for s, r in zip(batch, results, strict=True):
+                s.result = r
+        except BaseException as e:
+            for s in batch:
+                s.error = e
+        finally:
+            with self._lock:
+                nxt = self._waiting[0] if self._waiting else None
+                self._busy = nxt is not None
+            for s in batch:
+                if s is not slot:
+                    s.woken.set()
+            if nxt is not None:  # the next request goes from a thread that waits for it
+                nxt.lead = True
+                nxt.woken.set()
+        return slot.outcome()
+
+
 class BrokerNamespaceKey:
     """One namespace's key as the broker holds it, for one pod's save or restore."""
 
     def __init__(self, provider: BrokerKeyProvider, namespace: str, use: KeyUse, key_id: str | None) -> None:
         self.provider, self.namespace, self.use = provider, namespace, use
         self._key_id = key_id or ""
+        self._mac = _Coalesced(self.mac_many, KA.MAX_MACS)
 
     def bind(self, key_id: str) -> None:
         if not key_id:
@@ -242,7 +307,8 @@ class BrokerNamespaceKey:
             raise Unavailable("keys unavailable: the key broker forgot the opened snapshot", hint=_HINT) from None
 
     def mac(self, data: bytes) -> bytes:
-        return self.mac_many([data])[0]
+        """One MAC; the calls of several threads at once share requests (`_Coalesced`)."""
+        return self._mac(data)
 
     def mac_many(self, items: Sequence[bytes]) -> list[bytes]:
         """Several MACs, at most `MAX_MACS` a request."""

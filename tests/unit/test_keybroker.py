@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from kubectl_snapshot.adapters.keybroker import BUSY_WAIT_S, BrokerKeyProvider, BrokerNamespaceKey
+from kubectl_snapshot.adapters.keybroker import BUSY_WAIT_S, BrokerKeyProvider, BrokerNamespaceKey, _Coalesced
 from kubectl_snapshot.adapters.keystore import FileKeyProvider
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import keyaccess as KA
@@ -344,6 +344,107 @@ def test_mac_is_batched(broker: str, cluster: Cluster, tls: tuple[str, str], tmp
     assert isinstance(key, BrokerNamespaceKey)
     macs = key.mac_many([i.to_bytes(2, "big") for i in range(KA.MAX_MACS + 3)])
     assert len(macs) == KA.MAX_MACS + 3 and macs[258] == key.mac((258).to_bytes(2, "big"))
+
+
+def _callers(call: Any, items: list[bytes]) -> tuple[list[threading.Thread], dict[bytes, Any]]:
+    got: dict[bytes, Any] = {}
+
+    def one(item: bytes) -> None:
+        try:
+            got[item] = call(item)
+        except Exception as e:
+            got[item] = e
+
+    return [threading.Thread(target=one, args=(i,)) for i in items], got
+
+
+def test_macs_asked_at_once_by_several_threads_share_requests() -> None:
+    """The first caller's request is held until seven more wait: they go together in one request, each
+    gets its own answer; a caller with nothing in flight sends at once (no added wait)."""
+    sent: list[list[bytes]] = []
+    held = threading.Event()
+
+    def many(items: Sequence[bytes]) -> list[bytes]:
+        sent.append(list(items))
+        if len(sent) == 1:
+            held.wait(10)
+        return [b"mac:" + i for i in items]
+
+    macs = _Coalesced(many, limit=5)
+    threads, got = _callers(macs, [bytes([i]) for i in range(8)])
+    threads[0].start()
+    deadline = time.monotonic() + 10
+    while not sent and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for t in threads[1:]:
+        t.start()
+    while len(macs._waiting) < 7 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    held.set()
+    for t in threads:
+        t.join(10)
+    assert got == {bytes([i]): b"mac:" + bytes([i]) for i in range(8)}
+    assert [len(b) for b in sent] == [1, 5, 2] and macs.requests == 3  # 3 requests for 8, at most 5 each
+    assert macs(b"z") == b"mac:z" and sent[-1] == [b"z"]  # alone: at once, in a request of its own
+
+
+def test_a_failed_request_fails_only_the_calls_it_held() -> None:
+    held = threading.Event()
+    calls = [0]
+
+    def many(items: Sequence[bytes]) -> list[bytes]:
+        calls[0] += 1
+        if calls[0] == 1:
+            held.wait(10)
+            return [b"ok" for _ in items]
+        raise Unavailable("keys unavailable: the broker went away")
+
+    macs = _Coalesced(many, limit=256)
+    threads, got = _callers(macs, [b"a", b"b", b"c"])
+    threads[0].start()
+    deadline = time.monotonic() + 10
+    while not calls[0] and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for t in threads[1:]:
+        t.start()
+    while len(macs._waiting) < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    held.set()
+    for t in threads:
+        t.join(10)
+    assert got[b"a"] == b"ok"
+    assert all(isinstance(got[k], Unavailable) for k in (b"b", b"c")), got
+    calls[0] = 0  # nothing is left stuck: the next call leads its own request
+    assert macs(b"d") == b"ok"
+
+
+def test_a_saves_chunk_keys_from_several_workers_share_the_brokers_requests(
+    broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path
+) -> None:
+    """Through the real broker: 64 chunks sealed by 8 threads ask fewer `mac`s than chunks, and each
+    chunk's key is the one a single call gives (the restore opens every chunk)."""
+    agent = agent_of("node-a", broker, cluster, tls, tmp_path)
+    sent: list[str] = []
+    post = agent.post
+
+    def counted(body: dict[str, Any]) -> dict[str, Any]:
+        sent.append(str(body["op"]))
+        time.sleep(0.01)  # a broker a network away: the others' chunks queue meanwhile
+        return post(body)
+
+    agent.post = counted  # type: ignore[method-assign]
+    key = agent.namespace_key("x", create=True, use=cluster.add_pod("x", "app", "node-a"))
+    sealer = Sealer(key, "x")
+    plains = [i.to_bytes(4, "big") * 64 for i in range(64)]
+    threads, got = _callers(lambda p: sealer.seal_chunk(p), plains)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert all(isinstance(v, tuple) for v in got.values()) and len(got) == 64, got
+    assert 1 <= sent.count("mac") < 32, sent  # at most one per chunk before
+    alone = Sealer(key, "x")
+    assert all(alone.seal_chunk(p)[1] == got[p][1] for p in plains[:4])  # the same convergent keys
 
 
 def test_another_nodes_pod_gets_no_key(broker: str, cluster: Cluster, tls: tuple[str, str], tmp_path: Path) -> None:
