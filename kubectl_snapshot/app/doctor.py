@@ -7,7 +7,8 @@ hook are in use and where they came from, every other tool the node side uses (t
 in-process network work in pods' namespaces, with the kernel features it needs), `criu check` with
 that CRIU, the cgroup version, whether containerd's config imports the drop-in directory and whether
 a containerd restart is pending; what blocks a node is listed per node and makes the report not ok.
-Cluster: the CRD, the agent DaemonSet and the RuntimeClass.
+Cluster: the CRD, the agent DaemonSet, the RuntimeClass, and who reads the namespace keys: the key
+broker (its replicas available) or, where it is not installed, every node's agent.
 """
 
 from __future__ import annotations
@@ -87,6 +88,22 @@ def _check(kube: Kube, what: str, obj: Obj) -> dict[str, Any]:
     return {"check": what, "ok": found is not None, "detail": "present" if found else "missing"}
 
 
+def _key_broker(kube: Kube) -> dict[str, Any]:
+    what = f"key broker {K.AGENT_NAMESPACE}/{K.KEY_BROKER_NAME}"
+    ref = {"apiVersion": "apps/v1", "kind": "Deployment",
+           "metadata": {"name": K.KEY_BROKER_NAME, "namespace": K.AGENT_NAMESPACE}}  # fmt: skip
+    try:
+        found = kube.get_object(ref)
+    except PermissionDenied as e:
+        return {"check": what, "ok": False, "detail": f"cannot read: {e.message}"}
+    if found is None:  # a --host-network or --no-key-broker install: a choice, not a fault
+        return {"check": what, "ok": True, "detail": "not installed: every node's agent reads every namespace's key"}
+    want = int((found.get("spec") or {}).get("replicas", 1))
+    available = int((found.get("status") or {}).get("availableReplicas") or 0)
+    # none available: every sealed save and restore fails ("keys unavailable")
+    return {"check": what, "ok": available > 0 or want == 0, "detail": f"{available}/{want} replicas available"}
+
+
 def doctor(*, kube: Kube) -> dict[str, Any]:
     crd = f"{K.PLURAL}.{K.GROUP}"
     checks = [
@@ -109,6 +126,7 @@ def doctor(*, kube: Kube) -> dict[str, Any]:
             f"RuntimeClass {K.RUNTIME_CLASS}",
             {"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": K.RUNTIME_CLASS}},
         ),
+        _key_broker(kube),
     ]
     selector = ",".join(f"{k}={v}" for k, v in K.AGENT_LABEL.items())
     try:

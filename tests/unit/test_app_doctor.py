@@ -60,6 +60,7 @@ def test_a_healthy_cluster_is_ok_with_each_nodes_agent_and_facts() -> None:
         {"check": CRD, "ok": True, "detail": "present"},
         {"check": DS, "ok": True, "detail": "present"},
         {"check": RC, "ok": True, "detail": "present"},
+        {"check": BROKER, "ok": True, "detail": NO_BROKER},
     ]
     assert [n["node"] for n in report["nodes"]] == ["n1", "n2"]  # sorted
     n1 = by_node(report)["n1"]
@@ -87,7 +88,9 @@ def test_without_the_agent_every_node_says_so_and_the_report_is_not_ok() -> None
     kube.add(node("n2"))
     report = doctor(kube=kube)
     assert report["ok"] is False
-    assert [(c["check"], c["detail"]) for c in report["checks"]] == [(CRD, "present"), (DS, "missing"), (RC, "missing")]
+    assert [(c["check"], c["detail"]) for c in report["checks"]] == [
+        (CRD, "present"), (DS, "missing"), (RC, "missing"), (BROKER, NO_BROKER)
+    ]  # fmt: skip
     for n in report["nodes"]:
         assert n["agentPod"] == "" and n["agentReady"] is False
         assert n["criuVersion"] == UNKNOWN and n["criu"]["path"] == UNKNOWN and n["blockers"] == [NOT_PUBLISHED]
@@ -158,3 +161,32 @@ def test_the_command_exits_1_and_names_what_is_bad(monkeypatch: pytest.MonkeyPat
     assert f"BAD {DS}: missing" in result.output and f"ok  {CRD}: present" in result.output
     monkeypatch.setattr(wiring, "kube_client", lambda: healthy("n1"))
     assert CliRunner().invoke(cli_main.cli, ["doctor"], catch_exceptions=False).exit_code == 0
+
+
+BROKER = f"key broker {K.AGENT_NAMESPACE}/{K.KEY_BROKER_NAME}"
+NO_BROKER = "not installed: every node's agent reads every namespace's key"
+
+
+def _broker(replicas: int, available: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": K.KEY_BROKER_NAME, "namespace": K.AGENT_NAMESPACE},
+        "spec": {"replicas": replicas},
+        "status": {"availableReplicas": available},
+    }
+
+
+def test_doctor_says_who_reads_the_namespace_keys_and_whether_the_broker_answers() -> None:
+    kube = healthy("n1")
+    kube.add(_broker(2, 2))  # the default install's broker, both replicas up
+    report = doctor(kube=kube)
+    assert report["ok"] is True and report["checks"][-1] == {
+        "check": BROKER,
+        "ok": True,
+        "detail": "2/2 replicas available",
+    }
+    kube.objects[("apps/v1", "Deployment", K.AGENT_NAMESPACE, K.KEY_BROKER_NAME)]["status"] = {}
+    report = doctor(kube=kube)  # none available: every sealed save and restore would fail
+    assert report["ok"] is False
+    assert report["checks"][-1] == {"check": BROKER, "ok": False, "detail": "0/2 replicas available"}
