@@ -358,6 +358,26 @@ def _callers(call: Any, items: list[bytes]) -> tuple[list[threading.Thread], dic
     return [threading.Thread(target=one, args=(i,)) for i in items], got
 
 
+def _first_then_the_rest(
+    macs: _Coalesced, items: list[bytes], first_sent: Any, held: threading.Event
+) -> dict[bytes, Any]:
+    """The first item's call sent (and held in `many` until `held`), then the others' calls made and
+    waiting, then the first released; each call's result (or error) by item."""
+    threads, got = _callers(macs, items)
+    threads[0].start()
+    deadline = time.monotonic() + 10
+    while not first_sent() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    for t in threads[1:]:
+        t.start()
+    while len(macs._waiting) < len(items) - 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    held.set()
+    for t in threads:
+        t.join(10)
+    return got
+
+
 def test_macs_asked_at_once_by_several_threads_share_requests() -> None:
     """The first caller's request is held until seven more wait: they go together in one request, each
     gets its own answer; a caller with nothing in flight sends at once (no added wait)."""
@@ -371,18 +391,7 @@ def test_macs_asked_at_once_by_several_threads_share_requests() -> None:
         return [b"mac:" + i for i in items]
 
     macs = _Coalesced(many, limit=5)
-    threads, got = _callers(macs, [bytes([i]) for i in range(8)])
-    threads[0].start()
-    deadline = time.monotonic() + 10
-    while not sent and time.monotonic() < deadline:
-        time.sleep(0.005)
-    for t in threads[1:]:
-        t.start()
-    while len(macs._waiting) < 7 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    held.set()
-    for t in threads:
-        t.join(10)
+    got = _first_then_the_rest(macs, [bytes([i]) for i in range(8)], lambda: bool(sent), held)
     assert got == {bytes([i]): b"mac:" + bytes([i]) for i in range(8)}
     assert [len(b) for b in sent] == [1, 5, 2] and macs.requests == 3  # 3 requests for 8, at most 5 each
     assert macs(b"z") == b"mac:z" and sent[-1] == [b"z"]  # alone: at once, in a request of its own
@@ -400,18 +409,7 @@ def test_a_failed_request_fails_only_the_calls_it_held() -> None:
         raise Unavailable("keys unavailable: the broker went away")
 
     macs = _Coalesced(many, limit=256)
-    threads, got = _callers(macs, [b"a", b"b", b"c"])
-    threads[0].start()
-    deadline = time.monotonic() + 10
-    while not calls[0] and time.monotonic() < deadline:
-        time.sleep(0.005)
-    for t in threads[1:]:
-        t.start()
-    while len(macs._waiting) < 2 and time.monotonic() < deadline:
-        time.sleep(0.005)
-    held.set()
-    for t in threads:
-        t.join(10)
+    got = _first_then_the_rest(macs, [b"a", b"b", b"c"], lambda: calls[0] > 0, held)
     assert got[b"a"] == b"ok"
     assert all(isinstance(got[k], Unavailable) for k in (b"b", b"c")), got
     calls[0] = 0  # nothing is left stuck: the next call leads its own request
