@@ -25,6 +25,13 @@ AGENT = f"DaemonSet {K.AGENT_NAMESPACE}/{K.AGENT_NAME}"
 CLEANUP = f"DaemonSet {K.AGENT_NAMESPACE}/{CLEANUP_NAME}"
 
 
+def deployment_available(obj: Obj) -> dict[str, Any]:
+    """The status the Deployment controller gives `obj` once every replica is up."""
+    replicas = obj["spec"].get("replicas", 1)
+    return {"observedGeneration": obj["metadata"]["generation"], "updatedReplicas": replicas,
+            "availableReplicas": replicas}  # fmt: skip
+
+
 class Controllers:
     """The API server's and the DaemonSet controller's work, done when the installer sleeps: CRDs become
     Established, DaemonSets roll out on `nodes` nodes and Deployments become available (unless told to hang)."""
@@ -48,12 +55,7 @@ class Controllers:
                     "numberAvailable": n,
                 }
             if obj["kind"] == "Deployment" and not self.ds_hang:  # the key broker
-                r = obj["spec"].get("replicas", 1)
-                obj["status"] = {
-                    "observedGeneration": obj["metadata"]["generation"],
-                    "updatedReplicas": r,
-                    "availableReplicas": r,
-                }
+                obj["status"] = deployment_available(obj)
 
     def run(self, fn: Any, objects: list[Obj], **kw: Any) -> list[str]:
         steps: list[str] = []
@@ -352,12 +354,7 @@ def _rolled_out_at_once(kube: FakeKube) -> None:
         }
 
     def available(_kube: FakeKube, obj: Obj) -> None:
-        replicas = obj["spec"].get("replicas", 1)
-        kube.objects[kube._key(obj)]["status"] = {
-            "observedGeneration": obj["metadata"]["generation"],
-            "updatedReplicas": replicas,
-            "availableReplicas": replicas,
-        }
+        kube.objects[kube._key(obj)]["status"] = deployment_available(obj)
 
     kube.react("CustomResourceDefinition", established)
     kube.react("DaemonSet", rolled_out)

@@ -147,5 +147,6 @@ def test_a_lazy_restore_heads_all_but_the_chunks_it_serves_as_the_pod_runs() -> 
     # eager: every blob, chunks included, before anything is staged
     assert checked_before_restore(art) == blob_digests(art.manifest) and len(blob_digests(art.manifest)) == 5
     # lazy: the config and the layer still (a missing layer is refused before the pod runs); each chunk is
-    # verified as it is fetched, and one the registry lost ends the pod (tests/e2e/test_lazy_restore.py)
+    # verified as it is fetched, and one that cannot be fetched ends the pod (tests/e2e/test_lazy_restore.py,
+    # tests/integration/test_lazy_session.py)
     assert checked_before_restore(art, lazy=True) == [config, layer]

@@ -127,14 +127,7 @@ def test_behind_its_service_the_broker_runs_two_replicas_kept_through_drains() -
 
 
 def _with_deployments(kube: FakeKube) -> FakeKube:
-    _rolled_out_at_once(kube)
-
-    def available(_kube: FakeKube, obj: dict[str, Any]) -> None:
-        n = obj["spec"]["replicas"]
-        status = {"observedGeneration": obj["metadata"]["generation"], "updatedReplicas": n, "availableReplicas": n}
-        kube.objects[kube._key(obj)]["status"] = status
-
-    kube.react("Deployment", available)
+    _rolled_out_at_once(kube)  # its controllers make the broker's Deployment available too
     return kube
 
 
