@@ -138,7 +138,9 @@ def resign(original: Reference, edited: Reference, key: SigningKey) -> None:
 
 def edit_core_images(layer: bytes, edit: Callable[[dict[str, Any]], None]) -> bytes:
     """A container layer (tar.zst, plaintext) with `edit(creds)` applied to the credentials of every
-    thread in every checkpoint/core-*.img (decoded and re-encoded with pycriu)."""
+    thread in every checkpoint/core-*.img (decoded and re-encoded with pycriu). A zombie's core
+    image (a child that exited but was not reaped yet at the freeze, e.g. the counter's `sleep`)
+    has no thread_core, so no credentials to edit; it is copied as it is."""
     import pycriu.images as images
     import zstandard
 
@@ -154,8 +156,12 @@ def edit_core_images(layer: bytes, edit: Callable[[dict[str, Any]], None]) -> by
             name = m.name.split("/")[-1]
             if data is not None and name.startswith("core-") and name.endswith(".img"):
                 img = images.load(io.BytesIO(data))
-                for entry in img["entries"]:
-                    edit(entry["thread_core"]["creds"])
+                threads = [e["thread_core"] for e in img["entries"] if "thread_core" in e]
+                if not threads:
+                    dst.addfile(m, io.BytesIO(data))
+                    continue
+                for tc in threads:
+                    edit(tc["creds"])
                 buf = io.BytesIO()
                 images.dump(img, buf)
                 data = buf.getvalue()
