@@ -1,10 +1,16 @@
-"""The Kubernetes API adapter: the only module that imports `kubernetes`.
+"""The Kubernetes API adapter: the only module that reaches the API server.
 
-Why raw REST through ``ApiClient.call_api`` rather than the typed APIs: the plugin and the agent pass
-API objects around as plain dicts (the PodSnapshot has no generated model; pod specs are recorded and
-replayed verbatim), and the typed models drop fields they do not know. So every call here sends and
-returns the API server's JSON unchanged, while kubeconfig loading, TLS, exec/token auth and in-cluster
-token refresh stay with the official client. Every ApiException becomes a project error:
+Raw REST, JSON in and out, rather than the typed APIs: the plugin and the agent pass API objects around
+as plain dicts (the PodSnapshot has no generated model; pod specs are recorded and replayed verbatim),
+and the typed models drop fields they do not know. Two connections behind the same `request`:
+
+- `kubeconn.LightApi` (the plugin's, from a kubeconfig): urllib3 and the standard library's TLS; it
+  saves the plugin the official client's import (about 0.3 s per command);
+- `OfficialApi`: the official `kubernetes` client's ``ApiClient.call_api`` (imported only here, only when
+  used): the agent's in-cluster ServiceAccount (token refresh), and kubeconfigs the light one hands over
+  (auth-provider plugins, proxies: kubeconn's docstring).
+
+Every answer outside 2xx (an `ApiError`) becomes a project error:
 
     401 -> PermissionDenied (kubeconfig hint)     403 -> PermissionDenied (the server's message)
     404 -> NotFound                               409 -> FailedPrecondition (retryable: a conflict)
@@ -15,18 +21,19 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import quote
 
 import urllib3
-from kubernetes import client as k8s_client
-from kubernetes import config as k8s_config
-from kubernetes.client.exceptions import ApiException
-from kubernetes.config.config_exception import ConfigException
 
+if TYPE_CHECKING:  # imported where used: the plugin's commands mostly go without it (kubeconn)
+    from kubernetes import client as k8s_client
+
+from kubectl_snapshot.adapters import kubeconn
+from kubectl_snapshot.adapters.kubeconn import ApiError
+from kubectl_snapshot.core import kubeconfig as KC
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.errors import (
@@ -79,7 +86,7 @@ def _pods_path(ns: str | None, name: str | None = None) -> str:
     return f"{path}/{_q(name)}" if name else path
 
 
-def _api_status(e: ApiException) -> dict[str, Any]:
+def _api_status(e: ApiError) -> dict[str, Any]:
     """The API server's Status object in the error's body, or {}."""
     body: Any = e.body
     if isinstance(body, bytes):
@@ -91,12 +98,12 @@ def _api_status(e: ApiException) -> dict[str, Any]:
     return status if isinstance(status, dict) else {}
 
 
-def _api_message(e: ApiException) -> str:
+def _api_message(e: ApiError) -> str:
     message = _api_status(e).get("message")
     return str(message) if message else f"{e.status} {e.reason}".strip()
 
 
-def _api_reason(e: ApiException) -> str:
+def _api_reason(e: ApiError) -> str:
     """The Status object's `reason` (AlreadyExists, Conflict, ...), or ''."""
     return str(_api_status(e).get("reason") or "")
 
@@ -124,8 +131,8 @@ def _admission_hint(msg: str) -> str:
     return "kubectl-snapshot's admission policy refused it (the reason is above); see docs/security.md"
 
 
-def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
-    """An ApiException as the project's error, keeping the API server's own words."""
+def map_api_error(e: ApiError, what: str, server: str) -> SnapshotError:
+    """An answer outside 2xx as the project's error, keeping the API server's own words."""
     msg = _api_message(e)
     if e.status == 401:
         return PermissionDenied(
@@ -163,8 +170,60 @@ def map_api_error(e: ApiException, what: str, server: str) -> SnapshotError:
 
 def kubeconfig_contexts(kubeconfig: str | None = None) -> list[str]:
     """The context names of a kubeconfig ($KUBECONFIG, else ~/.kube/config), for completion."""
-    contexts, _current = k8s_config.list_kube_config_contexts(kubeconfig)
-    return [str(c["name"]) for c in contexts if c.get("name")]
+    return KC.context_names(kubeconn.read_kubeconfig(kubeconfig))
+
+
+class Api(Protocol):
+    """One connection to the API server: `request` returns a 2xx answer, its body not read yet, and
+    raises ApiError for any other (urllib3's errors where none came)."""
+
+    host: str
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        body: Any = None,
+        timeout: float | tuple[float, float] | None = None,
+    ) -> urllib3.BaseHTTPResponse: ...
+
+
+class OfficialApi:
+    """The official client's ApiClient behind `Api`."""
+
+    def __init__(self, client: k8s_client.ApiClient) -> None:
+        self.client = client
+        self.host = str(client.configuration.host)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        query: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+        body: Any = None,
+        timeout: float | tuple[float, float] | None = None,
+    ) -> urllib3.BaseHTTPResponse:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            resp: urllib3.BaseHTTPResponse = self.client.call_api(
+                path,
+                method,
+                query_params=list((query or {}).items()),
+                header_params=dict(headers or {}),
+                body=body,
+                auth_settings=["BearerToken"],
+                _preload_content=False,
+                _request_timeout=timeout,
+            )
+        except ApiException as e:
+            raise ApiError(int(e.status or 0), str(e.reason or ""), e.body) from e
+        return resp
 
 
 def apply_overrides(
@@ -175,7 +234,7 @@ def apply_overrides(
     impersonate: str | None = None,
     impersonate_groups: tuple[str, ...] = (),
 ) -> None:
-    """kubectl's connection flags on top of what the kubeconfig set."""
+    """kubectl's connection flags on top of what the kubeconfig set (the official client's)."""
     cfg = api.configuration
     host = (server if "://" in server else f"https://{server}") if server else None
 
@@ -204,9 +263,12 @@ def apply_overrides(
     if impersonate:
         api.set_default_header("Impersonate-User", impersonate)
     if len(impersonate_groups) > 1:
-        # the API server wants one Impersonate-Group header per group, and the kubernetes client sends a
-        # dict of headers (one value each): refuse rather than impersonate fewer groups than asked
-        raise InvalidArgument("only one --as-group can be given to kubectl-snapshot", hint="impersonate a single group")
+        # the official client sends a dict of headers (one value each) and the API server wants one
+        # Impersonate-Group header per group: refuse rather than impersonate fewer groups than asked
+        raise InvalidArgument(
+            "only one --as-group can be given where the kubeconfig needs the official kubernetes client",
+            hint="impersonate a single group (kubeconn's docstring says which kubeconfigs need it)",
+        )
     if impersonate_groups:
         api.set_default_header("Impersonate-Group", impersonate_groups[0])
 
@@ -214,10 +276,10 @@ def apply_overrides(
 class KubeClient:
     """A thin, dict-in/dict-out client for the calls the plugin and the agent make."""
 
-    def __init__(self, api: k8s_client.ApiClient, *, namespace: str = "default") -> None:
+    def __init__(self, api: Api, *, namespace: str = "default") -> None:
         self.api = api
         self.namespace = namespace  # the context's namespace (or the in-cluster pod's), for defaults
-        self.server = str(api.configuration.host)
+        self.server = api.host
         self._resources: dict[tuple[str, str], tuple[str, bool]] = {}
 
     # --- construction --------------------------------------------------------------------------------
@@ -235,8 +297,43 @@ class KubeClient:
     ) -> KubeClient:
         """Load a kubeconfig like kubectl does ($KUBECONFIG, else ~/.kube/config; --context), then apply
         kubectl's overrides: --server, --token (replaces the kubeconfig's user credentials for bearer
-        auth), --as/--as-group (Impersonate-* headers). With --server and no kubeconfig, none is needed."""
-        where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config"
+        auth), --as/--as-group (Impersonate-* headers). With --server and no kubeconfig, none is needed.
+        The light connection serves it unless the kubeconfig needs the official client (kubeconn)."""
+        light = kubeconn.load(
+            kubeconfig,
+            context,
+            server=server,
+            token=token,
+            impersonate=impersonate,
+            impersonate_groups=impersonate_groups,
+        )
+        if light is not None:
+            return cls(light, namespace=light.namespace)
+        return cls._official_from_config(
+            kubeconfig,
+            context,
+            server=server,
+            token=token,
+            impersonate=impersonate,
+            impersonate_groups=impersonate_groups,
+        )
+
+    @classmethod
+    def _official_from_config(
+        cls,
+        kubeconfig: str | None,
+        context: str | None,
+        *,
+        server: str | None,
+        token: str | None,
+        impersonate: str | None,
+        impersonate_groups: tuple[str, ...],
+    ) -> KubeClient:
+        from kubernetes import client as k8s_client
+        from kubernetes import config as k8s_config
+        from kubernetes.config.config_exception import ConfigException
+
+        where = kubeconn.kubeconfig_name(kubeconfig)
         chosen: dict[str, Any] | None = None
         try:
             try:
@@ -256,17 +353,18 @@ class KubeClient:
             else:
                 api = k8s_client.ApiClient(configuration=k8s_client.Configuration())
         except (ConfigException, OSError, TypeError, ValueError) as e:
-            raise FailedPrecondition(
-                f"cannot load kubeconfig {where}: {e}",
-                hint="pass --kubeconfig PATH or set $KUBECONFIG to a valid kubeconfig (or --server and --token)",
-            ) from e
+            raise FailedPrecondition(f"cannot load kubeconfig {where}: {e}", hint=kubeconn.LOAD_HINT) from e
         apply_overrides(api, server=server, token=token, impersonate=impersonate, impersonate_groups=impersonate_groups)
         ns = str(((chosen or {}).get("context") or {}).get("namespace") or "default")
-        return cls(api, namespace=ns)
+        return cls(OfficialApi(api), namespace=ns)
 
     @classmethod
     def in_cluster(cls) -> KubeClient:
-        """Use the pod's ServiceAccount (the agent)."""
+        """Use the pod's ServiceAccount (the agent), through the official client (its token refresh)."""
+        from kubernetes import client as k8s_client
+        from kubernetes import config as k8s_config
+        from kubernetes.config.config_exception import ConfigException
+
         cfg = k8s_client.Configuration()
         try:
             k8s_config.load_incluster_config(client_configuration=cfg)
@@ -280,7 +378,7 @@ class KubeClient:
                 ns = f.read().strip() or "default"
         except OSError:
             ns = "default"
-        return cls(k8s_client.ApiClient(configuration=cfg), namespace=ns)
+        return cls(OfficialApi(k8s_client.ApiClient(configuration=cfg)), namespace=ns)
 
     # --- transport -----------------------------------------------------------------------------------
 
@@ -297,17 +395,15 @@ class KubeClient:
         stream: bool = False,
     ) -> Any:
         try:
-            resp = self.api.call_api(
-                path,
+            resp = self.api.request(
                 method,
-                query_params=[(k, v) for k, v in (query or {}).items() if v is not None],
-                header_params={"Accept": JSON, "Content-Type": content_type},
+                path,
+                query={k: v for k, v in (query or {}).items() if v is not None},
+                headers={"Accept": JSON, "Content-Type": content_type},
                 body=body,
-                auth_settings=["BearerToken"],
-                _preload_content=False,
-                _request_timeout=timeout,
+                timeout=timeout,
             )
-        except ApiException as e:
+        except ApiError as e:
             raise map_api_error(e, what, self.server) from e
         except (urllib3.exceptions.HTTPError, OSError) as e:
             raise Unavailable(
@@ -315,7 +411,12 @@ class KubeClient:
             ) from e
         if stream:
             return resp
-        data = resp.data
+        try:
+            data = resp.data
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise Unavailable(f"{what}: the answer of the API server at {self.server} broke off: {_reason(e)}") from e
+        finally:
+            resp.release_conn()
         if not data:
             return {}
         try:
@@ -858,6 +959,4 @@ def _parse_event(line: bytes, what: str) -> tuple[str, dict[str, Any]] | None:
 
 def _watch_error(code: int, message: str, what: str) -> SnapshotError:
     """An in-stream watch ERROR (a Status object), mapped like the same HTTP error."""
-    e = ApiException(status=code, reason=message)
-    e.body = json.dumps({"message": message}).encode()
-    return map_api_error(e, what, "the API server")
+    return map_api_error(ApiError(code, message, json.dumps({"message": message}).encode()), what, "the API server")

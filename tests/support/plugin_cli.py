@@ -31,14 +31,18 @@ def ks_plugin(cluster: Cluster) -> PluginRun:
         pytest.skip(f"{PLUGIN} is not installed (run hack/setup-venv.sh)")
 
     def run(
-        *args: str, kubeconfig: Path | None = None, check: bool = False, timeout: float = 180
+        *args: str,
+        kubeconfig: Path | None = None,
+        check: bool = False,
+        timeout: float = 180,
+        env: dict[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
             [str(PLUGIN), *args, "--kubeconfig", str(kubeconfig or cluster.kubeconfig)],
             capture_output=True,
             text=True,
             timeout=timeout,
-            env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
+            env={"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", **(env or {})},
         )
         if check and proc.returncode != 0:
             raise AssertionError(f"kubectl-snapshot {' '.join(args)} failed ({proc.returncode}): {proc.stderr}")

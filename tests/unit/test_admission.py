@@ -14,9 +14,9 @@ import re
 from typing import Any
 
 import pytest
-from kubernetes.client.exceptions import ApiException
 
 from kubectl_snapshot.adapters.kube import map_api_error
+from kubectl_snapshot.adapters.kubeconn import ApiError
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import InvalidArgument, PermissionDenied
 from kubectl_snapshot.core.reference import Reference
@@ -246,10 +246,8 @@ def test_no_cel_string_literal_is_broken() -> None:
         admission._quote("it's")
 
 
-def _denied(message: str, status: int = 403) -> ApiException:
-    e = ApiException(status=status, reason="Forbidden")
-    e.body = json.dumps({"kind": "Status", "message": message}).encode()
-    return e
+def _denied(message: str, status: int = 403) -> ApiError:
+    return ApiError(status, "Forbidden", json.dumps({"kind": "Status", "message": message}).encode())
 
 
 def test_plugin_turns_a_denial_into_a_hint() -> None:

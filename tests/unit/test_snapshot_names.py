@@ -6,9 +6,9 @@ import datetime
 import json
 
 import pytest
-from kubernetes.client.exceptions import ApiException
 
 from kubectl_snapshot.adapters.kube import map_api_error
+from kubectl_snapshot.adapters.kubeconn import ApiError
 from kubectl_snapshot.app.snapshot import NAME_ATTEMPTS, SnapshotRequest, start_snapshot
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core.errors import AlreadyExists, FailedPrecondition
@@ -64,10 +64,8 @@ def test_without_the_crd_it_says_install() -> None:
     assert "kubectl snapshot install" in (e.value.hint or "")
 
 
-def _api(status: int, reason: str) -> ApiException:
-    e = ApiException(status=status, reason="Conflict")
-    e.body = json.dumps({"kind": "Status", "reason": reason, "message": f"it is {reason}"}).encode()
-    return e
+def _api(status: int, reason: str) -> ApiError:
+    return ApiError(status, "Conflict", json.dumps({"kind": "Status", "reason": reason, "message": f"it is {reason}"}))
 
 
 def test_409_already_exists_and_409_conflict_are_told_apart() -> None:
