@@ -25,18 +25,13 @@ import base64
 import binascii
 import hashlib
 import json
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-try:  # the node agent always has it; the krew zipapp (pure Python, one file for every OS) may not
-    from cryptography.exceptions import InvalidSignature
-    from cryptography.hazmat.primitives import hashes, serialization
+if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric import ec
-
-    HAVE_CRYPTOGRAPHY = True
-except ImportError:  # pragma: no cover - exercised by the krew zipapp test
-    HAVE_CRYPTOGRAPHY = False
 
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import timestamps
@@ -132,18 +127,27 @@ class Origin:
 # --- keys ------------------------------------------------------------------------------------------
 
 
-def _need_cryptography() -> None:
-    if not HAVE_CRYPTOGRAPHY:
+def _crypto() -> types.SimpleNamespace:
+    """The cryptography modules, imported when a key is first used: the node agent always has them; the
+    krew zipapp (pure Python, one file for every OS) may not, and the plugin's commands that use no key
+    go without their import (docs/lazy-restore.md: the plugin's start is on a restore's path)."""
+    try:
+        from cryptography.exceptions import InvalidSignature
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+    except ImportError as e:  # pragma: no cover - exercised by the krew zipapp test
         raise FailedPrecondition(
             "signing and verifying snapshots needs the Python package 'cryptography', which is not installed",
             hint="pip install cryptography (the krew build of the plugin cannot bundle it), "
             "or install kubectl-snapshot with pip",
-        )
+        ) from e
+    return types.SimpleNamespace(InvalidSignature=InvalidSignature, hashes=hashes, serialization=serialization, ec=ec)
 
 
 def key_id(public: ec.EllipticCurvePublicKey) -> str:
     """A short, stable name for a public key: sha256 of its DER SubjectPublicKeyInfo, 16 hex digits."""
-    der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    ser = _crypto().serialization
+    der = public.public_bytes(ser.Encoding.DER, ser.PublicFormat.SubjectPublicKeyInfo)
     return hashlib.sha256(der).hexdigest()[:16]
 
 
@@ -154,22 +158,24 @@ class PublicKey:
 
     @classmethod
     def from_pem(cls, pem: bytes, *, where: str = "public key") -> PublicKey:
-        _need_cryptography()
+        c = _crypto()
         try:
-            key = serialization.load_pem_public_key(pem)
+            key = c.serialization.load_pem_public_key(pem)
         except (ValueError, TypeError) as e:
             raise InvalidArgument(f"{where} is not a PEM public key: {e}") from e
-        if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
+        if not isinstance(key, c.ec.EllipticCurvePublicKey) or not isinstance(key.curve, c.ec.SECP256R1):
             raise InvalidArgument(f"{where} is not an ECDSA P-256 public key", hint="snapshot keys are ECDSA P-256")
         return cls(key, key_id(key))
 
     def to_pem(self) -> bytes:
-        return self.key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        ser = _crypto().serialization
+        return self.key.public_bytes(ser.Encoding.PEM, ser.PublicFormat.SubjectPublicKeyInfo)
 
     def verifies(self, payload: bytes, signature: bytes) -> bool:
+        c = _crypto()
         try:
-            self.key.verify(signature, payload, ec.ECDSA(hashes.SHA256()))
-        except InvalidSignature:
+            self.key.verify(signature, payload, c.ec.ECDSA(c.hashes.SHA256()))
+        except c.InvalidSignature:
             return False
         return True
 
@@ -180,24 +186,23 @@ class SigningKey:
 
     @classmethod
     def generate(cls) -> SigningKey:
-        _need_cryptography()
-        return cls(ec.generate_private_key(ec.SECP256R1()))
+        ec_ = _crypto().ec
+        return cls(ec_.generate_private_key(ec_.SECP256R1()))
 
     @classmethod
     def from_pem(cls, pem: bytes, *, where: str = "signing key") -> SigningKey:
-        _need_cryptography()
+        c = _crypto()
         try:
-            key = serialization.load_pem_private_key(pem, password=None)
+            key = c.serialization.load_pem_private_key(pem, password=None)
         except (ValueError, TypeError) as e:
             raise InvalidArgument(f"{where} is not an unencrypted PEM private key: {e}") from e
-        if not isinstance(key, ec.EllipticCurvePrivateKey) or not isinstance(key.curve, ec.SECP256R1):
+        if not isinstance(key, c.ec.EllipticCurvePrivateKey) or not isinstance(key.curve, c.ec.SECP256R1):
             raise InvalidArgument(f"{where} is not an ECDSA P-256 private key")
         return cls(key)
 
     def to_pem(self) -> bytes:
-        return self.key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
+        ser = _crypto().serialization
+        return self.key.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption())
 
     @property
     def public(self) -> PublicKey:
@@ -206,7 +211,8 @@ class SigningKey:
 
     def sign(self, payload: bytes) -> bytes:
         """DER-encoded ECDSA-SHA256 signature (what cosign stores, base64, in the annotation)."""
-        return self.key.sign(payload, ec.ECDSA(hashes.SHA256()))
+        c = _crypto()
+        return bytes(self.key.sign(payload, c.ec.ECDSA(c.hashes.SHA256())))
 
 
 # --- the signed document ---------------------------------------------------------------------------
