@@ -405,6 +405,16 @@ def require() -> None:
         pytest.skip(f"this kernel has no non-cooperative userfaultfd: {check.stdout}{check.stderr}")
 
 
+def cpu_ticks(pid: int) -> int:
+    """The CPU time the process has run (utime + stime, clock ticks); -1 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return -1
+    return int(fields[11]) + int(fields[12])
+
+
 def zombie(pid: int) -> bool:
     """Whether the process is gone or a zombie (its memory no longer runs)."""
     try:
