@@ -5,37 +5,17 @@ official client it hands unusual kubeconfigs to (KUBECTL_SNAPSHOT_KUBE_CLIENT=of
 
 from __future__ import annotations
 
-import base64
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from tests.support.cluster import Cluster, cluster, namespace
-from tests.support.plugin_cli import PluginRun, ks_plugin, podsnapshot_crd
+from tests.support.plugin_cli import PluginRun, ks_plugin, podsnapshot_crd, user_kubeconfig
 
 pytestmark = pytest.mark.e2e
-
-
-def _kubeconfig(cluster: Cluster, ns: str, user: dict[str, Any], path: Path) -> Path:
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    server = admin["clusters"][0]["cluster"]
-    ca = server.get("certificate-authority-data")
-    if ca is None:
-        ca = base64.b64encode(Path(server["certificate-authority"]).read_bytes()).decode()
-    cfg = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "e2e", "cluster": {"server": server["server"], "certificate-authority-data": ca}}],
-        "users": [{"name": "reader", "user": user}],
-        "contexts": [{"name": "reader", "context": {"cluster": "e2e", "user": "reader", "namespace": ns}}],
-        "current-context": "reader",
-    }
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 def test_each_kind_of_kubeconfig_credential_reaches_the_api_server(
@@ -80,7 +60,7 @@ def test_each_kind_of_kubeconfig_credential_reaches_the_api_server(
         "exec": exec_user,
     }
     for kind, user in users.items():
-        kc = _kubeconfig(cluster, namespace, user, tmp_path / f"{kind}.kubeconfig")
+        kc = user_kubeconfig(cluster, namespace, user, tmp_path / f"{kind}.kubeconfig")
         for env in ({}, {"KUBECTL_SNAPSHOT_KUBE_CLIENT": "official"}):
             listed = ks_plugin("list", "-o", "json", kubeconfig=kc, env=env)
             assert listed.returncode == 0, (kind, env, listed.stderr)
@@ -90,7 +70,7 @@ def test_each_kind_of_kubeconfig_credential_reaches_the_api_server(
             assert other.returncode == 1, (kind, env, other.stderr)
             who = f"system:serviceaccount:{namespace}:reader"
             assert f'User "{who}" cannot list resource "podsnapshots"' in other.stderr, (kind, env, other.stderr)
-    refused = _kubeconfig(cluster, namespace, {"token": token[:-4] + "AAAA"}, tmp_path / "bad.kubeconfig")
+    refused = user_kubeconfig(cluster, namespace, {"token": token[:-4] + "AAAA"}, tmp_path / "bad.kubeconfig")
     for env in ({}, {"KUBECTL_SNAPSHOT_KUBE_CLIENT": "official"}):
         proc = ks_plugin("list", kubeconfig=refused, env=env)
         assert proc.returncode == 1, proc.stderr

@@ -3,16 +3,13 @@ snapshot, and RBAC (a ServiceAccount allowed only in its own namespace)."""
 
 from __future__ import annotations
 
-import base64
-import json
 import uuid
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.support.cluster import Cluster, cluster, namespace
-from tests.support.plugin_cli import PluginRun, ks_plugin, podsnapshot_crd
+from tests.support.plugin_cli import PluginRun, ks_plugin, podsnapshot_crd, user_kubeconfig
 
 pytestmark = pytest.mark.e2e
 
@@ -72,23 +69,7 @@ def test_unknown_reference_and_snapshot(
 def _sa_kubeconfig(cluster: Cluster, ns: str, sa: str, path: Path) -> Path:
     """A kubeconfig for ServiceAccount `sa` with a TokenRequest token (kubectl create token)."""
     token = cluster.kubectl("create", "token", sa, "-n", ns, "--duration=10m").stdout.strip()
-    admin = yaml.safe_load(cluster.kubeconfig.read_text())
-    server_cluster = admin["clusters"][0]["cluster"]
-    ca = server_cluster.get("certificate-authority-data")
-    if ca is None and server_cluster.get("certificate-authority"):
-        ca = base64.b64encode(Path(server_cluster["certificate-authority"]).read_bytes()).decode()
-    cfg = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {"name": "e2e", "cluster": {"server": server_cluster["server"], "certificate-authority-data": ca}}
-        ],
-        "users": [{"name": sa, "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "e2e", "user": sa, "namespace": ns}}],
-        "current-context": "sa",
-    }
-    path.write_text(json.dumps(cfg))
-    return path
+    return user_kubeconfig(cluster, ns, {"token": token}, path)
 
 
 def test_serviceaccount_limited_to_its_namespace_is_forbidden_elsewhere(

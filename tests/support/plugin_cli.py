@@ -2,7 +2,8 @@
 
 ``ks_plugin(*args, kubeconfig=None, check=False)`` runs it with the cluster's admin kubeconfig (or the
 one given) and returns the CompletedProcess. ``podsnapshot_crd`` applies the PodSnapshot CRD from
-``kubectl_snapshot.deploy`` (idempotent) and waits until it is served.
+``kubectl_snapshot.deploy`` (idempotent) and waits until it is served. ``user_kubeconfig`` writes a
+kubeconfig for the cluster's API server with another user's credentials.
 
 Import: ``from tests.support.plugin_cli import ks_plugin, podsnapshot_crd  # noqa: F401``
 (with ``from tests.support.cluster import cluster, namespace  # noqa: F401``).
@@ -10,12 +11,15 @@ Import: ``from tests.support.plugin_cli import ks_plugin, podsnapshot_crd  # noq
 
 from __future__ import annotations
 
+import base64
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from tests.support.cluster import Cluster
 
@@ -59,3 +63,23 @@ def podsnapshot_crd(cluster: Cluster) -> str:
     cluster.apply(podsnapshot_crd(dict(LABELS)))
     cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
     return CRD_NAME
+
+
+def user_kubeconfig(cluster: Cluster, ns: str, user: dict[str, Any], path: Path) -> Path:
+    """A kubeconfig at `path` for the cluster's API server (its CA inline) with `user`'s credentials (a
+    kubeconfig `user` mapping) and `ns` as the context's namespace."""
+    admin = yaml.safe_load(cluster.kubeconfig.read_text())
+    server = admin["clusters"][0]["cluster"]
+    ca = server.get("certificate-authority-data")
+    if ca is None:
+        ca = base64.b64encode(Path(server["certificate-authority"]).read_bytes()).decode()
+    cfg = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "e2e", "cluster": {"server": server["server"], "certificate-authority-data": ca}}],
+        "users": [{"name": "user", "user": user}],
+        "contexts": [{"name": "user", "context": {"cluster": "e2e", "user": "user", "namespace": ns}}],
+        "current-context": "user",
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    return path
