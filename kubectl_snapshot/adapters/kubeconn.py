@@ -167,7 +167,7 @@ def run_exec_plugin(conn: KC.Connection) -> _ExecCredential:
         if conn.ca is not None:
             info["certificate-authority-data"] = _b64(_pem(conn.ca))
         info["server"] = conn.server
-        spec["cluster"] = {_camel(k): v for k, v in info.items()}
+        spec["cluster"] = info  # its keys as the kubeconfig's (client-go's clientauthentication Cluster)
     env = {**os.environ, **dict(plugin.env)}
     env["KUBERNETES_EXEC_INFO"] = json.dumps({"apiVersion": plugin.api_version, "kind": "ExecCredential", "spec": spec})
     what = f"the kubeconfig's credential plugin {plugin.command!r}"
@@ -208,11 +208,6 @@ def _b64(data: bytes) -> str:
     import base64
 
     return base64.b64encode(data).decode()
-
-
-def _camel(key: str) -> str:
-    head, *rest = key.split("-")
-    return head + "".join(p[:1].upper() + p[1:] for p in rest)
 
 
 def ssl_context(conn: KC.Connection, cert: bytes = b"", key: bytes = b"") -> ssl.SSLContext:

@@ -274,12 +274,13 @@ def _plugin(d: Path, api: ApiServer, tokens: list[str], expires_in: int) -> Path
     script = d / "login.py"
     script.write_text(
         f"""#!/usr/bin/env python3
-import datetime, json, os
+import base64, datetime, json, os
 runs = {str(runs)!r}
 n = int(open(runs).read())
 open(runs, "w").write(str(n + 1))
 info = json.loads(os.environ["KUBERNETES_EXEC_INFO"])
 assert info["spec"]["cluster"]["server"] == {api.url!r}, info
+assert "BEGIN CERTIFICATE" in base64.b64decode(info["spec"]["cluster"]["certificate-authority-data"]).decode()
 assert os.environ["FROM_KUBECONFIG"] == "yes"
 exp = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds={expires_in})
 print(json.dumps({{"apiVersion": info["apiVersion"], "kind": "ExecCredential",
