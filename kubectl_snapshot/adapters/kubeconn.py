@@ -158,9 +158,14 @@ def run_exec_plugin(conn: KC.Connection) -> _ExecCredential:
     terminal for its prompts where it may ask), and read its ExecCredential."""
     plugin = conn.exec
     assert plugin is not None
-    interactive = plugin.interactive_mode == "Always" or (
-        plugin.interactive_mode == "IfAvailable" and sys.stdin is not None and sys.stdin.isatty()
-    )
+    terminal = sys.stdin is not None and sys.stdin.isatty()
+    if plugin.interactive_mode == "Always" and not terminal:
+        raise FailedPrecondition(
+            f"the kubeconfig's credential plugin {plugin.command!r} must ask on a terminal "
+            "(interactiveMode: Always), and standard input is not one",
+            hint="run the command from a terminal, or log in with the plugin first",
+        )
+    interactive = terminal and plugin.interactive_mode != "Never"
     spec: dict[str, Any] = {"interactive": interactive}
     if plugin.provide_cluster_info:
         info = {k: v for k, v in conn.cluster.items() if k in ("server", "tls-server-name", "insecure-skip-tls-verify")}

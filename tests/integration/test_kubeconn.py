@@ -334,6 +334,10 @@ def test_an_exec_plugin_that_fails_says_so(pki: Pki, api: ApiServer) -> None:
     user = _exec_user(failing)
     user["exec"].update(command="no-such-login-tool", installHint="install no-such-login-tool from your IdP")
     absent = KubeClient.from_config(kubeconfig(pki.dir / "ka", api.url, user))
+    always = _exec_user(failing)
+    always["exec"]["interactiveMode"] = "Always"  # pytest's stdin is no terminal
+    with pytest.raises(FailedPrecondition, match="must ask on a terminal"):
+        whoami(KubeClient.from_config(kubeconfig(pki.dir / "kw", api.url, always)))
     with pytest.raises(FailedPrecondition, match="not on \\$PATH") as e:
         whoami(absent)
     assert e.value.hint == "install no-such-login-tool from your IdP"
