@@ -14,6 +14,7 @@ does; kube.py maps both to the project's errors.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -210,20 +211,20 @@ def run_exec_plugin(conn: KC.Connection) -> _ExecCredential:
 
 
 def _b64(data: bytes) -> str:
-    import base64
-
     return base64.b64encode(data).decode()
 
 
 def ssl_context(conn: KC.Connection, cert: bytes = b"", key: bytes = b"") -> ssl.SSLContext:
     """TLS to the API server as the kubeconfig says: its CA (else the system's), or no verification
     with insecure-skip-tls-verify; the client certificate (from the plugin when it gave one)."""
-    ctx = ssl.create_default_context()
     if conn.insecure:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
-    elif conn.ca is not None:
+    elif conn.ca is not None:  # the kubeconfig's CA alone: the system's bundle is not read
         ctx = ssl.create_default_context(cadata=_pem(conn.ca).decode("ascii", "replace"))
+    else:
+        ctx = ssl.create_default_context()
     cert = cert or _pem(conn.client_cert)
     key = key or _pem(conn.client_key)
     if cert or key:
