@@ -9,6 +9,11 @@ in a chunk downloads all of it, verified, opened and with its page delta applied
 end (the daemon asks again for the rest). Chunks are kept up to a byte budget, least recently used
 first out; two requests in one chunk download it once. Nothing is written to disk.
 
+Memory is reused, not page-faulted in anew per chunk (the fill's CPU is what limits it on a small node:
+bench/staging.py --modes lazy): each fetching thread keeps its download and decryption buffers
+(`from_registry`), and a chunk's buffer let go by the cache holds the next chunk downloaded once nothing
+serves from it any more (`_Recycled`).
+
 CRIU's daemon fills what no fault asked for in address order, a few MiB at a time, each request waiting
 for the last: a chunk served is followed by the download of the next `readahead` chunks of its file in the
 background (as far as the budget holds them beside it), so that the fill runs at the registry's parallel
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -38,13 +44,14 @@ DEFAULT_CACHE_BYTES = 256 << 20  # 16 chunks of the largest span
 
 class ChunkPageSource:
     """A PageSource over the lazy ranges of `tasks`, read from the chunks of their pages files (`files`,
-    by name: ``pages-<id>.img``); `fetch(chunk, what)` gives a chunk's `length` bytes (verified)."""
+    by name: ``pages-<id>.img``); `fetch(chunk, what, scratch)` gives a chunk's `length` bytes (verified;
+    more held past them are not the chunk's), in `scratch` where it can (a buffer the cache let go)."""
 
     def __init__(
         self,
         tasks: Mapping[int, TaskLayout],
         files: Mapping[str, PagesFile],
-        fetch: Callable[[Chunk, str], bytes | bytearray],
+        fetch: Callable[[Chunk, str, bytearray], bytes | bytearray],
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         readahead: int = 0,
@@ -61,7 +68,8 @@ class ChunkPageSource:
         self._starts = {pf.name: [c.offset for c in pf.chunks] for pf in files.values()}
         self._fetch = fetch
         self._budget = cache_bytes
-        self._cached: OrderedDict[tuple[str, int], bytes | bytearray] = OrderedDict()
+        self._cached: OrderedDict[tuple[str, int], tuple[bytes | bytearray, int]] = OrderedDict()
+        self._free = _Recycled(max(2, readahead + 1))
         self._held = 0
         self._lock = threading.Lock()
         self._loading: dict[tuple[str, int], threading.Lock] = {}
@@ -148,35 +156,81 @@ class ChunkPageSource:
             hit = self._cached.get(key)
             if hit is not None:
                 self._cached.move_to_end(key)
-                return hit
+                return hit[0]
             loading = self._loading.setdefault(key, threading.Lock())
         with loading:  # one download per chunk; the others wait for it
             with self._lock:
                 hit = self._cached.get(key)
                 if hit is not None:
-                    return hit
-            data = self._fetch(chunk, pf.name)
+                    return hit[0]
+            data = self._fetch(chunk, pf.name, self._free.take())
             if len(data) < chunk.length:
                 raise OSError(f"{pf.name}: the chunk at {chunk.offset} gave {len(data)} bytes of {chunk.length}")
-            data = data[: chunk.length] if len(data) > chunk.length else data
             with self._lock:
                 self.fetched += 1
-                self._cached[key] = data
+                self._cached[key] = (data, chunk.length)
                 self._held += chunk.length
                 while self._held > self._budget and len(self._cached) > 1:
-                    _key, old = self._cached.popitem(last=False)
-                    self._held -= len(old)
+                    _key, (old, length) = self._cached.popitem(last=False)
+                    self._held -= length
+                    self._free.give(old)
                 self._loading.pop(key, None)
             return data
 
 
+class _Recycled:
+    """Chunk buffers the cache let go, for the next downloads (at most `keep` of them). A buffer is handed
+    out again only once nothing else refers to it: a page answer being sent is a view of it, and a view
+    holds a reference to its buffer (CPython's reference count says so; where in doubt, a fresh one)."""
+
+    def __init__(self, keep: int) -> None:
+        self._keep = keep
+        self._bufs: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def give(self, buf: bytes | bytearray) -> None:
+        if isinstance(buf, bytearray):
+            with self._lock:
+                if len(self._bufs) < self._keep:
+                    self._bufs.append(buf)
+
+    def take(self) -> bytearray:
+        with self._lock:
+            for i in range(len(self._bufs)):
+                buf = self._bufs[i]
+                if sys.getrefcount(buf) <= _UNSHARED:
+                    del self._bufs[i]
+                    return buf
+                del buf
+        return bytearray()
+
+
+def _held_by_the_list_alone() -> int:
+    """What sys.getrefcount says of a buffer held by a list and one local name only (3 on CPython)."""
+    bufs = [bytearray()]
+    buf = bufs[0]
+    return sys.getrefcount(buf)
+
+
+_UNSHARED = _held_by_the_list_alone()
+
+
 def from_registry(
     registry: Registry, ref: Reference, opener: Opener | None = None
-) -> Callable[[Chunk, str], bytearray]:
-    """The `fetch` of a ChunkPageSource over a snapshot in a registry (`opener`: a sealed snapshot's)."""
+) -> Callable[[Chunk, str, bytearray], bytearray]:
+    """The `fetch` of a ChunkPageSource over a snapshot in a registry (`opener`: a sealed snapshot's): each
+    thread that fetches keeps its download and decryption buffers from chunk to chunk; the chunk's pages go
+    into the `scratch` buffer it is given."""
+    kept = threading.local()
 
-    def fetch(chunk: Chunk, what: str) -> bytearray:
-        data = stream.chunk_content(registry, ref, chunk, what=what, opener=opener)
+    def fetch(chunk: Chunk, what: str, scratch: bytearray) -> bytearray:
+        def buffer(name: str) -> bytearray:
+            if name == "raw":
+                return scratch
+            bufs: dict[str, bytearray] = kept.__dict__.setdefault("bufs", {})
+            return bufs.setdefault(name, bytearray())
+
+        data = stream.chunk_content(registry, ref, chunk, what=what, opener=opener, buffer=buffer)
         return data if isinstance(data, bytearray) else bytearray(data)
 
     return fetch

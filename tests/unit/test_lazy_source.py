@@ -96,7 +96,7 @@ def test_what_is_not_a_lazy_page_is_refused_as_the_page_server_expects() -> None
             src.pages(dst, vaddr, 1)
     with pytest.raises(KeyError, match=r"pages-9\.img"):  # a task whose pages file the snapshot lacks
         ChunkPageSource(
-            {1: TaskLayout(pid=1, pages_id=9, layout=LazyLayout((), (), LAZY))}, {pf.name: pf}, lambda c, w: b""
+            {1: TaskLayout(pid=1, pages_id=9, layout=LazyLayout((), (), LAZY))}, {pf.name: pf}, lambda c, w, s: b""
         )
 
 
@@ -227,3 +227,27 @@ def test_a_read_ahead_that_fails_is_forgotten_and_the_request_says_why() -> None
         assert blobs.fetched[2:] == [pf.chunks[1].digest]
     finally:
         src.close()
+
+
+def test_a_buffer_the_cache_let_go_holds_a_later_chunk_only_once_no_answer_views_it() -> None:
+    pf, z = chunked(RAW, 8 * P)
+    src = source(Blobs(z), pf, cache_bytes=8 * P)  # room for one chunk
+    second = HEAP + (1 << 20)
+    held = src.pages(1, second, 2)  # chunk 0, its answer still being sent
+    assert isinstance(held, memoryview)
+    first_buf = id(held.obj)
+    answer = src.pages(1, second + 2 * P, 1)  # chunk 1: chunk 0 goes out of the cache, still viewed
+    assert isinstance(answer, memoryview)
+    chunk1_buf = id(answer.obj)
+    answer.release()
+    answer = src.pages(1, second + 10 * P, 1)  # chunk 2: chunk 0's buffer is still viewed, a fresh one
+    assert isinstance(answer, memoryview)
+    assert id(answer.obj) not in (first_buf, chunk1_buf) and bytes(answer) == RAW[16 * P : 17 * P]
+    answer.release()
+    assert bytes(held) == RAW[6 * P : 8 * P]  # untouched
+    # chunk 0 again: the buffer chunk 1 had (nothing views it) holds it; the viewed one is still not used
+    answer = src.pages(1, second, 2)
+    assert isinstance(answer, memoryview)
+    assert id(answer.obj) == chunk1_buf and bytes(answer) == RAW[6 * P : 8 * P]
+    assert bytes(held) == RAW[6 * P : 8 * P]
+    assert src.fetched == 4
