@@ -7,7 +7,8 @@ A chunk is one zstd frame verified whole by its digest (docs/format.md), so the 
 in a chunk downloads all of it, verified, opened and with its page delta applied exactly as staging does
 (stream.chunk_content); later requests are answered from memory, and an answer never crosses a chunk's
 end (the daemon asks again for the rest). Chunks are kept up to a byte budget, least recently used
-first out; two requests in one chunk download it once. Nothing is written to disk.
+first out, by content: two requests in one chunk, or in two places that hold the same chunk (a forked
+worker's memory shared with its parent), download it once. Nothing is written to disk.
 
 Memory is reused, not page-faulted in anew per chunk (the fill's CPU is what limits it on a small node:
 bench/staging.py --modes lazy): each fetching thread keeps its download and decryption buffers
@@ -31,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
-from kubectl_snapshot.core.chunks import Chunk, PagesFile
+from kubectl_snapshot.core.chunks import Chunk, Delta, PagesFile
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener
 from shim.criu.lazyimages import TaskLayout
@@ -40,6 +41,14 @@ from shim.engine import stream
 from shim.engine.node_ports import Registry
 
 DEFAULT_CACHE_BYTES = 256 << 20  # 16 chunks of the largest span
+
+_Key = tuple[str, int, Delta | None]
+
+
+def _key(c: Chunk) -> _Key:
+    """A chunk's content: the same blob, length and page delta wherever it is (memory a forked worker
+    shares with its parent is in both tasks' page files), kept and downloaded once."""
+    return (c.digest, c.length, c.delta)
 
 
 class ChunkPageSource:
@@ -68,15 +77,15 @@ class ChunkPageSource:
         self._starts = {pf.name: [c.offset for c in pf.chunks] for pf in files.values()}
         self._fetch = fetch
         self._budget = cache_bytes
-        self._cached: OrderedDict[tuple[str, int], tuple[bytes | bytearray, int]] = OrderedDict()
+        self._cached: OrderedDict[_Key, tuple[bytes | bytearray, int]] = OrderedDict()
         self._free = _Recycled(max(2, readahead + 1))
         self._held = 0
         self._lock = threading.Lock()
-        self._loading: dict[tuple[str, int], threading.Lock] = {}
+        self._loading: dict[_Key, threading.Lock] = {}
         self.fetched = 0  # chunks downloaded (a chunk pushed out of the cache and asked again counts twice)
         self._readahead = max(0, readahead)
         self._pool: ThreadPoolExecutor | None = None
-        self._ahead: set[tuple[str, int]] = set()  # read-aheads queued or running
+        self._ahead: set[_Key] = set()  # read-aheads queued or running
         self._closed = False
 
     def pages(self, dst_id: int, vaddr: int, nr_pages: int) -> bytes | bytearray | memoryview:
@@ -108,7 +117,7 @@ class ChunkPageSource:
             if self._closed:
                 return
             for nxt in pf.chunks[i + 1 : i + 1 + self._readahead]:
-                key = (pf.name, nxt.offset)
+                key = _key(nxt)
                 room -= nxt.length
                 if room < 0:
                     break
@@ -125,7 +134,7 @@ class ChunkPageSource:
                 self._content(pf, chunk)
         finally:
             with self._lock:
-                self._ahead.discard((pf.name, chunk.offset))
+                self._ahead.discard(_key(chunk))
 
     def total_pages(self) -> int:
         return self._index.total_pages()
@@ -151,7 +160,7 @@ class ChunkPageSource:
         return pf.chunks[i]
 
     def _content(self, pf: PagesFile, chunk: Chunk) -> bytes | bytearray:
-        key = (pf.name, chunk.offset)
+        key = _key(chunk)
         with self._lock:
             hit = self._cached.get(key)
             if hit is not None:
@@ -171,7 +180,7 @@ class ChunkPageSource:
                 self._cached[key] = (data, chunk.length)
                 self._held += chunk.length
                 while self._held > self._budget and len(self._cached) > 1:
-                    _key, (old, length) = self._cached.popitem(last=False)
+                    _gone, (old, length) = self._cached.popitem(last=False)
                     self._held -= length
                     self._free.give(old)
                 self._loading.pop(key, None)

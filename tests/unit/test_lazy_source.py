@@ -1,7 +1,8 @@
 """A lazy restore's pages served from a snapshot's chunks (shim/engine/lazysource.py): the bytes are the
 page file's, as staging would write it; an answer ends at its chunk's end; a chunk is downloaded once
 however many requests fall in it (at once too), and again only after the cache let it go; what is not a
-lazy page is refused as the page server expects. Through the page server: the last test. With real CRIU:
+lazy page is refused as the page server expects; a chunk in two places is downloaded once; a buffer is reused
+only once no answer views it. Through the page server: one test. With real CRIU:
 tests/integration/test_lazy_restore.py (a dump's own pages image as the source)."""
 
 from __future__ import annotations
@@ -251,3 +252,22 @@ def test_a_buffer_the_cache_let_go_holds_a_later_chunk_only_once_no_answer_views
     assert id(answer.obj) == chunk1_buf and bytes(answer) == RAW[6 * P : 8 * P]
     assert bytes(held) == RAW[6 * P : 8 * P]
     assert src.fetched == 4
+
+
+def test_a_chunk_two_tasks_share_is_downloaded_once_and_served_to_both() -> None:
+    # a forked worker's memory shared with its parent: the same chunks in both tasks' page files
+    raw = os.urandom(16 * P) + os.urandom(8 * P)
+    pf1, z = chunked(raw, 8 * P)
+    pf2 = PagesFile("pages-2.img", 16 * P, pf1.chunks[:2])  # the child's: the parent's first two chunks
+    tasks = {
+        1: TaskLayout(pid=1, pages_id=1, layout=LazyLayout((), (), (PageRange(HEAP, 24, 0),))),
+        2: TaskLayout(pid=2, pages_id=2, layout=LazyLayout((), (), (PageRange(HEAP, 16, 0),))),
+    }
+    blobs = Blobs(z)
+    src = ChunkPageSource(tasks, {pf1.name: pf1, pf2.name: pf2}, from_registry(blobs, REF))  # type: ignore[arg-type]
+    assert bytes(src.pages(1, HEAP, 8)) == raw[: 8 * P]
+    assert bytes(src.pages(2, HEAP, 8)) == raw[: 8 * P]
+    assert bytes(src.pages(2, HEAP + 8 * P, 8)) == raw[8 * P : 16 * P]
+    assert bytes(src.pages(1, HEAP + 8 * P, 16)) == raw[8 * P : 16 * P]
+    assert bytes(src.pages(1, HEAP + 16 * P, 8)) == raw[16 * P :]
+    assert blobs.fetched == [c.digest for c in pf1.chunks] and src.fetched == 3
