@@ -172,7 +172,7 @@ class ChunkPageSource:
                 hit = self._cached.get(key)
                 if hit is not None:
                     return hit[0]
-            data = self._fetch(chunk, pf.name, self._free.take())
+            data = self._fetch(chunk, pf.name, self._free.take(chunk.length + 1))
             if len(data) < chunk.length:
                 raise OSError(f"{pf.name}: the chunk at {chunk.offset} gave {len(data)} bytes of {chunk.length}")
             with self._lock:
@@ -200,14 +200,16 @@ class _Recycled:
     def give(self, buf: bytes | bytearray) -> None:
         if isinstance(buf, bytearray):
             with self._lock:
-                if len(self._bufs) < self._keep:
-                    self._bufs.append(buf)
+                self._bufs.append(buf)
+                del self._bufs[: -self._keep]  # the oldest go (one of another chunk size is never taken)
 
-    def take(self) -> bytearray:
+    def take(self, need: int) -> bytearray:
+        """A buffer for `need` bytes: one let go that nothing refers to, not much larger (the cache counts
+        what its chunks hold, not their buffers' room), or a fresh one."""
         with self._lock:
             for i in range(len(self._bufs)):
                 buf = self._bufs[i]
-                if sys.getrefcount(buf) <= _UNSHARED:
+                if need <= len(buf) <= need + need // 4 and sys.getrefcount(buf) <= _UNSHARED:
                     del self._bufs[i]
                     return buf
                 del buf

@@ -25,7 +25,7 @@ from shim.criu.lazyimages import TaskLayout
 from shim.criu.pageproto import LazyLayout, PageRange
 from shim.criu.pageserver import PageServer
 from shim.engine import stream
-from shim.engine.lazysource import ChunkPageSource, from_registry
+from shim.engine.lazysource import ChunkPageSource, _Recycled, from_registry
 
 P = PAGE_SIZE
 REF = Reference.parse("reg.example/ns/app@sha256:" + "0" * 64)
@@ -271,3 +271,15 @@ def test_a_chunk_two_tasks_share_is_downloaded_once_and_served_to_both() -> None
     assert bytes(src.pages(1, HEAP + 8 * P, 16)) == raw[8 * P : 16 * P]
     assert bytes(src.pages(1, HEAP + 16 * P, 8)) == raw[16 * P :]
     assert blobs.fetched == [c.digest for c in pf1.chunks] and src.fetched == 3
+
+
+def test_a_buffer_let_go_is_taken_only_for_a_chunk_of_about_its_size() -> None:
+    free = _Recycled(keep=2)
+    free.give(bytearray(100))
+    assert len(free.take(10)) == 0  # much larger than asked: a fresh one (the cache counts pages, not room)
+    assert len(free.take(101)) == 0  # too small
+    assert len(free.take(90)) == 100
+    assert len(free.take(90)) == 0  # taken once
+    for n in (200, 300, 400):
+        free.give(bytearray(n))
+    assert len(free.take(200)) == 0 and len(free.take(400)) == 400  # the oldest went
