@@ -104,7 +104,6 @@ class PageServer:
         """A page server on one end of a Unix socketpair, and the other end (inheritable) for ``criu
         lazy-pages --page-server --ps-socket FD``: no port, nothing another local process can reach."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        _room_for_an_answer(ours)
         theirs.set_inheritable(True)
         return cls(source, connected=ours, **kwargs), theirs
 
@@ -238,22 +237,6 @@ class PageServer:
                 self._on_failure(reason)
             except Exception as e:  # the connection is dropped whatever the callback did
                 self.stats.error = f"{reason}; and on_failure raised {type(e).__name__}: {e}"
-
-
-SEND_BUFFER_BYTES = 5 << 20  # the daemon's largest request (4 MiB of pages, CRIU's MAX_XFER_LEN) and its header
-_SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
-
-
-def _room_for_an_answer(conn: socket.socket) -> None:
-    """A send buffer that holds a whole answer: the daemon reads what has arrived at each wakeup of its
-    epoll (MSG_DONTWAIT), so with the default buffer (~208 KiB) a 4 MiB answer took about 20 round trips
-    between the two processes. Past net.core.wmem_max where the agent may (CAP_NET_ADMIN), else up to it."""
-    for opt in (_SO_SNDBUFFORCE, socket.SO_SNDBUF):
-        try:
-            conn.setsockopt(socket.SOL_SOCKET, opt, SEND_BUFFER_BYTES)
-            return
-        except OSError:
-            continue
 
 
 def _recv_exact(conn: socket.socket, size: int) -> bytes:

@@ -3,7 +3,6 @@ GETs pipelined on one connection, answered in order, then CLOSE. The real daemon
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import threading
@@ -13,7 +12,7 @@ import pytest
 
 from shim.criu import pageproto as pp
 from shim.criu.pageproto import PAGE_SIZE
-from shim.criu.pageserver import SEND_BUFFER_BYTES, PageServer
+from shim.criu.pageserver import PageServer
 
 L = pp.LAYOUT_32
 
@@ -191,23 +190,3 @@ def test_a_socketpair_server_answers_force_close_and_has_no_port() -> None:
         assert recv_exact(theirs, 4) == pp.close_reply(0)
     stats = server.wait(5)
     assert stats.error is None and stats.closed_at is not None and stats.pages == 2
-
-
-def test_a_socketpair_holds_a_whole_answer_of_the_daemons_largest_request() -> None:
-    """The daemon reads what has arrived at each wakeup: the answer to its largest request (4 MiB of pages
-    and a header) is sent at once, without waiting for it to read (as root, the agent; else up to what
-    net.core.wmem_max lets a process have)."""
-    server, theirs = PageServer.over_socketpair(Source(), criu_version="4.2.1")
-    ours = server._conn
-    assert ours is not None
-    with theirs, ours:
-        if os.geteuid() == 0:
-            ours.setblocking(False)
-            answer = memoryview(bytearray((4 << 20) + L.size))
-            sent = 0
-            while sent < len(answer):
-                sent += ours.send(answer[sent:])  # BlockingIOError here: the buffer is too small
-        else:
-            with open("/proc/sys/net/core/wmem_max") as f:
-                cap = 2 * int(f.read())
-            assert ours.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(cap, 2 * SEND_BUFFER_BYTES)
