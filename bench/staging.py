@@ -236,7 +236,8 @@ def stage(artifact: Artifact, opener: Opener | None, workdir: Path) -> tuple[flo
     return took, timings, blocks
 
 
-FILL_FIRST_PAGES, FILL_MAX_PAGES = 16, 1024  # CRIU's lazy-pages daemon: 64 KiB per request, doubling to 4 MiB
+# CRIU's lazy-pages daemon (criu/uffd.c, update_xfer_len): 64 KiB, then 64 KiB more per request, up to 4 MiB
+FILL_STEP_PAGES, FILL_MAX_PAGES = 16, 1024
 
 
 def lazy_tasks(mib: int) -> dict[int, TaskLayout]:
@@ -251,7 +252,7 @@ def lazy_tasks(mib: int) -> dict[int, TaskLayout]:
 def lazy_fill(artifact: Artifact, opener: Opener | None, mib: int) -> tuple[float, int]:
     """Seconds for the agent's lazy page source (shim/engine/lazysource.py, with the agent's cache and
     read-ahead) to serve every page the way CRIU's daemon fills what no fault asked for: in address order,
-    one request at a time, 64 KiB doubling to 4 MiB; and the chunks it downloaded."""
+    one request at a time, 64 KiB growing by 64 KiB per request to 4 MiB; and the chunks it downloaded."""
     tasks = lazy_tasks(mib)
     files = {p.name: p for p in artifact.config.containers[0].pages}
     source = ChunkPageSource(
@@ -261,17 +262,14 @@ def lazy_fill(artifact: Artifact, opener: Opener | None, mib: int) -> tuple[floa
     served = 0
     t = time.monotonic()
     try:
+        ask = FILL_STEP_PAGES  # per task, across its ranges
         for r in tasks[1].layout.lazy:
-            vaddr, left, ask = r.vaddr, r.nr_pages, FILL_FIRST_PAGES
+            vaddr, left = r.vaddr, r.nr_pages
             while left:
                 with memoryview(source.pages(1, vaddr, min(ask, left))) as data:
                     got = len(data) // PAGE_SIZE
-                vaddr, left, served, ask = (
-                    vaddr + got * PAGE_SIZE,
-                    left - got,
-                    served + got,
-                    min(ask * 2, FILL_MAX_PAGES),
-                )
+                vaddr, left, served = vaddr + got * PAGE_SIZE, left - got, served + got
+                ask = min(ask + FILL_STEP_PAGES, FILL_MAX_PAGES)
         took = time.monotonic() - t
     finally:
         source.close()
