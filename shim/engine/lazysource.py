@@ -11,9 +11,9 @@ first out, by content: two requests in one chunk, or in two places that hold the
 worker's memory shared with its parent), download it once. Nothing is written to disk.
 
 Memory is reused, not page-faulted in anew per chunk (the fill's CPU is what limits it on a small node:
-bench/staging.py --modes lazy): each fetching thread keeps its download and decryption buffers
-(`from_registry`), and a chunk's buffer let go by the cache holds the next chunk downloaded once nothing
-serves from it any more (`_Recycled`).
+bench/staging.py --modes lazy): download and decryption buffers go from one fetch to the next
+(`from_registry`), and a chunk's buffer let go by the cache holds a later chunk once nothing serves from
+it any more (`_Recycled`).
 
 CRIU's daemon fills what no fault asked for in address order, a few MiB at a time, each request waiting
 for the last: a chunk served is followed by the download of the next `readahead` chunks of its file in the
@@ -226,22 +226,31 @@ def _held_by_the_list_alone() -> int:
 _UNSHARED = _held_by_the_list_alone()
 
 
+KEEP_SCRATCH = 4  # download and decryption buffer sets kept between fetches (the read-ahead's 3 and a fault's)
+
+
 def from_registry(
     registry: Registry, ref: Reference, opener: Opener | None = None
 ) -> Callable[[Chunk, str, bytearray], bytearray]:
-    """The `fetch` of a ChunkPageSource over a snapshot in a registry (`opener`: a sealed snapshot's): each
-    thread that fetches keeps its download and decryption buffers from chunk to chunk; the chunk's pages go
-    into the `scratch` buffer it is given."""
-    kept = threading.local()
+    """The `fetch` of a ChunkPageSource over a snapshot in a registry (`opener`: a sealed snapshot's). Its
+    download and decryption buffers are reused from fetch to fetch (at most KEEP_SCRATCH sets kept); the
+    chunk's pages go into the `scratch` buffer it is given."""
+    spare: list[dict[str, bytearray]] = []
+    lock = threading.Lock()
 
     def fetch(chunk: Chunk, what: str, scratch: bytearray) -> bytearray:
-        def buffer(name: str) -> bytearray:
-            if name == "raw":
-                return scratch
-            bufs: dict[str, bytearray] = kept.__dict__.setdefault("bufs", {})
-            return bufs.setdefault(name, bytearray())
+        with lock:
+            mine = spare.pop() if spare else {}
 
-        data = stream.chunk_content(registry, ref, chunk, what=what, opener=opener, buffer=buffer)
+        def buffer(name: str) -> bytearray:
+            return scratch if name == "raw" else mine.setdefault(name, bytearray())
+
+        try:  # nothing returned refers to `mine`: the chunk is in `scratch` (or a delta's new buffer)
+            data = stream.chunk_content(registry, ref, chunk, what=what, opener=opener, buffer=buffer)
+        finally:
+            with lock:
+                if len(spare) < KEEP_SCRATCH:
+                    spare.append(mine)
         return data if isinstance(data, bytearray) else bytearray(data)
 
     return fetch

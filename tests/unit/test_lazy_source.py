@@ -283,3 +283,18 @@ def test_a_buffer_let_go_is_taken_only_for_a_chunk_of_about_its_size() -> None:
     for n in (200, 300, 400):
         free.give(bytearray(n))
     assert len(free.take(200)) == 0 and len(free.take(400)) == 400  # the oldest went
+
+
+def test_the_download_buffer_goes_from_one_fetch_to_the_next() -> None:
+    bufs: list[int] = []
+
+    class Seen(Blobs):
+        def fetch_blob(self, ref: object, digest: str, out: Any, **kw: Any) -> int:
+            bufs.append(id(out.buf))
+            return super().fetch_blob(ref, digest, out, **kw)
+
+    pf, z = chunked(RAW, 8 * P)
+    fetch = from_registry(Seen(z), REF)  # type: ignore[arg-type]
+    got = [bytes(fetch(c, pf.name, bytearray())[: c.length]) for c in pf.chunks]
+    assert b"".join(got) == RAW
+    assert len(bufs) == 3 and len(set(bufs)) == 1
