@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import os
 import sys
 import threading
 from collections import OrderedDict
@@ -124,7 +125,9 @@ class ChunkPageSource:
                 if key in self._cached or key in self._ahead or key in self._loading:
                     continue
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(self._readahead, thread_name_prefix="lazy-readahead")
+                    self._pool = ThreadPoolExecutor(
+                        self._readahead, thread_name_prefix="lazy-readahead", initializer=_in_the_background
+                    )
                 self._ahead.add(key)
                 self._pool.submit(self._fetch_ahead, pf, nxt)
 
@@ -185,6 +188,17 @@ class ChunkPageSource:
                     self._free.give(old)
                 self._loading.pop(key, None)
             return data
+
+
+READAHEAD_NICE = 10  # a read-ahead thread's niceness: what the node runs at the default goes first
+
+
+def _in_the_background() -> None:
+    """The calling thread yields the CPU to the node's other work (on Linux a thread's niceness is its
+    own): the read-ahead only fills ahead of the daemon, while the restored container's start, the
+    kubelet noticing it, and the answers to its faults (the page server's own threads) wait for CPU."""
+    with contextlib.suppress(OSError, AttributeError):  # lowering one's own priority needs no privilege
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READAHEAD_NICE)
 
 
 class _Recycled:

@@ -25,7 +25,7 @@ from shim.criu.lazyimages import TaskLayout
 from shim.criu.pageproto import LazyLayout, PageRange
 from shim.criu.pageserver import PageServer
 from shim.engine import stream
-from shim.engine.lazysource import ChunkPageSource, _Recycled, from_registry
+from shim.engine.lazysource import READAHEAD_NICE, ChunkPageSource, _Recycled, from_registry
 
 P = PAGE_SIZE
 REF = Reference.parse("reg.example/ns/app@sha256:" + "0" * 64)
@@ -300,3 +300,25 @@ def test_the_download_buffer_goes_from_one_fetch_to_the_next() -> None:
     got = [bytes(fetch(c, pf.name, bytearray())[: c.length]) for c in pf.chunks]
     assert b"".join(got) == RAW
     assert len(bufs) == 3 and all(b is bufs[0] for b in bufs)
+
+
+def test_the_read_ahead_runs_behind_the_nodes_other_work() -> None:
+    nice: dict[str, int] = {}
+
+    class Seen(Blobs):
+        def fetch_blob(self, ref: object, digest: str, out: Any, **kw: Any) -> int:
+            nice[digest] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            return super().fetch_blob(ref, digest, out, **kw)
+
+    raw = os.urandom(16 * P)
+    pf, z = chunked(raw, 8 * P)
+    src = ChunkPageSource(task(PageRange(HEAP, 16, 0)), {pf.name: pf}, from_registry(Seen(z), REF),  # type: ignore[arg-type]
+                          readahead=1)  # fmt: skip
+    try:
+        assert bytes(src.pages(1, HEAP, 8)) == raw[: 8 * P]
+        _wait(lambda: src.fetched == 2, "the read-ahead")
+    finally:
+        src.close()
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    asked, ahead = (nice[c.digest] for c in pf.chunks)
+    assert asked == ours and ahead == min(19, ours + READAHEAD_NICE)
