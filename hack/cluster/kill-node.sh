@@ -30,7 +30,7 @@ ks_lock
 node_pids() {
   local p
   for p in "kubelet-$node" "containerd-$node"; do
-    [ -f "$(ks_pidfile "$p")" ] && cat "$(ks_pidfile "$p")"
+    ks_pid_of "$p" || true
   done
   grep -lsaF -f <(printf '%s\n' "$KS_RUN/$node/" "$KS_DIR/$node/") /proc/[0-9]*/cmdline 2>/dev/null \
     | while IFS=/ read -r _ _ pid _; do [ "$pid" != $$ ] && [ "$pid" != "$BASHPID" ] && echo "$pid"; done

@@ -57,12 +57,30 @@ ks_lock() {
   export KS_LOCK_HELD=1
 }
 
+# A pid file holds "PID BOOT_ID STARTTIME": a pid alone is not an identity. A pid file that
+# outlived its process (a machine rebooted from a disk image taken while a cluster ran, a daemon
+# that died) names whatever holds that number now, e.g. the very `make demo` that is cleaning up;
+# the boot id and the process's start time (/proc/PID/stat field 22) tell it apart.
 ks_pidfile() { echo "$KS_RUN/pids/$1.pid"; }
-ks_alive() {  # NAME: is the daemon from its pid file running?
-  local f pid
-  f="$(ks_pidfile "$1")"
-  [ -f "$f" ] && pid="$(cat "$f")" && [ -n "$pid" ] && ks_running "$pid"
+ks_proc_id() {  # PID: "BOOT_ID STARTTIME" of that live, non-zombie process; fails if there is none
+  local stat boot
+  stat="$(cat "/proc/$1/stat" 2>/dev/null)" && [ -n "$stat" ] || return 1
+  boot="$(cat /proc/sys/kernel/random/boot_id)" || return 1
+  # fields 3.. follow the last ") " (the command name may hold blanks and parentheses)
+  # shellcheck disable=SC2086
+  set -- ${stat##*) }
+  [ "$1" != Z ] && [ -n "${20:-}" ] || return 1
+  echo "$boot ${20}"
 }
+ks_pid_of() {  # NAME: the pid of the daemon its pid file names, if that very process still runs
+  local f pid id
+  f="$(ks_pidfile "$1")"
+  [ -f "$f" ] || return 1
+  read -r pid id <"$f" || [ -n "$pid" ] || return 1
+  [[ "$pid" =~ ^[0-9]+$ ]] && [ -n "$id" ] && [ "$(ks_proc_id "$pid")" = "$id" ] || return 1
+  echo "$pid"
+}
+ks_alive() { ks_pid_of "$1" >/dev/null; }  # NAME: is the daemon from its pid file running?
 
 ks_net() { nsenter --net="/run/netns/$KS_NETNS" "$@"; }  # CMD... inside ks-net
 
@@ -86,7 +104,8 @@ ks_start() {  # NAME CMD...
     done
     PATH="$KS_PATH" exec setsid "${netns[@]}" "$@"
   ) >>"$KS_DIR/logs/$name.log" 2>&1 </dev/null &
-  echo $! >"$(ks_pidfile "$name")"
+  # the subshell's pid and start time stay the daemon's: setsid and nsenter exec in place
+  echo "$! $(ks_proc_id $! || echo gone)" >"$(ks_pidfile "$name")"
 }
 
 ks_running() {  # PID: alive and not a zombie (PID 1 here reaps orphans only now and then)
@@ -94,22 +113,24 @@ ks_running() {  # PID: alive and not a zombie (PID 1 here reaps orphans only now
   state="$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" && [ -n "$state" ] && [ "$state" != Z ]
 }
 
+ks_same_proc() { [ "$(ks_proc_id "${1%%:*}")" = "${1#*:}" ]; }  # PID:ID: still that process?
+
 ks_stop() {  # [-t TIMEOUT_S] NAME...: SIGTERM all, wait, then SIGKILL what is left
-  local timeout=10 f pid pids=() i alive
+  local timeout=10 pid ids=() i alive
   if [ "${1:-}" = -t ]; then timeout="$2"; shift 2; fi
   for name in "$@"; do
-    f="$(ks_pidfile "$name")"
-    [ -f "$f" ] || continue
-    pid="$(cat "$f")"; rm -f "$f"
-    [ -n "$pid" ] && ks_running "$pid" && kill -TERM "$pid" 2>/dev/null && pids+=("$pid")
+    pid="$(ks_pid_of "$name")" || pid=""
+    rm -f "$(ks_pidfile "$name")"
+    # only the process the pid file recorded: a stale file's number may be anyone's now
+    [ -n "$pid" ] && ids+=("$pid:$(ks_proc_id "$pid")") && { kill -TERM "$pid" 2>/dev/null || true; }
   done
   for ((i = 0; i < timeout * 10; i++)); do
     alive=0
-    for pid in "${pids[@]}"; do ks_running "$pid" && { alive=1; break; }; done
+    for pid in "${ids[@]}"; do ks_same_proc "$pid" && { alive=1; break; }; done
     [ "$alive" = 1 ] || return 0
     sleep 0.1
   done
-  for pid in "${pids[@]}"; do ks_running "$pid" && kill -KILL "$pid" 2>/dev/null; done
+  for pid in "${ids[@]}"; do ks_same_proc "$pid" && kill -KILL "${pid%%:*}" 2>/dev/null; done
   sleep 0.2
   return 0
 }
