@@ -31,6 +31,7 @@ from shim.controller.events import pod_event
 from shim.controller.kube_api import KubeApi
 from shim.criu.lazydaemon import listening
 from shim.criu.pageserver import ServeStats
+from shim.engine.hottraces import TRACES
 from shim.engine.lazyrestore import LazySession, LazyStage, give_slot, session_failure
 from shim.engine.node_ports import Registry
 from shim.engine.precheck import check_staged
@@ -170,6 +171,7 @@ def start_sessions(
                 f"({stats.pages * 4096 / (1 << 20):.0f} MiB) served from {registry_host} in {seconds:.1f} s"
             )
             pod_event(kube, pod, K.EVENT_LAZY_RESTORE_COMPLETE, message)
+            TRACES.remember(uid, container, sessions[container].trace())  # for the pod's next save
 
         return report
 

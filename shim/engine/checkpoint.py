@@ -43,6 +43,7 @@ from kubectl_snapshot.core.oci import parse_manifest
 from kubectl_snapshot.core.provenance import Origin, SigningKey
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
+from shim.engine.hottraces import TRACES
 from shim.engine.node_ports import Containerd, Freezer, FreezerFor, Registry
 from shim.engine.package import (
     PackagedBlob,
@@ -431,6 +432,8 @@ def _package_and_push(
                 file_locks=req.file_locks,
                 stats=stats_future.result(),
                 pages=pc.pages,
+                # what its processes asked for first after their last restore on this node, if any
+                hot=TRACES.recall(req.pod.uid, name) if req.pod is not None and req.pod.uid else (),
             )
         )
         packaged.append(pc)

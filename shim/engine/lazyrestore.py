@@ -27,7 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import hotpages
 from kubectl_snapshot.core.errors import CriuFailed, FailedPrecondition
+from kubectl_snapshot.core.hotpages import HotRange
 from kubectl_snapshot.core.model import ContainerRecord
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener
@@ -91,6 +93,7 @@ class LazyStage:
     tasks: dict[int, TaskLayout]
     source: ChunkPageSource
     kept_bytes: int
+    hot: tuple[HotRange, ...] = ()  # the snapshot's record of the pages asked for first (core/hotpages.py)
 
     @property
     def lazy_bytes(self) -> int:
@@ -124,7 +127,7 @@ def stage_lazy(
     if others:
         fetch_chunks(registry, ref, others, cp, on_bytes=on_bytes, opener=opener)
     kept = rewrite_for_lazy(cp, tasks, source.read)
-    return LazyStage(record.name, staged_dir, tasks, source, kept)
+    return LazyStage(record.name, staged_dir, tasks, source, kept, record.hot)
 
 
 class LazySession:
@@ -166,6 +169,7 @@ class LazySession:
     def start(self) -> LazySession:
         """Serve, start the daemon and return once it listens in the staged dir (raises: nothing left running)."""
         self.started = time.monotonic()
+        self.stage.source.warm(self.stage.hot)  # the pages asked for first last time, before the process runs
         self.server.start()
         try:
             cp = os.path.join(self.stage.staged_dir, C.CHECKPOINT_DIRECTORY)
@@ -216,6 +220,11 @@ class LazySession:
             self._fail(f"internal error supervising the lazy restore: {e}")
         finally:
             self.close()
+
+    def trace(self) -> tuple[HotRange, ...]:
+        """The pages this restore's processes asked for first, then those the snapshot recorded that they
+        have not asked for yet: the container's next snapshot's ``hotPages``."""
+        return hotpages.merge(hotpages.from_faults(self.stage.source.faults()), self.stage.hot)
 
     def hand_over(self) -> None:
         """The container's staged dir is another's from now (an eager restore of the same save staged

@@ -20,6 +20,13 @@ for the last: a chunk served is followed by the download of the next `readahead`
 background (as far as the budget holds them beside it), so that the fill runs at the registry's parallel
 download speed rather than at one chunk's round trip. A read-ahead that fails is forgotten: the request
 that needs that chunk downloads it again and reports what fails.
+
+Most used first: `warm(hot)` downloads the chunks holding the pages the container's processes asked for
+first after their last lazy restore (the snapshot's ``hotPages``, core/hotpages.py), in that order, as
+far as half the cache holds, before the restored process runs; its first faults are then answered from
+memory. The source records this restore's faults for the next snapshot (`faults`): CRIU's daemon asks
+for exactly the faulting page, one page, where its fill asks for at least 16 at a time (a fill of a lone
+page's range looks the same, and is recorded too: a hint can afford it).
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from kubectl_snapshot.core import hotpages
 from kubectl_snapshot.core.chunks import Chunk, Delta, PagesFile
+from kubectl_snapshot.core.hotpages import HotRange
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Opener
 from shim.criu.lazyimages import TaskLayout
@@ -88,9 +97,12 @@ class ChunkPageSource:
         self._pool: ThreadPoolExecutor | None = None
         self._ahead: set[_Key] = set()  # read-aheads queued or running
         self._closed = False
+        self._faults: list[tuple[int, int]] = []  # (pid, page) of one-page requests, in order
 
     def pages(self, dst_id: int, vaddr: int, nr_pages: int) -> bytes | bytearray | memoryview:
         offset, n = self._index.find(dst_id, vaddr, nr_pages)
+        if nr_pages == 1 and len(self._faults) < hotpages.MAX_FAULTS:
+            self._faults.append((dst_id, vaddr))  # list.append is atomic: no lock on the fault's path
         pf = self._file_of[dst_id]
         chunk = self._chunk_at(pf, offset)
         within = offset - chunk.offset
@@ -109,27 +121,64 @@ class ChunkPageSource:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
+    def faults(self) -> list[tuple[int, int]]:
+        """The (pid, page address) of each one-page request so far, in order: the restored processes' faults."""
+        return list(self._faults)
+
+    def warm(self, hot: Sequence[HotRange]) -> int:
+        """Download, in the background and in `hot`'s order, the chunks that hold its pages, as far as half
+        the cache holds (the daemon's fill needs the rest); ranges of no lazy page are passed over.
+        Returns how many chunks were queued."""
+        if not self._readahead:
+            return 0
+        picked: dict[_Key, tuple[PagesFile, Chunk]] = {}
+        room = self._budget // 2
+        for r in hot:
+            pf = self._file_of.get(r.pid)
+            addr, left = r.vaddr, r.pages
+            while pf is not None and left > 0 and room > 0:
+                try:
+                    offset, n = self._index.find(r.pid, addr, left)
+                except KeyError:
+                    break  # not lazy (kept in the staged images) or not this dump's: nothing to fetch
+                end = offset + n * PAGE_SIZE
+                while offset < end and room > 0:
+                    chunk = self._chunk_at(pf, offset)
+                    if _key(chunk) not in picked:
+                        picked[_key(chunk)] = (pf, chunk)
+                        room -= chunk.length
+                    offset = chunk.offset + chunk.length
+                addr, left = addr + n * PAGE_SIZE, left - n
+        queued = 0
+        with self._lock:
+            for pf, chunk in picked.values():
+                queued += self._submit(pf, chunk)
+        return queued
+
     def _read_ahead(self, pf: PagesFile, chunk: Chunk) -> None:
         if not self._readahead:
             return
         i = bisect.bisect_right(self._starts[pf.name], chunk.offset) - 1
         room = self._budget - chunk.length  # the chunk being served stays
         with self._lock:
-            if self._closed:
-                return
             for nxt in pf.chunks[i + 1 : i + 1 + self._readahead]:
-                key = _key(nxt)
                 room -= nxt.length
                 if room < 0:
                     break
-                if key in self._cached or key in self._ahead or key in self._loading:
-                    continue
-                if self._pool is None:
-                    self._pool = ThreadPoolExecutor(
-                        self._readahead, thread_name_prefix="lazy-readahead", initializer=_in_the_background
-                    )
-                self._ahead.add(key)
-                self._pool.submit(self._fetch_ahead, pf, nxt)
+                self._submit(pf, nxt)
+
+    def _submit(self, pf: PagesFile, chunk: Chunk) -> bool:
+        """Queue `chunk`'s download unless it is held, coming, or the source closed (under the lock)."""
+        key = _key(chunk)
+        if self._closed or key in self._cached or key in self._ahead or key in self._loading:
+            return False
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                self._readahead, thread_name_prefix="lazy-readahead", initializer=_in_the_background
+            )
+        self._ahead.add(key)
+        self._pool.submit(self._fetch_ahead, pf, chunk)
+        return True
 
     def _fetch_ahead(self, pf: PagesFile, chunk: Chunk) -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +22,11 @@ import pytest
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core.chunks import PagesFile
+from kubectl_snapshot.core.hotpages import HotRange
 from kubectl_snapshot.core.reference import Reference
 from shim.criu.pageserver import ServeStats
 from shim.engine import lazyrestore
-from shim.engine.lazyrestore import LazySession, stage_lazy
+from shim.engine.lazyrestore import LazySession, LazyStage, stage_lazy
 from shim.engine.staging import lazy_used_dir
 from tests.support import lazyrestore as lr
 from tests.support.registry import RegistryServer
@@ -36,6 +38,7 @@ SIZE = 96 << 20
 class Record:  # what stage_lazy reads of a snapshot's ContainerRecord
     name: str
     pages: tuple[PagesFile, ...]
+    hot: tuple[HotRange, ...] = ()
 
 
 @pytest.fixture(scope="module")
@@ -50,11 +53,12 @@ def box(dumped: tuple[lr.Box, Path]) -> Iterator[lr.Box]:
         yield b
 
 
-def _staged(images: Path, staged: Path, registry: RegistryServer) -> tuple[Record, Reference]:
+def _staged(images: Path, staged: Path, registry: RegistryServer | str) -> tuple[Record, Reference]:
     """The staged dir as the agent's staging leaves it for a lazy restore: the layer's images, no page file."""
     cp = staged / C.CHECKPOINT_DIRECTORY
     cp.mkdir(parents=True)
-    ref = Reference.parse(f"{registry.host}/lazy/session-{os.getpid()}-{staged.name}@sha256:" + "0" * 64)
+    host = registry if isinstance(registry, str) else registry.host
+    ref = Reference.parse(f"{host}/lazy/session-{os.getpid()}-{staged.name}@sha256:" + "0" * 64)
     files = []
     for f in sorted(images.iterdir()):
         if f.name.startswith("pages-"):
@@ -155,3 +159,61 @@ def test_a_registry_that_dies_mid_restore_ends_the_container_with_the_reason(
         assert "could not be fetched" in failures[0], failures[0]
     finally:
         session.close()
+
+
+def _lazy_round(box0: lr.Box, images: Path, staged: Path, registry: RegistryServer,
+                hot: tuple[HotRange, ...]) -> tuple[tuple[HotRange, ...], int, LazyStage]:  # fmt: skip
+    """One lazy restore given `hot`: (its session's trace, chunks downloaded after staging and before
+    the restore, the stage)."""
+    record, ref = _staged(images, staged, registry)
+    record.hot = hot
+    client = Registry()
+    stage = stage_lazy(record, str(staged), registry=client, ref=ref, opener=None)  # type: ignore[arg-type]
+    assert stage is not None and stage.hot == hot
+    staging_fetches = client.fetched
+    done: list[ServeStats] = []
+    assert lazyrestore.take_slots(1)
+    session = LazySession(stage, criu=["criu"], criu_version=lr.criu_version(), on_failure=pytest.fail,
+                          on_done=lambda st, s: done.append(st))  # fmt: skip
+    with lr.fresh(box0) as box:
+        session.start()
+        try:
+            deadline = time.monotonic() + 5  # what is warmed comes before any page is asked for
+            while client.fetched == staging_fetches and time.monotonic() < deadline:
+                time.sleep(0.05)
+            warmed = client.fetched - staging_fetches
+            assert session.server.stats.pages == 0
+            _restore(box, staged)
+            os.rename(staged, lazy_used_dir(str(staged)))
+            assert box.verify() == lr.expected_sum(SIZE, box.seed)
+            assert session.thread is not None
+            session.thread.join(120)
+            assert done, "the lazy phase did not complete"
+            return session.trace(), warmed, stage
+        finally:
+            session.close()
+
+
+def test_the_faults_of_one_lazy_restore_are_fetched_first_by_the_next(
+    dumped: tuple[lr.Box, Path], tmp_path: Path, registry: RegistryServer
+) -> None:
+    """The session records the restored process's faults (LazySession.trace: the next snapshot's
+    hotPages); a restore given them downloads their chunks before the process runs, and comes back byte
+    for byte. A list naming nothing of this dump (a stale one) warms nothing and changes nothing else."""
+    box0, images = dumped
+    first, warmed, stage = _lazy_round(box0, images, tmp_path / "1" / "app", registry, ())
+    assert first, "no fault was recorded"
+    assert warmed == 0
+    lazy = [(pid, r) for pid, t in stage.tasks.items() for r in t.layout.lazy]
+    for h in first:  # the process's own faults, inside its lazy memory
+        assert any(pid == h.pid and r.vaddr <= h.vaddr and h.end <= r.end for pid, r in lazy), h
+    # the faults so far fall in the chunk staging read already (the program's own heap, beside its stack);
+    # a page amid the pattern stands for a working set of its own
+    pid, big = max(lazy, key=lambda pr: pr[1].nr_pages)
+    hot = (*first, HotRange(pid, big.vaddr + big.nr_pages // 2 * 4096, 1))
+    again, warmed, _ = _lazy_round(box0, images, tmp_path / "2" / "app", registry, hot)
+    assert warmed >= 1
+    assert again, "the trace of a warmed restore is its faults, then the snapshot's list"
+    stale = (HotRange(99999, 0x1000, 4), HotRange(max(stage.tasks), 0x1000, 8))
+    _, warmed, _ = _lazy_round(box0, images, tmp_path / "3" / "app", registry, stale)
+    assert warmed == 0

@@ -19,6 +19,7 @@ import zstandard
 
 from kubectl_snapshot.core.chunks import PAGE_SIZE, Chunk, PagesFile
 from kubectl_snapshot.core.errors import DigestMismatch
+from kubectl_snapshot.core.hotpages import HotRange
 from kubectl_snapshot.core.reference import Reference
 from shim.criu import pageproto as pp
 from shim.criu.lazyimages import TaskLayout
@@ -322,3 +323,59 @@ def test_the_read_ahead_runs_behind_the_nodes_other_work() -> None:
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     asked, ahead = (nice[c.digest] for c in pf.chunks)
     assert asked == ours and ahead == min(19, ours + READAHEAD_NICE)
+
+
+def _settled(src: ChunkPageSource, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while src.fetched < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_warm_fetches_the_chunks_of_the_hot_pages_first_in_their_order() -> None:
+    """The snapshot's hotPages (core/hotpages.py): the chunks that hold them are downloaded before any
+    request, in the list's order; the requests that follow are answered from memory."""
+    pf, z = chunked(RAW, 8 * P)
+    blobs = Blobs(z)
+    src = source(blobs, pf, readahead=1)  # one read-ahead thread: the downloads' order is the list's
+    second = HEAP + (1 << 20)
+    # file page 18 (third chunk), then page 3 (first chunk), then page 3 again (already picked)
+    hot = (HotRange(1, second + 12 * P, 1), HotRange(1, HEAP + P, 2), HotRange(1, HEAP + P, 1))
+    assert src.warm(hot) == 2
+    _settled(src, 2)
+    assert blobs.fetched == [pf.chunks[2].digest, pf.chunks[0].digest]
+    assert bytes(src.pages(1, second + 12 * P, 1)) == RAW[18 * P : 19 * P]
+    assert bytes(src.pages(1, HEAP + P, 1)) == RAW[3 * P : 4 * P]
+    assert src.fetched == 2  # answered from what was warmed
+    src.close()
+
+
+def test_warm_passes_over_what_is_not_a_lazy_page_of_this_dump_and_the_restore_goes_on() -> None:
+    """A list that names other pids or addresses (a pod whose memory moved since, a stale list) warms
+    nothing for them and fails nothing: the legitimate requests are served as without a list."""
+    pf, z = chunked(RAW, 8 * P)
+    blobs = Blobs(z)
+    src = source(blobs, pf, readahead=2)
+    stale = (HotRange(7, HEAP, 4), HotRange(1, HEAP + (64 << 20), 3), HotRange(1, HEAP - P, 1))
+    assert src.warm(stale) == 0
+    assert bytes(src.pages(1, HEAP, 4)) == RAW[2 * P : 6 * P]
+    src.close()
+
+
+def test_warm_stops_at_half_the_cache() -> None:
+    pf, z = chunked(RAW, 8 * P)
+    src = source(Blobs(z), pf, readahead=2, cache_bytes=16 * P)  # half: one chunk of 8 pages
+    hot = (HotRange(1, HEAP + (1 << 20), 16),)  # file pages 6-21: three chunks
+    assert src.warm(hot) == 1
+    src.close()
+
+
+def test_the_faults_are_the_one_page_requests_in_their_order() -> None:
+    """CRIU's daemon asks for exactly the faulting page; its fill asks for more at once."""
+    pf, z = chunked(RAW, 8 * P)
+    src = source(Blobs(z), pf)
+    second = HEAP + (1 << 20)
+    src.pages(1, second + 3 * P, 1)
+    src.pages(1, HEAP, 4)  # the fill
+    src.pages(1, HEAP + 2 * P, 1)
+    src.pages(1, second + 4 * P, 1)
+    assert src.faults() == [(1, second + 3 * P), (1, HEAP + 2 * P), (1, second + 4 * P)]
