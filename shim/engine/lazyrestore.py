@@ -44,8 +44,9 @@ from shim.engine.stream import fetch_chunks
 
 log = logging.getLogger(__name__)
 
-LAZY_SLOTS = 4  # lazy sessions at once on a node (each holds up to SESSION_CACHE_BYTES of chunks: 4 of 16 MiB)
+LAZY_SLOTS = 4  # lazy sessions at once on a node (each holds up to SESSION_CACHE_BYTES + SESSION_HOT_BYTES of chunks)
 SESSION_CACHE_BYTES = 64 << 20
+SESSION_HOT_BYTES = 128 << 20  # the chunks of the snapshot's hotPages fetched first (held until the fill reaches them)
 READAHEAD_CHUNKS = 3  # chunks downloaded ahead of the one served (as many as the cache holds beside it)
 CONNECT_TIMEOUT_S = 300.0  # a staged lazy restore that no restore asked a page of within this is ended
 _slots = threading.BoundedSemaphore(LAZY_SLOTS)
@@ -118,7 +119,7 @@ def stage_lazy(
     try:
         tasks = read_lazy_layouts(cp)
         source = ChunkPageSource(tasks, files, from_registry(registry, ref, opener), cache_bytes=cache_bytes,
-                                 readahead=READAHEAD_CHUNKS)  # fmt: skip
+                                 readahead=READAHEAD_CHUNKS, hot_bytes=SESSION_HOT_BYTES)  # fmt: skip
     except (FailedPrecondition, KeyError) as e:  # a layout CRIU's rule refuses, a pages file not in chunks
         log.warning("container %s is restored eagerly: its images cannot be restored lazily: %s", record.name, e)
         return None

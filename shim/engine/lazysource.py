@@ -22,11 +22,12 @@ download speed rather than at one chunk's round trip. A read-ahead that fails is
 that needs that chunk downloads it again and reports what fails.
 
 Most used first: `warm(hot)` downloads the chunks holding the pages the container's processes asked for
-first after their last lazy restore (the snapshot's ``hotPages``, core/hotpages.py), in that order, as
-far as half the cache holds, before the restored process runs; its first faults are then answered from
-memory. The source records this restore's faults for the next snapshot (`faults`): CRIU's daemon asks
-for exactly the faulting page, one page, where its fill asks for at least 16 at a time (a fill of a lone
-page's range looks the same, and is recorded too: a hint can afford it).
+first after their last lazy restore (the snapshot's ``hotPages``, core/hotpages.py), in that order, up to
+`hot_bytes`, before the restored process runs, and holds them apart from the cache until the daemon's
+fill reaches them; the process's first faults are then answered from memory. The source records this
+restore's faults for the next snapshot (`faults`): CRIU's daemon asks for exactly the faulting page, one
+page, where its fill asks for at least 16 at a time (a fill of a lone page's range looks the same, and
+is recorded too: a hint can afford it).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from shim.engine import stream
 from shim.engine.node_ports import Registry
 
 DEFAULT_CACHE_BYTES = 256 << 20  # 16 chunks of the largest span
+DEFAULT_HOT_BYTES = 128 << 20  # what `warm` holds for the first faults: 8 chunks of the largest span
 
 _Key = tuple[str, int, Delta | None]
 
@@ -74,6 +76,7 @@ class ChunkPageSource:
         *,
         cache_bytes: int = DEFAULT_CACHE_BYTES,
         readahead: int = 0,
+        hot_bytes: int = DEFAULT_HOT_BYTES,
     ) -> None:
         self._index = RangeIndex({pid: t.layout.lazy for pid, t in tasks.items()})
         self._file_of: dict[int, PagesFile] = {}
@@ -98,6 +101,10 @@ class ChunkPageSource:
         self._ahead: set[_Key] = set()  # read-aheads queued or running
         self._closed = False
         self._faults: list[tuple[int, int]] = []  # (pid, page) of one-page requests, in order
+        # chunks `warm` fetched: held apart from the cache (its fill would push them out before the faults
+        # they are for came) until the daemon's fill reaches them, then handed to the cache
+        self._hot_budget = hot_bytes
+        self._pinned: dict[_Key, tuple[bytes | bytearray, int]] = {}
 
     def pages(self, dst_id: int, vaddr: int, nr_pages: int) -> bytes | bytearray | memoryview:
         offset, n = self._index.find(dst_id, vaddr, nr_pages)
@@ -105,6 +112,8 @@ class ChunkPageSource:
             self._faults.append((dst_id, vaddr))  # list.append is atomic: no lock on the fault's path
         pf = self._file_of[dst_id]
         chunk = self._chunk_at(pf, offset)
+        if nr_pages > 1 and self._pinned:
+            self._unpin(_key(chunk))
         within = offset - chunk.offset
         n = min(n, (chunk.length - within) // PAGE_SIZE)
         if n < 1:
@@ -118,6 +127,7 @@ class ChunkPageSource:
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
+            self._pinned.clear()
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
@@ -126,13 +136,13 @@ class ChunkPageSource:
         return list(self._faults)
 
     def warm(self, hot: Sequence[HotRange]) -> int:
-        """Download, in the background and in `hot`'s order, the chunks that hold its pages, as far as half
-        the cache holds (the daemon's fill needs the rest); ranges of no lazy page are passed over.
-        Returns how many chunks were queued."""
+        """Download, in the background and in `hot`'s order, the chunks that hold its pages, as far as
+        `hot_bytes` go; they are kept until the daemon's fill reaches them (the faults they are for come
+        first). Ranges of no lazy page are passed over. Returns how many chunks were queued."""
         if not self._readahead:
             return 0
         picked: dict[_Key, tuple[PagesFile, Chunk]] = {}
-        room = self._budget // 2
+        room = self._hot_budget
         for r in hot:
             pf = self._file_of.get(r.pid)
             addr, left = r.vaddr, r.pages
@@ -152,7 +162,7 @@ class ChunkPageSource:
         queued = 0
         with self._lock:
             for pf, chunk in picked.values():
-                queued += self._submit(pf, chunk)
+                queued += self._submit(pf, chunk, pin=True)
         return queued
 
     def _read_ahead(self, pf: PagesFile, chunk: Chunk) -> None:
@@ -167,23 +177,30 @@ class ChunkPageSource:
                     break
                 self._submit(pf, nxt)
 
-    def _submit(self, pf: PagesFile, chunk: Chunk) -> bool:
+    def _submit(self, pf: PagesFile, chunk: Chunk, *, pin: bool = False) -> bool:
         """Queue `chunk`'s download unless it is held, coming, or the source closed (under the lock)."""
         key = _key(chunk)
-        if self._closed or key in self._cached or key in self._ahead or key in self._loading:
+        if self._closed or key in self._cached or key in self._pinned or key in self._ahead or key in self._loading:
             return False
         if self._pool is None:
             self._pool = ThreadPoolExecutor(
                 self._readahead, thread_name_prefix="lazy-readahead", initializer=_in_the_background
             )
         self._ahead.add(key)
-        self._pool.submit(self._fetch_ahead, pf, chunk)
+        self._pool.submit(self._fetch_ahead, pf, chunk, pin)
         return True
 
-    def _fetch_ahead(self, pf: PagesFile, chunk: Chunk) -> None:
+    def _unpin(self, key: _Key) -> None:
+        """The daemon's fill reached a warmed chunk: the cache keeps it from here, as any other."""
+        with self._lock:
+            hit = self._pinned.pop(key, None)
+            if hit is not None:
+                self._keep(key, *hit)
+
+    def _fetch_ahead(self, pf: PagesFile, chunk: Chunk, pin: bool = False) -> None:
         try:
             with contextlib.suppress(Exception):  # the request that needs it fetches it again and says why
-                self._content(pf, chunk)
+                self._content(pf, chunk, pin=pin)
         finally:
             with self._lock:
                 self._ahead.discard(_key(chunk))
@@ -211,17 +228,20 @@ class ChunkPageSource:
             raise OSError(f"{pf.name}: no chunk holds offset {offset}; the snapshot's chunks do not tile the file")
         return pf.chunks[i]
 
-    def _content(self, pf: PagesFile, chunk: Chunk) -> bytes | bytearray:
+    def _content(self, pf: PagesFile, chunk: Chunk, *, pin: bool = False) -> bytes | bytearray:
         key = _key(chunk)
         with self._lock:
             hit = self._cached.get(key)
             if hit is not None:
                 self._cached.move_to_end(key)
                 return hit[0]
+            hit = self._pinned.get(key)
+            if hit is not None:
+                return hit[0]
             loading = self._loading.setdefault(key, threading.Lock())
         with loading:  # one download per chunk; the others wait for it
             with self._lock:
-                hit = self._cached.get(key)
+                hit = self._cached.get(key) or self._pinned.get(key)
                 if hit is not None:
                     return hit[0]
             data = self._fetch(chunk, pf.name, self._free.take(chunk.length + 1))
@@ -229,14 +249,21 @@ class ChunkPageSource:
                 raise OSError(f"{pf.name}: the chunk at {chunk.offset} gave {len(data)} bytes of {chunk.length}")
             with self._lock:
                 self.fetched += 1
-                self._cached[key] = (data, chunk.length)
-                self._held += chunk.length
-                while self._held > self._budget and len(self._cached) > 1:
-                    _gone, (old, length) = self._cached.popitem(last=False)
-                    self._held -= length
-                    self._free.give(old)
+                if pin and not self._closed:
+                    self._pinned[key] = (data, chunk.length)
+                else:
+                    self._keep(key, data, chunk.length)
                 self._loading.pop(key, None)
             return data
+
+    def _keep(self, key: _Key, data: bytes | bytearray, length: int) -> None:
+        """Into the cache, the least recently used out past its budget (under the lock)."""
+        self._cached[key] = (data, length)
+        self._held += length
+        while self._held > self._budget and len(self._cached) > 1:
+            _gone, (old, n) = self._cached.popitem(last=False)
+            self._held -= n
+            self._free.give(old)
 
 
 READAHEAD_NICE = 10  # a read-ahead thread's niceness: what the node runs at the default goes first

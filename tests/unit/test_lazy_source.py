@@ -361,11 +361,26 @@ def test_warm_passes_over_what_is_not_a_lazy_page_of_this_dump_and_the_restore_g
     src.close()
 
 
-def test_warm_stops_at_half_the_cache() -> None:
+def test_warm_stops_at_its_budget_and_holds_what_it_fetched_until_the_fill_reaches_it() -> None:
+    """Warmed chunks are kept apart from the cache, whose fill would push them out before the faults they
+    are for came; the fill's first request in one hands it to the cache."""
     pf, z = chunked(RAW, 8 * P)
-    src = source(Blobs(z), pf, readahead=2, cache_bytes=16 * P)  # half: one chunk of 8 pages
-    hot = (HotRange(1, HEAP + (1 << 20), 16),)  # file pages 6-21: three chunks
-    assert src.warm(hot) == 1
+    blobs = Blobs(z)
+    src = source(blobs, pf, readahead=1, cache_bytes=8 * P, hot_bytes=16 * P)  # a cache of one chunk
+    second = HEAP + (1 << 20)
+    hot = (HotRange(1, second + 12 * P, 1), HotRange(1, second + 4 * P, 1), HotRange(1, HEAP, 1))
+    assert src.warm(hot) == 2  # file pages 18 and 10: chunks 2 and 1; chunk 0 is past the budget
+    _settled(src, 2)
+    src.pages(1, HEAP, 4)  # the fill, in chunk 0: the cache's one chunk
+    assert bytes(src.pages(1, second + 12 * P, 1)) == RAW[18 * P : 19 * P]  # faults: still held
+    assert bytes(src.pages(1, second + 4 * P, 1)) == RAW[10 * P : 11 * P]
+    assert src.fetched == 3
+    src.pages(1, second + 2 * P, 6)  # the fill reaches chunk 1: the cache's now, chunk 0 goes
+    src.pages(1, HEAP, 4)
+    assert src.fetched == 4
+    src.pages(1, second + 10 * P, 6)  # chunk 2 too, and chunk 0 goes again
+    src.pages(1, second + 2 * P, 6)  # chunk 1 was pushed out by it
+    assert src.fetched == 5
     src.close()
 
 
