@@ -105,6 +105,7 @@ class ChunkPageSource:
         # they are for came) until the daemon's fill reaches them, then handed to the cache
         self._hot_budget = hot_bytes
         self._pinned: dict[_Key, tuple[bytes | bytearray, int]] = {}
+        self._background: dict[_Key, int] = {}  # chunks read-ahead threads download: by their thread id
 
     def pages(self, dst_id: int, vaddr: int, nr_pages: int) -> bytes | bytearray | memoryview:
         offset, n = self._index.find(dst_id, vaddr, nr_pages)
@@ -198,12 +199,26 @@ class ChunkPageSource:
                 self._keep(key, *hit)
 
     def _fetch_ahead(self, pf: PagesFile, chunk: Chunk, pin: bool = False) -> None:
+        key = _key(chunk)
+        _in_the_background()  # again: a request that waited for this thread's last download hurried it
+        with self._lock:
+            self._background[key] = threading.get_native_id()
         try:
             with contextlib.suppress(Exception):  # the request that needs it fetches it again and says why
                 self._content(pf, chunk, pin=pin)
         finally:
             with self._lock:
-                self._ahead.discard(_key(chunk))
+                self._ahead.discard(key)
+                self._background.pop(key, None)
+
+    def _hurry(self, key: _Key) -> None:
+        """A request waits for a chunk a read-ahead thread downloads: that thread gets the requester's
+        priority until its download is done (else a fault would wait behind the node's other work)."""
+        with self._lock:
+            tid = self._background.get(key)
+        if tid is not None:
+            with contextlib.suppress(OSError):  # raising another thread's priority needs CAP_SYS_NICE (the agent's)
+                os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
 
     def total_pages(self) -> int:
         return self._index.total_pages()
@@ -239,7 +254,10 @@ class ChunkPageSource:
             if hit is not None:
                 return hit[0]
             loading = self._loading.setdefault(key, threading.Lock())
-        with loading:  # one download per chunk; the others wait for it
+        if not loading.acquire(blocking=False):  # one download per chunk; the others wait for it
+            self._hurry(key)
+            loading.acquire()
+        try:
             with self._lock:
                 hit = self._cached.get(key) or self._pinned.get(key)
                 if hit is not None:
@@ -255,6 +273,8 @@ class ChunkPageSource:
                     self._keep(key, data, chunk.length)
                 self._loading.pop(key, None)
             return data
+        finally:
+            loading.release()
 
     def _keep(self, key: _Key, data: bytes | bytearray, length: int) -> None:
         """Into the cache, the least recently used out past its budget (under the lock)."""
@@ -272,7 +292,8 @@ READAHEAD_NICE = 10  # a read-ahead thread's niceness: what the node runs at the
 def _in_the_background() -> None:
     """The calling thread yields the CPU to the node's other work (on Linux a thread's niceness is its
     own): the read-ahead only fills ahead of the daemon, while the restored container's start, the
-    kubelet noticing it, and the answers to its faults (the page server's own threads) wait for CPU."""
+    kubelet noticing it, and the answers to its faults (the page server's own threads) wait for CPU. A
+    fault that waits for a read-ahead's download lends that thread its priority (`_hurry`)."""
     with contextlib.suppress(OSError, AttributeError):  # lowering one's own priority needs no privilege
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), READAHEAD_NICE)
 

@@ -325,6 +325,35 @@ def test_the_read_ahead_runs_behind_the_nodes_other_work() -> None:
     assert asked == ours and ahead == min(19, ours + READAHEAD_NICE)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="raising another thread's priority needs CAP_SYS_NICE, as the agent has")
+def test_a_fault_waiting_for_a_read_ahead_hurries_that_thread_and_the_next_read_ahead_runs_behind_again() -> None:
+    """A fault on a chunk a niced read-ahead thread is downloading would wait behind the node's other
+    work: the thread gets the fault's priority for that download, then is niced again for the next."""
+    nice: dict[str, int] = {}
+    started = threading.Event()
+
+    class Slow(Blobs):
+        def fetch_blob(self, ref: object, digest: str, out: Any, **kw: Any) -> int:
+            started.set()
+            time.sleep(0.3)  # meanwhile the request comes and waits
+            nice[digest] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            return super().fetch_blob(ref, digest, out, **kw)
+
+    pf, z = chunked(RAW, 8 * P)
+    src = source(Slow(z), pf, readahead=1)
+    second = HEAP + (1 << 20)
+    try:
+        assert src.warm((HotRange(1, second + 12 * P, 1), HotRange(1, HEAP, 1))) == 2  # chunks 2, then 0
+        assert started.wait(5)
+        assert bytes(src.pages(1, second + 12 * P, 1)) == RAW[18 * P : 19 * P]  # waits for the first
+        _wait(lambda: src.fetched == 2, "the second warm download")
+    finally:
+        src.close()
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    assert nice[pf.chunks[2].digest] == ours  # hurried while the fault waited
+    assert nice[pf.chunks[0].digest] == READAHEAD_NICE  # nobody waited: behind again
+
+
 def _settled(src: ChunkPageSource, n: int) -> None:
     deadline = time.monotonic() + 10
     while src.fetched < n and time.monotonic() < deadline:
