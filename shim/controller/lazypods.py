@@ -170,8 +170,8 @@ def start_sessions(
                 f"every page of container {container} is in: {stats.pages} pages "
                 f"({stats.pages * 4096 / (1 << 20):.0f} MiB) served from {registry_host} in {seconds:.1f} s"
             )
-            pod_event(kube, pod, K.EVENT_LAZY_RESTORE_COMPLETE, message)
             TRACES.remember(uid, container, sessions[container].trace())  # for the pod's next save
+            pod_event(kube, pod, K.EVENT_LAZY_RESTORE_COMPLETE, message)
 
         return report
 

@@ -154,7 +154,10 @@ class ChunkPageSource:
                     break  # not lazy (kept in the staged images) or not this dump's: nothing to fetch
                 end = offset + n * PAGE_SIZE
                 while offset < end and room > 0:
-                    chunk = self._chunk_at(pf, offset)
+                    try:
+                        chunk = self._chunk_at(pf, offset)
+                    except OSError:  # chunks that do not tile the file: the request will say so, not a hint
+                        break
                     if _key(chunk) not in picked:
                         picked[_key(chunk)] = (pf, chunk)
                         room -= chunk.length
