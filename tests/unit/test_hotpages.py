@@ -88,3 +88,23 @@ def test_the_node_keeps_each_pods_containers_apart_and_the_latest_only() -> None
     assert traces.recall("uid-c", "app") == ()
     traces.remember("", "app", one)  # no pod (a node-level save): never kept
     assert traces.recall("", "app") == ()
+
+
+def test_inspect_says_how_many_pages_a_lazy_restore_fetches_first() -> None:
+    from kubectl_snapshot.console.inspect import inspect_data, inspect_text
+    from kubectl_snapshot.core import constants as C
+    from kubectl_snapshot.core.artifact import Artifact
+    from kubectl_snapshot.core.oci import Descriptor, build_manifest
+    from kubectl_snapshot.core.reference import Reference
+
+    ref = Reference.parse("127.0.0.1:5000/r@sha256:" + "1" * 64)
+    for hot in ((HotRange(1, A, 3), HotRange(7, A, 2)), ()):
+        cfg = config()
+        cfg = replace(cfg, containers=(replace(cfg.containers[0], hot=hot),))
+        layer = Descriptor(C.CHECKPOINT_LAYER_MEDIA_TYPE, cfg.containers[0].layer_digest, 10)
+        manifest = build_manifest(config=Descriptor(C.CONFIG_MEDIA_TYPE, "sha256:" + "2" * 64, 5), layers=[layer],
+                                  artifact_type=C.ARTIFACT_TYPE, annotations={})  # fmt: skip
+        data = inspect_data(Artifact(ref, manifest, cfg))
+        text = inspect_text(data)
+        assert data["containers"][0]["hotPages"] == sum(h.pages for h in hot)
+        assert ("5 pages used first, fetched first by a lazy restore" in text) == bool(hot), text
