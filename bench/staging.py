@@ -249,15 +249,19 @@ def lazy_tasks(mib: int) -> dict[int, TaskLayout]:
     return {1: TaskLayout(1, 1, LazyLayout((), (), tuple(sorted(lazy, key=lambda r: r.vaddr))))}
 
 
-def lazy_fill(artifact: Artifact, opener: Opener | None, mib: int) -> tuple[float, int]:
+def lazy_fill(
+    artifact: Artifact, opener: Opener | None, mib: int, readahead: int = READAHEAD_CHUNKS
+) -> tuple[float, int]:
     """Seconds for the agent's lazy page source (shim/engine/lazysource.py, with the agent's cache and
     read-ahead) to serve every page the way CRIU's daemon fills what no fault asked for: in address order,
-    one request at a time, 64 KiB growing by 64 KiB per request to 4 MiB; and the chunks it downloaded."""
+    one request at a time, 64 KiB growing by 64 KiB per request to 4 MiB; and the chunks it downloaded.
+    `readahead`: chunks read ahead (the cache grows to hold them beside the one served)."""
     tasks = lazy_tasks(mib)
     files = {p.name: p for p in artifact.config.containers[0].pages}
+    span = max((c.length for p in files.values() for c in p.chunks), default=0)
     source = ChunkPageSource(
         tasks, files, from_registry(RegistryClient(), artifact.reference, opener),
-        cache_bytes=SESSION_CACHE_BYTES, readahead=READAHEAD_CHUNKS,
+        cache_bytes=max(SESSION_CACHE_BYTES, (readahead + 1) * span), readahead=readahead,
     )  # fmt: skip
     served = 0
     t = time.monotonic()
@@ -306,12 +310,15 @@ class Case:
     mode: str  # clear, sealed: stage_artifact; lazy, lazy-sealed: lazy_fill; write: write_only
     artifact: Artifact
     opener: Opener | None
+    readahead: int = READAHEAD_CHUNKS  # lazy modes: chunks read ahead
 
 
 MODES = ("clear", "sealed", "lazy", "lazy-sealed", "write")
 
 
-def measure(registry: RegistryServer, workdir: Path, mib: int, runs: int, wanted: list[str]) -> dict[str, Any]:
+def measure(
+    registry: RegistryServer, workdir: Path, mib: int, runs: int, wanted: list[str], readaheads: list[int] | None = None
+) -> dict[str, Any]:
     key = LocalNamespaceKey(new_key())
     cdir = workdir / f"dump-{mib}"
     made = write_dump(cdir, mib)
@@ -327,7 +334,10 @@ def measure(registry: RegistryServer, workdir: Path, mib: int, runs: int, wanted
                 packaged_s[how] = time.monotonic() - t
                 enc = artifact.config.encryption
                 packaged[how] = (artifact, Opener(enc, key) if enc is not None else None)
-            cases.append(Case(mode, *packaged[how]))
+            if mode.startswith("lazy") and readaheads:
+                cases += [Case(f"{mode} r{n}", *packaged[how], readahead=n) for n in readaheads]
+            else:
+                cases.append(Case(mode, *packaged[how]))
     finally:
         shutil.rmtree(cdir, ignore_errors=True)
     os.sync()
@@ -352,7 +362,7 @@ def measure(registry: RegistryServer, workdir: Path, mib: int, runs: int, wanted
                 if i:
                     staged[case.mode].append(took)
             elif case.mode.startswith("lazy"):
-                took, fetched[case.mode] = lazy_fill(case.artifact, case.opener, mib)
+                took, fetched[case.mode] = lazy_fill(case.artifact, case.opener, mib, case.readahead)
                 if i:
                     staged[case.mode].append(took)
             else:
@@ -431,7 +441,10 @@ def main() -> None:
     ap.add_argument("--modes", default="clear,sealed", help=f"any of {', '.join(MODES)}")
     ap.add_argument("--workdir", default="/var/tmp", help="where the dump, the registry and the staging go")
     ap.add_argument("--out", help="write the measurements as JSON here")
+    ap.add_argument("--readahead", help="lazy modes: chunks read ahead, comma-separated (one case each; "
+                    f"default the agent's {READAHEAD_CHUNKS})")  # fmt: skip
     args = ap.parse_args()
+    readaheads = [int(n) for n in args.readahead.split(",")] if args.readahead else None
     wanted = [m for m in args.modes.split(",") if m]
     if not wanted or set(wanted) - set(MODES):
         ap.error(f"--modes: any of {', '.join(MODES)}")
@@ -441,7 +454,7 @@ def main() -> None:
         work = Path(tmp)
         for mib in (int(s) for s in args.sizes.split(",")):
             with registry_in(work / f"registry-{mib}") as reg:  # each size its own, removed after it
-                rows.append(measure(reg, work, mib, args.runs, wanted))
+                rows.append(measure(reg, work, mib, args.runs, wanted, readaheads))
             shutil.rmtree(work / f"registry-{mib}", ignore_errors=True)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
