@@ -11,7 +11,7 @@ span a save would choose (core/chunks.choose_span). Each round restores it lazil
 
 * without a hot list (the chunks come as the faults and the daemon's fill ask for them);
 * with the hot list the first round's session recorded (`LazySession.trace`: what the next save of
-  the pod would carry as ``hotPages``), whose chunks the session fetches first.
+  the pod would carry in its layer), whose chunks the session fetches first.
 
 Measured from the session's start: runc restore's return (the process runs) and the first counter
 written after the checkpoint's (the first answer). Prints the medians of --rounds rounds after the
@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import hotpages
 from kubectl_snapshot.core.chunks import PagesFile, choose_span
 from kubectl_snapshot.core.hotpages import HotRange
 from kubectl_snapshot.core.reference import Reference
@@ -69,7 +70,6 @@ while True:
 class Record:  # what stage_lazy reads of a snapshot's ContainerRecord
     name: str
     pages: tuple[PagesFile, ...]
-    hot: tuple[HotRange, ...] = ()
 
 
 def _counter(box: lr.Box) -> int:
@@ -91,14 +91,16 @@ def _push(images: Path, registry: RegistryServer) -> tuple[list[Path], tuple[Pag
     return others, tuple(files), ref
 
 
-def _round(box0: lr.Box, others: list[Path], record: Record, ref: Reference, work: Path, saved: int
-           ) -> tuple[float, float, tuple[HotRange, ...]]:  # fmt: skip
+def _round(box0: lr.Box, others: list[Path], record: Record, ref: Reference, work: Path, saved: int,
+           hot: tuple[HotRange, ...] = ()) -> tuple[float, float, tuple[HotRange, ...]]:  # fmt: skip
     """(restore's return, first answer) in seconds from the session's start, and the session's trace."""
     staged = work / "app"
     cp = staged / C.CHECKPOINT_DIRECTORY
     cp.mkdir(parents=True)
     for f in others:
         shutil.copyfile(f, cp / f.name)
+    if hot:  # as the layer of the pod's next save holds it
+        (staged / C.HOT_PAGES_FILE).write_bytes(hotpages.to_bytes(hot))
     stage = stage_lazy(record, str(staged), registry=RegistryClient(plain_http=True), ref=ref, opener=None)  # type: ignore[arg-type]
     if stage is None:
         raise SystemExit("the dump cannot be restored lazily")
@@ -151,8 +153,8 @@ def main() -> int:
             for i in range(a.rounds):
                 order = (False, True) if i % 2 == 0 else (True, False)
                 for hot in order:
-                    rec = Record("app", files, trace if hot else ())
-                    run, answer, _ = _round(box, others, rec, ref, base / f"r{i}-{hot}", saved)
+                    rec = Record("app", files)
+                    run, answer, _ = _round(box, others, rec, ref, base / f"r{i}-{hot}", saved, trace if hot else ())
                     got["hot run" if hot else "run"].append(run)
                     got["hot answer" if hot else "answer"].append(answer)
         finally:

@@ -29,8 +29,6 @@ def inspect_data(artifact: Artifact, provenance: Provenance | None = None) -> di
                 "layer": c.layer_digest,
                 "layerSize": sizes.get(c.layer_digest, 0),
                 **c.stats.to_dict(),
-                # the pages its processes asked for first after their last lazy restore (fetched first)
-                "hotPages": sum(h.pages for h in c.hot),
             }
             for c in cfg.containers
         ],
@@ -77,7 +75,6 @@ def inspect_text(d: dict[str, Any]) -> str:
             f"  {c['name']}: image {c['image']}; {c['processCount']} process(es), "
             f"{c['pagesWritten']} pages ({human_bytes(c['memoryBytes'])}) of memory; "
             f"layer {human_bytes(c['layerSize'])}"
-            + (f"; {c['hotPages']} pages used first, fetched first by a lazy restore" if c.get("hotPages") else "")
         )
         for p in c["processes"]:
             lines.append(f"    pid {p['pid']:<6} ppid {p['ppid']:<6} {p['comm']}")

@@ -85,6 +85,7 @@ LAZY_PAGES_SOCKET: Final = "lazy-pages.socket"
 LAZY_PAGES_LOG: Final = "lazy-pages.log"
 # the project's own member: options the dump was made with (tcp, file locks, ...), JSON
 DUMP_OPTIONS_FILE: Final = "kubectl-snapshot.options.json"
+HOT_PAGES_FILE: Final = "kubectl-snapshot.hotpages.json"  # in the container layer: core/hotpages.py
 
 # --- containerd -------------------------------------------------------------------------------
 CONTAINERD_NAMESPACE_HEADER: Final = "containerd-namespace"

@@ -3,9 +3,10 @@
 A lazily restored process faults on the pages it touches, one at a time, in the order it touches them
 (CRIU's lazy-pages daemon asks the page server for exactly the faulting page; its background fill asks
 for more at once, in address order). The agent records that order while it serves a lazy restore and
-puts it in the container's next snapshot (``containers[].hotPages``, docs/format.md): the next lazy
-restore of the pod fetches the chunks holding those pages first, before the restored process runs, so
-that its first faults are answered from memory instead of each waiting for a chunk's download.
+puts it in the container's next snapshot, as a file of the container's layer (``kubectl-snapshot.hotpages.json``,
+docs/format.md: sealed with the layer, since its addresses tell how the processes' memory is laid out):
+the next lazy restore of the pod fetches the chunks holding those pages first, before the restored process
+runs, so that its first faults are answered from memory instead of each waiting for a chunk's download.
 
 It is a hint, never content: a page's bytes still come from its verified chunk. A list that does not
 parse is dropped whole (the restore reads in file order, as without one); it never fails a restore.
@@ -13,6 +14,7 @@ parse is dropped whole (the restore reads in file order, as without one); it nev
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +23,7 @@ PAGE = 4096
 MAX_RANGES = 1024  # ranges kept per container (about 30 KiB of config JSON at most)
 MAX_RANGE_PAGES = 1 << 18  # 1 GiB: a longer range is not a page's working set
 MAX_FAULTS = 1 << 16  # faults recorded per lazy restore, before they are merged into ranges
+MAX_FILE_BYTES = 256 << 10  # the layer's file, read at most this long
 
 
 @dataclass(frozen=True)
@@ -71,13 +74,26 @@ def merge(first: Sequence[HotRange], then: Sequence[HotRange], limit: int = MAX_
     return tuple(out)
 
 
-def to_json(ranges: Sequence[HotRange]) -> list[list[int]]:
-    """The config's form: ``[[pid, vaddr, pages], ...]``."""
-    return [[r.pid, r.vaddr, r.pages] for r in ranges]
+def to_bytes(ranges: Sequence[HotRange]) -> bytes:
+    """The layer file: ``{"version": 1, "ranges": [[pid, vaddr, pages], ...]}``."""
+    return json.dumps({"version": 1, "ranges": [[r.pid, r.vaddr, r.pages] for r in ranges]}).encode()
+
+
+def from_bytes(data: bytes) -> tuple[HotRange, ...]:
+    """The layer file's ranges; () where it is not as `to_bytes` writes it (a hint: never an error)."""
+    if len(data) > MAX_FILE_BYTES:
+        return ()
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        return ()
+    if not isinstance(doc, dict) or doc.get("version") != 1:
+        return ()
+    return parse(doc.get("ranges"))
 
 
 def parse(raw: Any) -> tuple[HotRange, ...]:
-    """A container record's ``hotPages``; () where absent or not as written above (a hint: never an error)."""
+    """``[[pid, vaddr, pages], ...]``; () where not as written above (a hint: never an error)."""
     if not isinstance(raw, list) or len(raw) > MAX_RANGES:
         return ()
     out = []

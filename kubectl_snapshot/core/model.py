@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kubectl_snapshot.core import constants as C
-from kubectl_snapshot.core import hotpages
 from kubectl_snapshot.core.chunks import PagesFile, chunk_digests, has_deltas, parse_pages_files
 from kubectl_snapshot.core.encryption import EncryptionInfo
 from kubectl_snapshot.core.errors import FailedPrecondition
@@ -110,8 +109,6 @@ class ContainerRecord:
     stats: DumpStats = field(default_factory=DumpStats)
     # format v2: CRIU page files stored as chunks, not inside the layer (checkpoint/<name>)
     pages: tuple[PagesFile, ...] = ()
-    # the pages its processes asked for first after its last lazy restore (core/hotpages.py): a hint
-    hot: tuple[hotpages.HotRange, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -126,8 +123,6 @@ class ContainerRecord:
         }
         if self.pages:
             d["pages"] = [p.to_dict() for p in self.pages]
-        if self.hot:
-            d["hotPages"] = hotpages.to_json(self.hot)
         return d
 
     @classmethod
@@ -153,7 +148,6 @@ class ContainerRecord:
             file_locks=bool(opts.get("fileLocks", True)),
             stats=DumpStats.from_dict(d.get("stats") or {}),
             pages=parse_pages_files(d.get("pages"), where),
-            hot=hotpages.parse(d.get("hotPages")),
         )
 
 

@@ -170,6 +170,9 @@ def start_sessions(
                 f"every page of container {container} is in: {stats.pages} pages "
                 f"({stats.pages * 4096 / (1 << 20):.0f} MiB) served from {registry_host} in {seconds:.1f} s"
             )
+            warmed = sessions[container].warmed
+            if warmed:
+                message += f"; {warmed} chunks holding the pages its last lazy restore used first were fetched first"
             TRACES.remember(uid, container, sessions[container].trace())  # for the pod's next save
             pod_event(kube, pod, K.EVENT_LAZY_RESTORE_COMPLETE, message)
 

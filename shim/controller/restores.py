@@ -62,7 +62,7 @@ from shim.controller.podinfo import (
 from shim.controller.resume_source import RESUME_WAIT_S, RestoreSource, Resumer, StartFresh
 from shim.controller.settings import NodeSettings
 from shim.controller.snapshots import registry_for
-from shim.engine.hottraces import TRACES
+from shim.engine.hottraces import TRACES, read_staged
 from shim.engine.lazyrestore import LAZY_SLOTS, give_slot, take_slots
 from shim.engine.node_ports import Registry
 from shim.engine.precheck import check_staged
@@ -468,8 +468,8 @@ class RestoreWorker:
             except BaseException:
                 give_slot(len(stages))
                 raise
-            for c in config.containers:  # carried to the pod's next save (a lazy phase's own faults replace them)
-                TRACES.remember(uid, c.name, c.hot)
+            for c, d in zip(config.containers, staged, strict=True):  # to the pod's next save (a lazy phase's
+                TRACES.remember(uid, c.name, read_staged(d))  # own faults replace them)
             if stages:  # their daemons listen in the staged dirs before any create is let through
                 self._record_lazy_source(uid, artifact.reference, src)
                 again = Fallback(artifact, registry, opener, self.paths, self.limits, src.resume)

@@ -26,6 +26,7 @@ from typing import Any
 from kubectl_snapshot.adapters.signatures import PendingSignature, push_signature_blobs
 from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import freeze as freeze_plan
+from kubectl_snapshot.core import hotpages
 from kubectl_snapshot.core import timestamps as T
 from kubectl_snapshot.core.chunks import has_deltas
 from kubectl_snapshot.core.diskspace import DUMP, Ask
@@ -412,6 +413,12 @@ def _package_and_push(
     ):
         cdir = os.path.join(work, name)
         _write_metadata(cdir, cid, name, info, req)
+        # what its processes asked for first after their last restore on this node, if any: in the layer,
+        # sealed with it (the addresses tell how their memory is laid out)
+        hot = TRACES.recall(req.pod.uid, name) if req.pod is not None and req.pod.uid else ()
+        if hot:
+            with private.create(os.path.join(cdir, C.HOT_PAGES_FILE)) as f:
+                f.write(hotpages.to_bytes(hot).decode())
         index = None
         if paths is not None and os.environ.get(C.ENV_PAGE_DELTAS, "1") != "0":
             key_id = sealer.key.key_id if sealer is not None else None
@@ -432,8 +439,6 @@ def _package_and_push(
                 file_locks=req.file_locks,
                 stats=stats_future.result(),
                 pages=pc.pages,
-                # what its processes asked for first after their last restore on this node, if any
-                hot=TRACES.recall(req.pod.uid, name) if req.pod is not None and req.pod.uid else (),
             )
         )
         packaged.append(pc)

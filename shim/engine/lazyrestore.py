@@ -37,6 +37,7 @@ from shim.criu.lazydaemon import LazyPagesDaemon
 from shim.criu.lazyimages import TaskLayout, read_lazy_layouts, rewrite_for_lazy
 from shim.criu.pageproto import PAGE_SIZE
 from shim.criu.pageserver import PageServer, ServeStats
+from shim.engine.hottraces import read_staged
 from shim.engine.lazysource import ChunkPageSource, from_registry
 from shim.engine.node_ports import Registry
 from shim.engine.staging import lazy_used_dir
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 LAZY_SLOTS = 4  # lazy sessions at once on a node (each holds up to SESSION_CACHE_BYTES + SESSION_HOT_BYTES of chunks)
 SESSION_CACHE_BYTES = 64 << 20
-SESSION_HOT_BYTES = 128 << 20  # the chunks of the snapshot's hotPages fetched first (held until the fill reaches them)
+SESSION_HOT_BYTES = 128 << 20  # the chunks of the layer's hot pages fetched first (held until the fill reaches them)
 READAHEAD_CHUNKS = 3  # chunks downloaded ahead of the one served (as many as the cache holds beside it)
 CONNECT_TIMEOUT_S = 300.0  # a staged lazy restore that no restore asked a page of within this is ended
 _slots = threading.BoundedSemaphore(LAZY_SLOTS)
@@ -94,7 +95,7 @@ class LazyStage:
     tasks: dict[int, TaskLayout]
     source: ChunkPageSource
     kept_bytes: int
-    hot: tuple[HotRange, ...] = ()  # the snapshot's record of the pages asked for first (core/hotpages.py)
+    hot: tuple[HotRange, ...] = ()  # the layer's record of the pages asked for first (core/hotpages.py)
 
     @property
     def lazy_bytes(self) -> int:
@@ -128,7 +129,7 @@ def stage_lazy(
     if others:
         fetch_chunks(registry, ref, others, cp, on_bytes=on_bytes, opener=opener)
     kept = rewrite_for_lazy(cp, tasks, source.read)
-    return LazyStage(record.name, staged_dir, tasks, source, kept, record.hot)
+    return LazyStage(record.name, staged_dir, tasks, source, kept, read_staged(staged_dir))
 
 
 class LazySession:
@@ -166,11 +167,12 @@ class LazySession:
         self.daemon: LazyPagesDaemon | None = None
         self.thread: threading.Thread | None = None
         self.started = 0.0
+        self.warmed = 0  # chunks fetched first for the layer's hot pages
 
     def start(self) -> LazySession:
         """Serve, start the daemon and return once it listens in the staged dir (raises: nothing left running)."""
         self.started = time.monotonic()
-        self.stage.source.warm(self.stage.hot)  # the pages asked for first last time, before the process runs
+        self.warmed = self.stage.source.warm(self.stage.hot)  # the pages asked for first last time, first
         self.server.start()
         try:
             cp = os.path.join(self.stage.staged_dir, C.CHECKPOINT_DIRECTORY)
@@ -224,7 +226,7 @@ class LazySession:
 
     def trace(self) -> tuple[HotRange, ...]:
         """The pages this restore's processes asked for first, then those the snapshot recorded that they
-        have not asked for yet: the container's next snapshot's ``hotPages``."""
+        have not asked for yet: what the container's next save writes into its layer."""
         return hotpages.merge(hotpages.from_faults(self.stage.source.faults()), self.stage.hot)
 
     def hand_over(self) -> None:

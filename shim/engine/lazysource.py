@@ -22,7 +22,7 @@ download speed rather than at one chunk's round trip. A read-ahead that fails is
 that needs that chunk downloads it again and reports what fails.
 
 Most used first: `warm(hot)` downloads the chunks holding the pages the container's processes asked for
-first after their last lazy restore (the snapshot's ``hotPages``, core/hotpages.py), in that order, up to
+first after their last lazy restore (the hot pages its layer holds, core/hotpages.py), in that order, up to
 `hot_bytes`, before the restored process runs, and holds them apart from the cache until the daemon's
 fill reaches them; the process's first faults are then answered from memory. The source records this
 restore's faults for the next snapshot (`faults`): CRIU's daemon asks for exactly the faulting page, one

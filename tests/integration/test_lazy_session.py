@@ -21,6 +21,7 @@ import pytest
 
 from kubectl_snapshot.adapters.registry import RegistryClient
 from kubectl_snapshot.core import constants as C
+from kubectl_snapshot.core import hotpages
 from kubectl_snapshot.core.chunks import PagesFile
 from kubectl_snapshot.core.hotpages import HotRange
 from kubectl_snapshot.core.reference import Reference
@@ -38,7 +39,6 @@ SIZE = 96 << 20
 class Record:  # what stage_lazy reads of a snapshot's ContainerRecord
     name: str
     pages: tuple[PagesFile, ...]
-    hot: tuple[HotRange, ...] = ()
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +166,8 @@ def _lazy_round(box0: lr.Box, images: Path, staged: Path, registry: RegistryServ
     """One lazy restore given `hot`: (its session's trace, chunks downloaded after staging and before
     the restore, the stage)."""
     record, ref = _staged(images, staged, registry)
-    record.hot = hot
+    if hot:  # as the layer held it: extracted beside checkpoint/
+        (staged / C.HOT_PAGES_FILE).write_bytes(hotpages.to_bytes(hot))
     client = Registry()
     stage = stage_lazy(record, str(staged), registry=client, ref=ref, opener=None)  # type: ignore[arg-type]
     assert stage is not None and stage.hot == hot
@@ -197,8 +198,8 @@ def _lazy_round(box0: lr.Box, images: Path, staged: Path, registry: RegistryServ
 def test_the_faults_of_one_lazy_restore_are_fetched_first_by_the_next(
     dumped: tuple[lr.Box, Path], tmp_path: Path, registry: RegistryServer
 ) -> None:
-    """The session records the restored process's faults (LazySession.trace: the next snapshot's
-    hotPages); a restore given them downloads their chunks before the process runs, and comes back byte
+    """The session records the restored process's faults (LazySession.trace: what the next save's layer
+    holds); a restore given them downloads their chunks before the process runs, and comes back byte
     for byte. A list naming nothing of this dump (a stale one) warms nothing and changes nothing else."""
     box0, images = dumped
     first, warmed, stage = _lazy_round(box0, images, tmp_path / "1" / "app", registry, ())

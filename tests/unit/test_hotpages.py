@@ -1,21 +1,20 @@
-"""The pages a container's processes asked for first (core/hotpages.py), as a snapshot records them
-(``containers[].hotPages``) and as the node keeps them between a restore and the next save
-(shim/engine/hottraces.py). A list that does not parse is dropped, never an error: the snapshot still
-reads, as without one. Served from: tests/unit/test_lazy_source.py (warm); with real CRIU:
+"""The pages a container's processes asked for first (core/hotpages.py), as a snapshot's container layer
+holds them (``kubectl-snapshot.hotpages.json``, read from the staged dir) and as the node keeps them
+between a restore and the next save (shim/engine/hottraces.py). A list that does not parse is dropped,
+never an error: the restore goes on as without one. Served from: tests/unit/test_lazy_source.py (warm); with real CRIU:
 tests/integration/test_lazy_session.py."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import hotpages as H
 from kubectl_snapshot.core.hotpages import HotRange
-from kubectl_snapshot.core.model import parse_config
-from shim.engine.hottraces import HotTraces
-from tests.unit.test_oci_model import config
+from shim.engine.hottraces import HotTraces, read_staged
 
 P = H.PAGE
 A = 0x7F0000000000
@@ -40,15 +39,11 @@ def test_merge_puts_this_restores_faults_first_then_what_the_snapshot_adds() -> 
     assert H.merge((), before) == before
 
 
-def test_a_record_keeps_its_hot_pages_through_the_config() -> None:
-    cfg = config()
+def test_the_layer_file_round_trips() -> None:
     hot = (HotRange(1, A, 3), HotRange(12, A + 16 * P, 1))
-    cfg = replace(cfg, containers=(replace(cfg.containers[0], hot=hot),))
-    body = cfg.to_bytes()
-    assert json.loads(body)["containers"][0]["hotPages"] == [[1, A, 3], [12, A + 16 * P, 1]]
-    assert parse_config(body) == cfg
-    # none recorded: no key at all (a snapshot without a lazy restore behind it reads as before)
-    assert "hotPages" not in json.loads(config().to_bytes())["containers"][0]
+    data = H.to_bytes(hot)
+    assert json.loads(data) == {"version": 1, "ranges": [[1, A, 3], [12, A + 16 * P, 1]]}
+    assert H.from_bytes(data) == hot
 
 
 @pytest.mark.parametrize(
@@ -65,12 +60,29 @@ def test_a_record_keeps_its_hot_pages_through_the_config() -> None:
         [[1, A, 1]] * (H.MAX_RANGES + 1),
     ],
 )
-def test_a_malformed_list_is_dropped_and_the_snapshot_still_reads(bad: object) -> None:
-    d = json.loads(config().to_bytes())
-    d["containers"][0]["hotPages"] = bad
-    cfg = parse_config(json.dumps(d).encode())
-    assert cfg.containers[0].hot == ()
-    assert cfg.containers[0] == config().containers[0]
+def test_a_malformed_list_is_dropped_never_an_error(bad: object) -> None:
+    assert H.from_bytes(json.dumps({"version": 1, "ranges": bad}).encode()) == ()
+    assert H.from_bytes(json.dumps({"version": 1, "ranges": [[1, A, 1]]}).encode()) == (HotRange(1, A, 1),)
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b"[]", b'{"version": 2, "ranges": []}', b" " * (H.MAX_FILE_BYTES + 1)])
+def test_a_file_that_is_not_as_written_is_dropped(data: bytes) -> None:
+    assert H.from_bytes(data) == ()
+
+
+def test_a_staged_containers_file_is_read_and_a_link_or_a_missing_one_is_nothing(tmp_path: Path) -> None:
+    hot = (HotRange(1, A, 3),)
+    assert read_staged(str(tmp_path)) == ()  # a layer without one (a pod never restored lazily)
+    (tmp_path / C.HOT_PAGES_FILE).write_bytes(H.to_bytes(hot))
+    assert read_staged(str(tmp_path)) == hot
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "target").write_bytes(H.to_bytes(hot))
+    (other / C.HOT_PAGES_FILE).symlink_to(other / "target")  # never followed
+    assert read_staged(str(other)) == ()
+    (tmp_path / C.HOT_PAGES_FILE).unlink()
+    (tmp_path / C.HOT_PAGES_FILE).mkdir()  # not a plain file
+    assert read_staged(str(tmp_path)) == ()
 
 
 def test_the_node_keeps_each_pods_containers_apart_and_the_latest_only() -> None:
@@ -88,23 +100,3 @@ def test_the_node_keeps_each_pods_containers_apart_and_the_latest_only() -> None
     assert traces.recall("uid-c", "app") == ()
     traces.remember("", "app", one)  # no pod (a node-level save): never kept
     assert traces.recall("", "app") == ()
-
-
-def test_inspect_says_how_many_pages_a_lazy_restore_fetches_first() -> None:
-    from kubectl_snapshot.console.inspect import inspect_data, inspect_text
-    from kubectl_snapshot.core import constants as C
-    from kubectl_snapshot.core.artifact import Artifact
-    from kubectl_snapshot.core.oci import Descriptor, build_manifest
-    from kubectl_snapshot.core.reference import Reference
-
-    ref = Reference.parse("127.0.0.1:5000/r@sha256:" + "1" * 64)
-    for hot in ((HotRange(1, A, 3), HotRange(7, A, 2)), ()):
-        cfg = config()
-        cfg = replace(cfg, containers=(replace(cfg.containers[0], hot=hot),))
-        layer = Descriptor(C.CHECKPOINT_LAYER_MEDIA_TYPE, cfg.containers[0].layer_digest, 10)
-        manifest = build_manifest(config=Descriptor(C.CONFIG_MEDIA_TYPE, "sha256:" + "2" * 64, 5), layers=[layer],
-                                  artifact_type=C.ARTIFACT_TYPE, annotations={})  # fmt: skip
-        data = inspect_data(Artifact(ref, manifest, cfg))
-        text = inspect_text(data)
-        assert data["containers"][0]["hotPages"] == sum(h.pages for h in hot)
-        assert ("5 pages used first, fetched first by a lazy restore" in text) == bool(hot), text

@@ -361,7 +361,7 @@ def _settled(src: ChunkPageSource, n: int) -> None:
 
 
 def test_warm_fetches_the_chunks_of_the_hot_pages_first_in_their_order() -> None:
-    """The snapshot's hotPages (core/hotpages.py): the chunks that hold them are downloaded before any
+    """The hot pages a layer holds (core/hotpages.py): the chunks that hold them are downloaded before any
     request, in the list's order; the requests that follow are answered from memory."""
     pf, z = chunked(RAW, 8 * P)
     blobs = Blobs(z)
