@@ -172,7 +172,8 @@ def start_sessions(
             )
             warmed = sessions[container].warmed
             if warmed:
-                message += f"; {warmed} chunks holding the pages its last lazy restore used first were fetched first"
+                message += f"; the {warmed} chunks holding the pages its last lazy restore used first were fetched "
+                message += "first"
             TRACES.remember(uid, container, sessions[container].trace())  # for the pod's next save
             pod_event(kube, pod, K.EVENT_LAZY_RESTORE_COMPLETE, message)
 

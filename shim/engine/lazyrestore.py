@@ -167,7 +167,7 @@ class LazySession:
         self.daemon: LazyPagesDaemon | None = None
         self.thread: threading.Thread | None = None
         self.started = 0.0
-        self.warmed = 0  # chunks fetched first for the layer's hot pages
+        self.warmed = 0  # chunks holding the layer's hot pages, fetched first (or held since staging)
 
     def start(self) -> LazySession:
         """Serve, start the daemon and return once it listens in the staged dir (raises: nothing left running)."""

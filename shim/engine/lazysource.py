@@ -139,7 +139,8 @@ class ChunkPageSource:
     def warm(self, hot: Sequence[HotRange]) -> int:
         """Download, in the background and in `hot`'s order, the chunks that hold its pages, as far as
         `hot_bytes` go; they are kept until the daemon's fill reaches them (the faults they are for come
-        first). Ranges of no lazy page are passed over. Returns how many chunks were queued."""
+        first). Ranges of no lazy page are passed over. Returns how many chunks hold them (held already,
+        or on their way)."""
         if not self._readahead:
             return 0
         picked: dict[_Key, tuple[PagesFile, Chunk]] = {}
@@ -163,11 +164,10 @@ class ChunkPageSource:
                         room -= chunk.length
                     offset = chunk.offset + chunk.length
                 addr, left = addr + n * PAGE_SIZE, left - n
-        queued = 0
         with self._lock:
             for pf, chunk in picked.values():
-                queued += self._submit(pf, chunk, pin=True)
-        return queued
+                self._submit(pf, chunk, pin=True)  # those staging already read are held: not again
+        return len(picked)
 
     def _read_ahead(self, pf: PagesFile, chunk: Chunk) -> None:
         if not self._readahead:

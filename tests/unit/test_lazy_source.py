@@ -378,6 +378,17 @@ def test_warm_fetches_the_chunks_of_the_hot_pages_first_in_their_order() -> None
     src.close()
 
 
+def test_warm_counts_a_chunk_staging_already_read_and_does_not_download_it_again() -> None:
+    pf, z = chunked(RAW, 8 * P)
+    blobs = Blobs(z)
+    src = source(blobs, pf, readahead=1)
+    src.read(pf.name, 0, P)  # staging reads the pages CRIU writes itself: chunk 0
+    assert src.warm((HotRange(1, HEAP + P, 1),)) == 1  # file page 3: chunk 0, held
+    time.sleep(0.1)
+    assert blobs.fetched == [pf.chunks[0].digest]
+    src.close()
+
+
 def test_warm_passes_over_what_is_not_a_lazy_page_of_this_dump_and_the_restore_goes_on() -> None:
     """A list that names other pids or addresses (a pod whose memory moved since, a stale list) warms
     nothing for them and fails nothing: the legitimate requests are served as without a list."""
