@@ -108,10 +108,7 @@ ks_start() {  # NAME CMD...
   echo "$! $(ks_proc_id $! || echo gone)" >"$(ks_pidfile "$name")"
 }
 
-ks_running() {  # PID: alive and not a zombie (PID 1 here reaps orphans only now and then)
-  local state
-  state="$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" && [ -n "$state" ] && [ "$state" != Z ]
-}
+ks_running() { ks_proc_id "$1" >/dev/null; }  # PID: alive and not a zombie (PID 1 reaps orphans only now and then)
 
 ks_same_proc() { [ "$(ks_proc_id "${1%%:*}")" = "${1#*:}" ]; }  # PID:ID: still that process?
 
