@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from kubectl_snapshot.core.errors import FailedPrecondition
 from shim.containerd.model import ContainerInfo
 from shim.host import private
-from shim.host.facts import host_pid
+from shim.host.facts import host_pid, host_root
 
 SHIM_RUNC_ROOT = "/run/containerd/runc"  # containerd-shim-runc-v2 process.RuncRoot (joined with the namespace)
 RUNC_CANDIDATES = ("/usr/sbin/runc", "/usr/bin/runc", "/usr/local/sbin/runc", "/usr/local/bin/runc", "/bin/runc")
@@ -56,8 +56,7 @@ class RuncCheckpointer:
             return info.runc_options.binary_name
         if self.runc:
             return self.runc
-        pid = host_pid()
-        root = f"/proc/{pid}/root" if pid else ""
+        root = host_root() or ""
         for candidate in RUNC_CANDIDATES:
             if os.access(root + candidate, os.X_OK):
                 return candidate

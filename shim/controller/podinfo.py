@@ -200,13 +200,14 @@ def empty_dir_rel(pod_uid: str, volume: str) -> str:
 
 def host_view(path: str) -> str:
     """`path` of the host as the agent reaches it with the mounts made after it started: through the
-    host's mount namespace (/proc/PID/root, hostPID). A memory-backed emptyDir is a tmpfs the kubelet
-    mounts when the pod starts; the agent's own hostPath mount of the kubelet's root does not see it
-    (no mount propagation, see kubectl_snapshot/deploy/agent.py). Outside a container: `path` itself."""
-    from shim.host.facts import host_pid
+    host's mount namespace (facts.host_root: a host process's root, hostPID, held open). A memory-backed
+    emptyDir is a tmpfs the kubelet mounts when the pod starts; the agent's own hostPath mount of the
+    kubelet's root does not see it (no mount propagation, see kubectl_snapshot/deploy/agent.py).
+    Outside a container: `path` itself."""
+    from shim.host.facts import host_root
 
-    pid = host_pid()
-    return f"/proc/{pid}/root{path}" if pid else path
+    root = host_root()
+    return f"{root}{path}" if root else path
 
 
 def empty_dir_path(kubelet_root: str, pod_uid: str, volume: str) -> str:

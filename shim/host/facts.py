@@ -96,6 +96,44 @@ def find_host_pid() -> int | None:
     return _host_pid()
 
 
+_roots: dict[str, int] = {}  # the host's mount namespace (ns/mnt link) -> an O_PATH fd on its root
+_roots_lock = threading.Lock()
+
+
+def host_root() -> str | None:
+    """The host's `/` as a path this process can use for as long as it runs; None: not in a container.
+
+    /proc/PID/root of a host process (host_pid()) stops resolving the moment that process ends: the
+    node's containerd, restarted by an install or an operator, took a restore down with ENOENT on the
+    kubelet's root. This is `/proc/<this process>/fd/N` instead, N an fd held open on that root: the
+    fd keeps the namespace's root reachable after the process is gone, and the mounts made there later
+    (a memory-backed emptyDir) are seen through it. One fd per mount namespace ever found, for the
+    agent's life; a process that ended between the lookup and the open is looked up again.
+    """
+    for attempt in range(3):
+        pid = host_pid() if attempt == 0 else find_host_pid()
+        if pid is None:
+            return None
+        try:
+            ns = os.readlink(f"/proc/{pid}/ns/mnt")
+            with _roots_lock:
+                fd = _roots.get(ns)
+                if fd is None:
+                    fd = _roots[ns] = os.open(f"/proc/{pid}/root", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+                    # the process may have ended (and its pid been reused) between the two: the namespace
+                    # is the one named only if the process still holds it
+                    if os.readlink(f"/proc/{pid}/ns/mnt") != ns:
+                        os.close(_roots.pop(ns))
+                        continue
+        except OSError:
+            continue
+        return f"/proc/{os.getpid()}/fd/{fd}"
+    raise FailedPrecondition(
+        "no process in the host's mount namespace stayed up long enough to reach the host's files",
+        hint="the node's containerd restarts over and over? check it (systemctl status containerd) and retry",
+    )
+
+
 def _host_pid() -> int | None:
     try:
         mine = os.readlink("/proc/self/ns/mnt")
