@@ -33,6 +33,7 @@ from shim.controller.signing import NodeSigner
 from shim.controller.snapshots import SnapshotWorker, registry_for
 from shim.controller.workqueue import WorkQueue
 from shim.engine.checkpoint import recover_interrupted
+from shim.engine.hottraces import TRACES
 from shim.engine.lazyrestore import wait_until_idle
 from shim.engine.staging import StatePaths
 from shim.host import diskspace, freezer
@@ -171,6 +172,7 @@ def run(
         serve_metrics(kube, metrics, metrics_address, settings.node, audiences=settings.metrics_token_audiences)
     facts = node_facts(settings)
     log.info("agent on node %s: %s", settings.node, facts)
+    TRACES.keep_in(StatePaths(settings.state_dir).hot_trace)  # a restart keeps what restores recorded
     with ContainerdClient(settings.containerd_socket, K.CONTAINERD_K8S_NAMESPACE) as containerd:
         thawed = recover_interrupted(
             containerd, StatePaths(settings.state_dir), freezer.lookup, dumplock.release_leftover

@@ -76,6 +76,11 @@ class StatePaths:
         """A restored pod's own state (shim.net.podrestore), beside its containers' staged dirs."""
         return os.path.join(self.root, C.STAGING_SUBDIR, "by-pod", check_key(pod_uid, "pod uid"))
 
+    def hot_trace(self, pod_uid: str, container_name: str) -> str:
+        """The pages a restored container's processes asked for first (shim/engine/hottraces.py), in its
+        pod's state dir: gone with the pod (container names never start with a dot)."""
+        return os.path.join(self.pod_dir(pod_uid), f".hot-{check_key(container_name, 'container name')}.json")
+
     def staging_gate(self, container_id: str) -> str:
         """Held (flock) by an agent that created this container before its staging finished (see
         StagingGate); the gate's ``.state`` beside it says when the staged data is complete."""

@@ -89,8 +89,10 @@ def test_a_lazy_restore_of_a_1gib_pattern_runs_first_and_comes_back_byte_for_byt
     assert status["restartCount"] == 0, status
     assert "fetched first" not in done["message"]  # saved from a pod never restored lazily: no hot pages
     # most used first: its next save records the pages it faulted on first in its (sealed) layer
-    # (core/hotpages.py), and a lazy restore of that save fetches them first and comes back whole
+    # (core/hotpages.py), and a lazy restore of that save fetches them first and comes back whole; the
+    # node's agent restarted in between (an upgrade, say) still has them (kept in the pod's state dir)
     cluster.kubectl("delete", "pod", "big", "-n", ns, "--wait=true")
+    agent.restart(n2)
     ref2 = _save(plugin, ns, "big-2", f"{cluster.registry}/e2e/lazy-{ns}")
     proc = plugin("restore", str(ref2), "-n", ns, "--name", "big-3", "--node", cluster.nodes[0], "--lazy",
                   "--timeout", "300s")  # fmt: skip

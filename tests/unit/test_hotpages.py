@@ -2,11 +2,14 @@
 holds them (``kubectl-snapshot.hotpages.json``, read from the staged dir) and as the node keeps them
 between a restore and the next save (shim/engine/hottraces.py). A list that does not parse is dropped,
 never an error: the restore goes on as without one. Served from: tests/unit/test_lazy_source.py (warm); with real CRIU:
-tests/integration/test_lazy_session.py."""
+tests/integration/test_lazy_session.py. Kept on disk in the restored pod's state dir, so that an agent
+restart does not lose them."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import hotpages as H
 from kubectl_snapshot.core.hotpages import HotRange
 from shim.engine.hottraces import HotTraces, read_staged
+from shim.engine.staging import StatePaths
 
 P = H.PAGE
 A = 0x7F0000000000
@@ -100,3 +104,41 @@ def test_the_node_keeps_each_pods_containers_apart_and_the_latest_only() -> None
     assert traces.recall("uid-c", "app") == ()
     traces.remember("", "app", one)  # no pod (a node-level save): never kept
     assert traces.recall("", "app") == ()
+
+
+def test_an_agent_restarted_between_a_restore_and_the_next_save_still_has_the_list(tmp_path: Path) -> None:
+    paths = StatePaths(str(tmp_path))
+    uid = "0f6d0c1e-1111-4a4a-9c9c-0123456789ab"
+    os.makedirs(paths.pod_dir(uid))  # the restored pod's state dir (staging made it)
+    hot = (HotRange(7, A, 2), HotRange(7, A + 9 * P, 1))
+    before = HotTraces()
+    before.keep_in(paths.hot_trace)
+    before.remember(uid, "app", hot)
+    stored = Path(paths.hot_trace(uid, "app"))
+    assert stat.S_IMODE(stored.stat().st_mode) == 0o600 and H.from_bytes(stored.read_bytes()) == hot
+
+    after = HotTraces()  # the agent's next start: nothing in memory
+    assert after.recall(uid, "app") == ()  # not told where: memory only
+    after.keep_in(paths.hot_trace)
+    assert after.recall(uid, "app") == hot
+    assert after.recall(uid, "sidecar") == ()
+
+    # a later restore of the pod that brought none: the file goes too
+    after.remember(uid, "app", ())
+    assert not stored.exists() and HotTraces().recall(uid, "app") == ()
+
+    # the pod is gone (its state dir collected): nothing written, nothing read, no error
+    other = "22222222-1111-4a4a-9c9c-0123456789ab"
+    after.remember(other, "app", hot)
+    assert not os.path.exists(paths.pod_dir(other))
+    fresh = HotTraces()
+    fresh.keep_in(paths.hot_trace)
+    assert fresh.recall(other, "app") == ()
+
+    # names no state dir is made of stay in memory; a link planted at the file is never read through
+    after.remember("../escape", "app", hot)
+    assert after.recall("../escape", "app") == hot and not (tmp_path / "escape").exists()
+    target = tmp_path / "target"
+    target.write_bytes(H.to_bytes(hot))
+    Path(paths.hot_trace(uid, "web")).symlink_to(target)
+    assert fresh.recall(uid, "web") == ()
