@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -34,13 +35,15 @@ from kubectl_snapshot.core import constants as C
 from kubectl_snapshot.core import kubenames as K
 from kubectl_snapshot.core import nodesettings as NS
 from kubectl_snapshot.core.artifact import load_artifact
-from kubectl_snapshot.core.errors import InvalidArgument, SnapshotError, render
+from kubectl_snapshot.core.errors import CriuFailed, InvalidArgument, SnapshotError, render
 from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.sealing import Sealer
 from shim import freeze_guard as guard
 from shim.criu import parasite
 from shim.engine import criufail
 from shim.engine.checkpoint import CheckpointRequest, checkpoint
+from shim.engine.lazyrestore import session_failure
+from shim.engine.nodelazy import NodeLazyPhase, end_orphaned
 from shim.engine.restore import RestoreRequest, restore
 from shim.engine.staging import StatePaths
 from shim.host import freezer, malloc
@@ -368,6 +371,12 @@ def checkpoint_data(
     is_flag=True,
     help="Restore even without a signature from a trusted key (you vouch for the snapshot yourself).",
 )
+@click.option(
+    "--lazy",
+    is_flag=True,
+    help="Run the containers before their memory is back: this command serves their pages from the "
+    "registry and returns once every page is in (docs/lazy-restore.md); stopping it (Ctrl-C) ends them.",
+)
 @output_option
 @click.argument("ref")
 @click.argument("names", nargs=-1, required=True)
@@ -383,13 +392,14 @@ def restore_cmd(
     key_namespace: str | None,
     trusted_keys: tuple[str, ...],
     allow_unverified: bool,
+    lazy: bool,
     output: str,
     ref: str,
     names: tuple[str, ...],
     **registry_opts: Any,
 ) -> None:
     """Pull REF, verify it and restore its containers as NAME... (one per snapshotted container)."""
-    with _client(address, namespace) as containerd, Progress("restore") as bar:
+    with _client(address, namespace) as containerd, Progress("restore") as bar, _stopped_as_interrupt():
         data = restore_data(
             _args_from(_RestoreArgs, click.get_current_context().params),
             containerd=containerd,
@@ -397,6 +407,22 @@ def restore_cmd(
             on_bytes=bar.advance,
         )
     emit(data, output, restore_text)
+
+
+@contextlib.contextmanager
+def _stopped_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt as SIGINT does, so that a lazy restore's containers are
+    ended before the pages they wait for stop coming (shim/engine/nodelazy.py)."""
+
+    def interrupt(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    before = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 @dataclass(frozen=True)
@@ -410,6 +436,7 @@ class _RestoreArgs:
     key_namespace: str | None
     trusted_keys: tuple[str, ...]
     allow_unverified: bool
+    lazy: bool
     ref: str
     names: tuple[str, ...]
     registry_opts: dict[str, Any]
@@ -437,6 +464,7 @@ def restore_data(
             trust=load_trust(list(a.trusted_keys), allow_unverified=a.allow_unverified),
             early_create=os.environ.get(C.ENV_EARLY_CREATE, "1") != "0",
             early_restore=os.environ.get(C.ENV_EARLY_RESTORE, "1") != "0",
+            lazy=a.lazy,
         ),
         containerd=containerd,
         registry=registry,
@@ -447,12 +475,45 @@ def restore_data(
         keys=key_provider(a.key_dir),
         key_namespace=a.key_namespace,
     )
-    return {
+    data: dict[str, Any] = {
         "reference": str(result.reference),
         "containers": [{"name": cid, "pid": pid} for cid, pid in result.containers],
         "provenance": result.provenance,
         "timingsMs": {k: round(v, 1) for k, v in result.timings_ms.items()},
     }
+    if result.eager_because:
+        data["eagerBecause"] = result.eager_because
+    if result.lazy is not None:
+        data["lazy"] = _serve_lazily(result.lazy, source, on_phase, on_bytes)
+    return data
+
+
+def _serve_lazily(
+    phase: NodeLazyPhase, source: Reference, on_phase: Callable[[str], None], on_bytes: Callable[[int, int], None]
+) -> list[dict[str, Any]]:
+    """Serve the restored containers' pages until every one is in; a container whose pages could not all
+    come was ended (killed), and the command fails saying which and why."""
+    on_phase("lazy")
+    total = phase.total_bytes()
+    try:
+        outcomes = phase.wait(lambda n: on_bytes(n, total))
+    except BaseException as e:  # stopped (Ctrl-C, SIGTERM): the containers still waiting for pages are ended
+        why = "the restore command was stopped before every page was in"
+        ended = phase.end(why)
+        if isinstance(e, KeyboardInterrupt):
+            raise CriuFailed(
+                f"{why}: container(s) {', '.join(ended) or '(none)'} were ended (killed), since the pages they "
+                "still waited for would never have come",
+                hint="restore again, and let the command run until it returns (without --lazy it returns once "
+                "the memory is back, and the containers need nothing from it after)",
+            ) from e
+        raise
+    failed = [o for o in outcomes if o.error]
+    if failed:
+        raise session_failure(
+            ", ".join(o.container for o in failed), source.registry, "; ".join(o.error for o in failed)
+        )
+    return [{"name": o.container, "pages": o.pages, "seconds": round(o.seconds, 2)} for o in outcomes]
 
 
 class WarmAgent:
@@ -480,6 +541,9 @@ class WarmAgent:
             return
         if (params["address"], params["namespace"]) != (self.address, self.namespace):
             self._decline(send, f"this agent serves containerd {self.address} namespace {self.namespace}")
+            return
+        if params.get("lazy"):  # its pages are served by the process that restored it, for as long as it takes
+            self._decline(send, "a lazy restore is served by the command that runs it")
             return
         with self._lock:
             send({"phase": "queued"})
@@ -634,12 +698,22 @@ def key_broker_cmd(listen: str, tls_dir: str, kubeconfig: str | None) -> None:
 @containerd_options
 @handle_errors
 def recover_cmd(address: str, namespace: str) -> None:
-    """Thaw containers a killed `checkpoint` left frozen (the agent DaemonSet does this at start)."""
+    """Thaw containers a killed `checkpoint` left frozen (the agent DaemonSet does this at start), and end
+    those a killed `restore --lazy` left running with pages still to come."""
     from shim.engine.checkpoint import recover_interrupted
 
+    paths = StatePaths.from_env()
     with _client(address, namespace) as containerd:
-        thawed = recover_interrupted(containerd, StatePaths.from_env(), freezer.lookup, dumplock.release_leftover)
-    click.echo("\n".join(f"{cid}\tthawed" for cid in thawed) or "nothing to recover")
+        thawed = recover_interrupted(containerd, paths, freezer.lookup, dumplock.release_leftover)
+        ended = end_orphaned(
+            os.path.dirname(paths.staged_by_id("x")),
+            lambda cid: containerd.kill_task(cid, 9, all=True),
+            f"{containerd.address} {namespace}",
+        )
+    lines = [f"{cid}\tthawed" for cid in thawed] + [
+        f"{cid}\tended (its lazy restore was killed with pages still to come)" for cid in ended
+    ]
+    click.echo("\n".join(lines) or "nothing to recover")
 
 
 @cli.command("inspect")

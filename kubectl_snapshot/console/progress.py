@@ -42,7 +42,10 @@ class Progress:
     def advance(self, n: int, total: int) -> None:
         if self._bar is not None:
             if total and self._bar.total != total:
-                self._bar.total = total
+                if self._bar.total and self._bar.n >= self._bar.total:  # the last count is done: a new one
+                    self._bar.reset(total=total)
+                else:
+                    self._bar.total = total
             self._bar.update(n)
 
     def __exit__(

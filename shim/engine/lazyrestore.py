@@ -187,6 +187,11 @@ class LazySession:
         self.thread.start()
         return self
 
+    def end(self, reason: str) -> None:
+        """End the container now (`on_failure`, once), as a page that cannot come would: whoever serves it
+        is going away."""
+        self._fail(reason)
+
     def _fail(self, reason: str) -> None:
         with self._lock:
             if self._failed.is_set():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import errno
+import logging
 import os
 import shutil
 import tempfile
@@ -43,8 +44,9 @@ from kubectl_snapshot.core.reference import Reference
 from kubectl_snapshot.core.safepath import ExtractLimits
 from kubectl_snapshot.core.sealing import DecryptionFailed, KeyProvider, KeyUse, Opener
 from shim.criu import guard as criu_guard
-from shim.engine.lazyrestore import LazyStage, stage_lazy
+from shim.engine.lazyrestore import LAZY_SLOTS, LazyStage, give_slot, stage_lazy, take_slots
 from shim.engine.node_ports import Registry
+from shim.engine.nodelazy import NodeLazyPhase, criu_for_daemon, end_orphaned, mark_served
 from shim.engine.package import progress_counter
 from shim.engine.presence import missing_blobs
 from shim.engine.staging import FAILED, READY, StagingGate, StatePaths, check_key
@@ -55,6 +57,7 @@ from shim.host import diskspace, private, safefs
 from shim.host import facts as hostfacts
 from shim.host.diskspace import DiskLedger, Reservation
 
+log = logging.getLogger(__name__)
 PhaseFn = Callable[[str], None]
 BytesFn = Callable[[int, int], None]
 DEFAULT_PATH_ENV = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -72,6 +75,7 @@ class RestoreRequest:
     trust: TrustPolicy = field(default_factory=TrustPolicy)  # default trusts nothing: all refused
     early_create: bool = True  # create the containers while their data downloads (the staging gate)
     early_restore: bool = True  # ... and start `runc restore` before the page files are in place (two phases)
+    lazy: bool = False  # the containers run before their memory is back (shim/engine/nodelazy.py)
 
 
 @dataclass
@@ -81,6 +85,8 @@ class RestoreResult:
     config: SnapshotConfig
     timings_ms: dict[str, float] = field(default_factory=dict)
     provenance: str = ""  # why it was trusted
+    lazy: NodeLazyPhase | None = None  # the lazy phase still serving the containers' pages (wait for it)
+    eager_because: str = ""  # a lazy restore asked for that came eagerly: why
 
 
 @dataclass(frozen=True)
@@ -529,14 +535,19 @@ def restore(
     phase("download")
     t_dl = clock()
     staged = [paths.staged_by_id(cid) for cid in req.new_ids]
+    where = f"{getattr(containerd, 'address', '')} {namespace}"
+    if req.lazy:  # what an earlier lazy restore killed outright left running: ended before a new one
+        for cid in end_orphaned(os.path.dirname(staged[0]), lambda c: containerd.kill_task(c, 9, all=True), where):
+            log.warning("ended container %s: the lazy restore serving its pages was killed outright", cid)
+    lazy, eager_because = _lazy_slots(req, plan.config)
     early = (
         _EarlyCreate.start(containerd, req, plan, staged, namespace, paths, clock, two_phase=req.early_restore)
-        if req.early_create
+        if req.early_create and not lazy  # a lazy staging is short: its daemons listen before any create
         else None
     )
     on_images = early.images_staged if early is not None and req.early_restore else None
     try:
-        stage_artifact(
+        stages = stage_artifact(
             plan.artifact,
             staged,
             registry=registry,
@@ -546,27 +557,60 @@ def restore(
             opener=opener,
             timings=timings,
             on_images=on_images,
+            lazy=lazy > 0,
         )
     except BaseException as e:
+        give_slot(lazy)
         if early is not None:
             with contextlib.suppress(OSError):  # the staging error is the one to report
                 early.abandon(f"{type(e).__name__}: {e}")
         raise
+    give_slot(lazy - len(stages))  # containers staged eagerly after all
     timings["download_ms"] = (clock() - t_dl) * 1000
 
     phase("restore")
     t_run = clock()
+    serving: NodeLazyPhase | None = None
     try:
+        if stages:  # each daemon listens in its staged dir before its container is created
+            mark_served([st.staged_dir for st in stages], where)
+            by_dir = dict(zip(staged, req.new_ids, strict=True))
+            criu = criu_for_daemon()
+            serving = NodeLazyPhase(
+                [(by_dir[st.staged_dir], st) for st in stages],
+                criu=criu,
+                criu_version=hostfacts.criu_version(hostfacts.HostProbe(criu=criu)),
+                kill=lambda cid: containerd.kill_task(cid, 9, all=True),
+            ).start()
         results = early.finish() if early is not None else None
         timings["created_during_download"] = float(results is not None)
         if results is None:  # not tried, or given up before the data was complete: in order, now
             results = _create_all(containerd, req, plan, staged, namespace)
+    except BaseException:
+        if serving is not None:
+            serving.close()
+        raise
     finally:
-        for sdir in staged:
+        for sdir in staged:  # a lazily restored one is aside already (lazy_used_dir), its session's
             shutil.rmtree(sdir, ignore_errors=True)
     timings["restore_ms"] = (clock() - t_run) * 1000
     timings["total_ms"] = (clock() - t0) * 1000
-    return RestoreResult(plan.artifact.reference, results, plan.config, timings, plan.trust_reason)
+    return RestoreResult(
+        plan.artifact.reference, results, plan.config, timings, plan.trust_reason, serving, eager_because
+    )
+
+
+def _lazy_slots(req: RestoreRequest, config: SnapshotConfig) -> tuple[int, str]:
+    """How many of the node's lazy slots this restore took (its containers with page files), and why a
+    lazy restore asked for is eager: none to serve lazily, or the node serves LAZY_SLOTS already."""
+    if not req.lazy:
+        return 0, ""
+    paged = sum(1 for c in config.containers if c.pages)
+    if not paged:
+        return 0, "the snapshot's memory is in its layers (a small dump): nothing to fetch later"
+    if not take_slots(paged):
+        return 0, f"this process serves {LAZY_SLOTS} lazy restores already"
+    return paged, ""
 
 
 @dataclass(frozen=True)

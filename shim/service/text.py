@@ -13,7 +13,19 @@ def checkpoint_text(d: dict[str, Any]) -> str:
 
 
 def restore_text(d: dict[str, Any]) -> str:
-    return "\n".join(f"{c['name']}\trunning (pid {c['pid']})" for c in d["containers"])
+    lazy = {x["name"]: x for x in d.get("lazy") or []}
+
+    def line(c: dict[str, Any]) -> str:
+        x = lazy.get(c["name"])
+        if x is None:
+            return f"{c['name']}\trunning (pid {c['pid']})"
+        mib = x["pages"] * 4096 / (1 << 20)
+        return f"{c['name']}\trunning (pid {c['pid']}), restored lazily: {mib:.0f} MiB fetched in {x['seconds']:.1f} s"
+
+    lines = [line(c) for c in d["containers"]]
+    if d.get("eagerBecause"):
+        lines.append(f"restored eagerly: {d['eagerBecause']}")
+    return "\n".join(lines)
 
 
 TEXT = {"checkpoint": checkpoint_text, "restore": restore_text}
