@@ -15,6 +15,7 @@ recover`, or the next `ks-agent restore`, kills the containers whose server is g
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -115,6 +116,11 @@ class NodeLazyPhase:
         with self._changed:
             while len(self._outcomes) < len(self._stages):
                 self._changed.wait(poll_s)
+                for cid, s in self._sessions.items():  # ended without a word: its restore never came
+                    if cid not in self._outcomes and s.thread is not None and not s.thread.is_alive():
+                        self._outcomes[cid] = Outcome(cid, error="its restore never asked for a page")
+                        with contextlib.suppress(SnapshotError, OSError):
+                            self._kill(cid)  # whatever runs there has no memory behind it
                 if on_bytes is not None:
                     now = self.served_bytes()
                     if now > told:

@@ -202,3 +202,14 @@ def test_what_a_lazy_restore_killed_outright_left_running_is_ended_and_nothing_e
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_a_session_that_ended_without_a_word_ends_the_wait() -> None:
+    killed: list[str] = []
+    phase = _phase(killed, "app").start()
+    (s,) = FakeSession.made
+    s.thread = threading.Thread(target=lambda: None)  # its supervision ended (no restore connected)
+    s.thread.start()
+    s.thread.join()
+    (o,) = phase.wait(poll_s=0.01)
+    assert o.error == "its restore never asked for a page" and killed == ["new-app"]
