@@ -573,15 +573,21 @@ def restore(
     serving: NodeLazyPhase | None = None
     try:
         if stages:  # each daemon listens in its staged dir before its container is created
-            mark_served([st.staged_dir for st in stages], where)
+            try:
+                mark_served([st.staged_dir for st in stages], where)
+                criu = criu_for_daemon()
+                criu_version = hostfacts.criu_version(hostfacts.HostProbe(criu=criu))
+            except BaseException:
+                give_slot(len(stages))  # no session took them
+                raise
             by_dir = dict(zip(staged, req.new_ids, strict=True))
-            criu = criu_for_daemon()
             serving = NodeLazyPhase(
                 [(by_dir[st.staged_dir], st) for st in stages],
                 criu=criu,
-                criu_version=hostfacts.criu_version(hostfacts.HostProbe(criu=criu)),
+                criu_version=criu_version,
                 kill=lambda cid: containerd.kill_task(cid, 9, all=True),
-            ).start()
+            )
+            serving.start()  # a failure closes the sessions started and gives back the others' slots
         results = early.finish() if early is not None else None
         timings["created_during_download"] = float(results is not None)
         if results is None:  # not tried, or given up before the data was complete: in order, now
