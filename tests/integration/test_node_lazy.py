@@ -23,6 +23,7 @@ from kubectl_snapshot.core.reference import Reference
 from tests.integration.test_agent_roundtrip import (
     AGENT,
     ASK,
+    HEAP_SERVER,
     agent,
     cleanup,
     on,
@@ -39,16 +40,8 @@ from tests.support.signing import signing_env
 pytestmark = pytest.mark.integration
 __all__ = ["cleanup", "containerd_a", "containerd_b", "registry"]  # fixtures
 
-HEAP = r"""
-import hashlib, os, socket
-heap = bytearray(os.urandom(96 << 20))
-srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-srv.bind(("127.0.0.1", 8080)); srv.listen(8)
-open("/tmp/ready", "w").write("1")
-while True:
-    conn, _ = srv.accept()
-    conn.sendall((hashlib.sha256(heap).hexdigest() + " %d\n" % os.getpid()).encode()); conn.close()
-"""
+HEAP = HEAP_SERVER.replace("200 << 20", "96 << 20")  # 96 MiB of random heap, its hash and pid on ASK
+assert HEAP != HEAP_SERVER
 
 
 def _pattern_chunk(ref: str) -> str:
