@@ -84,7 +84,7 @@ class HotTraces:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
                 return
-            tmp = f"{path}.tmp"
+            tmp = f"{path}.{os.getpid()}-{threading.get_ident()}.tmp"  # a restore and a lazy phase may both write
             with private.create_binary(tmp) as f:
                 f.write(hotpages.to_bytes(ranges))
             os.replace(tmp, path)
