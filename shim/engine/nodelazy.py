@@ -55,10 +55,6 @@ class NodeLazyPhase:
         self._outcomes: dict[str, Outcome] = {}
         self._changed = threading.Condition()
 
-    @property
-    def containers(self) -> list[str]:
-        return [cid for cid, _ in self._stages]
-
     def total_bytes(self) -> int:
         return sum(st.lazy_bytes for _, st in self._stages)
 
