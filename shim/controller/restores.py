@@ -468,8 +468,9 @@ class RestoreWorker:
             except BaseException:
                 give_slot(len(stages))
                 raise
+            read = {st.staged_dir: st.hot for st in stages or ()}  # a lazy stage read its layer's list already
             for c, d in zip(config.containers, staged, strict=True):  # to the pod's next save (a lazy phase's
-                TRACES.remember(uid, c.name, read_staged(d))  # own faults replace them)
+                TRACES.remember(uid, c.name, read[d] if d in read else read_staged(d))  # own faults replace them)
             if stages:  # their daemons listen in the staged dirs before any create is let through
                 self._record_lazy_source(uid, artifact.reference, src)
                 again = Fallback(artifact, registry, opener, self.paths, self.limits, src.resume)
